@@ -1,0 +1,125 @@
+"""ZeroMQ channel helpers and the per-run address book. Used by every process.
+
+All addresses of one pipeline come from one run directory (mode 0700), so two pipelines on one
+machine never collide; `tcp://` addresses can replace them to place stages on other hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import zmq
+
+from ipc.codec import Codec, ProtocolError, encode
+from ipc.messages import Message
+
+logger = logging.getLogger(__name__)
+
+
+def make_run_dir() -> Path:
+    """A fresh private directory for this run's ipc:// sockets."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    path = Path(tempfile.mkdtemp(prefix="llm-pipeline-", dir=base))
+    path.chmod(0o700)
+    return path
+
+
+def ipc_address(run_dir: str | Path, name: str) -> str:
+    return f"ipc://{Path(run_dir) / name}.sock"
+
+
+class PushChannel:
+    """Sends messages. `bind=False` connects to a peer that binds."""
+
+    def __init__(self, ctx: zmq.Context, address: str, *, bind: bool, linger_ms: int = 2000) -> None:
+        self.address = address
+        self.socket = ctx.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.LINGER, linger_ms)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on our own stages
+        if bind:
+            self.socket.bind(address)
+        else:
+            self.socket.connect(address)
+
+    def send(self, msg: Message) -> None:
+        self.socket.send(encode(msg), copy=False)
+
+    def try_send(self, msg: Message) -> bool:
+        """Send without blocking; False if the peer cannot take it now."""
+        try:
+            self.socket.send(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class PullChannel:
+    """Receives messages of the types its codec accepts."""
+
+    def __init__(
+        self, ctx: zmq.Context, address: str | list[str], codec: Codec, *, bind: bool
+    ) -> None:
+        self.codec = codec
+        self.socket = ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        for addr in [address] if isinstance(address, str) else address:
+            (self.socket.bind if bind else self.socket.connect)(addr)
+
+    def recv(self, timeout_ms: int | None = None) -> Message | None:
+        """The next message, None on timeout. Raises ProtocolError on a malformed one."""
+        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+            return None
+        return self.codec.decode(self.socket.recv(copy=True))
+
+    def recv_nowait(self) -> Message | None:
+        try:
+            data = self.socket.recv(flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return None
+        return self.codec.decode(data)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+__all__ = ["PushChannel", "PullChannel", "ProtocolError", "make_run_dir", "ipc_address"]
+
+
+class ReplySockets:
+    """One PUSH socket per client reply address (a PUSH connected to several would round-robin).
+
+    Sends never block: a client that has gone away must not stall a stage; its outputs are
+    dropped with a warning. Sockets of idle addresses are closed, oldest first.
+    """
+
+    def __init__(self, ctx: zmq.Context, max_open: int = 256) -> None:
+        self._ctx, self._max_open = ctx, max_open
+        self._sockets: dict[str, PushChannel] = {}
+
+    def send(self, address: str, msg: Message) -> bool:
+        chan = self._sockets.pop(address, None)
+        if chan is None:
+            chan = PushChannel(self._ctx, address, bind=False)
+            chan.socket.setsockopt(zmq.SNDHWM, 10_000)
+        self._sockets[address] = chan  # most recently used last
+        while len(self._sockets) > self._max_open:
+            oldest = next(iter(self._sockets))
+            self._sockets.pop(oldest).close()
+        if chan.try_send(msg):
+            return True
+        logger.warning("client %s is not reading its outputs; dropped a message", address)
+        return False
+
+    def close(self) -> None:
+        for chan in self._sockets.values():
+            chan.close()
+        self._sockets.clear()

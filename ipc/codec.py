@@ -1,0 +1,159 @@
+"""msgpack codec for the types of `ipc.messages`. Used by every process; no pickle anywhere.
+
+A `Codec` is built for one channel with the message types that channel may carry, so a
+message sent to the wrong socket fails loudly with a `ProtocolError` instead of misbehaving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, Iterable
+
+import msgpack
+
+from ipc.messages import ALL_MESSAGES, Message, Struct
+
+Decoder = Callable[[Any], Any]
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of the expected types. `raw` is what was unpacked."""
+
+    def __init__(self, message: str, raw: Any = None) -> None:
+        super().__init__(message)
+        self.raw = raw
+
+
+def _to_wire(obj: Any) -> Any:
+    if isinstance(obj, Struct):
+        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def encode(msg: Message) -> bytes:
+    fields = [getattr(msg, f.name) for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
+    return msgpack.packb([msg.TAG, *fields], default=_to_wire, use_bin_type=True)
+
+
+def _scalar(tp: type, name: str) -> Decoder:
+    def check(v: Any) -> Any:
+        if tp is float and type(v) is int:
+            return float(v)
+        if type(v) is not tp:
+            raise ProtocolError(f"{name}: expected {tp.__name__}, got {type(v).__name__}")
+        return v
+
+    return check
+
+
+def _optional(inner: Decoder) -> Decoder:
+    return lambda v: None if v is None else inner(v)
+
+
+def _list_of(inner: Decoder, name: str, item_tp: Any) -> Decoder:
+    if item_tp is int:  # hot path: token ids
+
+        def check_ints(v: Any) -> Any:
+            if type(v) is not list or not all(type(x) is int for x in v):
+                raise ProtocolError(f"{name}: expected a list of int")
+            return v
+
+        return check_ints
+
+    def check(v: Any) -> Any:
+        if type(v) is not list:
+            raise ProtocolError(f"{name}: expected a list, got {type(v).__name__}")
+        return [inner(x) for x in v]
+
+    return check
+
+
+def _dict_of(inner: Decoder, name: str) -> Decoder:
+    def check(v: Any) -> Any:
+        if type(v) is not dict or not all(type(k) is str for k in v):
+            raise ProtocolError(f"{name}: expected a map with string keys")
+        return {k: inner(x) for k, x in v.items()}
+
+    return check
+
+
+def _compile(tp: Any, name: str) -> Decoder:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"{name}: only `X | None` unions are supported")
+        return _optional(_compile(args[0], name))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return _list_of(_compile(item, f"{name}[]"), name, item)
+    if origin is dict:
+        _, value = typing.get_args(tp)
+        return _dict_of(_compile(value, f"{name}{{}}"), name)
+    if isinstance(tp, type) and issubclass(tp, Struct):
+        return _struct_decoder(tp)
+    if tp in (int, float, str, bool, bytes):
+        return _scalar(tp, name)
+    raise TypeError(f"{name}: unsupported wire type {tp!r}")
+
+
+_STRUCT_DECODERS: dict[type, Decoder] = {}
+
+
+def _struct_decoder(cls: type) -> Decoder:
+    if cls in _STRUCT_DECODERS:
+        return _STRUCT_DECODERS[cls]
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    decoders = [_compile(hints[f.name], f"{cls.__name__}.{f.name}") for f in fields]
+    num_required = sum(
+        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        for f in fields
+    )
+
+    def decode(v: Any) -> Any:
+        if type(v) is not list:
+            raise ProtocolError(f"{cls.__name__}: expected an array, got {type(v).__name__}")
+        if not num_required <= len(v) <= len(decoders):
+            raise ProtocolError(
+                f"{cls.__name__}: {len(v)} fields, expected {num_required}..{len(decoders)}"
+            )
+        return cls(*[d(x) for d, x in zip(decoders, v)])
+
+    _STRUCT_DECODERS[cls] = decode
+    return decode
+
+
+class Codec:
+    """Decodes only the message types it was built with; encodes any message."""
+
+    def __init__(self, accepted: Iterable[type[Message]]) -> None:
+        self._decoders = {cls.TAG: (cls, _struct_decoder(cls)) for cls in accepted}
+
+    encode = staticmethod(encode)
+
+    def decode(self, data: bytes) -> Message:
+        try:
+            raw = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"malformed msgpack: {exc}") from None
+        if type(raw) is not list or not raw or type(raw[0]) is not int:
+            raise ProtocolError("not a tagged message array", raw)
+        entry = self._decoders.get(raw[0])
+        if entry is None:
+            raise ProtocolError(f"unexpected message tag {raw[0]} on this channel", raw)
+        try:
+            return entry[1](raw[1:])
+        except ProtocolError as exc:
+            raise ProtocolError(str(exc), raw) from None
+
+
+def _check_tags_unique() -> None:
+    tags = [m.TAG for m in ALL_MESSAGES]
+    if len(tags) != len(set(tags)):
+        raise RuntimeError("duplicate message TAG in ipc.messages")
+
+
+_check_tags_unique()

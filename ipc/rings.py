@@ -1,0 +1,28 @@
+"""Layouts of the two shared rings of the step protocol (see docs/ARCHITECTURE.md).
+
+step-input ring: written by the scheduler, read by the executor (one slot per in-flight step).
+sampled-token ring: written by the executor, read by the scheduler.
+"""
+
+from __future__ import annotations
+
+from ipc.shm import BufferSpec
+
+
+def step_input_specs(
+    max_num_seqs: int, max_num_tokens: int, max_block_updates: int
+) -> tuple[BufferSpec, ...]:
+    return (
+        BufferSpec("input_ids", "int64", (max_num_tokens,)),  # -1: this slot's last sample
+        BufferSpec("seq_slot", "int32", (max_num_seqs,)),  # executor slot of each row
+        BufferSpec("query_len", "int32", (max_num_seqs,)),  # tokens computed this step
+        BufferSpec("context_len", "int32", (max_num_seqs,)),  # KV length after this step
+        BufferSpec("do_sample", "bool", (max_num_seqs,)),  # sample after the row's last token
+        BufferSpec("bt_slot", "int32", (max_block_updates,)),  # block_table[slot, index] = block
+        BufferSpec("bt_index", "int32", (max_block_updates,)),
+        BufferSpec("bt_block", "int32", (max_block_updates,)),
+    )
+
+
+def sampled_specs(max_num_seqs: int) -> tuple[BufferSpec, ...]:
+    return (BufferSpec("token_ids", "int64", (max_num_seqs,)),)

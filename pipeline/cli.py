@@ -1,0 +1,183 @@
+"""Command line of `scripts/run_pipeline`: the demo (no command) and `generate`.
+Runs in the user's process, which owns the pipeline; prints are allowed here only."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ipc.messages import ChatMessage, SamplingParams
+from pipeline.client import CompletionOutput, PipelineClient
+from pipeline.config import (ConfigError, ExecutorConfig, ModelInfo, PipelineConfig,
+                             SchedulerConfig, parse_bytes)
+
+DEMO_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Give three tips for writing readable Python code.",
+    "Explain in two sentences why the sky is blue.",
+    "What is 12 times 7?",
+    "Name three planets of the solar system.",
+]
+
+
+def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    p.add_argument("--model", default=d(None), help="local Hugging Face folder (Llama family); "
+                   "default: SmolLM2-135M-Instruct, converted once into $LLM_PIPELINE_CACHE")
+    p.add_argument("--dtype", default=d("float32"), choices=["float32", "bfloat16"])
+    p.add_argument("--device", default=d("cpu"), help="cpu or cuda[:N]")
+    p.add_argument("--tokenizer-workers", type=int, default=d(1))
+    p.add_argument("--detokenizer-workers", type=int, default=d(1))
+    p.add_argument("--max-num-seqs", type=int, default=d(64))
+    p.add_argument("--max-num-batched-tokens", type=int, default=d(2048))
+    p.add_argument("--max-model-len", type=int, default=d(None))
+    p.add_argument("--kv-cache-memory", default=d("1GiB"), help="bytes, or e.g. 2GiB, 512MiB")
+    p.add_argument("--block-size", type=int, default=d(16))
+    p.add_argument("--no-overlap", action="store_true", default=d(False),
+                   help="synchronous batching (one step in flight), the baseline")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="run_pipeline", description=__doc__)
+    add_global_options(parser, suppress=False)
+    sub = parser.add_subparsers(dest="command")
+    gen = sub.add_parser("generate", help="generate for given prompts")
+    add_global_options(gen, suppress=True)
+    gen.add_argument("--prompt", action="append", default=[], help="repeatable")
+    gen.add_argument("--prompts-file", help="one prompt per line (empty lines are skipped)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> PipelineConfig:
+    if args.model is None:
+        from pipeline.model_cache import ensure_default_model
+
+        model_dir = ensure_default_model()
+    else:
+        model_dir = Path(args.model)
+    return PipelineConfig(
+        model=ModelInfo.from_dir(model_dir, args.max_model_len),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+                                  args.block_size, 1 if args.no_overlap else 2),
+        executor=ExecutorConfig(args.device, args.dtype, parse_bytes(args.kv_cache_memory)),
+        num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        text = Path(args.prompts_file).read_text(encoding="utf-8")
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError("generate needs at least one --prompt or a --prompts-file")
+    return prompts
+
+
+def output_json(index: int, out: CompletionOutput) -> str:
+    return json.dumps({
+        "index": index, "text": out.text, "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
+        "num_output_tokens": out.num_output_tokens, "error": out.error,
+    }, ensure_ascii=False)
+
+
+def run_generate(client: PipelineClient, args: argparse.Namespace) -> int:
+    texts = read_prompts(args)
+    prompts: list[Any] = [[ChatMessage("user", t)] for t in texts] if args.chat else texts
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    outputs = client.generate(prompts, params)
+    for i, out in enumerate(outputs):
+        if args.json:
+            print(output_json(i, out), flush=True)
+        else:
+            status = f"error: {out.error}" if out.error else out.finish_reason
+            print(f"=== [{i}] {texts[i]!r} ({status})\n{out.text}\n", flush=True)
+    return 0
+
+
+async def _stream_demo(client: PipelineClient, params: SamplingParams) -> list[CompletionOutput]:
+    """All prompts run at once; answers are shown in order, the current one live."""
+    outs = [CompletionOutput(str(i), arrival_time=time.monotonic()) for i in range(len(DEMO_PROMPTS))]
+    shown = [0] * len(outs)
+    cursor = 0
+
+    def show() -> None:
+        nonlocal cursor
+        while cursor < len(outs):
+            out = outs[cursor]
+            if shown[cursor] == 0 and out.text == "" and out.finish_reason is None:
+                return
+            if shown[cursor] == 0:
+                print(f"\n>>> {DEMO_PROMPTS[cursor]}\n", end="")
+            print(out.text[shown[cursor]:], end="", flush=True)
+            shown[cursor] = max(len(out.text), 1)
+            if out.finish_reason is None:
+                return
+            if out.error:
+                print(f"[error: {out.error}]", end="")
+            print()
+            cursor += 1
+
+    async def one(i: int) -> None:
+        messages = [ChatMessage("user", DEMO_PROMPTS[i])]
+        async for delta in client.stream(messages, params):
+            outs[i].add(delta)
+            show()
+
+    await asyncio.gather(*(one(i) for i in range(len(outs))))
+    return outs
+
+
+def run_demo(client: PipelineClient, stage_pids: dict[str, int]) -> int:
+    params = SamplingParams(max_tokens=128, temperature=0.0)
+    start = time.monotonic()
+    outs = asyncio.run(_stream_demo(client, params))
+    elapsed = time.monotonic() - start
+    num_tokens = sum(o.num_output_tokens for o in outs)
+    ttfts = [o.ttft for o in outs if o.ttft is not None]
+    mean_ttft_ms = 1000 * sum(ttfts) / len(ttfts) if ttfts else float("nan")
+    stages = " ".join(f"{name}(pid {pid})" for name, pid in sorted(stage_pids.items()))
+    print(f"\nsummary: requests={len(outs)} output_tokens={num_tokens} "
+          f"output_tok_s={num_tokens / elapsed:.1f} mean_ttft_ms={mean_ttft_ms:.0f} "
+          f"stages: {stages}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.launcher import Pipeline, StartupError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally: stop all
+    try:
+        cfg = build_config(args)
+        with Pipeline(cfg) as pipe:
+            client = pipe.client()
+            if args.command == "generate":
+                return run_generate(client, args)
+            return run_demo(client, pipe.stage_pids)
+    except StartupError as exc:
+        print(f"error: the pipeline did not start: {exc}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: pipeline stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

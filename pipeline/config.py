@@ -1,0 +1,149 @@
+"""Frozen configuration of one pipeline run. Built in the launcher, handed to every stage.
+
+Values found at run time (the number of KV blocks) come back in ready messages; the config is
+never mutated. Environment variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+class ConfigError(ValueError):
+    """A configuration a user can fix; the message says how."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
+          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512MiB', '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read a size from {text!r} (use e.g. 2GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What every stage needs to know of the model, read from its folder without torch."""
+
+    path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: str | Path, max_model_len: int | None = None) -> ModelInfo:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+        config = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        eos = gen.get("eos_token_id", config.get("eos_token_id"))
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        limit = int(config.get("max_position_embeddings", 2048))
+        if max_model_len is not None and max_model_len > limit:
+            raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
+        return cls(str(path), max_model_len or limit, int(config["vocab_size"]), eos_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    depth: int = 2  # steps in flight; 1 = synchronous batching
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("max_num_batched_tokens must be at least max_num_seqs")
+
+    @property
+    def num_ring_slots(self) -> int:
+        # A slot is rewritten only after the step that used it reported back.
+        return self.depth + 1
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_memory: int = 1 << 30
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError("--kv-cache-memory must be positive")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    model: ModelInfo
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    num_tokenizers: int = 1
+    num_detokenizers: int = 1
+    run_dir: str = ""
+    run_id: str = ""
+    ready_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.num_tokenizers < 1 or self.num_detokenizers < 1:
+            raise ConfigError("there must be at least one tokenizer and one detokenizer worker")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.model.max_model_len // self.scheduler.block_size)
+
+    @property
+    def max_block_updates(self) -> int:
+        s = self.scheduler
+        return s.max_num_batched_tokens // s.block_size + 2 * s.max_num_seqs + self.max_blocks_per_seq
+
+    # ---- addresses: all from the run directory
+    def address(self, name: str) -> str:
+        return f"ipc://{Path(self.run_dir) / name}.sock"
+
+    def tokenizer_address(self, rank: int) -> str:
+        return self.address(f"tokenizer-{rank}")
+
+    def detokenizer_address(self, rank: int) -> str:
+        return self.address(f"detokenizer-{rank}")
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.address("scheduler")
+
+    @property
+    def executor_address(self) -> str:
+        return self.address("executor")
+
+    @property
+    def sampled_address(self) -> str:
+        return self.address("sampled")
+
+    @property
+    def control_address(self) -> str:
+        return self.address("control")
+
+    @property
+    def step_ring_name(self) -> str:
+        return f"llm-pipeline-{self.run_id}-step"
+
+    @property
+    def sampled_ring_name(self) -> str:
+        return f"llm-pipeline-{self.run_id}-sampled"

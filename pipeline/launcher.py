@@ -1,0 +1,176 @@
+"""The launcher: starts every stage process, waits for each to report ready, supervises them,
+and stops them all, leaving no process, socket file or shared-memory segment behind.
+Runs in the process that owns the pipeline (the CLI, a server, a user's program)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import time
+import uuid
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+
+from ipc.channels import PullChannel, make_run_dir
+from ipc.codec import Codec
+from ipc.messages import StageFailed, StageReady
+from ipc.rings import sampled_specs, step_input_specs
+from ipc.shm import SharedRing
+from pipeline.client import PipelineClient
+from pipeline.config import PipelineConfig
+from stages.entry import run_stage
+
+logger = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """A stage did not come up; the message names it and says why."""
+
+
+class Pipeline:
+    """Owns one run: its directory, rings and stage processes. Use as a context manager."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        run_dir = make_run_dir()
+        self.cfg = dataclasses.replace(cfg, run_dir=str(run_dir), run_id=uuid.uuid4().hex[:12])
+        self.procs: dict[str, BaseProcess] = {}
+        self.stage_info: dict[str, dict[str, int]] = {}
+        self.failure: str | None = None
+        self._stopping = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._mp = mp.get_context("spawn")
+        self._zmq = zmq.Context()
+        self._control = PullChannel(self._zmq, self.cfg.control_address,
+                                    Codec([StageReady, StageFailed]), bind=True)
+        self._rings = self._create_rings()
+        self._clients: list[PipelineClient] = []
+
+    def _create_rings(self) -> list[SharedRing]:
+        c, s = self.cfg, self.cfg.scheduler
+        return [
+            SharedRing(c.step_ring_name, step_input_specs(
+                s.max_num_seqs, s.max_num_batched_tokens, c.max_block_updates),
+                s.num_ring_slots, create=True),
+            SharedRing(c.sampled_ring_name, sampled_specs(s.max_num_seqs),
+                       s.num_ring_slots, create=True),
+        ]
+
+    # ------------------------------------------------------------ start
+
+    def start(self) -> Pipeline:
+        try:
+            self._spawn("executor", 0, "stages.executor.process:run_executor")
+            for rank in range(self.cfg.num_tokenizers):
+                self._spawn("tokenizer", rank, "stages.tokenizer:run_tokenizer")
+            for rank in range(self.cfg.num_detokenizers):
+                self._spawn("detokenizer", rank, "stages.detokenizer:run_detokenizer")
+            self._wait_ready(["executor:0"])
+            num_blocks = self.stage_info["executor:0"]["num_kv_blocks"]
+            self._spawn("scheduler", 0, "stages.scheduler.process:run_scheduler", num_blocks)
+            self._wait_ready(list(self.procs))
+        except BaseException:
+            self.stop()
+            raise
+        for ring in self._rings:  # every user has it mapped: nothing is left in /dev/shm
+            ring.unlink()
+        threading.Thread(target=self._supervise, name="supervisor", daemon=True).start()
+        return self
+
+    def _spawn(self, stage: str, rank: int, target: str, *args: Any) -> None:
+        proc = self._mp.Process(target=run_stage, args=(target, self.cfg, rank, os.getpid(), *args),
+                                name=f"llm-pipeline:{stage}:{rank}", daemon=False)
+        proc.start()
+        self.procs[f"{stage}:{rank}"] = proc
+
+    def _wait_ready(self, names: list[str]) -> None:
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        missing = [n for n in names if n not in self.stage_info]
+        while missing:
+            for name in missing:
+                if not self.procs[name].is_alive():
+                    raise StartupError(f"stage {name} exited with code "
+                                       f"{self.procs[name].exitcode} before it was ready")
+            if time.monotonic() > deadline:
+                raise StartupError(f"stage(s) {', '.join(missing)} did not report ready within "
+                                   f"{self.cfg.ready_timeout_s:.0f} s")
+            msg = self._control.recv(timeout_ms=100)
+            if isinstance(msg, StageFailed):
+                raise StartupError(f"stage {msg.stage}:{msg.rank} failed to start: {msg.message}")
+            if isinstance(msg, StageReady):
+                self.stage_info[f"{msg.stage}:{msg.rank}"] = msg.info
+            missing = [n for n in names if n not in self.stage_info]
+
+    # ------------------------------------------------------------ supervise
+
+    def _supervise(self) -> None:
+        sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        ready = wait(list(sentinels), timeout=None)
+        if self._stopping.is_set():
+            return
+        dead = ", ".join(f"{sentinels[s]} (exit code {self.procs[sentinels[s]].exitcode})"
+                         for s in ready)
+        reason = self._failure_message() or "no message"
+        self.failure = f"stage {dead} died: {reason}"
+        logger.error("%s; stopping the pipeline", self.failure)
+        self.stop()
+
+    def _failure_message(self) -> str | None:
+        msg = self._control.recv(timeout_ms=200) if not self._control.socket.closed else None
+        return msg.message if isinstance(msg, StageFailed) else None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.failure is None and not self._stopping.is_set()
+
+    @property
+    def stage_pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.procs.items() if p.pid is not None}
+
+    def client(self) -> PipelineClient:
+        client = PipelineClient(self.cfg, lambda: self.is_alive)
+        self._clients.append(client)
+        return client
+
+    # ------------------------------------------------------------ stop
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every stage (SIGTERM, then SIGKILL past `timeout`) and remove the run's files."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stopping.set()
+            self._stop_all(timeout)
+
+    def _stop_all(self, timeout: float) -> None:
+        for client in self._clients:
+            client.close()
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for name, proc in self.procs.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning("stage %s did not stop in %.0f s: killing it", name, timeout)
+                proc.kill()
+                proc.join(5)
+        for ring in self._rings:
+            ring.unlink()
+        self._control.close()
+        self._zmq.destroy(linger=0)
+        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""Executor stage: owns the model, the paged KV cache and sampling on the device."""

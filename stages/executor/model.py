@@ -1,0 +1,163 @@
+"""A lean Llama-family decoder over a paged KV cache. Runs in the executor process.
+
+Parameter names match Hugging Face's, so a local HF folder (Llama, Mistral, Qwen2, SmolLM)
+loads with `load_state_dict`. One forward takes a flattened batch mixing prefill chunks and
+decode tokens of different sequences; attention reads and writes the paged cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from stages.executor.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
+        bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+        hidden = cfg["hidden_size"]
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.layer_idx = layer_idx
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer_idx: int) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+
+class PagedLlama(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta, logits_indices [S]) -> [S, V]."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        if cfg.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def init_rope(self, max_len: int) -> None:
+        """Tables of cos/sin per position, computed as Hugging Face does (in float32)."""
+        from transformers import AutoConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf_cfg = AutoConfig.for_model(**self.cfg)
+        rope = LlamaRotaryEmbedding(hf_cfg)
+        positions = torch.arange(max_len, dtype=torch.float32)
+        freqs = positions[:, None] * rope.inv_freq.float()[None, :]  # [L, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
+        self.rope_cos = (emb.cos() * rope.attention_scaling).to(device, dtype)
+        self.rope_sin = (emb.sin() * rope.attention_scaling).to(device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.model.norm(x[logits_indices])  # [S, hidden]
+        return self.lm_head(x).float()  # [S, vocab]
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               max_len: int) -> PagedLlama:
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"{model_dir}: model_type {cfg.get('model_type')!r} is not of the "
+                         "Llama family (llama, mistral, qwen2)")
+    with torch.device("meta"):
+        model = PagedLlama(cfg)
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    for path in files:
+        state.update(load_file(str(path)))
+    if cfg.get("tie_word_embeddings", False):
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = {k: v.to(dtype) for k, v in state.items() if "rotary_emb" not in k}
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.get("tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_rope(max_len)
+    return model.to(device).eval()
+

@@ -1,0 +1,82 @@
+"""What every stage process does at start: name itself, set up logging, watch its parent,
+turn SIGTERM into a stop flag, and report ready or failed to the launcher."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import traceback
+from contextlib import contextmanager
+from typing import Iterator
+
+import zmq
+
+from ipc.channels import PushChannel
+from ipc.messages import StageFailed, StageReady
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int, stop: threading.Event) -> None:
+    try:  # the kernel signals us if the parent dies
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:  # and in case the signal was missed (e.g. the parent died first)
+        while not stop.wait(0.5):
+            if os.getppid() != parent_pid:
+                logger.warning("parent %d is gone: stopping", parent_pid)
+                stop.set()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def setup_logging(stage: str, rank: int) -> None:
+    level = os.environ.get("LLM_PIPELINE_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [{stage}:{rank} pid=%(process)d] %(name)s: %(message)s",
+    )
+
+
+class StageContext:
+    """Handed to a stage's main loop: the stop flag and the channel to the launcher."""
+
+    def __init__(self, stage: str, rank: int, control_address: str, parent_pid: int) -> None:
+        self.stage, self.rank = stage, rank
+        self.stop = threading.Event()
+        self.zmq = zmq.Context()
+        self._control = PushChannel(self.zmq, control_address, bind=False)
+        _die_with_parent(parent_pid, self.stop)
+
+    def ready(self, **info: int) -> None:
+        self._control.send(StageReady(self.stage, self.rank, os.getpid(), dict(info)))
+
+    def failed(self, message: str) -> None:
+        self._control.send(StageFailed(self.stage, self.rank, os.getpid(), message))
+
+
+@contextmanager
+def stage_process(stage: str, rank: int, control_address: str, parent_pid: int
+                  ) -> Iterator[StageContext]:
+    """Run a stage body: name the process, handle signals, report a crash before dying."""
+    from setproctitle import setproctitle
+
+    setproctitle(f"llm-pipeline:{stage}:{rank}")
+    setup_logging(stage, rank)
+    ctx = StageContext(stage, rank, control_address, parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
+    signal.signal(signal.SIGTERM, lambda *_: ctx.stop.set())
+    try:
+        yield ctx
+    except BaseException as exc:
+        logger.error("stage failed: %s", traceback.format_exc())
+        ctx.failed(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    finally:
+        ctx.zmq.destroy(linger=1000)

@@ -1,0 +1,134 @@
+"""Process entry of the scheduler: moves requests, step plans and sampled ids between the
+sockets, the shared rings and the `Scheduler` core."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import TYPE_CHECKING
+
+import numpy as np
+import zmq
+
+from ipc.channels import PullChannel, PushChannel
+from ipc.codec import Codec, ProtocolError
+from ipc.messages import (AbortRequest, DetokBatch, SampledTokens, StepPlan,
+                          TokenizedRequest)
+from ipc.rings import sampled_specs, step_input_specs
+from ipc.shm import SharedRing
+from stages.process import stage_process
+from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def write_step(step: PlannedStep, buf: dict[str, np.ndarray]) -> None:
+    """Lay a planned step's bulk inputs into a step-input ring slot."""
+    rows = step.rows
+    lens = [len(r.token_ids) for r in rows]
+    num_tokens = sum(lens)
+    buf["input_ids"][:num_tokens] = [t for r in rows for t in r.token_ids]
+    buf["seq_slot"][: len(rows)] = [r.seq.slot for r in rows]
+    buf["query_len"][: len(rows)] = lens
+    buf["context_len"][: len(rows)] = [r.context_len for r in rows]
+    buf["do_sample"][: len(rows)] = [r.do_sample for r in rows]
+    if step.block_updates:
+        updates = np.asarray(step.block_updates, dtype=np.int32)  # [n, 3]
+        n = len(updates)
+        buf["bt_slot"][:n], buf["bt_index"][:n], buf["bt_block"][:n] = updates.T
+
+
+def make_plan(step: PlannedStep, ring_slot: int) -> StepPlan:
+    return StepPlan(step.step_id, ring_slot, len(step.rows), step.num_tokens,
+                    len(step.block_updates), len(step.sampled_seqs), step.new_slots)
+
+
+class SchedulerShell:
+    """Owns the sockets and rings around one Scheduler core."""
+
+    def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int) -> None:
+        s = cfg.scheduler
+        self.core = Scheduler(SchedulerLimits(
+            num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens,
+            cfg.model.max_model_len, cfg.max_block_updates, cfg.model.eos_token_ids, s.depth))
+        self.steps = SharedRing(cfg.step_ring_name, step_input_specs(
+            s.max_num_seqs, s.max_num_batched_tokens, cfg.max_block_updates),
+            s.num_ring_slots, create=False)
+        self.sampled = SharedRing(cfg.sampled_ring_name, sampled_specs(s.max_num_seqs),
+                                  s.num_ring_slots, create=False)
+        self.inbox = PullChannel(zctx, cfg.scheduler_address,
+                                 Codec([TokenizedRequest, AbortRequest]), bind=True)
+        self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True)
+        self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False)
+        self.detoks = [PushChannel(zctx, cfg.detokenizer_address(i), bind=False)
+                       for i in range(cfg.num_detokenizers)]
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox.socket, zmq.POLLIN)
+        self.poller.register(self.results.socket, zmq.POLLIN)
+
+    def run_once(self) -> None:
+        timeout = 0 if self.core.can_schedule() else 50
+        events = dict(self.poller.poll(timeout))
+        if self.results.socket in events:
+            self._drain_results()
+        self._launch_steps()
+        if self.inbox.socket in events:
+            self._drain_inbox()
+            self._launch_steps()
+        self._flush_outputs()
+
+    def _drain_results(self) -> None:
+        while (msg := self.results.recv_nowait()) is not None:
+            assert isinstance(msg, SampledTokens)
+            ids = self.sampled.slot(msg.ring_slot)["token_ids"][: msg.num_sampled].tolist()
+            self.core.on_sampled(msg.step_id, ids)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.recv_nowait()
+            except ProtocolError as exc:
+                logger.error("dropped a malformed message from a client or tokenizer: %s", exc)
+                continue
+            if msg is None:
+                return
+            if isinstance(msg, TokenizedRequest):
+                self.core.add_request(msg)
+            elif isinstance(msg, AbortRequest):
+                self.core.abort(msg.request_id)
+
+    def _launch_steps(self) -> None:
+        while (step := self.core.schedule()) is not None:
+            ring_slot = step.step_id % self.steps.num_slots
+            write_step(step, self.steps.slot(ring_slot))
+            self.to_executor.send(make_plan(step, ring_slot))
+
+    def _flush_outputs(self) -> None:
+        infos, deltas = self.core.take_outputs()
+        if not infos and not deltas:
+            return
+        num = len(self.detoks)
+        shard_of = {}
+        batches: list[tuple[list, list]] = [([], []) for _ in range(num)]
+        for info in infos:
+            shard = shard_of.setdefault(info.request_id, zlib.crc32(info.request_id.encode()) % num)
+            batches[shard][0].append(info)
+        for delta in deltas:
+            shard = shard_of.get(delta.request_id)
+            if shard is None:
+                shard = zlib.crc32(delta.request_id.encode()) % num
+            batches[shard][1].append(delta)
+        for chan, (shard_infos, shard_deltas) in zip(self.detoks, batches):
+            if shard_infos or shard_deltas:
+                chan.send(DetokBatch(shard_infos, shard_deltas))
+
+
+def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int) -> None:
+    with stage_process("scheduler", rank, cfg.control_address, parent_pid) as ctx:
+        shell = SchedulerShell(cfg, ctx.zmq, num_blocks)
+        ctx.ready()
+        while not ctx.stop.is_set():
+            shell.run_once()

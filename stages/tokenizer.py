@@ -1,0 +1,126 @@
+"""Tokenizer worker (one of N processes): validates each request, applies the chat template,
+tokenizes, checks the length against the context and forwards it to the scheduler.
+A bad request gets its error straight back to its client; nothing else is disturbed."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from ipc.channels import PullChannel, PushChannel, ReplySockets
+from ipc.codec import Codec, ProtocolError
+from ipc.messages import AddRequest, RequestOutput, RequestOutputs, SamplingParams, TokenizedRequest
+from stages.process import stage_process
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
+
+logger = logging.getLogger(__name__)
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class RequestError(ValueError):
+    """A request a client must fix; the message says what is wrong."""
+
+
+def validate_params(p: SamplingParams, vocab_size: int) -> None:
+    if p.max_tokens is not None and p.max_tokens < 1:
+        raise RequestError(f"max_tokens must be at least 1, got {p.max_tokens}")
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise RequestError(f"temperature must be a finite number >= 0, got {p.temperature}")
+    bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+class TokenizerCore:
+    """Turns an AddRequest into a TokenizedRequest or raises RequestError."""
+
+    def __init__(self, model_dir: str, max_model_len: int, vocab_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+
+    def process(self, req: AddRequest) -> TokenizedRequest:
+        validate_params(req.params, self.vocab_size)
+        ids = self._prompt_ids(req)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context holds "
+                               f"{limit}, which must leave room for at least one output token")
+        max_tokens = req.params.max_tokens
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
+                               f"exceeds this model's context of {limit} tokens")
+        return TokenizedRequest(req.request_id, req.reply_to, ids, req.params, req.arrival_time)
+
+    def _prompt_ids(self, req: AddRequest) -> list[int]:
+        given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
+        if sum(given) != 1:
+            raise RequestError("give exactly one of prompt, prompt_token_ids, messages")
+        if req.prompt is not None:
+            return list(self.tokenizer(req.prompt)["input_ids"])
+        if req.prompt_token_ids is not None:
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt_token_ids {bad[:5]} are outside the vocabulary")
+            return list(req.prompt_token_ids)
+        return self._chat_ids(req)
+
+    def _chat_ids(self, req: AddRequest) -> list[int]:
+        assert req.messages is not None
+        if not req.messages:
+            raise RequestError("messages is empty")
+        for m in req.messages:
+            if m.role not in CHAT_ROLES:
+                raise RequestError(f"unknown chat role {m.role!r} (use one of {CHAT_ROLES})")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestError("this model has no chat template; send a plain prompt")
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in req.messages],
+            tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def error_output(request_id: str, message: str) -> RequestOutputs:
+    return RequestOutputs([RequestOutput(request_id, "", [], True, "error", message, 0, 0)])
+
+
+def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
+    """A request that does not decode still gets an answer if we can tell who sent it."""
+    raw = exc.raw
+    if (isinstance(raw, list) and len(raw) > 2 and raw[0] == AddRequest.TAG
+            and isinstance(raw[1], str) and isinstance(raw[2], str)):
+        replies.send(raw[2], error_output(raw[1], f"invalid request: {exc}"))
+    else:
+        logger.error("dropped a malformed message with no reply address: %s", exc)
+
+
+def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
+    with stage_process("tokenizer", rank, cfg.control_address, parent_pid) as ctx:
+        core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size)
+        inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest]), bind=True)
+        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False)
+        replies = ReplySockets(ctx.zmq)
+        ctx.ready()
+        while not ctx.stop.is_set():
+            try:
+                req = inbox.recv(timeout_ms=100)
+            except ProtocolError as exc:
+                _reject_malformed(replies, exc)
+                continue
+            if req is None:
+                continue
+            assert isinstance(req, AddRequest)
+            try:
+                to_scheduler.send(core.process(req))
+            except RequestError as exc:
+                replies.send(req.reply_to, error_output(req.request_id, str(exc)))
+            except Exception as exc:  # a tokenizer bug must not kill the stage
+                logger.exception("request %s failed in the tokenizer", req.request_id)
+                replies.send(req.reply_to, error_output(req.request_id, f"tokenizer error: {exc}"))
+        replies.close()
