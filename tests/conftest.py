@@ -1,0 +1,27 @@
+"""Shared fixtures: the tiny offline model, the default model (when it can be set up)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tiny_model.py
+
+from tiny_model import build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from pipeline.model_cache import ModelSetupError, ensure_default_model
+
+    try:
+        return ensure_default_model()
+    except ModelSetupError as exc:
+        pytest.skip(f"default model unavailable: {exc}")

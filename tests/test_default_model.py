@@ -1,0 +1,106 @@
+"""The default model (SmolLM2-135M-Instruct) through the live pipeline and the CLI: greedy
+outputs token for token equal to transformers generate; the CLI contract; clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from live import alive, kill_pids, live_config
+from tiny_model import hf_greedy
+
+from ipc.messages import SamplingParams
+from pipeline.launcher import Pipeline
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[1]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves falling in the park.",
+    "1, 2, 3, 4,",
+    "Translate to French: I like cheese.",
+    "Explain what a paged KV cache is, in detail, for an engineer who knows databases "
+    "but not machine learning. Mention blocks, free lists and reference counts.",
+    "Hi",
+    "Les élèves étudient à l'école: ça se passe bien? 日本語も少し。",
+    "def fibonacci(n):",
+    "The three primary colours are",
+]
+
+
+def test_greedy_matches_transformers(default_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    expected = hf_greedy(default_model_dir, [tok(p)["input_ids"] for p in PROMPTS], 24)
+    pipe = Pipeline(live_config(default_model_dir, max_num_batched_tokens=64))
+    try:
+        pipe.start()
+        outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    finally:
+        pipe.stop()
+        kill_pids(list(pipe.stage_pids.values()))
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.text == tok.decode(e, skip_special_tokens=True) for o, e in zip(outs, expected))
+
+
+def _cli(*args: str) -> list[str]:
+    return [str(ROOT / "scripts" / "run_pipeline"), *args]
+
+
+def test_cli_generate_json_lines_in_order_with_an_error_line() -> None:
+    proc = subprocess.run(
+        _cli("generate", "--prompt", "What is 2+2?", "--prompt", "", "--prompt", "Say hi",
+             "--max-tokens", "8", "--json", "--tokenizer-workers", "2"),
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    keys = {"index", "text", "token_ids", "finish_reason", "num_prompt_tokens",
+            "num_output_tokens", "error"}
+    assert all(keys <= set(line) for line in lines)
+    assert lines[1]["finish_reason"] == "error" and "empty" in lines[1]["error"]
+    for line in (lines[0], lines[2]):
+        assert line["error"] is None and line["finish_reason"] in ("stop", "length")
+        assert 0 < line["num_output_tokens"] == len(line["token_ids"]) <= 8
+
+
+def _stage_children(pid: int) -> list[int]:
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)
+            if "llm-pipeline:" in " ".join(c.cmdline())]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) -> None:
+    """Ctrl-C, SIGTERM or the parent's death: no stage process and nothing in /dev/shm remains."""
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(_cli("generate", "--prompt", "Count to one thousand: 1, 2, 3,",
+                                 "--max-tokens", "2000", "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            children = _stage_children(proc.pid)
+        assert len(children) == 4, "the four stages did not start"
+        time.sleep(2)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(children) == []
+        leaked = [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
+        assert leaked == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_pids(children)

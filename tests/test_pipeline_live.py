@@ -1,0 +1,114 @@
+"""Integration: the four kinds of stage process on the tiny offline model, 2 tokenizers and
+2 detokenizers; greedy outputs against transformers; errors, streaming, abort, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from live import alive, kill_pids, live_config, shm_segments
+from tiny_model import hf_greedy
+
+from ipc.messages import ChatMessage, SamplingParams
+from pipeline.launcher import Pipeline
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPTS = ["The quick brown fox", "Paged attention stores keys and values", "Héllo wörld 🚀",
+           "def main():", "Continuous batching lets new requests join at any step. " * 4,
+           "a", "日本語のテキスト", "Grüße aus Köln. The lazy dog jumps."]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
+    pipe = Pipeline(live_config(tiny_model_dir, num_tokenizers=2, num_detokenizers=2,
+                                max_num_batched_tokens=32))
+    pids: list[int] = []
+    try:
+        pipe.start()
+        pids = list(pipe.stage_pids.values())
+        yield pipe
+    finally:
+        pipe.stop()
+        kill_pids(pids or list(pipe.stage_pids.values()))
+
+
+def test_stage_processes_are_named(pipeline: Pipeline) -> None:
+    import psutil
+
+    names = {n: " ".join(psutil.Process(pid).cmdline()) for n, pid in pipeline.stage_pids.items()}
+    assert sorted(names) == ["detokenizer:0", "detokenizer:1", "executor:0", "scheduler:0",
+                             "tokenizer:0", "tokenizer:1"]
+    for name, title in names.items():
+        assert f"llm-pipeline:{name}" in title
+
+
+def test_greedy_matches_transformers(pipeline: Pipeline, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = hf_greedy(tiny_model_dir, [tok(p)["input_ids"] for p in PROMPTS], 20)
+    outs = pipeline.client().generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0))
+    assert [o.token_ids for o in outs] == expected
+    for out, ids in zip(outs, expected):
+        assert out.error is None and out.finish_reason in ("stop", "length")
+        assert out.text == tok.decode(ids, skip_special_tokens=True)
+        assert out.num_output_tokens == len(ids)
+
+
+def test_bad_prompt_is_an_error_and_others_finish(pipeline: Pipeline) -> None:
+    params = [SamplingParams(max_tokens=5, temperature=0.0), SamplingParams(max_tokens=-1),
+              SamplingParams(max_tokens=5, temperature=0.0), SamplingParams(max_tokens=10**6)]
+    outs = pipeline.client().generate(["hello", "bad", "world", "too long"], params)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length", "error"]
+    assert "max_tokens" in (outs[1].error or "") and "context" in (outs[3].error or "")
+    assert len(outs[0].token_ids) == 5 and len(outs[2].token_ids) == 5
+
+
+def test_chat_and_token_id_prompts(pipeline: Pipeline) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    outs = pipeline.client().generate([[ChatMessage("user", "hi")], [5, 6, 7]], params)
+    assert [o.num_prompt_tokens for o in outs][1] == 3
+    assert outs[0].num_prompt_tokens > 3 and all(o.error is None for o in outs)
+
+
+def test_stream_yields_deltas_and_abort_stops(pipeline: Pipeline) -> None:
+    client = pipeline.client()
+
+    async def run() -> tuple[list[int], str | None]:
+        ids: list[int] = []
+        reason = None
+        async for out in client.stream("The quick", SamplingParams(max_tokens=200,
+                                                                   temperature=0.0,
+                                                                   ignore_eos=True),
+                                        request_id="to-abort"):
+            ids += out.token_ids
+            if len(ids) >= 3 and reason is None:
+                client.abort("to-abort")
+            reason = out.finish_reason
+        return ids, reason
+
+    ids, reason = asyncio.run(run())
+    assert reason == "abort" and 3 <= len(ids) < 200
+
+
+def test_after_stop_nothing_remains(tiny_model_dir: Path) -> None:
+    pipe = Pipeline(live_config(tiny_model_dir))
+    pids: list[int] = []
+    try:
+        pipe.start()
+        pids = list(pipe.stage_pids.values())
+        assert len(alive(pids)) == 4
+        assert shm_segments(pipe.cfg.run_id) == []  # unlinked once every stage mapped them
+        outs = pipe.client().generate(["hello"], SamplingParams(max_tokens=3))
+        assert outs[0].num_output_tokens == 3
+    finally:
+        pipe.stop()
+    try:
+        assert alive(pids) == []
+        assert not Path(pipe.cfg.run_dir).exists()
+        assert shm_segments(pipe.cfg.run_id) == []
+    finally:
+        kill_pids(pids)
