@@ -113,12 +113,25 @@ class TokenDelta(Struct):
 
 
 @dataclass(frozen=True, slots=True)
+class RequestRejected(Struct):
+    """A request the scheduler refused on arrival (duplicate id, cannot fit, aborted early).
+    It has no detokenizer state: the answer goes straight to reply_to."""
+
+    request_id: str
+    reply_to: str
+    finish_reason: str
+    error: str | None
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class DetokBatch(Message):
     """One message per step per detokenizer shard, never one per token."""
 
     TAG: ClassVar[int] = 4
     new_requests: list[DetokRequestInfo]
     deltas: list[TokenDelta]
+    rejected: list[RequestRejected] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- detokenizer/tokenizer -> client

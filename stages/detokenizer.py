@@ -4,7 +4,7 @@ correct for multi-byte characters and merges, streamed as per-step batches to ea
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
@@ -26,6 +26,8 @@ class _RequestState:
     info: DetokRequestInfo
     stream: DecodeStream  # holds back bytes of an unfinished character; O(1) per token
     num_output_tokens: int = 0
+    held: list[int] = field(default_factory=list)  # ids the stream has not turned into text yet
+    context: list[int] = field(default_factory=list)  # ids of its last emitted piece
 
 
 class Detokenizer:
@@ -40,6 +42,10 @@ class Detokenizer:
             self.requests[info.request_id] = _RequestState(
                 info, DecodeStream(skip_special_tokens=info.skip_special_tokens))
         by_client: dict[str, list[RequestOutput]] = {}
+        for rej in batch.rejected:
+            by_client.setdefault(rej.reply_to, []).append(RequestOutput(
+                rej.request_id, "", [], True, rej.finish_reason, rej.error,
+                rej.num_prompt_tokens, 0))
         for delta in batch.deltas:
             state = self.requests.get(delta.request_id)
             if state is None:
@@ -51,12 +57,30 @@ class Detokenizer:
         return by_client
 
     def _output(self, state: _RequestState, delta: TokenDelta) -> RequestOutput:
-        pieces = [state.stream.step(self.tokenizer, t) for t in delta.token_ids]
+        pieces: list[str] = []
+        for t in delta.token_ids:
+            piece = state.stream.step(self.tokenizer, t)
+            state.held.append(t)
+            if piece is not None:
+                pieces.append(piece)
+                state.context, state.held = state.held, []
+        if delta.finish_reason is not None and state.held:
+            pieces.append(self._flush(state))
         state.num_output_tokens += len(delta.token_ids)
         return RequestOutput(
-            delta.request_id, "".join(p for p in pieces if p), delta.token_ids,
+            delta.request_id, "".join(pieces), delta.token_ids,
             delta.finish_reason is not None, delta.finish_reason, delta.error,
             state.info.num_prompt_tokens, state.num_output_tokens)
+
+    def _flush(self, state: _RequestState) -> str:
+        """The text the stream still holds back (a cut-off character decodes to U+FFFD), so
+        that a finished request's deltas add up to decode(all ids). Decodes only a few ids."""
+        skip = state.info.skip_special_tokens
+        prefix = self.tokenizer.decode(state.context, skip_special_tokens=skip)
+        text = self.tokenizer.decode(state.context + state.held, skip_special_tokens=skip)
+        if text.startswith(prefix):
+            return text[len(prefix):]
+        return self.tokenizer.decode(state.held, skip_special_tokens=skip)
 
 
 def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:

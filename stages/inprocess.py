@@ -52,6 +52,6 @@ class InProcessEngine:
                 raise RuntimeError("the scheduler has requests but planned no step")
             step_id, tokens = inflight.popleft()
             self.scheduler.on_sampled(step_id, tokens.tolist())
-            for delta in self.scheduler.take_outputs()[1]:
+            for delta in self.scheduler.take_outputs().deltas:
                 outputs[delta.request_id].extend(delta.token_ids)
         return [outputs[str(i)] for i in range(len(prompts))]

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from ipc.messages import DetokRequestInfo, SlotInit, TokenDelta, TokenizedRequest
+from ipc.messages import (DetokRequestInfo, RequestRejected, SlotInit, TokenDelta,
+                          TokenizedRequest)
 from stages.scheduler.block_allocator import BlockAllocator
 from stages.scheduler.sequence import Sequence, SeqStatus
 
@@ -26,6 +28,12 @@ class SchedulerLimits:
     max_block_updates: int
     eos_token_ids: tuple[int, ...]
     depth: int = 2
+
+
+class StepOutputs(NamedTuple):
+    infos: list[DetokRequestInfo]
+    deltas: list[TokenDelta]
+    rejected: list[RequestRejected]
 
 
 @dataclass
@@ -44,6 +52,7 @@ class PlannedStep:
     new_slots: list[SlotInit] = field(default_factory=list)
     members: set[str] = field(default_factory=set)  # request ids planned in this step
     is_starved: bool = False  # a running sequence could not get blocks
+    has_preempted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +66,8 @@ class PlannedStep:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits) -> None:
         self.limits = limits
+        # A sequence may not outgrow the whole cache: past it, it could only preempt itself.
+        self.max_len = min(limits.max_model_len, limits.num_blocks * limits.block_size)
         self.allocator = BlockAllocator(limits.num_blocks, limits.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -66,34 +77,37 @@ class Scheduler:
         self.next_step_id = 0
         self._early_aborts: dict[str, float] = {}
         self._new_infos: list[DetokRequestInfo] = []
-        self._deltas: list[TokenDelta] = []
+        self._rejected: list[RequestRejected] = []
         self._touched: dict[str, Sequence] = {}  # new tokens or finished since take_outputs
         self.num_preemptions = 0
 
     # ------------------------------------------------------------ requests in
 
     def add_request(self, req: TokenizedRequest) -> None:
-        self._new_infos.append(
-            DetokRequestInfo(
-                req.request_id, req.reply_to, len(req.prompt_token_ids),
-                req.params.skip_special_tokens, req.arrival_time,
-            )
-        )
-        if req.request_id in self.requests:
-            self._deltas.append(TokenDelta(req.request_id, [], "error", "duplicate request id"))
+        error = self._admission_error(req)
+        if error is not None:
+            reason, message = error
+            self._rejected.append(RequestRejected(req.request_id, req.reply_to, reason, message,
+                                                  len(req.prompt_token_ids)))
             return
-        if self._early_aborts.pop(req.request_id, None) is not None:
-            self._deltas.append(TokenDelta(req.request_id, [], "abort"))
-            return
-        needed = self.allocator.blocks_for(len(req.prompt_token_ids) + 1)
-        if needed > self.limits.num_blocks:
-            msg = (f"the prompt needs {needed} KV blocks but the cache has only "
-                   f"{self.limits.num_blocks}; raise --kv-cache-memory or shorten the prompt")
-            self._deltas.append(TokenDelta(req.request_id, [], "error", msg))
-            return
+        self._new_infos.append(DetokRequestInfo(
+            req.request_id, req.reply_to, len(req.prompt_token_ids),
+            req.params.skip_special_tokens, req.arrival_time))
         seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params, req.arrival_time)
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
+
+    def _admission_error(self, req: TokenizedRequest) -> tuple[str, str | None] | None:
+        """(finish_reason, message) if the request cannot be taken."""
+        if req.request_id in self.requests:
+            return "error", f"request id {req.request_id!r} is already in use"
+        if self._early_aborts.pop(req.request_id, None) is not None:
+            return "abort", None
+        needed = self.allocator.blocks_for(len(req.prompt_token_ids) + 1)
+        if needed > self.limits.num_blocks:
+            return "error", (f"the prompt needs {needed} KV blocks but the cache has only "
+                             f"{self.limits.num_blocks}; raise --kv-cache-memory or shorten it")
+        return None
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -126,7 +140,8 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget <= 0:
                 break
-            budget -= self._plan_row(step, seq, budget)
+            if self._wants_step(seq):  # an earlier row of this step may have preempted it
+                budget -= self._plan_row(step, seq, budget)
         budget = self._admit(step, budget)
         if not step.rows:
             return None
@@ -145,7 +160,7 @@ class Scheduler:
         max_tokens = seq.params.max_tokens
         if max_tokens is not None and seq.num_outputs >= max_tokens:
             return False
-        return seq.num_tokens < self.limits.max_model_len
+        return seq.num_tokens < self.max_len
 
     def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
         """Add seq's next chunk to step; returns the tokens used (0 if it must wait)."""
@@ -185,11 +200,13 @@ class Scheduler:
         resort). True if blocks were freed now; False if none were (they may be on their way)."""
         if any(s.is_preempting for s in self.running):
             return False  # blocks are on their way back; wait for them
-        candidates = [s for s in self.running if s.request_id not in step.members and s.blocks]
+        candidates = [s for s in self.running if s.request_id not in step.members and s.blocks
+                      and s.status is SeqStatus.RUNNING]
         victims = [s for s in candidates if s is not needy] or candidates
         if not victims:
             return False
         victim = victims[-1]
+        step.has_preempted = True  # no admission in this step: the victim would come right back
         self._start_preemption(victim)
         return not victim.is_preempting and victim is not needy
 
@@ -200,7 +217,8 @@ class Scheduler:
         self._maybe_release(seq)
 
     def _admit(self, step: PlannedStep, budget: int) -> int:
-        while self.waiting and budget > 0 and self.free_slots and not step.is_starved:
+        while (self.waiting and budget > 0 and self.free_slots and not step.is_starved
+               and not step.has_preempted):
             seq = self.waiting[0]
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if self.allocator.blocks_for(num_new) > self.allocator.num_free:
@@ -241,7 +259,7 @@ class Scheduler:
             self._finish(seq, "stop")
         elif params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens:
             self._finish(seq, "length")
-        elif seq.num_known >= self.limits.max_model_len:
+        elif seq.num_known >= self.max_len:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -279,9 +297,9 @@ class Scheduler:
 
     # ------------------------------------------------------------ outputs
 
-    def take_outputs(self) -> tuple[list[DetokRequestInfo], list[TokenDelta]]:
-        """New request infos and token deltas since the last call, in order."""
-        deltas = self._deltas
+    def take_outputs(self) -> StepOutputs:
+        """New request infos, token deltas and rejections since the last call, in order."""
+        deltas = []
         for seq in self._touched.values():
             new = seq.output_ids[seq.num_sent:]
             seq.num_sent = len(seq.output_ids)
@@ -289,6 +307,6 @@ class Scheduler:
                 deltas.append(TokenDelta(seq.request_id, new, seq.finish_reason))
             elif new:
                 deltas.append(TokenDelta(seq.request_id, new))
-        infos = self._new_infos
-        self._new_infos, self._deltas, self._touched = [], [], {}
-        return infos, deltas
+        out = StepOutputs(self._new_infos, deltas, self._rejected)
+        self._new_infos, self._rejected, self._touched = [], [], {}
+        return out

@@ -107,23 +107,23 @@ class SchedulerShell:
             self.to_executor.send(make_plan(step, ring_slot))
 
     def _flush_outputs(self) -> None:
-        infos, deltas = self.core.take_outputs()
-        if not infos and not deltas:
+        infos, deltas, rejected = self.core.take_outputs()
+        if not (infos or deltas or rejected):
             return
-        num = len(self.detoks)
-        shard_of = {}
-        batches: list[tuple[list, list]] = [([], []) for _ in range(num)]
+        batches = [DetokBatch([], [], []) for _ in self.detoks]
         for info in infos:
-            shard = shard_of.setdefault(info.request_id, zlib.crc32(info.request_id.encode()) % num)
-            batches[shard][0].append(info)
+            batches[self._shard(info.request_id)].new_requests.append(info)
         for delta in deltas:
-            shard = shard_of.get(delta.request_id)
-            if shard is None:
-                shard = zlib.crc32(delta.request_id.encode()) % num
-            batches[shard][1].append(delta)
-        for chan, (shard_infos, shard_deltas) in zip(self.detoks, batches):
-            if shard_infos or shard_deltas:
-                chan.send(DetokBatch(shard_infos, shard_deltas))
+            batches[self._shard(delta.request_id)].deltas.append(delta)
+        for rej in rejected:
+            batches[self._shard(rej.request_id)].rejected.append(rej)
+        for chan, batch in zip(self.detoks, batches):
+            if batch.new_requests or batch.deltas or batch.rejected:
+                chan.send(batch)
+
+    def _shard(self, request_id: str) -> int:
+        """Every message of one request goes to the same detokenizer worker."""
+        return zlib.crc32(request_id.encode()) % len(self.detoks)
 
 
 def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int) -> None:
