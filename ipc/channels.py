@@ -36,7 +36,8 @@ def ipc_address(run_dir: str | Path, name: str) -> str:
 class PushChannel:
     """Sends messages. `bind=False` connects to a peer that binds."""
 
-    def __init__(self, ctx: zmq.Context, address: str, *, bind: bool, linger_ms: int = 2000) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, *, bind: bool,
+                 linger_ms: int = 2000) -> None:
         self.address = address
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, linger_ms)
@@ -91,7 +92,7 @@ class PullChannel:
         self.socket.close()
 
 
-__all__ = ["PushChannel", "PullChannel", "ProtocolError", "make_run_dir", "ipc_address"]
+__all__ = ["ProtocolError", "PullChannel", "PushChannel", "ipc_address", "make_run_dir"]
 
 
 class ReplySockets:

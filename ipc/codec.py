@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgpack
 
@@ -120,7 +121,7 @@ def _struct_decoder(cls: type) -> Decoder:
             raise ProtocolError(
                 f"{cls.__name__}: {len(v)} fields, expected {num_required}..{len(decoders)}"
             )
-        return cls(*[d(x) for d, x in zip(decoders, v)])
+        return cls(*[d(x) for d, x in zip(decoders, v, strict=False)])  # v may be shorter
 
     _STRUCT_DECODERS[cls] = decode
     return decode

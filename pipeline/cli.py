@@ -15,8 +15,14 @@ from typing import Any
 
 from ipc.messages import ChatMessage, SamplingParams
 from pipeline.client import CompletionOutput, PipelineClient
-from pipeline.config import (ConfigError, ExecutorConfig, ModelInfo, PipelineConfig,
-                             SchedulerConfig, parse_bytes)
+from pipeline.config import (
+    ConfigError,
+    ExecutorConfig,
+    ModelInfo,
+    PipelineConfig,
+    SchedulerConfig,
+    parse_bytes,
+)
 
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -109,7 +115,8 @@ def run_generate(client: PipelineClient, args: argparse.Namespace) -> int:
 
 async def _stream_demo(client: PipelineClient, params: SamplingParams) -> list[CompletionOutput]:
     """All prompts run at once; answers are shown in order, the current one live."""
-    outs = [CompletionOutput(str(i), arrival_time=time.monotonic()) for i in range(len(DEMO_PROMPTS))]
+    now = time.monotonic()
+    outs = [CompletionOutput(str(i), arrival_time=now) for i in range(len(DEMO_PROMPTS))]
     shown = [0] * len(outs)
     cursor = 0
 

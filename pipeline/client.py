@@ -11,20 +11,27 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from ipc.channels import PullChannel, PushChannel
 from ipc.codec import Codec
-from ipc.messages import (AbortRequest, AddRequest, ChatMessage, RequestOutput, RequestOutputs,
-                          SamplingParams)
+from ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    ChatMessage,
+    RequestOutput,
+    RequestOutputs,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
-Prompt = Union[str, list[int], list[ChatMessage]]
+Prompt = str | list[int] | list[ChatMessage]
 
 
 class PipelineError(RuntimeError):
@@ -85,7 +92,7 @@ class PipelineClient:
             self._requests.socket.connect(cfg.tokenizer_address(rank))
         self._aborts = PushChannel(self._ctx, cfg.scheduler_address, bind=False)
         self._send_lock = threading.Lock()
-        self._routes: dict[str, Callable[[RequestOutput], None]] = {}
+        self._routes: dict[str, Callable[[RequestOutput], Any]] = {}
         self._routes_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._route_outputs, name="client-io", daemon=True)
@@ -111,7 +118,7 @@ class PipelineClient:
                         pass
 
     def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None,
-                deliver: Callable[[RequestOutput], None]) -> str:
+                deliver: Callable[[RequestOutput], Any]) -> str:
         request_id = request_id or uuid.uuid4().hex
         with self._routes_lock:
             if request_id in self._routes:
@@ -141,7 +148,7 @@ class PipelineClient:
         inbox: queue.Queue[RequestOutput] = queue.Queue()
         results: dict[str, CompletionOutput] = {}
         order = []
-        for prompt, p in zip(prompts, all_params):
+        for prompt, p in zip(prompts, all_params, strict=True):
             rid = uuid.uuid4().hex
             results[rid] = CompletionOutput(rid, arrival_time=time.monotonic())
             order.append(self._submit(prompt, p, rid, inbox.put))
@@ -160,7 +167,8 @@ class PipelineClient:
                 if deadline is not None and time.monotonic() > deadline:
                     for rid in pending:
                         self.abort(rid)
-                    raise TimeoutError(f"{len(pending)} requests did not finish in {timeout} s")
+                    raise TimeoutError(
+                        f"{len(pending)} requests did not finish in {timeout} s") from None
                 continue
             results[out.request_id].add(out)
             if out.finished:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
 class ConfigError(ValueError):
     """A configuration a user can fix; the message says how."""
 
@@ -112,7 +113,8 @@ class PipelineConfig:
     @property
     def max_block_updates(self) -> int:
         s = self.scheduler
-        return s.max_num_batched_tokens // s.block_size + 2 * s.max_num_seqs + self.max_blocks_per_seq
+        per_step = s.max_num_batched_tokens // s.block_size + 2 * s.max_num_seqs
+        return per_step + self.max_blocks_per_seq
 
     # ---- addresses: all from the run directory
     def address(self, name: str) -> str:

@@ -74,6 +74,7 @@ class Pipeline:
                 self._spawn("detokenizer", rank, "stages.detokenizer:run_detokenizer")
             self._wait_ready(["executor:0"])
             num_blocks = self.stage_info["executor:0"]["num_kv_blocks"]
+            self._check_cache_holds_a_sequence(num_blocks)
             self._spawn("scheduler", 0, "stages.scheduler.process:run_scheduler", num_blocks)
             self._wait_ready(list(self.procs))
         except BaseException:
@@ -83,6 +84,14 @@ class Pipeline:
             ring.unlink()
         threading.Thread(target=self._supervise, name="supervisor", daemon=True).start()
         return self
+
+    def _check_cache_holds_a_sequence(self, num_blocks: int) -> None:
+        capacity = num_blocks * self.cfg.scheduler.block_size
+        if capacity < self.cfg.model.max_model_len:
+            raise StartupError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than one "
+                f"sequence of the context length {self.cfg.model.max_model_len}: raise "
+                f"--kv-cache-memory or lower --max-model-len")
 
     def _spawn(self, stage: str, rank: int, target: str, *args: Any) -> None:
         proc = self._mp.Process(target=run_stage, args=(target, self.cfg, rank, os.getpid(), *args),
@@ -111,7 +120,7 @@ class Pipeline:
     # ------------------------------------------------------------ supervise
 
     def _supervise(self) -> None:
-        sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
         ready = wait(list(sentinels), timeout=None)
         if self._stopping.is_set():
             return

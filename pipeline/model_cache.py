@@ -230,14 +230,14 @@ def _check_tokenizer(folder: Path) -> int:
         raise ModelSetupError(f"tokenizer eos is {tokenizer.eos_token!r}, expected {EOS_TOKEN!r}")
     if not tokenizer.chat_template:
         raise ModelSetupError("the tokenizer lost its chat template")
-    text = tokenizer.apply_chat_template(
+    text: Any = tokenizer.apply_chat_template(
         [{"role": "user", "content": "ping"}], tokenize=False, add_generation_prompt=True
     )
     if "<|im_start|>user\nping<|im_end|>" not in text or not text.endswith(
         "<|im_start|>assistant\n"
     ):
         raise ModelSetupError(f"the chat template does not render ChatML: {text!r}")
-    return int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+    return int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))  # type: ignore[arg-type]
 
 
 def _check_tied_embeddings(weights: Path, config: dict[str, Any]) -> None:

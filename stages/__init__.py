@@ -1,1 +1,1 @@
-"""The four stage processes. Each is a pure core (unit-tested directly) plus a thin process entry."""
+"""The four stage processes. Each is a pure core (unit-tested directly) plus a thin entry."""

@@ -9,8 +9,8 @@ import os
 import signal
 import threading
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import zmq
 

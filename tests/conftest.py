@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tiny_model.py
 
-from tiny_model import build_tiny_llama  # noqa: E402
+from tiny_model import build_tiny_llama
 
 
 @pytest.fixture(scope="session")

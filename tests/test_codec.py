@@ -11,10 +11,25 @@ import msgpack
 import pytest
 
 from ipc.codec import Codec, ProtocolError, encode
-from ipc.messages import (ALL_MESSAGES, AbortRequest, AddRequest, ChatMessage, DetokBatch,
-                          DetokRequestInfo, Message, RequestOutput, RequestOutputs,
-                          SampledTokens, SamplingParams, SlotInit, StageFailed, StageReady,
-                          StepPlan, TokenDelta, TokenizedRequest)
+from ipc.messages import (
+    ALL_MESSAGES,
+    AbortRequest,
+    AddRequest,
+    ChatMessage,
+    DetokBatch,
+    DetokRequestInfo,
+    Message,
+    RequestOutput,
+    RequestOutputs,
+    SampledTokens,
+    SamplingParams,
+    SlotInit,
+    StageFailed,
+    StageReady,
+    StepPlan,
+    TokenDelta,
+    TokenizedRequest,
+)
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0.7, stop_token_ids=[2, 32000],
                         ignore_eos=True, skip_special_tokens=False)

@@ -48,7 +48,8 @@ def test_greedy_matches_transformers(default_model_dir: Path) -> None:
         pipe.stop()
         kill_pids(list(pipe.stage_pids.values()))
     assert [o.token_ids for o in outs] == expected
-    assert all(o.text == tok.decode(e, skip_special_tokens=True) for o, e in zip(outs, expected))
+    texts = [tok.decode(e, skip_special_tokens=True) for e in expected]
+    assert [o.text for o in outs] == texts
 
 
 def _cli(*args: str) -> list[str]:
@@ -77,13 +78,25 @@ def _stage_children(pid: int) -> list[int]:
             if "llm-pipeline:" in " ".join(c.cmdline())]
 
 
+def _describe(pids: list[int]) -> str:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{pid} {p.status()} {' '.join(p.cmdline())} ppid={p.ppid()}")
+        except psutil.NoSuchProcess:
+            pass
+    return "; ".join(out)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C, SIGTERM or the parent's death: no stage process and nothing in /dev/shm remains."""
     before = set(os.listdir("/dev/shm"))
+    log = (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen(_cli("generate", "--prompt", "Count to one thousand: 1, 2, 3,",
                                  "--max-tokens", "2000", "--json"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=log)
     children: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -97,7 +110,8 @@ def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) ->
         deadline = time.monotonic() + 30
         while alive(children) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert alive(children) == []
+        assert alive(children) == [], (_describe(alive(children)),
+                                       (tmp_path / "stderr.txt").read_text()[-3000:])
         leaked = [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
         assert leaked == []
     finally:

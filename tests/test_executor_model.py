@@ -28,7 +28,8 @@ def test_greedy_matches_transformers(tiny_model_dir: Path, depth: int, budget: i
     prompts = _prompts(tiny_model_dir)
     expected = hf_greedy(tiny_model_dir, prompts, max_new_tokens=12)
     engine = InProcessEngine(str(tiny_model_dir), depth=depth, max_num_batched_tokens=budget,
-                             max_num_seqs=8 if budget > 8 else 4, eos_token_ids=_eos(tiny_model_dir))
+                             max_num_seqs=8 if budget > 8 else 4,
+                             eos_token_ids=_eos(tiny_model_dir))
     got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert got == expected
     assert engine.scheduler.allocator.num_free == engine.limits.num_blocks

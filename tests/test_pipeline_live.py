@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from live import alive, kill_pids, live_config, shm_segments
@@ -52,7 +52,7 @@ def test_greedy_matches_transformers(pipeline: Pipeline, tiny_model_dir: Path) -
     expected = hf_greedy(tiny_model_dir, [tok(p)["input_ids"] for p in PROMPTS], 20)
     outs = pipeline.client().generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0))
     assert [o.token_ids for o in outs] == expected
-    for out, ids in zip(outs, expected):
+    for out, ids in zip(outs, expected, strict=True):
         assert out.error is None and out.finish_reason in ("stop", "length")
         assert out.text == tok.decode(ids, skip_special_tokens=True)
         assert out.num_output_tokens == len(ids)
@@ -112,3 +112,28 @@ def test_after_stop_nothing_remains(tiny_model_dir: Path) -> None:
         assert shm_segments(pipe.cfg.run_id) == []
     finally:
         kill_pids(pids)
+
+
+def test_startup_failure_names_the_stage_and_leaves_nothing(tiny_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    import shutil
+
+    from pipeline.launcher import StartupError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    pipe = Pipeline(live_config(broken))
+    with pytest.raises(StartupError, match="executor:0"):
+        pipe.start()
+    assert alive(list(pipe.stage_pids.values())) == []
+    assert shm_segments(pipe.cfg.run_id) == [] and not Path(pipe.cfg.run_dir).exists()
+
+
+def test_cache_smaller_than_one_sequence_is_refused(tiny_model_dir: Path) -> None:
+    from pipeline.launcher import StartupError
+
+    pipe = Pipeline(live_config(tiny_model_dir, kv_cache_memory=64 * 1024))
+    with pytest.raises(StartupError, match="raise --kv-cache-memory or lower --max-model-len"):
+        pipe.start()
+    assert alive(list(pipe.stage_pids.values())) == []

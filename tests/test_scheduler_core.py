@@ -7,14 +7,14 @@ import dataclasses
 import random
 import zlib
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 
 from ipc.messages import RequestRejected, SamplingParams, TokenDelta, TokenizedRequest
 from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
-from stages.scheduler.sequence import Sequence, SeqStatus
+from stages.scheduler.sequence import SeqStatus, Sequence
 
 EOS = 2
 STOP = 3

@@ -77,6 +77,7 @@ def hf_greedy(folder: Path, prompts_ids: list[list[int]], max_new_tokens: int) -
         for ids in prompts_ids:
             x = torch.tensor([ids])
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, pad_token_id=model.config.pad_token_id)
+                               max_new_tokens=max_new_tokens,
+                               pad_token_id=model.config.pad_token_id)
             outs.append(y[0, len(ids):].tolist())
     return outs

@@ -106,7 +106,7 @@ class PagedLlama(nn.Module):
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         if cfg.get("tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        attn = self.model.layers[0].self_attn
+        attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
         self.num_layers = cfg["num_hidden_layers"]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -118,7 +118,7 @@ class PagedLlama(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         hf_cfg = AutoConfig.for_model(**self.cfg)
-        rope = LlamaRotaryEmbedding(hf_cfg)
+        rope = LlamaRotaryEmbedding(hf_cfg)  # type: ignore[arg-type]
         positions = torch.arange(max_len, dtype=torch.float32)
         freqs = positions[:, None] * rope.inv_freq.float()[None, :]  # [L, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -131,7 +131,7 @@ class PagedLlama(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # [S, hidden]
         return self.lm_head(x).float()  # [S, vocab]

@@ -12,10 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ipc.messages import (DetokRequestInfo, RequestRejected, SlotInit, TokenDelta,
-                          TokenizedRequest)
+from ipc.messages import DetokRequestInfo, RequestRejected, SlotInit, TokenDelta, TokenizedRequest
 from stages.scheduler.block_allocator import BlockAllocator
-from stages.scheduler.sequence import Sequence, SeqStatus
+from stages.scheduler.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,7 @@ class Scheduler:
         sampled = step.sampled_seqs
         if len(sampled) != len(token_ids):
             raise RuntimeError(f"step {step_id}: {len(token_ids)} ids for {len(sampled)} rows")
-        for seq, token in zip(sampled, token_ids):
+        for seq, token in zip(sampled, token_ids, strict=True):
             seq.num_pending -= 1
             if seq.status is SeqStatus.RUNNING:  # a finished one's extra token is dropped
                 seq.output_ids.append(token)
@@ -253,13 +252,13 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        if token in params.stop_token_ids:
+        is_eos = not params.ignore_eos and token in self.limits.eos_token_ids
+        if is_eos or token in params.stop_token_ids:
             self._finish(seq, "stop")
-        elif not params.ignore_eos and token in self.limits.eos_token_ids:
-            self._finish(seq, "stop")
-        elif params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens:
-            self._finish(seq, "length")
-        elif seq.num_known >= self.max_len:
+            return
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and len(seq.output_ids) >= max_tokens
+                or seq.num_known >= self.max_len):
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -12,8 +12,7 @@ import zmq
 
 from ipc.channels import PullChannel, PushChannel
 from ipc.codec import Codec, ProtocolError
-from ipc.messages import (AbortRequest, DetokBatch, SampledTokens, StepPlan,
-                          TokenizedRequest)
+from ipc.messages import AbortRequest, DetokBatch, SampledTokens, StepPlan, TokenizedRequest
 from ipc.rings import sampled_specs, step_input_specs
 from ipc.shm import SharedRing
 from stages.process import stage_process
@@ -117,7 +116,7 @@ class SchedulerShell:
             batches[self._shard(delta.request_id)].deltas.append(delta)
         for rej in rejected:
             batches[self._shard(rej.request_id)].rejected.append(rej)
-        for chan, batch in zip(self.detoks, batches):
+        for chan, batch in zip(self.detoks, batches, strict=True):
             if batch.new_requests or batch.deltas or batch.rejected:
                 chan.send(batch)
 
