@@ -39,7 +39,11 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     p.add_argument("--model", default=d(None), help="local Hugging Face folder (Llama family); "
                    "default: SmolLM2-135M-Instruct, converted once into $LLM_PIPELINE_CACHE")
     p.add_argument("--dtype", default=d("float32"), choices=["float32", "bfloat16"])
-    p.add_argument("--device", default=d("cpu"), help="cpu or cuda[:N]")
+    p.add_argument("--device", default=d("cpu"),
+                   help="cpu, cuda[:N], or timed:A,B (a measuring instrument: no model, each "
+                        "step waits A + B*tokens ms and emits deterministic tokens)")
+    p.add_argument("--trace", default=d(None), metavar="FILE",
+                   help="write a Chrome-trace timeline of all stages (open it in Perfetto)")
     p.add_argument("--tokenizer-workers", type=int, default=d(1))
     p.add_argument("--detokenizer-workers", type=int, default=d(1))
     p.add_argument("--max-num-seqs", type=int, default=d(64))
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally: stop all
     try:
         cfg = build_config(args)
-        with Pipeline(cfg) as pipe:
+        with Pipeline(cfg, trace_path=args.trace) as pipe:
             client = pipe.client()
             if args.command == "generate":
                 return run_generate(client, args)

@@ -85,10 +85,25 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        is_torch_device = self.device in ("cpu", "cuda") or self.device.startswith("cuda:")
+        if not is_torch_device and self.timed is None:
+            raise ConfigError(f"--device must be cpu, cuda[:N] or timed:A,B, got {self.device!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive")
+
+    @property
+    def timed(self) -> tuple[float, float] | None:
+        """(A, B) of the timed measuring device `timed:A,B` (A + B*tokens ms a step)."""
+        if not self.device.startswith("timed:"):
+            return None
+        try:
+            a, b = (float(x) for x in self.device[len("timed:"):].split(","))
+        except ValueError:
+            a = b = -1.0
+        if a < 0 or b < 0:
+            raise ConfigError(f"--device {self.device!r}: use cpu, cuda[:N] or timed:A,B "
+                              "with A, B >= 0 milliseconds (A + B * tokens per step)")
+        return a, b
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,7 @@ class PipelineConfig:
     run_dir: str = ""
     run_id: str = ""
     ready_timeout_s: float = 300.0
+    trace_dir: str = ""  # set by the launcher when a trace is asked for
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:

@@ -26,6 +26,7 @@ from ipc.shm import SharedRing
 from pipeline.client import PipelineClient
 from pipeline.config import PipelineConfig
 from stages.entry import run_stage
+from stages.trace import merge_traces
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,16 @@ class StartupError(RuntimeError):
 class Pipeline:
     """Owns one run: its directory, rings and stage processes. Use as a context manager."""
 
-    def __init__(self, cfg: PipelineConfig) -> None:
+    def __init__(self, cfg: PipelineConfig, trace_path: str | None = None) -> None:
+        """trace_path: write a Chrome-trace timeline of every stage there when the run stops."""
         run_dir = make_run_dir()
-        self.cfg = dataclasses.replace(cfg, run_dir=str(run_dir), run_id=uuid.uuid4().hex[:12])
+        self.trace_path = trace_path
+        trace_dir = ""
+        if trace_path is not None:
+            trace_dir = str(run_dir / "trace")
+            os.mkdir(trace_dir)
+        self.cfg = dataclasses.replace(cfg, run_dir=str(run_dir), run_id=uuid.uuid4().hex[:12],
+                                       trace_dir=trace_dir)
         self.procs: dict[str, BaseProcess] = {}
         self.stage_info: dict[str, dict[str, int]] = {}
         self.failure: str | None = None
@@ -176,6 +184,10 @@ class Pipeline:
             ring.unlink()
         self._control.close()
         self._zmq.destroy(linger=0)
+        if self.trace_path is not None:
+            files = [os.path.join(self.cfg.trace_dir, f"{name.replace(':', '-')}.json")
+                     for name in self.procs]
+            merge_traces(files, self.trace_path)
         shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
 
     def __enter__(self) -> Pipeline:

@@ -14,6 +14,7 @@ from ipc.channels import PullChannel, ReplySockets
 from ipc.codec import Codec, ProtocolError
 from ipc.messages import DetokBatch, DetokRequestInfo, RequestOutput, RequestOutputs, TokenDelta
 from stages.process import stage_process
+from stages.trace import now_ns
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
@@ -84,7 +85,7 @@ class Detokenizer:
 
 
 def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
-    with stage_process("detokenizer", rank, cfg.control_address, parent_pid) as ctx:
+    with stage_process("detokenizer", rank, cfg, parent_pid) as ctx:
         core = Detokenizer(Tokenizer.from_file(f"{cfg.model.path}/tokenizer.json"))
         inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank), Codec([DetokBatch]),
                             bind=True)
@@ -99,6 +100,8 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
             if batch is None:
                 continue
             assert isinstance(batch, DetokBatch)
+            start = now_ns()
             for address, outputs in core.feed(batch).items():
                 replies.send(address, RequestOutputs(outputs))
+            ctx.tracer.span("detokenize", start, now_ns(), args={"deltas": len(batch.deltas)})
         replies.close()

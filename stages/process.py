@@ -11,11 +11,16 @@ import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ipc.channels import PushChannel
 from ipc.messages import StageFailed, StageReady
+from stages.trace import Tracer
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -47,11 +52,13 @@ def setup_logging(stage: str, rank: int) -> None:
 class StageContext:
     """Handed to a stage's main loop: the stop flag and the channel to the launcher."""
 
-    def __init__(self, stage: str, rank: int, control_address: str, parent_pid: int) -> None:
+    def __init__(self, stage: str, rank: int, cfg: PipelineConfig, parent_pid: int) -> None:
         self.stage, self.rank = stage, rank
         self.stop = threading.Event()
         self.zmq = zmq.Context()
-        self._control = PushChannel(self.zmq, control_address, bind=False)
+        self._control = PushChannel(self.zmq, cfg.control_address, bind=False)
+        trace = os.path.join(cfg.trace_dir, f"{stage}-{rank}.json") if cfg.trace_dir else None
+        self.tracer = Tracer(trace, stage, rank)
         _die_with_parent(parent_pid, self.stop)
 
     def ready(self, **info: int) -> None:
@@ -62,14 +69,14 @@ class StageContext:
 
 
 @contextmanager
-def stage_process(stage: str, rank: int, control_address: str, parent_pid: int
+def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
                   ) -> Iterator[StageContext]:
     """Run a stage body: name the process, handle signals, report a crash before dying."""
     from setproctitle import setproctitle
 
     setproctitle(f"llm-pipeline:{stage}:{rank}")
     setup_logging(stage, rank)
-    ctx = StageContext(stage, rank, control_address, parent_pid)
+    ctx = StageContext(stage, rank, cfg, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
     signal.signal(signal.SIGTERM, lambda *_: ctx.stop.set())
     try:
@@ -79,4 +86,5 @@ def stage_process(stage: str, rank: int, control_address: str, parent_pid: int
         ctx.failed(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     finally:
+        ctx.tracer.dump()
         ctx.zmq.destroy(linger=1000)

@@ -12,6 +12,7 @@ from ipc.channels import PullChannel, PushChannel, ReplySockets
 from ipc.codec import Codec, ProtocolError
 from ipc.messages import AddRequest, RequestOutput, RequestOutputs, SamplingParams, TokenizedRequest
 from stages.process import stage_process
+from stages.trace import now_ns
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
@@ -101,7 +102,7 @@ def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
 
 
 def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
-    with stage_process("tokenizer", rank, cfg.control_address, parent_pid) as ctx:
+    with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
         core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size)
         inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest]), bind=True)
         to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False)
@@ -116,6 +117,7 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
             if req is None:
                 continue
             assert isinstance(req, AddRequest)
+            start = now_ns()
             try:
                 to_scheduler.send(core.process(req))
             except RequestError as exc:
@@ -123,4 +125,5 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
             except Exception as exc:  # a tokenizer bug must not kill the stage
                 logger.exception("request %s failed in the tokenizer", req.request_id)
                 replies.send(req.reply_to, error_output(req.request_id, f"tokenizer error: {exc}"))
+            ctx.tracer.span("tokenize", start, now_ns())
         replies.close()

@@ -40,7 +40,7 @@ def test_greedy_matches_transformers(default_model_dir: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     expected = hf_greedy(default_model_dir, [tok(p)["input_ids"] for p in PROMPTS], 24)
-    pipe = Pipeline(live_config(default_model_dir, max_num_batched_tokens=64))
+    pipe = Pipeline(live_config(default_model_dir, max_num_batched_tokens=64, max_model_len=1024))
     try:
         pipe.start()
         outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))

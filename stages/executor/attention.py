@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stages.executor.step_inputs import PrefillRow
+
 
 @dataclass
-class PrefillRow:
+class PrefillAttention:
     start: int  # first token of the row in the flattened batch
     end: int
     block_row: torch.Tensor | None  # [num_blocks] blocks of the whole context; None: no past
@@ -30,73 +31,35 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None  # [B]
     decode_block_tables: torch.Tensor | None  # [B, nb]
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool
-    prefills: list[PrefillRow]
+    prefills: list[PrefillAttention]
 
 
-@dataclass
-class StepTensors:
-    """Everything the model needs for one step, on the device."""
-
-    positions: torch.Tensor  # [T]
-    token_slots: torch.Tensor  # [T] executor slot of each token
-    logits_indices: torch.Tensor  # [S_sampled]
-    sample_slots: torch.Tensor  # [S_sampled]
-    meta: AttentionMetadata
-
-
-def build_step_tensors(query_len: np.ndarray, context_len: np.ndarray, seq_slot: np.ndarray,
-                       do_sample: np.ndarray, block_table: torch.Tensor, block_size: int,
-                       device: torch.device) -> StepTensors:
-    """From the step's host rows (numpy, [S] each) and the device block table [slots, max_nb]."""
-    q = query_len.astype(np.int64)
-    ctx = context_len.astype(np.int64)
-    ends = np.cumsum(q)
-    starts = ends - q
-    num_tokens = int(ends[-1])
-    offsets = np.arange(num_tokens) - np.repeat(starts, q)
-    positions_np = np.repeat(ctx - q, q) + offsets
-    positions = torch.from_numpy(positions_np).to(device, non_blocking=True)
-    token_slots = torch.from_numpy(np.repeat(seq_slot.astype(np.int64), q)).to(device)
-    slot_mapping = (block_table[token_slots, positions // block_size].long() * block_size
+def build_attention_metadata(v: dict[str, torch.Tensor], decode_max_len: int,
+                             prefills: list[PrefillRow], block_table: torch.Tensor,
+                             block_size: int) -> AttentionMetadata:
+    """Device-side metadata from the unpacked step views `v` and the block table
+    [slots, max_blocks]; only Python ints from the host, so nothing waits for the device."""
+    positions = v["positions"]
+    slot_mapping = (block_table[v["token_slots"], positions // block_size].long() * block_size
                     + positions % block_size)
-    sampled = np.flatnonzero(do_sample)
-    logits_indices = torch.from_numpy(ends[sampled] - 1).to(device)
-    sample_slots = torch.from_numpy(seq_slot[sampled].astype(np.int64)).to(device)
     meta = AttentionMetadata(slot_mapping, None, None, None, [])
-    _add_decodes(meta, q, ctx, starts, seq_slot, block_table, block_size, device)
-    _add_prefills(meta, q, ctx, starts, seq_slot, block_table, block_size, device)
-    return StepTensors(positions, token_slots, logits_indices, sample_slots, meta)
-
-
-def _add_decodes(meta: AttentionMetadata, q: np.ndarray, ctx: np.ndarray, starts: np.ndarray,
-                 seq_slot: np.ndarray, block_table: torch.Tensor, block_size: int,
-                 device: torch.device) -> None:
-    rows = np.flatnonzero(q == 1)
-    if not len(rows):
-        return
-    num_blocks = int(-(-ctx[rows].max() // block_size))
-    slots = torch.from_numpy(seq_slot[rows].astype(np.int64)).to(device)
-    meta.decode_token_idx = torch.from_numpy(starts[rows]).to(device)
-    meta.decode_block_tables = block_table[slots, :num_blocks].long()
-    lens = torch.from_numpy(ctx[rows]).to(device)
-    keys = torch.arange(num_blocks * block_size, device=device)
-    meta.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
-
-
-def _add_prefills(meta: AttentionMetadata, q: np.ndarray, ctx: np.ndarray, starts: np.ndarray,
-                  seq_slot: np.ndarray, block_table: torch.Tensor, block_size: int,
-                  device: torch.device) -> None:
-    for row in np.flatnonzero(q > 1):
-        start, qlen, clen = int(starts[row]), int(q[row]), int(ctx[row])
-        if qlen == clen:
-            meta.prefills.append(PrefillRow(start, start + qlen, None, None, clen))
+    if decode_max_len:
+        num_blocks = -(-decode_max_len // block_size)
+        meta.decode_token_idx = v["decode_token_idx"]
+        meta.decode_block_tables = block_table[v["decode_slots"], :num_blocks].long()
+        keys = torch.arange(num_blocks * block_size, device=positions.device)
+        meta.decode_mask = (keys[None, :] < v["decode_lens"][:, None])[:, None, None, :]
+    for row in prefills:
+        qlen, clen = row.end - row.start, row.context_len
+        if qlen == clen:  # no past: causal attention over the fresh keys
+            meta.prefills.append(PrefillAttention(row.start, row.end, None, None, clen))
             continue
-        num_blocks = -(-clen // block_size)
-        block_row = block_table[int(seq_slot[row]), :num_blocks].long()
-        query_pos = torch.arange(clen - qlen, clen, device=device)
-        keys = torch.arange(clen, device=device)
+        block_row = block_table[row.slot, :-(-clen // block_size)].long()
+        query_pos = torch.arange(clen - qlen, clen, device=positions.device)
+        keys = torch.arange(clen, device=positions.device)
         mask = (keys[None, :] <= query_pos[:, None])[None, None]
-        meta.prefills.append(PrefillRow(start, start + qlen, block_row, mask, clen))
+        meta.prefills.append(PrefillAttention(row.start, row.end, block_row, mask, clen))
+    return meta
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

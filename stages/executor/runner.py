@@ -1,21 +1,24 @@
 """The executor core: model, paged KV cache and per-slot device state. No sockets.
 
 Owns, on the device: the KV cache, the block table of every slot, each slot's last sampled
-token (the placeholder value) and sampling parameters. `execute()` runs one step.
+token (the placeholder value) and sampling parameters. A step is `prepare()` on the host
+(any time after the previous one) then `compute()` on the device, strictly in step order.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ipc.messages import StepPlan
-from stages.executor.attention import build_step_tensors
+from stages.executor.attention import build_attention_metadata
 from stages.executor.model import PagedLlama, load_model
 from stages.executor.sampler import sample
+from stages.executor.step_inputs import HostStep, prepare_host_step, staging_size, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,9 @@ class RunnerShape:
     block_size: int
     max_model_len: int
     kv_cache_memory: int
+    max_num_tokens: int = 2048
+    max_block_updates: int = 4096
+    num_ring_slots: int = 3
 
 
 def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -> int:
@@ -33,24 +39,53 @@ def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -
     return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
+class SlotState:
+    """Per-slot device state shared by every runner: block table, last sample, temperature."""
+
+    def __init__(self, shape: RunnerShape, device: torch.device, pin: bool) -> None:
+        self.device = device
+        max_blocks = -(-shape.max_model_len // shape.block_size)
+        self.block_table = torch.zeros(shape.max_num_seqs, max_blocks, dtype=torch.int32,
+                                       device=device)
+        self.last_sampled = torch.zeros(shape.max_num_seqs, dtype=torch.int64, device=device)
+        self.temperature = torch.zeros(shape.max_num_seqs, dtype=torch.float32, device=device)
+        self.host_temperature = np.zeros(shape.max_num_seqs, dtype=np.float32)
+        size = staging_size(shape.max_num_seqs, shape.max_num_tokens, shape.max_block_updates)
+        # One packed staging buffer per ring slot: rewritten only after its step completed.
+        self.staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+                        for _ in range(shape.num_ring_slots)]
+
+    def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
+        slot = plan.ring_slot
+        return prepare_host_step(plan, ring, self.staging[slot], self.host_temperature, slot)
+
+    def apply(self, step: HostStep, v: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Apply the step's slot changes on the device; returns its input ids [T] with
+        placeholders resolved from each slot's last sample."""
+        if step.sizes["bt_slot"]:
+            self.block_table[v["bt_slot"], v["bt_index"]] = v["bt_block"].int()
+        if step.sizes["new_slots"]:
+            self.temperature[v["new_slots"]] = v["new_temps"].to(torch.int32).view(torch.float32)
+        ids = v["input_ids"]
+        return torch.where(ids < 0, self.last_sampled[v["token_slots"]], ids)
+
+
 class ModelRunner:
+    """The real model path."""
+
     def __init__(self, model: PagedLlama, shape: RunnerShape, device: torch.device) -> None:
         self.model, self.shape, self.device = model, shape, device
         dtype = model.lm_head.weight.dtype
         per_block = kv_bytes_per_block(model, shape.block_size, dtype)
         self.num_blocks = shape.kv_cache_memory // per_block
-        max_blocks_per_seq = -(-shape.max_model_len // shape.block_size)
         if self.num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {shape.kv_cache_memory} bytes holds no KV block "
                              f"({per_block} bytes each)")
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_caches = torch.zeros(model.num_layers, 2, self.num_blocks, shape.block_size,
                                      model.num_kv_heads, model.head_dim, dtype=dtype, device=device)
-        self.block_table = torch.zeros(shape.max_num_seqs, max_blocks_per_seq, dtype=torch.int32,
-                                       device=device)
-        self.last_sampled = torch.zeros(shape.max_num_seqs, dtype=torch.int64, device=device)
-        self.temperature = torch.zeros(shape.max_num_seqs, dtype=torch.float32, device=device)
-        self._host_temperature = np.zeros(shape.max_num_seqs, dtype=np.float32)
+        self.slots = SlotState(shape, device, pin=device.type == "cuda")
+        self.vocab_size = model.cfg["vocab_size"]
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
                     shape.block_size, self.num_blocks * per_block / 2**20)
 
@@ -59,31 +94,50 @@ class ModelRunner:
                  shape: RunnerShape) -> ModelRunner:
         return cls(load_model(model_dir, dtype, device, shape.max_model_len), shape, device)
 
-    def _apply_plan_state(self, plan: StepPlan, inputs: dict[str, np.ndarray]) -> None:
-        for init in plan.new_slots:
-            self._host_temperature[init.slot] = init.temperature
-            self.temperature[init.slot] = init.temperature
-        n = plan.num_block_updates
-        if n:
-            rows = torch.from_numpy(inputs["bt_slot"][:n].astype(np.int64)).to(self.device)
-            cols = torch.from_numpy(inputs["bt_index"][:n].astype(np.int64)).to(self.device)
-            blocks = torch.from_numpy(inputs["bt_block"][:n].copy()).to(self.device)
-            self.block_table[rows, cols] = blocks
+    def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
+        return self.slots.prepare(plan, ring)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, inputs: dict[str, np.ndarray]) -> torch.Tensor:
-        """Run step `plan` on the ring slot `inputs`; returns sampled ids [num_sampled]."""
-        self._apply_plan_state(plan, inputs)
-        s, t = plan.num_seqs, plan.num_tokens
-        seq_slot = inputs["seq_slot"][:s].copy()
-        do_sample = inputs["do_sample"][:s].copy()
-        step = build_step_tensors(inputs["query_len"][:s].copy(), inputs["context_len"][:s].copy(),
-                                  seq_slot, do_sample, self.block_table, self.shape.block_size,
-                                  self.device)
-        ids = torch.from_numpy(inputs["input_ids"][:t].copy()).to(self.device)
-        ids = torch.where(ids < 0, self.last_sampled[step.token_slots], ids)
-        logits = self.model(ids, step.positions, self.kv_caches, step.meta, step.logits_indices)
-        all_greedy = not self._host_temperature[seq_slot[do_sample]].any()
-        tokens = sample(logits, self.temperature[step.sample_slots], bool(all_greedy))
-        self.last_sampled[step.sample_slots] = tokens
+    def compute(self, step: HostStep, packed: torch.Tensor) -> torch.Tensor:
+        """Run `step` whose packed buffer is already on the device; returns sampled ids [X]."""
+        v = unpack(packed, step.sizes)
+        ids = self.slots.apply(step, v)
+        meta = build_attention_metadata(v, step.decode_max_len, step.prefills,
+                                        self.slots.block_table, self.shape.block_size)
+        logits = self.model(ids, v["positions"], self.kv_caches, meta, v["logits_indices"])
+        temps = self.slots.temperature[v["sample_slots"]]
+        tokens = sample(logits, temps, step.all_greedy)
+        self.slots.last_sampled[v["sample_slots"]] = tokens
         return tokens
+
+    def execute(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> torch.Tensor:
+        """prepare + compute, synchronously (tests, the in-process engine; CPU only)."""
+        step = self.prepare(plan, ring)
+        return self.compute(step, step.packed.to(self.device))
+
+
+class TimedRunner:
+    """A measuring instrument, not a model: each step waits `a + b * tokens` milliseconds
+    (sleeping, so the host is free) and emits deterministic tokens, to measure the
+    orchestration alone as a fast device would expose it. Same slot protocol as the model."""
+
+    def __init__(self, a_ms: float, b_ms: float, shape: RunnerShape, vocab_size: int) -> None:
+        self.a_ms, self.b_ms, self.shape = a_ms, b_ms, shape
+        self.device = torch.device("cpu")
+        self.vocab_size = vocab_size
+        self.num_blocks = shape.max_num_seqs * -(-shape.max_model_len // shape.block_size)
+        self.slots = SlotState(shape, self.device, pin=False)
+
+    def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
+        return self.slots.prepare(plan, ring)
+
+    def compute(self, step: HostStep, packed: torch.Tensor) -> torch.Tensor:
+        v = unpack(packed, step.sizes)
+        ids = self.slots.apply(step, v)
+        idx = v["logits_indices"]
+        tokens = (ids[idx] * 1103515245 + v["positions"][idx] + 12345) % self.vocab_size
+        self.slots.last_sampled[v["sample_slots"]] = tokens
+        time.sleep((self.a_ms + self.b_ms * step.num_tokens) / 1000)
+        return tokens
+
+    execute = ModelRunner.execute

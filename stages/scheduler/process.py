@@ -17,6 +17,7 @@ from ipc.rings import sampled_specs, step_input_specs
 from ipc.shm import SharedRing
 from stages.process import stage_process
 from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
+from stages.trace import Tracer, now_ns
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
@@ -48,7 +49,9 @@ def make_plan(step: PlannedStep, ring_slot: int) -> StepPlan:
 class SchedulerShell:
     """Owns the sockets and rings around one Scheduler core."""
 
-    def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int) -> None:
+    def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int,
+                 tracer: Tracer | None = None) -> None:
+        self.tracer = tracer or Tracer(None, "scheduler", 0)
         s = cfg.scheduler
         self.core = Scheduler(SchedulerLimits(
             num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens,
@@ -82,8 +85,10 @@ class SchedulerShell:
     def _drain_results(self) -> None:
         while (msg := self.results.recv_nowait()) is not None:
             assert isinstance(msg, SampledTokens)
+            start = now_ns()
             ids = self.sampled.slot(msg.ring_slot)["token_ids"][: msg.num_sampled].tolist()
             self.core.on_sampled(msg.step_id, ids)
+            self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 
     def _drain_inbox(self) -> None:
         while True:
@@ -100,12 +105,19 @@ class SchedulerShell:
                 self.core.abort(msg.request_id)
 
     def _launch_steps(self) -> None:
-        while (step := self.core.schedule()) is not None:
+        while True:
+            start = now_ns()
+            step = self.core.schedule()
+            if step is None:
+                return
             ring_slot = step.step_id % self.steps.num_slots
             write_step(step, self.steps.slot(ring_slot))
             self.to_executor.send(make_plan(step, ring_slot))
+            self.tracer.span("schedule", start, now_ns(),
+                             args={"step": step.step_id, "seqs": len(step.rows)})
 
     def _flush_outputs(self) -> None:
+        start = now_ns()
         infos, deltas, rejected = self.core.take_outputs()
         if not (infos or deltas or rejected):
             return
@@ -119,6 +131,7 @@ class SchedulerShell:
         for chan, batch in zip(self.detoks, batches, strict=True):
             if batch.new_requests or batch.deltas or batch.rejected:
                 chan.send(batch)
+        self.tracer.span("outputs", start, now_ns(), args={"deltas": len(deltas)})
 
     def _shard(self, request_id: str) -> int:
         """Every message of one request goes to the same detokenizer worker."""
@@ -126,8 +139,8 @@ class SchedulerShell:
 
 
 def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int) -> None:
-    with stage_process("scheduler", rank, cfg.control_address, parent_pid) as ctx:
-        shell = SchedulerShell(cfg, ctx.zmq, num_blocks)
+    with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
+        shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer)
         ctx.ready()
         while not ctx.stop.is_set():
             shell.run_once()

@@ -1,0 +1,129 @@
+"""Where steps run, in the executor process. The host thread prepares step N+1 while the
+device runs step N; each device reports a finished step with its busy interval.
+
+ThreadDevice: the CPU (or the timed instrument): a worker thread executes queued steps in
+order (PyTorch releases the GIL inside kernels); completion flags are the queue itself.
+CudaDevice: copy, compute and device->host streams ordered by CUDA events; the ring memory is
+page-locked; a notifier thread waits on each step's last event, never the host loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ipc.shm import SharedRing
+from stages.executor.step_inputs import HostStep
+from stages.trace import now_ns
+
+logger = logging.getLogger(__name__)
+
+# (step, num_sampled, device_start_ns, device_end_ns); the ids are already in the ring slot.
+OnDone = Callable[[HostStep, int, int, int], None]
+
+
+class Runner(Protocol):
+    device: torch.device
+
+    def compute(self, step: HostStep, packed: torch.Tensor) -> torch.Tensor: ...
+
+
+class ThreadDevice:
+    def __init__(self, runner: Runner, sampled: SharedRing, on_done: OnDone) -> None:
+        self.runner, self.sampled, self.on_done = runner, sampled, on_done
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[HostStep | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="device", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: HostStep) -> None:
+        self._queue.put(step)
+
+    def _run(self) -> None:
+        try:
+            while (step := self._queue.get()) is not None:
+                start = now_ns()
+                tokens = self.runner.compute(step, step.packed)
+                end = now_ns()
+                out = self.sampled.slot(step.plan.step_id % self.sampled.num_slots)["token_ids"]
+                out[: len(tokens)] = tokens.numpy()
+                self.on_done(step, len(tokens), start, end)
+        except BaseException as exc:  # the host loop re-raises it: the stage fails loudly
+            logger.exception("device thread failed")
+            self.error = exc
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+
+def register_host_memory(ring: SharedRing) -> None:
+    """Page-lock a shared ring so copies to and from it are truly asynchronous."""
+    buf = ctypes.c_char.from_buffer(ring.buffer)
+    err = torch.cuda.cudart().cudaHostRegister(ctypes.addressof(buf), len(ring.buffer), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {ring.name} failed with error {int(err)}")
+
+
+class CudaDevice:
+    def __init__(self, runner: Runner, sampled: SharedRing, on_done: OnDone) -> None:
+        self.runner, self.sampled, self.on_done = runner, sampled, on_done
+        self.error: BaseException | None = None
+        register_host_memory(sampled)
+        self._host_out = [torch.from_numpy(sampled.slot(i)["token_ids"])
+                          for i in range(sampled.num_slots)]
+        self.copy_stream, self.compute_stream, self.d2h_stream = (
+            torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream())
+        self._base = torch.cuda.Event(enable_timing=True)
+        self._base.record()
+        self._base.synchronize()  # once, at start: maps device time onto the host clock
+        self._base_ns = now_ns()
+        self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._notify, name="cuda-notify", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: HostStep) -> None:
+        """Enqueue copy -> compute -> copy back; returns at once (no host synchronisation)."""
+        device = self.runner.device
+        with torch.cuda.stream(self.copy_stream):
+            packed = step.packed.to(device, non_blocking=True)  # from pinned staging
+            copied = torch.cuda.Event()
+            copied.record()
+        self.compute_stream.wait_event(copied)
+        with torch.cuda.stream(self.compute_stream):
+            packed.record_stream(self.compute_stream)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            tokens = self.runner.compute(step, packed)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        self.d2h_stream.wait_event(end)
+        with torch.cuda.stream(self.d2h_stream):
+            tokens.record_stream(self.d2h_stream)
+            slot = step.plan.step_id % self.sampled.num_slots
+            self._host_out[slot][: tokens.shape[0]].copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self._pending.put((step, tokens.shape[0], start, end, done))
+
+    def _notify(self) -> None:
+        try:
+            while (item := self._pending.get()) is not None:
+                step, num, start, end, done = item
+                done.synchronize()  # this thread waits; the host loop and the device do not
+                t0 = self._base_ns + int(self._base.elapsed_time(start) * 1e6)
+                t1 = self._base_ns + int(self._base.elapsed_time(end) * 1e6)
+                self.on_done(step, num, t0, t1)
+        except BaseException as exc:
+            logger.exception("CUDA notifier failed")
+            self.error = exc
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._thread.join(timeout=30)

@@ -1,0 +1,103 @@
+"""Host-side preparation of one step, in the executor process: reads a step-input ring slot and
+packs every index array the device needs into one int64 buffer, so a step costs one host->device
+copy (non-blocking from pinned memory on CUDA; none at all on the CPU device)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ipc.messages import StepPlan
+
+# Packed int64 fields, in order. Sizes: T tokens, S rows, X sampled rows, B decode rows,
+# U block-table updates, N new slots (slot ids and float32 temperatures as bit patterns).
+_FIELDS = ("input_ids", "positions", "token_slots", "logits_indices", "sample_slots",
+           "decode_token_idx", "decode_slots", "decode_lens", "bt_slot", "bt_index", "bt_block",
+           "new_slots", "new_temps")
+
+
+@dataclass
+class PrefillRow:
+    start: int  # first token of the row in the flattened batch
+    end: int
+    slot: int
+    context_len: int  # KV length after this step
+
+
+@dataclass
+class HostStep:
+    """A step ready for the device: the packed buffer plus the few sizes the device needs
+    as Python ints (so the device never has to ask the host for them)."""
+
+    plan: StepPlan
+    packed: torch.Tensor  # [sum of sizes] int64, host (pinned on CUDA)
+    sizes: dict[str, int]
+    decode_max_len: int  # longest context among decode rows (0: none)
+    prefills: list[PrefillRow]
+    all_greedy: bool
+    ring_slot: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+
+def unpack(packed: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Views of each field over a packed buffer (on whichever device it now lives)."""
+    views, offset = {}, 0
+    for name in _FIELDS:
+        views[name] = packed[offset:offset + sizes[name]]
+        offset += sizes[name]
+    return views
+
+
+def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torch.Tensor,
+                      host_temperature: np.ndarray, ring_slot: int) -> HostStep:
+    """Read ring slot `ring` and fill `staging` (int64, large enough) for step `plan`."""
+    s, t, u = plan.num_seqs, plan.num_tokens, plan.num_block_updates
+    q = ring["query_len"][:s].astype(np.int64)
+    ctx = ring["context_len"][:s].astype(np.int64)
+    slots = ring["seq_slot"][:s].astype(np.int64)
+    do_sample = ring["do_sample"][:s]
+    ends = np.cumsum(q)
+    starts = ends - q
+    decode = np.flatnonzero(q == 1)
+    sampled = np.flatnonzero(do_sample)
+    temps = host_temperature.copy()
+    for init in plan.new_slots:
+        temps[init.slot] = init.temperature
+    arrays = {
+        "input_ids": ring["input_ids"][:t],
+        "positions": np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q)),
+        "token_slots": np.repeat(slots, q),
+        "logits_indices": ends[sampled] - 1,
+        "sample_slots": slots[sampled],
+        "decode_token_idx": starts[decode],
+        "decode_slots": slots[decode],
+        "decode_lens": ctx[decode],
+        "bt_slot": ring["bt_slot"][:u], "bt_index": ring["bt_index"][:u],
+        "bt_block": ring["bt_block"][:u],
+        "new_slots": np.array([i.slot for i in plan.new_slots], dtype=np.int64),
+        # float32 bit patterns, so one int64 buffer carries everything
+        "new_temps": np.array([i.temperature for i in plan.new_slots], dtype=np.float32)
+        .view(np.int32).astype(np.int64),
+    }
+    sizes = {name: len(arrays[name]) for name in _FIELDS}
+    out = staging.numpy()
+    offset = 0
+    for name in _FIELDS:
+        out[offset:offset + sizes[name]] = arrays[name]
+        offset += sizes[name]
+    host_temperature[:] = temps
+    prefills = [PrefillRow(int(starts[r]), int(ends[r]), int(slots[r]), int(ctx[r]))
+                for r in np.flatnonzero(q > 1)]
+    return HostStep(
+        plan, staging[:offset], sizes, int(ctx[decode].max()) if len(decode) else 0, prefills,
+        not temps[slots[sampled]].any(), ring_slot)
+
+
+def staging_size(max_num_seqs: int, max_num_tokens: int, max_block_updates: int) -> int:
+    """Elements of a packed buffer that holds any step."""
+    return 3 * max_num_tokens + 9 * max_num_seqs + 3 * max_block_updates
