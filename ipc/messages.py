@@ -224,6 +224,25 @@ class StageFailed(Message):
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerStats(Message):
+    """The scheduler's accounting, sent to the launcher a few times a second."""
+
+    TAG: ClassVar[int] = 10
+    num_blocks: int
+    num_free_blocks: int
+    num_slots: int
+    num_free_slots: int
+    num_ring_slots: int
+    num_free_ring_slots: int
+    num_inflight_steps: int
+    num_waiting: int
+    num_running: int
+    num_requests: int
+    num_preemptions: int
+    num_steps: int
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     AddRequest,
     AbortRequest,
@@ -234,4 +253,5 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     SampledTokens,
     StageReady,
     StageFailed,
+    SchedulerStats,
 )

@@ -6,6 +6,8 @@ sampled-token ring: written by the executor, read by the scheduler.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ipc.shm import BufferSpec
 
 
@@ -13,6 +15,7 @@ def step_input_specs(
     max_num_seqs: int, max_num_tokens: int, max_block_updates: int
 ) -> tuple[BufferSpec, ...]:
     return (
+        BufferSpec("stamp", "int64", (2,)),  # step id before / after the writer's writes
         BufferSpec("input_ids", "int64", (max_num_tokens,)),  # -1: this slot's last sample
         BufferSpec("seq_slot", "int32", (max_num_seqs,)),  # executor slot of each row
         BufferSpec("query_len", "int32", (max_num_seqs,)),  # tokens computed this step
@@ -22,6 +25,18 @@ def step_input_specs(
         BufferSpec("bt_index", "int32", (max_block_updates,)),
         BufferSpec("bt_block", "int32", (max_block_updates,)),
     )
+
+
+class RingRaceError(RuntimeError):
+    """A ring slot was read while it was being rewritten: the slot protocol was broken."""
+
+
+def check_stamp(buf: dict[str, np.ndarray], step_id: int) -> None:
+    """Raise unless slot `buf` holds exactly step `step_id`, completely written."""
+    begin, end = int(buf["stamp"][0]), int(buf["stamp"][1])
+    if begin != step_id or end != step_id:
+        raise RingRaceError(f"step-input slot holds stamps ({begin}, {end}), expected step "
+                            f"{step_id}: it was rewritten before the executor finished reading")
 
 
 def sampled_specs(max_num_seqs: int) -> tuple[BufferSpec, ...]:

@@ -20,7 +20,7 @@ import zmq
 
 from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec
-from ipc.messages import StageFailed, StageReady
+from ipc.messages import SchedulerStats, StageFailed, StageReady
 from ipc.rings import sampled_specs, step_input_specs
 from ipc.shm import SharedRing
 from pipeline.client import PipelineClient
@@ -57,7 +57,9 @@ class Pipeline:
         self._mp = mp.get_context("spawn")
         self._zmq = zmq.Context()
         self._control = PullChannel(self._zmq, self.cfg.control_address,
-                                    Codec([StageReady, StageFailed]), bind=True)
+                                    Codec([StageReady, StageFailed, SchedulerStats]), bind=True)
+        self.scheduler_stats: SchedulerStats | None = None
+        self._supervisor: threading.Thread | None = None
         self._rings = self._create_rings()
         self._clients: list[PipelineClient] = []
 
@@ -90,7 +92,9 @@ class Pipeline:
             raise
         for ring in self._rings:  # every user has it mapped: nothing is left in /dev/shm
             ring.unlink()
-        threading.Thread(target=self._supervise, name="supervisor", daemon=True).start()
+        self._supervisor = threading.Thread(target=self._supervise, name="supervisor",
+                                            daemon=True)
+        self._supervisor.start()
         return self
 
     def _check_cache_holds_a_sequence(self, num_blocks: int) -> None:
@@ -113,8 +117,10 @@ class Pipeline:
         while missing:
             for name in missing:
                 if not self.procs[name].is_alive():
+                    cause = self._control.recv(timeout_ms=500)  # its StageFailed, if it sent one
+                    why = f": {cause.message}" if isinstance(cause, StageFailed) else ""
                     raise StartupError(f"stage {name} exited with code "
-                                       f"{self.procs[name].exitcode} before it was ready")
+                                       f"{self.procs[name].exitcode} before it was ready{why}")
             if time.monotonic() > deadline:
                 raise StartupError(f"stage(s) {', '.join(missing)} did not report ready within "
                                    f"{self.cfg.ready_timeout_s:.0f} s")
@@ -128,20 +134,23 @@ class Pipeline:
     # ------------------------------------------------------------ supervise
 
     def _supervise(self) -> None:
+        """Watch every stage process and the control channel (stats, failure reports)."""
         sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
-        ready = wait(list(sentinels), timeout=None)
-        if self._stopping.is_set():
-            return
-        dead = ", ".join(f"{sentinels[s]} (exit code {self.procs[sentinels[s]].exitcode})"
-                         for s in ready)
-        reason = self._failure_message() or "no message"
-        self.failure = f"stage {dead} died: {reason}"
-        logger.error("%s; stopping the pipeline", self.failure)
-        self.stop()
-
-    def _failure_message(self) -> str | None:
-        msg = self._control.recv(timeout_ms=200) if not self._control.socket.closed else None
-        return msg.message if isinstance(msg, StageFailed) else None
+        failure_message = "no message"
+        while not self._stopping.is_set():
+            dead = wait(list(sentinels), timeout=0.1)
+            while not self._stopping.is_set() and (msg := self._control.recv_nowait()):
+                if isinstance(msg, SchedulerStats):
+                    self.scheduler_stats = msg
+                elif isinstance(msg, StageFailed):
+                    failure_message = msg.message
+            if dead and not self._stopping.is_set():
+                names = ", ".join(f"{sentinels[s]} (exit code {self.procs[sentinels[s]].exitcode})"
+                                  for s in dead)
+                self.failure = f"stage {names} died: {failure_message}"
+                logger.error("%s; stopping the pipeline", self.failure)
+                threading.Thread(target=self.stop, name="stop").start()
+                return
 
     @property
     def is_alive(self) -> bool:
@@ -168,6 +177,8 @@ class Pipeline:
             self._stop_all(timeout)
 
     def _stop_all(self, timeout: float) -> None:
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=2)  # it owns the control socket until it sees stop
         for client in self._clients:
             client.close()
         for proc in self.procs.values():

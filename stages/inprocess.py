@@ -45,9 +45,9 @@ class InProcessEngine:
         inflight: deque = deque()
         while self.scheduler.requests or inflight:
             while (step := self.scheduler.schedule()) is not None:
-                ring = self.rings[step.step_id % len(self.rings)]
+                ring = self.rings[step.ring_slot]
                 write_step(step, ring)
-                inflight.append((step.step_id, self.runner.execute(make_plan(step, 0), ring)))
+                inflight.append((step.step_id, self.runner.execute(make_plan(step), ring)))
             if not inflight:
                 raise RuntimeError("the scheduler has requests but planned no step")
             step_id, tokens = inflight.popleft()

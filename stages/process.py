@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from ipc.channels import PushChannel
-from ipc.messages import StageFailed, StageReady
+from ipc.messages import Message, StageFailed, StageReady
 from stages.trace import Tracer
 
 if TYPE_CHECKING:
@@ -63,6 +63,10 @@ class StageContext:
 
     def ready(self, **info: int) -> None:
         self._control.send(StageReady(self.stage, self.rank, os.getpid(), dict(info)))
+
+    def report(self, msg: Message) -> None:
+        """Send a message to the launcher (stats)."""
+        self._control.send(msg)
 
     def failed(self, message: str) -> None:
         self._control.send(StageFailed(self.stage, self.rank, os.getpid(), message))

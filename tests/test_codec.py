@@ -22,6 +22,7 @@ from ipc.messages import (
     RequestOutput,
     RequestOutputs,
     SampledTokens,
+    SchedulerStats,
     SamplingParams,
     SlotInit,
     StageFailed,
@@ -61,6 +62,7 @@ SAMPLES: list[Message] = [
     StageReady("executor", 0, 4242, {"num_kv_blocks": 1024, "max_num_seqs": 8}),
     StageReady("tokenizer", 3, 17, {}),
     StageFailed("detokenizer", 1, 99, "Traceback: ☠ out of memory"),
+    SchedulerStats(100, 97, 8, 7, 3, 2, 1, 0, 1, 1, 0, 42),
 ]
 
 ALL = Codec(ALL_MESSAGES)

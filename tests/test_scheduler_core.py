@@ -249,6 +249,7 @@ class Driver:
         assert sorted(core.free_slots) == list(range(self.limits.max_num_seqs))
         assert not core.inflight and not core.requests and not self.pending
         assert not core.waiting and not core.running
+        assert sorted(core.free_ring_slots) == list(range(self.limits.depth + 1))
 
 
 def expected_tokens(rid: str, count: int, token_fn: TokenFn = plain_token) -> list[int]:

@@ -39,8 +39,13 @@ class ThreadDevice:
         self.runner, self.sampled, self.on_done = runner, sampled, on_done
         self.error: BaseException | None = None
         self._queue: queue.SimpleQueue[HostStep | None] = queue.SimpleQueue()
+        # Reports leave from their own thread, so the device starts its next step at once.
+        self._done: queue.SimpleQueue[tuple[HostStep, torch.Tensor, int, int] | None] = (
+            queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name="device", daemon=True)
+        self._reporter = threading.Thread(target=self._report, name="report", daemon=True)
         self._thread.start()
+        self._reporter.start()
 
     def submit(self, step: HostStep) -> None:
         self._queue.put(step)
@@ -50,17 +55,28 @@ class ThreadDevice:
             while (step := self._queue.get()) is not None:
                 start = now_ns()
                 tokens = self.runner.compute(step, step.packed)
-                end = now_ns()
-                out = self.sampled.slot(step.plan.step_id % self.sampled.num_slots)["token_ids"]
-                out[: len(tokens)] = tokens.numpy()
-                self.on_done(step, len(tokens), start, end)
+                self._done.put((step, tokens, start, now_ns()))
         except BaseException as exc:  # the host loop re-raises it: the stage fails loudly
             logger.exception("device thread failed")
+            self.error = exc
+        finally:
+            self._done.put(None)
+
+    def _report(self) -> None:
+        try:
+            while (item := self._done.get()) is not None:
+                step, tokens, start, end = item
+                out = self.sampled.slot(step.ring_slot)["token_ids"]
+                out[: len(tokens)] = tokens.numpy()
+                self.on_done(step, len(tokens), start, end)
+        except BaseException as exc:
+            logger.exception("report thread failed")
             self.error = exc
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        self._reporter.join(timeout=30)
 
 
 def register_host_memory(ring: SharedRing) -> None:
@@ -106,8 +122,7 @@ class CudaDevice:
         self.d2h_stream.wait_event(end)
         with torch.cuda.stream(self.d2h_stream):
             tokens.record_stream(self.d2h_stream)
-            slot = step.plan.step_id % self.sampled.num_slots
-            self._host_out[slot][: tokens.shape[0]].copy_(tokens, non_blocking=True)
+            self._host_out[step.ring_slot][: tokens.shape[0]].copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         self._pending.put((step, tokens.shape[0], start, end, done))

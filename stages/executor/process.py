@@ -53,15 +53,15 @@ def attach_rings(cfg: PipelineConfig) -> tuple[SharedRing, SharedRing]:
 class Reporter:
     """Sends SampledTokens from the device's thread; its socket is used by that thread only."""
 
-    def __init__(self, ctx: StageContext, address: str, num_ring_slots: int) -> None:
-        self.ctx, self.address, self.num_ring_slots = ctx, address, num_ring_slots
+    def __init__(self, ctx: StageContext, address: str) -> None:
+        self.ctx, self.address = ctx, address
         self._chan: PushChannel | None = None
 
     def __call__(self, step: HostStep, num_sampled: int, start_ns: int, end_ns: int) -> None:
         if self._chan is None:
             self._chan = PushChannel(self.ctx.zmq, self.address, bind=False)
         plan = step.plan
-        self._chan.send(SampledTokens(plan.step_id, plan.step_id % self.num_ring_slots, num_sampled,
+        self._chan.send(SampledTokens(plan.step_id, plan.ring_slot, num_sampled,
                                       start_ns / 1e9, end_ns / 1e9))
         self.ctx.tracer.span("device", start_ns, end_ns, "device",
                              {"step": plan.step_id, "tokens": plan.num_tokens,
@@ -73,7 +73,7 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         runner = build_runner(cfg)
         steps, sampled = attach_rings(cfg)
         plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True)
-        report = Reporter(ctx, cfg.sampled_address, sampled.num_slots)
+        report = Reporter(ctx, cfg.sampled_address)
         is_cuda = isinstance(runner, ModelRunner) and runner.device.type == "cuda"
         device = (CudaDevice if is_cuda else ThreadDevice)(runner, sampled, report)
         ctx.ready(num_kv_blocks=runner.num_blocks)

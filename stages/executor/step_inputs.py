@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ipc.messages import StepPlan
+from ipc.rings import check_stamp
 
 # Packed int64 fields, in order. Sizes: T tokens, S rows, X sampled rows, B decode rows,
 # U block-table updates, N new slots (slot ids and float32 temperatures as bit patterns).
@@ -55,7 +56,9 @@ def unpack(packed: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tenso
 
 def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torch.Tensor,
                       host_temperature: np.ndarray, ring_slot: int) -> HostStep:
-    """Read ring slot `ring` and fill `staging` (int64, large enough) for step `plan`."""
+    """Read ring slot `ring` and fill `staging` (int64, large enough) for step `plan`.
+    The slot's stamps are checked before and after: a slot rewritten meanwhile raises."""
+    check_stamp(ring, plan.step_id)
     s, t, u = plan.num_seqs, plan.num_tokens, plan.num_block_updates
     q = ring["query_len"][:s].astype(np.int64)
     ctx = ring["context_len"][:s].astype(np.int64)
@@ -90,6 +93,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     for name in _FIELDS:
         out[offset:offset + sizes[name]] = arrays[name]
         offset += sizes[name]
+    check_stamp(ring, plan.step_id)  # nothing rewrote the slot while we copied it out
     host_temperature[:] = temps
     prefills = [PrefillRow(int(starts[r]), int(ends[r]), int(slots[r]), int(ctx[r]))
                 for r in np.flatnonzero(q > 1)]

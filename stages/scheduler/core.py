@@ -12,7 +12,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ipc.messages import DetokRequestInfo, RequestRejected, SlotInit, TokenDelta, TokenizedRequest
+from ipc.messages import (
+    DetokRequestInfo,
+    RequestRejected,
+    SchedulerStats,
+    SlotInit,
+    TokenDelta,
+    TokenizedRequest,
+)
 from stages.scheduler.block_allocator import BlockAllocator
 from stages.scheduler.sequence import SeqStatus, Sequence
 
@@ -46,6 +53,7 @@ class StepRow:
 @dataclass
 class PlannedStep:
     step_id: int
+    ring_slot: int = -1  # its slot in both rings, held until its result is in
     rows: list[StepRow] = field(default_factory=list)
     block_updates: list[tuple[int, int, int]] = field(default_factory=list)  # slot, index, block
     new_slots: list[SlotInit] = field(default_factory=list)
@@ -73,6 +81,8 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         self.free_slots: list[int] = list(range(limits.max_num_seqs - 1, -1, -1))
         self.inflight: deque[PlannedStep] = deque()
+        # A ring slot is rewritten only after the step that used it reported back.
+        self.free_ring_slots: list[int] = list(range(limits.depth, -1, -1))
         self.next_step_id = 0
         self._early_aborts: dict[str, float] = {}
         self._new_infos: list[DetokRequestInfo] = []
@@ -145,6 +155,7 @@ class Scheduler:
         if not step.rows:
             return None
         self.next_step_id += 1
+        step.ring_slot = self.free_ring_slots.pop()
         for row in step.rows:
             row.seq.num_inflight += 1
         self.inflight.append(step)
@@ -237,6 +248,7 @@ class Scheduler:
         step = self.inflight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"executor reported step {step_id}, expected {step.step_id}")
+        self.free_ring_slots.append(step.ring_slot)
         sampled = step.sampled_seqs
         if len(sampled) != len(token_ids):
             raise RuntimeError(f"step {step_id}: {len(token_ids)} ids for {len(sampled)} rows")
@@ -293,6 +305,13 @@ class Scheduler:
             seq.slot = None
         if seq in self.running:
             self.running.remove(seq)
+
+    def stats(self) -> SchedulerStats:
+        lim = self.limits
+        return SchedulerStats(
+            lim.num_blocks, self.allocator.num_free, lim.max_num_seqs, len(self.free_slots),
+            lim.depth + 1, len(self.free_ring_slots), len(self.inflight), len(self.waiting),
+            len(self.running), len(self.requests), self.num_preemptions, self.next_step_id)
 
     # ------------------------------------------------------------ outputs
 

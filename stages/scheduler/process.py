@@ -4,6 +4,7 @@ sockets, the shared rings and the `Scheduler` core."""
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 def write_step(step: PlannedStep, buf: dict[str, np.ndarray]) -> None:
-    """Lay a planned step's bulk inputs into a step-input ring slot."""
+    """Lay a planned step's bulk inputs into a step-input ring slot. The stamp brackets the
+    write, so a reader can tell a slot that is being rewritten (see check_stamp)."""
+    buf["stamp"][0] = step.step_id
     rows = step.rows
     lens = [len(r.token_ids) for r in rows]
     num_tokens = sum(lens)
@@ -39,10 +42,11 @@ def write_step(step: PlannedStep, buf: dict[str, np.ndarray]) -> None:
         updates = np.asarray(step.block_updates, dtype=np.int32)  # [n, 3]
         n = len(updates)
         buf["bt_slot"][:n], buf["bt_index"][:n], buf["bt_block"][:n] = updates.T
+    buf["stamp"][1] = step.step_id
 
 
-def make_plan(step: PlannedStep, ring_slot: int) -> StepPlan:
-    return StepPlan(step.step_id, ring_slot, len(step.rows), step.num_tokens,
+def make_plan(step: PlannedStep) -> StepPlan:
+    return StepPlan(step.step_id, step.ring_slot, len(step.rows), step.num_tokens,
                     len(step.block_updates), len(step.sampled_seqs), step.new_slots)
 
 
@@ -110,9 +114,8 @@ class SchedulerShell:
             step = self.core.schedule()
             if step is None:
                 return
-            ring_slot = step.step_id % self.steps.num_slots
-            write_step(step, self.steps.slot(ring_slot))
-            self.to_executor.send(make_plan(step, ring_slot))
+            write_step(step, self.steps.slot(step.ring_slot))
+            self.to_executor.send(make_plan(step))
             self.tracer.span("schedule", start, now_ns(),
                              args={"step": step.step_id, "seqs": len(step.rows)})
 
@@ -142,5 +145,9 @@ def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: i
     with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
         shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer)
         ctx.ready()
+        next_stats = 0.0
         while not ctx.stop.is_set():
             shell.run_once()
+            if time.monotonic() >= next_stats:
+                ctx.report(shell.core.stats())
+                next_stats = time.monotonic() + 0.2

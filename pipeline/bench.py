@@ -1,0 +1,189 @@
+"""Benchmarks behind `scripts/bench`. `overlap`: the same workload through the whole pipeline,
+synchronous (one step in flight) then overlapped (run-ahead), measured from the stages' own
+timelines: device idle fraction over the steady decode phase, step time, output tok/s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ipc.messages import SamplingParams
+from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+
+
+@dataclass
+class RunResult:
+    output_tok_s: float
+    device_idle_frac: float
+    mean_step_ms: float
+    steps: int
+    seconds: float
+    steady_steps: int
+    tokens_per_step: float
+    token_ids: list[list[int]]
+    device_spans: list[tuple[float, float]]  # seconds from the first step, steady window
+
+
+def steady_device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The executor's device spans of the steady decode phase: every sequence decoding
+    (tokens == seqs == the largest batch seen); the first and last such step are dropped."""
+    spans = sorted((e for e in trace if e.get("name") == "device" and e.get("ph") == "X"),
+                   key=lambda e: e["ts"])
+    full = max((e["args"]["seqs"] for e in spans), default=0)
+    steady = [e for e in spans if e["args"]["seqs"] == full == e["args"]["tokens"]]
+    return steady[1:-1] if len(steady) > 2 else steady
+
+
+def idle_fraction(spans: list[dict[str, Any]]) -> tuple[float, float]:
+    """(1 - busy / wall, wall ms per step) over consecutive spans."""
+    if len(spans) < 2:
+        return float("nan"), float("nan")
+    wall = spans[-1]["ts"] + spans[-1]["dur"] - spans[0]["ts"]
+    busy = sum(e["dur"] for e in spans)
+    return max(0.0, 1 - busy / wall), wall / 1000 / len(spans)
+
+
+def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
+    prompt_room = args.batch * args.input_len
+    return PipelineConfig(
+        model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
+        scheduler=SchedulerConfig(max_num_seqs=args.batch,
+                                  max_num_batched_tokens=max(2048, prompt_room),
+                                  block_size=16, depth=depth),
+        executor=ExecutorConfig(args.device, args.dtype, args.kv_cache_memory),
+        num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
+
+
+def run_once(args: argparse.Namespace, depth: int) -> RunResult:
+    from pipeline.launcher import Pipeline
+
+    vocab = ModelInfo.from_dir(args.model_dir).vocab_size
+    prompts = [[(7 + 31 * i + 17 * j) % (vocab - 10) + 5 for j in range(args.input_len)]
+               for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = os.path.join(tmp, "trace.json")
+        with Pipeline(bench_config(args, depth), trace_path=trace_path) as pipe:
+            client = pipe.client()
+            client.generate([prompts[0][:4]], SamplingParams(max_tokens=2))  # warm up
+            start = time.perf_counter()
+            outs = client.generate(prompts, params)  # type: ignore[arg-type]
+            seconds = time.perf_counter() - start
+        with open(trace_path) as f:
+            trace = json.load(f)["traceEvents"]
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"benchmark requests failed: {errors[0]}")
+    num_tokens = sum(o.num_output_tokens for o in outs)
+    steady = steady_device_spans(trace)
+    idle, step_ms = idle_fraction(steady)
+    t0 = steady[0]["ts"] if steady else 0.0
+    return RunResult(
+        num_tokens / seconds, idle, step_ms,
+        sum(1 for e in trace if e.get("name") == "device"), seconds, len(steady),
+        num_tokens / max(1, sum(1 for e in trace if e.get("name") == "device")),
+        [o.token_ids for o in outs],
+        [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in steady])
+
+
+def print_table(sync: RunResult, fast: RunResult) -> None:
+    rows = [("output tok/s", "output_tok_s", "{:.1f}"),
+            ("device idle (steady)", "device_idle_frac", "{:.2%}"),
+            ("mean step ms (steady)", "mean_step_ms", "{:.3f}"),
+            ("steps", "steps", "{}"), ("steady steps", "steady_steps", "{}"),
+            ("tokens per step", "tokens_per_step", "{:.1f}"),
+            ("seconds", "seconds", "{:.2f}")]
+    print(f"{'':24}{'sync':>14}{'async':>14}")
+    for label, key, fmt in rows:
+        print(f"{label:24}{fmt.format(getattr(sync, key)):>14}{fmt.format(getattr(fast, key)):>14}")
+    print(f"{'speedup (tok/s)':24}{'':>14}{fast.output_tok_s / sync.output_tok_s:>13.3f}x")
+
+
+def plot_timeline(sync: RunResult, fast: RunResult, path: str, title: str) -> None:
+    """Device busy intervals of the steady phase, sync above async: gaps are idle device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 2.8))
+    for row, (name, res) in enumerate((("sync", sync), ("async", fast))):
+        spans = res.device_spans[:40]
+        colors = ("tab:blue", "lightsteelblue") if row else ("tab:orange", "navajowhite")
+        ax.broken_barh([(a * 1e3, (b - a) * 1e3) for a, b in spans], (row - 0.35, 0.7),
+                       facecolors=[colors[i % 2] for i in range(len(spans))])
+        ax.text(0, row + 0.42, f"{name}: idle {res.device_idle_frac:.1%}, "
+                f"{res.output_tok_s:.0f} tok/s", fontsize=8)
+    ax.set_yticks([0, 1], ["sync", "async"])
+    ax.set_xlabel("ms since the first steady step (device busy intervals; gaps = idle)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def overlap(args: argparse.Namespace) -> int:
+    if args.model_dir is None:
+        from pipeline.model_cache import ensure_default_model
+
+        args.model_dir = str(ensure_default_model())
+    sync = run_once(args, depth=1)
+    fast = run_once(args, depth=2)
+    identical = sync.token_ids == fast.token_ids
+    print(f"overlap: device={args.device} batch={args.batch} input_len={args.input_len} "
+          f"output_len={args.output_len} cpus={os.cpu_count()}")
+    print_table(sync, fast)
+    print(f"identical outputs: {identical}")
+    keys = ("output_tok_s", "device_idle_frac", "mean_step_ms", "steps", "tokens_per_step",
+            "seconds")
+    report = {"sync": {k: getattr(sync, k) for k in keys},
+              "async": {k: getattr(fast, k) for k in keys},
+              "speedup": fast.output_tok_s / sync.output_tok_s,
+              "identical_outputs": identical,
+              "config": {k: v for k, v in vars(args).items() if k != "func"}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        plot_timeline(sync, fast, plot, f"overlap, device={args.device}, batch={args.batch}")
+        print(f"timeline: {plot}")
+    return 0 if identical else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("overlap", help="synchronous vs overlapped batching, same workload")
+    p.add_argument("--model", dest="model_dir", default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or timed:A,B")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    p.add_argument("--tokenizer-workers", type=int, default=1)
+    p.add_argument("--detokenizer-workers", type=int, default=1)
+    p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--plot", default=None, metavar="PNG", help="default: the JSON path, .png")
+    p.set_defaults(func=overlap)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+
