@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc.messages import SamplingParams
-from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig, parse_bytes
 
 
 @dataclass
@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
+                   help="bytes or e.g. 2GiB")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--detokenizer-workers", type=int, default=1)
     p.add_argument("--json", default=None, metavar="FILE")

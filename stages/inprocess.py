@@ -26,9 +26,11 @@ class InProcessEngine:
     def __init__(self, model_dir: str, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                  block_size: int = 4, kv_cache_memory: int = 1 << 24, depth: int = 2,
                  max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (),
-                 dtype: torch.dtype = torch.float32) -> None:
-        shape = RunnerShape(max_num_seqs, block_size, max_model_len, kv_cache_memory)
-        self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device("cpu"), shape)
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        shape = RunnerShape(max_num_seqs, block_size, max_model_len, kv_cache_memory,
+                            max_num_batched_tokens, max_num_batched_tokens // block_size
+                            + 2 * max_num_seqs + max_model_len, depth + 1)
+        self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), shape)
         max_updates = max_num_batched_tokens // block_size + 2 * max_num_seqs + max_model_len
         self.limits = SchedulerLimits(self.runner.num_blocks, block_size, max_num_seqs,
                                       max_num_batched_tokens, max_model_len, max_updates,
@@ -47,7 +49,8 @@ class InProcessEngine:
             while (step := self.scheduler.schedule()) is not None:
                 ring = self.rings[step.ring_slot]
                 write_step(step, ring)
-                inflight.append((step.step_id, self.runner.execute(make_plan(step), ring)))
+                tokens = self.runner.execute(make_plan(step), ring)
+                inflight.append((step.step_id, tokens.cpu()))
             if not inflight:
                 raise RuntimeError("the scheduler has requests but planned no step")
             step_id, tokens = inflight.popleft()

@@ -111,7 +111,7 @@ class ModelRunner:
         return tokens
 
     def execute(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> torch.Tensor:
-        """prepare + compute, synchronously (tests, the in-process engine; CPU only)."""
+        """prepare + compute, synchronously (tests, the in-process engine)."""
         step = self.prepare(plan, ring)
         return self.compute(step, step.packed.to(self.device))
 

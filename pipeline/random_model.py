@@ -1,0 +1,91 @@
+"""Randomly initialised Llama models with a tokenizer trained offline, saved as HF folders.
+For tests and benchmarks where no real weights are present (no hub is ever reached).
+Runs in the user's process (tests, scripts/bench, scripts/gpu_check)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join at any step.",
+    "Héllo wörld, ça va? Grüße aus Köln. 日本語のテキスト。 Emoji: 🚀🔥✨",
+    "def main():\n    return 42\n",
+] * 20
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer: multi-byte characters split across tokens, as in real ones."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   bos_token="<|im_start|>", unk_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, heads: int = 4,
+                       kv_heads: int = 2, max_len: int = 512, vocab_size: int | None = None,
+                       weight_std: float = 0.2, seed: int = 0) -> Path:
+    """Save a random Llama (GQA, untied head) and a tokenizer into folder; returns folder.
+    vocab_size pads the embedding beyond the tokenizer's (a larger, realistic output layer)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(folder)
+    cfg = LlamaConfig(vocab_size=max(len(tok), vocab_size or 0), hidden_size=hidden,
+                      intermediate_size=hidden * 3, num_hidden_layers=num_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_len, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights than the default init: peaked, varied logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, weight_std)
+    model.save_pretrained(folder)
+    GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="random_model", description=__doc__)
+    p.add_argument("folder", type=Path)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--max-len", type=int, default=4096)
+    a = p.parse_args(argv)
+    build_random_llama(a.folder, num_layers=a.layers, hidden=a.hidden, heads=a.heads,
+                       kv_heads=a.kv_heads, max_len=a.max_len, vocab_size=a.vocab_size,
+                       weight_std=0.02)
+    print(a.folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
