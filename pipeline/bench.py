@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -93,7 +94,16 @@ def run_once(args: argparse.Namespace, depth: int) -> RunResult:
         [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in steady])
 
 
-def print_table(sync: RunResult, fast: RunResult) -> None:
+def _median_run(runs: list[RunResult]) -> RunResult:
+    """The run of median throughput, with each steady-phase metric replaced by its median."""
+    ordered = sorted(runs, key=lambda r: r.output_tok_s)
+    mid = ordered[(len(ordered) - 1) // 2]
+    for key in ("device_idle_frac", "mean_step_ms", "seconds"):
+        setattr(mid, key, statistics.median(getattr(r, key) for r in runs))
+    return mid
+
+
+def print_table(sync: RunResult, fast: RunResult, speedup: float) -> None:
     rows = [("output tok/s", "output_tok_s", "{:.1f}"),
             ("device idle (steady)", "device_idle_frac", "{:.2%}"),
             ("mean step ms (steady)", "mean_step_ms", "{:.3f}"),
@@ -103,7 +113,7 @@ def print_table(sync: RunResult, fast: RunResult) -> None:
     print(f"{'':24}{'sync':>14}{'async':>14}")
     for label, key, fmt in rows:
         print(f"{label:24}{fmt.format(getattr(sync, key)):>14}{fmt.format(getattr(fast, key)):>14}")
-    print(f"{'speedup (tok/s)':24}{'':>14}{fast.output_tok_s / sync.output_tok_s:>13.3f}x")
+    print(f"{'speedup (tok/s)':24}{'':>14}{speedup:>13.3f}x")
 
 
 def plot_timeline(sync: RunResult, fast: RunResult, path: str, title: str) -> None:
@@ -134,19 +144,26 @@ def overlap(args: argparse.Namespace) -> int:
         from pipeline.model_cache import ensure_default_model
 
         args.model_dir = str(ensure_default_model())
-    sync = run_once(args, depth=1)
-    fast = run_once(args, depth=2)
-    identical = sync.token_ids == fast.token_ids
+    pairs = []
+    for _ in range(args.repeat):  # interleaved, so slow drifts of a shared machine cancel out
+        pairs.append((run_once(args, depth=1), run_once(args, depth=2)))
+    sync = _median_run([p[0] for p in pairs])
+    fast = _median_run([p[1] for p in pairs])
+    identical = all(p[0].token_ids == pairs[0][0].token_ids == p[1].token_ids for p in pairs)
+    speedup = statistics.median(p[1].output_tok_s / p[0].output_tok_s for p in pairs)
     print(f"overlap: device={args.device} batch={args.batch} input_len={args.input_len} "
-          f"output_len={args.output_len} cpus={os.cpu_count()}")
-    print_table(sync, fast)
+          f"output_len={args.output_len} repeats={args.repeat} cpus={os.cpu_count()} "
+          f"(medians; speedup = median of paired ratios)")
+    print_table(sync, fast, speedup)
     print(f"identical outputs: {identical}")
     keys = ("output_tok_s", "device_idle_frac", "mean_step_ms", "steps", "tokens_per_step",
             "seconds")
     report = {"sync": {k: getattr(sync, k) for k in keys},
               "async": {k: getattr(fast, k) for k in keys},
-              "speedup": fast.output_tok_s / sync.output_tok_s,
+              "speedup": speedup,
               "identical_outputs": identical,
+              "runs": [{"sync_tok_s": s.output_tok_s, "async_tok_s": f.output_tok_s}
+                       for s, f in pairs],
               "config": {k: v for k, v in vars(args).items() if k != "func"}}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -172,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes or e.g. 2GiB")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--detokenizer-workers", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run sync and async this many times, interleaved; report medians")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG", help="default: the JSON path, .png")
     p.set_defaults(func=overlap)
