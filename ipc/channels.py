@@ -1,7 +1,7 @@
 """ZeroMQ channel helpers and the per-run address book. Used by every process.
 
 All addresses of one pipeline come from one run directory (mode 0700), so two pipelines on one
-machine never collide; `tcp://` addresses can replace them to place stages on other hosts.
+machine never collide. (Placing stages on other hosts over `tcp://` is not wired up yet.)
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ class ReplySockets:
     def send(self, address: str, msg: Message) -> bool:
         chan = self._sockets.pop(address, None)
         if chan is None:
-            chan = PushChannel(self._ctx, address, bind=False)
-            chan.socket.setsockopt(zmq.SNDHWM, 10_000)
+            chan = self._connect(address)
+            if chan is None:
+                return False
         self._sockets[address] = chan  # most recently used last
         while len(self._sockets) > self._max_open:
             oldest = next(iter(self._sockets))
@@ -119,6 +120,20 @@ class ReplySockets:
             return True
         logger.warning("client %s is not reading its outputs; dropped a message", address)
         return False
+
+    def _connect(self, address: str) -> PushChannel | None:
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 2000)
+        socket.setsockopt(zmq.SNDHWM, 100_000)  # set before connect, or it does not apply
+        try:
+            socket.connect(address)
+        except zmq.ZMQError as exc:
+            socket.close()
+            logger.error("cannot reply to %r: %s", address, exc)
+            return None
+        chan = PushChannel.__new__(PushChannel)
+        chan.address, chan.socket = address, socket
+        return chan
 
     def close(self) -> None:
         for chan in self._sockets.values():

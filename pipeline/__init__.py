@@ -1,0 +1,1 @@
+"""The pipeline: frozen configs, the launcher, clients, the CLI and the benchmarks."""

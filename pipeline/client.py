@@ -7,6 +7,7 @@ scheduler, and binds its own reply socket; one I/O thread routes outputs to each
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ipc.channels import PullChannel, PushChannel
-from ipc.codec import Codec
+from ipc.codec import Codec, ProtocolError
 from ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -31,6 +32,7 @@ from ipc.messages import (
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
+logger = logging.getLogger(__name__)
 Prompt = str | list[int] | list[ChatMessage]
 
 
@@ -102,7 +104,11 @@ class PipelineClient:
 
     def _route_outputs(self) -> None:
         while not self._stop.is_set():
-            msg = self._inbox.recv(timeout_ms=50)
+            try:
+                msg = self._inbox.recv(timeout_ms=50)
+            except ProtocolError as exc:
+                logger.error("dropped a malformed message on the reply socket: %s", exc)
+                continue
             if msg is None:
                 continue
             assert isinstance(msg, RequestOutputs)
@@ -120,20 +126,32 @@ class PipelineClient:
     def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None,
                 deliver: Callable[[RequestOutput], Any]) -> str:
         request_id = request_id or uuid.uuid4().hex
+        self._check_open()
         with self._routes_lock:
             if request_id in self._routes:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._routes[request_id] = deliver
-        with self._send_lock:
-            self._requests.send(make_add_request(request_id, self.reply_to, prompt, params))
+        try:
+            with self._send_lock:
+                self._requests.send(make_add_request(request_id, self.reply_to, prompt, params))
+        except BaseException:
+            with self._routes_lock:
+                self._routes.pop(request_id, None)
+            raise
         return request_id
+
+    def _check_open(self) -> None:
+        if self._stop.is_set():
+            raise PipelineError("this client is closed (its pipeline stopped)")
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its last output has finish_reason 'abort'."""
+        self._check_open()
         with self._send_lock:
             self._aborts.send(AbortRequest(request_id))
 
     def _check_alive(self) -> None:
+        self._check_open()
         if not self._is_alive():
             raise PipelineError("the pipeline is no longer running")
 
@@ -194,7 +212,7 @@ class PipelineClient:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
+            if not finished and not self._stop.is_set():
                 self.abort(rid)
 
     def close(self) -> None:

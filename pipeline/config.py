@@ -1,7 +1,8 @@
 """Frozen configuration of one pipeline run. Built in the launcher, handed to every stage.
 
 Values found at run time (the number of KV blocks) come back in ready messages; the config is
-never mutated. Environment variables are read here and nowhere else.
+never mutated. (The two environment variables are read where they apply: LLM_PIPELINE_CACHE in
+model_cache, LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
 """
 
 from __future__ import annotations

@@ -39,15 +39,10 @@ class Pipeline:
     """Owns one run: its directory, rings and stage processes. Use as a context manager."""
 
     def __init__(self, cfg: PipelineConfig, trace_path: str | None = None) -> None:
-        """trace_path: write a Chrome-trace timeline of every stage there when the run stops."""
-        run_dir = make_run_dir()
+        """trace_path: write a Chrome-trace timeline of every stage there when the run stops.
+        Nothing is created before start()."""
+        self.cfg = cfg
         self.trace_path = trace_path
-        trace_dir = ""
-        if trace_path is not None:
-            trace_dir = str(run_dir / "trace")
-            os.mkdir(trace_dir)
-        self.cfg = dataclasses.replace(cfg, run_dir=str(run_dir), run_id=uuid.uuid4().hex[:12],
-                                       trace_dir=trace_dir)
         self.procs: dict[str, BaseProcess] = {}
         self.stage_info: dict[str, dict[str, int]] = {}
         self.failure: str | None = None
@@ -56,12 +51,31 @@ class Pipeline:
         self._stopped = False
         self._mp = mp.get_context("spawn")
         self._zmq = zmq.Context()
-        self._control = PullChannel(self._zmq, self.cfg.control_address,
-                                    Codec([StageReady, StageFailed, SchedulerStats]), bind=True)
         self.scheduler_stats: SchedulerStats | None = None
         self._supervisor: threading.Thread | None = None
-        self._rings = self._create_rings()
+        self._rings: list[SharedRing] = []
+        self._control: PullChannel | None = None
         self._clients: list[PipelineClient] = []
+        self._started = False
+
+    def _create_run(self) -> None:
+        """The run directory (sockets, trace files), the control socket and both rings."""
+        run_dir = make_run_dir()
+        trace_dir = ""
+        if self.trace_path is not None:
+            trace_dir = str(run_dir / "trace")
+            os.mkdir(trace_dir)
+        self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir),
+                                       run_id=uuid.uuid4().hex[:12], trace_dir=trace_dir)
+        self._control = PullChannel(self._zmq, self.cfg.control_address,
+                                    Codec([StageReady, StageFailed, SchedulerStats]), bind=True)
+        self._rings = self._create_rings()
+
+    @property
+    def _ctl(self) -> PullChannel:
+        if self._control is None:
+            raise RuntimeError("the pipeline was not started")
+        return self._control
 
     def _create_rings(self) -> list[SharedRing]:
         c, s = self.cfg, self.cfg.scheduler
@@ -76,7 +90,11 @@ class Pipeline:
     # ------------------------------------------------------------ start
 
     def start(self) -> Pipeline:
+        if self._started:
+            raise RuntimeError("a Pipeline starts once; make a new one")
+        self._started = True
         try:
+            self._create_run()
             self._spawn("executor", 0, "stages.executor.process:run_executor")
             for rank in range(self.cfg.num_tokenizers):
                 self._spawn("tokenizer", rank, "stages.tokenizer:run_tokenizer")
@@ -117,14 +135,14 @@ class Pipeline:
         while missing:
             for name in missing:
                 if not self.procs[name].is_alive():
-                    cause = self._control.recv(timeout_ms=500)  # its StageFailed, if it sent one
+                    cause = self._ctl.recv(timeout_ms=500)  # its StageFailed, if it sent one
                     why = f": {cause.message}" if isinstance(cause, StageFailed) else ""
                     raise StartupError(f"stage {name} exited with code "
                                        f"{self.procs[name].exitcode} before it was ready{why}")
             if time.monotonic() > deadline:
                 raise StartupError(f"stage(s) {', '.join(missing)} did not report ready within "
                                    f"{self.cfg.ready_timeout_s:.0f} s")
-            msg = self._control.recv(timeout_ms=100)
+            msg = self._ctl.recv(timeout_ms=100)
             if isinstance(msg, StageFailed):
                 raise StartupError(f"stage {msg.stage}:{msg.rank} failed to start: {msg.message}")
             if isinstance(msg, StageReady):
@@ -139,7 +157,7 @@ class Pipeline:
         failure_message = "no message"
         while not self._stopping.is_set():
             dead = wait(list(sentinels), timeout=0.1)
-            while not self._stopping.is_set() and (msg := self._control.recv_nowait()):
+            while not self._stopping.is_set() and (msg := self._ctl.recv_nowait()):
                 if isinstance(msg, SchedulerStats):
                     self.scheduler_stats = msg
                 elif isinstance(msg, StageFailed):
@@ -193,8 +211,11 @@ class Pipeline:
                 proc.join(5)
         for ring in self._rings:
             ring.unlink()
-        self._control.close()
+        if self._control is not None:
+            self._control.close()
         self._zmq.destroy(linger=0)
+        if not self.cfg.run_dir:
+            return  # the run was never created
         if self.trace_path is not None:
             files = [os.path.join(self.cfg.trace_dir, f"{name.replace(':', '-')}.json")
                      for name in self.procs]

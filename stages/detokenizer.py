@@ -60,8 +60,14 @@ class Detokenizer:
     def _output(self, state: _RequestState, delta: TokenDelta) -> RequestOutput:
         pieces: list[str] = []
         for t in delta.token_ids:
-            piece = state.stream.step(self.tokenizer, t)
             state.held.append(t)
+            try:
+                piece = state.stream.step(self.tokenizer, t)
+            except Exception as exc:  # e.g. "Invalid prefix encountered": restart the stream
+                logger.warning("request %s: incremental decode failed (%s); resyncing",
+                               delta.request_id, exc)
+                piece = self._flush(state)
+                state.stream = DecodeStream(skip_special_tokens=state.info.skip_special_tokens)
             if piece is not None:
                 pieces.append(piece)
                 state.context, state.held = state.held, []

@@ -27,11 +27,11 @@ class InProcessEngine:
                  block_size: int = 4, kv_cache_memory: int = 1 << 24, depth: int = 2,
                  max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        max_updates = (max_num_batched_tokens // block_size + 2 * max_num_seqs
+                       + -(-max_model_len // block_size))  # as PipelineConfig.max_block_updates
         shape = RunnerShape(max_num_seqs, block_size, max_model_len, kv_cache_memory,
-                            max_num_batched_tokens, max_num_batched_tokens // block_size
-                            + 2 * max_num_seqs + max_model_len, depth + 1)
+                            max_num_batched_tokens, max_updates, depth + 1)
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), shape)
-        max_updates = max_num_batched_tokens // block_size + 2 * max_num_seqs + max_model_len
         self.limits = SchedulerLimits(self.runner.num_blocks, block_size, max_num_seqs,
                                       max_num_batched_tokens, max_model_len, max_updates,
                                       eos_token_ids, depth)

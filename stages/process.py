@@ -3,7 +3,6 @@ turn SIGTERM into a stop flag, and report ready or failed to the launcher."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -23,17 +22,14 @@ if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
 logger = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent_pid: int, stop: threading.Event) -> None:
-    try:  # the kernel signals us if the parent dies
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    """Stop when the launcher's process is gone, however it died. (Not PR_SET_PDEATHSIG: it
+    fires when the launching *thread* exits, which a short-lived thread would do.)"""
 
-    def watch() -> None:  # and in case the signal was missed (e.g. the parent died first)
-        while not stop.wait(0.5):
+    def watch() -> None:
+        while not stop.wait(0.25):
             if os.getppid() != parent_pid:
                 logger.warning("parent %d is gone: stopping", parent_pid)
                 stop.set()
@@ -43,6 +39,8 @@ def _die_with_parent(parent_pid: int, stop: threading.Event) -> None:
 
 def setup_logging(stage: str, rank: int) -> None:
     level = os.environ.get("LLM_PIPELINE_LOG_LEVEL", "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        level = "WARNING"
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s %(levelname)s [{stage}:{rank} pid=%(process)d] %(name)s: %(message)s",

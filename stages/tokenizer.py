@@ -49,6 +49,9 @@ class TokenizerCore:
         ids = self._prompt_ids(req)
         if not ids:
             raise RequestError("the prompt is empty")
+        if max(ids) >= self.vocab_size:  # a tokenizer larger than the model's embedding
+            raise RequestError(f"the prompt has token id {max(ids)}, outside this model's "
+                               f"vocabulary of {self.vocab_size}")
         limit = self.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"the prompt has {len(ids)} tokens; this model's context holds "

@@ -137,3 +137,53 @@ def test_cache_smaller_than_one_sequence_is_refused(tiny_model_dir: Path) -> Non
     with pytest.raises(StartupError, match="raise --kv-cache-memory or lower --max-model-len"):
         pipe.start()
     assert alive(list(pipe.stage_pids.values())) == []
+
+
+def test_a_request_with_a_bad_reply_address_does_not_kill_the_tokenizer(
+        pipeline: Pipeline) -> None:
+    import zmq
+
+    from ipc.codec import encode
+    from pipeline.client import make_add_request
+
+    ctx = zmq.Context()
+    try:
+        for rank in range(2):
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(pipeline.cfg.tokenizer_address(rank))
+            for reply_to in ("not an address", "ipc://"):
+                sock.send(encode(make_add_request(f"bad-{rank}", reply_to, "",
+                                                  SamplingParams(max_tokens=-1))))
+            sock.close(linger=1000)
+    finally:
+        ctx.term()
+    outs = pipeline.client().generate(["still", "alive"], SamplingParams(max_tokens=2))
+    assert [o.num_output_tokens for o in outs] == [2, 2]
+    assert pipeline.is_alive
+
+
+def test_a_stage_dying_mid_run_fails_requests_and_stops_everything(tiny_model_dir: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from pipeline.client import PipelineError
+
+    pipe = Pipeline(live_config(tiny_model_dir, max_num_seqs=4))
+    pids: list[int] = []
+    try:
+        pipe.start()
+        pids = list(pipe.stage_pids.values())
+        client = pipe.client()
+        os.kill(pipe.stage_pids["detokenizer:0"], signal.SIGKILL)
+        with pytest.raises(PipelineError):
+            client.generate(["x"] * 4, SamplingParams(max_tokens=400, ignore_eos=True),
+                            timeout=60)
+        assert "detokenizer:0" in (pipe.failure or "")
+        deadline = time.monotonic() + 30
+        while alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert alive(pids) == []
+    finally:
+        pipe.stop()
+        kill_pids(pids)

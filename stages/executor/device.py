@@ -3,8 +3,9 @@ device runs step N; each device reports a finished step with its busy interval.
 
 ThreadDevice: the CPU (or the timed instrument): a worker thread executes queued steps in
 order (PyTorch releases the GIL inside kernels); completion flags are the queue itself.
-CudaDevice: copy, compute and device->host streams ordered by CUDA events; the ring memory is
-page-locked; a notifier thread waits on each step's last event, never the host loop.
+CudaDevice: copy, compute and device->host streams ordered by CUDA events; the staging buffers
+and the sampled-token ring are page-locked; a notifier thread waits on each step's last event,
+never the host loop.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class CudaDevice:
                           for i in range(sampled.num_slots)]
         self.copy_stream, self.compute_stream, self.d2h_stream = (
             torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream())
+        for stream in (self.copy_stream, self.compute_stream, self.d2h_stream):
+            stream.wait_stream(torch.cuda.current_stream())  # weights and cache are ready
         self._base = torch.cuda.Event(enable_timing=True)
         self._base.record()
         self._base.synchronize()  # once, at start: maps device time onto the host clock
@@ -123,7 +126,7 @@ class CudaDevice:
         with torch.cuda.stream(self.d2h_stream):
             tokens.record_stream(self.d2h_stream)
             self._host_out[step.ring_slot][: tokens.shape[0]].copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the notifier sleeps on it, not spins
             done.record()
         self._pending.put((step, tokens.shape[0], start, end, done))
 

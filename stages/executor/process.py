@@ -37,6 +37,8 @@ def build_runner(cfg: PipelineConfig) -> ModelRunner | TimedRunner:
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
     device = torch.device(ex.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # streams and events are made on the current device
     return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, shape)
 
 

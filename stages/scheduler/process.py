@@ -76,14 +76,14 @@ class SchedulerShell:
         self.poller.register(self.results.socket, zmq.POLLIN)
 
     def run_once(self) -> None:
-        timeout = 0 if self.core.can_schedule() else 50
-        events = dict(self.poller.poll(timeout))
+        """Wait for a message (results or requests), then plan and send what can run now.
+        Nothing here spins: when no step can be planned, it waits for the next message."""
+        events = dict(self.poller.poll(50))
         if self.results.socket in events:
             self._drain_results()
-        self._launch_steps()
         if self.inbox.socket in events:
             self._drain_inbox()
-            self._launch_steps()
+        self._launch_steps()
         self._flush_outputs()
 
     def _drain_results(self) -> None:
