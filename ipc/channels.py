@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -80,6 +81,19 @@ class PullChannel:
         if timeout_ms is not None and not self.socket.poll(timeout_ms):
             return None
         return self.codec.decode(self.socket.recv(copy=True))
+
+    def recv_valid(self, timeout_ms: int,
+                   on_error: Callable[[ProtocolError], None] | None = None) -> Message | None:
+        """The next message, or None on timeout or after a malformed one (handed to on_error,
+        else logged): channels that face clients survive bad input."""
+        try:
+            return self.recv(timeout_ms)
+        except ProtocolError as exc:
+            if on_error is None:
+                logger.error("dropped a malformed message: %s", exc)
+            else:
+                on_error(exc)
+            return None
 
     def recv_nowait(self) -> Message | None:
         try:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ipc.channels import PullChannel, PushChannel
-from ipc.codec import Codec, ProtocolError
+from ipc.codec import Codec
 from ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -104,11 +104,7 @@ class PipelineClient:
 
     def _route_outputs(self) -> None:
         while not self._stop.is_set():
-            try:
-                msg = self._inbox.recv(timeout_ms=50)
-            except ProtocolError as exc:
-                logger.error("dropped a malformed message on the reply socket: %s", exc)
-                continue
+            msg = self._inbox.recv_valid(50)
             if msg is None:
                 continue
             assert isinstance(msg, RequestOutputs)

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from ipc.channels import PullChannel, ReplySockets
-from ipc.codec import Codec, ProtocolError
+from ipc.codec import Codec
 from ipc.messages import DetokBatch, DetokRequestInfo, RequestOutput, RequestOutputs, TokenDelta
 from stages.process import stage_process
 from stages.trace import now_ns
@@ -98,11 +98,7 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         replies = ReplySockets(ctx.zmq)
         ctx.ready()
         while not ctx.stop.is_set():
-            try:
-                batch = inbox.recv(timeout_ms=100)
-            except ProtocolError as exc:
-                logger.error("dropped a malformed batch: %s", exc)
-                continue
+            batch = inbox.recv_valid(100)
             if batch is None:
                 continue
             assert isinstance(batch, DetokBatch)

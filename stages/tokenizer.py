@@ -112,11 +112,7 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         replies = ReplySockets(ctx.zmq)
         ctx.ready()
         while not ctx.stop.is_set():
-            try:
-                req = inbox.recv(timeout_ms=100)
-            except ProtocolError as exc:
-                _reject_malformed(replies, exc)
-                continue
+            req = inbox.recv_valid(100, lambda exc: _reject_malformed(replies, exc))
             if req is None:
                 continue
             assert isinstance(req, AddRequest)

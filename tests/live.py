@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 
 from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from pipeline.launcher import Pipeline
 
 
 def live_config(model_dir: Path, *, num_tokenizers: int = 1, num_detokenizers: int = 1,
@@ -42,3 +45,15 @@ def kill_pids(pids: list[int]) -> None:
 
 def shm_segments(run_id: str) -> list[str]:
     return [p.name for p in Path("/dev/shm").iterdir() if run_id in p.name]
+
+
+@contextmanager
+def running(cfg: PipelineConfig) -> Iterator[Pipeline]:
+    """A started pipeline; on exit it is stopped and any of its stages still alive killed."""
+    pipe = Pipeline(cfg)
+    try:
+        pipe.start()
+        yield pipe
+    finally:
+        pipe.stop()
+        kill_pids(list(pipe.stage_pids.values()))

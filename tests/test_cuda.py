@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from live import kill_pids, live_config
+from live import live_config, running
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
-from pipeline.launcher import Pipeline
 from stages.inprocess import InProcessEngine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
@@ -43,21 +42,14 @@ def test_live_pipeline_on_cuda_overlapped_equals_synchronous(tiny_model_dir: Pat
                                                               depth: int) -> None:
     prompts = _prompts(tiny_model_dir)
     expected = hf_greedy(tiny_model_dir, prompts, 12)
-    pipe = Pipeline(live_config(tiny_model_dir, depth=depth, device="cuda",
-                                max_num_batched_tokens=16))
-    try:
-        pipe.start()
+    cfg = live_config(tiny_model_dir, depth=depth, device="cuda", max_num_batched_tokens=16)
+    with running(cfg) as pipe:
         outs = pipe.client().generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
-    finally:
-        pipe.stop()
-        kill_pids(list(pipe.stage_pids.values()))
     assert [o.token_ids for o in outs] == expected
 
 
 def test_stream_and_abort_on_cuda(tiny_model_dir: Path) -> None:
-    pipe = Pipeline(live_config(tiny_model_dir, device="cuda"))
-    try:
-        pipe.start()
+    with running(live_config(tiny_model_dir, device="cuda")) as pipe:
         client = pipe.client()
 
         async def run() -> str | None:
@@ -71,6 +63,3 @@ def test_stream_and_abort_on_cuda(tiny_model_dir: Path) -> None:
             return reason
 
         assert asyncio.run(run()) == "abort"
-    finally:
-        pipe.stop()
-        kill_pids(list(pipe.stage_pids.values()))

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from live import alive, kill_pids, live_config
+from live import alive, kill_pids, live_config, running
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
-from pipeline.launcher import Pipeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +39,9 @@ def test_greedy_matches_transformers(default_model_dir: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     expected = hf_greedy(default_model_dir, [tok(p)["input_ids"] for p in PROMPTS], 24)
-    pipe = Pipeline(live_config(default_model_dir, max_num_batched_tokens=64, max_model_len=1024))
-    try:
-        pipe.start()
+    cfg = live_config(default_model_dir, max_num_batched_tokens=64, max_model_len=1024)
+    with running(cfg) as pipe:
         outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
-    finally:
-        pipe.stop()
-        kill_pids(list(pipe.stage_pids.values()))
     assert [o.token_ids for o in outs] == expected
     texts = [tok.decode(e, skip_special_tokens=True) for e in expected]
     assert [o.text for o in outs] == texts

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live import kill_pids, live_config
+from live import live_config, running
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
@@ -42,14 +42,9 @@ async def _staggered(client: PipelineClient, prompts: list[list[int]],
 
 def _run(model_dir: Path, depth: int, prompts: list[list[int]], max_tokens: list[int]
          ) -> list[list[int]]:
-    pipe = Pipeline(live_config(model_dir, depth=depth, max_num_seqs=4,
-                                max_num_batched_tokens=16))
-    try:
-        pipe.start()
+    cfg = live_config(model_dir, depth=depth, max_num_seqs=4, max_num_batched_tokens=16)
+    with running(cfg) as pipe:
         return asyncio.run(_staggered(pipe.client(), prompts, max_tokens))
-    finally:
-        pipe.stop()
-        kill_pids(list(pipe.stage_pids.values()))
 
 
 def test_overlapped_and_synchronous_outputs_are_identical(tiny_model_dir: Path) -> None:
@@ -69,15 +64,10 @@ def test_overlapped_and_synchronous_outputs_are_identical(tiny_model_dir: Path) 
 def test_long_mixed_run_with_aborts_leaks_nothing(tiny_model_dir: Path) -> None:
     cfg = live_config(tiny_model_dir, depth=2, max_num_seqs=8, max_num_batched_tokens=64,
                       kv_cache_memory=16 << 20, device="timed:0.2,0.01")
-    pipe = Pipeline(cfg)
-    try:
-        pipe.start()
+    with running(cfg) as pipe:
         reasons = asyncio.run(_mixed_with_aborts(pipe.client(), num_requests=200))
         assert reasons["abort"] > 20 and reasons["length"] > 20
         stats = _wait_idle(pipe)
-    finally:
-        pipe.stop()
-        kill_pids(list(pipe.stage_pids.values()))
     assert stats.num_free_blocks == stats.num_blocks
     assert stats.num_free_slots == stats.num_slots == 8
     assert stats.num_free_ring_slots == stats.num_ring_slots == 3
