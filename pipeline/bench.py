@@ -116,29 +116,6 @@ def print_table(sync: RunResult, fast: RunResult, speedup: float) -> None:
     print(f"{'speedup (tok/s)':24}{'':>14}{speedup:>13.3f}x")
 
 
-def plot_timeline(sync: RunResult, fast: RunResult, path: str, title: str) -> None:
-    """Device busy intervals of the steady phase, sync above async: gaps are idle device."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(12, 2.8))
-    for row, (name, res) in enumerate((("sync", sync), ("async", fast))):
-        spans = res.device_spans[:40]
-        colors = ("tab:blue", "lightsteelblue") if row else ("tab:orange", "navajowhite")
-        ax.broken_barh([(a * 1e3, (b - a) * 1e3) for a, b in spans], (row - 0.35, 0.7),
-                       facecolors=[colors[i % 2] for i in range(len(spans))])
-        ax.text(0, row + 0.42, f"{name}: idle {res.device_idle_frac:.1%}, "
-                f"{res.output_tok_s:.0f} tok/s", fontsize=8)
-    ax.set_yticks([0, 1], ["sync", "async"])
-    ax.set_xlabel("ms since the first steady step (device busy intervals; gaps = idle)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def overlap(args: argparse.Namespace) -> int:
     if args.model_dir is None:
         from pipeline.model_cache import ensure_default_model
@@ -169,7 +146,13 @@ def overlap(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if plot:
-        plot_timeline(sync, fast, plot, f"overlap, device={args.device}, batch={args.batch}")
+        from pipeline.bench_plots import plot_timeline
+
+        if os.path.isdir(plot):
+            plot = os.path.join(plot, "device_timeline.png")
+        rows = [(name, r.device_spans, f"{name}: idle {r.device_idle_frac:.1%}, "
+                 f"{r.output_tok_s:.0f} tok/s") for name, r in (("sync", sync), ("async", fast))]
+        plot_timeline(rows, plot, f"overlap, device={args.device}, batch={args.batch}")
         print(f"timeline: {plot}")
     return 0 if identical else 1
 
@@ -192,9 +175,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="run sync and async this many times, interleaved; report medians")
     p.add_argument("--json", default=None, metavar="FILE")
-    p.add_argument("--plot", default=None, metavar="PNG", help="default: the JSON path, .png")
+    p.add_argument("--plot", default=None, metavar="PNG|DIR",
+                   help="timeline PNG (a folder: device_timeline.png in it); default: the "
+                        "JSON path with .png")
     p.set_defaults(func=overlap)
+    add_throughput_parser(sub)
+    add_serve_parser(sub)
     return parser
+
+
+def add_serve_parser(sub: Any) -> None:
+    from pipeline.bench_serve import serve
+
+    p = sub.add_parser("serve", help="online load: Poisson arrivals, latency percentiles")
+    p.add_argument("--model", dest="model_dir", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dataset", choices=["synthetic-chat"], default="synthetic-chat")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=_rates, default=[float("inf")],
+                   help="requests/s of the Poisson arrivals, or inf (all at once); a comma "
+                        "list runs each rate in turn (for the latency plot)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=2 << 30)
+    p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--plot", default=None, metavar="DIR")
+    p.set_defaults(func=serve)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use integers, comma separated") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("batch sizes must be at least 1")
+    return values
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use numbers or inf, comma separated") from None
+    if any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError("request rates must be positive")
+    return rates
+
+
+def add_throughput_parser(sub: Any) -> None:
+    from pipeline.bench_throughput import PEERS, throughput
+
+    p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
+    p.add_argument("--model", dest="model_dir", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", choices=["synthetic-chat"], default=None,
+                   help="instead of random prompts of --input-len (see pipeline/datasets.py)")
+    p.add_argument("--batch-size", type=_ints, default=[32],
+                   help="the pipeline's max_num_seqs, and the batch of hf-static and limit; "
+                        "a comma list runs each (for the plot; the last is the headline)")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="throughput_vs_batch.png when several batch sizes are given")
+    p.add_argument("--peers", default=",".join(PEERS), type=_peer_list,
+                   help="any subset of hf-batch,hf-static (empty: none)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30)
+    p.add_argument("--json", default=None, metavar="FILE")
+    p.set_defaults(func=throughput)
+
+
+def _peer_list(text: str) -> list[str]:
+    from pipeline.bench_throughput import PEERS
+
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peers {unknown}; choose from {PEERS}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:

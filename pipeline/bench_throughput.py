@@ -1,0 +1,282 @@
+"""`scripts/bench throughput`: the same prompts, model, dtype, machine and threads through the
+pipeline, transformers' continuous batching (hf-batch), transformers static batches (hf-static)
+and the executor's own forward in a tight loop (limit), one after another in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ipc.messages import ChatMessage, SamplingParams, StepPlan
+from ipc.rings import step_input_specs
+from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from pipeline.datasets import random_prompts, synthetic_chat
+
+PEERS = ("hf-batch", "hf-static")
+
+
+@dataclass
+class EngineResult:
+    name: str
+    seconds: float
+    num_tokens: int
+    token_ids: list[list[int]]
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    info = ModelInfo.from_dir(args.model_dir)
+    if args.dataset != "synthetic-chat":
+        prompts = random_prompts(args.num_prompts, args.input_len, info.vocab_size, seed=1)
+        return Workload(prompts, [args.output_len] * args.num_prompts)
+    from transformers import AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(args.model_dir)
+    samples = synthetic_chat(args.num_prompts, seed=1)
+    prompts = []
+    for s in samples:
+        text = tok.apply_chat_template([{"role": "user", "content": s.text}], tokenize=False,
+                                       add_generation_prompt=True)
+        prompts.append(list(tok(text, add_special_tokens=False)["input_ids"]))
+    return Workload(prompts, [s.output_tokens for s in samples])
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
+    from pipeline.launcher import Pipeline
+
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
+    limit = ModelInfo.from_dir(args.model_dir).max_model_len
+    cfg = PipelineConfig(
+        model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
+        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048),
+        executor=ExecutorConfig("cpu" if args.device == "cpu" else args.device, args.dtype,
+                                args.kv_cache_memory))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in work.output_lens]
+    with Pipeline(cfg) as pipe:
+        client = pipe.client()
+        client.generate([[ChatMessage("user", "warm up")]], SamplingParams(max_tokens=2))
+        start = time.perf_counter()
+        outs = client.generate(work.prompts, params)  # type: ignore[arg-type]
+        seconds = time.perf_counter() - start
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"pipeline requests failed: {errors[0]}")
+    ids = [o.token_ids for o in outs]
+    return EngineResult("pipeline", seconds, sum(len(t) for t in ids), ids)
+
+
+# ------------------------------------------------------------------ transformers peers
+
+
+def _hf_model(args: argparse.Namespace) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(args.model_dir,
+                                                dtype=getattr(torch, args.dtype)).eval()
+
+
+def _no_eos_config(model: Any, max_new_tokens: int) -> Any:
+    """Greedy, never stopping on EOS (and never suppressing it either, like ignore_eos)."""
+    from transformers import GenerationConfig
+
+    pad = model.config.pad_token_id
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                            pad_token_id=0 if pad is None else pad)
+
+
+def run_hf_static(args: argparse.Namespace, work: Workload) -> EngineResult:
+    """transformers generate on left-padded batches of the pipeline's batch size."""
+    import torch
+
+    model = _hf_model(args)
+    ids_out: list[list[int]] = []
+    start = time.perf_counter()
+    for lo in range(0, len(work.prompts), args.batch_size):
+        batch = work.prompts[lo:lo + args.batch_size]
+        lens = work.output_lens[lo:lo + args.batch_size]
+        width = max(len(p) for p in batch)
+        pad = _no_eos_config(model, 1).pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask,
+                                 generation_config=_no_eos_config(model, max(lens)))
+        ids_out += [row[width:width + n].tolist() for row, n in zip(out, lens, strict=True)]
+    seconds = time.perf_counter() - start
+    return EngineResult("hf-static", seconds, sum(len(t) for t in ids_out), ids_out)
+
+
+def run_hf_batch(args: argparse.Namespace, work: Workload) -> EngineResult:
+    """transformers continuous batching (generate_batch). Its generation config is one for all
+    requests, so each generates the longest output length; only the requested tokens count."""
+    model = _hf_model(args)
+    config = _no_eos_config(model, max(work.output_lens))
+    model.generate_batch([[5, 6, 7]], generation_config=_no_eos_config(model, 2))  # warm up
+    start = time.perf_counter()
+    outs = model.generate_batch(work.prompts, generation_config=config, progress_bar=False)
+    seconds = time.perf_counter() - start
+    ordered = [outs[f"req_{i}"].generated_tokens for i in range(len(work.prompts))]
+    ids = [list(t[:n]) for t, n in zip(ordered, work.output_lens, strict=True)]
+    return EngineResult("hf-batch", seconds, sum(len(t) for t in ids), ids)
+
+
+# ------------------------------------------------------------------ the limit
+
+
+def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
+    """The executor's model forward and sampling in a tight loop, batch by batch at the
+    pipeline's batch size: one prefill step, then decode steps; no scheduler, IPC or text."""
+    import torch
+
+    from stages.executor.runner import ModelRunner, RunnerShape
+
+    block = 16
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
+    tokens = max(2048, sum(len(p) for p in work.prompts[:args.batch_size]))
+    max_blocks = -(-longest // block)
+    shape = RunnerShape(args.batch_size, block, longest, args.kv_cache_memory, tokens,
+                        args.batch_size * max_blocks, 1)
+    runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype),
+                                  torch.device(args.device), shape)
+    specs = step_input_specs(args.batch_size, tokens, args.batch_size * max_blocks)
+    ring = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in specs}
+    ids_out: list[list[int]] = []
+    start = time.perf_counter()
+    for lo in range(0, len(work.prompts), args.batch_size):
+        batch = work.prompts[lo:lo + args.batch_size]
+        lens = work.output_lens[lo:lo + args.batch_size]
+        ids_out += _limit_batch(runner, ring, batch, lens, max_blocks)
+    seconds = time.perf_counter() - start
+    return EngineResult("limit", seconds, sum(len(t) for t in ids_out), ids_out)
+
+
+def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[int]],
+                 out_lens: list[int], max_blocks: int) -> list[list[int]]:
+    n = len(prompts)
+    slots = np.arange(n)
+    ctx = np.array([len(p) for p in prompts])
+    flat = [t for p in prompts for t in p]
+    updates = [(s, b, s * max_blocks + b) for s in range(n) for b in range(max_blocks)]
+    outs: list[list[int]] = [[] for _ in range(n)]
+    step = 0
+    while True:
+        live = [i for i in range(n) if len(outs[i]) < out_lens[i]]
+        if not live:
+            return outs
+        if step == 0:
+            ids, q = flat, ctx.copy()
+        else:
+            ids, q = [-1] * len(live), np.ones(len(live), dtype=np.int64)
+            ctx[live] += 1
+        rows = np.array(live if step else range(n))
+        _fill_ring(ring, step, ids, slots[rows], q, ctx[rows], updates if step == 0 else [])
+        plan = StepPlan(step, 0, len(rows), len(ids), len(updates) if step == 0 else 0,
+                        len(rows), [])
+        for i, token in zip(rows, runner.execute(plan, ring).tolist(), strict=True):
+            outs[i].append(token)
+        step += 1
+
+
+def _fill_ring(ring: dict[str, np.ndarray], step: int, ids: list[int], slots: np.ndarray,
+               q: np.ndarray, ctx: np.ndarray, updates: list[tuple[int, int, int]]) -> None:
+    ring["stamp"][:] = step
+    ring["input_ids"][:len(ids)] = ids
+    ring["seq_slot"][:len(slots)], ring["query_len"][:len(q)] = slots, q
+    ring["context_len"][:len(ctx)], ring["do_sample"][:len(slots)] = ctx, True
+    if updates:
+        u = np.array(updates)
+        ring["bt_slot"][:len(u)], ring["bt_index"][:len(u)], ring["bt_block"][:len(u)] = u.T
+
+
+# ------------------------------------------------------------------ the report
+
+
+def same_outputs(a: EngineResult, b: EngineResult) -> int:
+    return sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=True))
+
+
+def throughput(args: argparse.Namespace) -> int:
+    if args.model_dir is None:
+        from pipeline.model_cache import ensure_default_model
+
+        args.model_dir = str(ensure_default_model())
+    work = make_workload(args)
+    by_batch: dict[int, dict[str, float]] = {}
+    report: dict[str, Any] = {}
+    for size in args.batch_size:  # the last (normally the largest) is the headline
+        one = argparse.Namespace(**{**vars(args), "batch_size": size})
+        report = build_report(one, work, run_engines(one, work))
+        print_report(report)
+        by_batch[size] = {k: v["output_tok_s"] for k, v in report.items()
+                          if k not in ("ratios", "config")}
+    if len(by_batch) > 1:
+        report["by_batch_size"] = by_batch
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot and len(by_batch) > 1:
+        from pipeline.bench_plots import plot_throughput_vs_batch
+
+        os.makedirs(args.plot, exist_ok=True)
+        print(f"plot: {plot_throughput_vs_batch(by_batch, args.plot)}")
+    return 0
+
+
+def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
+    results = [run_pipeline(args, work)]
+    runners = {"hf-batch": run_hf_batch, "hf-static": run_hf_static}
+    results += [runners[name](args, work) for name in args.peers]
+    results.append(run_limit(args, work))
+    return results
+
+
+def build_report(args: argparse.Namespace, work: Workload,
+                 results: list[EngineResult]) -> dict[str, Any]:
+    pipe = results[0]
+    report: dict[str, Any] = {r.name: {"output_tok_s": r.output_tok_s, "seconds": r.seconds,
+                                       "output_tokens": r.num_tokens,
+                                       "identical_to_pipeline": same_outputs(pipe, r)}
+                              for r in results}
+    report["ratios"] = {f"pipeline/{r.name}": pipe.output_tok_s / r.output_tok_s
+                        for r in results[1:]}
+    report["config"] = {"model": args.model_dir, "dtype": args.dtype, "device": args.device,
+                        "num_prompts": len(work.prompts), "batch_size": args.batch_size,
+                        "dataset": args.dataset or f"random ids, {args.input_len} tokens",
+                        "output_len": args.output_len if not args.dataset else "per prompt",
+                        "cpus": os.cpu_count()}
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(f"throughput: {cfg['num_prompts']} prompts ({cfg['dataset']}), batch "
+          f"{cfg['batch_size']}, {cfg['dtype']} on {cfg['device']}, {cfg['cpus']} cpus")
+    print(f"{'engine':12}{'output tok/s':>14}{'seconds':>10}{'pipeline ÷':>12}"
+          f"{'same greedy output':>22}")
+    n = cfg["num_prompts"]
+    for name, r in report.items():
+        if name in ("ratios", "config"):
+            continue
+        ratio = report["ratios"].get(f"pipeline/{name}", 1.0)
+        print(f"{name:12}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
+              f"{r['identical_to_pipeline']:>16}/{n} prompts")

@@ -1,0 +1,84 @@
+"""The benchmarks: workloads are deterministic and follow their documented laws; latency
+metrics are computed exactly; each benchmark runs end to end on the tiny model and writes the
+JSON its contract names, with identical greedy outputs where they must be identical."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from pipeline import bench
+from pipeline.bench_serve import RequestRecord, arrival_times, summarize
+from pipeline.datasets import random_prompts, synthetic_chat
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_synthetic_chat_is_deterministic_and_long_tailed() -> None:
+    a, b = synthetic_chat(2000, seed=3), synthetic_chat(2000, seed=3)
+    assert a == b and a != synthetic_chat(2000, seed=4)
+    ins = [s.target_input_tokens for s in a]
+    outs = [s.output_tokens for s in a]
+    assert min(ins) >= 16 and max(ins) <= 2048 and min(outs) >= 16 and max(outs) <= 512
+    assert 90 <= statistics.median(ins) <= 150 and 80 <= statistics.median(outs) <= 125
+    assert sorted(ins)[int(0.9 * len(ins))] > 3 * statistics.median(ins)  # a long tail
+
+
+def test_random_prompts_stay_in_the_vocabulary() -> None:
+    prompts = random_prompts(10, 7, vocab_size=300, seed=1)
+    assert len(prompts) == 10 and all(len(p) == 7 for p in prompts)
+    assert all(100 <= t < 300 for p in prompts for t in p)
+
+
+def test_poisson_arrivals() -> None:
+    assert arrival_times(5, float("inf"), 0) == [0.0] * 5
+    times = arrival_times(4000, 8.0, 0)
+    gaps = [b - a for a, b in zip([0.0, *times[:-1]], times, strict=True)]
+    assert all(g > 0 for g in gaps) and abs(statistics.mean(gaps) - 1 / 8) < 0.01
+
+
+def test_latency_metrics_are_exact() -> None:
+    records = [RequestRecord(0.0, [0.1, 0.2, 0.3], 5), RequestRecord(1.0, [1.5, 1.9], 7),
+               RequestRecord(2.0, [], 3, "the prompt is empty")]
+    args = type("A", (), {"request_rate": 2.0, "max_concurrency": None,
+                          "slo_ttft_ms": 200.0, "slo_tpot_ms": 500.0})()
+    s = summarize(records, 2.0, args)  # type: ignore[arg-type]
+    assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == ["the prompt is empty"]
+    assert s["ttft_ms"]["mean"] == pytest.approx(300.0)  # 100 and 500 ms
+    assert s["tpot_ms"]["mean"] == pytest.approx(250.0)  # 100 and 400 ms
+    assert s["itl_ms"]["p50"] == pytest.approx(100.0)  # 100, 100, 400 ms
+    assert s["e2e_ms"]["mean"] == pytest.approx(600.0)  # 300 and 900 ms
+    assert s["output_token_throughput"] == pytest.approx(2.5)
+    assert s["goodput"]["requests_per_s"] == pytest.approx(0.5)  # only the first meets TTFT
+
+
+def test_throughput_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    rc = bench.main(["throughput", "--model", str(tiny_model_dir), "--num-prompts", "6",
+                     "--batch-size", "2,3", "--input-len", "5", "--output-len", "7",
+                     "--peers", "hf-static", "--json", str(out), "--plot", str(tmp_path)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and {"pipeline", "hf-static", "limit", "ratios", "config"} <= set(report)
+    for engine in ("pipeline", "hf-static", "limit"):
+        assert report[engine]["output_tokens"] == 6 * 7
+        assert report[engine]["identical_to_pipeline"] == 6  # greedy, fp32, the same model
+        assert report[engine]["output_tok_s"] > 0 and report[engine]["seconds"] > 0
+    assert set(report["ratios"]) == {"pipeline/hf-static", "pipeline/limit"}
+    assert sorted(report["by_batch_size"]) == ["2", "3"]
+    assert (tmp_path / "throughput_vs_batch.png").stat().st_size > 1000
+
+
+def test_overlap_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.json"
+    rc = bench.main(["overlap", "--model", str(tiny_model_dir), "--device", "timed:1,0",
+                     "--batch", "4", "--output-len", "12", "--max-model-len", "256",
+                     "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["identical_outputs"] is True
+    for mode in ("sync", "async"):
+        assert set(report[mode]) >= {"output_tok_s", "device_idle_frac", "mean_step_ms", "steps"}
+    assert report["speedup"] > 0
+    assert out.with_suffix(".png").stat().st_size > 1000
