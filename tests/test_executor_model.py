@@ -75,3 +75,17 @@ def test_bfloat16_runs_with_a_bfloat16_cache(tiny_model_dir: Path) -> None:
     # bf16 rounding may change later tokens, but most first tokens agree with fp32
     assert sum(g[0] == e[0] for g, e in zip(got, fp32, strict=True)) >= len(prompts) // 2
     assert all(len(g) == 8 for g in got)
+
+
+def test_decode_groups_bound_the_padding() -> None:
+    import numpy as np
+
+    from stages.executor.step_inputs import group_by_length
+
+    lens = np.array(sorted([20, 21, 30, 45, 90, 100, 2000, 2500, 17]))
+    groups = group_by_length(lens)
+    assert [(g.start, g.end) for g in groups][0][0] == 0 and groups[-1].end == len(lens)
+    assert all(a.end == b.start for a, b in zip(groups, groups[1:], strict=False))
+    for g in groups:  # within a group the longest is at most twice the shortest
+        assert g.max_len == lens[g.end - 1] <= 2 * max(lens[g.start], 16)
+    assert len(groups) <= 5

@@ -1,9 +1,9 @@
 """Attention over the paged KV cache for a flattened mixed batch. Runs in the executor process.
 
-Rows with one query token (decodes) are attended together in one batched call; rows with
-several (prefill chunks) one by one. The cache of a layer is [2, num_blocks, block_size,
-num_kv_heads, head_dim]; a token at position p of a sequence lives in block
-block_table[p // block_size] at offset p % block_size.
+Rows with one query token (decodes) are attended in batched calls, grouped by context length
+so that padding at most doubles the keys read; rows with several (prefill chunks) one by one.
+The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; a token at
+position p of a sequence lives in block block_table[p // block_size] at offset p % block_size.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stages.executor.step_inputs import PrefillRow
+from stages.executor.step_inputs import DecodeGroup, PrefillRow
 
 
 @dataclass
@@ -26,15 +26,20 @@ class PrefillAttention:
 
 
 @dataclass
+class DecodeAttention:
+    token_idx: torch.Tensor  # [B] rows of the flattened batch
+    block_tables: torch.Tensor  # [B, nb]
+    mask: torch.Tensor  # [B, 1, 1, nb * block_size] bool
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache index that each token's K/V is written to
-    decode_token_idx: torch.Tensor | None  # [B]
-    decode_block_tables: torch.Tensor | None  # [B, nb]
-    decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool
+    decodes: list[DecodeAttention]
     prefills: list[PrefillAttention]
 
 
-def build_attention_metadata(v: dict[str, torch.Tensor], decode_max_len: int,
+def build_attention_metadata(v: dict[str, torch.Tensor], decode_groups: list[DecodeGroup],
                              prefills: list[PrefillRow], block_table: torch.Tensor,
                              block_size: int) -> AttentionMetadata:
     """Device-side metadata from the unpacked step views `v` and the block table
@@ -42,13 +47,14 @@ def build_attention_metadata(v: dict[str, torch.Tensor], decode_max_len: int,
     positions = v["positions"]
     slot_mapping = (block_table[v["token_slots"], positions // block_size].long() * block_size
                     + positions % block_size)
-    meta = AttentionMetadata(slot_mapping, None, None, None, [])
-    if decode_max_len:
-        num_blocks = -(-decode_max_len // block_size)
-        meta.decode_token_idx = v["decode_token_idx"]
-        meta.decode_block_tables = block_table[v["decode_slots"], :num_blocks].long()
+    meta = AttentionMetadata(slot_mapping, [], [])
+    for group in decode_groups:
+        rows = slice(group.start, group.end)
+        num_blocks = -(-group.max_len // block_size)
+        tables = block_table[v["decode_slots"][rows], :num_blocks].long()
         keys = torch.arange(num_blocks * block_size, device=positions.device)
-        meta.decode_mask = (keys[None, :] < v["decode_lens"][:, None])[:, None, None, :]
+        mask = (keys[None, :] < v["decode_lens"][rows][:, None])[:, None, None, :]
+        meta.decodes.append(DecodeAttention(v["decode_token_idx"][rows], tables, mask))
     for row in prefills:
         qlen, clen = row.end - row.start, row.context_len
         if qlen == clen:  # no past: causal attention over the fresh keys
@@ -70,13 +76,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    if meta.decode_token_idx is not None:
-        idx, tables = meta.decode_token_idx, meta.decode_block_tables
+    for group in meta.decodes:
+        idx, tables = group.token_idx, group.block_tables
         batch = idx.shape[0]
         kd = k_cache[tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache[tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[idx].unsqueeze(2)  # [B, H, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask,
                                             scale=scale, enable_gqa=True)
         out[idx] = od.squeeze(2)
     for row in meta.prefills:

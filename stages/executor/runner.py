@@ -102,7 +102,7 @@ class ModelRunner:
         """Run `step` whose packed buffer is already on the device; returns sampled ids [X]."""
         v = unpack(packed, step.sizes)
         ids = self.slots.apply(step, v)
-        meta = build_attention_metadata(v, step.decode_max_len, step.prefills,
+        meta = build_attention_metadata(v, step.decode_groups, step.prefills,
                                         self.slots.block_table, self.shape.block_size)
         logits = self.model(ids, v["positions"], self.kv_caches, meta, v["logits_indices"])
         temps = self.slots.temperature[v["sample_slots"]]

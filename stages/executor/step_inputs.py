@@ -19,6 +19,27 @@ _FIELDS = ("input_ids", "positions", "token_slots", "logits_indices", "sample_sl
            "new_slots", "new_temps")
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the (length-sorted) decode arrays, attended in one call
+    with keys padded to max_len."""
+
+    start: int
+    end: int
+    max_len: int
+
+
+def group_by_length(lens: np.ndarray, max_ratio: float = 2.0) -> list[DecodeGroup]:
+    """Split ascending context lengths into runs whose longest is at most max_ratio times
+    their shortest, so padding never more than doubles the keys a group reads."""
+    groups, start = [], 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or lens[i] > max_ratio * max(lens[start], 16):
+            groups.append(DecodeGroup(start, i, int(lens[i - 1])))
+            start = i
+    return groups
+
+
 @dataclass
 class PrefillRow:
     start: int  # first token of the row in the flattened batch
@@ -35,7 +56,7 @@ class HostStep:
     plan: StepPlan
     packed: torch.Tensor  # [sum of sizes] int64, host (pinned on CUDA)
     sizes: dict[str, int]
-    decode_max_len: int  # longest context among decode rows (0: none)
+    decode_groups: list[DecodeGroup]  # decode rows sorted by context length, in groups
     prefills: list[PrefillRow]
     all_greedy: bool
     ring_slot: int
@@ -67,6 +88,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     ends = np.cumsum(q)
     starts = ends - q
     decode = np.flatnonzero(q == 1)
+    decode = decode[np.argsort(ctx[decode], kind="stable")]
     sampled = np.flatnonzero(do_sample)
     temps = host_temperature.copy()
     for init in plan.new_slots:
@@ -98,7 +120,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     prefills = [PrefillRow(int(starts[r]), int(ends[r]), int(slots[r]), int(ctx[r]))
                 for r in np.flatnonzero(q > 1)]
     return HostStep(
-        plan, staging[:offset], sizes, int(ctx[decode].max()) if len(decode) else 0, prefills,
+        plan, staging[:offset], sizes, group_by_length(ctx[decode]), prefills,
         not temps[slots[sampled]].any(), ring_slot)
 
 
