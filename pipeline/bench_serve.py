@@ -145,7 +145,8 @@ def serve(args: argparse.Namespace) -> int:
         args.model_dir = str(ensure_default_model())
     samples = synthetic_chat(args.num_prompts, seed=args.seed)
     cfg = PipelineConfig(model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
-                         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+                         scheduler=SchedulerConfig(args.max_num_seqs,
+                                                   args.max_num_batched_tokens),
                          executor=ExecutorConfig(args.device, args.dtype, args.kv_cache_memory))
     summaries = []
     with Pipeline(cfg) as pipe:
