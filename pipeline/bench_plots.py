@@ -29,10 +29,7 @@ def plot_timeline(rows: list[tuple[str, list[tuple[float, float]], str]], path: 
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_xlabel("ms since the first steady step (device busy intervals; gaps = idle)")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_throughput_vs_batch(by_batch: dict[int, dict[str, float]], out_dir: str) -> str:
@@ -44,13 +41,21 @@ def plot_throughput_vs_batch(by_batch: dict[int, dict[str, float]], out_dir: str
         ax.plot(sizes, [by_batch[b][engine] for b in sizes], marker="o", label=engine)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(b) for b in sizes])
-    ax.set_xlabel("batch size (max sequences per step)")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("throughput by engine and batch size", fontsize=9)
+    _label(ax, "batch size (max sequences per step)", "output tokens / s",
+           "throughput by engine and batch size")
+    return _save(plt, fig, os.path.join(out_dir, "throughput_vs_batch.png"))
+
+
+def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _save(plt: Any, fig: Any, path: str) -> str:
     fig.tight_layout()
-    path = os.path.join(out_dir, "throughput_vs_batch.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -71,13 +76,5 @@ def plot_latency_vs_rate(summaries: list[dict[str, Any]], out_dir: str) -> str:
         for pct in ("p50", "p90", "p99"):
             ax.plot(xs, [s[key][pct] for s in summaries], marker="o", label=pct)
         ax.set_xticks(xs, labels)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("ms")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "latency_vs_rate.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _label(ax, "request rate (req/s)", "ms", title)
+    return _save(plt, fig, os.path.join(out_dir, "latency_vs_rate.png"))
