@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import traceback
@@ -24,15 +25,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _die_with_parent(parent_pid: int, stop: threading.Event) -> None:
+def _die_with_parent(parent_pid: int, ctx: StageContext) -> None:
     """Stop when the launcher's process is gone, however it died. (Not PR_SET_PDEATHSIG: it
     fires when the launching *thread* exits, which a short-lived thread would do.)"""
 
     def watch() -> None:
-        while not stop.wait(0.25):
+        while not ctx.stop.wait(0.25):
             if os.getppid() != parent_pid:
                 logger.warning("parent %d is gone: stopping", parent_pid)
-                stop.set()
+                ctx.is_orphaned = True
+                ctx.stop.set()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
@@ -57,7 +59,9 @@ class StageContext:
         self._control = PushChannel(self.zmq, cfg.control_address, bind=False)
         trace = os.path.join(cfg.trace_dir, f"{stage}-{rank}.json") if cfg.trace_dir else None
         self.tracer = Tracer(trace, stage, rank)
-        _die_with_parent(parent_pid, self.stop)
+        self.run_dir = cfg.run_dir
+        self.is_orphaned = False  # the launcher died without stopping us
+        _die_with_parent(parent_pid, self)
 
     def ready(self, **info: int) -> None:
         self._control.send(StageReady(self.stage, self.rank, os.getpid(), dict(info)))
@@ -90,3 +94,5 @@ def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
     finally:
         ctx.tracer.dump()
         ctx.zmq.destroy(linger=1000)
+        if ctx.is_orphaned:  # nobody else will remove the run's socket files now
+            shutil.rmtree(ctx.run_dir, ignore_errors=True)

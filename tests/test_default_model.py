@@ -73,6 +73,13 @@ def _stage_children(pid: int) -> list[int]:
             if "llm-pipeline:" in " ".join(c.cmdline())]
 
 
+def _run_dirs() -> list[str]:
+    import tempfile
+
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return [n for n in os.listdir(base) if n.startswith("llm-pipeline-")]
+
+
 def _describe(pids: list[int]) -> str:
     out = []
     for pid in pids:
@@ -88,6 +95,7 @@ def _describe(pids: list[int]) -> str:
 def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C, SIGTERM or the parent's death: no stage process and nothing in /dev/shm remains."""
     before = set(os.listdir("/dev/shm"))
+    runs_before = set(_run_dirs())
     log = (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen(_cli("generate", "--prompt", "Count to one thousand: 1, 2, 3,",
                                  "--max-tokens", "2000", "--json"),
@@ -109,6 +117,7 @@ def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) ->
                                        (tmp_path / "stderr.txt").read_text()[-3000:])
         leaked = [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
         assert leaked == []
+        assert set(_run_dirs()) - runs_before == set()  # nor its run directory
     finally:
         if proc.poll() is None:
             proc.kill()
