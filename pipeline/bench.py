@@ -11,6 +11,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,20 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("overlap", help="synchronous vs overlapped batching, same workload")
-    p.add_argument("--model", dest="model_dir", default=None)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or timed:A,B")
-    p.add_argument("--dtype", default="float32")
+    _add_common(p, kv_cache_memory=1 << 30)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
-                   help="bytes or e.g. 2GiB")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--detokenizer-workers", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1,
                    help="run sync and async this many times, interleaved; report medians")
-    p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG|DIR",
                    help="timeline PNG (a folder: device_timeline.png in it); default: the "
                         "JSON path with .png")
@@ -184,16 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
+    """Options every benchmark shares: the model, where and how it runs, the JSON output."""
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="local HF folder; default: the converted SmolLM2")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or timed:A,B (overlap)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=kv_cache_memory,
+                   help="bytes or e.g. 2GiB")
+    p.add_argument("--json", default=None, metavar="FILE")
+
+
 def add_serve_parser(sub: Any) -> None:
     from pipeline.bench_serve import serve
 
     p = sub.add_parser("serve", help="online load: Poisson arrivals, latency percentiles")
-    p.add_argument("--model", dest="model_dir", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    _add_common(p, kv_cache_memory=2 << 30)
     p.add_argument("--dataset", choices=["synthetic-chat"], default="synthetic-chat")
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=_rates, default=[float("inf")],
+    p.add_argument("--request-rate", type=_comma_list(float, "request rates"),
+                   default=[float("inf")],
                    help="requests/s of the Poisson arrivals, or inf (all at once); a comma "
                         "list runs each rate in turn (for the latency plot)")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -204,54 +210,43 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the per-step token budget (smaller: steadier TPOT under long prompts)")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=2 << 30)
-    p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="DIR")
     p.set_defaults(func=serve)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use integers, comma separated") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError("batch sizes must be at least 1")
-    return values
+def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], list[Any]]:
+    """An argparse type: a comma-separated list of positive values."""
 
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [convert(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {what} are {convert.__name__}s, comma separated") from None
+        if any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{what} must be positive")
+        return values
 
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: use numbers or inf, comma separated") from None
-    if any(r <= 0 for r in rates):
-        raise argparse.ArgumentTypeError("request rates must be positive")
-    return rates
+    return parse
 
 
 def add_throughput_parser(sub: Any) -> None:
     from pipeline.bench_throughput import PEERS, throughput
 
     p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
-    p.add_argument("--model", dest="model_dir", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    _add_common(p, kv_cache_memory=1 << 30)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dataset", choices=["synthetic-chat"], default=None,
                    help="instead of random prompts of --input-len (see pipeline/datasets.py)")
-    p.add_argument("--batch-size", type=_ints, default=[32],
+    p.add_argument("--batch-size", type=_comma_list(int, "batch sizes"), default=[32],
                    help="the pipeline's max_num_seqs, and the batch of hf-static and limit; "
                         "a comma list runs each (for the plot; the last is the headline)")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="throughput_vs_batch.png when several batch sizes are given")
     p.add_argument("--peers", default=",".join(PEERS), type=_peer_list,
                    help="any subset of hf-batch,hf-static (empty: none)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30)
-    p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=throughput)
 
 
