@@ -49,6 +49,16 @@ def _scalar(tp: type, name: str) -> Decoder:
     return check
 
 
+def _one_of(tps: tuple[type, ...], name: str) -> Decoder:
+    def check(v: Any) -> Any:
+        if type(v) not in tps:
+            raise ProtocolError(f"{name}: expected one of {[t.__name__ for t in tps]}, "
+                                f"got {type(v).__name__}")
+        return v
+
+    return check
+
+
 def _optional(inner: Decoder) -> Decoder:
     return lambda v: None if v is None else inner(v)
 
@@ -84,8 +94,10 @@ def _compile(tp: Any, name: str) -> Decoder:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) > 1 and all(a in (int, str) for a in args):
+            return _optional(_one_of(tuple(args), name))
         if len(args) != 1:
-            raise TypeError(f"{name}: only `X | None` unions are supported")
+            raise TypeError(f"{name}: only `X | None` and unions of int and str are supported")
         return _optional(_compile(args[0], name))
     if origin is list:
         (item,) = typing.get_args(tp)

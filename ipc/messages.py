@@ -28,10 +28,18 @@ class Message(Struct):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams(Struct):
-    """What the client asks of one request; validated by the tokenizer stage.
+    """What the client asks of one request; validated by the tokenizer stage
+    (stages/tokenizer.py validate_params), with the meanings vLLM's users expect.
 
     max_tokens None means: until a stop condition or the end of the model's context.
-    temperature 0 means greedy.
+    temperature 0 means greedy. top_k 0 and top_p 1 and min_p 0 mean off.
+    Penalties follow vLLM: repetition_penalty divides positive (multiplies negative) logits of
+    tokens seen in the prompt or output; presence/frequency_penalty subtract from the logits of
+    output tokens once / once per occurrence.
+    seed makes the request's draws depend only on (seed, sample index, position), not on its
+    batch mates. n samples share the prompt's KV blocks. logprobs None: none; k: the sampled
+    token's logprob and the k most likely alternatives (k <= 20). Lower priority values are
+    served first; equal priorities first come first served.
     """
 
     max_tokens: int | None = None
@@ -39,6 +47,19 @@ class SamplingParams(Struct):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +90,16 @@ class AddRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest(Message):
-    """Stop a request wherever it is; its final output has finish_reason 'abort'."""
+    """Stop a request wherever it is; its final output has finish_reason 'abort'.
+
+    A detokenizer that found a stop string sends it with reason 'stop' and the sample's
+    index: the scheduler then frees that sample at once (its client was already answered).
+    """
 
     TAG: ClassVar[int] = 2
     request_id: str
+    reason: str = "abort"
+    index: int = -1  # -1: every sample of the request
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -100,16 +127,38 @@ class DetokRequestInfo(Struct):
     num_prompt_tokens: int
     skip_special_tokens: bool
     arrival_time: float
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings count only from this many output tokens on
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob(Struct):
+    """One output token's logprob (from the model's raw distribution) and the top
+    alternatives, most likely first. Token texts are filled in by the detokenizer."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta(Struct):
-    """New token ids of one request; a finish_reason ends the request."""
+    """New token ids of one sample of a request; a finish_reason ends the sample."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0  # sample index, 0..n-1
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    stop_token_id: int | None = None  # the stop_token_ids entry that finished it
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +186,15 @@ class DetokBatch(Message):
 # ---------------------------------------------------------------- detokenizer/tokenizer -> client
 
 
+WHOLE_REQUEST = -1  # RequestOutput.index of an answer that ends every sample (an error)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput(Struct):
-    """A streamed delta of one request. text and token_ids are new since the last output."""
+    """A streamed delta of one sample of a request (index 0..n-1). text and token_ids are
+    new since the last output of that sample; finished ends the sample. stop_reason is the
+    stop string or stop token id that ended it, if any. A request refused before it ran
+    gets one output with index WHOLE_REQUEST."""
 
     request_id: str
     text: str
@@ -149,6 +204,10 @@ class RequestOutput(Struct):
     error: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    index: int = 0
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +221,22 @@ class RequestOutputs(Message):
 
 @dataclass(frozen=True, slots=True)
 class SlotInit(Struct):
-    """A sequence takes an executor slot: the slot's device-side sampling state is reset."""
+    """A sequence takes an executor slot: the slot's device-side sampling state is reset.
+    stop_ids are the ids that min_tokens suppresses (EOS unless ignored, stop_token_ids)."""
 
     slot: int
     temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    num_prompt_tokens: int = 0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +268,7 @@ class SampledTokens(Message):
     num_sampled: int
     device_start: float = 0.0
     device_end: float = 0.0
+    num_top_logprobs: int = -1  # -1: no logprobs this step; k: logprob + k alternatives
 
 
 # ---------------------------------------------------------------- stages -> launcher
@@ -241,6 +313,9 @@ class SchedulerStats(Message):
     num_requests: int
     num_preemptions: int
     num_steps: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
+    num_cached_blocks: int = 0  # free blocks that still hold reusable KV
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

@@ -39,5 +39,14 @@ def check_stamp(buf: dict[str, np.ndarray], step_id: int) -> None:
                             f"{step_id}: it was rewritten before the executor finished reading")
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 def sampled_specs(max_num_seqs: int) -> tuple[BufferSpec, ...]:
-    return (BufferSpec("token_ids", "int64", (max_num_seqs,)),)
+    return (
+        BufferSpec("token_ids", "int64", (max_num_seqs,)),
+        # only in steps whose SampledTokens has num_top_logprobs >= 0:
+        BufferSpec("logprob", "float32", (max_num_seqs,)),  # of the sampled token
+        BufferSpec("top_ids", "int64", (max_num_seqs, MAX_TOP_LOGPROBS)),  # most likely first
+        BufferSpec("top_logprobs", "float32", (max_num_seqs, MAX_TOP_LOGPROBS)),
+    )

@@ -193,7 +193,7 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
         _fill_ring(ring, step, ids, slots[rows], q, ctx[rows], updates if step == 0 else [])
         plan = StepPlan(step, 0, len(rows), len(ids), len(updates) if step == 0 else 0,
                         len(rows), [])
-        for i, token in zip(rows, runner.execute(plan, ring).tolist(), strict=True):
+        for i, token in zip(rows, runner.execute(plan, ring).tokens.tolist(), strict=True):
             outs[i].append(token)
         step += 1
 

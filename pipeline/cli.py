@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipc.messages import ChatMessage, SamplingParams
+from ipc.messages import ChatMessage, SamplingParams, TokenLogprob
 from pipeline.client import CompletionOutput, PipelineClient
 from pipeline.config import (
     ConfigError,
@@ -64,10 +65,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", default=[], help="repeatable")
     gen.add_argument("--prompts-file", help="one prompt per line (empty lines are skipped)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
-    gen.add_argument("--max-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    add_sampling_options(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     return parser
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field, of the same name with dashes (see its docstring)."""
+    g = p.add_argument_group("sampling (per request; see ipc.messages.SamplingParams)")
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--include-stop-str-in-output", action="store_true")
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="the sampled token's logprob and this many alternatives (0..20)")
+    g.add_argument("--priority", type=int, default=0, help="lower is served first")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{f.name: getattr(args, f.name)
+                             for f in dataclasses.fields(SamplingParams)})
 
 
 def build_config(args: argparse.Namespace) -> PipelineConfig:
@@ -95,25 +124,44 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def output_json(index: int, out: CompletionOutput) -> str:
-    return json.dumps({
+def logprobs_json(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token_id": lp.token_id, "token": lp.token, "logprob": lp.logprob,
+             "top_logprobs": [{"token_id": i, "token": t, "logprob": v} for i, t, v in
+                              zip(lp.top_ids, lp.top_tokens, lp.top_logprobs, strict=True)]}
+            for lp in logprobs]
+
+
+def output_json(index: int, out: CompletionOutput, params: SamplingParams) -> str:
+    line: dict[str, Any] = {
         "index": index, "text": out.text, "token_ids": out.token_ids,
-        "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
-        "num_output_tokens": out.num_output_tokens, "error": out.error,
-    }, ensure_ascii=False)
+        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+        "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
+        "num_cached_prompt_tokens": out.num_cached_tokens, "error": out.error,
+    }
+    if params.logprobs is not None:
+        line["logprobs"] = logprobs_json(out.logprobs)
+    if params.n > 1:
+        line["samples"] = [{"text": s.text, "token_ids": s.token_ids,
+                            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
+                            **({"logprobs": logprobs_json(s.logprobs)}
+                               if params.logprobs is not None else {})}
+                           for s in out.samples]
+    return json.dumps(line, ensure_ascii=False)
 
 
 def run_generate(client: PipelineClient, args: argparse.Namespace) -> int:
     texts = read_prompts(args)
     prompts: list[Any] = [[ChatMessage("user", t)] for t in texts] if args.chat else texts
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    params = sampling_params(args)
     outputs = client.generate(prompts, params)
     for i, out in enumerate(outputs):
         if args.json:
-            print(output_json(i, out), flush=True)
-        else:
-            status = f"error: {out.error}" if out.error else out.finish_reason
-            print(f"=== [{i}] {texts[i]!r} ({status})\n{out.text}\n", flush=True)
+            print(output_json(i, out, params), flush=True)
+            continue
+        for s in out.samples:
+            status = f"error: {out.error}" if out.error else s.finish_reason
+            label = f"[{i}]" if params.n == 1 else f"[{i}.{s.index}]"
+            print(f"=== {label} {texts[i]!r} ({status})\n{s.text}\n", flush=True)
     return 0
 
 

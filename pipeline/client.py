@@ -21,12 +21,14 @@ import zmq
 from ipc.channels import PullChannel, PushChannel
 from ipc.codec import Codec
 from ipc.messages import (
+    WHOLE_REQUEST,
     AbortRequest,
     AddRequest,
     ChatMessage,
     RequestOutput,
     RequestOutputs,
     SamplingParams,
+    TokenLogprob,
 )
 
 if TYPE_CHECKING:
@@ -41,19 +43,57 @@ class PipelineError(RuntimeError):
 
 
 @dataclass
-class CompletionOutput:
-    """The whole result of one request."""
+class SampleResult:
+    """One of a request's n samples."""
 
-    request_id: str
+    index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class CompletionOutput:
+    """The whole result of one request. text, token_ids, finish_reason, stop_reason and
+    logprobs are sample 0's; `samples` has all n (n > 1 only matters there)."""
+
+    request_id: str
+    n: int = 1
+    finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # over all samples
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    samples: list[SampleResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.samples = self.samples or [SampleResult(i) for i in range(self.n)]
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.samples[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.samples[0].logprobs
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_time is not None
 
     @property
     def ttft(self) -> float | None:
@@ -64,12 +104,24 @@ class CompletionOutput:
         now = time.monotonic()
         if out.token_ids and self.first_token_time is None:
             self.first_token_time = now
-        self.text += out.text
-        self.token_ids.extend(out.token_ids)
         self.num_prompt_tokens = out.num_prompt_tokens
-        self.num_output_tokens = out.num_output_tokens
-        if out.finished:
-            self.finish_reason, self.error, self.finish_time = out.finish_reason, out.error, now
+        if out.index == WHOLE_REQUEST:  # refused: every sample ends here
+            for s in self.samples:
+                s.finished, s.finish_reason = True, out.finish_reason
+        else:
+            s = self.samples[out.index]
+            s.text += out.text
+            s.token_ids.extend(out.token_ids)
+            s.logprobs.extend(out.logprobs or [])
+            self.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                s.finished, s.finish_reason = True, out.finish_reason
+                s.stop_reason = out.stop_reason
+        self.num_output_tokens = sum(len(s.token_ids) for s in self.samples)
+        if out.error is not None:
+            self.error = out.error
+        if all(s.finished for s in self.samples):
+            self.finish_reason, self.finish_time = self.samples[0].finish_reason, now
 
 
 def make_add_request(request_id: str, reply_to: str, prompt: Prompt,
@@ -94,7 +146,8 @@ class PipelineClient:
             self._requests.socket.connect(cfg.tokenizer_address(rank))
         self._aborts = PushChannel(self._ctx, cfg.scheduler_address, bind=False)
         self._send_lock = threading.Lock()
-        self._routes: dict[str, Callable[[RequestOutput], Any]] = {}
+        # request id -> (deliver, samples still running)
+        self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int]] = {}
         self._routes_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._route_outputs, name="client-io", daemon=True)
@@ -110,9 +163,16 @@ class PipelineClient:
             assert isinstance(msg, RequestOutputs)
             for out in msg.outputs:
                 with self._routes_lock:
-                    deliver = self._routes.get(out.request_id)
+                    route = self._routes.get(out.request_id)
+                    if route is None:
+                        continue
+                    deliver, remaining = route
                     if out.finished:
-                        self._routes.pop(out.request_id, None)
+                        remaining = 0 if out.index == WHOLE_REQUEST else remaining - 1
+                        if remaining:
+                            self._routes[out.request_id] = (deliver, remaining)
+                        else:
+                            del self._routes[out.request_id]
                 if deliver is not None:
                     try:
                         deliver(out)
@@ -126,7 +186,7 @@ class PipelineClient:
         with self._routes_lock:
             if request_id in self._routes:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            self._routes[request_id] = deliver
+            self._routes[request_id] = (deliver, params.n)
         try:
             with self._send_lock:
                 self._requests.send(make_add_request(request_id, self.reply_to, prompt, params))
@@ -164,7 +224,7 @@ class PipelineClient:
         order = []
         for prompt, p in zip(prompts, all_params, strict=True):
             rid = uuid.uuid4().hex
-            results[rid] = CompletionOutput(rid, arrival_time=time.monotonic())
+            results[rid] = CompletionOutput(rid, max(p.n, 1), arrival_time=time.monotonic())
             order.append(self._submit(prompt, p, rid, inbox.put))
         self._collect(inbox, results, timeout)
         return [results[rid] for rid in order]
@@ -184,19 +244,22 @@ class PipelineClient:
                     raise TimeoutError(
                         f"{len(pending)} requests did not finish in {timeout} s") from None
                 continue
-            results[out.request_id].add(out)
-            if out.finished:
+            result = results[out.request_id]
+            result.add(out)
+            if result.finished:
                 pending.discard(out.request_id)
 
     # ------------------------------------------------------------ streaming API
 
     async def stream(self, prompt: Prompt, params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield one request's deltas as they come. Leaving the loop early aborts it."""
+        """Yield one request's deltas as they come (each names its sample: `index`), until
+        every sample has finished. Leaving the loop early aborts the request."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = self._submit(prompt, params, request_id,
                            lambda out: loop.call_soon_threadsafe(inbox.put_nowait, out))
+        remaining = max(params.n, 1)
         finished = False
         try:
             while not finished:
@@ -205,7 +268,9 @@ class PipelineClient:
                 except asyncio.TimeoutError:
                     self._check_alive()
                     continue
-                finished = out.finished
+                if out.finished:
+                    remaining = 0 if out.index == WHOLE_REQUEST else remaining - 1
+                finished = remaining == 0
                 yield out
         finally:
             if not finished and not self._stop.is_set():

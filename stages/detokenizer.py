@@ -3,6 +3,7 @@ correct for multi-byte characters and merges, streamed as per-step batches to ea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -10,9 +11,18 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from ipc.channels import PullChannel, ReplySockets
+from ipc.channels import PullChannel, PushChannel, ReplySockets
 from ipc.codec import Codec
-from ipc.messages import DetokBatch, DetokRequestInfo, RequestOutput, RequestOutputs, TokenDelta
+from ipc.messages import (
+    WHOLE_REQUEST,
+    AbortRequest,
+    DetokBatch,
+    DetokRequestInfo,
+    RequestOutput,
+    RequestOutputs,
+    TokenDelta,
+    TokenLogprob,
+)
 from stages.process import stage_process
 from stages.trace import now_ns
 
@@ -23,71 +33,154 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _RequestState:
+class _SampleState:
+    """One sample of one request. text is all its output text so far; sent is how much of it
+    the client has (the rest may still be part of a stop string)."""
+
     info: DetokRequestInfo
+    index: int
     stream: DecodeStream  # holds back bytes of an unfinished character; O(1) per token
     num_output_tokens: int = 0
     held: list[int] = field(default_factory=list)  # ids the stream has not turned into text yet
     context: list[int] = field(default_factory=list)  # ids of its last emitted piece
+    text: str = ""
+    sent: int = 0
+    stopped: bool = False  # ended by a stop string here; the scheduler's last delta is awaited
+    finished: bool = False  # the scheduler's last delta came: nothing more will
+
+
+def hold_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of text that could still become a stop string: the longest
+    suffix of text that is a proper prefix of one of them."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+def find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string occurring in text at or after `start` (position, string)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = text.find(stop, start)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
 
 
 class Detokenizer:
-    """Pure core: feed(batch) -> outputs grouped by client reply address."""
+    """Pure core: feed(batch) -> outputs grouped by client reply address. A sample ended by a
+    stop string is reported in `stopped` (AbortRequest with reason 'stop'), for the scheduler."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, list[_SampleState]] = {}
+        self.stopped: list[AbortRequest] = []
 
     def feed(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
         for info in batch.new_requests:
-            self.requests[info.request_id] = _RequestState(
-                info, DecodeStream(skip_special_tokens=info.skip_special_tokens))
+            self.requests[info.request_id] = [
+                _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens))
+                for i in range(info.n)]
         by_client: dict[str, list[RequestOutput]] = {}
         for rej in batch.rejected:
             by_client.setdefault(rej.reply_to, []).append(RequestOutput(
                 rej.request_id, "", [], True, rej.finish_reason, rej.error,
-                rej.num_prompt_tokens, 0))
+                rej.num_prompt_tokens, 0, WHOLE_REQUEST))
         for delta in batch.deltas:
-            state = self.requests.get(delta.request_id)
-            if state is None:
-                logger.error("token delta for unknown request %s", delta.request_id)
+            samples = self.requests.get(delta.request_id)
+            if samples is None or not 0 <= delta.index < len(samples):
+                logger.error("token delta for unknown request %s (sample %d)", delta.request_id,
+                             delta.index)
                 continue
-            by_client.setdefault(state.info.reply_to, []).append(self._output(state, delta))
+            state = samples[delta.index]
+            if not state.stopped:
+                by_client.setdefault(state.info.reply_to, []).append(self._output(state, delta))
             if delta.finish_reason is not None:
-                del self.requests[delta.request_id]
+                state.finished = True
+                if all(s.finished for s in samples):
+                    del self.requests[delta.request_id]
         return by_client
 
-    def _output(self, state: _RequestState, delta: TokenDelta) -> RequestOutput:
-        pieces: list[str] = []
+    def _output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
+        info = state.info
+        stops = info.stop
+        ids: list[int] = []
+        stop: tuple[int, str] | None = None
         for t in delta.token_ids:
-            state.held.append(t)
-            try:
-                piece = state.stream.step(self.tokenizer, t)
-            except Exception as exc:  # e.g. "Invalid prefix encountered": restart the stream
-                logger.warning("request %s: incremental decode failed (%s); resyncing",
-                               delta.request_id, exc)
-                piece = self._flush(state)
-                state.stream = DecodeStream(skip_special_tokens=state.info.skip_special_tokens)
-            if piece is not None:
-                pieces.append(piece)
-                state.context, state.held = state.held, []
-        if delta.finish_reason is not None and state.held:
-            pieces.append(self._flush(state))
-        state.num_output_tokens += len(delta.token_ids)
+            ids.append(t)
+            before = len(state.text)
+            state.text += self._step(state, t, delta.request_id)
+            state.num_output_tokens += 1
+            if stops and state.num_output_tokens > info.min_tokens:
+                stop = find_stop(state.text, max(0, before - max(map(len, stops)) + 1), stops)
+                if stop is not None:
+                    break
+        finishing = delta.finish_reason is not None
+        if finishing and stop is None and state.held:
+            before = len(state.text)
+            state.text += self._flush(state)
+            if stops and state.num_output_tokens > info.min_tokens:
+                stop = find_stop(state.text, max(0, before - max(map(len, stops)) + 1), stops)
+        finish_reason, stop_reason = delta.finish_reason, delta.stop_token_id
+        if stop is not None:
+            pos, string = stop
+            end = pos + len(string) if info.include_stop_str_in_output else pos
+            finish_reason, stop_reason = "stop", string
+            if not finishing:  # the scheduler still runs it: tell it to stop now
+                state.stopped = True
+                self.stopped.append(AbortRequest(delta.request_id, "stop", state.index))
+        elif finishing:
+            end = len(state.text)
+        else:
+            end = len(state.text) - hold_back(state.text, stops)
+        text = state.text[state.sent:end]
+        state.sent = max(state.sent, end)
+        finished = finishing or stop is not None
+        num_out = state.num_output_tokens
+        logprobs = self._logprobs(delta, len(ids)) if info.logprobs is not None else None
         return RequestOutput(
-            delta.request_id, "".join(pieces), delta.token_ids,
-            delta.finish_reason is not None, delta.finish_reason, delta.error,
-            state.info.num_prompt_tokens, state.num_output_tokens)
+            delta.request_id, text, ids, finished, finish_reason, delta.error,
+            info.num_prompt_tokens, num_out, state.index, stop_reason, logprobs,
+            delta.num_cached_tokens)
 
-    def _flush(self, state: _RequestState) -> str:
+    def _step(self, state: _SampleState, token: int, request_id: str) -> str:
+        """The text token adds (possibly none yet: an unfinished character is held)."""
+        state.held.append(token)
+        try:
+            piece = state.stream.step(self.tokenizer, token)
+        except Exception as exc:  # e.g. "Invalid prefix encountered": restart the stream
+            logger.warning("request %s: incremental decode failed (%s); resyncing",
+                           request_id, exc)
+            piece = self._flush(state)
+            state.stream = DecodeStream(skip_special_tokens=state.info.skip_special_tokens)
+        if piece is None:
+            return ""
+        state.context, state.held = state.held, []
+        return piece
+
+    def _flush(self, state: _SampleState) -> str:
         """The text the stream still holds back (a cut-off character decodes to U+FFFD), so
         that a finished request's deltas add up to decode(all ids). Decodes only a few ids."""
         skip = state.info.skip_special_tokens
         prefix = self.tokenizer.decode(state.context, skip_special_tokens=skip)
-        text = self.tokenizer.decode(state.context + state.held, skip_special_tokens=skip)
+        held, state.held = state.held, []
+        text = self.tokenizer.decode(state.context + held, skip_special_tokens=skip)
         if text.startswith(prefix):
             return text[len(prefix):]
-        return self.tokenizer.decode(state.held, skip_special_tokens=skip)
+        return self.tokenizer.decode(held, skip_special_tokens=skip)
+
+    def _logprobs(self, delta: TokenDelta, count: int) -> list[TokenLogprob]:
+        """The delta's logprobs for its first `count` tokens, with each token's text."""
+        out = []
+        for lp in (delta.logprobs or [])[:count]:
+            texts = self.tokenizer.decode_batch([[lp.token_id], *([i] for i in lp.top_ids)],
+                                                skip_special_tokens=False)
+            out.append(dataclasses.replace(lp, token=texts[0], top_tokens=texts[1:]))
+        return out
 
 
 def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
@@ -96,6 +189,7 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank), Codec([DetokBatch]),
                             bind=True)
         replies = ReplySockets(ctx.zmq)
+        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False)
         ctx.ready()
         while not ctx.stop.is_set():
             batch = inbox.recv_valid(100)
@@ -103,7 +197,11 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
                 continue
             assert isinstance(batch, DetokBatch)
             start = now_ns()
-            for address, outputs in core.feed(batch).items():
+            outputs_by_client = core.feed(batch)
+            for stop in core.stopped:  # first, so the scheduler frees them a step sooner
+                to_scheduler.send(stop)
+            core.stopped.clear()
+            for address, outputs in outputs_by_client.items():
                 replies.send(address, RequestOutputs(outputs))
             ctx.tracer.span("detokenize", start, now_ns(), args={"deltas": len(batch.deltas)})
         replies.close()

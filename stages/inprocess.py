@@ -4,15 +4,37 @@ memory: for tests and debugging. Same step protocol, same ring layout (plain num
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ipc.messages import SamplingParams, TokenizedRequest
+from ipc.messages import SamplingParams, TokenDelta, TokenizedRequest, TokenLogprob
 from ipc.rings import sampled_specs, step_input_specs
 from stages.executor.runner import ModelRunner, RunnerShape
-from stages.scheduler.core import Scheduler, SchedulerLimits
+from stages.executor.sampler import SampleOutput
+from stages.scheduler.core import Scheduler, SchedulerLimits, StepLogprobs
 from stages.scheduler.process import make_plan, write_step
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, delta: TokenDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+
+
+def logprobs_lists(out: SampleOutput) -> StepLogprobs | None:
+    if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
+        return None
+    return out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
 
 
 def _buffers(specs) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
@@ -41,20 +63,28 @@ class InProcessEngine:
         self.sampled = _buffers(sampled_specs(max_num_seqs))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        for i, ids in enumerate(prompts):
-            self.scheduler.add_request(TokenizedRequest(str(i), "", ids, params, 0.0))
-        outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        results = self.run([(str(i), ids, params) for i, ids in enumerate(prompts)])
+        return [results[str(i), 0].token_ids for i in range(len(prompts))]
+
+    def run(self, requests: list[tuple[str, list[int], SamplingParams]]
+            ) -> dict[tuple[str, int], SampleResult]:
+        """Run requests (id, prompt ids, params) to the end; results by (id, sample index)."""
+        results: dict[tuple[str, int], SampleResult] = {}
+        for rid, ids, params in requests:
+            self.scheduler.add_request(TokenizedRequest(rid, "", ids, params, 0.0))
+            for i in range(params.n):
+                results[rid, i] = SampleResult()
         inflight: deque = deque()
         while self.scheduler.requests or inflight:
             while (step := self.scheduler.schedule()) is not None:
                 ring = self.rings[step.ring_slot]
                 write_step(step, ring)
-                tokens = self.runner.execute(make_plan(step), ring)
-                inflight.append((step.step_id, tokens.cpu()))
+                out = self.runner.execute(make_plan(step), ring)
+                inflight.append((step.step_id, out))
             if not inflight:
                 raise RuntimeError("the scheduler has requests but planned no step")
-            step_id, tokens = inflight.popleft()
-            self.scheduler.on_sampled(step_id, tokens.tolist())
+            step_id, out = inflight.popleft()
+            self.scheduler.on_sampled(step_id, out.tokens.tolist(), logprobs_lists(out))
             for delta in self.scheduler.take_outputs().deltas:
-                outputs[delta.request_id].extend(delta.token_ids)
-        return [outputs[str(i)] for i in range(len(prompts))]
+                results[delta.request_id, delta.index].add(delta)
+        return results

@@ -9,6 +9,7 @@ import torch
 
 from ipc.messages import SamplingParams, StepPlan, TokenizedRequest
 from ipc.rings import RingRaceError, check_stamp, step_input_specs
+from stages.executor.sampler import HostSlotParams
 from stages.executor.step_inputs import prepare_host_step, staging_size
 from stages.scheduler.core import Scheduler, SchedulerLimits
 from stages.scheduler.process import make_plan, write_step
@@ -30,8 +31,8 @@ def _planned_step(step_count: int = 1) -> tuple[Scheduler, list]:
 
 
 def _prepare(plan: StepPlan, ring: dict[str, np.ndarray]) -> None:
-    staging = torch.zeros(staging_size(SEQS, TOKENS, UPDATES), dtype=torch.int64)
-    prepare_host_step(plan, ring, staging, np.zeros(SEQS, dtype=np.float32), plan.ring_slot)
+    staging = torch.zeros(staging_size(SEQS, TOKENS, UPDATES, 0), dtype=torch.int64)
+    prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), plan.ring_slot)
 
 
 def test_a_completely_written_slot_is_accepted() -> None:

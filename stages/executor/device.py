@@ -21,19 +21,30 @@ from typing import Any, Protocol
 import torch
 
 from ipc.shm import SharedRing
+from stages.executor.sampler import SampleOutput
 from stages.executor.step_inputs import HostStep
 from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
 
-# (step, num_sampled, device_start_ns, device_end_ns); the ids are already in the ring slot.
-OnDone = Callable[[HostStep, int, int, int], None]
+# (step, num_sampled, has_logprobs, device_start_ns, device_end_ns); the ids (and logprobs)
+# are already in the step's sampled-token ring slot.
+OnDone = Callable[[HostStep, int, bool, int, int], None]
 
 
 class Runner(Protocol):
     device: torch.device
 
-    def compute(self, step: HostStep, packed: torch.Tensor) -> torch.Tensor: ...
+    def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput: ...
+
+
+def _with_logprobs(out: SampleOutput) -> list[tuple[str, torch.Tensor]]:
+    """The (ring field, tensor) pairs a step's result fills in the sampled-token ring."""
+    pairs = [("token_ids", out.tokens)]
+    if out.logprob is not None and out.top_ids is not None and out.top_logprobs is not None:
+        pairs += [("logprob", out.logprob), ("top_ids", out.top_ids),
+                  ("top_logprobs", out.top_logprobs)]
+    return pairs
 
 
 class ThreadDevice:
@@ -46,7 +57,7 @@ class ThreadDevice:
         self.error: BaseException | None = None
         self._queue: queue.SimpleQueue[HostStep | None] = queue.SimpleQueue()
         # Reports leave from their own thread, so the device starts its next step at once.
-        self._done: queue.SimpleQueue[tuple[HostStep, torch.Tensor, int, int] | None] = (
+        self._done: queue.SimpleQueue[tuple[HostStep, SampleOutput, int, int] | None] = (
             queue.SimpleQueue())
         self._reporter = threading.Thread(target=self._report, name="report", daemon=True)
         self._reporter.start()
@@ -65,18 +76,20 @@ class ThreadDevice:
                 if step is None:
                     return
                 start = now_ns()
-                tokens = self.runner.compute(step, step.packed)
-                self._done.put((step, tokens, start, now_ns()))
+                out = self.runner.compute(step, step.packed)
+                self._done.put((step, out, start, now_ns()))
         finally:
             self._done.put(None)
 
     def _report(self) -> None:
         try:
             while (item := self._done.get()) is not None:
-                step, tokens, start, end = item
-                out = self.sampled.slot(step.ring_slot)["token_ids"]
-                out[: len(tokens)] = tokens.numpy()
-                self.on_done(step, len(tokens), start, end)
+                step, out, start, end = item
+                ring = self.sampled.slot(step.ring_slot)
+                pairs = _with_logprobs(out)
+                for name, tensor in pairs:
+                    ring[name][: len(tensor)] = tensor.numpy()
+                self.on_done(step, len(out.tokens), len(pairs) > 1, start, end)
         except BaseException as exc:
             logger.exception("report thread failed")
             self.error = exc
@@ -100,7 +113,8 @@ class CudaDevice:
         self.runner, self.sampled, self.on_done = runner, sampled, on_done
         self.error: BaseException | None = None
         register_host_memory(sampled)
-        self._host_out = [torch.from_numpy(sampled.slot(i)["token_ids"])
+        self._host_out = [{name: torch.from_numpy(array)
+                           for name, array in sampled.slot(i).items()}
                           for i in range(sampled.num_slots)]
         self.copy_stream, self.compute_stream, self.d2h_stream = (
             torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream())
@@ -126,25 +140,28 @@ class CudaDevice:
             packed.record_stream(self.compute_stream)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            tokens = self.runner.compute(step, packed)
+            out = self.runner.compute(step, packed)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         self.d2h_stream.wait_event(end)
+        pairs = _with_logprobs(out)
         with torch.cuda.stream(self.d2h_stream):
-            tokens.record_stream(self.d2h_stream)
-            self._host_out[step.ring_slot][: tokens.shape[0]].copy_(tokens, non_blocking=True)
+            host = self._host_out[step.ring_slot]
+            for name, tensor in pairs:
+                tensor.record_stream(self.d2h_stream)
+                host[name][: tensor.shape[0]].copy_(tensor, non_blocking=True)
             done = torch.cuda.Event(blocking=True)  # the notifier sleeps on it, not spins
             done.record()
-        self._pending.put((step, tokens.shape[0], start, end, done))
+        self._pending.put((step, out.tokens.shape[0], len(pairs) > 1, start, end, done))
 
     def _notify(self) -> None:
         try:
             while (item := self._pending.get()) is not None:
-                step, num, start, end, done = item
+                step, num, has_logprobs, start, end, done = item
                 done.synchronize()  # this thread waits; the host loop and the device do not
                 t0 = self._base_ns + int(self._base.elapsed_time(start) * 1e6)
                 t1 = self._base_ns + int(self._base.elapsed_time(end) * 1e6)
-                self.on_done(step, num, t0, t1)
+                self.on_done(step, num, has_logprobs, t0, t1)
         except BaseException as exc:
             logger.exception("CUDA notifier failed")
             self.error = exc

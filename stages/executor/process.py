@@ -14,7 +14,7 @@ import zmq
 from ipc.channels import PullChannel, PushChannel
 from ipc.codec import Codec
 from ipc.messages import SampledTokens, StepPlan
-from ipc.rings import sampled_specs, step_input_specs
+from ipc.rings import MAX_TOP_LOGPROBS, sampled_specs, step_input_specs
 from ipc.shm import SharedRing
 from stages.executor.device import CudaDevice, ThreadDevice
 from stages.executor.runner import ModelRunner, RunnerShape, TimedRunner
@@ -32,7 +32,7 @@ def build_runner(cfg: PipelineConfig) -> ModelRunner | TimedRunner:
     ex, s = cfg.executor, cfg.scheduler
     shape = RunnerShape(s.max_num_seqs, s.block_size, cfg.model.max_model_len,
                         ex.kv_cache_memory, s.max_num_batched_tokens, cfg.max_block_updates,
-                        s.num_ring_slots)
+                        s.num_ring_slots, len(cfg.model.eos_token_ids))
     if ex.timed is not None:
         return TimedRunner(ex.timed[0], ex.timed[1], shape, cfg.model.vocab_size)
     if ex.num_threads:
@@ -60,12 +60,14 @@ class Reporter:
         self.ctx, self.address = ctx, address
         self._chan: PushChannel | None = None
 
-    def __call__(self, step: HostStep, num_sampled: int, start_ns: int, end_ns: int) -> None:
+    def __call__(self, step: HostStep, num_sampled: int, has_logprobs: bool, start_ns: int,
+                 end_ns: int) -> None:
         if self._chan is None:
             self._chan = PushChannel(self.ctx.zmq, self.address, bind=False)
         plan = step.plan
         self._chan.send(SampledTokens(plan.step_id, plan.ring_slot, num_sampled,
-                                      start_ns / 1e9, end_ns / 1e9))
+                                      start_ns / 1e9, end_ns / 1e9,
+                                      MAX_TOP_LOGPROBS if has_logprobs else -1))
         self.ctx.tracer.span("device", start_ns, end_ns, "device",
                              {"step": plan.step_id, "tokens": plan.num_tokens,
                               "seqs": plan.num_seqs})

@@ -1,21 +1,245 @@
-"""Sampling on the device, batched over sequences. Runs in the executor process."""
+"""Sampling on the device, batched over sequences. Runs in the executor process.
+
+Every executor slot has its sampling parameters on the device (set by SlotInit); a step samples
+all its rows at once: penalties, min_tokens, temperature, top-k/top-p, min-p, then a draw. No
+Python loop over rows or over the vocabulary; the host only passes which features the step's
+rows use (StepSampling), so a plain greedy batch costs one argmax.
+
+Draws use the exponential race (argmax of p / Exp(1)), which samples from p exactly and needs
+no host synchronisation, unlike torch.multinomial. A seeded row takes its Exp(1) noise from a
+counter-based hash of (seed, position, token id): its draws depend on nothing else, so they
+are the same whatever shares its batch, with or without overlap, after a preemption too.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+from ipc.messages import SlotInit
+from ipc.rings import MAX_TOP_LOGPROBS
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, all_greedy: bool) -> torch.Tensor:
-    """logits [S, V] float32, temperature [S] (0 = greedy) -> token ids [S] int64.
+# Per-slot parameters: float32 columns and int64 columns.
+F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY = range(6)
+I_TOP_K, I_MIN_TOKENS, I_PROMPT_LEN, I_SEED, I_HAS_SEED, I_LOGPROBS = range(6)
+NUM_F, NUM_I = 6, 6
 
-    Random draws use the exponential race (argmax of p / Exp(1)), which samples from p
-    exactly and needs no host synchronisation, unlike torch.multinomial.
-    """
-    greedy = logits.argmax(dim=-1)
-    if all_greedy:
-        return greedy
-    temp = temperature.clamp_min(1e-6).unsqueeze(1)
-    probs = torch.softmax(logits / temp, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    drawn = (probs / noise).argmax(dim=-1)
-    return torch.where(temperature == 0, greedy, drawn)
+
+def slot_params(init: SlotInit) -> tuple[list[float], list[int]]:
+    floats = [init.temperature, init.top_p, init.min_p, init.repetition_penalty,
+              init.presence_penalty, init.frequency_penalty]
+    ints = [init.top_k, init.min_tokens, init.num_prompt_tokens,
+            0 if init.seed is None else init.seed, init.seed is not None,
+            -1 if init.logprobs is None else init.logprobs]
+    return floats, ints
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """What a step's rows need, known on the host (so the device never has to be asked)."""
+
+    all_greedy: bool = True
+    use_top_k_p: bool = False
+    use_min_p: bool = False
+    use_penalties: bool = False  # some row of the step (sampled or not) has penalties
+    use_seed: bool = False
+    use_min_tokens: bool = False
+    use_logprobs: bool = False
+
+
+class HostSlotParams:
+    """The host's copy of every slot's parameters, to compute StepSampling."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.f = np.zeros((max_num_seqs, NUM_F), dtype=np.float32)
+        self.i = np.zeros((max_num_seqs, NUM_I), dtype=np.int64)
+        self.f[:], self.i[:] = slot_params(SlotInit(0, 0.0))  # greedy, nothing else
+
+    def updated(self, new_slots: list[SlotInit]) -> tuple[np.ndarray, np.ndarray]:
+        """Copies with new_slots applied (committed by the caller once the step is read)."""
+        f, i = self.f.copy(), self.i.copy()
+        for init in new_slots:
+            f[init.slot], i[init.slot] = slot_params(init)
+        return f, i
+
+    @staticmethod
+    def step_sampling(f: np.ndarray, i: np.ndarray, sampled: np.ndarray,
+                      all_rows: np.ndarray, any_stop_ids: bool) -> StepSampling:
+        fs, is_ = f[sampled], i[sampled]
+        fa = f[all_rows]
+        penalties = ((fa[:, F_REPETITION] != 1) | (fa[:, F_PRESENCE] != 0)
+                     | (fa[:, F_FREQUENCY] != 0))
+        sampling = fs[:, F_TEMPERATURE] > 0
+        return StepSampling(
+            all_greedy=not sampling.any(),
+            use_top_k_p=bool(((is_[:, I_TOP_K] > 0) | (fs[:, F_TOP_P] < 1))[sampling].any()),
+            use_min_p=bool((fs[:, F_MIN_P] > 0)[sampling].any()),
+            use_penalties=bool(penalties.any()),
+            use_seed=bool((is_[:, I_HAS_SEED] != 0)[sampling].any()),
+            use_min_tokens=any_stop_ids or bool((is_[:, I_MIN_TOKENS] > 0).any()),
+            use_logprobs=bool((is_[:, I_LOGPROBS] >= 0).any()),
+        )
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [X] int64
+    logprob: torch.Tensor | None = None  # [X] float32, of the sampled token
+    top_ids: torch.Tensor | None = None  # [X, MAX_TOP_LOGPROBS] int64, most likely first
+    top_logprobs: torch.Tensor | None = None  # [X, MAX_TOP_LOGPROBS] float32
+
+
+class SamplingState:
+    """Per-slot sampling state on the device. Token counts for penalties and the masks of
+    ids that min_tokens suppresses are made on first use ([slots, vocab] each)."""
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
+        self.num_slots, self.vocab_size, self.device = max_num_seqs, vocab_size, device
+        floats, ints = slot_params(SlotInit(0, 0.0))
+        self.f = torch.tensor([floats] * max_num_seqs, dtype=torch.float32, device=device)
+        self.i = torch.tensor([ints] * max_num_seqs, dtype=torch.int64, device=device)
+        self.output_counts: torch.Tensor | None = None  # [slots, V] int32
+        self.prompt_counts: torch.Tensor | None = None  # [slots, V] int32
+        self.stop_mask: torch.Tensor | None = None  # [slots, V] bool
+        self._hashed_vocab = hash32(torch.arange(vocab_size, device=device) * 0x9E3779B1
+                                    & 0xFFFFFFFF)
+
+    def _table(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(self.num_slots, self.vocab_size, dtype=dtype, device=self.device)
+
+    def init_slots(self, slots: torch.Tensor, fparams: torch.Tensor, iparams: torch.Tensor,
+                   stop_slots: torch.Tensor, stop_ids: torch.Tensor) -> None:
+        """New sequences take `slots`: fparams [N, NUM_F] float32, iparams [N, NUM_I]; the
+        (stop_slots, stop_ids) pairs are the ids min_tokens suppresses."""
+        self.f[slots] = fparams
+        self.i[slots] = iparams
+        if self.output_counts is not None and self.prompt_counts is not None:
+            self.output_counts[slots] = 0
+            self.prompt_counts[slots] = 0
+        if self.stop_mask is not None:
+            self.stop_mask[slots] = False
+        if stop_slots.numel():
+            if self.stop_mask is None:
+                self.stop_mask = self._table(torch.bool)
+            self.stop_mask[stop_slots, stop_ids] = True
+
+    def count_tokens(self, ids: torch.Tensor, token_slots: torch.Tensor,
+                     positions: torch.Tensor) -> None:
+        """Record this step's input tokens (prompt or output, by position) for penalties."""
+        if self.output_counts is None or self.prompt_counts is None:
+            self.output_counts, self.prompt_counts = (self._table(torch.int32),
+                                                      self._table(torch.int32))
+        is_prompt = (positions < self.i[token_slots, I_PROMPT_LEN]).to(torch.int32)
+        self.prompt_counts.index_put_((token_slots, ids), is_prompt, accumulate=True)
+        self.output_counts.index_put_((token_slots, ids), 1 - is_prompt, accumulate=True)
+
+    def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               flags: StepSampling) -> SampleOutput:
+        """logits [X, V] float32 of the sampled rows, their slots [X] and the positions [X]
+        of their last input token -> SampleOutput."""
+        raw = logits
+        f, i = self.f[slots], self.i[slots]
+        if flags.use_penalties:
+            assert self.output_counts is not None and self.prompt_counts is not None
+            logits = apply_penalties(logits, self.output_counts[slots],
+                                     self.prompt_counts[slots], f[:, F_REPETITION],
+                                     f[:, F_PRESENCE], f[:, F_FREQUENCY])
+        if flags.use_min_tokens and self.stop_mask is not None:
+            num_out = positions + 1 - i[:, I_PROMPT_LEN]
+            suppress = (num_out < i[:, I_MIN_TOKENS]).unsqueeze(1) & self.stop_mask[slots]
+            logits = logits.masked_fill(suppress, float("-inf"))
+        tokens = logits.argmax(dim=-1)
+        if not flags.all_greedy:
+            temperature = f[:, F_TEMPERATURE]
+            scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+            if flags.use_top_k_p:
+                scaled = apply_top_k_top_p(scaled, i[:, I_TOP_K], f[:, F_TOP_P])
+            if flags.use_min_p:
+                scaled = apply_min_p(scaled, f[:, F_MIN_P])
+            probs = torch.softmax(scaled, dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            if flags.use_seed:
+                seeded = seeded_exponential(i[:, I_SEED], positions, self._hashed_vocab)
+                noise = torch.where((i[:, I_HAS_SEED] != 0).unsqueeze(1), seeded, noise)
+            drawn = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(temperature == 0, tokens, drawn)
+        out = SampleOutput(tokens)
+        if flags.use_logprobs:
+            out.logprob, out.top_ids, out.top_logprobs = compute_logprobs(raw, tokens)
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor,
+                    prompt_counts: torch.Tensor, repetition: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """vLLM's formulas. repetition: a logit of a token seen in the prompt or the output is
+    divided by it if positive, multiplied if not. frequency: minus the token's count in the
+    output times it. presence: minus it once if the token is in the output."""
+    seen = (output_counts > 0) | (prompt_counts > 0)
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - frequency.unsqueeze(1) * output_counts
+            - presence.unsqueeze(1) * (output_counts > 0))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k logits (0 = all) and the smallest set of most likely tokens whose
+    probability reaches top_p (at least one); the rest become -inf."""
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=False)
+    k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)
+    kth = ordered.gather(1, (vocab - k).unsqueeze(1))  # the k-th largest logit
+    drop = ordered < kth
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Ascending order: drop a token while the mass of tokens below and at it is <= 1 - top_p.
+    drop |= probs.cumsum(dim=-1) <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's most likely one."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs under the model's own distribution (before penalties and temperature)."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    k = min(MAX_TOP_LOGPROBS, logprobs.shape[-1])
+    top_lps, top_ids = logprobs.topk(k, dim=-1)
+    if k < MAX_TOP_LOGPROBS:  # a vocabulary smaller than 20: pad so rows keep one width
+        pad = MAX_TOP_LOGPROBS - k
+        top_lps = torch.nn.functional.pad(top_lps, (0, pad), value=float("-inf"))
+        top_ids = torch.nn.functional.pad(top_ids, (0, pad), value=-1)
+    return chosen, top_ids, top_lps
+
+
+_M32 = 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (Wellons' lowbias32 with multipliers below 2^31) on int64
+    holding values < 2^32: every product stays below 2^63, so nothing overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor,
+                       hashed_vocab: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [X, V] that is a pure function of (seed, position, token id)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = hash32(lo ^ hash32(hi ^ hash32(positions & _M32)))
+    bits = hash32(key.unsqueeze(1) ^ hashed_vocab.unsqueeze(0))
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)  # in (0, 1), never 0 or 1
+    return -torch.log(uniform)

@@ -11,12 +11,14 @@ import torch
 
 from ipc.messages import StepPlan
 from ipc.rings import check_stamp
+from stages.executor.sampler import NUM_F, NUM_I, HostSlotParams, StepSampling
 
 # Packed int64 fields, in order. Sizes: T tokens, S rows, X sampled rows, B decode rows,
-# U block-table updates, N new slots (slot ids and float32 temperatures as bit patterns).
+# U block-table updates, N new slots (their float32 parameters as bit patterns, their int
+# parameters), M (slot, id) pairs that min_tokens suppresses.
 _FIELDS = ("input_ids", "positions", "token_slots", "logits_indices", "sample_slots",
            "decode_token_idx", "decode_slots", "decode_lens", "bt_slot", "bt_index", "bt_block",
-           "new_slots", "new_temps")
+           "new_slots", "new_fparams", "new_iparams", "stop_slots", "stop_ids")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class HostStep:
     sizes: dict[str, int]
     decode_groups: list[DecodeGroup]  # decode rows sorted by context length, in groups
     prefills: list[PrefillRow]
-    all_greedy: bool
+    sampling: StepSampling
     ring_slot: int
 
     @property
@@ -76,7 +78,7 @@ def unpack(packed: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tenso
 
 
 def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torch.Tensor,
-                      host_temperature: np.ndarray, ring_slot: int) -> HostStep:
+                      host_params: HostSlotParams, ring_slot: int) -> HostStep:
     """Read ring slot `ring` and fill `staging` (int64, large enough) for step `plan`.
     The slot's stamps are checked before and after: a slot rewritten meanwhile raises."""
     check_stamp(ring, plan.step_id)
@@ -90,9 +92,9 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     decode = np.flatnonzero(q == 1)
     decode = decode[np.argsort(ctx[decode], kind="stable")]
     sampled = np.flatnonzero(do_sample)
-    temps = host_temperature.copy()
-    for init in plan.new_slots:
-        temps[init.slot] = init.temperature
+    fparams, iparams = host_params.updated(plan.new_slots)
+    new = plan.new_slots
+    stops = [(init.slot, t) for init in new for t in init.stop_ids]
     arrays = {
         "input_ids": ring["input_ids"][:t],
         "positions": np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q)),
@@ -104,10 +106,13 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
         "decode_lens": ctx[decode],
         "bt_slot": ring["bt_slot"][:u], "bt_index": ring["bt_index"][:u],
         "bt_block": ring["bt_block"][:u],
-        "new_slots": np.array([i.slot for i in plan.new_slots], dtype=np.int64),
+        "new_slots": np.array([i.slot for i in new], dtype=np.int64),
         # float32 bit patterns, so one int64 buffer carries everything
-        "new_temps": np.array([i.temperature for i in plan.new_slots], dtype=np.float32)
-        .view(np.int32).astype(np.int64),
+        "new_fparams": fparams[[i.slot for i in new]].reshape(-1).view(np.int32)
+        .astype(np.int64),
+        "new_iparams": iparams[[i.slot for i in new]].reshape(-1),
+        "stop_slots": np.array([s for s, _ in stops], dtype=np.int64),
+        "stop_ids": np.array([t for _, t in stops], dtype=np.int64),
     }
     sizes = {name: len(arrays[name]) for name in _FIELDS}
     out = staging.numpy()
@@ -116,14 +121,17 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
         out[offset:offset + sizes[name]] = arrays[name]
         offset += sizes[name]
     check_stamp(ring, plan.step_id)  # nothing rewrote the slot while we copied it out
-    host_temperature[:] = temps
+    host_params.f, host_params.i = fparams, iparams
     prefills = [PrefillRow(int(starts[r]), int(ends[r]), int(slots[r]), int(ctx[r]))
                 for r in np.flatnonzero(q > 1)]
-    return HostStep(
-        plan, staging[:offset], sizes, group_by_length(ctx[decode]), prefills,
-        not temps[slots[sampled]].any(), ring_slot)
+    sampling = HostSlotParams.step_sampling(fparams, iparams, slots[sampled], slots,
+                                            bool(stops))
+    return HostStep(plan, staging[:offset], sizes, group_by_length(ctx[decode]), prefills,
+                    sampling, ring_slot)
 
 
-def staging_size(max_num_seqs: int, max_num_tokens: int, max_block_updates: int) -> int:
+def staging_size(max_num_seqs: int, max_num_tokens: int, max_block_updates: int,
+                 max_stop_ids: int) -> int:
     """Elements of a packed buffer that holds any step."""
-    return 3 * max_num_tokens + 9 * max_num_seqs + 3 * max_block_updates
+    return (3 * max_num_tokens + (9 + NUM_F + NUM_I) * max_num_seqs + 3 * max_block_updates
+            + 2 * max_stop_ids)

@@ -1,43 +1,108 @@
-"""Paged KV block allocator: a free list of fixed-size blocks. Runs in the scheduler process.
+"""Paged KV blocks with reference counts and a prefix cache. Runs in the scheduler process.
 
 The scheduler owns block ids; the executor owns the memory they name.
+
+A block whose tokens are all known and whose KV is written (or being written by a step that the
+device runs before any later one) is registered under its key: (hash of the previous block's
+key, its tokens). A new sequence whose prompt starts with the same tokens takes those blocks
+instead of computing them (reference counted). A block nobody holds is free; if it has a key it
+stays reusable until allocation evicts it, least recently freed first. Key equality is exact on
+the block's own tokens; the chain to earlier blocks is by Python's 64-bit hash.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key or 0, tokens)
 
 
 class BlockAllocator:
-    """Hands out block ids 0..num_blocks-1. Invariant: num_free + blocks held == num_blocks."""
+    """Invariant: a block is free (ref count 0) or held; num_free counts free blocks, keyed
+    (reusable) or not. Uncached free blocks are handed out before cached ones are evicted."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache must have at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
+        self._refs = [0] * num_blocks
+        self._keys: list[BlockKey | None] = [None] * num_blocks
+        self._uncached: deque[int] = deque(range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._by_key: dict[BlockKey, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._uncached) + len(self._cached_free)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int] | None:
-        """`count` blocks, or None (and nothing taken) if there are not enough."""
-        if count > len(self._free):
+        """`count` fresh blocks (ref count 1, no key), or None and nothing taken."""
+        if count > self.num_free:
             return None
-        blocks = [self._free.popleft() for _ in range(count)]
-        for b in blocks:
-            self._is_free[b] = False
+        blocks = []
+        for _ in range(count):
+            if self._uncached:
+                block = self._uncached.popleft()
+            else:
+                block, _ = self._cached_free.popitem(last=False)
+                key = self._keys[block]
+                assert key is not None
+                del self._by_key[key]
+                self._keys[block] = None
+                self.num_evictions += 1
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; pass a sequence's blocks last first, so that the
+        start of a prefix, which more requests share, is evicted last."""
         for b in blocks:
-            if self._is_free[b]:
+            if self._refs[b] <= 0:
                 raise RuntimeError(f"block {b} freed twice")
-            self._is_free[b] = True
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if self._keys[b] is None:
+                    self._uncached.append(b)
+                else:
+                    self._cached_free[b] = None
+
+    # ------------------------------------------------------------ prefix cache
+
+    def lookup(self, keys: list[BlockKey]) -> list[int]:
+        """Blocks holding the longest cached run of `keys` from the first; takes nothing."""
+        found = []
+        for key in keys:
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def take(self, block: int) -> None:
+        """Add a reference to a cached block found by lookup()."""
+        if self._refs[block] == 0:
+            del self._cached_free[block]
+        self._refs[block] += 1
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """`block` (held) now holds the KV of `key`. If another block already holds it, that
+        one stays the cached copy and this one is freed as uncached when released."""
+        if self._keys[block] is None and key not in self._by_key:
+            self._keys[block] = key
+            self._by_key[key] = block
+
+    def num_free_among(self, blocks: list[int]) -> int:
+        return sum(self._refs[b] == 0 for b in blocks)

@@ -90,8 +90,14 @@ class SchedulerShell:
         while (msg := self.results.recv_nowait()) is not None:
             assert isinstance(msg, SampledTokens)
             start = now_ns()
-            ids = self.sampled.slot(msg.ring_slot)["token_ids"][: msg.num_sampled].tolist()
-            self.core.on_sampled(msg.step_id, ids)
+            ring = self.sampled.slot(msg.ring_slot)
+            n, k = msg.num_sampled, msg.num_top_logprobs
+            ids = ring["token_ids"][:n].tolist()
+            logprobs = None
+            if k >= 0:
+                logprobs = (ring["logprob"][:n].tolist(), ring["top_ids"][:n, :k].tolist(),
+                            ring["top_logprobs"][:n, :k].tolist())
+            self.core.on_sampled(msg.step_id, ids, logprobs)
             self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 
     def _drain_inbox(self) -> None:
@@ -106,7 +112,7 @@ class SchedulerShell:
             if isinstance(msg, TokenizedRequest):
                 self.core.add_request(msg)
             elif isinstance(msg, AbortRequest):
-                self.core.abort(msg.request_id)
+                self.core.abort(msg.request_id, msg.reason, msg.index)
 
     def _launch_steps(self) -> None:
         while True:

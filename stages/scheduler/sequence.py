@@ -1,4 +1,4 @@
-"""One request's state inside the scheduler process.
+"""One sample of one request inside the scheduler process (a request with n > 1 has n).
 
 Token accounting with run-ahead: `output_ids` holds sampled tokens already known; `num_pending`
 counts tokens sampled by steps still in flight. Their KV is not yet computed: the next step
@@ -10,7 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ipc.messages import SamplingParams
+from ipc.messages import SamplingParams, TokenLogprob
+from stages.scheduler.block_allocator import BlockKey
 
 
 class SeqStatus(enum.Enum):
@@ -25,17 +26,35 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    index: int = 0  # sample index among the request's n
+    order: int = 0  # arrival order in the scheduler: FCFS among equal priorities
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
     num_pending: int = 0  # sampled by in-flight steps, ids not yet known
     num_computed: int = 0  # tokens whose KV is written or being written
     blocks: list[int] = field(default_factory=list)
+    block_keys: list[BlockKey] = field(default_factory=list)  # of its leading full blocks
+    num_registered: int = 0  # leading blocks offered to the prefix cache
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     slot: int | None = None
     num_inflight: int = 0  # in-flight steps that include this sequence
     is_preempting: bool = False  # leaves the running set once num_inflight is 0
     num_preemptions: int = 0
+    outputs_at_resume: int = -1  # len(output_ids) when last re-admitted after a preemption
     finish_reason: str | None = None
+    stop_token: int | None = None  # the stop token id that finished it, if one did
     num_sent: int = 0  # output tokens already handed to the detokenizer
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Waiting order: lower priority value first, then arrival, then sample index."""
+        return (self.params.priority, self.order, self.index)
+
+    @property
+    def is_just_resumed(self) -> bool:
+        """Re-admitted after a preemption and not one new token since: not the next victim."""
+        return self.outputs_at_resume == len(self.output_ids)
 
     @property
     def num_known(self) -> int:
@@ -57,3 +76,13 @@ class Sequence:
         if index < self.num_known:
             return self.output_ids[index - num_prompt]
         return -1
+
+    def keys_for(self, num_blocks: int, block_size: int) -> list[BlockKey]:
+        """Prefix-cache keys of the first num_blocks full blocks (all their tokens known)."""
+        while len(self.block_keys) < num_blocks:
+            i = len(self.block_keys)
+            parent = hash(self.block_keys[-1]) if self.block_keys else 0
+            tokens = tuple(self.token_at(j) for j in range(i * block_size, (i + 1) * block_size))
+            assert -1 not in tokens
+            self.block_keys.append((parent, tokens))
+        return self.block_keys[:num_blocks]

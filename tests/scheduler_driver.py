@@ -1,0 +1,282 @@
+"""A harness for the scheduler core: a fake executor that keeps a paged KV store and checks the
+whole context of every sampled row, and a driver that plays the scheduler process and checks
+the core's invariants after every move. A sample of a request is named by `sample_key`."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ipc.messages import RequestRejected, SamplingParams, TokenDelta, TokenizedRequest
+from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
+from stages.scheduler.sequence import SeqStatus, Sequence
+
+EOS = 2
+STOP = 3
+TokenFn = Callable[[str, int], int]
+
+
+def plain_token(rid: str, index: int) -> int:
+    """Output token `index` of request `rid`: never EOS nor STOP."""
+    return 1000 + (zlib.crc32(rid.encode()) + 31 * index) % 500
+
+
+def stops_at(table: dict[str, tuple[int, int]]) -> TokenFn:
+    """plain_token, except that request rid emits token t at output index i for table[rid]."""
+
+    def token(rid: str, index: int) -> int:
+        if rid in table and table[rid][0] == index:
+            return table[rid][1]
+        return plain_token(rid, index)
+
+    return token
+
+
+def sample_key(request_id: str, index: int) -> str:
+    """How the harness names a sample: the request id for sample 0, 'id#i' for the others
+    (so the fake executor gives each sample its own tokens)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def make_limits(**overrides: object) -> SchedulerLimits:
+    base = SchedulerLimits(num_blocks=64, block_size=4, max_num_seqs=4,
+                           max_num_batched_tokens=32, max_model_len=64, max_block_updates=64,
+                           eos_token_ids=(EOS,), depth=2)
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def prompt_of(rid: str, length: int) -> list[int]:
+    seed = zlib.crc32(rid.encode())
+    return [10 + (seed + 7 * i) % 90 for i in range(length)]
+
+
+def make_request(rid: str, prompt_len: int, **params: object) -> TokenizedRequest:
+    return TokenizedRequest(rid, "client", prompt_of(rid, prompt_len),
+                            SamplingParams(**params), 0.0)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- fake executor
+
+
+@dataclass(frozen=True)
+class Row:
+    """A step row as the executor sees it: copied when planned, like the step-input ring."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    slot: int
+    token_ids: tuple[int, ...]
+    context_len: int
+    do_sample: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    step_id: int
+    rows: tuple[Row, ...]
+    block_updates: tuple[tuple[int, int, int], ...]
+    new_slots: tuple[int, ...]
+
+
+def freeze(step: PlannedStep) -> Step:
+    rows = tuple(Row(sample_key(r.seq.request_id, r.seq.index), tuple(r.seq.prompt_ids),
+                     r.seq.slot, tuple(r.token_ids), r.context_len, r.do_sample)  # type: ignore[arg-type]
+                 for r in step.rows)
+    return Step(step.step_id, rows, tuple(step.block_updates),
+                tuple(s.slot for s in step.new_slots))
+
+
+class FakeExecutor:
+    """Writes each row's tokens into paged KV through the block table, resolves -1 to the
+    slot's last sample, and checks the whole context read back before it samples."""
+
+    def __init__(self, block_size: int, token_fn: TokenFn) -> None:
+        self.block_size, self.token_fn = block_size, token_fn
+        self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token
+        self.tables: dict[int, dict[int, int]] = {}  # slot -> index -> block
+        self.last: dict[int, int] = {}  # slot -> last sampled token
+        self.owner: dict[int, str] = {}  # slot -> request id, set by SlotInit
+
+    def execute(self, step: Step) -> list[int]:
+        for slot in step.new_slots:
+            self.last.pop(slot, None)
+            self.owner[slot] = ""
+        for slot, index, block in step.block_updates:
+            self.tables.setdefault(slot, {})[index] = block
+        return [t for row in step.rows for t in self._run(row)]
+
+    def _where(self, slot: int, pos: int) -> tuple[int, int]:
+        return self.tables[slot][pos // self.block_size], pos % self.block_size
+
+    def _run(self, row: Row) -> list[int]:
+        assert self.owner.get(row.slot) in ("", row.request_id), "slot used without SlotInit"
+        self.owner[row.slot] = row.request_id
+        start = row.context_len - len(row.token_ids)
+        for i, tok in enumerate(row.token_ids):
+            self.kv[self._where(row.slot, start + i)] = self.last[row.slot] if tok == -1 else tok
+        if not row.do_sample:
+            return []
+        context = [self.kv[self._where(row.slot, p)] for p in range(row.context_len)]
+        num_out = row.context_len - len(row.prompt)
+        assert context == [*row.prompt, *(self.token_fn(row.request_id, j) for j in range(num_out))]
+        self.last[row.slot] = self.token_fn(row.request_id, num_out)
+        return [self.last[row.slot]]
+
+
+# ---------------------------------------------------------------- driver
+
+
+class Driver:
+    """Plays the scheduler process: plans up to `depth` steps ahead, reports the oldest step,
+    collects outputs, and checks the core's invariants after every move."""
+
+    def __init__(self, limits: SchedulerLimits, token_fn: TokenFn = plain_token) -> None:
+        self.core = Scheduler(limits)
+        self.limits = limits
+        self.executor = FakeExecutor(limits.block_size, token_fn)
+        self.pending: deque[Step] = deque()
+        self.history: list[Step] = []
+        self.known: Counter[str] = Counter()  # output tokens reported to the core, per request
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, TokenDelta] = {}
+        self.rejected: list[RequestRejected] = []
+        self.seqs: dict[str, Sequence | None] = {}
+
+    def add(self, req: TokenizedRequest) -> None:
+        self.core.add_request(req)
+        self.seqs.setdefault(req.request_id, (self.core.requests.get(req.request_id) or [None])[0])
+        self.check()
+
+    def abort(self, rid: str) -> None:
+        self.core.abort(rid)
+        self.check()
+
+    def plan(self) -> list[Step]:
+        planned = []
+        while (step := self.core.schedule()) is not None:
+            assert len(self.core.inflight) <= self.limits.depth
+            self.check_placeholders(step)
+            planned.append(freeze(step))
+            self.check()
+        self.pending.extend(planned)
+        self.history.extend(planned)
+        return planned
+
+    def report(self) -> bool:
+        if not self.pending:
+            return False
+        step = self.pending.popleft()
+        ids = self.executor.execute(step)
+        for row in (r for r in step.rows if r.do_sample):
+            self.known[row.request_id] = row.context_len - len(row.prompt) + 1
+        self.core.on_sampled(step.step_id, ids)
+        self.check()
+        return True
+
+    def collect(self) -> list[TokenDelta]:
+        _, deltas, rejected = self.core.take_outputs()
+        for r in rejected:  # answered at once, with no state anywhere
+            assert r.request_id not in self.core.requests or r.finish_reason == "error"
+            self.rejected.append(r)
+            if r.request_id not in self.core.requests:
+                self.finished[r.request_id] = TokenDelta(r.request_id, [], r.finish_reason,
+                                                         r.error)
+        for d in deltas:
+            key = sample_key(d.request_id, d.index)
+            assert key not in self.finished, f"delta after the end: {d}"
+            self.outputs.setdefault(key, []).extend(d.token_ids)
+            if d.finish_reason is not None:
+                self.finished[key] = d
+        return deltas
+
+    def tick(self) -> None:
+        self.plan()
+        self.report()
+        self.collect()
+
+    def run(self, arrivals: dict[int, list[TokenizedRequest]] | None = None,
+            aborts: dict[int, list[str]] | None = None, max_ticks: int = 5000) -> None:
+        arrivals, aborts = arrivals or {}, aborts or {}
+        last = max([*arrivals, *aborts], default=0)
+        tick = 0
+        while tick <= last or self.core.requests or self.pending:
+            assert tick < max_ticks, "the scheduler stopped making progress"
+            for req in arrivals.get(tick, []):
+                self.add(req)
+            for rid in aborts.get(tick, []):
+                self.abort(rid)
+            self.tick()
+            tick += 1
+        self.collect()
+
+    # ------------------------------------------------------------ checks
+
+    def check_placeholders(self, step: PlannedStep) -> None:
+        assert step.num_tokens <= self.limits.max_num_batched_tokens
+        for row in step.rows:
+            seq = row.seq
+            start = row.context_len - len(row.token_ids)
+            for i, tok in enumerate(row.token_ids):
+                pos = start + i
+                key = sample_key(seq.request_id, seq.index)
+                is_pending = pos >= len(seq.prompt_ids) + self.known[key]
+                assert (tok == -1) == is_pending, (seq.request_id, pos, tok)
+                if tok != -1:
+                    num_out = pos - len(seq.prompt_ids)
+                    want = seq.prompt_ids[pos] if num_out < 0 else seq.output_ids[num_out]
+                    assert tok == want
+            assert -1 not in row.token_ids[:-1]
+
+    def check(self) -> None:
+        core, limits = self.core, self.limits
+        held: list[int] = []
+        all_seqs = [s for seqs in core.requests.values() for s in seqs]
+        for seq in all_seqs:
+            held.extend(seq.blocks)
+            assert len(seq.blocks) == len(set(seq.blocks))
+            if seq.status is SeqStatus.WAITING:
+                assert not seq.blocks and seq.slot is None and seq.num_computed == 0
+                assert seq.num_inflight == 0
+                assert seq in core.waiting or seq in core._held.get(seq.request_id, [])
+            elif seq.status is SeqStatus.RUNNING:
+                assert len(seq.blocks) == -(-seq.num_computed // limits.block_size)
+                assert seq.slot is not None and seq in core.running
+            else:
+                assert seq.num_inflight > 0, "a finished sequence must be gone once idle"
+        refs = Counter(held)  # a block shared through the prefix cache is held more than once
+        assert all(core.allocator.ref_count(b) == n for b, n in refs.items())
+        assert core.allocator.num_free + len(refs) == limits.num_blocks
+        slots = [s.slot for s in all_seqs if s.slot is not None]
+        assert sorted(slots + core.free_slots) == list(range(limits.max_num_seqs))
+        counts = Counter(id(s) for step in core.inflight for s in step.members)
+        assert all(s.num_inflight == counts[id(s)] for s in all_seqs)
+
+    def check_idle(self) -> None:
+        core = self.core
+        assert core.allocator.num_free == self.limits.num_blocks
+        assert sorted(core.free_slots) == list(range(self.limits.max_num_seqs))
+        assert not core.inflight and not core.requests and not self.pending
+        assert not core.waiting and not core.running
+        assert sorted(core.free_ring_slots) == list(range(self.limits.depth + 1))
+
+
+def expected_tokens(rid: str, count: int, token_fn: TokenFn = plain_token) -> list[int]:
+    return [token_fn(rid, j) for j in range(count)]
+
+
+def run_all(limits: SchedulerLimits, arrivals: dict[int, list[TokenizedRequest]],
+            token_fn: TokenFn = plain_token) -> Driver:
+    driver = Driver(limits, token_fn)
+    driver.run(arrivals)
+    driver.check_idle()
+    return driver
+
+
+def results(driver: Driver) -> dict[str, tuple[list[int], str | None]]:
+    return {rid: (driver.outputs.get(rid, []), d.finish_reason)
+            for rid, d in driver.finished.items()}
+
+

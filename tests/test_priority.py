@@ -1,0 +1,50 @@
+"""Waiting requests are admitted by priority (lower value first), then first come first served;
+preempted sequences go back into that order."""
+
+from __future__ import annotations
+
+from scheduler_driver import Driver, make_limits, make_request
+
+
+def admitted_order(driver: Driver) -> list[str]:
+    order: list[str] = []
+    for step in driver.history:
+        for row in step.rows:
+            if row.request_id not in order:
+                order.append(row.request_id)
+    return order
+
+
+def test_lower_priority_value_is_admitted_first_then_fcfs() -> None:
+    driver = Driver(make_limits(max_num_seqs=1, depth=1))
+    for rid, priority in [("a", 0), ("b", 5), ("c", -1), ("d", 5), ("e", -1), ("f", 0)]:
+        driver.add(make_request(rid, 3, max_tokens=2, priority=priority))
+    driver.run()
+    driver.check_idle()
+    assert admitted_order(driver) == ["c", "e", "a", "f", "b", "d"]
+
+
+def test_a_high_priority_arrival_overtakes_the_waiting_queue() -> None:
+    driver = Driver(make_limits(max_num_seqs=1, depth=1))
+    driver.run({0: [make_request("a", 3, max_tokens=4)],
+                1: [make_request("b", 3, max_tokens=4), make_request("c", 3, max_tokens=4)],
+                2: [make_request("urgent", 3, max_tokens=4, priority=-10)]})
+    driver.check_idle()
+    assert admitted_order(driver) == ["a", "urgent", "b", "c"]
+
+
+def test_the_lowest_priority_running_sequence_is_preempted() -> None:
+    """Blocks run out while three sequences run: the victim is the one of lowest priority,
+    even though it arrived first."""
+    limits = make_limits(num_blocks=9, block_size=4, max_num_seqs=3, max_num_batched_tokens=64,
+                         depth=1)
+    driver = Driver(limits)
+    driver.add(make_request("low", 4, max_tokens=12, priority=3))
+    driver.add(make_request("mid", 4, max_tokens=12, priority=1))
+    driver.add(make_request("high", 4, max_tokens=12, priority=0))
+    while driver.core.num_preemptions == 0:
+        driver.tick()
+    assert driver.core.seq("low").num_preemptions == 1
+    assert driver.core.seq("mid").num_preemptions == 0
+    driver.run()
+    driver.check_idle()
