@@ -68,6 +68,34 @@ def test_cli_generate_json_lines_in_order_with_an_error_line() -> None:
         assert 0 < line["num_output_tokens"] == len(line["token_ids"]) <= 8
 
 
+def test_cli_generate_json_with_request_semantics() -> None:
+    proc = subprocess.run(
+        _cli("generate", "--chat", "--prompt", "List three fruits.", "--prompt",
+             "List three colors.", "--max-tokens", "24", "--temperature", "0.7", "--seed", "3",
+             "--top-p", "0.9", "--n", "2", "--logprobs", "1", "--stop", ".", "--json"),
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1]
+    for line in lines:
+        assert line["error"] is None
+        assert {"finish_reason", "stop_reason", "samples", "logprobs",
+                "num_cached_prompt_tokens"} <= set(line)
+        assert len(line["samples"]) == 2
+        for s in line["samples"]:
+            assert set(s) == {"text", "token_ids", "finish_reason", "stop_reason", "logprobs"}
+            assert "." not in s["text"]
+            assert s["finish_reason"] in ("stop", "length")
+            if s["stop_reason"] == ".":
+                assert s["finish_reason"] == "stop"
+            assert [lp["token_id"] for lp in s["logprobs"]] == s["token_ids"]
+            assert all(len(lp["top_logprobs"]) == 1 for lp in s["logprobs"])
+        assert line["text"] == line["samples"][0]["text"]
+        assert line["num_output_tokens"] == sum(len(s["token_ids"]) for s in line["samples"])
+    # Both prompts share the chat template's system prompt: the second finds it cached.
+    assert max(line["num_cached_prompt_tokens"] for line in lines) >= 16
+
+
 def _stage_children(pid: int) -> list[int]:
     return [c.pid for c in psutil.Process(pid).children(recursive=True)
             if "llm-pipeline:" in " ".join(c.cmdline())]
