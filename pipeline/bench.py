@@ -210,6 +210,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the per-step token budget (smaller: steadier TPOT under long prompts)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--system-prompt-words", type=int, default=0,
+                   help="prepend one system message of this many words to every request "
+                        "(a shared prefix, as chat services have: exercises the prefix cache)")
     p.add_argument("--plot", default=None, metavar="DIR")
     p.set_defaults(func=serve)
 

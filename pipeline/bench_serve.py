@@ -12,13 +12,16 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ipc.messages import ChatMessage, SamplingParams
+from ipc.messages import ChatMessage, SamplingParams, SchedulerStats
 from pipeline.client import PipelineClient
-from pipeline.datasets import ChatSample, synthetic_chat
+from pipeline.datasets import WORDS, ChatSample, synthetic_chat
+
+if TYPE_CHECKING:
+    from pipeline.launcher import Pipeline
 
 
 @dataclass
@@ -55,12 +58,14 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 
 
 async def _one(client: PipelineClient, sample: ChatSample, delay: float, t0: float,
-               sem: asyncio.Semaphore | None, rec: RequestRecord) -> None:
+               sem: asyncio.Semaphore | None, rec: RequestRecord, system: str) -> None:
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
     params = SamplingParams(max_tokens=sample.output_tokens, temperature=0.0, ignore_eos=True)
+    messages = [ChatMessage("system", system)] if system else []
+    messages.append(ChatMessage("user", sample.text))
     async with sem if sem is not None else _nothing():
         rec.submitted = time.perf_counter()
-        async for out in client.stream([ChatMessage("user", sample.text)], params):
+        async for out in client.stream(messages, params):
             now = time.perf_counter()
             rec.token_times += [now] * len(out.token_ids)
             rec.num_prompt_tokens = out.num_prompt_tokens
@@ -76,12 +81,13 @@ class _nothing:
 
 
 async def drive(client: PipelineClient, samples: list[ChatSample], rate: float,
-                max_concurrency: int | None, seed: int) -> tuple[list[RequestRecord], float]:
+                max_concurrency: int | None, seed: int, system: str = ""
+                ) -> tuple[list[RequestRecord], float]:
     delays = arrival_times(len(samples), rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord() for _ in samples]
     t0 = time.perf_counter()
-    await asyncio.gather(*(_one(client, s, d, t0, sem, r)
+    await asyncio.gather(*(_one(client, s, d, t0, sem, r, system)
                            for s, d, r in zip(samples, delays, records, strict=True)))
     return records, time.perf_counter() - t0
 
@@ -93,6 +99,28 @@ def _stats(values: list[float]) -> dict[str, float]:
     arr = np.array(values) * 1000  # ms
     return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
             "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
+
+
+def scheduler_counters(pipe: Pipeline, timeout: float = 5.0) -> SchedulerStats:
+    """The scheduler's counters once it is idle (its stats arrive a few times a second)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = pipe.scheduler_stats
+        if stats is not None and stats.num_requests == 0 and stats.num_inflight_steps == 0:
+            time.sleep(0.3)  # one more report: it has seen the last results
+            if pipe.scheduler_stats is not None:
+                return pipe.scheduler_stats
+        time.sleep(0.05)
+    raise RuntimeError("the scheduler did not report idle stats")
+
+
+def scheduler_delta(before: SchedulerStats, after: SchedulerStats) -> dict[str, Any]:
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_preemptions": after.num_preemptions - before.num_preemptions,
+            "num_steps": after.num_steps - before.num_steps}
 
 
 def summarize(records: list[RequestRecord], seconds: float, args: argparse.Namespace
@@ -133,6 +161,11 @@ def print_summary(s: dict[str, Any]) -> None:
     g = s["goodput"]
     print(f"  goodput (TTFT <= {g['slo_ttft_ms']} ms, TPOT <= {g['slo_tpot_ms']} ms): "
           f"{g['requests_per_s']:.2f} req/s ({g['fraction']:.0%} of requests)")
+    if "scheduler" in s:
+        c = s["scheduler"]
+        print(f"  scheduler: {c['num_steps']} steps, {c['num_preemptions']} preemptions, "
+              f"prefix cache {c['prefix_cache_hits']}/{c['prefix_cache_queries']} prompt "
+              f"tokens hit ({c['prefix_cache_hit_rate']:.1%})")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -149,14 +182,17 @@ def serve(args: argparse.Namespace) -> int:
                                                    args.max_num_batched_tokens),
                          executor=ExecutorConfig(args.device, args.dtype, args.kv_cache_memory))
     summaries = []
+    system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_prompt_words))
     with Pipeline(cfg) as pipe:
         client = pipe.client()
         client.generate([[ChatMessage("user", "warm up")]], SamplingParams(max_tokens=2))
         for rate in args.request_rate:
             args_one = argparse.Namespace(**{**vars(args), "request_rate": rate})
+            before = scheduler_counters(pipe)
             records, seconds = asyncio.run(drive(client, samples, rate, args.max_concurrency,
-                                                 args.seed))
+                                                 args.seed, system))
             summaries.append(summarize(records, seconds, args_one))
+            summaries[-1]["scheduler"] = scheduler_delta(before, scheduler_counters(pipe))
             print_summary(summaries[-1])
     if args.json:
         Path(args.json).write_text(json.dumps(summaries if len(summaries) > 1 else summaries[0],

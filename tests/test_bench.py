@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from tiny_model import build_tiny_llama
 
 from pipeline import bench
 from pipeline.bench_serve import RequestRecord, arrival_times, summarize
@@ -82,3 +83,22 @@ def test_overlap_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> N
         assert set(report[mode]) >= {"output_tok_s", "device_idle_frac", "mean_step_ms", "steps"}
     assert report["speedup"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_serve_benchmark_reports_cache_hits_and_preemptions(tmp_path: Path) -> None:
+    model = build_tiny_llama(tmp_path / "long", max_len=8192)
+    out = tmp_path / "s.json"
+    # 180 blocks of 16 tokens (8 KiB each on this model) for five chats of 0.5k-1.3k tokens
+    # sent at once, each with the same 64-word system message first.
+    rc = bench.main(["serve", "--model", str(model), "--num-prompts", "5",
+                     "--request-rate", "inf", "--system-prompt-words", "64",
+                     "--kv-cache-memory", str(180 * 8192), "--max-model-len", "2048",
+                     "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["completed"] == 5
+    sched = report["scheduler"]
+    # The requests after the first find the shared system prompt cached.
+    assert sched["prefix_cache_hits"] >= 4 * 128
+    assert 0 < sched["prefix_cache_hit_rate"] < 1
+    assert sched["num_preemptions"] > 0
+    assert sched["num_steps"] > 0
