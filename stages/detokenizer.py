@@ -43,7 +43,7 @@ class _SampleState:
     num_output_tokens: int = 0
     held: list[int] = field(default_factory=list)  # ids the stream has not turned into text yet
     context: list[int] = field(default_factory=list)  # ids of its last emitted piece
-    text: str = ""
+    text: str = ""  # kept only when the request has stop strings
     sent: int = 0
     stopped: bool = False  # ended by a stop string here; the scheduler's last delta is awaited
     finished: bool = False  # the scheduler's last delta came: nothing more will
@@ -107,6 +107,8 @@ class Detokenizer:
 
     def _output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
         info = state.info
+        if not info.stop:
+            return self._plain_output(state, delta)
         stops = info.stop
         ids: list[int] = []
         stop: tuple[int, str] | None = None
@@ -147,19 +149,50 @@ class Detokenizer:
             info.num_prompt_tokens, num_out, state.index, stop_reason, logprobs,
             delta.num_cached_tokens)
 
+    def _plain_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
+        """_output without stop strings (the common case): no text kept, nothing held back."""
+        info = state.info
+        pieces = []
+        for t in delta.token_ids:  # _step, inlined: this loop runs for every token
+            state.held.append(t)
+            try:
+                piece = state.stream.step(self.tokenizer, t)
+            except Exception:
+                piece = self._step_failed(state, delta.request_id)
+            if piece is not None:
+                pieces.append(piece)
+                state.context, state.held = state.held, []
+        text = "".join(pieces)
+        finishing = delta.finish_reason is not None
+        if finishing and state.held:
+            text += self._flush(state)
+        state.num_output_tokens += len(delta.token_ids)
+        logprobs = (self._logprobs(delta, len(delta.token_ids)) if info.logprobs is not None
+                    else None)
+        return RequestOutput(
+            delta.request_id, text, delta.token_ids, finishing, delta.finish_reason, delta.error,
+            info.num_prompt_tokens, state.num_output_tokens, state.index, delta.stop_token_id,
+            logprobs, delta.num_cached_tokens)
+
     def _step(self, state: _SampleState, token: int, request_id: str) -> str:
         """The text token adds (possibly none yet: an unfinished character is held)."""
         state.held.append(token)
         try:
             piece = state.stream.step(self.tokenizer, token)
-        except Exception as exc:  # e.g. "Invalid prefix encountered": restart the stream
-            logger.warning("request %s: incremental decode failed (%s); resyncing",
-                           request_id, exc)
-            piece = self._flush(state)
-            state.stream = DecodeStream(skip_special_tokens=state.info.skip_special_tokens)
+        except Exception:
+            piece = self._step_failed(state, request_id)
         if piece is None:
             return ""
         state.context, state.held = state.held, []
+        return piece
+
+    def _step_failed(self, state: _SampleState, request_id: str) -> str:
+        """The stream rejected a token (e.g. "Invalid prefix encountered"): flush what it held
+        and restart it."""
+        logger.warning("request %s: incremental decode failed; resyncing", request_id,
+                       exc_info=True)
+        piece = self._flush(state)
+        state.stream = DecodeStream(skip_special_tokens=state.info.skip_special_tokens)
         return piece
 
     def _flush(self, state: _SampleState) -> str:

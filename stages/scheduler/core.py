@@ -327,6 +327,8 @@ class Scheduler:
         """Offer seq's full blocks whose tokens are all known to the prefix cache. Their KV is
         written by a step already planned, so every step planned from now on can read it."""
         bs = self.limits.block_size
+        if seq.num_computed < (seq.num_registered + 1) * bs:
+            return  # the common case, checked first: no new full block
         num_full = min(seq.num_computed, seq.num_known, len(seq.blocks) * bs) // bs
         if num_full <= seq.num_registered:
             return
