@@ -106,7 +106,20 @@ class PullChannel:
         self.socket.close()
 
 
-__all__ = ["ProtocolError", "PullChannel", "PushChannel", "ipc_address", "make_run_dir"]
+class SubChannel(PullChannel):
+    """Receives everything a PUB socket publishes (the launcher's status), decoded alike.
+    A subscriber that connects late misses what was published before: status is periodic."""
+
+    def __init__(self, ctx: zmq.Context, address: str, codec: Codec) -> None:
+        self.codec = codec
+        self.socket = ctx.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(address)
+
+
+__all__ = ["ProtocolError", "PullChannel", "PushChannel", "SubChannel", "ipc_address",
+           "make_run_dir"]
 
 
 class ReplySockets:

@@ -316,6 +316,32 @@ class SchedulerStats(Message):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     num_cached_blocks: int = 0  # free blocks that still hold reusable KV
+    finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason
+    prompt_tokens: int = 0  # of requests admitted
+    generation_tokens: int = 0  # sampled and kept
+    step_seconds_buckets: list[int] = field(default_factory=list)  # see STEP_SECONDS_BOUNDS
+    step_seconds_sum: float = 0.0
+    step_tokens_buckets: list[int] = field(default_factory=list)  # see STEP_TOKENS_BOUNDS
+    step_tokens_sum: int = 0
+    device_idle_fraction: float = 0.0  # over the last few seconds of steps
+    uptime_s: float = 0.0
+
+
+# Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).
+STEP_SECONDS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+STEP_TOKENS_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStatus(Message):
+    """Published by the launcher a few times a second to anyone subscribed (clients, the HTTP
+    front ends): which stages are alive and the scheduler's latest accounting."""
+
+    TAG: ClassVar[int] = 11
+    time: float  # time.time() of publication
+    stages: dict[str, bool]  # "stage:rank" -> alive
+    failure: str | None
+    scheduler: SchedulerStats | None
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
@@ -329,4 +355,5 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     StageReady,
     StageFailed,
     SchedulerStats,
+    PipelineStatus,
 )

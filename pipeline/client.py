@@ -1,38 +1,49 @@
 """A client of a running pipeline, usable from any Python program (and thread, or asyncio).
 
 It PUSHes requests to the tokenizer workers (ZeroMQ round-robins across them), aborts to the
-scheduler, and binds its own reply socket; one I/O thread routes outputs to each request.
+scheduler, and binds its own reply socket; one I/O thread routes outputs to each request and
+keeps the latest status the launcher publishes (health, scheduler counters).
+
+In the process that started the pipeline: `pipeline.client()`. From any other process:
+`PipelineClient.connect(run_dir)`, with the run directory the launcher printed (it holds
+`pipeline.json`, the addresses). Every front end, the HTTP server included, goes through it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ipc.channels import PullChannel, PushChannel
+from ipc.channels import PullChannel, PushChannel, SubChannel
 from ipc.codec import Codec
 from ipc.messages import (
     WHOLE_REQUEST,
     AbortRequest,
     AddRequest,
     ChatMessage,
+    PipelineStatus,
     RequestOutput,
     RequestOutputs,
     SamplingParams,
+    SchedulerStats,
     TokenLogprob,
 )
 
 if TYPE_CHECKING:
-    from pipeline.config import PipelineConfig
+    from pipeline.config import Endpoints, PipelineConfig
+
+STATUS_STALE_S = 3.0  # no status for this long: the pipeline is not answering
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int] | list[ChatMessage]
@@ -133,14 +144,31 @@ def make_add_request(request_id: str, reply_to: str, prompt: Prompt,
     return AddRequest(request_id, reply_to, None, list(prompt), None, params, time.time())  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Health:
+    """What the latest published status says. ok: every stage alive and answering."""
+
+    ok: bool
+    stages: dict[str, bool]
+    problem: str | None  # why not ok: a dead stage, a failure, or no status for a while
+    age_s: float  # seconds since the status was published (inf: none received yet)
+    stats: SchedulerStats | None
+
+
 class PipelineClient:
     """Thread-safe. `generate` blocks; `stream` is an async iterator of one request's deltas."""
 
-    def __init__(self, cfg: PipelineConfig, is_alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, cfg: PipelineConfig | Endpoints,
+                 is_alive: Callable[[], bool] | None = None) -> None:
         self._ctx = zmq.Context()
         self._is_alive = is_alive
+        self.model_name = cfg.endpoints.model_name if hasattr(cfg, "endpoints") else cfg.model_name
+        self.max_model_len = (cfg.model.max_model_len if hasattr(cfg, "model")
+                              else cfg.max_model_len)
         self.reply_to = cfg.address(f"client-{uuid.uuid4().hex[:12]}")
         self._inbox = PullChannel(self._ctx, self.reply_to, Codec([RequestOutputs]), bind=True)
+        self._status_sub = SubChannel(self._ctx, cfg.status_address, Codec([PipelineStatus]))
+        self.status: PipelineStatus | None = None
         self._requests = PushChannel(self._ctx, cfg.tokenizer_address(0), bind=False)
         for rank in range(1, cfg.num_tokenizers):
             self._requests.socket.connect(cfg.tokenizer_address(rank))
@@ -155,9 +183,37 @@ class PipelineClient:
 
     # ------------------------------------------------------------ plumbing
 
+    @classmethod
+    def connect(cls, run_dir: str | Path) -> PipelineClient:
+        """A client of the pipeline running in another process, found by its run directory."""
+        from pipeline.config import Endpoints
+
+        return cls(Endpoints.load(run_dir))
+
+    def health(self) -> Health:
+        status = self.status
+        if status is None:
+            return Health(False, {}, "no status received from the pipeline yet", math.inf, None)
+        age = time.time() - status.time
+        dead = [name for name, alive in status.stages.items() if not alive]
+        problem = status.failure or (f"stage {', '.join(dead)} is not running" if dead else None)
+        if problem is None and age > STATUS_STALE_S:
+            problem = f"the pipeline has not answered for {age:.1f} s"
+        return Health(problem is None, dict(status.stages), problem, age, status.scheduler)
+
     def _route_outputs(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbox.socket, zmq.POLLIN)
+        poller.register(self._status_sub.socket, zmq.POLLIN)
         while not self._stop.is_set():
-            msg = self._inbox.recv_valid(50)
+            events = dict(poller.poll(50))
+            if self._status_sub.socket in events:
+                while (status := self._status_sub.recv_valid(0)) is not None:
+                    assert isinstance(status, PipelineStatus)
+                    self.status = status
+            if self._inbox.socket not in events:
+                continue
+            msg = self._inbox.recv_valid(0)
             if msg is None:
                 continue
             assert isinstance(msg, RequestOutputs)
@@ -208,8 +264,13 @@ class PipelineClient:
 
     def _check_alive(self) -> None:
         self._check_open()
-        if not self._is_alive():
-            raise PipelineError("the pipeline is no longer running")
+        if self._is_alive is not None:
+            if not self._is_alive():
+                raise PipelineError("the pipeline is no longer running")
+            return
+        health = self.health()
+        if self.status is not None and not health.ok:
+            raise PipelineError(f"the pipeline is not running: {health.problem}")
 
     # ------------------------------------------------------------ blocking API
 

@@ -7,6 +7,7 @@ model_cache, LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -107,6 +108,49 @@ class ExecutorConfig:
         return a, b
 
 
+ENDPOINTS_FILE = "pipeline.json"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a running pipeline listens: what a client in another process needs to connect.
+    The launcher writes it to `<run dir>/pipeline.json` once every stage is ready."""
+
+    run_dir: str
+    num_tokenizers: int
+    model_name: str  # the id front ends serve the model under
+    max_model_len: int
+
+    def address(self, name: str) -> str:
+        return f"ipc://{Path(self.run_dir) / name}.sock"
+
+    def tokenizer_address(self, rank: int) -> str:
+        return self.address(f"tokenizer-{rank}")
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.address("scheduler")
+
+    @property
+    def status_address(self) -> str:
+        return self.address("status")
+
+    def save(self) -> Path:
+        path = Path(self.run_dir) / ENDPOINTS_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        tmp.replace(path)  # readers never see a half-written file
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> Endpoints:
+        path = Path(run_dir) / ENDPOINTS_FILE
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"no running pipeline at {run_dir} (no {ENDPOINTS_FILE})") from None
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     model: ModelInfo
@@ -118,6 +162,12 @@ class PipelineConfig:
     run_id: str = ""
     ready_timeout_s: float = 300.0
     trace_dir: str = ""  # set by the launcher when a trace is asked for
+    served_model_name: str = ""  # default: the model folder's name
+
+    @property
+    def endpoints(self) -> Endpoints:
+        name = self.served_model_name or Path(self.model.path).name
+        return Endpoints(self.run_dir, self.num_tokenizers, name, self.model.max_model_len)
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:
@@ -154,6 +204,10 @@ class PipelineConfig:
     @property
     def sampled_address(self) -> str:
         return self.address("sampled")
+
+    @property
+    def status_address(self) -> str:
+        return self.address("status")
 
     @property
     def control_address(self) -> str:

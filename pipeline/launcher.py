@@ -14,13 +14,14 @@ import time
 import uuid
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec
-from ipc.messages import SchedulerStats, StageFailed, StageReady
+from ipc.messages import PipelineStatus, SchedulerStats, StageFailed, StageReady
 from ipc.rings import sampled_specs, step_input_specs
 from ipc.shm import SharedRing
 from pipeline.client import PipelineClient
@@ -46,6 +47,7 @@ class Pipeline:
         self.procs: dict[str, BaseProcess] = {}
         self.stage_info: dict[str, dict[str, int]] = {}
         self.failure: str | None = None
+        self.endpoints_path: Path | None = None  # <run dir>/pipeline.json, once started
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopped = False
@@ -110,6 +112,7 @@ class Pipeline:
             raise
         for ring in self._rings:  # every user has it mapped: nothing is left in /dev/shm
             ring.unlink()
+        self.endpoints_path = self.cfg.endpoints.save()
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor",
                                             daemon=True)
         self._supervisor.start()
@@ -152,23 +155,39 @@ class Pipeline:
     # ------------------------------------------------------------ supervise
 
     def _supervise(self) -> None:
-        """Watch every stage process and the control channel (stats, failure reports)."""
+        """Watch every stage process and the control channel (stats, failure reports), and
+        publish the pipeline's status to subscribers a few times a second."""
         sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
         failure_message = "no message"
-        while not self._stopping.is_set():
-            dead = wait(list(sentinels), timeout=0.1)
-            while not self._stopping.is_set() and (msg := self._ctl.recv_nowait()):
-                if isinstance(msg, SchedulerStats):
-                    self.scheduler_stats = msg
-                elif isinstance(msg, StageFailed):
-                    failure_message = msg.message
-            if dead and not self._stopping.is_set():
-                names = ", ".join(f"{sentinels[s]} (exit code {self.procs[sentinels[s]].exitcode})"
-                                  for s in dead)
-                self.failure = f"stage {names} died: {failure_message}"
-                logger.error("%s; stopping the pipeline", self.failure)
-                threading.Thread(target=self.stop, name="stop").start()
-                return
+        status = self._zmq.socket(zmq.PUB)
+        status.setsockopt(zmq.LINGER, 1000)  # the last status (a failure) gets out
+        status.bind(self.cfg.status_address)
+        next_status = 0.0
+        try:
+            while not self._stopping.is_set():
+                dead = wait(list(sentinels), timeout=0.1)
+                while not self._stopping.is_set() and (msg := self._ctl.recv_nowait()):
+                    if isinstance(msg, SchedulerStats):
+                        self.scheduler_stats = msg
+                    elif isinstance(msg, StageFailed):
+                        failure_message = msg.message
+                if dead and not self._stopping.is_set():
+                    names = ", ".join(f"{sentinels[s]} (exit code "
+                                      f"{self.procs[sentinels[s]].exitcode})" for s in dead)
+                    self.failure = f"stage {names} died: {failure_message}"
+                    logger.error("%s; stopping the pipeline", self.failure)
+                    status.send(Codec.encode(self.status()))
+                    threading.Thread(target=self.stop, name="stop").start()
+                    return
+                if time.monotonic() >= next_status:
+                    status.send(Codec.encode(self.status()))
+                    next_status = time.monotonic() + 0.25
+        finally:
+            status.close()
+
+    def status(self) -> PipelineStatus:
+        return PipelineStatus(time.time(), {name: p.is_alive() for name, p in self.procs.items()},
+                              self.failure, self.scheduler_stats)
 
     @property
     def is_alive(self) -> bool:
@@ -179,7 +198,7 @@ class Pipeline:
         return {name: p.pid for name, p in self.procs.items() if p.pid is not None}
 
     def client(self) -> PipelineClient:
-        client = PipelineClient(self.cfg, lambda: self.is_alive)
+        client = PipelineClient(self.cfg, lambda: self.is_alive)  # knows at once, not by status
         self._clients.append(client)
         return client
 

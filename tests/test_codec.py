@@ -19,6 +19,7 @@ from ipc.messages import (
     DetokBatch,
     DetokRequestInfo,
     Message,
+    PipelineStatus,
     RequestOutput,
     RequestOutputs,
     SampledTokens,
@@ -63,6 +64,11 @@ SAMPLES: list[Message] = [
     StageReady("tokenizer", 3, 17, {}),
     StageFailed("detokenizer", 1, 99, "Traceback: ☠ out of memory"),
     SchedulerStats(100, 97, 8, 7, 3, 2, 1, 0, 1, 1, 0, 42),
+    PipelineStatus(1.5, {"executor:0": True, "scheduler:0": False}, "scheduler:0 died",
+                   SchedulerStats(100, 97, 8, 7, 3, 2, 1, 0, 1, 1, 0, 42, 10, 4, 2,
+                                  {"stop": 3, "abort": 1}, 50, 60, [1, 2], 0.5, [3], 7, 0.01,
+                                  12.0)),
+    PipelineStatus(2.0, {}, None, None),
 ]
 
 ALL = Codec(ALL_MESSAGES)

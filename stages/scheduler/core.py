@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ipc.messages import (
+    STEP_SECONDS_BOUNDS,
+    STEP_TOKENS_BOUNDS,
     DetokRequestInfo,
     RequestRejected,
     SamplingParams,
@@ -90,6 +92,39 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
 
 
+class StepMetrics:
+    """Histograms of step duration and tokens per step, and the device's recent idle
+    fraction, from the device interval each executor report carries."""
+
+    WINDOW_S = 5.0  # idle fraction over the steps of the last few seconds
+    MAX_GAP_S = 0.5  # a longer gap between steps means there was no work, not an idle device
+
+    def __init__(self) -> None:
+        self.seconds = [0] * (len(STEP_SECONDS_BOUNDS) + 1)
+        self.tokens = [0] * (len(STEP_TOKENS_BOUNDS) + 1)
+        self.seconds_sum = 0.0
+        self.tokens_sum = 0
+        self._recent: deque[tuple[float, float]] = deque()
+
+    def record(self, num_tokens: int, start: float, end: float) -> None:
+        duration = max(0.0, end - start)
+        self.seconds[bisect.bisect_left(STEP_SECONDS_BOUNDS, duration)] += 1
+        self.tokens[bisect.bisect_left(STEP_TOKENS_BOUNDS, num_tokens)] += 1
+        self.seconds_sum += duration
+        self.tokens_sum += num_tokens
+        self._recent.append((start, end))
+        while self._recent and self._recent[0][1] < end - self.WINDOW_S:
+            self._recent.popleft()
+
+    @property
+    def idle_fraction(self) -> float:
+        steps = list(self._recent)
+        busy = sum(e - s for s, e in steps)
+        idle = sum(max(0.0, b[0] - a[1]) for a, b in zip(steps, steps[1:], strict=False)
+                   if b[0] - a[1] < self.MAX_GAP_S)
+        return idle / (busy + idle) if busy + idle > 0 else 0.0
+
+
 def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
@@ -117,6 +152,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
+        self.finished: dict[str, int] = {}  # sequences (and refused requests) by reason
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.step_metrics = StepMetrics()
+        self._started = time.monotonic()
 
     def seq(self, request_id: str, index: int = 0) -> Sequence:
         """A live sample of a request (tests and debugging)."""
@@ -130,8 +170,10 @@ class Scheduler:
             reason, message = error
             self._rejected.append(RequestRejected(req.request_id, req.reply_to, reason, message,
                                                   len(req.prompt_token_ids)))
+            self.finished[reason] = self.finished.get(reason, 0) + 1
             return
         p = req.params
+        self.prompt_tokens += len(req.prompt_token_ids)
         self._new_infos.append(DetokRequestInfo(
             req.request_id, req.reply_to, len(req.prompt_token_ids), p.skip_special_tokens,
             req.arrival_time, p.n, list(p.stop), p.include_stop_str_in_output, p.min_tokens,
@@ -365,6 +407,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # a finished one's extra token is dropped
             seq.output_ids.append(token)
+            self.generation_tokens += 1
             k = seq.params.logprobs
             if k is not None and logprobs is not None:
                 lp, top_ids, top_lps = logprobs
@@ -404,6 +447,7 @@ class Scheduler:
         self._touched[seq] = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self.finished[reason] = self.finished.get(reason, 0) + 1
         self._maybe_release(seq)
 
     def _maybe_release(self, seq: Sequence) -> None:
@@ -435,12 +479,15 @@ class Scheduler:
             self.running.remove(seq)
 
     def stats(self) -> SchedulerStats:
-        lim = self.limits
+        lim, m = self.limits, self.step_metrics
         return SchedulerStats(
             lim.num_blocks, self.allocator.num_free, lim.max_num_seqs, len(self.free_slots),
             lim.depth + 1, len(self.free_ring_slots), len(self.inflight), len(self.waiting),
             len(self.running), len(self.requests), self.num_preemptions, self.next_step_id,
-            self.prefix_cache_queries, self.prefix_cache_hits, self.allocator.num_cached_free)
+            self.prefix_cache_queries, self.prefix_cache_hits, self.allocator.num_cached_free,
+            dict(self.finished), self.prompt_tokens, self.generation_tokens,
+            list(m.seconds), m.seconds_sum, list(m.tokens), m.tokens_sum, m.idle_fraction,
+            time.monotonic() - self._started)
 
     # ------------------------------------------------------------ outputs
 

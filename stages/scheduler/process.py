@@ -97,7 +97,9 @@ class SchedulerShell:
             if k >= 0:
                 logprobs = (ring["logprob"][:n].tolist(), ring["top_ids"][:n, :k].tolist(),
                             ring["top_logprobs"][:n, :k].tolist())
+            step = self.core.inflight[0]
             self.core.on_sampled(msg.step_id, ids, logprobs)
+            self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
             self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 
     def _drain_inbox(self) -> None:
