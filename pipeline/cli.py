@@ -67,7 +67,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
     add_sampling_options(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    add_global_options(serve, suppress=True)
+    add_serve_options(serve)
     return parser
+
+
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--api-key", default=None,
+                   help="every /v1 call then needs 'Authorization: Bearer KEY'")
+    p.add_argument("--api-workers", type=int, default=1,
+                   help="front-end processes sharing the port and the pipeline")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: the model folder's name)")
+    p.add_argument("--max-body-bytes", default="4MiB", help="request body size limit")
+    p.add_argument("--rate-limit-rps", type=float, default=0.0,
+                   help="requests per second per API key and per client address (0: off)")
+    p.add_argument("--rate-limit-concurrent", type=int, default=0,
+                   help="requests at once per API key and per client address (0: off)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="answer 503 while this many sequences wait in the scheduler")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -111,7 +132,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.block_size, 1 if args.no_overlap else 2),
         executor=ExecutorConfig(args.device, args.dtype, parse_bytes(args.kv_cache_memory)),
-        num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
+        num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
+        served_model_name=getattr(args, "served_model_name", None) or "")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -226,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             client = pipe.client()
             if args.command == "generate":
                 return run_generate(client, args)
+            if args.command == "serve":
+                from pipeline.serve import run_serve
+
+                return run_serve(pipe, args)
             return run_demo(client, pipe.stage_pids)
     except StartupError as exc:
         print(f"error: the pipeline did not start: {exc}", file=sys.stderr)

@@ -1,0 +1,347 @@
+"""The OpenAI API's request and response shapes, mapped onto the engine's. Pure functions, no
+I/O; used by the HTTP front end (pipeline/server.py) in each of its worker processes.
+
+Requests: every field is type-checked here and every range by the engine's own
+`validate_params`, so a bad field gets one HTTP 400 that names it. Responses and stream chunks
+follow OpenAI's shapes (`text_completion`, `chat.completion`, `chat.completion.chunk`), with
+vLLM's `stop_reason` extension.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipc.messages import ChatMessage, RequestOutput, SamplingParams, TokenLogprob
+from stages.tokenizer import RequestError, validate_params
+
+Prompt = str | list[int] | list[ChatMessage]
+
+
+class ApiError(Exception):
+    """An error a client can act on: HTTP status, OpenAI error type, the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status, message, param, kind, code)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param)
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:  # JSON true is not a number here
+        raise bad(name, f"{name} must be {_kind_names(kinds)}, got a boolean")
+    if not isinstance(value, kinds):
+        raise bad(name, f"{name} must be {_kind_names(kinds)}, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad(name, f"{name} must be a finite number")
+    return value
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+             list: "an array", dict: "an object"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds if not (k is int and float in kinds))
+
+
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise bad("stop", "stop must be a string or an array of strings")
+
+
+def _int_list(body: dict[str, Any], name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise bad(name, f"{name} must be an array of integers")
+    return list(value)
+
+
+UNSUPPORTED = {"suffix": "suffix is not supported", "tools": "tools are not supported",
+               "functions": "functions are not supported",
+               "response_format": "response_format is not supported"}
+
+
+@dataclass
+class ParsedRequest:
+    """An API request as the engine takes it: one or more prompts, one SamplingParams."""
+
+    prompts: list[Prompt]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    chat: bool = False
+    logprobs_param: str = "logprobs"  # the API field that asked for logprobs
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams, str]:
+    """SamplingParams from the OpenAI fields and the common extensions; (params, the name of
+    the field that set logprobs)."""
+    for name, message in UNSUPPORTED.items():
+        if body.get(name):
+            raise bad(name, message)
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "logit_bias is not supported")
+    num = (int, float)
+    max_tokens = _get(body, "max_tokens", (int,))
+    if chat:
+        max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens)
+    elif "max_tokens" not in body:
+        max_tokens = 16  # OpenAI's default for completions
+    n = _get(body, "n", (int,), 1)
+    best_of = _get(body, "best_of", (int,))
+    if best_of is not None and best_of != n:
+        raise bad("best_of", "best_of is not supported unless it equals n")
+    if chat:
+        logprobs_param = "top_logprobs"
+        want = _get(body, "logprobs", (bool,), False)
+        top = _get(body, "top_logprobs", (int,))
+        if top is not None and not want:
+            raise bad("top_logprobs", "top_logprobs needs logprobs set to true")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs_param = "logprobs"
+        logprobs = _get(body, "logprobs", (int,))
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=float(_get(body, "temperature", num, 1.0)),
+        stop_token_ids=_int_list(body, "stop_token_ids"),
+        ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
+        min_tokens=_get(body, "min_tokens", (int,), 0), top_p=float(_get(body, "top_p", num, 1.0)),
+        top_k=_get(body, "top_k", (int,), 0), min_p=float(_get(body, "min_p", num, 0.0)),
+        seed=_get(body, "seed", (int,)),
+        repetition_penalty=float(_get(body, "repetition_penalty", num, 1.0)),
+        presence_penalty=float(_get(body, "presence_penalty", num, 0.0)),
+        frequency_penalty=float(_get(body, "frequency_penalty", num, 0.0)),
+        stop=_stop_strings(body),
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
+        n=n, logprobs=logprobs, priority=_get(body, "priority", (int,), 0))
+    return params, logprobs_param
+
+
+_FIELD = re.compile(r"^([a-z_]+) ")
+
+
+def check_params(params: SamplingParams, vocab_size: int, logprobs_param: str) -> None:
+    """The engine's own range checks, turned into a 400 naming the API field."""
+    try:
+        validate_params(params, vocab_size)
+    except RequestError as exc:
+        message = str(exc)
+        match = _FIELD.match(message)
+        param = match.group(1) if match else None
+        if param == "logprobs":
+            param = logprobs_param
+            message = logprobs_param + message[len("logprobs"):]
+        raise bad(param or "body", message) from None
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = _get(body, "stream_options", (dict,))
+    if options is None:
+        return False
+    if not stream:
+        raise bad("stream_options", "stream_options is only allowed with stream: true")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad("stream_options.include_usage", "include_usage must be a boolean")
+    return include
+
+
+def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
+    if _get(body, "echo", (bool,), False):
+        raise bad("echo", "echo is not supported")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        prompts = [list(prompt)]
+    elif (isinstance(prompt, list) and prompt
+          and all(isinstance(p, str) for p in prompt)):
+        prompts = list(prompt)
+    elif (isinstance(prompt, list) and prompt
+          and all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt)):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad("prompt", "prompt must be a string, an array of strings, an array of token "
+                            "ids or an array of arrays of token ids (none empty)")
+    params, lp_param = parse_sampling(body, chat=False)
+    check_params(params, vocab_size, lp_param)
+    stream = _get(body, "stream", (bool,), False)
+    return ParsedRequest(prompts, params, stream, _stream_options(body, stream), False, lp_param)
+
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}
+
+
+def _message_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad(f"{where}.content[{i}]", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"{where}.content", "content must be a string or an array of text parts")
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty array")
+    chat: list[ChatMessage] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, "each message must be an object")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role", f"role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+        chat.append(ChatMessage(CHAT_ROLES[role], _message_text(m.get("content"), where)))
+    params, lp_param = parse_sampling(body, chat=True)
+    check_params(params, vocab_size, lp_param)
+    stream = _get(body, "stream", (bool,), False)
+    return ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass
+class Choice:
+    """One choice being assembled: one sample of one prompt."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel arrays, top alternatives as {token: logprob}."""
+    text_offset, pos = [], offset
+    for e in entries:
+        text_offset.append(pos)
+        pos += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(zip(e.top_tokens, e.top_logprobs, strict=True))
+                             for e in entries],
+            "text_offset": text_offset}
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)}
+                          for t, lp in zip(e.top_tokens, e.top_logprobs, strict=True)]}
+        for e in entries]}
+
+
+def choice_json(c: Choice, chat: bool, want_logprobs: bool) -> dict[str, Any]:
+    logprobs = None
+    if want_logprobs:
+        logprobs = chat_logprobs(c.logprobs) if chat else completion_logprobs(c.logprobs, 0)
+    body: dict[str, Any] = {"index": c.index}
+    if chat:
+        body["message"] = {"role": "assistant", "content": c.text}
+    else:
+        body["text"] = c.text
+    body.update(logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+    return body
+
+
+def response_json(rid: str, model: str, chat: bool, choices: list[Choice],
+                  prompt_tokens: int, want_logprobs: bool) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [choice_json(c, chat, want_logprobs) for c in choices],
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+
+
+def chunk_json(rid: str, model: str, chat: bool, index: int, out: RequestOutput | None,
+               want_logprobs: bool, created: int, *, role: bool = False,
+               text_offset: int = 0) -> dict[str, Any]:
+    """One stream chunk for choice `index`: its role (chat, first), or an output delta."""
+    choice: dict[str, Any] = {"index": index}
+    finish = out.finish_reason if out is not None and out.finished else None
+    if chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta = {"role": "assistant", "content": ""}
+        elif out is not None and (out.text or not out.finished):
+            delta = {"content": out.text}
+        choice["delta"] = delta
+    else:
+        choice["text"] = out.text if out is not None else ""
+    logprobs = None
+    if want_logprobs and out is not None and out.logprobs:
+        logprobs = (chat_logprobs(out.logprobs) if chat
+                    else completion_logprobs(out.logprobs, text_offset))
+    choice.update(logprobs=logprobs, finish_reason=finish,
+                  stop_reason=out.stop_reason if finish else None)
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def output_error(out: RequestOutput, param: str) -> ApiError:
+    """An engine error on a request that produced nothing: the client's fault (400) unless
+    the engine says it was its own (the tokenizer stage prefixes those)."""
+    message = out.error or f"the request ended with {out.finish_reason}"
+    if message.startswith("tokenizer error"):
+        return ApiError(500, message, None, "server_error")
+    return bad(param, message)

@@ -1,0 +1,81 @@
+"""`run_pipeline serve`: the pipeline plus K HTTP front-end worker processes on one port.
+Runs in the CLI's process, which owns the pipeline and the workers and stops them all."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from pipeline.config import ConfigError, parse_bytes
+from pipeline.launcher import Pipeline, StartupError
+from pipeline.server import ServerOptions, ready_file, run_api_worker
+
+WORKER_READY_TIMEOUT_S = 60.0
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    if args.api_workers < 1:
+        raise ConfigError("--api-workers must be at least 1")
+    return ServerOptions(
+        host=args.host, port=args.port or free_port(args.host), api_key=args.api_key,
+        api_workers=args.api_workers, max_body_bytes=parse_bytes(args.max_body_bytes),
+        rate_limit_rps=args.rate_limit_rps, rate_limit_concurrent=args.rate_limit_concurrent,
+        max_waiting=args.max_waiting)
+
+
+def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
+    options = server_options(args)
+    run_dir = pipe.cfg.run_dir
+    metrics_dir = Path(run_dir) / "metrics"
+    metrics_dir.mkdir()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=run_api_worker, name=f"llm-pipeline:api:{rank}",
+                           args=(run_dir, options, pipe.cfg.model.vocab_size, rank, os.getpid()))
+               for rank in range(options.api_workers)]
+    for w in workers:
+        w.start()
+    try:
+        _wait_ready(workers, run_dir)
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        print(f"serving {pipe.cfg.endpoints.model_name} at http://{host}:{options.port}/v1 "
+              f"({options.api_workers} API worker(s); pipeline run dir {run_dir})", flush=True)
+        while True:  # until a signal (SIGTERM/SIGINT end the CLI) or a worker dies
+            dead = wait([w.sentinel for w in workers], timeout=1.0)
+            if dead:
+                codes = [w.exitcode for w in workers if not w.is_alive()]
+                print(f"error: an API worker exited (codes {codes}); stopping", file=sys.stderr)
+                return 1
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+        for w in workers:
+            w.join(10)
+            if w.is_alive():
+                w.kill()
+                w.join(5)
+
+
+def _wait_ready(workers: list[mp.process.BaseProcess], run_dir: str) -> None:
+    deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+    while not all(ready_file(run_dir, r).exists() for r in range(len(workers))):
+        dead = [w for w in workers if not w.is_alive()]
+        if dead:
+            raise StartupError(f"API worker {dead[0].name} exited with code {dead[0].exitcode} "
+                               "before it was ready (is the port free?)")
+        if time.monotonic() > deadline:
+            raise StartupError("the API workers did not start in time")
+        time.sleep(0.05)
