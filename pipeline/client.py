@@ -190,6 +190,13 @@ class PipelineClient:
 
         return cls(Endpoints.load(run_dir))
 
+    def wait_for_status(self, timeout: float = 10.0) -> Health:
+        """Block until the first status arrives (it is published a few times a second)."""
+        deadline = time.monotonic() + timeout
+        while self.status is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.health()
+
     def health(self) -> Health:
         status = self.status
         if status is None:

@@ -31,8 +31,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 
 TTFT = Histogram(P + "time_to_first_token_seconds", "Time from request to first token",
                  buckets=LATENCY_BUCKETS)
-ITL = Histogram(P + "inter_token_latency_seconds", "Time between streamed tokens",
-                buckets=LATENCY_BUCKETS)
+ITL = Histogram(P + "inter_token_latency_seconds", "Time between a sample's tokens (tokens "
+                "that arrive together share the gap)", buckets=LATENCY_BUCKETS)
 E2E = Histogram(P + "e2e_request_latency_seconds", "Time from request to its last token",
                 buckets=LATENCY_BUCKETS)
 HTTP = Counter(P + "http_responses", "HTTP responses by route and status", ["route", "status"])

@@ -333,8 +333,13 @@ class Generation:
                 self.first_token_seen = True
                 self.front.metrics.TTFT.observe(now - self.start_time)
             last = self.last_token_time.get(choice)
-            if last is not None:
-                self.front.metrics.ITL.observe(now - last)
+            if last is not None:  # tokens that came together share the gap: one each
+                k = len(out.token_ids)
+                for _ in range(k):
+                    self.front.metrics.ITL.observe((now - last) / k)
+            elif len(out.token_ids) > 1:
+                for _ in range(len(out.token_ids) - 1):
+                    self.front.metrics.ITL.observe(0.0)
             self.last_token_time[choice] = now
         return choice, out
 
@@ -441,6 +446,7 @@ def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: 
     except ImportError:
         pass
     client = PipelineClient.connect(run_dir)
+    client.wait_for_status()  # so that /health and the first requests know how things stand
     front = FrontEnd(client, options, vocab_size)
     sock = listening_socket(options.host, options.port)
     config = uvicorn.Config(front.app(), loop="uvloop", http="httptools", lifespan="off",

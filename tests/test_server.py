@@ -1,0 +1,321 @@
+"""The HTTP front end, started as users start it (`run_pipeline serve`, a real process tree),
+driven by the official `openai` package and plain HTTP: completions and chat, streaming or
+not, n, stop, logprobs, usage; 64 concurrent streams; a disconnect aborts in the engine; the
+400/401/404/413/429 answers; /health going 503 when a stage dies; /metrics that parse and move,
+summed over two API workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from live import alive, kill_pids
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-test-0123456789"
+pytestmark = pytest.mark.timeout(300)
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[str], url: str, model: str) -> None:
+        self.proc, self.url, self.model = proc, url, model
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics, parsed by prometheus_client: name{labels} -> value."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
+        return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve(model: Path, *args: str) -> Iterator[Server]:
+    port = free_port()
+    cmd = [str(ROOT / "scripts" / "run_pipeline"), "--model", str(model), "serve", "--port",
+           str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the CLI prints one line once it serves
+            if line.startswith("serving "):
+                break
+            assert time.monotonic() < deadline, "the server did not start"
+        else:
+            raise AssertionError(f"the server exited with {proc.wait()}")
+        server = Server(proc, f"http://127.0.0.1:{port}", model.name)
+        pids = [p.pid for p in server.descendants()]
+        yield server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        kill_pids(alive(pids))
+    assert alive(pids) == [], "a process of the server outlived it"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    with serve(tiny_model_dir, "--api-key", KEY, "--api-workers", "2") as s:
+        yield s
+
+
+def openai_client(server: Server, key: str = KEY):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+# ---------------------------------------------------------------- the openai package
+
+
+def test_models_and_completions(server: Server) -> None:
+    client = openai_client(server)
+    assert [m.id for m in client.models.list().data] == [server.model]
+    out = client.completions.create(model=server.model, prompt="The quick brown fox",
+                                    max_tokens=7, temperature=0)
+    (choice,) = out.choices
+    assert choice.finish_reason == "length" and choice.text
+    assert out.usage is not None and out.usage.completion_tokens == 7
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+    chunks = list(client.completions.create(model=server.model, prompt="The quick brown fox",
+                                            max_tokens=7, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_n_stop_logprobs(server: Server) -> None:
+    client = openai_client(server)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    free = client.chat.completions.create(model=server.model, messages=messages,
+                                          max_tokens=30, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    text = free.choices[0].message.content or ""
+    assert free.choices[0].message.role == "assistant" and len(text) > 6
+    stop = text[3:6]
+    stopped = client.chat.completions.create(model=server.model, messages=messages,
+                                             max_tokens=30, temperature=0, stop=[stop],
+                                             extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
+    multi = client.chat.completions.create(model=server.model, messages=messages, n=3,
+                                           max_tokens=5, temperature=1.0, seed=4,
+                                           logprobs=True, top_logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    assert [c.index for c in multi.choices] == [0, 1, 2]
+    for c in multi.choices:
+        assert c.logprobs is not None and c.logprobs.content is not None
+        assert len(c.logprobs.content) == 5
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
+    assert multi.usage is not None and multi.usage.completion_tokens == 15
+    streamed = client.chat.completions.create(model=server.model, messages=messages, n=2,
+                                              max_tokens=5, temperature=1.0, seed=4,
+                                              stream=True, extra_body={"ignore_eos": True})
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {i: multi.choices[i].message.content for i in (0, 1)}  # same seed
+
+
+def test_completion_logprobs_and_several_prompts(server: Server) -> None:
+    client = openai_client(server)
+    out = client.completions.create(model=server.model, prompt=["one two", "three four"],
+                                    max_tokens=4, temperature=0, logprobs=3)
+    assert [c.index for c in out.choices] == [0, 1]
+    for c in out.choices:
+        assert c.logprobs is not None and len(c.logprobs.tokens or []) == 4
+        # {token text: logprob}: ids that decode alike (lone bytes) share a key
+        assert all(1 <= len(t) <= 3 for t in c.logprobs.top_logprobs or [])
+        assert "".join(c.logprobs.tokens or []) == c.text
+
+
+def test_64_concurrent_streams_complete_with_the_right_text(server: Server) -> None:
+    from openai import AsyncOpenAI
+
+    prompts = [f"Request number {i} asks about {w}" for i, w in
+               enumerate(["rivers", "code", "tea", "maps", "light", "bees", "rain", "glass"])]
+    client = openai_client(server)
+    expected = [client.completions.create(model=server.model, prompt=p, max_tokens=12,
+                                          temperature=0).choices[0].text for p in prompts]
+
+    async def run() -> list[str]:
+        aclient = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
+                              timeout=120)
+
+        async def one(i: int) -> str:
+            text = ""
+            stream = await aclient.completions.create(model=server.model,
+                                                      prompt=prompts[i % 8], max_tokens=12,
+                                                      temperature=0, stream=True)
+            async for chunk in stream:
+                text += chunk.choices[0].text if chunk.choices else ""
+            return text
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(64))))
+        finally:
+            await aclient.close()
+
+    got = asyncio.run(run())
+    assert got == [expected[i % 8] for i in range(64)]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def post(server: Server, path: str, body: object, key: str | None = KEY,
+         raw: bytes | None = None) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=30)
+
+
+def test_errors_a_client_can_act_on(server: Server) -> None:
+    ok = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    r = post(server, "/v1/completions", {**ok, "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert "temperature must be" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {**ok, "top_p": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": [
+        {"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": [
+        {"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = post(server, "/v1/completions", {**ok, "prompt": "word " * 600})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "this model's context holds 512" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {**ok, "model": "gpt-9"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert post(server, "/v1/completions", ok, key=None).status_code == 401
+    r = post(server, "/v1/completions", ok, key="sk-wrong")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    r = post(server, "/v1/completions", None, raw=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    r = post(server, "/v1/completions", None, raw=b'{"x": "' + b"a" * (5 << 20) + b'"}')
+    assert r.status_code == 413
+    assert post(server, "/v1/completions", ok).status_code == 200  # all that left no trace
+
+
+def test_rate_limits_answer_429_with_retry_after(tiny_model_dir: Path) -> None:
+    with serve(tiny_model_dir, "--rate-limit-rps", "1", "--rate-limit-concurrent", "1") as s:
+        body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
+        codes = [post(s, "/v1/completions", body, key=None) for _ in range(3)]
+        assert codes[0].status_code == 200
+        limited = [r for r in codes[1:] if r.status_code == 429]
+        assert limited and int(limited[0].headers["retry-after"]) >= 1
+        assert limited[0].json()["error"]["type"] == "rate_limit_error"
+        time.sleep(1.1)
+        assert post(s, "/v1/completions", body, key=None).status_code == 200
+
+
+# ---------------------------------------------------------------- engine effects
+
+
+def stat(server: Server, name: str) -> float:
+    return server.metrics().get(name, 0.0)
+
+
+def test_a_disconnect_mid_stream_aborts_in_the_engine(server: Server) -> None:
+    aborted = 'llm_pipeline_requests_finished_total{reason=abort}'
+    before = stat(server, aborted)
+    body = {"model": server.model, "prompt": "Tell me everything", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few chunks, then hang up
+        assert any(line.startswith("data: {") for line in got)
+    deadline = time.monotonic() + 10
+    while stat(server, aborted) <= before:
+        assert time.monotonic() < deadline, "the engine never aborted the request"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while stat(server, "llm_pipeline_requests_running{}") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert stat(server, "llm_pipeline_kv_cache_usage{}") == 0.0  # its blocks were freed
+
+
+def test_metrics_parse_and_move_across_two_workers(server: Server) -> None:
+    before = server.metrics()
+    client = openai_client(server)
+    for i in range(6):  # spread over the two workers by the kernel
+        client.completions.create(model=server.model, prompt=f"count {i}", max_tokens=3,
+                                  temperature=0)
+    time.sleep(0.6)  # one more status from the scheduler
+    after = server.metrics()
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("llm_pipeline_time_to_first_token_seconds_count{}") == 6
+    assert moved("llm_pipeline_e2e_request_latency_seconds_count{}") == 6
+    assert moved("llm_pipeline_inter_token_latency_seconds_count{}") == 12
+    assert moved("llm_pipeline_generation_tokens_total{}") == 18
+    assert moved("llm_pipeline_requests_finished_total{reason=length}") == 6
+    assert moved("llm_pipeline_prompt_tokens_total{}") > 0
+    assert moved("llm_pipeline_step_tokens_count{}") > 0
+    assert moved("llm_pipeline_http_responses_total{route=/v1/completions,status=200}") == 6
+    assert "llm_pipeline_prefix_cache_queries_total{}" in after
+    assert "llm_pipeline_preemptions_total{}" in after
+    assert "llm_pipeline_device_idle_fraction{}" in after
+    assert after["llm_pipeline_stage_up{stage=executor:0}"] == 1.0
+    pids = {p.pid for p in server.descendants() if "llm-pipeline:api" in " ".join(p.cmdline())}
+    assert len(pids) == 2
+
+
+def test_health_goes_503_naming_a_dead_stage(tiny_model_dir: Path) -> None:
+    with serve(tiny_model_dir) as s:
+        assert httpx.get(f"{s.url}/health", timeout=10).json()["status"] == "ok"
+        (executor,) = [p for p in s.descendants()
+                       if "llm-pipeline:executor:0" in " ".join(p.cmdline())]
+        os.kill(executor.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while (r := httpx.get(f"{s.url}/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "health stayed 200"
+            time.sleep(0.1)
+        assert r.status_code == 503 and "executor:0" in r.json()["problem"]
+        body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
+        r = post(s, "/v1/completions", body, key=None)
+        assert r.status_code == 503 and "retry-after" in r.headers
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
