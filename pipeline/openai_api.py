@@ -255,9 +255,10 @@ class Choice:
     stop_reason: str | int | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -299,11 +300,13 @@ def choice_json(c: Choice, chat: bool, want_logprobs: bool) -> dict[str, Any]:
 
 
 def response_json(rid: str, model: str, chat: bool, choices: list[Choice],
-                  prompt_tokens: int, want_logprobs: bool) -> dict[str, Any]:
+                  prompt_tokens: int, want_logprobs: bool,
+                  cached_tokens: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model,
             "choices": [choice_json(c, chat, want_logprobs) for c in choices],
-            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices),
+                           cached_tokens)}
 
 
 def chunk_json(rid: str, model: str, chat: bool, index: int, out: RequestOutput | None,
@@ -332,10 +335,10 @@ def chunk_json(rid: str, model: str, chat: bool, index: int, out: RequestOutput 
 
 
 def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+                completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def output_error(out: RequestOutput, param: str) -> ApiError:

@@ -266,6 +266,7 @@ class Generation:
         self.tasks: list[asyncio.Task[None]] = []
         self.first: list[RequestOutput | None] = [None] * len(parsed.prompts)
         self.prompt_tokens = [0] * len(parsed.prompts)
+        self.cached_tokens = [0] * len(parsed.prompts)  # of each prompt, from the prefix cache
         self.start_time = time.perf_counter()
         self.last_token_time: dict[int, float] = {}
         self.first_token_seen = False
@@ -326,6 +327,8 @@ class Generation:
 
     def _record(self, i: int, out: RequestOutput) -> tuple[int, RequestOutput]:
         self.prompt_tokens[i] = out.num_prompt_tokens
+        if out.index == 0:
+            self.cached_tokens[i] = out.num_cached_tokens
         choice = i * self.n + max(out.index, 0)
         if out.token_ids:
             now = time.perf_counter()
@@ -375,7 +378,7 @@ class Generation:
                            "server_error")
         p = self.parsed
         return response_json(self.rid, self.front.model, p.chat, choices, sum(self.prompt_tokens),
-                             p.params.logprobs is not None)
+                             p.params.logprobs is not None, sum(self.cached_tokens))
 
     async def sse(self, request: Request) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
@@ -402,7 +405,8 @@ class Generation:
                 offsets[c] = offsets.get(c, 0) + len(out.text)
             if p.include_usage:
                 yield _event(usage_chunk(self.rid, self.front.model, p.chat, created,
-                                         sum(self.prompt_tokens), completion_tokens))
+                                         sum(self.prompt_tokens), completion_tokens,
+                                         sum(self.cached_tokens)))
             yield "data: [DONE]\n\n"
         finally:
             self.cancel()  # a disconnected client lands here: its requests are aborted

@@ -98,16 +98,25 @@ def openai_client(server: Server, key: str = KEY):  # type: ignore[no-untyped-de
 # ---------------------------------------------------------------- the openai package
 
 
+FOX = "The quick brown fox jumps over the lazy dog by the river bank this morning"
+
+
 def test_models_and_completions(server: Server) -> None:
     client = openai_client(server)
     assert [m.id for m in client.models.list().data] == [server.model]
-    out = client.completions.create(model=server.model, prompt="The quick brown fox",
+    out = client.completions.create(model=server.model, prompt=FOX,
                                     max_tokens=7, temperature=0)
     (choice,) = out.choices
     assert choice.finish_reason == "length" and choice.text
     assert out.usage is not None and out.usage.completion_tokens == 7
     assert out.usage.total_tokens == out.usage.prompt_tokens + 7
-    chunks = list(client.completions.create(model=server.model, prompt="The quick brown fox",
+    again = client.completions.create(model=server.model, prompt=FOX,
+                                      max_tokens=7, temperature=0)
+    assert again.choices[0].text == choice.text
+    cached = again.usage.prompt_tokens_details  # type: ignore[union-attr]
+    assert cached is not None and cached.cached_tokens > 0  # the same prompt ran just before
+    assert cached.cached_tokens == (out.usage.prompt_tokens - 1) // 16 * 16
+    chunks = list(client.completions.create(model=server.model, prompt=FOX,
                                             max_tokens=7, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
