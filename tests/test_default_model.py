@@ -96,6 +96,36 @@ def test_cli_generate_json_with_request_semantics() -> None:
     assert max(line["num_cached_prompt_tokens"] for line in lines) >= 16
 
 
+def test_serve_the_default_model_to_the_openai_client(tmp_path: Path) -> None:
+    """What the README shows: serve, then the official client, streaming; metrics move."""
+    import httpx
+    from openai import OpenAI
+    from test_server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(_cli("serve", "--port", str(port)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        line = next(line for line in proc.stdout if line.startswith("serving "))
+        assert "SmolLM2-135M-Instruct" in line
+        pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", stream=True, max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert "Paris" in text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert "llm_pipeline_time_to_first_token_seconds_count 1.0" in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert [p for p in pids if psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
+
+
 def _stage_children(pid: int) -> list[int]:
     return [c.pid for c in psutil.Process(pid).children(recursive=True)
             if "llm-pipeline:" in " ".join(c.cmdline())]
