@@ -210,6 +210,12 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the per-step token budget (smaller: steadier TPOT under long prompts)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--base-url", default=None,
+                   help="drive a running OpenAI-compatible server instead (e.g. "
+                        "http://127.0.0.1:8000/v1: ours, or vLLM's, for a comparison); the "
+                        "engine options are then unused")
+    p.add_argument("--served-model", default=None,
+                   help="with --base-url: the model id (default: the first of /models)")
     p.add_argument("--system-prompt-words", type=int, default=0,
                    help="prepend one system message of this many words to every request "
                         "(a shared prefix, as chat services have: exercises the prefix cache)")

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,19 +58,62 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-async def _one(client: PipelineClient, sample: ChatSample, delay: float, t0: float,
-               sem: asyncio.Semaphore | None, rec: RequestRecord, system: str) -> None:
-    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
-    params = SamplingParams(max_tokens=sample.output_tokens, temperature=0.0, ignore_eos=True)
-    messages = [ChatMessage("system", system)] if system else []
-    messages.append(ChatMessage("user", sample.text))
-    async with sem if sem is not None else _nothing():
-        rec.submitted = time.perf_counter()
+Sender = Callable[[ChatSample, str, RequestRecord], Awaitable[None]]
+
+
+def via_client(client: PipelineClient) -> Sender:
+    """Requests through the Python client, straight into the pipeline."""
+
+    async def send(sample: ChatSample, system: str, rec: RequestRecord) -> None:
+        params = SamplingParams(max_tokens=sample.output_tokens, temperature=0.0,
+                                ignore_eos=True)
+        messages = [ChatMessage("system", system)] if system else []
+        messages.append(ChatMessage("user", sample.text))
         async for out in client.stream(messages, params):
             now = time.perf_counter()
             rec.token_times += [now] * len(out.token_ids)
             rec.num_prompt_tokens = out.num_prompt_tokens
             rec.error = out.error
+
+    return send
+
+
+def via_http(http: Any, base_url: str, model: str) -> Sender:
+    """Requests to an OpenAI-compatible server (ours, or any other), streamed chat
+    completions. A chunk's arrival time stands for its tokens; the usage chunk gives counts."""
+
+    async def send(sample: ChatSample, system: str, rec: RequestRecord) -> None:
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": sample.text})
+        body = {"model": model, "messages": messages, "max_tokens": sample.output_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with http.stream("POST", f"{base_url}/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    rec.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    missing = chunk["usage"]["completion_tokens"] - len(rec.token_times)
+                    rec.token_times += rec.token_times[-1:] * max(0, missing)
+                elif chunk.get("error"):
+                    rec.error = chunk["error"]["message"]
+                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    rec.token_times.append(time.perf_counter())
+
+    return send
+
+
+async def _one(send: Sender, sample: ChatSample, delay: float, t0: float,
+               sem: asyncio.Semaphore | None, rec: RequestRecord, system: str) -> None:
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    async with sem if sem is not None else _nothing():
+        rec.submitted = time.perf_counter()
+        await send(sample, system, rec)
 
 
 class _nothing:
@@ -80,14 +124,14 @@ class _nothing:
         return None
 
 
-async def drive(client: PipelineClient, samples: list[ChatSample], rate: float,
+async def drive(send: Sender, samples: list[ChatSample], rate: float,
                 max_concurrency: int | None, seed: int, system: str = ""
                 ) -> tuple[list[RequestRecord], float]:
     delays = arrival_times(len(samples), rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord() for _ in samples]
     t0 = time.perf_counter()
-    await asyncio.gather(*(_one(client, s, d, t0, sem, r, system)
+    await asyncio.gather(*(_one(send, s, d, t0, sem, r, system)
                            for s, d, r in zip(samples, delays, records, strict=True)))
     return records, time.perf_counter() - t0
 
@@ -168,32 +212,58 @@ def print_summary(s: dict[str, Any]) -> None:
               f"tokens hit ({c['prefix_cache_hit_rate']:.1%})")
 
 
+def _serve_http(args: argparse.Namespace, samples: list[ChatSample],
+                system: str) -> list[dict[str, Any]]:
+    """The same load against a running OpenAI-compatible server at args.base_url."""
+    import httpx
+
+    base = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    model = args.served_model or httpx.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
+    summaries = []
+    for rate in args.request_rate:
+        args_one = argparse.Namespace(**{**vars(args), "request_rate": rate})
+
+        async def run(rate: float = rate) -> tuple[list[RequestRecord], float]:
+            async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+                return await drive(via_http(http, base, model), samples, rate,
+                                   args.max_concurrency, args.seed, system)
+
+        records, seconds = asyncio.run(run())
+        summaries.append(summarize(records, seconds, args_one))
+        print_summary(summaries[-1])
+    return summaries
+
+
 def serve(args: argparse.Namespace) -> int:
     from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
     from pipeline.launcher import Pipeline
 
-    if args.model_dir is None:
-        from pipeline.model_cache import ensure_default_model
-
-        args.model_dir = str(ensure_default_model())
     samples = synthetic_chat(args.num_prompts, seed=args.seed)
-    cfg = PipelineConfig(model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
-                         scheduler=SchedulerConfig(args.max_num_seqs,
-                                                   args.max_num_batched_tokens),
-                         executor=ExecutorConfig(args.device, args.dtype, args.kv_cache_memory))
-    summaries = []
     system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_prompt_words))
-    with Pipeline(cfg) as pipe:
-        client = pipe.client()
-        client.generate([[ChatMessage("user", "warm up")]], SamplingParams(max_tokens=2))
-        for rate in args.request_rate:
-            args_one = argparse.Namespace(**{**vars(args), "request_rate": rate})
-            before = scheduler_counters(pipe)
-            records, seconds = asyncio.run(drive(client, samples, rate, args.max_concurrency,
-                                                 args.seed, system))
-            summaries.append(summarize(records, seconds, args_one))
-            summaries[-1]["scheduler"] = scheduler_delta(before, scheduler_counters(pipe))
-            print_summary(summaries[-1])
+    if args.base_url:
+        summaries = _serve_http(args, samples, system)
+    else:
+        if args.model_dir is None:
+            from pipeline.model_cache import ensure_default_model
+
+            args.model_dir = str(ensure_default_model())
+        cfg = PipelineConfig(
+            model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
+            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+            executor=ExecutorConfig(args.device, args.dtype, args.kv_cache_memory))
+        summaries = []
+        with Pipeline(cfg) as pipe:
+            client = pipe.client()
+            client.generate([[ChatMessage("user", "warm up")]], SamplingParams(max_tokens=2))
+            for rate in args.request_rate:
+                args_one = argparse.Namespace(**{**vars(args), "request_rate": rate})
+                before = scheduler_counters(pipe)
+                records, seconds = asyncio.run(drive(via_client(client), samples, rate,
+                                                     args.max_concurrency, args.seed, system))
+                summaries.append(summarize(records, seconds, args_one))
+                summaries[-1]["scheduler"] = scheduler_delta(before, scheduler_counters(pipe))
+                print_summary(summaries[-1])
     if args.json:
         Path(args.json).write_text(json.dumps(summaries if len(summaries) > 1 else summaries[0],
                                               indent=2))

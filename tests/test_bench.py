@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,24 @@ def test_serve_benchmark_reports_cache_hits_and_preemptions(tmp_path: Path) -> N
     assert 0 < sched["prefix_cache_hit_rate"] < 1
     assert sched["num_preemptions"] > 0
     assert sched["num_steps"] > 0
+
+
+def test_serve_benchmark_drives_an_http_server(tmp_path: Path) -> None:
+    from test_server import serve
+
+    model = build_tiny_llama(tmp_path / "long", max_len=4096)
+    out = tmp_path / "h.json"
+    with serve(model, "--max-model-len", "4096") as server:
+        rc = bench.main(["serve", "--base-url", f"{server.url}/v1", "--num-prompts", "4",
+                         "--request-rate", "inf", "--json", str(out)])
+        report = json.loads(out.read_text())
+        tokens = round(report["output_token_throughput"] * report["duration_s"])
+        deadline = time.monotonic() + 5  # the engine's counters come with its next status
+        while (metrics := server.metrics())["llm_pipeline_generation_tokens_total{}"] < tokens:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert rc == 0 and report["completed"] == 4 and report["failed"] == 0
+    assert report["ttft_ms"]["p50"] > 0 and tokens > 0
+    # the server counted the same requests and tokens the benchmark saw
+    assert metrics["llm_pipeline_e2e_request_latency_seconds_count{}"] == 4
+    assert metrics["llm_pipeline_generation_tokens_total{}"] == tokens
