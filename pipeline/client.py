@@ -302,15 +302,14 @@ class PipelineClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = set(results)
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                for rid in pending:
+                    self.abort(rid)
+                raise TimeoutError(f"{len(pending)} requests did not finish in {timeout} s")
             try:
                 out = inbox.get(timeout=0.25)
             except queue.Empty:
                 self._check_alive()
-                if deadline is not None and time.monotonic() > deadline:
-                    for rid in pending:
-                        self.abort(rid)
-                    raise TimeoutError(
-                        f"{len(pending)} requests did not finish in {timeout} s") from None
                 continue
             result = results[out.request_id]
             result.add(out)
@@ -331,11 +330,18 @@ class PipelineClient:
         finished = False
         try:
             while not finished:
+                # Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation that
+                # coincides with an output, and the request would run on for nobody.
+                getter = asyncio.ensure_future(inbox.get())
                 try:
-                    out = await asyncio.wait_for(inbox.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                    await asyncio.wait({getter}, timeout=0.5)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter.cancelled() or not getter.done():
                     self._check_alive()
                     continue
+                out = getter.result()
                 if out.finished:
                     remaining = 0 if out.index == WHOLE_REQUEST else remaining - 1
                 finished = remaining == 0

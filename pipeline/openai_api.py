@@ -193,6 +193,11 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
     else:
         raise bad("prompt", "prompt must be a string, an array of strings, an array of token "
                             "ids or an array of arrays of token ids (none empty)")
+    for p in prompts:
+        bad_ids = [t for t in p if not 0 <= t < vocab_size] if isinstance(p, list) else []
+        if bad_ids:
+            raise bad("prompt", f"token ids {bad_ids[:5]} are outside the vocabulary "
+                                f"[0, {vocab_size})")
     params, lp_param = parse_sampling(body, chat=False)
     check_params(params, vocab_size, lp_param)
     stream = _get(body, "stream", (bool,), False)
@@ -345,6 +350,9 @@ def output_error(out: RequestOutput, param: str) -> ApiError:
     """An engine error on a request that produced nothing: the client's fault (400) unless
     the engine says it was its own (the tokenizer stage prefixes those)."""
     message = out.error or f"the request ended with {out.finish_reason}"
-    if message.startswith("tokenizer error"):
+    if message.startswith("engine unavailable"):
+        return ApiError(503, message, None, "service_unavailable",
+                        headers={"Retry-After": "5"})
+    if message.startswith(("tokenizer error", "front-end error")):
         return ApiError(500, message, None, "server_error")
     return bad(param, message)

@@ -4,9 +4,9 @@ Runs in the CLI's process, which owns the pipeline and the workers and stops the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from multiprocessing.connection import wait
@@ -14,22 +14,16 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, parse_bytes
 from pipeline.launcher import Pipeline, StartupError
-from pipeline.server import ServerOptions, ready_file, run_api_worker
+from pipeline.server import ServerOptions, listening_socket, ready_file, run_api_worker
 
 WORKER_READY_TIMEOUT_S = 60.0
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
     if args.api_workers < 1:
         raise ConfigError("--api-workers must be at least 1")
     return ServerOptions(
-        host=args.host, port=args.port or free_port(args.host), api_key=args.api_key,
+        host=args.host, port=args.port, api_key=args.api_key,
         api_workers=args.api_workers, max_body_bytes=parse_bytes(args.max_body_bytes),
         rate_limit_rps=args.rate_limit_rps, rate_limit_concurrent=args.rate_limit_concurrent,
         max_waiting=args.max_waiting)
@@ -41,12 +35,19 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
     metrics_dir = Path(run_dir) / "metrics"
     metrics_dir.mkdir()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers
+    try:
+        sock = listening_socket(options.host, options.port)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {options.host}:{options.port}: {exc}") from None
+    options = dataclasses.replace(options, port=sock.getsockname()[1])
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=run_api_worker, name=f"llm-pipeline:api:{rank}",
-                           args=(run_dir, options, pipe.cfg.model.vocab_size, rank, os.getpid()))
+                           args=(run_dir, options, pipe.cfg.model.vocab_size, rank, os.getpid(),
+                                 sock))
                for rank in range(options.api_workers)]
     for w in workers:
         w.start()
+    sock.close()  # the workers hold it now
     try:
         _wait_ready(workers, run_dir)
         host = f"[{options.host}]" if ":" in options.host else options.host

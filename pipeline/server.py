@@ -10,6 +10,7 @@ GET /v1/models, GET /health (200 only while every stage runs and answers), GET /
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -78,9 +79,15 @@ class RateLimiter:
     concurrent: int
     buckets: dict[str, _Bucket] = field(default_factory=dict)
 
+    MAX_IDLE_BUCKETS = 10_000
+
     def acquire(self, identity: str, now: float | None = None) -> float | None:
         """None if the request may go (release() it when done), else seconds to wait."""
+        if not self.rps and not self.concurrent:
+            return None
         now = time.monotonic() if now is None else now
+        if len(self.buckets) > self.MAX_IDLE_BUCKETS:
+            self._prune(now)
         burst = max(1.0, self.rps)
         b = self.buckets.setdefault(identity, _Bucket(burst, now))
         if self.concurrent and b.active >= self.concurrent:
@@ -98,6 +105,13 @@ class RateLimiter:
         b = self.buckets.get(identity)
         if b is not None:
             b.active -= 1
+
+    def _prune(self, now: float) -> None:
+        """Forget identities with nothing running and a bucket that has refilled."""
+        burst = max(1.0, self.rps)
+        self.buckets = {k: b for k, b in self.buckets.items()
+                        if b.active or (self.rps and b.tokens + (now - b.updated) * self.rps
+                                        < burst)}
 
 
 # ---------------------------------------------------------------- the app
@@ -234,14 +248,53 @@ class FrontEnd:
         parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
         self._check_capacity()
         run = Generation(self, parsed, new_id(chat))
-        await run.start()
-        if parsed.stream:
-            self.metrics.HTTP.labels(request.url.path, "200").inc()
-            return StreamingResponse(run.sse(request), media_type="text/event-stream",
-                                     headers={"x-request-id": run.rid})
-        result = await run.collect(request)
+        # Until the response streams (Starlette then listens itself), a hang-up aborts here.
+        hangup = asyncio.create_task(_wait_for_disconnect(request))
+        try:
+            await _unless_hung_up(run.start(), hangup, run)
+            if parsed.stream:
+                hangup.cancel()
+                self.metrics.HTTP.labels(request.url.path, "200").inc()
+                return AbortingStreamingResponse(run, run.sse(), media_type="text/event-stream",
+                                                 headers={"x-request-id": run.rid})
+            result = await _unless_hung_up(run.collect(), hangup, run)
+        finally:
+            hangup.cancel()
         self.metrics.HTTP.labels(request.url.path, "200").inc()
         return JSONResponse(result, headers={"x-request-id": run.rid})
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body is already read: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_hung_up(work: Any, hangup: asyncio.Task[None], run: Generation) -> Any:
+    """Await `work`, unless the client disconnects first: then abort everything it started."""
+    task = asyncio.ensure_future(work)
+    await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        run.cancel()  # the engine aborts the requests
+        raise ApiError(499, "the client closed the connection")
+    return task.result()
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A stream whose requests are aborted however it ends. Starlette cancels the streaming
+    task on a disconnect, which can leave the body generator suspended (not closed) until it
+    is garbage collected; so the requests are cancelled here, not in the generator."""
+
+    def __init__(self, run: Generation, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancel()
 
 
 class _Release:
@@ -272,16 +325,21 @@ class Generation:
         self.first_token_seen = False
 
     async def _feed(self, i: int) -> None:
+        stream = self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
+                                          f"{self.rid}-{i}")
         try:
-            async for out in self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
-                                                      f"{self.rid}-{i}"):
-                await self.queue.put((i, out))
+            async with contextlib.aclosing(stream):  # closed (so aborted) however this ends
+                async for out in stream:
+                    self.queue.put_nowait((i, out))
         except PipelineError as exc:
-            await self.queue.put((i, RequestOutput(f"{self.rid}-{i}", "", [], True, "error",
-                                                   f"engine unavailable: {exc}", 0, 0,
-                                                   WHOLE_REQUEST)))
+            self.queue.put_nowait((i, _whole_error(f"{self.rid}-{i}",
+                                                   f"{UNAVAILABLE}: {exc}")))
+        except Exception as exc:  # never leave the request waiting for an output
+            logger.exception("request %s-%d failed in the front end", self.rid, i)
+            self.queue.put_nowait((i, _whole_error(f"{self.rid}-{i}",
+                                                   f"front-end error: {exc}")))
         finally:
-            await self.queue.put(None)
+            self.queue.put_nowait(None)
 
     async def start(self) -> None:
         """Submit every prompt and wait for each one's first output, so that a request the
@@ -294,6 +352,9 @@ class Generation:
                 item = await self.queue.get()
                 if item is None:
                     self._done_feeds += 1
+                    if self._done_feeds == len(self.tasks):  # cannot happen: feeds report
+                        raise ApiError(500, "the request ended without an answer", None,
+                                       "server_error")
                     continue
                 i, out = item
                 if self.first[i] is None:
@@ -346,33 +407,19 @@ class Generation:
             self.last_token_time[choice] = now
         return choice, out
 
-    async def collect(self, request: Request) -> dict[str, Any]:
-        """The whole response; aborts everything if the client goes away meanwhile."""
+    async def collect(self) -> dict[str, Any]:
+        """The whole response (the caller aborts it if the client goes away meanwhile)."""
         choices = [Choice(c) for c in range(len(self.parsed.prompts) * self.n)]
         errors: list[str] = []
-
-        async def gather() -> None:
-            async for c, out in self.outputs():
-                ch = choices[c]
-                ch.text += out.text
-                ch.token_ids += out.token_ids
-                ch.logprobs += out.logprobs or []
-                if out.finished:
-                    ch.finish_reason, ch.stop_reason = out.finish_reason, out.stop_reason
-                    if out.error:
-                        errors.append(out.error)
-
-        task = asyncio.create_task(gather())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()  # the client left: abort in the engine
-                    raise ApiError(499, "the client closed the connection")
-            task.result()
-        finally:
-            if not task.done():
-                task.cancel()
+        async for c, out in self.outputs():
+            ch = choices[c]
+            ch.text += out.text
+            ch.token_ids += out.token_ids
+            ch.logprobs += out.logprobs or []
+            if out.finished:
+                ch.finish_reason, ch.stop_reason = out.finish_reason, out.stop_reason
+                if out.error:
+                    errors.append(out.error)
         if errors:
             raise ApiError(500, f"the engine failed the request: {errors[0]}", None,
                            "server_error")
@@ -380,7 +427,7 @@ class Generation:
         return response_json(self.rid, self.front.model, p.chat, choices, sum(self.prompt_tokens),
                              p.params.logprobs is not None, sum(self.cached_tokens))
 
-    async def sse(self, request: Request) -> AsyncIterator[str]:
+    async def sse(self) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
         p = self.parsed
         created = int(time.time())
@@ -412,6 +459,13 @@ class Generation:
             self.cancel()  # a disconnected client lands here: its requests are aborted
 
 
+UNAVAILABLE = "engine unavailable"
+
+
+def _whole_error(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id, "", [], True, "error", message, 0, 0, WHOLE_REQUEST)
+
+
 def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -420,15 +474,14 @@ def _event(obj: dict[str, Any]) -> str:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound with SO_REUSEPORT, so K workers accept on one port (the kernel spreads
-    connections across them)."""
+    """The one listening socket, bound by the serving process and handed to every worker,
+    which all accept on it. Not SO_REUSEPORT: a second server on the same port fails to
+    start instead of silently taking half of the connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart past TIME_WAIT
     sock.bind((host, port))
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -439,7 +492,7 @@ def _exit_with_parent(parent_pid: int, server: Any) -> None:
 
 
 def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: int,
-                   parent_pid: int) -> None:
+                   parent_pid: int, sock: socket.socket) -> None:
     """Entry of one front-end worker process (spawned by `run_pipeline serve`)."""
     import uvicorn
 
@@ -452,7 +505,6 @@ def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: 
     client = PipelineClient.connect(run_dir)
     client.wait_for_status()  # so that /health and the first requests know how things stand
     front = FrontEnd(client, options, vocab_size)
-    sock = listening_socket(options.host, options.port)
     config = uvicorn.Config(front.app(), loop="uvloop", http="httptools", lifespan="off",
                             log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)

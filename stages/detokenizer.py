@@ -49,6 +49,14 @@ class _SampleState:
     finished: bool = False  # the scheduler's last delta came: nothing more will
 
 
+def _split_stop_token(delta: TokenDelta, include: bool) -> tuple[list[int], list[int]]:
+    """(ids whose text is output, ids that only count): a stop_token_ids entry that ended
+    the sample is reported but not turned into text, unless include_stop_str_in_output."""
+    if delta.stop_token_id is None or include or not delta.token_ids:
+        return delta.token_ids, []
+    return delta.token_ids[:-1], delta.token_ids[-1:]
+
+
 def hold_back(text: str, stops: list[str]) -> int:
     """Characters at the end of text that could still become a stop string: the longest
     suffix of text that is a proper prefix of one of them."""
@@ -110,23 +118,29 @@ class Detokenizer:
         if not info.stop:
             return self._plain_output(state, delta)
         stops = info.stop
+        longest = max(map(len, stops))
         ids: list[int] = []
         stop: tuple[int, str] | None = None
-        for t in delta.token_ids:
+        text_ids, silent = _split_stop_token(delta, info.include_stop_str_in_output)
+        for t in text_ids:
             ids.append(t)
             before = len(state.text)
             state.text += self._step(state, t, delta.request_id)
             state.num_output_tokens += 1
-            if stops and state.num_output_tokens > info.min_tokens:
-                stop = find_stop(state.text, max(0, before - max(map(len, stops)) + 1), stops)
+            if state.num_output_tokens > info.min_tokens:
+                # A match starts in text not yet sent (text sent held no part of one).
+                stop = find_stop(state.text, max(state.sent, before - longest + 1), stops)
                 if stop is not None:
                     break
         finishing = delta.finish_reason is not None
-        if finishing and stop is None and state.held:
-            before = len(state.text)
-            state.text += self._flush(state)
-            if stops and state.num_output_tokens > info.min_tokens:
-                stop = find_stop(state.text, max(0, before - max(map(len, stops)) + 1), stops)
+        if finishing and stop is None:
+            ids += silent
+            state.num_output_tokens += len(silent)
+            if state.held:
+                before = len(state.text)
+                state.text += self._flush(state)
+                if state.num_output_tokens > info.min_tokens:
+                    stop = find_stop(state.text, max(state.sent, before - longest + 1), stops)
         finish_reason, stop_reason = delta.finish_reason, delta.stop_token_id
         if stop is not None:
             pos, string = stop
@@ -153,7 +167,8 @@ class Detokenizer:
         """_output without stop strings (the common case): no text kept, nothing held back."""
         info = state.info
         pieces = []
-        for t in delta.token_ids:  # _step, inlined: this loop runs for every token
+        text_ids, _ = _split_stop_token(delta, info.include_stop_str_in_output)
+        for t in text_ids:  # _step, inlined: this loop runs for every token
             state.held.append(t)
             try:
                 piece = state.stream.step(self.tokenizer, t)

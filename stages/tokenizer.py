@@ -41,8 +41,15 @@ def _check(ok: bool, message: str) -> None:
         raise RequestError(message)
 
 
+INT32 = 2**31
+
+
 def validate_params(p: SamplingParams, vocab_size: int) -> None:
     """Raise RequestError naming the first parameter out of its range; nothing is clamped."""
+    for name in ("max_tokens", "min_tokens", "top_k", "priority", "n", "logprobs"):
+        value = getattr(p, name)
+        _check(value is None or -INT32 <= value < INT32,
+               f"{name} must fit in 32 bits, got {value}")
     if p.max_tokens is not None and p.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {p.max_tokens}")
     _check(p.min_tokens >= 0, f"min_tokens must be >= 0, got {p.min_tokens}")

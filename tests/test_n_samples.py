@@ -88,3 +88,14 @@ def test_real_samples_differ_and_are_reproducible(tiny_model_dir: Path) -> None:
                                                      ignore_eos=True))])
     assert alone["z", 0].token_ids == samples[0]  # sample 0 uses the request's own seed
     assert engine.scheduler.allocator.num_free == engine.limits.num_blocks
+
+
+def test_ending_sample_zero_before_admission_releases_its_siblings() -> None:
+    driver = Driver(make_limits(num_blocks=40, block_size=4, max_num_seqs=8))
+    driver.add(TokenizedRequest("r", "c", prompt_of("r", 6), SamplingParams(max_tokens=3, n=3),
+                                0.0))
+    driver.core.abort("r", "abort", 0)  # only sample 0, while all three are still queued
+    driver.run()
+    driver.check_idle()
+    assert driver.finished["r"].finish_reason == "abort"
+    assert [len(driver.outputs["r#1"]), len(driver.outputs["r#2"])] == [3, 3]

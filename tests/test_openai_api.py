@@ -75,6 +75,9 @@ BAD = [
                                                            "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stop_token_ids": [V]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"),
+    ({"top_k": 2**70}, "top_k"), ({"max_tokens": 2**64}, "max_tokens"),
+    ({"priority": -(2**40)}, "priority"), ({"seed": 2**64}, "seed"),
+    ({"prompt": [1, 2**64]}, "prompt"), ({"prompt": [[5], [-1]]}, "prompt"),
 ]
 
 

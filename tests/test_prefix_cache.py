@@ -13,10 +13,11 @@ from tiny_model import hf_greedy
 from ipc.messages import SamplingParams, TokenizedRequest
 from stages.inprocess import InProcessEngine
 from stages.scheduler.block_allocator import BlockAllocator
+from stages.scheduler.sequence import block_key
 
 
-def key(*tokens: int, parent: int = 0) -> tuple[int, tuple[int, ...]]:
-    return (parent, tokens)
+def key(*tokens: int, parent: bytes = b"") -> bytes:
+    return block_key(parent, list(tokens))
 
 
 # ---------------------------------------------------------------- allocator
@@ -68,10 +69,16 @@ def test_a_key_already_cached_keeps_its_first_block() -> None:
 def test_a_prefix_is_found_only_in_order() -> None:
     alloc = BlockAllocator(4, 2)
     a, b = alloc.allocate(2) or []
-    alloc.register(b, key(3, 4, parent=hash(key(1, 2))))
-    assert alloc.lookup([key(1, 2), key(3, 4, parent=hash(key(1, 2)))]) == []
+    alloc.register(b, key(3, 4, parent=key(1, 2)))
+    assert alloc.lookup([key(1, 2), key(3, 4, parent=key(1, 2))]) == []
     alloc.register(a, key(1, 2))
-    assert alloc.lookup([key(1, 2), key(3, 4, parent=hash(key(1, 2)))]) == [a, b]
+    assert alloc.lookup([key(1, 2), key(3, 4, parent=key(1, 2))]) == [a, b]
+
+
+def test_keys_depend_on_the_whole_prefix() -> None:
+    assert key(3, 4, parent=key(1, 2)) != key(3, 4, parent=key(2, 1)) != key(3, 4)
+    assert key(3, 4, parent=key(1, 2)) == key(3, 4, parent=key(1, 2))
+    assert len(key(1)) == 16
 
 
 # ---------------------------------------------------------------- scheduler

@@ -48,3 +48,25 @@ def test_the_lowest_priority_running_sequence_is_preempted() -> None:
     assert driver.core.seq("mid").num_preemptions == 0
     driver.run()
     driver.check_idle()
+
+
+def test_priority_outranks_the_just_resumed_guard() -> None:
+    """A low-priority sequence that was just resumed is still preempted before a
+    high-priority one: the guard only orders sequences of the same priority."""
+    limits = make_limits(num_blocks=9, block_size=4, max_num_seqs=3, max_num_batched_tokens=64,
+                         depth=1)
+    driver = Driver(limits)
+    driver.add(make_request("high", 4, max_tokens=12, priority=0))
+    driver.add(make_request("mid", 4, max_tokens=12, priority=1))
+    driver.add(make_request("low", 4, max_tokens=12, priority=3))
+    driver.tick()
+    low = driver.core.seq("low")
+    low.num_preemptions, low.outputs_at_resume = 1, len(low.output_ids) + 1  # as if resumed
+    while driver.core.num_preemptions == 0:
+        driver.tick()
+        if low.num_preemptions == 1 and not low.is_preempting:
+            low.outputs_at_resume = len(low.output_ids)
+    assert low.is_preempting or low.status.value == "waiting"
+    assert driver.core.seq("mid").num_preemptions == 0
+    driver.run()
+    driver.check_idle()

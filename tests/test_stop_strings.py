@@ -139,3 +139,31 @@ def test_samples_stop_independently(tokenizer: Tokenizer) -> None:
     assert "r" in detok.requests  # sample 1 still runs
     out = detok.feed(DetokBatch([], [TokenDelta("r", [], "length", None, 1)]))
     assert out[CLIENT][0].finished and "r" not in detok.requests
+
+
+@pytest.mark.parametrize("stop", [[], ["never"]])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_id_is_reported_but_not_written(tokenizer: Tokenizer, include: bool,
+                                                     stop: list[str]) -> None:
+    ids = tokenizer.encode("alpha beta\n", add_special_tokens=False).ids
+    detok = Detokenizer(tokenizer)
+    req = DetokRequestInfo("r", CLIENT, 3, True, 0.0, 1, stop, include)
+    first = detok.feed(DetokBatch([req], [TokenDelta("r", ids[:-1])]))[CLIENT][0]
+    last = detok.feed(DetokBatch([], [TokenDelta("r", ids[-1:], "stop", None, 0, None, 0,
+                                                 ids[-1])]))[CLIENT][0]
+    assert last.token_ids == ids[-1:] and last.stop_reason == ids[-1]
+    assert last.num_output_tokens == len(ids)
+    full = tokenizer.decode(ids)
+    expected = full if include else tokenizer.decode(ids[:-1])
+    assert first.text + last.text == expected
+
+
+def test_a_stop_string_already_streamed_under_min_tokens_is_not_matched_later(
+        tokenizer: Tokenizer) -> None:
+    """"x" appears (and is streamed) while min_tokens still holds stops off; later tokens
+    must not end the sample on that old "x"."""
+    ids = tokenizer.encode("abcdefx gh ij", add_special_tokens=False).ids
+    cut = len(tokenizer.encode("abcdefx", add_special_tokens=False).ids)
+    outs = stream(Detokenizer(tokenizer), ids, info(["x", "zzzzzz"], min_tokens=cut))
+    assert "".join(o.text for o in outs) == "abcdefx gh ij"
+    assert outs[-1].finish_reason == "length"

@@ -3,18 +3,18 @@
 The scheduler owns block ids; the executor owns the memory they name.
 
 A block whose tokens are all known and whose KV is written (or being written by a step that the
-device runs before any later one) is registered under its key: (hash of the previous block's
-key, its tokens). A new sequence whose prompt starts with the same tokens takes those blocks
-instead of computing them (reference counted). A block nobody holds is free; if it has a key it
-stays reusable until allocation evicts it, least recently freed first. Key equality is exact on
-the block's own tokens; the chain to earlier blocks is by Python's 64-bit hash.
+device runs before any later one) is registered under its key, a digest of its tokens and the
+previous block's key (stages/scheduler/sequence.py block_key). A new sequence whose prompt
+starts with the same tokens takes those blocks instead of computing them (reference counted).
+A block nobody holds is free; if it has a key it stays reusable until allocation evicts it,
+least recently freed first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key or 0, tokens)
+BlockKey = bytes  # a digest of the block's tokens and of its prefix
 
 
 class BlockAllocator:

@@ -301,15 +301,17 @@ class Scheduler:
 
     def _preempt_one(self, step: PlannedStep, needy: Sequence) -> bool:
         """Preempt the lowest-priority, latest running sequence not in this step (needy itself
-        if it is that one), sparing any just resumed while another can go. True if blocks
-        were freed now; False if none were (they may be on their way)."""
+        if it is that one); within the lowest priority, one just resumed is spared while
+        another can go. True if blocks were freed now; False if none were (they may be on
+        their way)."""
         if any(s.is_preempting for s in self.running):
             return False  # blocks are on their way back; wait for them
         candidates = [s for s in self.running if s not in step.members and s.blocks
                       and s.status is SeqStatus.RUNNING]
         if not candidates:
             return False
-        victim = max(candidates, key=lambda s: (not s.is_just_resumed, s.sort_key))
+        victim = max(candidates, key=lambda s: (s.params.priority, not s.is_just_resumed,
+                                                s.sort_key))
         step.has_preempted = True  # no admission in this step: the victim would come right back
         self._start_preemption(victim)
         return not victim.is_preempting and victim is not needy
@@ -449,6 +451,8 @@ class Scheduler:
         seq.finish_reason = reason
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self._maybe_release(seq)
+        if seq.index == 0 and seq.request_id in self._held:
+            self._release_siblings()  # they no longer wait for its prompt
 
     def _maybe_release(self, seq: Sequence) -> None:
         """Free blocks and slot once no in-flight step can still write them."""

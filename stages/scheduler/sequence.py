@@ -8,6 +8,8 @@ feeds the newest of them as a placeholder, resolved on the device.
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 
 from ipc.messages import SamplingParams, TokenLogprob
@@ -81,8 +83,15 @@ class Sequence:
         """Prefix-cache keys of the first num_blocks full blocks (all their tokens known)."""
         while len(self.block_keys) < num_blocks:
             i = len(self.block_keys)
-            parent = hash(self.block_keys[-1]) if self.block_keys else 0
-            tokens = tuple(self.token_at(j) for j in range(i * block_size, (i + 1) * block_size))
+            tokens = [self.token_at(j) for j in range(i * block_size, (i + 1) * block_size)]
             assert -1 not in tokens
-            self.block_keys.append((parent, tokens))
+            self.block_keys.append(block_key(self.block_keys[-1] if self.block_keys else b"",
+                                             tokens))
         return self.block_keys[:num_blocks]
+
+
+def block_key(parent: BlockKey, tokens: list[int]) -> BlockKey:
+    """A 128-bit BLAKE2b digest of the previous block's key and this block's tokens: equal
+    keys mean equal prefixes (a collision, even a crafted one, is out of reach), so one
+    request can never be served another's KV."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
