@@ -111,15 +111,10 @@ class ExecutorConfig:
 ENDPOINTS_FILE = "pipeline.json"
 
 
-@dataclass(frozen=True)
-class Endpoints:
-    """Where a running pipeline listens: what a client in another process needs to connect.
-    The launcher writes it to `<run dir>/pipeline.json` once every stage is ready."""
+class RunAddresses:
+    """The addresses a client needs, all in the run directory `self.run_dir`."""
 
     run_dir: str
-    num_tokenizers: int
-    model_name: str  # the id front ends serve the model under
-    max_model_len: int
 
     def address(self, name: str) -> str:
         return f"ipc://{Path(self.run_dir) / name}.sock"
@@ -134,6 +129,17 @@ class Endpoints:
     @property
     def status_address(self) -> str:
         return self.address("status")
+
+
+@dataclass(frozen=True)
+class Endpoints(RunAddresses):
+    """Where a running pipeline listens: what a client in another process needs to connect.
+    The launcher writes it to `<run dir>/pipeline.json` once every stage is ready."""
+
+    run_dir: str
+    num_tokenizers: int
+    model_name: str  # the id front ends serve the model under
+    max_model_len: int
 
     def save(self) -> Path:
         path = Path(self.run_dir) / ENDPOINTS_FILE
@@ -152,7 +158,7 @@ class Endpoints:
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
+class PipelineConfig(RunAddresses):
     model: ModelInfo
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -183,19 +189,9 @@ class PipelineConfig:
         per_step = s.max_num_batched_tokens // s.block_size + 2 * s.max_num_seqs
         return per_step + self.max_blocks_per_seq
 
-    # ---- addresses: all from the run directory
-    def address(self, name: str) -> str:
-        return f"ipc://{Path(self.run_dir) / name}.sock"
-
-    def tokenizer_address(self, rank: int) -> str:
-        return self.address(f"tokenizer-{rank}")
-
+    # ---- addresses: all from the run directory (RunAddresses has the clients' ones)
     def detokenizer_address(self, rank: int) -> str:
         return self.address(f"detokenizer-{rank}")
-
-    @property
-    def scheduler_address(self) -> str:
-        return self.address("scheduler")
 
     @property
     def executor_address(self) -> str:
@@ -204,10 +200,6 @@ class PipelineConfig:
     @property
     def sampled_address(self) -> str:
         return self.address("sampled")
-
-    @property
-    def status_address(self) -> str:
-        return self.address("status")
 
     @property
     def control_address(self) -> str:

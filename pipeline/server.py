@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front end: Starlette on uvicorn (uvloop, httptools). Runs in K
-worker processes that share one listening port (SO_REUSEPORT) and one pipeline, each through
+worker processes that accept on one listening socket and share one pipeline, each through
 its own PipelineClient, so this module is one more client of the engine, not a way around it.
 
 Routes: POST /v1/completions and /v1/chat/completions (plain JSON or server-sent events),

@@ -33,15 +33,21 @@ def test_a_high_priority_arrival_overtakes_the_waiting_queue() -> None:
     assert admitted_order(driver) == ["a", "urgent", "b", "c"]
 
 
-def test_the_lowest_priority_running_sequence_is_preempted() -> None:
-    """Blocks run out while three sequences run: the victim is the one of lowest priority,
-    even though it arrived first."""
+def three_on_a_small_cache(order: list[tuple[str, int]]) -> Driver:
+    """Three sequences, added in this order with these priorities, on 9 blocks: they all
+    run, then one must be preempted."""
     limits = make_limits(num_blocks=9, block_size=4, max_num_seqs=3, max_num_batched_tokens=64,
                          depth=1)
     driver = Driver(limits)
-    driver.add(make_request("low", 4, max_tokens=12, priority=3))
-    driver.add(make_request("mid", 4, max_tokens=12, priority=1))
-    driver.add(make_request("high", 4, max_tokens=12, priority=0))
+    for rid, priority in order:
+        driver.add(make_request(rid, 4, max_tokens=12, priority=priority))
+    return driver
+
+
+def test_the_lowest_priority_running_sequence_is_preempted() -> None:
+    """Blocks run out while three sequences run: the victim is the one of lowest priority,
+    even though it arrived first."""
+    driver = three_on_a_small_cache([("low", 3), ("mid", 1), ("high", 0)])
     while driver.core.num_preemptions == 0:
         driver.tick()
     assert driver.core.seq("low").num_preemptions == 1
@@ -53,12 +59,7 @@ def test_the_lowest_priority_running_sequence_is_preempted() -> None:
 def test_priority_outranks_the_just_resumed_guard() -> None:
     """A low-priority sequence that was just resumed is still preempted before a
     high-priority one: the guard only orders sequences of the same priority."""
-    limits = make_limits(num_blocks=9, block_size=4, max_num_seqs=3, max_num_batched_tokens=64,
-                         depth=1)
-    driver = Driver(limits)
-    driver.add(make_request("high", 4, max_tokens=12, priority=0))
-    driver.add(make_request("mid", 4, max_tokens=12, priority=1))
-    driver.add(make_request("low", 4, max_tokens=12, priority=3))
+    driver = three_on_a_small_cache([("high", 0), ("mid", 1), ("low", 3)])
     driver.tick()
     low = driver.core.seq("low")
     low.num_preemptions, low.outputs_at_resume = 1, len(low.output_ids) + 1  # as if resumed
