@@ -54,6 +54,10 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     p.add_argument("--block-size", type=int, default=d(16))
     p.add_argument("--no-overlap", action="store_true", default=d(False),
                    help="synchronous batching (one step in flight), the baseline")
+    p.add_argument("--listen", default=d(None), metavar="HOST",
+                   help="also take clients from other hosts over tcp:// on HOST (an address "
+                        "of this machine, or 0.0.0.0); prints the address to connect to. "
+                        "Unauthenticated: use it on a trusted network only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +137,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
                                   args.block_size, 1 if args.no_overlap else 2),
         executor=ExecutorConfig(args.device, args.dtype, parse_bytes(args.kv_cache_memory)),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
-        served_model_name=getattr(args, "served_model_name", None) or "")
+        served_model_name=getattr(args, "served_model_name", None) or "",
+        listen_host=args.listen or "")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -245,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = build_config(args)
         with Pipeline(cfg, trace_path=args.trace) as pipe:
+            if pipe.address is not None:
+                print(f"pipeline address: {pipe.address} (PipelineClient.connect)", flush=True)
             client = pipe.client()
             if args.command == "generate":
                 return run_generate(client, args)

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -41,9 +42,35 @@ from ipc.messages import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.config import Endpoints, PipelineConfig
+    from pipeline.config import Endpoints
 
 STATUS_STALE_S = 3.0  # no status for this long: the pipeline is not answering
+
+
+def fetch_endpoints(address: str, timeout: float = 10.0) -> Endpoints:
+    """Ask a pipeline's bootstrap socket (tcp://host:port) for its tcp:// endpoints."""
+    from pipeline.config import Endpoints
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(b"endpoints")
+        if not sock.poll(int(timeout * 1000)):
+            raise PipelineError(f"no pipeline answered at {address} within {timeout:.0f} s")
+        return Endpoints.from_json(sock.recv().decode())
+    finally:
+        sock.close()
+
+
+def reachable_from(address: str) -> str:
+    """The local IP address of the interface that routes to the host of a tcp:// address."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks a route
+        return str(s.getsockname()[0])
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int] | list[ChatMessage]
@@ -158,21 +185,18 @@ class Health:
 class PipelineClient:
     """Thread-safe. `generate` blocks; `stream` is an async iterator of one request's deltas."""
 
-    def __init__(self, cfg: PipelineConfig | Endpoints,
-                 is_alive: Callable[[], bool] | None = None) -> None:
+    def __init__(self, endpoints: Endpoints, is_alive: Callable[[], bool] | None = None) -> None:
         self._ctx = zmq.Context()
         self._is_alive = is_alive
-        self.model_name = cfg.endpoints.model_name if hasattr(cfg, "endpoints") else cfg.model_name
-        self.max_model_len = (cfg.model.max_model_len if hasattr(cfg, "model")
-                              else cfg.max_model_len)
-        self.reply_to = cfg.address(f"client-{uuid.uuid4().hex[:12]}")
-        self._inbox = PullChannel(self._ctx, self.reply_to, Codec([RequestOutputs]), bind=True)
-        self._status_sub = SubChannel(self._ctx, cfg.status_address, Codec([PipelineStatus]))
+        self.endpoints = endpoints
+        self.model_name, self.max_model_len = endpoints.model_name, endpoints.max_model_len
+        self._inbox, self.reply_to = self._bind_reply_socket(endpoints)
+        self._status_sub = SubChannel(self._ctx, endpoints.status, Codec([PipelineStatus]))
         self.status: PipelineStatus | None = None
-        self._requests = PushChannel(self._ctx, cfg.tokenizer_address(0), bind=False)
-        for rank in range(1, cfg.num_tokenizers):
-            self._requests.socket.connect(cfg.tokenizer_address(rank))
-        self._aborts = PushChannel(self._ctx, cfg.scheduler_address, bind=False)
+        self._requests = PushChannel(self._ctx, endpoints.tokenizers[0], bind=False)
+        for address in endpoints.tokenizers[1:]:
+            self._requests.socket.connect(address)
+        self._aborts = PushChannel(self._ctx, endpoints.scheduler, bind=False)
         self._send_lock = threading.Lock()
         # request id -> (deliver, samples still running)
         self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int]] = {}
@@ -183,12 +207,27 @@ class PipelineClient:
 
     # ------------------------------------------------------------ plumbing
 
+    def _bind_reply_socket(self, endpoints: Endpoints) -> tuple[PullChannel, str]:
+        """This client's reply socket and the address the pipeline sends outputs to."""
+        codec = Codec([RequestOutputs])
+        if not endpoints.reply.startswith("tcp://"):
+            address = f"{endpoints.reply}{uuid.uuid4().hex[:12]}.sock"
+            return PullChannel(self._ctx, address, codec, bind=True), address
+        # A remote client: listen on the interface that reaches the pipeline, any port.
+        host = reachable_from(endpoints.scheduler)
+        chan = PullChannel(self._ctx, [], codec, bind=True)
+        port = chan.socket.bind_to_random_port(f"tcp://{host}")
+        return chan, f"tcp://{host}:{port}"
+
     @classmethod
-    def connect(cls, run_dir: str | Path) -> PipelineClient:
-        """A client of the pipeline running in another process, found by its run directory."""
+    def connect(cls, where: str | Path, timeout: float = 10.0) -> PipelineClient:
+        """A client of a pipeline running in another process: `where` is its run directory
+        (same host), or the tcp:// address it printed when started with --listen."""
         from pipeline.config import Endpoints
 
-        return cls(Endpoints.load(run_dir))
+        if str(where).startswith("tcp://"):
+            return cls(fetch_endpoints(str(where), timeout))
+        return cls(Endpoints.load(where))
 
     def wait_for_status(self, timeout: float = 10.0) -> Health:
         """Block until the first status arrives (it is published a few times a second)."""

@@ -111,54 +111,47 @@ class ExecutorConfig:
 ENDPOINTS_FILE = "pipeline.json"
 
 
-class RunAddresses:
-    """The addresses a client needs, all in the run directory `self.run_dir`."""
-
-    run_dir: str
-
-    def address(self, name: str) -> str:
-        return f"ipc://{Path(self.run_dir) / name}.sock"
-
-    def tokenizer_address(self, rank: int) -> str:
-        return self.address(f"tokenizer-{rank}")
-
-    @property
-    def scheduler_address(self) -> str:
-        return self.address("scheduler")
-
-    @property
-    def status_address(self) -> str:
-        return self.address("status")
-
-
 @dataclass(frozen=True)
-class Endpoints(RunAddresses):
+class Endpoints:
     """Where a running pipeline listens: what a client in another process needs to connect.
-    The launcher writes it to `<run dir>/pipeline.json` once every stage is ready."""
+    The launcher writes the local ones (ipc://) to `<run dir>/pipeline.json` once every stage
+    is ready; with `--listen HOST` it also serves tcp:// ones to remote clients (see
+    PipelineClient.connect)."""
 
-    run_dir: str
-    num_tokenizers: int
     model_name: str  # the id front ends serve the model under
     max_model_len: int
+    tokenizers: tuple[str, ...]  # the tokenizer workers' request inboxes
+    scheduler: str  # the scheduler's inbox (aborts)
+    status: str  # the launcher's status publisher
+    reply: str  # where a client binds its reply socket: an ipc:// prefix, or "tcp://"
 
-    def save(self) -> Path:
-        path = Path(self.run_dir) / ENDPOINTS_FILE
+    def save(self, run_dir: str) -> Path:
+        path = Path(run_dir) / ENDPOINTS_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        tmp.write_text(self.to_json())
         tmp.replace(path)  # readers never see a half-written file
         return path
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Endpoints:
+        fields = json.loads(text)
+        fields["tokenizers"] = tuple(fields["tokenizers"])
+        return cls(**fields)
 
     @classmethod
     def load(cls, run_dir: str | Path) -> Endpoints:
         path = Path(run_dir) / ENDPOINTS_FILE
         try:
-            return cls(**json.loads(path.read_text()))
+            return cls.from_json(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no running pipeline at {run_dir} (no {ENDPOINTS_FILE})") from None
 
 
 @dataclass(frozen=True)
-class PipelineConfig(RunAddresses):
+class PipelineConfig:
     model: ModelInfo
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -169,11 +162,19 @@ class PipelineConfig(RunAddresses):
     ready_timeout_s: float = 300.0
     trace_dir: str = ""  # set by the launcher when a trace is asked for
     served_model_name: str = ""  # default: the model folder's name
+    listen_host: str = ""  # also take clients over tcp:// on this host (see Endpoints)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model.path).name
 
     @property
     def endpoints(self) -> Endpoints:
-        name = self.served_model_name or Path(self.model.path).name
-        return Endpoints(self.run_dir, self.num_tokenizers, name, self.model.max_model_len)
+        """The local (ipc://) endpoints of this run."""
+        return Endpoints(self.model_name, self.model.max_model_len,
+                         tuple(self.tokenizer_address(r) for r in range(self.num_tokenizers)),
+                         self.scheduler_address, self.status_address,
+                         f"ipc://{Path(self.run_dir) / 'client-'}")
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:
@@ -189,7 +190,21 @@ class PipelineConfig(RunAddresses):
         per_step = s.max_num_batched_tokens // s.block_size + 2 * s.max_num_seqs
         return per_step + self.max_blocks_per_seq
 
-    # ---- addresses: all from the run directory (RunAddresses has the clients' ones)
+    # ---- addresses: all from the run directory
+    def address(self, name: str) -> str:
+        return f"ipc://{Path(self.run_dir) / name}.sock"
+
+    def tokenizer_address(self, rank: int) -> str:
+        return self.address(f"tokenizer-{rank}")
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.address("scheduler")
+
+    @property
+    def status_address(self) -> str:
+        return self.address("status")
+
     def detokenizer_address(self, rank: int) -> str:
         return self.address(f"detokenizer-{rank}")
 

@@ -9,6 +9,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -48,6 +49,8 @@ class Pipeline:
         self.stage_info: dict[str, dict[str, int]] = {}
         self.failure: str | None = None
         self.endpoints_path: Path | None = None  # <run dir>/pipeline.json, once started
+        self.address: str | None = None  # with cfg.listen_host: tcp:// for remote clients
+        self._remote_endpoints = b""
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopped = False
@@ -112,11 +115,39 @@ class Pipeline:
             raise
         for ring in self._rings:  # every user has it mapped: nothing is left in /dev/shm
             ring.unlink()
-        self.endpoints_path = self.cfg.endpoints.save()
-        self._supervisor = threading.Thread(target=self._supervise, name="supervisor",
-                                            daemon=True)
+        self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
+        status, bootstrap = self._open_status_sockets()
+        self._supervisor = threading.Thread(target=self._supervise, args=(status, bootstrap),
+                                            name="supervisor", daemon=True)
         self._supervisor.start()
         return self
+
+    def _open_status_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """The status publisher (ipc://, and tcp:// with --listen) and, with --listen, the
+        bootstrap socket that hands remote clients the tcp:// endpoints (self.address)."""
+        status = self._zmq.socket(zmq.PUB)
+        status.setsockopt(zmq.LINGER, 1000)  # the last status (a failure) gets out
+        status.bind(self.cfg.status_address)
+        host = self.cfg.listen_host
+        if not host:
+            return status, None
+        public = socket.getfqdn() if host in ("0.0.0.0", "*", "::") else host
+        status_port = status.bind_to_random_port(f"tcp://{host}")
+
+        def tcp(port: int) -> str:
+            return f"tcp://{public}:{port}"
+
+        remote = dataclasses.replace(
+            self.cfg.endpoints,
+            tokenizers=tuple(tcp(self.stage_info[f"tokenizer:{r}"]["tcp_port"])
+                             for r in range(self.cfg.num_tokenizers)),
+            scheduler=tcp(self.stage_info["scheduler:0"]["tcp_port"]),
+            status=tcp(status_port), reply="tcp://")
+        bootstrap = self._zmq.socket(zmq.REP)
+        bootstrap.setsockopt(zmq.LINGER, 0)
+        self.address = tcp(bootstrap.bind_to_random_port(f"tcp://{host}"))
+        self._remote_endpoints = remote.to_json().encode()
+        return status, bootstrap
 
     def _check_cache_holds_a_sequence(self, num_blocks: int) -> None:
         capacity = num_blocks * self.cfg.scheduler.block_size
@@ -154,18 +185,19 @@ class Pipeline:
 
     # ------------------------------------------------------------ supervise
 
-    def _supervise(self) -> None:
-        """Watch every stage process and the control channel (stats, failure reports), and
-        publish the pipeline's status to subscribers a few times a second."""
+    def _supervise(self, status: zmq.Socket, bootstrap: zmq.Socket | None) -> None:
+        """Watch every stage process and the control channel (stats, failure reports),
+        publish the pipeline's status a few times a second, answer remote clients' requests
+        for the endpoints. The sockets are this thread's from here on."""
         sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
         failure_message = "no message"
-        status = self._zmq.socket(zmq.PUB)
-        status.setsockopt(zmq.LINGER, 1000)  # the last status (a failure) gets out
-        status.bind(self.cfg.status_address)
         next_status = 0.0
         try:
             while not self._stopping.is_set():
                 dead = wait(list(sentinels), timeout=0.1)
+                while bootstrap is not None and bootstrap.poll(0):
+                    bootstrap.recv()
+                    bootstrap.send(self._remote_endpoints)
                 while not self._stopping.is_set() and (msg := self._ctl.recv_nowait()):
                     if isinstance(msg, SchedulerStats):
                         self.scheduler_stats = msg
@@ -184,6 +216,8 @@ class Pipeline:
                     next_status = time.monotonic() + 0.25
         finally:
             status.close()
+            if bootstrap is not None:
+                bootstrap.close()
 
     def status(self) -> PipelineStatus:
         return PipelineStatus(time.time(), {name: p.is_alive() for name, p in self.procs.items()},
@@ -198,7 +232,8 @@ class Pipeline:
         return {name: p.pid for name, p in self.procs.items() if p.pid is not None}
 
     def client(self) -> PipelineClient:
-        client = PipelineClient(self.cfg, lambda: self.is_alive)  # knows at once, not by status
+        # It knows at once when the pipeline fails, not by status.
+        client = PipelineClient(self.cfg.endpoints, lambda: self.is_alive)
         self._clients.append(client)
         return client
 

@@ -51,7 +51,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
     try:
         _wait_ready(workers, run_dir)
         host = f"[{options.host}]" if ":" in options.host else options.host
-        print(f"serving {pipe.cfg.endpoints.model_name} at http://{host}:{options.port}/v1 "
+        print(f"serving {pipe.cfg.model_name} at http://{host}:{options.port}/v1 "
               f"({options.api_workers} API worker(s); pipeline run dir {run_dir})", flush=True)
         while True:  # until a signal (SIGTERM/SIGINT end the CLI) or a worker dies
             dead = wait([w.sentinel for w in workers], timeout=1.0)

@@ -147,13 +147,20 @@ def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
         logger.error("dropped a malformed message with no reply address: %s", exc)
 
 
+def listen_tcp(inbox: PullChannel, host: str) -> dict[str, int]:
+    """With --listen, an inbox also takes remote clients: {"tcp_port": port} for StageReady."""
+    if not host:
+        return {}
+    return {"tcp_port": inbox.socket.bind_to_random_port(f"tcp://{host}")}
+
+
 def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
         core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size)
         inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest]), bind=True)
         to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False)
         replies = ReplySockets(ctx.zmq)
-        ctx.ready()
+        ctx.ready(**listen_tcp(inbox, cfg.listen_host))
         while not ctx.stop.is_set():
             req = inbox.recv_valid(100, lambda exc: _reject_malformed(replies, exc))
             if req is None:

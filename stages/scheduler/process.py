@@ -18,6 +18,7 @@ from ipc.rings import sampled_specs, step_input_specs
 from ipc.shm import SharedRing
 from stages.process import stage_process
 from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
+from stages.tokenizer import listen_tcp
 from stages.trace import Tracer, now_ns
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ class SchedulerShell:
 def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int) -> None:
     with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
         shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer)
-        ctx.ready()
+        ctx.ready(**listen_tcp(shell.inbox, cfg.listen_host))
         next_stats = 0.0
         while not ctx.stop.is_set():
             shell.run_once()

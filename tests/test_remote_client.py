@@ -1,0 +1,76 @@
+"""A client in another process: by run directory on this host, and over tcp:// given only
+the address a pipeline started with --listen prints (every address it then uses is tcp://,
+its outputs come back to its own tcp:// socket). Generate, stream, abort, health."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from live import live_config, running
+
+from ipc.messages import SamplingParams
+from pipeline.client import PipelineError, fetch_endpoints
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parent.parent
+
+CLIENT = textwrap.dedent("""
+    import asyncio, json, sys
+    from ipc.messages import SamplingParams
+    from pipeline.client import PipelineClient
+
+    client = PipelineClient.connect(sys.argv[1])
+    health = client.wait_for_status()
+    (out,) = client.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
+
+    async def aborted():
+        seen = 0
+        async for delta in client.stream([9, 10], SamplingParams(max_tokens=400,
+                                                                   ignore_eos=True), "long"):
+            seen += len(delta.token_ids)
+            if seen >= 3:
+                client.abort("long")
+            if delta.finished:
+                return delta.finish_reason
+
+    reason = asyncio.run(aborted())
+    print(json.dumps({"ok": health.ok, "stages": sorted(health.stages), "ids": out.token_ids,
+                      "reply_to": client.reply_to, "abort": reason}))
+    client.close()
+""")
+
+
+def run_client(where: str) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", CLIENT, where], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
+    cfg = dataclasses.replace(live_config(tiny_model_dir), listen_host="127.0.0.1")
+    with running(cfg) as pipe:
+        (expected,) = pipe.client().generate([[5, 6, 7, 8]],
+                                             SamplingParams(max_tokens=6, temperature=0.0))
+        assert pipe.address is not None and pipe.address.startswith("tcp://127.0.0.1:")
+        remote = fetch_endpoints(pipe.address)
+        addresses = [*remote.tokenizers, remote.scheduler, remote.status]
+        assert all(a.startswith("tcp://127.0.0.1:") for a in addresses) and remote.reply == "tcp://"
+        stages = ["detokenizer:0", "executor:0", "scheduler:0", "tokenizer:0"]
+        for where in (pipe.cfg.run_dir, pipe.address):
+            got = run_client(where)
+            assert got["ok"] is True and got["stages"] == stages
+            assert got["ids"] == expected.token_ids
+            assert got["abort"] == "abort"
+            assert str(got["reply_to"]).startswith("tcp://" if where == pipe.address else "ipc://")
+
+
+def test_no_pipeline_at_an_address_is_a_clear_error() -> None:
+    with pytest.raises(PipelineError, match="no pipeline answered"):
+        fetch_endpoints("tcp://127.0.0.1:9", timeout=0.5)
