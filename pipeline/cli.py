@@ -124,6 +124,15 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                              for f in dataclasses.fields(SamplingParams)})
 
 
+def listen_host(host: str | None) -> str:
+    if host is None:
+        return ""
+    if ":" in host:
+        raise ConfigError(f"--listen {host}: give an IPv4 address or a host name (IPv6 is "
+                          "not supported for remote clients yet)")
+    return host
+
+
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     if args.model is None:
         from pipeline.model_cache import ensure_default_model
@@ -138,7 +147,7 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         executor=ExecutorConfig(args.device, args.dtype, parse_bytes(args.kv_cache_memory)),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         served_model_name=getattr(args, "served_model_name", None) or "",
-        listen_host=args.listen or "")
+        listen_host=listen_host(args.listen))
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

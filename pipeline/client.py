@@ -12,6 +12,7 @@ In the process that started the pipeline: `pipeline.client()`. From any other pr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import queue
@@ -59,16 +60,31 @@ def fetch_endpoints(address: str, timeout: float = 10.0) -> Endpoints:
         sock.send(b"endpoints")
         if not sock.poll(int(timeout * 1000)):
             raise PipelineError(f"no pipeline answered at {address} within {timeout:.0f} s")
-        return Endpoints.from_json(sock.recv().decode())
+        remote = Endpoints.from_json(sock.recv().decode())
     finally:
         sock.close()
+    # Reach every socket by the host this address reached (the pipeline's own name for
+    # itself may be one only it resolves, or localhost).
+    host = _host_of(address)
+    return dataclasses.replace(
+        remote, tokenizers=tuple(_with_host(a, host) for a in remote.tokenizers),
+        scheduler=_with_host(remote.scheduler, host), status=_with_host(remote.status, host))
+
+
+def _host_of(address: str) -> str:
+    return address.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
+def _with_host(address: str, host: str) -> str:
+    return f"tcp://{host}:{address.rsplit(':', 1)[1]}"
 
 
 def reachable_from(address: str) -> str:
-    """The local IP address of the interface that routes to the host of a tcp:// address."""
-    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
+    """The local IPv4 address of the interface that routes to the host of a tcp:// address.
+    The pipeline connects back to it: a client behind NAT or a firewall that blocks that
+    cannot receive outputs (and gets no first output: see PipelineClient.generate timeout)."""
+    host = socket.gethostbyname(_host_of(address))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # no packet is sent: this only picks a route
         return str(s.getsockname()[0])
 
@@ -193,6 +209,8 @@ class PipelineClient:
         self._inbox, self.reply_to = self._bind_reply_socket(endpoints)
         self._status_sub = SubChannel(self._ctx, endpoints.status, Codec([PipelineStatus]))
         self.status: PipelineStatus | None = None
+        # Local times (this host's clock only: the pipeline's may differ).
+        self._connected_at = self._status_at = time.monotonic()
         self._requests = PushChannel(self._ctx, endpoints.tokenizers[0], bind=False)
         for address in endpoints.tokenizers[1:]:
             self._requests.socket.connect(address)
@@ -239,8 +257,10 @@ class PipelineClient:
     def health(self) -> Health:
         status = self.status
         if status is None:
-            return Health(False, {}, "no status received from the pipeline yet", math.inf, None)
-        age = time.time() - status.time
+            waited = time.monotonic() - self._connected_at
+            return Health(False, {}, f"no status received from the pipeline in {waited:.1f} s",
+                          math.inf, None)
+        age = time.monotonic() - self._status_at
         dead = [name for name, alive in status.stages.items() if not alive]
         problem = status.failure or (f"stage {', '.join(dead)} is not running" if dead else None)
         if problem is None and age > STATUS_STALE_S:
@@ -256,7 +276,7 @@ class PipelineClient:
             if self._status_sub.socket in events:
                 while (status := self._status_sub.recv_valid(0)) is not None:
                     assert isinstance(status, PipelineStatus)
-                    self.status = status
+                    self.status, self._status_at = status, time.monotonic()
             if self._inbox.socket not in events:
                 continue
             msg = self._inbox.recv_valid(0)
@@ -315,7 +335,8 @@ class PipelineClient:
                 raise PipelineError("the pipeline is no longer running")
             return
         health = self.health()
-        if self.status is not None and not health.ok:
+        never = self.status is None and time.monotonic() - self._connected_at > STATUS_STALE_S
+        if never or (self.status is not None and not health.ok):
             raise PipelineError(f"the pipeline is not running: {health.problem}")
 
     # ------------------------------------------------------------ blocking API
@@ -392,4 +413,5 @@ class PipelineClient:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._ctx.destroy(linger=0)
+        with self._send_lock:  # no other thread is inside a send on these sockets
+            self._ctx.destroy(linger=0)

@@ -110,13 +110,13 @@ class Pipeline:
             self._check_cache_holds_a_sequence(num_blocks)
             self._spawn("scheduler", 0, "stages.scheduler.process:run_scheduler", num_blocks)
             self._wait_ready(list(self.procs))
+            for ring in self._rings:  # every user has it mapped: nothing is left in /dev/shm
+                ring.unlink()
+            self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
+            status, bootstrap = self._open_status_sockets()
         except BaseException:
             self.stop()
             raise
-        for ring in self._rings:  # every user has it mapped: nothing is left in /dev/shm
-            ring.unlink()
-        self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
-        status, bootstrap = self._open_status_sockets()
         self._supervisor = threading.Thread(target=self._supervise, args=(status, bootstrap),
                                             name="supervisor", daemon=True)
         self._supervisor.start()
@@ -131,7 +131,7 @@ class Pipeline:
         host = self.cfg.listen_host
         if not host:
             return status, None
-        public = socket.getfqdn() if host in ("0.0.0.0", "*", "::") else host
+        public = socket.getfqdn() if host in ("0.0.0.0", "*") else host
         status_port = status.bind_to_random_port(f"tcp://{host}")
 
         def tcp(port: int) -> str:
@@ -196,8 +196,11 @@ class Pipeline:
             while not self._stopping.is_set():
                 dead = wait(list(sentinels), timeout=0.1)
                 while bootstrap is not None and bootstrap.poll(0):
-                    bootstrap.recv()
-                    bootstrap.send(self._remote_endpoints)
+                    try:  # whatever a peer sends, it gets the endpoints; nothing else changes
+                        bootstrap.recv_multipart()
+                        bootstrap.send(self._remote_endpoints)
+                    except zmq.ZMQError as exc:
+                        logger.warning("bootstrap request failed: %s", exc)
                 while not self._stopping.is_set() and (msg := self._ctl.recv_nowait()):
                     if isinstance(msg, SchedulerStats):
                         self.scheduler_stats = msg

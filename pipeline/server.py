@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,7 @@ class RateLimiter:
     rps: float
     concurrent: int
     buckets: dict[str, _Bucket] = field(default_factory=dict)
+    _pruned_at: float = 0.0
 
     MAX_IDLE_BUCKETS = 10_000
 
@@ -86,8 +87,9 @@ class RateLimiter:
         if not self.rps and not self.concurrent:
             return None
         now = time.monotonic() if now is None else now
-        if len(self.buckets) > self.MAX_IDLE_BUCKETS:
+        if len(self.buckets) > self.MAX_IDLE_BUCKETS and now - self._pruned_at > 1.0:
             self._prune(now)
+            self._pruned_at = now
         burst = max(1.0, self.rps)
         b = self.buckets.setdefault(identity, _Bucket(burst, now))
         if self.concurrent and b.active >= self.concurrent:
@@ -189,8 +191,8 @@ class FrontEnd:
             for identity in taken:
                 self.limiter.release(identity)
             raise
-        if isinstance(response, StreamingResponse):  # released when the stream ends
-            response.background = _Release(self.limiter, taken)  # type: ignore[assignment]
+        if isinstance(response, AbortingStreamingResponse):  # released when the stream ends
+            response.on_close.append(lambda: [self.limiter.release(i) for i in taken])
         else:
             for identity in taken:
                 self.limiter.release(identity)
@@ -289,23 +291,15 @@ class AbortingStreamingResponse(StreamingResponse):
     def __init__(self, run: Generation, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.run = run
+        self.on_close: list[Callable[[], object]] = []  # run however the response ends
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.run.cancel()
-
-
-class _Release:
-    """A response background task: give the rate limiter its slots back."""
-
-    def __init__(self, limiter: RateLimiter, identities: list[str]) -> None:
-        self.limiter, self.identities = limiter, identities
-
-    async def __call__(self) -> None:
-        for identity in self.identities:
-            self.limiter.release(identity)
+            for callback in self.on_close:
+                callback()
 
 
 class Generation:

@@ -9,13 +9,17 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 from live import live_config, running
 
-from ipc.messages import SamplingParams
+from ipc.channels import PushChannel
+from ipc.messages import SamplingParams, TokenizedRequest
 from pipeline.client import PipelineError, fetch_endpoints
+from pipeline.config import Endpoints
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,21 +58,39 @@ def run_client(where: str) -> dict[str, object]:
 
 
 def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
-    cfg = dataclasses.replace(live_config(tiny_model_dir), listen_host="127.0.0.1")
+    cfg = dataclasses.replace(live_config(tiny_model_dir), listen_host="0.0.0.0")
     with running(cfg) as pipe:
         (expected,) = pipe.client().generate([[5, 6, 7, 8]],
                                              SamplingParams(max_tokens=6, temperature=0.0))
-        assert pipe.address is not None and pipe.address.startswith("tcp://127.0.0.1:")
-        remote = fetch_endpoints(pipe.address)
+        assert pipe.address is not None and pipe.address.startswith("tcp://")
+        # Dialled by IP, whatever name the pipeline gives itself: every endpoint follows.
+        address = "tcp://127.0.0.1:" + pipe.address.rsplit(":", 1)[1]
+        remote = fetch_endpoints(address)
         addresses = [*remote.tokenizers, remote.scheduler, remote.status]
         assert all(a.startswith("tcp://127.0.0.1:") for a in addresses) and remote.reply == "tcp://"
         stages = ["detokenizer:0", "executor:0", "scheduler:0", "tokenizer:0"]
-        for where in (pipe.cfg.run_dir, pipe.address):
+        for where in (pipe.cfg.run_dir, address):
             got = run_client(where)
             assert got["ok"] is True and got["stages"] == stages
             assert got["ids"] == expected.token_ids
             assert got["abort"] == "abort"
-            assert str(got["reply_to"]).startswith("tcp://" if where == pipe.address else "ipc://")
+            assert str(got["reply_to"]).startswith("tcp://" if where == address else "ipc://")
+        # A malformed bootstrap request and a request sent straight to the scheduler's
+        # network inbox (which takes aborts only) change nothing.
+        ctx = zmq.Context.instance()
+        req = ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(address)
+        req.send_multipart([b"a", b"b"])
+        assert req.poll(5000) and Endpoints.from_json(req.recv().decode()) is not None
+        req.close()
+        push = PushChannel(ctx, remote.scheduler, bind=False)
+        push.send(TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0))
+        time.sleep(0.6)
+        assert pipe.is_alive and pipe.scheduler_stats is not None
+        assert pipe.scheduler_stats.prompt_tokens == 3 * 4 + 2 * 2  # ours only (3 x 4, 2 x 2)
+        assert fetch_endpoints(address) == remote
+        push.close()
 
 
 def test_no_pipeline_at_an_address_is_a_clear_error() -> None:

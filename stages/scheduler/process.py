@@ -69,12 +69,16 @@ class SchedulerShell:
         self.inbox = PullChannel(zctx, cfg.scheduler_address,
                                  Codec([TokenizedRequest, AbortRequest]), bind=True)
         self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True)
+        # Remote clients (--listen) reach the scheduler only to abort: requests from the
+        # network go through a tokenizer, which validates them.
+        self.remote = PullChannel(zctx, [], Codec([AbortRequest]), bind=True)
         self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False)
         self.detoks = [PushChannel(zctx, cfg.detokenizer_address(i), bind=False)
                        for i in range(cfg.num_detokenizers)]
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.results.socket, zmq.POLLIN)
+        self.poller.register(self.remote.socket, zmq.POLLIN)
 
     def run_once(self) -> None:
         """Wait for a message (results or requests), then plan and send what can run now.
@@ -83,7 +87,9 @@ class SchedulerShell:
         if self.results.socket in events:
             self._drain_results()
         if self.inbox.socket in events:
-            self._drain_inbox()
+            self._drain_inbox(self.inbox)
+        if self.remote.socket in events:
+            self._drain_inbox(self.remote)
         self._launch_steps()
         self._flush_outputs()
 
@@ -103,10 +109,10 @@ class SchedulerShell:
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
             self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self, inbox: PullChannel) -> None:
         while True:
             try:
-                msg = self.inbox.recv_nowait()
+                msg = inbox.recv_nowait()
             except ProtocolError as exc:
                 logger.error("dropped a malformed message from a client or tokenizer: %s", exc)
                 continue
@@ -153,7 +159,7 @@ class SchedulerShell:
 def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int) -> None:
     with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
         shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer)
-        ctx.ready(**listen_tcp(shell.inbox, cfg.listen_host))
+        ctx.ready(**listen_tcp(shell.remote, cfg.listen_host))
         next_stats = 0.0
         while not ctx.stop.is_set():
             shell.run_once()
