@@ -106,6 +106,14 @@ class PullChannel:
         self.socket.close()
 
 
+def listen_tcp(inbox: PullChannel, host: str) -> dict[str, int]:
+    """With --listen, an inbox also takes remote clients on a tcp:// port of `host`:
+    {"tcp_port": port}, for the stage's StageReady info ({} without --listen)."""
+    if not host:
+        return {}
+    return {"tcp_port": inbox.socket.bind_to_random_port(f"tcp://{host}")}
+
+
 class SubChannel(PullChannel):
     """Receives everything a PUB socket publishes (the launcher's status), decoded alike.
     A subscriber that connects late misses what was published before: status is periodic."""
@@ -119,7 +127,7 @@ class SubChannel(PullChannel):
 
 
 __all__ = ["ProtocolError", "PullChannel", "PushChannel", "SubChannel", "ipc_address",
-           "make_run_dir"]
+           "listen_tcp", "make_run_dir"]
 
 
 class ReplySockets:

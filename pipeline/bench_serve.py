@@ -22,7 +22,7 @@ from pipeline.client import PipelineClient
 from pipeline.datasets import WORDS, ChatSample, synthetic_chat
 
 if TYPE_CHECKING:
-    from pipeline.launcher import Pipeline
+    pass
 
 
 @dataclass
@@ -145,19 +145,6 @@ def _stats(values: list[float]) -> dict[str, float]:
             "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
 
 
-def scheduler_counters(pipe: Pipeline, timeout: float = 5.0) -> SchedulerStats:
-    """The scheduler's counters once it is idle (its stats arrive a few times a second)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = pipe.scheduler_stats
-        if stats is not None and stats.num_requests == 0 and stats.num_inflight_steps == 0:
-            time.sleep(0.3)  # one more report: it has seen the last results
-            if pipe.scheduler_stats is not None:
-                return pipe.scheduler_stats
-        time.sleep(0.05)
-    raise RuntimeError("the scheduler did not report idle stats")
-
-
 def scheduler_delta(before: SchedulerStats, after: SchedulerStats) -> dict[str, Any]:
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
@@ -258,11 +245,11 @@ def serve(args: argparse.Namespace) -> int:
             client.generate([[ChatMessage("user", "warm up")]], SamplingParams(max_tokens=2))
             for rate in args.request_rate:
                 args_one = argparse.Namespace(**{**vars(args), "request_rate": rate})
-                before = scheduler_counters(pipe)
+                before = pipe.idle_stats()
                 records, seconds = asyncio.run(drive(via_client(client), samples, rate,
                                                      args.max_concurrency, args.seed, system))
                 summaries.append(summarize(records, seconds, args_one))
-                summaries[-1]["scheduler"] = scheduler_delta(before, scheduler_counters(pipe))
+                summaries[-1]["scheduler"] = scheduler_delta(before, pipe.idle_stats())
                 print_summary(summaries[-1])
     if args.json:
         Path(args.json).write_text(json.dumps(summaries if len(summaries) > 1 else summaries[0],

@@ -222,6 +222,19 @@ class Pipeline:
             if bootstrap is not None:
                 bootstrap.close()
 
+    def idle_stats(self, timeout: float = 10.0) -> SchedulerStats:
+        """The scheduler's stats once it has no request and no step in flight (they arrive a
+        few times a second; one more report is awaited, so the last results are in)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.scheduler_stats
+            if stats is not None and stats.num_requests == 0 and stats.num_inflight_steps == 0:
+                time.sleep(0.3)
+                if self.scheduler_stats is not None:
+                    return self.scheduler_stats
+            time.sleep(0.05)
+        raise TimeoutError(f"the scheduler did not become idle: {self.scheduler_stats}")
+
     def status(self) -> PipelineStatus:
         return PipelineStatus(time.time(), {name: p.is_alive() for name, p in self.procs.items()},
                               self.failure, self.scheduler_stats)

@@ -311,7 +311,8 @@ class Generation:
         self.n = parsed.params.n
         self.queue: asyncio.Queue[tuple[int, RequestOutput] | None] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
-        self.first: list[RequestOutput | None] = [None] * len(parsed.prompts)
+        self._early: list[tuple[int, RequestOutput]] = []  # read by start(), yielded first
+        self._done_feeds = 0
         self.prompt_tokens = [0] * len(parsed.prompts)
         self.cached_tokens = [0] * len(parsed.prompts)  # of each prompt, from the prefix cache
         self.start_time = time.perf_counter()
@@ -339,20 +340,15 @@ class Generation:
         """Submit every prompt and wait for each one's first output, so that a request the
         engine refuses (a prompt too long, say) is answered with an HTTP error, not a stream."""
         self.tasks = [asyncio.create_task(self._feed(i)) for i in range(len(self.parsed.prompts))]
-        self._early: list[tuple[int, RequestOutput]] = []
-        self._done_feeds = 0
+        unanswered = set(range(len(self.parsed.prompts)))
         try:
-            while any(f is None for f in self.first):
-                item = await self.queue.get()
-                if item is None:
-                    self._done_feeds += 1
-                    if self._done_feeds == len(self.tasks):  # cannot happen: feeds report
-                        raise ApiError(500, "the request ended without an answer", None,
-                                       "server_error")
-                    continue
+            while unanswered:
+                item = await self._next()
+                if item is None:  # cannot happen: every feed reports before it ends
+                    raise ApiError(500, "the request ended without an answer", None,
+                                   "server_error")
                 i, out = item
-                if self.first[i] is None:
-                    self.first[i] = out
+                unanswered.discard(i)
                 self._early.append(item)
                 if out.index == WHOLE_REQUEST or (out.finished and out.error):
                     param = "messages" if self.parsed.chat else "prompt"
@@ -365,16 +361,21 @@ class Generation:
         for task in self.tasks:
             task.cancel()
 
+    async def _next(self) -> tuple[int, RequestOutput] | None:
+        """The next (prompt index, output), or None once every feed has ended."""
+        while self._done_feeds < len(self.tasks):
+            item = await self.queue.get()
+            if item is not None:
+                return item
+            self._done_feeds += 1
+        return None
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) until every sample of every prompt has finished."""
         try:
             for i, out in self._early:
                 yield self._record(i, out)
-            while self._done_feeds < len(self.tasks):
-                item = await self.queue.get()
-                if item is None:
-                    self._done_feeds += 1
-                    continue
+            while (item := await self._next()) is not None:
                 yield self._record(*item)
             self.front.metrics.E2E.observe(time.perf_counter() - self.start_time)
         finally:

@@ -8,7 +8,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-from ipc.channels import PullChannel, PushChannel, ReplySockets
+from ipc.channels import PullChannel, PushChannel, ReplySockets, listen_tcp
 from ipc.codec import Codec, ProtocolError
 from ipc.messages import (
     WHOLE_REQUEST,
@@ -18,6 +18,7 @@ from ipc.messages import (
     SamplingParams,
     TokenizedRequest,
 )
+from ipc.rings import MAX_TOP_LOGPROBS  # the width of the sampled-token ring
 from stages.process import stage_process
 from stages.trace import now_ns
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_TOKEN_IDS = 64
 INT64 = 2**63
@@ -68,8 +68,8 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
         _check(math.isfinite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
     _check(all(p.stop), "stop strings must not be empty")
     _check(1 <= p.n <= MAX_N, f"n must be between 1 and {MAX_N}, got {p.n}")
-    _check(p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
-           f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}")
+    _check(p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS,
+           f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {p.logprobs}")
     _check(len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
     bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
@@ -145,13 +145,6 @@ def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
         replies.send(raw[2], error_output(raw[1], f"invalid request: {exc}"))
     else:
         logger.error("dropped a malformed message with no reply address: %s", exc)
-
-
-def listen_tcp(inbox: PullChannel, host: str) -> dict[str, int]:
-    """With --listen, an inbox also takes remote clients: {"tcp_port": port} for StageReady."""
-    if not host:
-        return {}
-    return {"tcp_port": inbox.socket.bind_to_random_port(f"tcp://{host}")}
 
 
 def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
 from pipeline.client import PipelineClient
-from pipeline.launcher import Pipeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,7 +65,7 @@ def test_long_mixed_run_with_aborts_leaks_nothing(tiny_model_dir: Path) -> None:
     with running(cfg) as pipe:
         reasons = asyncio.run(_mixed_with_aborts(pipe.client(), num_requests=200))
         assert reasons["abort"] > 20 and reasons["length"] > 20
-        stats = _wait_idle(pipe)
+        stats = pipe.idle_stats()
     assert stats.num_free_blocks == stats.num_blocks
     assert stats.num_free_slots == stats.num_slots == 8
     assert stats.num_free_ring_slots == stats.num_ring_slots == 3
@@ -98,14 +96,3 @@ async def _mixed_with_aborts(client: PipelineClient, num_requests: int) -> dict[
 
     await asyncio.gather(*(one(i) for i in range(num_requests)))
     return reasons
-
-
-def _wait_idle(pipe: Pipeline, timeout: float = 10.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = pipe.scheduler_stats
-        if stats is not None and stats.num_requests == 0 and stats.num_inflight_steps == 0:
-            time.sleep(0.3)  # one more report, to be sure it is settled
-            return pipe.scheduler_stats
-        time.sleep(0.05)
-    raise AssertionError(f"the scheduler did not become idle: {pipe.scheduler_stats}")

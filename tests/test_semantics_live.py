@@ -6,7 +6,6 @@ run ends with every block free."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from live import live_config, running
 
 from ipc.messages import SamplingParams
 from pipeline.client import CompletionOutput, PipelineClient
-from pipeline.launcher import Pipeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -23,17 +21,6 @@ SEEDED = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, top_p=tp, top_k
           for s, tp, tk, mp, rp in [(1, 1.0, 0, 0.0, 1.0), (2, 0.9, 0, 0.0, 1.0),
                                     (3, 1.0, 20, 0.0, 1.3), (4, 0.95, 50, 0.05, 1.0)]]
 PROMPTS = [[5 + i, 17, 99, 3 * i + 1, 250, 42] for i in range(4)]
-
-
-def wait_idle(pipe: Pipeline, timeout: float = 10.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = pipe.scheduler_stats
-        if stats is not None and stats.num_requests == 0 and stats.num_inflight_steps == 0:
-            time.sleep(0.3)
-            return pipe.scheduler_stats
-        time.sleep(0.05)
-    raise AssertionError("the scheduler did not become idle")
 
 
 async def seeded_with_noise(client: PipelineClient, noise: int) -> list[list[int]]:
@@ -75,14 +62,14 @@ def test_stop_string_n_logprobs_and_prefix_cache(tiny_model_dir: Path) -> None:
                                                                ignore_eos=True))
         stop = free_run.text[len(free_run.text) // 2:][:3]
         assert len(stop) == 3
-        steps_before = wait_idle(pipe).num_steps
+        steps_before = pipe.idle_stats().num_steps
         (stopped,) = client.generate([prompt], SamplingParams(
             max_tokens=60, temperature=0.0, ignore_eos=True, stop=[stop]))
         assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
         assert stopped.text == free_run.text[:free_run.text.index(stop)]
         assert stopped.num_cached_tokens > 0  # the same prompt ran just before
         # The scheduler was told: it stopped within a few steps of the match, not at 60.
-        steps = wait_idle(pipe).num_steps - steps_before
+        steps = pipe.idle_stats().num_steps - steps_before
         assert steps <= len(stopped.token_ids) + 4 < 60
 
         outs = client.generate([system + "Question two?"], SamplingParams(
@@ -96,6 +83,6 @@ def test_stop_string_n_logprobs_and_prefix_cache(tiny_model_dir: Path) -> None:
             assert all(len(lp.top_ids) == 2 and len(lp.top_tokens) == 2 for lp in s.logprobs)
             assert "".join(lp.token for lp in s.logprobs) != ""
         assert multi.num_output_tokens == 24
-        stats = wait_idle(pipe)
+        stats = pipe.idle_stats()
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
     assert stats.num_free_blocks == stats.num_blocks

@@ -58,7 +58,10 @@ class HostSlotParams:
         self.f[:], self.i[:] = slot_params(SlotInit(0, 0.0))  # greedy, nothing else
 
     def updated(self, new_slots: list[SlotInit]) -> tuple[np.ndarray, np.ndarray]:
-        """Copies with new_slots applied (committed by the caller once the step is read)."""
+        """Copies with new_slots applied (committed by the caller once the step is read);
+        the arrays themselves when there are none (most steps)."""
+        if not new_slots:
+            return self.f, self.i
         f, i = self.f.copy(), self.i.copy()
         for init in new_slots:
             f[init.slot], i[init.slot] = slot_params(init)

@@ -214,8 +214,7 @@ class Scheduler:
                 self._finish(seq, reason)
 
     def _enqueue(self, seq: Sequence) -> None:
-        keys = [s.sort_key for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, seq.sort_key), seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     # ------------------------------------------------------------ planning
 

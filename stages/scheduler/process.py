@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zmq
 
-from ipc.channels import PullChannel, PushChannel
+from ipc.channels import PullChannel, PushChannel, listen_tcp
 from ipc.codec import Codec, ProtocolError
 from ipc.messages import AbortRequest, DetokBatch, SampledTokens, StepPlan, TokenizedRequest
 from ipc.rings import sampled_specs, step_input_specs
 from ipc.shm import SharedRing
 from stages.process import stage_process
 from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
-from stages.tokenizer import listen_tcp
 from stages.trace import Tracer, now_ns
 
 if TYPE_CHECKING:
