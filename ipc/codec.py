@@ -7,6 +7,7 @@ message sent to the wrong socket fails loudly with a `ProtocolError` instead of 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -59,6 +60,18 @@ def _one_of(tps: tuple[type, ...], name: str) -> Decoder:
     return check
 
 
+def _enum(tp: type[enum.Enum], name: str) -> Decoder:
+    by_value = {m.value: m for m in tp}
+
+    def check(v: Any) -> Any:
+        try:
+            return by_value[v]
+        except (KeyError, TypeError):
+            raise ProtocolError(f"{name}: {v!r} is not a {tp.__name__}") from None
+
+    return check
+
+
 def _optional(inner: Decoder) -> Decoder:
     return lambda v: None if v is None else inner(v)
 
@@ -107,6 +120,8 @@ def _compile(tp: Any, name: str) -> Decoder:
         return _dict_of(_compile(value, f"{name}{{}}"), name)
     if isinstance(tp, type) and issubclass(tp, Struct):
         return _struct_decoder(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum(tp, name)
     if tp in (int, float, str, bool, bytes):
         return _scalar(tp, name)
     raise TypeError(f"{name}: unsupported wire type {tp!r}")

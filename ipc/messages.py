@@ -7,10 +7,9 @@ Nested structs travel as plain arrays of their fields (their type is known from 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
-
-PROTOCOL_VERSION = 1
 
 
 class Struct:
@@ -23,13 +22,33 @@ class Message(Struct):
     TAG: ClassVar[int]
 
 
+# ---------------------------------------------------------------- outcomes
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sample ended (vLLM's and OpenAI's words). A str, so it is sent as its value."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the end of the context
+    ABORT = "abort"  # the client asked
+    ERROR = "error"  # see the output's error_kind and error
+
+
+class ErrorKind(str, enum.Enum):
+    """Whose fault an error output is, so a front end answers without reading the message."""
+
+    INVALID_REQUEST = "invalid_request"  # the client must fix it; error_param names the field
+    UNAVAILABLE = "unavailable"  # the engine cannot take it now (stopped, failing)
+    INTERNAL = "internal"  # a bug in a stage or a front end
+
+
 # ---------------------------------------------------------------- request parameters
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams(Struct):
     """What the client asks of one request; validated by the tokenizer stage
-    (stages/tokenizer.py validate_params), with the meanings vLLM's users expect.
+    (ipc/params.py validate_params), with the meanings vLLM's users expect.
 
     max_tokens None means: until a stop condition or the end of the model's context.
     temperature 0 means greedy. top_k 0 and top_p 1 and min_p 0 mean off.
@@ -90,16 +109,23 @@ class AddRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest(Message):
-    """Stop a request wherever it is; its final output has finish_reason 'abort'.
-
-    A detokenizer that found a stop string sends it with reason 'stop' and the sample's
-    index: the scheduler then frees that sample at once (its client was already answered).
-    """
+    """Stop a request wherever it is; its final output has finish_reason 'abort'."""
 
     TAG: ClassVar[int] = 2
     request_id: str
-    reason: str = "abort"
-    index: int = -1  # -1: every sample of the request
+
+
+# ---------------------------------------------------------------- detokenizer -> scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class StopSample(Message):
+    """Sample `index` of a request produced one of its stop strings: the detokenizer has
+    already given its client the final output; the scheduler frees the sample at once."""
+
+    TAG: ClassVar[int] = 12
+    request_id: str
+    index: int
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -153,8 +179,8 @@ class TokenDelta(Struct):
 
     request_id: str
     token_ids: list[int]
-    finish_reason: str | None = None
-    error: str | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # with finish_reason ERROR
     index: int = 0  # sample index, 0..n-1
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
@@ -168,9 +194,10 @@ class RequestRejected(Struct):
 
     request_id: str
     reply_to: str
-    finish_reason: str
+    finish_reason: FinishReason
     error: str | None
     num_prompt_tokens: int
+    error_kind: ErrorKind | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +221,14 @@ class RequestOutput(Struct):
     """A streamed delta of one sample of a request (index 0..n-1). text and token_ids are
     new since the last output of that sample; finished ends the sample. stop_reason is the
     stop string or stop token id that ended it, if any. A request refused before it ran
-    gets one output with index WHOLE_REQUEST."""
+    gets one output with index WHOLE_REQUEST. An error output says whose fault it is
+    (error_kind) and, for a bad field, which (error_param)."""
 
     request_id: str
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     error: str | None
     num_prompt_tokens: int
     num_output_tokens: int
@@ -208,6 +236,16 @@ class RequestOutput(Struct):
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    error_kind: ErrorKind | None = None
+    error_param: str | None = None
+
+    @classmethod
+    def refusal(cls, request_id: str, kind: ErrorKind | None, message: str | None,
+                param: str | None = None, num_prompt_tokens: int = 0,
+                reason: FinishReason = FinishReason.ERROR) -> RequestOutput:
+        """The one output of a request that ends before it runs (an error, or an abort)."""
+        return cls(request_id, "", [], True, reason, message, num_prompt_tokens, 0,
+                   WHOLE_REQUEST, error_kind=kind, error_param=param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,31 +258,14 @@ class RequestOutputs(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class SlotInit(Struct):
-    """A sequence takes an executor slot: the slot's device-side sampling state is reset.
-    stop_ids are the ids that min_tokens suppresses (EOS unless ignored, stop_token_ids)."""
-
-    slot: int
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    num_prompt_tokens: int = 0
-    seed: int | None = None
-    logprobs: int | None = None
-    stop_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
 class StepPlan(Message):
-    """Step `step_id`; its bulk inputs lie in slot `ring_slot` of the step-input ring.
+    """Step `step_id`; its bulk inputs lie in slot `ring_slot` of the step-input ring
+    (layout: ipc/step.py).
 
     The ring slot holds num_seqs sequence rows, num_tokens token ids (-1 = placeholder: the
-    token this sequence's executor slot sampled last) and num_block_updates block-table writes.
+    token this sequence's executor slot sampled last), num_block_updates block-table writes,
+    num_new_slots sequences taking an executor slot (their encoded sampling parameters) and
+    num_stop_ids (slot, token id) pairs that min_tokens suppresses.
     """
 
     TAG: ClassVar[int] = 6
@@ -253,8 +274,8 @@ class StepPlan(Message):
     num_seqs: int
     num_tokens: int
     num_block_updates: int
-    num_sampled: int
-    new_slots: list[SlotInit]
+    num_new_slots: int
+    num_stop_ids: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +337,7 @@ class SchedulerStats(Message):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     num_cached_blocks: int = 0  # free blocks that still hold reusable KV
-    finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason
+    finished: dict[str, int] = field(default_factory=dict)  # by FinishReason value
     prompt_tokens: int = 0  # of requests admitted
     generation_tokens: int = 0  # sampled and kept
     step_seconds_buckets: list[int] = field(default_factory=list)  # see STEP_SECONDS_BOUNDS
@@ -347,6 +368,7 @@ class PipelineStatus(Message):
 ALL_MESSAGES: tuple[type[Message], ...] = (
     AddRequest,
     AbortRequest,
+    StopSample,
     TokenizedRequest,
     DetokBatch,
     RequestOutputs,

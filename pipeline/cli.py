@@ -14,9 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipc.messages import ChatMessage, SamplingParams, TokenLogprob
-from pipeline.client import CompletionOutput, PipelineClient
-from pipeline.config import (
+from ipc.config import (
     ConfigError,
     ExecutorConfig,
     ModelInfo,
@@ -24,6 +22,8 @@ from pipeline.config import (
     SchedulerConfig,
     parse_bytes,
 )
+from ipc.messages import ChatMessage, SamplingParams, TokenLogprob
+from pipeline.runtime.client import CompletionOutput, PipelineClient
 
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -135,7 +135,7 @@ def listen_host(host: str | None) -> str:
 
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     if args.model is None:
-        from pipeline.model_cache import ensure_default_model
+        from pipeline.tools.model_cache import ensure_default_model
 
         model_dir = ensure_default_model()
     else:
@@ -144,7 +144,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         model=ModelInfo.from_dir(model_dir, args.max_model_len),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.block_size, 1 if args.no_overlap else 2),
-        executor=ExecutorConfig(args.device, args.dtype, parse_bytes(args.kv_cache_memory)),
+        executor=ExecutorConfig.for_device(args.device, args.dtype,
+                                           parse_bytes(args.kv_cache_memory)),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         served_model_name=getattr(args, "served_model_name", None) or "",
         listen_host=listen_host(args.listen))
@@ -251,7 +252,7 @@ def run_demo(client: PipelineClient, stage_pids: dict[str, int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.launcher import Pipeline, StartupError
+    from pipeline.runtime.launcher import Pipeline, StartupError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "generate":
                 return run_generate(client, args)
             if args.command == "serve":
-                from pipeline.serve import run_serve
+                from pipeline.server.serve import run_serve
 
                 return run_serve(pipe, args)
             return run_demo(client, pipe.stage_pids)

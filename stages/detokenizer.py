@@ -6,28 +6,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from ipc.channels import PullChannel, PushChannel, ReplySockets
 from ipc.codec import Codec
+from ipc.config import PipelineConfig
 from ipc.messages import (
-    WHOLE_REQUEST,
-    AbortRequest,
     DetokBatch,
     DetokRequestInfo,
+    FinishReason,
     RequestOutput,
     RequestOutputs,
+    StopSample,
     TokenDelta,
     TokenLogprob,
 )
 from stages.process import stage_process
 from stages.trace import now_ns
-
-if TYPE_CHECKING:
-    from pipeline.config import PipelineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +78,12 @@ def find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None
 
 class Detokenizer:
     """Pure core: feed(batch) -> outputs grouped by client reply address. A sample ended by a
-    stop string is reported in `stopped` (AbortRequest with reason 'stop'), for the scheduler."""
+    stop string is reported in `stopped` (a StopSample each), for the scheduler."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, list[_SampleState]] = {}
-        self.stopped: list[AbortRequest] = []
+        self.stopped: list[StopSample] = []
 
     def feed(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
         for info in batch.new_requests:
@@ -95,9 +92,9 @@ class Detokenizer:
                 for i in range(info.n)]
         by_client: dict[str, list[RequestOutput]] = {}
         for rej in batch.rejected:
-            by_client.setdefault(rej.reply_to, []).append(RequestOutput(
-                rej.request_id, "", [], True, rej.finish_reason, rej.error,
-                rej.num_prompt_tokens, 0, WHOLE_REQUEST))
+            by_client.setdefault(rej.reply_to, []).append(RequestOutput.refusal(
+                rej.request_id, rej.error_kind, rej.error, None, rej.num_prompt_tokens,
+                rej.finish_reason))
         for delta in batch.deltas:
             samples = self.requests.get(delta.request_id)
             if samples is None or not 0 <= delta.index < len(samples):
@@ -145,10 +142,10 @@ class Detokenizer:
         if stop is not None:
             pos, string = stop
             end = pos + len(string) if info.include_stop_str_in_output else pos
-            finish_reason, stop_reason = "stop", string
+            finish_reason, stop_reason = FinishReason.STOP, string
             if not finishing:  # the scheduler still runs it: tell it to stop now
                 state.stopped = True
-                self.stopped.append(AbortRequest(delta.request_id, "stop", state.index))
+                self.stopped.append(StopSample(delta.request_id, state.index))
         elif finishing:
             end = len(state.text)
         else:

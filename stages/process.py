@@ -8,33 +8,34 @@ import os
 import shutil
 import signal
 import threading
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import zmq
 
 from ipc.channels import PushChannel
+from ipc.config import PipelineConfig
 from ipc.messages import Message, StageFailed, StageReady
 from stages.trace import Tracer
-
-if TYPE_CHECKING:
-    from pipeline.config import PipelineConfig
 
 logger = logging.getLogger(__name__)
 
 
-def _die_with_parent(parent_pid: int, ctx: StageContext) -> None:
-    """Stop when the launcher's process is gone, however it died. (Not PR_SET_PDEATHSIG: it
-    fires when the launching *thread* exits, which a short-lived thread would do.)"""
+def watch_parent(parent_pid: int, on_gone: Callable[[], None],
+                 is_done: Callable[[], bool]) -> None:
+    """Call on_gone once the process that started this one is gone, however it died, unless
+    is_done() first. (Not PR_SET_PDEATHSIG: it fires when the launching *thread* exits,
+    which a short-lived thread would do.) Stages and the HTTP workers use it."""
 
     def watch() -> None:
-        while not ctx.stop.wait(0.25):
+        while not is_done():
             if os.getppid() != parent_pid:
                 logger.warning("parent %d is gone: stopping", parent_pid)
-                ctx.is_orphaned = True
-                ctx.stop.set()
+                on_gone()
+                return
+            time.sleep(0.25)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
@@ -61,7 +62,11 @@ class StageContext:
         self.tracer = Tracer(trace, stage, rank)
         self.run_dir = cfg.run_dir
         self.is_orphaned = False  # the launcher died without stopping us
-        _die_with_parent(parent_pid, self)
+        watch_parent(parent_pid, self._orphaned, self.stop.is_set)
+
+    def _orphaned(self) -> None:
+        self.is_orphaned = True
+        self.stop.set()
 
     def ready(self, **info: int) -> None:
         self._control.send(StageReady(self.stage, self.rank, os.getpid(), dict(info)))

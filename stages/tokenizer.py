@@ -5,76 +5,24 @@ A bad request gets its error straight back to its client; nothing else is distur
 from __future__ import annotations
 
 import logging
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ipc.channels import PullChannel, PushChannel, ReplySockets, listen_tcp
 from ipc.codec import Codec, ProtocolError
+from ipc.config import PipelineConfig
 from ipc.messages import (
-    WHOLE_REQUEST,
     AddRequest,
+    ErrorKind,
     RequestOutput,
     RequestOutputs,
-    SamplingParams,
     TokenizedRequest,
 )
-from ipc.rings import MAX_TOP_LOGPROBS  # the width of the sampled-token ring
+from ipc.params import RequestError, validate_params
 from stages.process import stage_process
 from stages.trace import now_ns
 
-if TYPE_CHECKING:
-    from pipeline.config import PipelineConfig
-
 logger = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_N = 128
-MAX_STOP_TOKEN_IDS = 64
-INT64 = 2**63
-
-
-class RequestError(ValueError):
-    """A request a client must fix; the message says what is wrong."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise RequestError(message)
-
-
-INT32 = 2**31
-
-
-def validate_params(p: SamplingParams, vocab_size: int) -> None:
-    """Raise RequestError naming the first parameter out of its range; nothing is clamped."""
-    for name in ("max_tokens", "min_tokens", "top_k", "priority", "n", "logprobs"):
-        value = getattr(p, name)
-        _check(value is None or -INT32 <= value < INT32,
-               f"{name} must fit in 32 bits, got {value}")
-    if p.max_tokens is not None and p.max_tokens < 1:
-        raise RequestError(f"max_tokens must be at least 1, got {p.max_tokens}")
-    _check(p.min_tokens >= 0, f"min_tokens must be >= 0, got {p.min_tokens}")
-    _check(p.max_tokens is None or p.min_tokens <= p.max_tokens,
-           f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise RequestError(f"temperature must be a finite number >= 0, got {p.temperature}")
-    _check(math.isfinite(p.top_p) and 0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}")
-    _check(p.top_k >= -1, f"top_k must be -1 or 0 (off) or a positive count, got {p.top_k}")
-    _check(math.isfinite(p.min_p) and 0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}")
-    _check(p.seed is None or -INT64 <= p.seed < INT64, f"seed must fit in 64 bits, got {p.seed}")
-    _check(math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0,
-           f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(p, name)
-        _check(math.isfinite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
-    _check(all(p.stop), "stop strings must not be empty")
-    _check(1 <= p.n <= MAX_N, f"n must be between 1 and {MAX_N}, got {p.n}")
-    _check(p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS,
-           f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {p.logprobs}")
-    _check(len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
-           f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
-    bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
 class TokenizerCore:
@@ -132,9 +80,9 @@ class TokenizerCore:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def error_output(request_id: str, message: str) -> RequestOutputs:
-    return RequestOutputs([RequestOutput(request_id, "", [], True, "error", message, 0, 0,
-                                         WHOLE_REQUEST)])
+def error_output(request_id: str, kind: ErrorKind, message: str,
+                 param: str | None = None) -> RequestOutputs:
+    return RequestOutputs([RequestOutput.refusal(request_id, kind, message, param)])
 
 
 def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
@@ -142,7 +90,8 @@ def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
     raw = exc.raw
     if (isinstance(raw, list) and len(raw) > 2 and raw[0] == AddRequest.TAG
             and isinstance(raw[1], str) and isinstance(raw[2], str)):
-        replies.send(raw[2], error_output(raw[1], f"invalid request: {exc}"))
+        replies.send(raw[2], error_output(raw[1], ErrorKind.INVALID_REQUEST,
+                                          f"invalid request: {exc}"))
     else:
         logger.error("dropped a malformed message with no reply address: %s", exc)
 
@@ -163,9 +112,11 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
             try:
                 to_scheduler.send(core.process(req))
             except RequestError as exc:
-                replies.send(req.reply_to, error_output(req.request_id, str(exc)))
+                replies.send(req.reply_to, error_output(req.request_id, ErrorKind.INVALID_REQUEST,
+                                                        exc.message, exc.param))
             except Exception as exc:  # a tokenizer bug must not kill the stage
                 logger.exception("request %s failed in the tokenizer", req.request_id)
-                replies.send(req.reply_to, error_output(req.request_id, f"tokenizer error: {exc}"))
+                replies.send(req.reply_to, error_output(req.request_id, ErrorKind.INTERNAL,
+                                                        f"tokenizer error: {exc}"))
             ctx.tracer.span("tokenize", start, now_ns())
         replies.close()

@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from pipeline.model_cache import ModelSetupError, ensure_default_model
+    from pipeline.tools.model_cache import ModelSetupError, ensure_default_model
 
     try:
         return ensure_default_model()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
-from pipeline.launcher import Pipeline
+from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from pipeline.runtime.launcher import Pipeline
 
 
 def live_config(model_dir: Path, *, num_tokenizers: int = 1, num_detokenizers: int = 1,
@@ -22,7 +22,7 @@ def live_config(model_dir: Path, *, num_tokenizers: int = 1, num_detokenizers: i
     return PipelineConfig(
         model=ModelInfo.from_dir(model_dir, max_model_len),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, depth),
-        executor=ExecutorConfig(device, "float32", kv_cache_memory),
+        executor=ExecutorConfig.for_device(device, "float32", kv_cache_memory),
         num_tokenizers=num_tokenizers, num_detokenizers=num_detokenizers, ready_timeout_s=120)
 
 

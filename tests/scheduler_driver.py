@@ -10,8 +10,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ipc.config import EngineLimits
 from ipc.messages import RequestRejected, SamplingParams, TokenDelta, TokenizedRequest
-from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
+from stages.scheduler.core import Scheduler
+from stages.scheduler.planned import PlannedStep
 from stages.scheduler.sequence import SeqStatus, Sequence
 
 EOS = 2
@@ -41,11 +43,26 @@ def sample_key(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
-def make_limits(**overrides: object) -> SchedulerLimits:
-    base = SchedulerLimits(num_blocks=64, block_size=4, max_num_seqs=4,
-                           max_num_batched_tokens=32, max_model_len=64, max_block_updates=64,
-                           eos_token_ids=(EOS,), depth=2)
-    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+@dataclass(frozen=True)
+class DriverLimits:
+    """The engine's limits plus the cache size the executor would have reported."""
+
+    num_blocks: int = 64
+    block_size: int = 4
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 32
+    max_model_len: int = 64
+    eos_token_ids: tuple[int, ...] = (EOS,)
+    depth: int = 2
+
+    @property
+    def engine(self) -> EngineLimits:
+        return EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
+                            self.max_model_len, 1000, self.eos_token_ids, self.depth)
+
+
+def make_limits(**overrides: object) -> DriverLimits:
+    return dataclasses.replace(DriverLimits(), **overrides)  # type: ignore[arg-type]
 
 
 def prompt_of(rid: str, length: int) -> list[int]:
@@ -86,7 +103,7 @@ def freeze(step: PlannedStep) -> Step:
                      r.seq.slot, tuple(r.token_ids), r.context_len, r.do_sample)  # type: ignore[arg-type]
                  for r in step.rows)
     return Step(step.step_id, rows, tuple(step.block_updates),
-                tuple(s.slot for s in step.new_slots))
+                tuple(slot for slot, _ in step.new_slots))
 
 
 class FakeExecutor:
@@ -98,7 +115,7 @@ class FakeExecutor:
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token
         self.tables: dict[int, dict[int, int]] = {}  # slot -> index -> block
         self.last: dict[int, int] = {}  # slot -> last sampled token
-        self.owner: dict[int, str] = {}  # slot -> request id, set by SlotInit
+        self.owner: dict[int, str] = {}  # slot -> request id, set when a sequence takes it
 
     def execute(self, step: Step) -> list[int]:
         for slot in step.new_slots:
@@ -112,7 +129,7 @@ class FakeExecutor:
         return self.tables[slot][pos // self.block_size], pos % self.block_size
 
     def _run(self, row: Row) -> list[int]:
-        assert self.owner.get(row.slot) in ("", row.request_id), "slot used without SlotInit"
+        assert self.owner.get(row.slot) in ("", row.request_id), "slot used before it was taken"
         self.owner[row.slot] = row.request_id
         start = row.context_len - len(row.token_ids)
         for i, tok in enumerate(row.token_ids):
@@ -133,8 +150,8 @@ class Driver:
     """Plays the scheduler process: plans up to `depth` steps ahead, reports the oldest step,
     collects outputs, and checks the core's invariants after every move."""
 
-    def __init__(self, limits: SchedulerLimits, token_fn: TokenFn = plain_token) -> None:
-        self.core = Scheduler(limits)
+    def __init__(self, limits: DriverLimits, token_fn: TokenFn = plain_token) -> None:
+        self.core = Scheduler(limits.engine, limits.num_blocks)
         self.limits = limits
         self.executor = FakeExecutor(limits.block_size, token_fn)
         self.pending: deque[Step] = deque()
@@ -237,11 +254,14 @@ class Driver:
         for seq in all_seqs:
             held.extend(seq.blocks)
             assert len(seq.blocks) == len(set(seq.blocks))
-            if seq.status is SeqStatus.WAITING:
+            if seq.status in (SeqStatus.WAITING, SeqStatus.HELD):
                 assert not seq.blocks and seq.slot is None and seq.num_computed == 0
                 assert seq.num_inflight == 0
-                assert seq in core.waiting or seq in core._held.get(seq.request_id, [])
-            elif seq.status is SeqStatus.RUNNING:
+                if seq.status is SeqStatus.WAITING:
+                    assert seq in core.waiting
+                else:
+                    assert seq in core._held.get(seq.request_id, [])
+            elif seq.status in (SeqStatus.RUNNING, SeqStatus.PREEMPTING):
                 assert len(seq.blocks) == -(-seq.num_computed // limits.block_size)
                 assert seq.slot is not None and seq in core.running
             else:
@@ -267,7 +287,7 @@ def expected_tokens(rid: str, count: int, token_fn: TokenFn = plain_token) -> li
     return [token_fn(rid, j) for j in range(count)]
 
 
-def run_all(limits: SchedulerLimits, arrivals: dict[int, list[TokenizedRequest]],
+def run_all(limits: DriverLimits, arrivals: dict[int, list[TokenizedRequest]],
             token_fn: TokenFn = plain_token) -> Driver:
     driver = Driver(limits, token_fn)
     driver.run(arrivals)

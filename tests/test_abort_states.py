@@ -43,7 +43,7 @@ def running(s: Sequence) -> bool:
 
 
 def being_preempted(s: Sequence) -> bool:
-    return s.is_preempting
+    return s.status is SeqStatus.PREEMPTING
 
 
 def preempted_waiting(s: Sequence) -> bool:

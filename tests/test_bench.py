@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from tiny_model import build_tiny_llama
 
-from pipeline import bench
-from pipeline.bench_serve import RequestRecord, arrival_times, summarize
-from pipeline.datasets import random_prompts, synthetic_chat
+from pipeline.tools import bench
+from pipeline.tools.bench_serve import RequestRecord, arrival_times, summarize
+from pipeline.tools.datasets import random_prompts, synthetic_chat
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,6 +18,8 @@ from ipc.messages import (
     ChatMessage,
     DetokBatch,
     DetokRequestInfo,
+    ErrorKind,
+    FinishReason,
     Message,
     PipelineStatus,
     RequestOutput,
@@ -25,10 +27,10 @@ from ipc.messages import (
     SampledTokens,
     SamplingParams,
     SchedulerStats,
-    SlotInit,
     StageFailed,
     StageReady,
     StepPlan,
+    StopSample,
     TokenDelta,
     TokenizedRequest,
 )
@@ -57,8 +59,9 @@ SAMPLES: list[Message] = [
         RequestOutput("b", "", [], True, "length", None, 3, 16),
         RequestOutput("c", "", [], True, "error", "prompt too long ✗", 0, 0),
     ]),
-    StepPlan(17, 1, 3, 130, 9, 2, [SlotInit(0, 0.0), SlotInit(5, 1.3)]),
-    StepPlan(0, 0, 1, 1, 0, 1, []),
+    StepPlan(17, 1, 3, 130, 9, 2, 5),
+    StepPlan(0, 0, 1, 1, 0, 0, 0),
+    StopSample("req-1", 2),
     SampledTokens(17, 1, 2, 10.5, 10.75),
     StageReady("executor", 0, 4242, {"num_kv_blocks": 1024, "max_num_seqs": 8}),
     StageReady("tokenizer", 3, 17, {}),
@@ -241,8 +244,22 @@ def test_int_is_accepted_for_float_fields() -> None:
     msg = ALL.decode(pack([SampledTokens.TAG, 3, 0, 1, 10, 11]))
     assert msg == SampledTokens(3, 0, 1, 10.0, 11.0)
     assert isinstance(msg, SampledTokens) and type(msg.device_start) is float
-    slot = Codec([StepPlan]).decode(pack([StepPlan.TAG, 0, 0, 1, 1, 0, 1, [[2, 1]]]))
-    assert isinstance(slot, StepPlan) and type(slot.new_slots[0].temperature) is float
+    nested = ALL.decode(pack([RequestOutputs.TAG,
+                              [["r", "", [5], True, None, None, 0, 1, 0, None, [[5, -1]]]]]))
+    assert isinstance(nested, RequestOutputs)
+    logprobs = nested.outputs[0].logprobs
+    assert logprobs is not None and type(logprobs[0].logprob) is float
+
+
+def test_finish_reasons_and_error_kinds_decode_as_their_enums() -> None:
+    out = RequestOutput.refusal("r", ErrorKind.INVALID_REQUEST, "bad", "top_p", 3)
+    back = ALL.decode(encode(RequestOutputs([out])))
+    assert isinstance(back, RequestOutputs) and back.outputs == [out]
+    assert back.outputs[0].finish_reason is FinishReason.ERROR
+    assert back.outputs[0].error_kind is ErrorKind.INVALID_REQUEST
+    raw = [RequestOutputs.TAG, [["r", "", [], True, "exploded", None, 0, 0]]]
+    with pytest.raises(ProtocolError, match="'exploded' is not a FinishReason"):
+        ALL.decode(pack(raw))
 
 
 def test_defaulted_trailing_fields_may_be_omitted() -> None:

@@ -32,7 +32,7 @@ def test_greedy_matches_transformers(tiny_model_dir: Path, depth: int, budget: i
                              eos_token_ids=_eos(tiny_model_dir))
     got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert got == expected
-    assert engine.scheduler.allocator.num_free == engine.limits.num_blocks
+    assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks
 
 
 def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path) -> None:
@@ -45,11 +45,11 @@ def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path) -> None:
     got = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
     assert got == expected
     assert engine.scheduler.num_preemptions > 0
-    assert engine.scheduler.allocator.num_free == engine.limits.num_blocks
+    assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks
 
 
 def _eos(model_dir: Path) -> tuple[int, ...]:
-    from pipeline.config import ModelInfo
+    from ipc.config import ModelInfo
 
     return ModelInfo.from_dir(model_dir).eos_token_ids
 

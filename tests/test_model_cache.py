@@ -1,4 +1,4 @@
-"""Tests for pipeline.model_cache: cache location, atomic publishing, and the real conversion."""
+"""Tests for pipeline.tools.model_cache: cache location, atomic publishing, the conversion."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import model_cache
-from pipeline.model_cache import (
+from pipeline.tools import model_cache
+from pipeline.tools.model_cache import (
     CACHE_ENV,
     COMPLETE_MARKER,
     REQUIRED_FILES,

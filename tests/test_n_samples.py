@@ -8,8 +8,8 @@ from pathlib import Path
 from scheduler_driver import Driver, expected_tokens, make_limits, prompt_of, sample_key
 
 from ipc.messages import SamplingParams, TokenizedRequest
+from ipc.sampling import sample_seed
 from stages.inprocess import InProcessEngine
-from stages.scheduler.core import sample_seed
 
 
 def test_samples_share_the_prompt_blocks_and_free_them_all() -> None:
@@ -58,7 +58,7 @@ def test_one_sample_can_stop_while_the_others_run() -> None:
                                 0.0))
     for _ in range(6):
         driver.tick()
-    driver.core.abort("r", "stop", 1)  # as a detokenizer that found a stop string
+    driver.core.stop_sample("r", 1)  # as a detokenizer that found a stop string
     driver.run()
     driver.check_idle()
     assert driver.finished["r#1"].finish_reason == "stop"
@@ -87,15 +87,15 @@ def test_real_samples_differ_and_are_reproducible(tiny_model_dir: Path) -> None:
     alone = engine.run([("z", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=11,
                                                      ignore_eos=True))])
     assert alone["z", 0].token_ids == samples[0]  # sample 0 uses the request's own seed
-    assert engine.scheduler.allocator.num_free == engine.limits.num_blocks
+    assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks
 
 
 def test_ending_sample_zero_before_admission_releases_its_siblings() -> None:
     driver = Driver(make_limits(num_blocks=40, block_size=4, max_num_seqs=8))
     driver.add(TokenizedRequest("r", "c", prompt_of("r", 6), SamplingParams(max_tokens=3, n=3),
                                 0.0))
-    driver.core.abort("r", "abort", 0)  # only sample 0, while all three are still queued
+    driver.core.stop_sample("r", 0)  # only sample 0, while all three are still queued
     driver.run()
     driver.check_idle()
-    assert driver.finished["r"].finish_reason == "abort"
+    assert driver.finished["r"].finish_reason == "stop"
     assert [len(driver.outputs["r#1"]), len(driver.outputs["r#2"])] == [3, 3]

@@ -10,15 +10,16 @@ from typing import Any
 import pytest
 
 from ipc.messages import RequestOutput, SamplingParams, SchedulerStats, TokenLogprob
-from pipeline.openai_api import (
+from ipc.outputs import SampleResult
+from pipeline.server.app import ServerOptions
+from pipeline.server.limits import RateLimiter
+from pipeline.server.openai_api import (
     ApiError,
-    Choice,
     chunk_json,
     parse_chat,
     parse_completion,
     response_json,
 )
-from pipeline.server import RateLimiter, ServerOptions
 
 V = 1000
 
@@ -106,7 +107,7 @@ def test_chat_errors_name_the_message_field() -> None:
 
 def test_response_and_chunk_shapes() -> None:
     lp = TokenLogprob(5, -0.5, [5, 6], [-0.5, -1.5], "hi", ["hi", "ho"])
-    c = Choice(0, "hi", [5], [lp], "stop", "END")
+    c = SampleResult(0, "hi", [5], [lp], "stop", "END")
     body = response_json("cmpl-1", "m", False, [c], 3, True)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "hi"
     assert body["choices"][0]["logprobs"] == {"tokens": ["hi"], "token_logprobs": [-0.5],
@@ -160,7 +161,7 @@ class FakeClient:
 def test_overload_and_outage_answer_503_with_retry_after(tmp_path: Any,
                                                          monkeypatch: Any) -> None:
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    from pipeline.server import FrontEnd
+    from pipeline.server.app import FrontEnd
 
     busy = SchedulerStats(*range(7), 5, 1, 6, 0, 0)  # num_waiting = 5
     front = FrontEnd(FakeClient(FakeHealth(True, None, busy)),  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from live import live_config, running
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
-from pipeline.client import PipelineClient
+from pipeline.runtime.client import PipelineClient
 
 pytestmark = pytest.mark.timeout(240)
 

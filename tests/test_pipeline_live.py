@@ -12,7 +12,7 @@ from live import alive, kill_pids, live_config, shm_segments
 from tiny_model import hf_greedy
 
 from ipc.messages import ChatMessage, SamplingParams
-from pipeline.launcher import Pipeline
+from pipeline.runtime.launcher import Pipeline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,7 +118,7 @@ def test_startup_failure_names_the_stage_and_leaves_nothing(tiny_model_dir: Path
                                                            tmp_path: Path) -> None:
     import shutil
 
-    from pipeline.launcher import StartupError
+    from pipeline.runtime.launcher import StartupError
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
@@ -131,7 +131,7 @@ def test_startup_failure_names_the_stage_and_leaves_nothing(tiny_model_dir: Path
 
 
 def test_cache_smaller_than_one_sequence_is_refused(tiny_model_dir: Path) -> None:
-    from pipeline.launcher import StartupError
+    from pipeline.runtime.launcher import StartupError
 
     pipe = Pipeline(live_config(tiny_model_dir, kv_cache_memory=64 * 1024))
     with pytest.raises(StartupError, match="raise --kv-cache-memory or lower --max-model-len"):
@@ -144,7 +144,7 @@ def test_a_request_with_a_bad_reply_address_does_not_kill_the_tokenizer(
     import zmq
 
     from ipc.codec import encode
-    from pipeline.client import make_add_request
+    from pipeline.runtime.client import make_add_request
 
     ctx = zmq.Context()
     try:
@@ -167,7 +167,7 @@ def test_a_stage_dying_mid_run_fails_requests_and_stops_everything(tiny_model_di
     import signal
     import time
 
-    from pipeline.client import PipelineError
+    from pipeline.runtime.client import PipelineError
 
     pipe = Pipeline(live_config(tiny_model_dir, max_num_seqs=4))
     pids: list[int] = []

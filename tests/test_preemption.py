@@ -11,8 +11,8 @@ import pytest
 from scheduler_driver import Driver, make_limits, make_request, results, run_all
 from tiny_model import hf_greedy
 
+from ipc.config import ModelInfo
 from ipc.messages import SamplingParams
-from pipeline.config import ModelInfo
 from stages.inprocess import InProcessEngine
 
 
@@ -42,11 +42,11 @@ def test_a_just_resumed_sequence_is_not_the_next_victim(c_just_resumed: bool) ->
     driver.tick()  # all three admitted: 2 blocks each, 1 free
     c = driver.core.seq("c")
     if c_just_resumed:  # as _admit marks a re-admitted victim
-        c.outputs_at_resume = len(c.output_ids) + 1  # its token in flight is not new yet
+        c.resumed_at = len(c.output_ids) + 1  # its token in flight is not new yet
     while driver.core.num_preemptions == 0:
         driver.tick()
         if c_just_resumed:
-            c.outputs_at_resume = len(c.output_ids)
+            c.resumed_at = len(c.output_ids)
     victim = next(s for seqs in driver.core.requests.values() for s in seqs
                   if s.num_preemptions)
     assert victim.request_id == ("b" if c_just_resumed else "c")
@@ -60,7 +60,7 @@ def test_is_just_resumed_guards_only_until_a_new_token() -> None:
     driver.add(make_request("a", 4, max_tokens=16))
     seq = driver.core.requests["a"][0]
     assert not seq.is_just_resumed
-    seq.outputs_at_resume = len(seq.output_ids)
+    seq.resumed_at = len(seq.output_ids)
     assert seq.is_just_resumed
     seq.output_ids.append(7)
     assert not seq.is_just_resumed
@@ -103,4 +103,4 @@ def test_real_model_under_a_tiny_cache_gives_greedy_outputs(tiny_model_dir: Path
         got = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0))
         assert got == expected
         assert engine.scheduler.num_preemptions > 0
-        assert engine.scheduler.allocator.num_free == engine.limits.num_blocks
+        assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks

@@ -178,4 +178,4 @@ def test_greedy_outputs_with_hits_and_after_eviction(tiny_model_dir: Path) -> No
     assert engine.scheduler.allocator.num_evictions > 0
     after = engine.run([(f"q{i}", p, params) for i, p in enumerate(prompts)])
     assert [after[f"q{i}", 0].token_ids for i in range(4)] == expected[:4]
-    assert engine.scheduler.allocator.num_free == engine.limits.num_blocks
+    assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from scheduler_driver import Driver, make_limits, make_request
 
+from stages.scheduler.sequence import SeqStatus
+
 
 def admitted_order(driver: Driver) -> list[str]:
     order: list[str] = []
@@ -62,12 +64,12 @@ def test_priority_outranks_the_just_resumed_guard() -> None:
     driver = three_on_a_small_cache([("high", 0), ("mid", 1), ("low", 3)])
     driver.tick()
     low = driver.core.seq("low")
-    low.num_preemptions, low.outputs_at_resume = 1, len(low.output_ids) + 1  # as if resumed
+    low.num_preemptions, low.resumed_at = 1, len(low.output_ids) + 1  # as if resumed
     while driver.core.num_preemptions == 0:
         driver.tick()
-        if low.num_preemptions == 1 and not low.is_preempting:
-            low.outputs_at_resume = len(low.output_ids)
-    assert low.is_preempting or low.status.value == "waiting"
+        if low.num_preemptions == 1 and low.status is not SeqStatus.PREEMPTING:
+            low.resumed_at = len(low.output_ids)
+    assert low.status is SeqStatus.PREEMPTING or low.status.value == "waiting"
     assert driver.core.seq("mid").num_preemptions == 0
     driver.run()
     driver.check_idle()

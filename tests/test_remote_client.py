@@ -16,9 +16,9 @@ import zmq
 from live import live_config, running
 
 from ipc.channels import PushChannel
+from ipc.config import Endpoints
 from ipc.messages import SamplingParams, TokenizedRequest
-from pipeline.client import PipelineError, fetch_endpoints
-from pipeline.config import Endpoints
+from pipeline.runtime.client import PipelineError, fetch_endpoints
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENT = textwrap.dedent("""
     import asyncio, json, sys
     from ipc.messages import SamplingParams
-    from pipeline.client import PipelineClient
+    from pipeline.runtime.client import PipelineClient
 
     client = PipelineClient.connect(sys.argv[1])
     health = client.wait_for_status()

@@ -1,5 +1,6 @@
-"""The step-input ring never hands the executor a slot that is being rewritten: the stamps
-that bracket each write are checked before and after the executor copies a slot out."""
+"""The step protocol's shared memory (ipc/step.py): a step written by the scheduler reads back
+exactly, and the ring never hands the executor a slot that is being rewritten: the stamps that
+bracket each write are checked before and after the executor copies a slot out."""
 
 from __future__ import annotations
 
@@ -7,23 +8,32 @@ import numpy as np
 import pytest
 import torch
 
+from ipc.config import EngineLimits
 from ipc.messages import SamplingParams, StepPlan, TokenizedRequest
-from ipc.rings import RingRaceError, check_stamp, step_input_specs
+from ipc.sampling import encode_slot
+from ipc.step import (
+    RingRaceError,
+    check_stamp,
+    local_buffers,
+    read_step,
+    staging_nbytes,
+    step_input_specs,
+    write_step,
+)
 from stages.executor.sampler import HostSlotParams
-from stages.executor.step_inputs import prepare_host_step, staging_size
-from stages.scheduler.core import Scheduler, SchedulerLimits
-from stages.scheduler.process import make_plan, write_step
+from stages.executor.step_inputs import prepare_host_step, unpack
+from stages.scheduler.core import Scheduler
 
-SEQS, TOKENS, UPDATES = 4, 64, 64
+SEQS, TOKENS = 4, 64
+LIMITS = EngineLimits(SEQS, TOKENS, 4, 128, 100, (2,), depth=2)
 
 
 def _ring() -> dict[str, np.ndarray]:
-    return {s.name: np.zeros(s.shape, dtype=s.dtype)
-            for s in step_input_specs(SEQS, TOKENS, UPDATES)}
+    return local_buffers(step_input_specs(LIMITS))
 
 
 def _planned_step(step_count: int = 1) -> tuple[Scheduler, list]:
-    core = Scheduler(SchedulerLimits(64, 4, SEQS, TOKENS, 128, UPDATES, (), depth=2))
+    core = Scheduler(LIMITS, 64)
     for i in range(3):
         core.add_request(TokenizedRequest(str(i), "", [5, 6, 7, 8, 9], SamplingParams(max_tokens=5),
                                           0.0))
@@ -31,41 +41,77 @@ def _planned_step(step_count: int = 1) -> tuple[Scheduler, list]:
 
 
 def _prepare(plan: StepPlan, ring: dict[str, np.ndarray]) -> None:
-    staging = torch.zeros(staging_size(SEQS, TOKENS, UPDATES, 0), dtype=torch.int64)
-    prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), plan.ring_slot)
+    staging = torch.zeros(staging_nbytes(LIMITS), dtype=torch.uint8)
+    prepare_host_step(plan, ring, staging, HostSlotParams(SEQS))
+
+
+def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=-3, min_tokens=2, logprobs=4)
+    row = encode_slot(params, 5, 1)
+    ring = _ring()
+    plan = write_step(ring, 9, 2, input_ids=[5, 6, 7, -1], seq_slots=[3, 1],
+                      query_lens=[3, 1], context_lens=[3, 8], do_sample=[True, False],
+                      block_updates=[(3, 0, 11), (1, 2, 40)], new_slots=[(3, row)],
+                      stop_ids=[(3, 2), (3, 7)])
+    assert plan == StepPlan(9, 2, 2, 4, 2, 1, 2)
+    got = read_step(ring, plan)
+    assert got.input_ids.tolist() == [5, 6, 7, -1]
+    assert got.seq_slots.tolist() == [3, 1] and got.query_lens.tolist() == [3, 1]
+    assert got.context_lens.tolist() == [3, 8] and got.do_sample.tolist() == [True, False]
+    assert list(zip(got.bt_slot.tolist(), got.bt_index.tolist(), got.bt_block.tolist(),
+                    strict=True)) == [(3, 0, 11), (1, 2, 40)]
+    assert got.new_slots.tolist() == [3]
+    assert got.new_fparams[0].tolist() == pytest.approx(row[0])
+    assert got.new_iparams[0].tolist() == row[1]
+    assert list(zip(got.stop_slots.tolist(), got.stop_ids.tolist(), strict=True)) == [(3, 2),
+                                                                                        (3, 7)]
+    staging = torch.zeros(staging_nbytes(LIMITS), dtype=torch.uint8)
+    host = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS))
+    v = unpack(host.packed, host.counts)
+    assert v["input_ids"].tolist() == [5, 6, 7, -1]
+    assert v["positions"].tolist() == [0, 1, 2, 7]  # the decode row sits at context 8
+    assert v["logits_indices"].tolist() == [2] and v["sample_slots"].tolist() == [3]
+    assert v["decode_slots"].tolist() == [1] and v["decode_lens"].tolist() == [8]
+    assert v["new_fparams"].view(1, -1).tolist()[0] == pytest.approx(row[0])
+    assert v["new_iparams"].tolist() == row[1]
+    assert v["stop_ids"].tolist() == [2, 7]
+    assert host.sampling.use_seed and host.sampling.use_logprobs and host.sampling.use_min_tokens
 
 
 def test_a_completely_written_slot_is_accepted() -> None:
     _, (step,) = _planned_step()
     ring = _ring()
-    write_step(step, ring)
-    _prepare(make_plan(step), ring)
+    _prepare(step.write(ring), ring)
 
 
 def test_a_slot_half_rewritten_by_the_next_step_is_refused() -> None:
     _, (step,) = _planned_step()
     ring = _ring()
-    write_step(step, ring)
+    plan = step.write(ring)
     ring["stamp"][0] = step.step_id + 3  # a later step began writing into the same slot
     with pytest.raises(RingRaceError, match="rewritten before the executor finished"):
-        _prepare(make_plan(step), ring)
+        _prepare(plan, ring)
 
 
-def test_a_slot_rewritten_while_it_is_being_read_is_refused(monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
-    """The writer starts on the slot in the middle of the executor's copy."""
+class _RewrittenWhileRead(dict):  # type: ignore[type-arg]
+    """A ring slot whose writer starts on it while the executor is copying it out."""
+
+    def __init__(self, ring: dict[str, np.ndarray], step_id: int) -> None:
+        super().__init__(ring)
+        self.step_id = step_id
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name == "new_fparams":  # in the middle of the copy
+            super().__getitem__("stamp")[0] = self.step_id + 3
+        return super().__getitem__(name)
+
+
+def test_a_slot_rewritten_while_it_is_being_read_is_refused() -> None:
     _, (step,) = _planned_step()
     ring = _ring()
-    write_step(step, ring)
-    real_cumsum = np.cumsum
-
-    def cumsum_while_rewritten(*args, **kwargs):  # type: ignore[no-untyped-def]
-        ring["stamp"][0] = step.step_id + 3
-        return real_cumsum(*args, **kwargs)
-
-    monkeypatch.setattr(np, "cumsum", cumsum_while_rewritten)
+    plan = step.write(ring)
     with pytest.raises(RingRaceError):
-        _prepare(make_plan(step), ring)
+        _prepare(plan, _RewrittenWhileRead(ring, step.step_id))
 
 
 def test_scheduler_never_reuses_a_ring_slot_still_in_flight() -> None:

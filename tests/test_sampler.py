@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from ipc.messages import SlotInit
+from ipc.messages import SamplingParams
+from ipc.sampling import SlotRow, encode_slot
 from stages.executor.sampler import (
     SamplingState,
     StepSampling,
@@ -46,14 +47,21 @@ def allowed_reference(row: torch.Tensor, temperature: float, k: int, p: float,
     return set(keep)
 
 
-def state_with(params: list[SlotInit]) -> SamplingState:
-    state = SamplingState(len(params), V, torch.device("cpu"))
-    from stages.executor.sampler import slot_params
+def Slot(slot: int, temperature: float, top_p: float = 1.0, top_k: int = 0,  # noqa: N802
+         min_p: float = 0.0, *, num_prompt_tokens: int = 0, stop_ids: tuple[int, ...] = (),
+         **fields: object) -> tuple[int, SlotRow, tuple[int, ...]]:
+    """Slot `slot` encoded from these parameters, as the scheduler lays it out."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            **fields)  # type: ignore[arg-type]
+    return slot, encode_slot(params, num_prompt_tokens), stop_ids
 
-    f = torch.tensor([slot_params(p)[0] for p in params], dtype=torch.float32)
-    i = torch.tensor([slot_params(p)[1] for p in params], dtype=torch.int64)
-    stops = [(p.slot, t) for p in params for t in p.stop_ids]
-    state.init_slots(torch.arange(len(params)), f, i,
+
+def state_with(params: list[tuple[int, SlotRow, tuple[int, ...]]]) -> SamplingState:
+    state = SamplingState(len(params), V, torch.device("cpu"))
+    f = torch.tensor([row[0] for _, row, _ in params], dtype=torch.float32)
+    i = torch.tensor([row[1] for _, row, _ in params], dtype=torch.int64)
+    stops = [(slot, t) for slot, _, ids in params for t in ids]
+    state.init_slots(torch.arange(len(params)), f.view(-1), i.view(-1),
                      torch.tensor([s for s, _ in stops], dtype=torch.int64),
                      torch.tensor([t for _, t in stops], dtype=torch.int64))
     return state
@@ -66,7 +74,7 @@ CASES = [(1.0, 5, 1.0, 0.0), (0.7, 0, 0.8, 0.0), (1.3, 10, 0.5, 0.0), (1.0, 0, 1
 def test_top_k_top_p_min_p_never_leave_the_allowed_set() -> None:
     torch.manual_seed(0)
     logits = torch.randn(len(CASES), V) * 3
-    params = [SlotInit(s, t, p, k, m) for s, (t, k, p, m) in enumerate(CASES)]
+    params = [Slot(s, t, p, k, m) for s, (t, k, p, m) in enumerate(CASES)]
     state = state_with(params)
     flags = StepSampling(all_greedy=False, use_top_k_p=True, use_min_p=True)
     allowed = [allowed_reference(logits[s], t, k, p, m) for s, (t, k, p, m) in enumerate(CASES)]
@@ -121,7 +129,7 @@ def test_penalties_follow_the_formulas() -> None:
 
 
 def test_counted_tokens_are_split_by_the_prompt_length() -> None:
-    state = state_with([SlotInit(0, 0.0, num_prompt_tokens=3), SlotInit(1, 0.0,
+    state = state_with([Slot(0, 0.0, num_prompt_tokens=3), Slot(1, 0.0,
                                                                           num_prompt_tokens=1)])
     ids = torch.tensor([4, 4, 6, 4, 8, 8])  # slot 0: prompt 4 4 6, output 4; slot 1: 8 | 8
     slots = torch.tensor([0, 0, 0, 0, 1, 1])
@@ -141,8 +149,8 @@ def test_counted_tokens_are_split_by_the_prompt_length() -> None:
 def test_min_tokens_hides_stop_ids_until_enough_tokens() -> None:
     logits = torch.zeros(2, V)
     logits[:, 3] = 10.0  # the stop id is by far the most likely
-    state = state_with([SlotInit(0, 0.0, min_tokens=2, num_prompt_tokens=4, stop_ids=[3]),
-                        SlotInit(1, 0.0, min_tokens=2, num_prompt_tokens=4, stop_ids=[3])])
+    state = state_with([Slot(0, 0.0, min_tokens=2, num_prompt_tokens=4, stop_ids=[3]),
+                        Slot(1, 0.0, min_tokens=2, num_prompt_tokens=4, stop_ids=[3])])
     flags = StepSampling(use_min_tokens=True)
     # positions of the last input token: 3 -> output 0, 5 -> output 2
     out = state.sample(logits, torch.tensor([0, 1]), torch.tensor([3, 5]), flags)
@@ -167,8 +175,8 @@ def test_seeded_noise_depends_only_on_seed_and_position() -> None:
 def test_a_seeded_row_draws_the_same_token_in_any_batch() -> None:
     torch.manual_seed(3)
     logits = torch.randn(4, V)
-    params = [SlotInit(0, 1.0, seed=42), SlotInit(1, 1.0), SlotInit(2, 1.0, seed=42),
-              SlotInit(3, 0.9, top_p=0.9, seed=1)]
+    params = [Slot(0, 1.0, seed=42), Slot(1, 1.0), Slot(2, 1.0, seed=42),
+              Slot(3, 0.9, top_p=0.9, seed=1)]
     state = state_with(params)
     flags = StepSampling(all_greedy=False, use_top_k_p=True, use_seed=True)
     positions = torch.tensor([5, 5, 6, 5])
@@ -185,8 +193,8 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch() -> None:
 def test_logprobs_are_the_raw_log_softmax() -> None:
     torch.manual_seed(4)
     logits = torch.randn(2, V)
-    state = state_with([SlotInit(0, 0.0, repetition_penalty=1.5, logprobs=3),
-                        SlotInit(1, 1.0, logprobs=0)])
+    state = state_with([Slot(0, 0.0, repetition_penalty=1.5, logprobs=3),
+                        Slot(1, 1.0, logprobs=0)])
     flags = StepSampling(all_greedy=False, use_logprobs=True)
     out = state.sample(logits, torch.arange(2), torch.zeros(2, dtype=torch.int64), flags)
     ref = torch.log_softmax(logits, dim=-1)

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from ipc.messages import SamplingParams
+from ipc.params import RequestError, validate_params
 from pipeline.cli import build_parser, sampling_params
-from stages.tokenizer import RequestError, validate_params
 
 BAD = [
     ({"min_tokens": -1}, "min_tokens must be >= 0"),
@@ -38,8 +38,10 @@ BAD = [
 
 @pytest.mark.parametrize(("fields", "message"), BAD, ids=[str(f) for f, _ in BAD])
 def test_a_bad_parameter_is_named(fields: dict[str, object], message: str) -> None:
-    with pytest.raises(RequestError, match=message):
+    with pytest.raises(RequestError, match=message) as info:
         validate_params(SamplingParams(**fields), 100)  # type: ignore[arg-type]
+    named = "min_tokens" if "max_tokens" in fields else next(iter(fields))
+    assert info.value.param == named  # the field itself, not parsed out of the message
 
 
 GOOD = [{"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"top_p": 1.0}, {"top_p": 0.01},

@@ -12,7 +12,7 @@ import pytest
 from live import live_config, running
 
 from ipc.messages import SamplingParams
-from pipeline.client import CompletionOutput, PipelineClient
+from pipeline.runtime.client import CompletionOutput, PipelineClient
 
 pytestmark = pytest.mark.timeout(240)
 

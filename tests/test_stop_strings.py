@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from ipc.messages import AbortRequest, DetokBatch, DetokRequestInfo, RequestOutput, TokenDelta
+from ipc.messages import DetokBatch, DetokRequestInfo, RequestOutput, StopSample, TokenDelta
 from stages.detokenizer import Detokenizer, find_stop, hold_back
 
 CLIENT = "ipc:///tmp/client"
@@ -64,7 +64,7 @@ def test_a_stop_string_split_across_tokens_is_cut(tokenizer: Tokenizer, chunk: i
     assert "".join(o.text for o in outs) == "The answer is forty-two. EN"
     last = outs[-1]
     assert last.finished and last.finish_reason == "stop" and last.stop_reason == "D of"
-    assert detok.stopped == [AbortRequest("r", "stop", 0)]
+    assert detok.stopped == [StopSample("r", 0)]
     # token ids end with the token that completed the stop string; nothing after it
     out_ids = [t for o in outs for t in o.token_ids]
     assert out_ids == ids[:len(out_ids)]
@@ -134,7 +134,7 @@ def test_samples_stop_independently(tokenizer: Tokenizer) -> None:
     s0, s1 = out[CLIENT]
     assert (s0.index, s0.text, s0.finished, s0.stop_reason) == (0, "red ", True, "green")
     assert (s1.index, s1.finished) == (1, False) and "cyan" in s1.text
-    assert detok.stopped == [AbortRequest("r", "stop", 0)]
+    assert detok.stopped == [StopSample("r", 0)]
     detok.feed(DetokBatch([], [TokenDelta("r", [], "stop", None, 0)]))
     assert "r" in detok.requests  # sample 1 still runs
     out = detok.feed(DetokBatch([], [TokenDelta("r", [], "length", None, 1)]))

@@ -12,14 +12,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from ipc.codec import Codec, ProtocolError, encode
-from ipc.messages import AddRequest, ChatMessage, RequestOutputs, SamplingParams, TokenizedRequest
-from stages.tokenizer import (
-    RequestError,
-    TokenizerCore,
-    _reject_malformed,
-    error_output,
-    validate_params,
+from ipc.messages import (
+    AddRequest,
+    ChatMessage,
+    ErrorKind,
+    RequestOutputs,
+    SamplingParams,
+    TokenizedRequest,
 )
+from ipc.params import RequestError, validate_params
+from stages.tokenizer import TokenizerCore, _reject_malformed, error_output
 
 REPLY = "ipc:///tmp/client-reply"
 PROMPT = "Héllo wörld, 日本語のテキスト 🚀 The quick brown fox."
@@ -206,10 +208,11 @@ class _FakeReplies:
 
 
 def test_error_output_shape() -> None:
-    (out,) = error_output("r9", "no good").outputs
+    (out,) = error_output("r9", ErrorKind.INVALID_REQUEST, "no good", "top_p").outputs
     assert (out.request_id, out.text, out.token_ids, out.finished, out.finish_reason,
             out.error, out.num_prompt_tokens, out.num_output_tokens) == (
         "r9", "", [], True, "error", "no good", 0, 0)
+    assert (out.error_kind, out.error_param) == (ErrorKind.INVALID_REQUEST, "top_p")
 
 
 def _protocol_error(raw: Any) -> ProtocolError:

@@ -11,7 +11,7 @@ from typing import Any
 
 def build_tiny_llama(folder: Path, **kwargs: Any) -> Path:
     """A tiny random Llama (2 layers, hidden 64, GQA) and its offline tokenizer."""
-    from pipeline.random_model import build_random_llama
+    from pipeline.tools.random_model import build_random_llama
 
     return build_random_llama(folder, **kwargs)
 

@@ -1,12 +1,14 @@
-"""Where steps run, in the executor process. The host thread prepares step N+1 while the
-device runs step N; each device reports a finished step with its busy interval.
+"""Where steps run, in the executor process. The host loop prepares step N+1 while the device
+runs step N; each device reports a finished step with its busy interval. Each device owns its
+threads: `serve(host_loop, stop)` runs the host loop where that device wants it, and
+`make_device` is the one place that picks the device for a runner.
 
-ThreadDevice: the CPU (or the timed instrument): the main thread executes queued steps in order
-while a host thread prepares the next (PyTorch releases the GIL inside kernels); completion
+CpuDevice: the CPU (or the timed instrument): the main thread executes queued steps in order
+while a host thread runs the host loop (PyTorch releases the GIL inside kernels); completion
 flags are the queue itself.
-CudaDevice: copy, compute and device->host streams ordered by CUDA events; the staging buffers
-and the sampled-token ring are page-locked; a notifier thread waits on each step's last event,
-never the host loop.
+CudaDevice: the host loop runs on the main thread and launches each step on copy, compute and
+device->host streams ordered by CUDA events; the staging buffers and the sampled-token ring are
+page-locked; a notifier thread waits on each step's last event, never the host loop.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ipc.shm import SharedRing
+from stages.executor.runner import Runner
 from stages.executor.sampler import SampleOutput
 from stages.executor.step_inputs import HostStep
 from stages.trace import now_ns
@@ -32,10 +35,14 @@ logger = logging.getLogger(__name__)
 OnDone = Callable[[HostStep, int, bool, int, int], None]
 
 
-class Runner(Protocol):
-    device: torch.device
+HostLoop = Callable[[], None]  # receives plans and submit()s them until told to stop
 
-    def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput: ...
+
+def make_device(runner: Runner, sampled: SharedRing, on_done: OnDone) -> CpuDevice | CudaDevice:
+    """The device that runs `runner`'s steps: CUDA streams for a CUDA runner, else the CPU."""
+    if runner.device.type == "cuda":
+        return CudaDevice(runner, sampled, on_done)
+    return CpuDevice(runner, sampled, on_done)
 
 
 def _with_logprobs(out: SampleOutput) -> list[tuple[str, torch.Tensor]]:
@@ -47,10 +54,10 @@ def _with_logprobs(out: SampleOutput) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
-class ThreadDevice:
-    """Runs queued steps in order on the thread that calls run(): the process's main thread,
-    because PyTorch's CPU kernels ran 15-25% slower when called from another thread here
-    (measured on the limit loop). The host loop then runs on a second thread."""
+class CpuDevice:
+    """Runs queued steps in order on the process's main thread, because PyTorch's CPU kernels
+    ran 15-25% slower when called from another thread here (measured on the limit loop); the
+    host loop runs on a second thread."""
 
     def __init__(self, runner: Runner, sampled: SharedRing, on_done: OnDone) -> None:
         self.runner, self.sampled, self.on_done = runner, sampled, on_done
@@ -64,6 +71,29 @@ class ThreadDevice:
 
     def submit(self, step: HostStep) -> None:
         self._queue.put(step)
+
+    def serve(self, host_loop: HostLoop, stop: threading.Event) -> None:
+        """Run host_loop on a thread and the steps it submits here, until stop is set."""
+        failure: list[BaseException] = []
+
+        def host() -> None:
+            try:
+                host_loop()
+            except BaseException as exc:
+                failure.append(exc)
+                stop.set()
+
+        thread = threading.Thread(target=host, name="host", daemon=True)
+        thread.start()
+        try:
+            self.run(stop)
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            thread.join(timeout=5)
+        if failure:
+            raise RuntimeError("the executor's host loop failed") from failure[0]
 
     def run(self, stop: threading.Event) -> None:
         """Execute submitted steps until stop is set or close() is called."""
@@ -85,7 +115,7 @@ class ThreadDevice:
         try:
             while (item := self._done.get()) is not None:
                 step, out, start, end = item
-                ring = self.sampled.slot(step.ring_slot)
+                ring = self.sampled.slot(step.plan.ring_slot)
                 pairs = _with_logprobs(out)
                 for name, tensor in pairs:
                     ring[name][: len(tensor)] = tensor.numpy()
@@ -128,6 +158,10 @@ class CudaDevice:
         self._thread = threading.Thread(target=self._notify, name="cuda-notify", daemon=True)
         self._thread.start()
 
+    def serve(self, host_loop: HostLoop, stop: threading.Event) -> None:
+        """The host loop launches the kernels itself, on this (main) thread."""
+        host_loop()
+
     def submit(self, step: HostStep) -> None:
         """Enqueue copy -> compute -> copy back; returns at once (no host synchronisation)."""
         device = self.runner.device
@@ -146,7 +180,7 @@ class CudaDevice:
         self.d2h_stream.wait_event(end)
         pairs = _with_logprobs(out)
         with torch.cuda.stream(self.d2h_stream):
-            host = self._host_out[step.ring_slot]
+            host = self._host_out[step.plan.ring_slot]
             for name, tensor in pairs:
                 tensor.record_stream(self.d2h_stream)
                 host[name][: tensor.shape[0]].copy_(tensor, non_blocking=True)

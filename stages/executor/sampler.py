@@ -1,6 +1,7 @@
 """Sampling on the device, batched over sequences. Runs in the executor process.
 
-Every executor slot has its sampling parameters on the device (set by SlotInit); a step samples
+Every executor slot has its sampling parameters on the device (encoded by
+ipc/sampling.py, set when a sequence takes the slot); a step samples
 all its rows at once: penalties, min_tokens, temperature, top-k/top-p, min-p, then a draw. No
 Python loop over rows or over the vocabulary; the host only passes which features the step's
 rows use (StepSampling), so a plain greedy batch costs one argmax.
@@ -18,22 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ipc.messages import SlotInit
-from ipc.rings import MAX_TOP_LOGPROBS
-
-# Per-slot parameters: float32 columns and int64 columns.
-F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY = range(6)
-I_TOP_K, I_MIN_TOKENS, I_PROMPT_LEN, I_SEED, I_HAS_SEED, I_LOGPROBS = range(6)
-NUM_F, NUM_I = 6, 6
-
-
-def slot_params(init: SlotInit) -> tuple[list[float], list[int]]:
-    floats = [init.temperature, init.top_p, init.min_p, init.repetition_penalty,
-              init.presence_penalty, init.frequency_penalty]
-    ints = [init.top_k, init.min_tokens, init.num_prompt_tokens,
-            0 if init.seed is None else init.seed, init.seed is not None,
-            -1 if init.logprobs is None else init.logprobs]
-    return floats, ints
+from ipc.params import MAX_TOP_LOGPROBS
+from ipc.sampling import GREEDY_SLOT, NUM_F, NUM_I, F, I, penalty_rows
 
 
 @dataclass(frozen=True)
@@ -50,39 +37,30 @@ class StepSampling:
 
 
 class HostSlotParams:
-    """The host's copy of every slot's parameters, to compute StepSampling."""
+    """The host's copy of every slot's encoded parameters (ipc/sampling.py), to compute
+    StepSampling without asking the device."""
 
     def __init__(self, max_num_seqs: int) -> None:
-        self.f = np.zeros((max_num_seqs, NUM_F), dtype=np.float32)
-        self.i = np.zeros((max_num_seqs, NUM_I), dtype=np.int64)
-        self.f[:], self.i[:] = slot_params(SlotInit(0, 0.0))  # greedy, nothing else
+        self.f = np.tile(np.asarray(GREEDY_SLOT[0], dtype=np.float32), (max_num_seqs, 1))
+        self.i = np.tile(np.asarray(GREEDY_SLOT[1], dtype=np.int64), (max_num_seqs, 1))
 
-    def updated(self, new_slots: list[SlotInit]) -> tuple[np.ndarray, np.ndarray]:
-        """Copies with new_slots applied (committed by the caller once the step is read);
-        the arrays themselves when there are none (most steps)."""
-        if not new_slots:
-            return self.f, self.i
-        f, i = self.f.copy(), self.i.copy()
-        for init in new_slots:
-            f[init.slot], i[init.slot] = slot_params(init)
-        return f, i
+    def update(self, slots: np.ndarray, f: np.ndarray, i: np.ndarray) -> None:
+        """New sequences took `slots` with rows f [N, NUM_F] and i [N, NUM_I]."""
+        if len(slots):
+            self.f[slots], self.i[slots] = f, i
 
-    @staticmethod
-    def step_sampling(f: np.ndarray, i: np.ndarray, sampled: np.ndarray,
-                      all_rows: np.ndarray, any_stop_ids: bool) -> StepSampling:
-        fs, is_ = f[sampled], i[sampled]
-        fa = f[all_rows]
-        penalties = ((fa[:, F_REPETITION] != 1) | (fa[:, F_PRESENCE] != 0)
-                     | (fa[:, F_FREQUENCY] != 0))
-        sampling = fs[:, F_TEMPERATURE] > 0
+    def step_sampling(self, sampled: np.ndarray, all_rows: np.ndarray,
+                      any_stop_ids: bool) -> StepSampling:
+        fs, is_ = self.f[sampled], self.i[sampled]
+        sampling = fs[:, F.TEMPERATURE] > 0
         return StepSampling(
             all_greedy=not sampling.any(),
-            use_top_k_p=bool(((is_[:, I_TOP_K] > 0) | (fs[:, F_TOP_P] < 1))[sampling].any()),
-            use_min_p=bool((fs[:, F_MIN_P] > 0)[sampling].any()),
-            use_penalties=bool(penalties.any()),
-            use_seed=bool((is_[:, I_HAS_SEED] != 0)[sampling].any()),
-            use_min_tokens=any_stop_ids or bool((is_[:, I_MIN_TOKENS] > 0).any()),
-            use_logprobs=bool((is_[:, I_LOGPROBS] >= 0).any()),
+            use_top_k_p=bool(((is_[:, I.TOP_K] > 0) | (fs[:, F.TOP_P] < 1))[sampling].any()),
+            use_min_p=bool((fs[:, F.MIN_P] > 0)[sampling].any()),
+            use_penalties=bool(penalty_rows(self.f[all_rows]).any()),
+            use_seed=bool((is_[:, I.HAS_SEED] != 0)[sampling].any()),
+            use_min_tokens=any_stop_ids or bool((is_[:, I.MIN_TOKENS] > 0).any()),
+            use_logprobs=bool((is_[:, I.LOGPROBS] >= 0).any()),
         )
 
 
@@ -100,7 +78,7 @@ class SamplingState:
 
     def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
         self.num_slots, self.vocab_size, self.device = max_num_seqs, vocab_size, device
-        floats, ints = slot_params(SlotInit(0, 0.0))
+        floats, ints = GREEDY_SLOT
         self.f = torch.tensor([floats] * max_num_seqs, dtype=torch.float32, device=device)
         self.i = torch.tensor([ints] * max_num_seqs, dtype=torch.int64, device=device)
         self.output_counts: torch.Tensor | None = None  # [slots, V] int32
@@ -114,10 +92,10 @@ class SamplingState:
 
     def init_slots(self, slots: torch.Tensor, fparams: torch.Tensor, iparams: torch.Tensor,
                    stop_slots: torch.Tensor, stop_ids: torch.Tensor) -> None:
-        """New sequences take `slots`: fparams [N, NUM_F] float32, iparams [N, NUM_I]; the
+        """New sequences take `slots`: fparams [N * NUM_F] float32, iparams [N * NUM_I]; the
         (stop_slots, stop_ids) pairs are the ids min_tokens suppresses."""
-        self.f[slots] = fparams
-        self.i[slots] = iparams
+        self.f[slots] = fparams.view(-1, NUM_F)
+        self.i[slots] = iparams.view(-1, NUM_I)
         if self.output_counts is not None and self.prompt_counts is not None:
             self.output_counts[slots] = 0
             self.prompt_counts[slots] = 0
@@ -134,7 +112,7 @@ class SamplingState:
         if self.output_counts is None or self.prompt_counts is None:
             self.output_counts, self.prompt_counts = (self._table(torch.int32),
                                                       self._table(torch.int32))
-        is_prompt = (positions < self.i[token_slots, I_PROMPT_LEN]).to(torch.int32)
+        is_prompt = (positions < self.i[token_slots, I.PROMPT_LEN]).to(torch.int32)
         self.prompt_counts.index_put_((token_slots, ids), is_prompt, accumulate=True)
         self.output_counts.index_put_((token_slots, ids), 1 - is_prompt, accumulate=True)
 
@@ -147,25 +125,25 @@ class SamplingState:
         if flags.use_penalties:
             assert self.output_counts is not None and self.prompt_counts is not None
             logits = apply_penalties(logits, self.output_counts[slots],
-                                     self.prompt_counts[slots], f[:, F_REPETITION],
-                                     f[:, F_PRESENCE], f[:, F_FREQUENCY])
+                                     self.prompt_counts[slots], f[:, F.REPETITION],
+                                     f[:, F.PRESENCE], f[:, F.FREQUENCY])
         if flags.use_min_tokens and self.stop_mask is not None:
-            num_out = positions + 1 - i[:, I_PROMPT_LEN]
-            suppress = (num_out < i[:, I_MIN_TOKENS]).unsqueeze(1) & self.stop_mask[slots]
+            num_out = positions + 1 - i[:, I.PROMPT_LEN]
+            suppress = (num_out < i[:, I.MIN_TOKENS]).unsqueeze(1) & self.stop_mask[slots]
             logits = logits.masked_fill(suppress, float("-inf"))
         tokens = logits.argmax(dim=-1)
         if not flags.all_greedy:
-            temperature = f[:, F_TEMPERATURE]
+            temperature = f[:, F.TEMPERATURE]
             scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
             if flags.use_top_k_p:
-                scaled = apply_top_k_top_p(scaled, i[:, I_TOP_K], f[:, F_TOP_P])
+                scaled = apply_top_k_top_p(scaled, i[:, I.TOP_K], f[:, F.TOP_P])
             if flags.use_min_p:
-                scaled = apply_min_p(scaled, f[:, F_MIN_P])
+                scaled = apply_min_p(scaled, f[:, F.MIN_P])
             probs = torch.softmax(scaled, dim=-1)
             noise = torch.empty_like(probs).exponential_()
             if flags.use_seed:
-                seeded = seeded_exponential(i[:, I_SEED], positions, self._hashed_vocab)
-                noise = torch.where((i[:, I_HAS_SEED] != 0).unsqueeze(1), seeded, noise)
+                seeded = seeded_exponential(i[:, I.SEED], positions, self._hashed_vocab)
+                noise = torch.where((i[:, I.HAS_SEED] != 0).unsqueeze(1), seeded, noise)
             drawn = (probs / noise).argmax(dim=-1)
             tokens = torch.where(temperature == 0, tokens, drawn)
         out = SampleOutput(tokens)

@@ -6,48 +6,25 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import TYPE_CHECKING
 
-import numpy as np
 import zmq
 
 from ipc.channels import PullChannel, PushChannel, listen_tcp
 from ipc.codec import Codec, ProtocolError
-from ipc.messages import AbortRequest, DetokBatch, SampledTokens, StepPlan, TokenizedRequest
-from ipc.rings import sampled_specs, step_input_specs
-from ipc.shm import SharedRing
+from ipc.config import PipelineConfig
+from ipc.messages import (
+    AbortRequest,
+    DetokBatch,
+    SampledTokens,
+    StopSample,
+    TokenizedRequest,
+)
+from ipc.step import StepRings, read_sampled
 from stages.process import stage_process
-from stages.scheduler.core import PlannedStep, Scheduler, SchedulerLimits
+from stages.scheduler.core import Scheduler
 from stages.trace import Tracer, now_ns
 
-if TYPE_CHECKING:
-    from pipeline.config import PipelineConfig
-
 logger = logging.getLogger(__name__)
-
-
-def write_step(step: PlannedStep, buf: dict[str, np.ndarray]) -> None:
-    """Lay a planned step's bulk inputs into a step-input ring slot. The stamp brackets the
-    write, so a reader can tell a slot that is being rewritten (see check_stamp)."""
-    buf["stamp"][0] = step.step_id
-    rows = step.rows
-    lens = [len(r.token_ids) for r in rows]
-    num_tokens = sum(lens)
-    buf["input_ids"][:num_tokens] = [t for r in rows for t in r.token_ids]
-    buf["seq_slot"][: len(rows)] = [r.seq.slot for r in rows]
-    buf["query_len"][: len(rows)] = lens
-    buf["context_len"][: len(rows)] = [r.context_len for r in rows]
-    buf["do_sample"][: len(rows)] = [r.do_sample for r in rows]
-    if step.block_updates:
-        updates = np.asarray(step.block_updates, dtype=np.int32)  # [n, 3]
-        n = len(updates)
-        buf["bt_slot"][:n], buf["bt_index"][:n], buf["bt_block"][:n] = updates.T
-    buf["stamp"][1] = step.step_id
-
-
-def make_plan(step: PlannedStep) -> StepPlan:
-    return StepPlan(step.step_id, step.ring_slot, len(step.rows), step.num_tokens,
-                    len(step.block_updates), len(step.sampled_seqs), step.new_slots)
 
 
 class SchedulerShell:
@@ -56,17 +33,10 @@ class SchedulerShell:
     def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int,
                  tracer: Tracer | None = None) -> None:
         self.tracer = tracer or Tracer(None, "scheduler", 0)
-        s = cfg.scheduler
-        self.core = Scheduler(SchedulerLimits(
-            num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens,
-            cfg.model.max_model_len, cfg.max_block_updates, cfg.model.eos_token_ids, s.depth))
-        self.steps = SharedRing(cfg.step_ring_name, step_input_specs(
-            s.max_num_seqs, s.max_num_batched_tokens, cfg.max_block_updates),
-            s.num_ring_slots, create=False)
-        self.sampled = SharedRing(cfg.sampled_ring_name, sampled_specs(s.max_num_seqs),
-                                  s.num_ring_slots, create=False)
+        self.core = Scheduler(cfg.limits, num_blocks)
+        self.rings = StepRings.open(cfg, create=False)
         self.inbox = PullChannel(zctx, cfg.scheduler_address,
-                                 Codec([TokenizedRequest, AbortRequest]), bind=True)
+                                 Codec([TokenizedRequest, AbortRequest, StopSample]), bind=True)
         self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True)
         # Remote clients (--listen) reach the scheduler only to abort: requests from the
         # network go through a tokenizer, which validates them.
@@ -96,13 +66,8 @@ class SchedulerShell:
         while (msg := self.results.recv_nowait()) is not None:
             assert isinstance(msg, SampledTokens)
             start = now_ns()
-            ring = self.sampled.slot(msg.ring_slot)
-            n, k = msg.num_sampled, msg.num_top_logprobs
-            ids = ring["token_ids"][:n].tolist()
-            logprobs = None
-            if k >= 0:
-                logprobs = (ring["logprob"][:n].tolist(), ring["top_ids"][:n, :k].tolist(),
-                            ring["top_logprobs"][:n, :k].tolist())
+            ids, logprobs = read_sampled(self.rings.sampled.slot(msg.ring_slot),
+                                         msg.num_sampled, msg.num_top_logprobs)
             step = self.core.inflight[0]
             self.core.on_sampled(msg.step_id, ids, logprobs)
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
@@ -120,7 +85,9 @@ class SchedulerShell:
             if isinstance(msg, TokenizedRequest):
                 self.core.add_request(msg)
             elif isinstance(msg, AbortRequest):
-                self.core.abort(msg.request_id, msg.reason, msg.index)
+                self.core.abort(msg.request_id)
+            elif isinstance(msg, StopSample):
+                self.core.stop_sample(msg.request_id, msg.index)
 
     def _launch_steps(self) -> None:
         while True:
@@ -128,8 +95,7 @@ class SchedulerShell:
             step = self.core.schedule()
             if step is None:
                 return
-            write_step(step, self.steps.slot(step.ring_slot))
-            self.to_executor.send(make_plan(step))
+            self.to_executor.send(step.write(self.rings.steps.slot(step.ring_slot)))
             self.tracer.span("schedule", start, now_ns(),
                              args={"step": step.step_id, "seqs": len(step.rows)})
 

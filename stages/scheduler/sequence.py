@@ -12,14 +12,29 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 
-from ipc.messages import SamplingParams, TokenLogprob
+from ipc.messages import FinishReason, SamplingParams, TokenLogprob
 from stages.scheduler.block_allocator import BlockKey
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    """A sample's state; every change goes through Sequence.move_to, which allows only
+    the transitions of _TRANSITIONS. (Prefilling is RUNNING with its prompt not all computed;
+    preempted is WAITING with num_preemptions > 0.)"""
+
+    HELD = "held"  # sample 1..n-1, until sample 0's prompt is planned (its blocks cached)
+    WAITING = "waiting"  # in the waiting queue, by priority and arrival
+    RUNNING = "running"  # holds an executor slot and KV blocks
+    PREEMPTING = "preempting"  # a victim: leaves the running set once num_inflight is 0
     FINISHED = "finished"  # told to the client; blocks freed once num_inflight is 0
+
+
+_TRANSITIONS = {
+    SeqStatus.HELD: {SeqStatus.WAITING, SeqStatus.FINISHED},
+    SeqStatus.WAITING: {SeqStatus.RUNNING, SeqStatus.FINISHED},
+    SeqStatus.RUNNING: {SeqStatus.PREEMPTING, SeqStatus.FINISHED},
+    SeqStatus.PREEMPTING: {SeqStatus.WAITING, SeqStatus.FINISHED},
+    SeqStatus.FINISHED: set(),
+}
 
 
 @dataclass(eq=False)
@@ -41,12 +56,17 @@ class Sequence:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     slot: int | None = None
     num_inflight: int = 0  # in-flight steps that include this sequence
-    is_preempting: bool = False  # leaves the running set once num_inflight is 0
     num_preemptions: int = 0
-    outputs_at_resume: int = -1  # len(output_ids) when last re-admitted after a preemption
-    finish_reason: str | None = None
+    resumed_at: int | None = None  # len(output_ids) when last re-admitted after a preemption
+    finish_reason: FinishReason | None = None
     stop_token: int | None = None  # the stop token id that finished it, if one did
     num_sent: int = 0  # output tokens already handed to the detokenizer
+
+    def move_to(self, status: SeqStatus) -> None:
+        if status not in _TRANSITIONS[self.status]:
+            raise RuntimeError(f"sequence {self.request_id}/{self.index}: no transition from "
+                               f"{self.status.value} to {status.value}")
+        self.status = status
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
@@ -56,7 +76,7 @@ class Sequence:
     @property
     def is_just_resumed(self) -> bool:
         """Re-admitted after a preemption and not one new token since: not the next victim."""
-        return self.outputs_at_resume == len(self.output_ids)
+        return self.resumed_at == len(self.output_ids)
 
     @property
     def num_known(self) -> int:
@@ -78,6 +98,15 @@ class Sequence:
         if index < self.num_known:
             return self.output_ids[index - num_prompt]
         return -1
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """The ids of tokens [start, end), with -1 for those still being sampled."""
+        num_prompt, prompt, outputs = len(self.prompt_ids), self.prompt_ids, self.output_ids
+        if end <= num_prompt:
+            return prompt[start:end]
+        known = (prompt[start:] if start < num_prompt else []) + outputs[
+            max(start - num_prompt, 0):end - num_prompt]
+        return known + [-1] * (end - start - len(known))
 
     def keys_for(self, num_blocks: int, block_size: int) -> list[BlockKey]:
         """Prefix-cache keys of the first num_blocks full blocks (all their tokens known)."""

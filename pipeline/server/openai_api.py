@@ -1,5 +1,5 @@
 """The OpenAI API's request and response shapes, mapped onto the engine's. Pure functions, no
-I/O; used by the HTTP front end (pipeline/server.py) in each of its worker processes.
+I/O; used by the HTTP front end (pipeline/server/) in each of its worker processes.
 
 Requests: every field is type-checked here and every range by the engine's own
 `validate_params`, so a bad field gets one HTTP 400 that names it. Responses and stream chunks
@@ -10,14 +10,14 @@ vLLM's `stop_reason` extension.
 from __future__ import annotations
 
 import math
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipc.messages import ChatMessage, RequestOutput, SamplingParams, TokenLogprob
-from stages.tokenizer import RequestError, validate_params
+from ipc.messages import ChatMessage, ErrorKind, RequestOutput, SamplingParams, TokenLogprob
+from ipc.outputs import SampleResult
+from ipc.params import RequestError, validate_params
 
 Prompt = str | list[int] | list[ChatMessage]
 
@@ -147,20 +147,15 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
     return params, logprobs_param
 
 
-_FIELD = re.compile(r"^([a-z_]+) ")
-
-
 def check_params(params: SamplingParams, vocab_size: int, logprobs_param: str) -> None:
     """The engine's own range checks, turned into a 400 naming the API field."""
     try:
         validate_params(params, vocab_size)
     except RequestError as exc:
-        message = str(exc)
-        match = _FIELD.match(message)
-        param = match.group(1) if match else None
-        if param == "logprobs":
+        param, message = exc.param, exc.message
+        if param == "logprobs":  # the API's name for it: logprobs or top_logprobs
             param = logprobs_param
-            message = logprobs_param + message[len("logprobs"):]
+            message = logprobs_param + message.removeprefix("logprobs")
         raise bad(param or "body", message) from None
 
 
@@ -248,18 +243,6 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-@dataclass
-class Choice:
-    """One choice being assembled: one sample of one prompt."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -291,7 +274,7 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
         for e in entries]}
 
 
-def choice_json(c: Choice, chat: bool, want_logprobs: bool) -> dict[str, Any]:
+def choice_json(c: SampleResult, chat: bool, want_logprobs: bool) -> dict[str, Any]:
     logprobs = None
     if want_logprobs:
         logprobs = chat_logprobs(c.logprobs) if chat else completion_logprobs(c.logprobs, 0)
@@ -304,7 +287,7 @@ def choice_json(c: Choice, chat: bool, want_logprobs: bool) -> dict[str, Any]:
     return body
 
 
-def response_json(rid: str, model: str, chat: bool, choices: list[Choice],
+def response_json(rid: str, model: str, chat: bool, choices: list[SampleResult],
                   prompt_tokens: int, want_logprobs: bool,
                   cached_tokens: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -346,13 +329,14 @@ def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: i
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def output_error(out: RequestOutput, param: str) -> ApiError:
-    """An engine error on a request that produced nothing: the client's fault (400) unless
-    the engine says it was its own (the tokenizer stage prefixes those)."""
+def output_error(out: RequestOutput, prompt_param: str) -> ApiError:
+    """An engine error on a request that produced nothing, by whose fault it is: a bad field
+    (400 naming it; prompt_param for the prompt as a whole), the engine unavailable (503), or
+    a bug (500)."""
     message = out.error or f"the request ended with {out.finish_reason}"
-    if message.startswith("engine unavailable"):
+    if out.error_kind is ErrorKind.UNAVAILABLE:
         return ApiError(503, message, None, "service_unavailable",
                         headers={"Retry-After": "5"})
-    if message.startswith(("tokenizer error", "front-end error")):
+    if out.error_kind is ErrorKind.INTERNAL:
         return ApiError(500, message, None, "server_error")
-    return bad(param, message)
+    return bad(out.error_param or prompt_param, message)

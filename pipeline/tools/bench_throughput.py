@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from ipc.messages import ChatMessage, SamplingParams, StepPlan
-from ipc.rings import step_input_specs
-from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
-from pipeline.datasets import random_prompts, synthetic_chat
+from ipc.config import EngineLimits, ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.messages import ChatMessage, SamplingParams
+from ipc.sampling import GREEDY_SLOT
+from ipc.step import local_buffers, step_input_specs, write_step
+from pipeline.tools.datasets import random_prompts, synthetic_chat
 
 PEERS = ("hf-batch", "hf-static")
 
@@ -61,15 +62,14 @@ def make_workload(args: argparse.Namespace) -> Workload:
 
 
 def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
-    from pipeline.launcher import Pipeline
+    from pipeline.runtime.launcher import Pipeline
 
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
     limit = ModelInfo.from_dir(args.model_dir).max_model_len
     cfg = PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
         scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048),
-        executor=ExecutorConfig("cpu" if args.device == "cpu" else args.device, args.dtype,
-                                args.kv_cache_memory))
+        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in work.output_lens]
     with Pipeline(cfg) as pipe:
@@ -149,35 +149,31 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     pipeline's batch size: one prefill step, then decode steps; no scheduler, IPC or text."""
     import torch
 
-    from stages.executor.runner import ModelRunner, RunnerShape
+    from stages.executor.runner import ModelRunner
 
-    block = 16
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
     tokens = max(2048, sum(len(p) for p in work.prompts[:args.batch_size]))
-    max_blocks = -(-longest // block)
-    shape = RunnerShape(args.batch_size, block, longest, args.kv_cache_memory, tokens,
-                        args.batch_size * max_blocks, 1)
+    info = ModelInfo.from_dir(args.model_dir)
+    limits = EngineLimits(args.batch_size, tokens, 16, longest, info.vocab_size, depth=0)
     runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype),
-                                  torch.device(args.device), shape)
-    specs = step_input_specs(args.batch_size, tokens, args.batch_size * max_blocks)
-    ring = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in specs}
+                                  torch.device(args.device), limits, args.kv_cache_memory)
+    ring = local_buffers(step_input_specs(limits))
     ids_out: list[list[int]] = []
     start = time.perf_counter()
     for lo in range(0, len(work.prompts), args.batch_size):
         batch = work.prompts[lo:lo + args.batch_size]
         lens = work.output_lens[lo:lo + args.batch_size]
-        ids_out += _limit_batch(runner, ring, batch, lens, max_blocks)
+        ids_out += _limit_batch(runner, ring, batch, lens, limits.max_blocks_per_seq)
     seconds = time.perf_counter() - start
     return EngineResult("limit", seconds, sum(len(t) for t in ids_out), ids_out)
 
 
 def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[int]],
                  out_lens: list[int], max_blocks: int) -> list[list[int]]:
-    n = len(prompts)
-    slots = np.arange(n)
-    ctx = np.array([len(p) for p in prompts])
-    flat = [t for p in prompts for t in p]
-    updates = [(s, b, s * max_blocks + b) for s in range(n) for b in range(max_blocks)]
+    n, block_size = len(prompts), runner.limits.block_size
+    ctx = [len(p) for p in prompts]
+    mapped = [0] * n  # blocks of each slot's table written so far (slot s owns a fixed range)
+    greedy = [(s, GREEDY_SLOT) for s in range(n)]
     outs: list[list[int]] = [[] for _ in range(n)]
     step = 0
     while True:
@@ -185,28 +181,23 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
         if not live:
             return outs
         if step == 0:
-            ids, q = flat, ctx.copy()
+            ids, rows, q = [t for p in prompts for t in p], list(range(n)), list(ctx)
         else:
-            ids, q = [-1] * len(live), np.ones(len(live), dtype=np.int64)
-            ctx[live] += 1
-        rows = np.array(live if step else range(n))
-        _fill_ring(ring, step, ids, slots[rows], q, ctx[rows], updates if step == 0 else [])
-        plan = StepPlan(step, 0, len(rows), len(ids), len(updates) if step == 0 else 0,
-                        len(rows), [])
+            ids, rows, q = [-1] * len(live), live, [1] * len(live)
+            for i in live:
+                ctx[i] += 1
+        updates = []
+        for i in rows:  # blocks as the contexts grow, as the scheduler would hand them out
+            needed = -(-ctx[i] // block_size)
+            updates += [(i, b, i * max_blocks + b) for b in range(mapped[i], needed)]
+            mapped[i] = needed
+        plan = write_step(ring, step, 0, input_ids=ids, seq_slots=rows, query_lens=q,
+                          context_lens=[ctx[i] for i in rows], do_sample=[True] * len(rows),
+                          block_updates=updates, new_slots=greedy if step == 0 else [],
+                          stop_ids=[])
         for i, token in zip(rows, runner.execute(plan, ring).tokens.tolist(), strict=True):
             outs[i].append(token)
         step += 1
-
-
-def _fill_ring(ring: dict[str, np.ndarray], step: int, ids: list[int], slots: np.ndarray,
-               q: np.ndarray, ctx: np.ndarray, updates: list[tuple[int, int, int]]) -> None:
-    ring["stamp"][:] = step
-    ring["input_ids"][:len(ids)] = ids
-    ring["seq_slot"][:len(slots)], ring["query_len"][:len(q)] = slots, q
-    ring["context_len"][:len(ctx)], ring["do_sample"][:len(slots)] = ctx, True
-    if updates:
-        u = np.array(updates)
-        ring["bt_slot"][:len(u)], ring["bt_index"][:len(u)], ring["bt_block"][:len(u)] = u.T
 
 
 # ------------------------------------------------------------------ the report
@@ -218,7 +209,7 @@ def same_outputs(a: EngineResult, b: EngineResult) -> int:
 
 def throughput(args: argparse.Namespace) -> int:
     if args.model_dir is None:
-        from pipeline.model_cache import ensure_default_model
+        from pipeline.tools.model_cache import ensure_default_model
 
         args.model_dir = str(ensure_default_model())
     work = make_workload(args)
@@ -235,7 +226,7 @@ def throughput(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.plot and len(by_batch) > 1:
-        from pipeline.bench_plots import plot_throughput_vs_batch
+        from pipeline.tools.bench_plots import plot_throughput_vs_batch
 
         os.makedirs(args.plot, exist_ok=True)
         print(f"plot: {plot_throughput_vs_batch(by_batch, args.plot)}")

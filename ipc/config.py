@@ -1,8 +1,11 @@
-"""Frozen configuration of one pipeline run. Built in the launcher, handed to every stage.
+"""Frozen configuration of one pipeline run, and the limits every stage shares. Built by the
+launcher's user, completed by the launcher (run directory, run id), handed to every stage.
 
-Values found at run time (the number of KV blocks) come back in ready messages; the config is
-never mutated. (The two environment variables are read where they apply: LLM_PIPELINE_CACHE in
-model_cache, LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
+`EngineLimits` is derived from it in one place (`PipelineConfig.limits`): the sizes that the
+scheduler, the executor and the shared rings must agree on. Values found at run time (the
+number of KV blocks) come back in ready messages; the config is never mutated. (The two
+environment variables are read where they apply: LLM_PIPELINE_CACHE in the model cache,
+LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ipc.params import MAX_STOP_TOKEN_IDS
 
 
 class ConfigError(ValueError):
@@ -71,41 +76,81 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("max_num_batched_tokens must be at least max_num_seqs")
 
+
+
+def parse_device(text: str) -> tuple[str, tuple[float, float] | None]:
+    """--device: 'cpu', 'cuda[:N]', or 'timed:A,B' (the measuring instrument, which runs on the
+    CPU: A + B * tokens milliseconds a step) -> (torch device, (A, B) or None)."""
+    if not text.startswith("timed:"):
+        return text, None
+    try:
+        a, b = (float(x) for x in text[len("timed:"):].split(","))
+    except ValueError:
+        a = b = -1.0
+    if a < 0 or b < 0:
+        raise ConfigError(f"--device {text!r}: use cpu, cuda[:N] or timed:A,B "
+                          "with A, B >= 0 milliseconds (A + B * tokens per step)")
+    return "cpu", (a, b)
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    device: str = "cpu"  # a torch device: cpu, cuda, cuda:N
+    dtype: str = "float32"
+    kv_cache_memory: int = 1 << 30
+    num_threads: int | None = None
+    timed: tuple[float, float] | None = None  # (A, B): no model; A + B * tokens ms a step
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu, cuda[:N] or timed:A,B, got {self.device!r}")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError("--kv-cache-memory must be positive")
+
+    @classmethod
+    def for_device(cls, device: str, dtype: str = "float32",
+                   kv_cache_memory: int = 1 << 30) -> ExecutorConfig:
+        """From the --device option's text (which may name the timed instrument)."""
+        torch_device, timed = parse_device(device)
+        return cls(torch_device, dtype, kv_cache_memory, timed=timed)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The sizes the scheduler, the executor and the shared rings agree on, derived once from
+    the config (PipelineConfig.limits; the in-process engine builds one directly)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    depth: int = 2  # steps in flight
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_block_updates(self) -> int:
+        """Block-table writes one step may carry: the blocks its tokens can fill, one partial
+        block per row on each side, and one whole sequence's table (a prefix-cache hit)."""
+        per_step = self.max_num_batched_tokens // self.block_size + 2 * self.max_num_seqs
+        return per_step + self.max_blocks_per_seq
+
     @property
     def num_ring_slots(self) -> int:
         # A slot is rewritten only after the step that used it reported back.
         return self.depth + 1
 
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    device: str = "cpu"
-    dtype: str = "float32"
-    kv_cache_memory: int = 1 << 30
-    num_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        is_torch_device = self.device in ("cpu", "cuda") or self.device.startswith("cuda:")
-        if not is_torch_device and self.timed is None:
-            raise ConfigError(f"--device must be cpu, cuda[:N] or timed:A,B, got {self.device!r}")
-        if self.kv_cache_memory <= 0:
-            raise ConfigError("--kv-cache-memory must be positive")
-
     @property
-    def timed(self) -> tuple[float, float] | None:
-        """(A, B) of the timed measuring device `timed:A,B` (A + B*tokens ms a step)."""
-        if not self.device.startswith("timed:"):
-            return None
-        try:
-            a, b = (float(x) for x in self.device[len("timed:"):].split(","))
-        except ValueError:
-            a = b = -1.0
-        if a < 0 or b < 0:
-            raise ConfigError(f"--device {self.device!r}: use cpu, cuda[:N] or timed:A,B "
-                              "with A, B >= 0 milliseconds (A + B * tokens per step)")
-        return a, b
+    def max_stop_ids(self) -> int:
+        """(slot, id) pairs min_tokens may suppress in one step: each new sequence's
+        stop_token_ids (validate_params bounds them) and the EOS ids."""
+        return self.max_num_seqs * (MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
 
 
 ENDPOINTS_FILE = "pipeline.json"
@@ -181,14 +226,10 @@ class PipelineConfig:
             raise ConfigError("there must be at least one tokenizer and one detokenizer worker")
 
     @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.model.max_model_len // self.scheduler.block_size)
-
-    @property
-    def max_block_updates(self) -> int:
-        s = self.scheduler
-        per_step = s.max_num_batched_tokens // s.block_size + 2 * s.max_num_seqs
-        return per_step + self.max_blocks_per_seq
+    def limits(self) -> EngineLimits:
+        s, m = self.scheduler, self.model
+        return EngineLimits(s.max_num_seqs, s.max_num_batched_tokens, s.block_size,
+                            m.max_model_len, m.vocab_size, m.eos_token_ids, s.depth)
 
     # ---- addresses: all from the run directory
     def address(self, name: str) -> str:

@@ -22,11 +22,10 @@ import zmq
 
 from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec
+from ipc.config import PipelineConfig
 from ipc.messages import PipelineStatus, SchedulerStats, StageFailed, StageReady
-from ipc.rings import sampled_specs, step_input_specs
-from ipc.shm import SharedRing
-from pipeline.client import PipelineClient
-from pipeline.config import PipelineConfig
+from ipc.step import StepRings
+from pipeline.runtime.client import PipelineClient
 from stages.entry import run_stage
 from stages.trace import merge_traces
 
@@ -58,7 +57,7 @@ class Pipeline:
         self._zmq = zmq.Context()
         self.scheduler_stats: SchedulerStats | None = None
         self._supervisor: threading.Thread | None = None
-        self._rings: list[SharedRing] = []
+        self._rings: StepRings | None = None
         self._control: PullChannel | None = None
         self._clients: list[PipelineClient] = []
         self._started = False
@@ -74,23 +73,13 @@ class Pipeline:
                                        run_id=uuid.uuid4().hex[:12], trace_dir=trace_dir)
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats]), bind=True)
-        self._rings = self._create_rings()
+        self._rings = StepRings.open(self.cfg, create=True)
 
     @property
     def _ctl(self) -> PullChannel:
         if self._control is None:
             raise RuntimeError("the pipeline was not started")
         return self._control
-
-    def _create_rings(self) -> list[SharedRing]:
-        c, s = self.cfg, self.cfg.scheduler
-        return [
-            SharedRing(c.step_ring_name, step_input_specs(
-                s.max_num_seqs, s.max_num_batched_tokens, c.max_block_updates),
-                s.num_ring_slots, create=True),
-            SharedRing(c.sampled_ring_name, sampled_specs(s.max_num_seqs),
-                       s.num_ring_slots, create=True),
-        ]
 
     # ------------------------------------------------------------ start
 
@@ -110,8 +99,8 @@ class Pipeline:
             self._check_cache_holds_a_sequence(num_blocks)
             self._spawn("scheduler", 0, "stages.scheduler.process:run_scheduler", num_blocks)
             self._wait_ready(list(self.procs))
-            for ring in self._rings:  # every user has it mapped: nothing is left in /dev/shm
-                ring.unlink()
+            assert self._rings is not None
+            self._rings.unlink()  # every user has them mapped: nothing is left in /dev/shm
             self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
             status, bootstrap = self._open_status_sockets()
         except BaseException:
@@ -279,8 +268,8 @@ class Pipeline:
                 logger.warning("stage %s did not stop in %.0f s: killing it", name, timeout)
                 proc.kill()
                 proc.join(5)
-        for ring in self._rings:
-            ring.unlink()
+        if self._rings is not None:
+            self._rings.unlink()
         if self._control is not None:
             self._control.close()
         self._zmq.destroy(linger=0)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ipc.messages import ChatMessage, SamplingParams, SchedulerStats
-from pipeline.client import PipelineClient
-from pipeline.datasets import WORDS, ChatSample, synthetic_chat
+from pipeline.runtime.client import PipelineClient
+from pipeline.tools.datasets import WORDS, ChatSample, synthetic_chat
 
 if TYPE_CHECKING:
     pass
@@ -223,8 +223,8 @@ def _serve_http(args: argparse.Namespace, samples: list[ChatSample],
 
 
 def serve(args: argparse.Namespace) -> int:
-    from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
-    from pipeline.launcher import Pipeline
+    from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+    from pipeline.runtime.launcher import Pipeline
 
     samples = synthetic_chat(args.num_prompts, seed=args.seed)
     system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_prompt_words))
@@ -232,13 +232,13 @@ def serve(args: argparse.Namespace) -> int:
         summaries = _serve_http(args, samples, system)
     else:
         if args.model_dir is None:
-            from pipeline.model_cache import ensure_default_model
+            from pipeline.tools.model_cache import ensure_default_model
 
             args.model_dir = str(ensure_default_model())
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-            executor=ExecutorConfig(args.device, args.dtype, args.kv_cache_memory))
+            executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory))
         summaries = []
         with Pipeline(cfg) as pipe:
             client = pipe.client()
@@ -255,7 +255,7 @@ def serve(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(summaries if len(summaries) > 1 else summaries[0],
                                               indent=2))
     if args.plot:
-        from pipeline.bench_plots import plot_latency_vs_rate
+        from pipeline.tools.bench_plots import plot_latency_vs_rate
 
         print(f"plot: {plot_latency_vs_rate(summaries, args.plot)}")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig, parse_bytes
 from ipc.messages import SamplingParams
-from pipeline.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig, parse_bytes
 
 
 @dataclass
@@ -59,12 +59,12 @@ def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.batch,
                                   max_num_batched_tokens=max(2048, prompt_room),
                                   block_size=16, depth=depth),
-        executor=ExecutorConfig(args.device, args.dtype, args.kv_cache_memory),
+        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
 
 
 def run_once(args: argparse.Namespace, depth: int) -> RunResult:
-    from pipeline.launcher import Pipeline
+    from pipeline.runtime.launcher import Pipeline
 
     vocab = ModelInfo.from_dir(args.model_dir).vocab_size
     prompts = [[(7 + 31 * i + 17 * j) % (vocab - 10) + 5 for j in range(args.input_len)]
@@ -119,7 +119,7 @@ def print_table(sync: RunResult, fast: RunResult, speedup: float) -> None:
 
 def overlap(args: argparse.Namespace) -> int:
     if args.model_dir is None:
-        from pipeline.model_cache import ensure_default_model
+        from pipeline.tools.model_cache import ensure_default_model
 
         args.model_dir = str(ensure_default_model())
     pairs = []
@@ -147,7 +147,7 @@ def overlap(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if plot:
-        from pipeline.bench_plots import plot_timeline
+        from pipeline.tools.bench_plots import plot_timeline
 
         if os.path.isdir(plot):
             plot = os.path.join(plot, "device_timeline.png")
@@ -192,7 +192,7 @@ def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
 
 
 def add_serve_parser(sub: Any) -> None:
-    from pipeline.bench_serve import serve
+    from pipeline.tools.bench_serve import serve
 
     p = sub.add_parser("serve", help="online load: Poisson arrivals, latency percentiles")
     _add_common(p, kv_cache_memory=2 << 30)
@@ -240,7 +240,7 @@ def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], lis
 
 
 def add_throughput_parser(sub: Any) -> None:
-    from pipeline.bench_throughput import PEERS, throughput
+    from pipeline.tools.bench_throughput import PEERS, throughput
 
     p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
     _add_common(p, kv_cache_memory=1 << 30)
@@ -260,7 +260,7 @@ def add_throughput_parser(sub: Any) -> None:
 
 
 def _peer_list(text: str) -> list[str]:
-    from pipeline.bench_throughput import PEERS
+    from pipeline.tools.bench_throughput import PEERS
 
     names = [n for n in text.split(",") if n]
     unknown = [n for n in names if n not in PEERS]

@@ -34,6 +34,8 @@ from ipc.messages import (
     AbortRequest,
     AddRequest,
     ChatMessage,
+    ErrorKind,
+    FinishReason,
     PipelineStatus,
     RequestOutput,
     RequestOutputs,
@@ -41,16 +43,17 @@ from ipc.messages import (
     SchedulerStats,
     TokenLogprob,
 )
+from ipc.outputs import SampleResult
 
 if TYPE_CHECKING:
-    from pipeline.config import Endpoints
+    from ipc.config import Endpoints
 
 STATUS_STALE_S = 3.0  # no status for this long: the pipeline is not answering
 
 
 def fetch_endpoints(address: str, timeout: float = 10.0) -> Endpoints:
     """Ask a pipeline's bootstrap socket (tcp://host:port) for its tcp:// endpoints."""
-    from pipeline.config import Endpoints
+    from ipc.config import Endpoints
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
@@ -97,27 +100,16 @@ class PipelineError(RuntimeError):
 
 
 @dataclass
-class SampleResult:
-    """One of a request's n samples."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-
-
-@dataclass
 class CompletionOutput:
     """The whole result of one request. text, token_ids, finish_reason, stop_reason and
     logprobs are sample 0's; `samples` has all n (n > 1 only matters there)."""
 
     request_id: str
     n: int = 1
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None  # whose fault the error is
+    error_param: str | None = None  # the field at fault, if one is
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # over all samples
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -125,6 +117,7 @@ class CompletionOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     samples: list[SampleResult] = field(default_factory=list)
+    _num_finished: int = 0
 
     def __post_init__(self) -> None:
         self.samples = self.samples or [SampleResult(i) for i in range(self.n)]
@@ -161,20 +154,19 @@ class CompletionOutput:
         self.num_prompt_tokens = out.num_prompt_tokens
         if out.index == WHOLE_REQUEST:  # refused: every sample ends here
             for s in self.samples:
-                s.finished, s.finish_reason = True, out.finish_reason
+                s.end(out.finish_reason)
+            self._num_finished = self.n
         else:
             s = self.samples[out.index]
-            s.text += out.text
-            s.token_ids.extend(out.token_ids)
-            s.logprobs.extend(out.logprobs or [])
+            was_finished = s.finished
+            s.add(out)
             self.num_cached_tokens = out.num_cached_tokens
-            if out.finished:
-                s.finished, s.finish_reason = True, out.finish_reason
-                s.stop_reason = out.stop_reason
-        self.num_output_tokens = sum(len(s.token_ids) for s in self.samples)
+            self.num_output_tokens += len(out.token_ids)
+            self._num_finished += s.finished and not was_finished
         if out.error is not None:
-            self.error = out.error
-        if all(s.finished for s in self.samples):
+            self.error, self.error_kind, self.error_param = (out.error, out.error_kind,
+                                                             out.error_param)
+        if self._num_finished >= self.n:
             self.finish_reason, self.finish_time = self.samples[0].finish_reason, now
 
 
@@ -241,7 +233,7 @@ class PipelineClient:
     def connect(cls, where: str | Path, timeout: float = 10.0) -> PipelineClient:
         """A client of a pipeline running in another process: `where` is its run directory
         (same host), or the tcp:// address it printed when started with --listen."""
-        from pipeline.config import Endpoints
+        from ipc.config import Endpoints
 
         if str(where).startswith("tcp://"):
             return cls(fetch_endpoints(str(where), timeout))

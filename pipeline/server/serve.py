@@ -12,9 +12,10 @@ import time
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from pipeline.config import ConfigError, parse_bytes
-from pipeline.launcher import Pipeline, StartupError
-from pipeline.server import ServerOptions, listening_socket, ready_file, run_api_worker
+from ipc.config import ConfigError, parse_bytes
+from pipeline.runtime.launcher import Pipeline, StartupError
+from pipeline.server.app import ServerOptions
+from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
 WORKER_READY_TIMEOUT_S = 60.0
 

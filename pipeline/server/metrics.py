@@ -12,6 +12,7 @@ PROMETHEUS_MULTIPROC_DIR must be set before this module is imported (the serve c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -36,6 +37,33 @@ ITL = Histogram(P + "inter_token_latency_seconds", "Time between a sample's toke
 E2E = Histogram(P + "e2e_request_latency_seconds", "Time from request to its last token",
                 buckets=LATENCY_BUCKETS)
 HTTP = Counter(P + "http_responses", "HTTP responses by route and status", ["route", "status"])
+
+
+class LatencyRecorder:
+    """The latencies of one API request: time to first token, inter-token latency per choice
+    (tokens that arrive together share the gap), end-to-end."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first_token_seen = False
+        self.last_token_time: dict[int, float] = {}
+
+    def tokens(self, choice: int, count: int) -> None:
+        now = time.perf_counter()
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            TTFT.observe(now - self.start)
+        last = self.last_token_time.get(choice)
+        if last is not None:
+            for _ in range(count):
+                ITL.observe((now - last) / count)
+        else:  # the first delta: its tokens after the first came with it
+            for _ in range(count - 1):
+                ITL.observe(0.0)
+        self.last_token_time[choice] = now
+
+    def finished(self) -> None:
+        E2E.observe(time.perf_counter() - self.start)
 
 
 def _histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int],

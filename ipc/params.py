@@ -1,0 +1,68 @@
+"""What a request may ask for: the limits of `SamplingParams` and their validation, shared by
+the tokenizer stage (which checks every request) and the front ends (which name the field)."""
+
+from __future__ import annotations
+
+import math
+
+from ipc.messages import SamplingParams
+
+MAX_N = 128  # samples per request
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20  # alternatives per token: the width of the sampled-token ring
+_INT32 = 2**31
+_INT64 = 2**63
+
+
+class RequestError(ValueError):
+    """A request a client must fix. `param` names the offending field (None: the request as
+    a whole); the message says what is wrong."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise RequestError(message, param)
+
+
+def validate_params(p: SamplingParams, vocab_size: int) -> None:
+    """Raise RequestError naming the first parameter out of its range; nothing is clamped."""
+    for name in ("max_tokens", "min_tokens", "top_k", "priority", "n", "logprobs"):
+        value = getattr(p, name)
+        _check(value is None or -_INT32 <= value < _INT32, name,
+               f"{name} must fit in 32 bits, got {value}")
+    _check(p.max_tokens is None or p.max_tokens >= 1, "max_tokens",
+           f"max_tokens must be at least 1, got {p.max_tokens}")
+    _check(p.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {p.min_tokens}")
+    _check(p.max_tokens is None or p.min_tokens <= p.max_tokens, "min_tokens",
+           f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
+    _check(math.isfinite(p.temperature) and p.temperature >= 0, "temperature",
+           f"temperature must be a finite number >= 0, got {p.temperature}")
+    _check(math.isfinite(p.top_p) and 0 < p.top_p <= 1, "top_p",
+           f"top_p must be in (0, 1], got {p.top_p}")
+    _check(p.top_k >= -1, "top_k",
+           f"top_k must be -1 or 0 (off) or a positive count, got {p.top_k}")
+    _check(math.isfinite(p.min_p) and 0 <= p.min_p <= 1, "min_p",
+           f"min_p must be in [0, 1], got {p.min_p}")
+    _check(p.seed is None or -_INT64 <= p.seed < _INT64, "seed",
+           f"seed must fit in 64 bits, got {p.seed}")
+    _check(math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0,
+           "repetition_penalty",
+           f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        _check(math.isfinite(value) and -2 <= value <= 2, name,
+               f"{name} must be in [-2, 2], got {value}")
+    _check(all(p.stop), "stop", "stop strings must not be empty")
+    _check(1 <= p.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {p.n}")
+    _check(p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
+           f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {p.logprobs}")
+    _check(len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+           f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
+    bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
+    _check(not bad, "stop_token_ids",
+           f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+

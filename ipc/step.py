@@ -1,0 +1,268 @@
+"""The step protocol's shared memory, in one place (see docs/ARCHITECTURE.md, "The step
+protocol"): the layouts of the step-input ring (written by the scheduler, read by the executor)
+and the sampled-token ring (written by the executor, read by the scheduler), opening both,
+writing and reading one step with its stamps, and the packed layout in which the executor
+hands a step's index arrays to the device. Used by the launcher, both stages, the in-process
+engine and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ipc.config import EngineLimits, PipelineConfig
+from ipc.messages import StepPlan
+from ipc.params import MAX_TOP_LOGPROBS
+from ipc.sampling import NUM_F, NUM_I, SlotRow
+from ipc.shm import BufferSpec, SharedRing
+
+# ---------------------------------------------------------------- the two rings
+
+
+def step_input_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
+    s, t, u = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_block_updates
+    return (
+        BufferSpec("stamp", "int64", (2,)),  # step id before / after the writer's writes
+        BufferSpec("input_ids", "int64", (t,)),  # -1: this slot's last sample
+        BufferSpec("seq_slot", "int32", (s,)),  # executor slot of each row
+        BufferSpec("query_len", "int32", (s,)),  # tokens computed this step
+        BufferSpec("context_len", "int32", (s,)),  # KV length after this step
+        BufferSpec("do_sample", "bool", (s,)),  # sample after the row's last token
+        BufferSpec("bt_slot", "int32", (u,)),  # block_table[slot, index] = block
+        BufferSpec("bt_index", "int32", (u,)),
+        BufferSpec("bt_block", "int32", (u,)),
+        BufferSpec("new_slot", "int32", (s,)),  # sequences taking a slot this step
+        BufferSpec("new_fparams", "float32", (s, NUM_F)),  # their rows (ipc/sampling.py)
+        BufferSpec("new_iparams", "int64", (s, NUM_I)),
+        BufferSpec("stop_slot", "int32", (limits.max_stop_ids,)),  # ids min_tokens suppresses
+        BufferSpec("stop_id", "int32", (limits.max_stop_ids,)),
+    )
+
+
+def sampled_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
+    s = limits.max_num_seqs
+    return (
+        BufferSpec("token_ids", "int64", (s,)),
+        # only in steps whose SampledTokens has num_top_logprobs >= 0:
+        BufferSpec("logprob", "float32", (s,)),  # of the sampled token
+        BufferSpec("top_ids", "int64", (s, MAX_TOP_LOGPROBS)),  # most likely first
+        BufferSpec("top_logprobs", "float32", (s, MAX_TOP_LOGPROBS)),
+    )
+
+
+@dataclass
+class StepRings:
+    """Both rings of one run, `limits.num_ring_slots` slots each, in /dev/shm under the run id.
+    The launcher creates them before any stage starts; the stages attach."""
+
+    steps: SharedRing
+    sampled: SharedRing
+
+    @classmethod
+    def open(cls, cfg: PipelineConfig, *, create: bool) -> StepRings:
+        limits = cfg.limits
+        n = limits.num_ring_slots
+        steps = SharedRing(cfg.step_ring_name, step_input_specs(limits), n, create=create)
+        try:
+            sampled = SharedRing(cfg.sampled_ring_name, sampled_specs(limits), n, create=create)
+        except BaseException:
+            if create:
+                steps.unlink()
+            raise
+        return cls(steps, sampled)
+
+    def unlink(self) -> None:
+        """Remove both names; mappings stay valid. Safe to call twice."""
+        self.steps.unlink()
+        self.sampled.unlink()
+
+
+def local_buffers(specs: tuple[BufferSpec, ...]) -> dict[str, np.ndarray]:
+    """One slot's buffers in this process's memory (the in-process engine, benchmarks)."""
+    return {s.name: np.zeros(s.shape, dtype=s.dtype) for s in specs}
+
+
+# ---------------------------------------------------------------- one step in, one step out
+
+
+class RingRaceError(RuntimeError):
+    """A ring slot was read while it was being rewritten: the slot protocol was broken."""
+
+
+def check_stamp(buf: dict[str, np.ndarray], step_id: int) -> None:
+    """Raise unless slot `buf` holds exactly step `step_id`, completely written."""
+    begin, end = int(buf["stamp"][0]), int(buf["stamp"][1])
+    if begin != step_id or end != step_id:
+        raise RingRaceError(f"step-input slot holds stamps ({begin}, {end}), expected step "
+                            f"{step_id}: it was rewritten before the executor finished reading")
+
+
+NewSlot = tuple[int, SlotRow]  # (executor slot, its encoded sampling parameters)
+
+
+def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
+               input_ids: list[int], seq_slots: list[int], query_lens: list[int],
+               context_lens: list[int], do_sample: list[bool],
+               block_updates: list[tuple[int, int, int]], new_slots: list[NewSlot],
+               stop_ids: list[tuple[int, int]]) -> StepPlan:
+    """Lay a step's bulk inputs into ring slot `buf`; returns the plan that names them. The
+    stamp brackets the write, so a reader can tell a slot that is being rewritten."""
+    buf["stamp"][0] = step_id
+    num_seqs, num_tokens = len(seq_slots), len(input_ids)
+    buf["input_ids"][:num_tokens] = input_ids
+    buf["seq_slot"][:num_seqs] = seq_slots
+    buf["query_len"][:num_seqs] = query_lens
+    buf["context_len"][:num_seqs] = context_lens
+    buf["do_sample"][:num_seqs] = do_sample
+    if block_updates:
+        updates = np.asarray(block_updates, dtype=np.int32)  # [n, 3]: slot, index, block
+        n = len(updates)
+        buf["bt_slot"][:n], buf["bt_index"][:n], buf["bt_block"][:n] = updates.T
+    for j, (slot, (floats, ints)) in enumerate(new_slots):
+        buf["new_slot"][j] = slot
+        buf["new_fparams"][j] = floats
+        buf["new_iparams"][j] = ints
+    if stop_ids:
+        pairs = np.asarray(stop_ids, dtype=np.int32)  # [m, 2]: slot, token id
+        buf["stop_slot"][:len(pairs)], buf["stop_id"][:len(pairs)] = pairs.T
+    buf["stamp"][1] = step_id
+    return StepPlan(step_id, ring_slot, num_seqs, num_tokens, len(block_updates),
+                    len(new_slots), len(stop_ids))
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's arrays, copied out of its ring slot (int64 indices)."""
+
+    input_ids: np.ndarray  # [T], -1: placeholder
+    seq_slots: np.ndarray  # [S]
+    query_lens: np.ndarray  # [S]
+    context_lens: np.ndarray  # [S]
+    do_sample: np.ndarray  # [S] bool
+    bt_slot: np.ndarray  # [U]
+    bt_index: np.ndarray  # [U]
+    bt_block: np.ndarray  # [U]
+    new_slots: np.ndarray  # [N]
+    new_fparams: np.ndarray  # [N, NUM_F] float32
+    new_iparams: np.ndarray  # [N, NUM_I]
+    stop_slots: np.ndarray  # [M]
+    stop_ids: np.ndarray  # [M]
+
+
+def read_step(buf: dict[str, np.ndarray], plan: StepPlan) -> StepInputs:
+    """Copy step `plan` out of ring slot `buf`. The stamps are checked before and after the
+    copy: a slot rewritten meanwhile raises RingRaceError instead of feeding garbage."""
+    check_stamp(buf, plan.step_id)
+    s, u, n, m = plan.num_seqs, plan.num_block_updates, plan.num_new_slots, plan.num_stop_ids
+
+    def ints(name: str, count: int) -> np.ndarray:
+        return buf[name][:count].astype(np.int64)  # a copy
+
+    inputs = StepInputs(
+        ints("input_ids", plan.num_tokens), ints("seq_slot", s), ints("query_len", s),
+        ints("context_len", s), buf["do_sample"][:s].copy(), ints("bt_slot", u),
+        ints("bt_index", u), ints("bt_block", u), ints("new_slot", n),
+        buf["new_fparams"][:n].copy(), ints("new_iparams", n), ints("stop_slot", m),
+        ints("stop_id", m))
+    check_stamp(buf, plan.step_id)
+    return inputs
+
+
+# Logprobs of one step's sampled rows, in row order: (logprob, top ids, top logprobs).
+StepLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
+
+
+def read_sampled(buf: dict[str, np.ndarray], num_sampled: int, num_top_logprobs: int
+                 ) -> tuple[list[int], StepLogprobs | None]:
+    """A step's sampled ids (and, if it computed them, logprobs with k alternatives)."""
+    n, k = num_sampled, num_top_logprobs
+    ids = buf["token_ids"][:n].tolist()
+    if k < 0:
+        return ids, None
+    return ids, (buf["logprob"][:n].tolist(), buf["top_ids"][:n, :k].tolist(),
+                 buf["top_logprobs"][:n, :k].tolist())
+
+
+# ---------------------------------------------------------------- the packed device inputs
+
+
+@dataclass(frozen=True)
+class PackedField:
+    name: str
+    dtype: str  # a numpy dtype name
+    max_count: Callable[[EngineLimits], int]
+
+
+def _tokens(lim: EngineLimits) -> int:
+    return lim.max_num_batched_tokens
+
+
+def _seqs(lim: EngineLimits) -> int:
+    return lim.max_num_seqs
+
+
+def _updates(lim: EngineLimits) -> int:
+    return lim.max_block_updates
+
+
+def _stops(lim: EngineLimits) -> int:
+    return lim.max_stop_ids
+
+
+# What the executor's host side packs for one step (sizes T tokens, S rows, X sampled rows,
+# B decode rows, U block-table updates, N new slots, M suppressed ids), in order: one buffer,
+# so a step costs one host-to-device copy (none on the CPU).
+STAGING_FIELDS = (
+    PackedField("input_ids", "int64", _tokens),
+    PackedField("positions", "int64", _tokens),
+    PackedField("token_slots", "int64", _tokens),
+    PackedField("logits_indices", "int64", _seqs),  # X
+    PackedField("sample_slots", "int64", _seqs),  # X
+    PackedField("decode_token_idx", "int64", _seqs),  # B, sorted by context length
+    PackedField("decode_slots", "int64", _seqs),
+    PackedField("decode_lens", "int64", _seqs),
+    PackedField("bt_slot", "int64", _updates),
+    PackedField("bt_index", "int64", _updates),
+    PackedField("bt_block", "int64", _updates),
+    PackedField("new_slots", "int64", _seqs),
+    PackedField("new_fparams", "float32", lambda lim: lim.max_num_seqs * NUM_F),
+    PackedField("new_iparams", "int64", lambda lim: lim.max_num_seqs * NUM_I),
+    PackedField("stop_slots", "int64", _stops),
+    PackedField("stop_ids", "int64", _stops),
+)
+_ALIGN = 8  # every field starts on an 8-byte boundary, so any dtype views it in place
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def staging_nbytes(limits: EngineLimits) -> int:
+    """Bytes of a staging buffer that holds any step."""
+    return sum(_aligned(np.dtype(f.dtype).itemsize * f.max_count(limits))
+               for f in STAGING_FIELDS)
+
+
+def pack(arrays: dict[str, np.ndarray], out: np.ndarray) -> tuple[dict[str, int], int]:
+    """Write every staging field of `arrays` densely into `out` (uint8); returns the count of
+    each field and the bytes used. `unpack` finds them again from the counts."""
+    counts, offset = {}, 0
+    for f in STAGING_FIELDS:
+        values = arrays[f.name]
+        nbytes = values.size * np.dtype(f.dtype).itemsize
+        out[offset:offset + nbytes].view(f.dtype)[:] = values.reshape(-1)
+        counts[f.name] = values.size
+        offset += _aligned(nbytes)
+    return counts, offset
+
+
+def field_offsets(counts: dict[str, int]) -> dict[str, tuple[int, int, str]]:
+    """(byte offset, count, dtype) of each field of a buffer packed with these counts."""
+    where, offset = {}, 0
+    for f in STAGING_FIELDS:
+        where[f.name] = (offset, counts[f.name], f.dtype)
+        offset += _aligned(counts[f.name] * np.dtype(f.dtype).itemsize)
+    return where

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP front end: its worker processes, routes, request mapping and
+metrics."""

@@ -1,0 +1,232 @@
+"""The routes of the OpenAI-compatible HTTP front end (Starlette): authorization, rate limits,
+admission, and plain or streamed answers. Runs in each of K worker processes that accept on one
+listening socket and share one pipeline, each through its own PipelineClient, so the server is
+one more client of the engine, not a way around it.
+
+Routes: POST /v1/completions and /v1/chat/completions (plain JSON or server-sent events),
+GET /v1/models, GET /health (200 only while every stage runs and answers), GET /metrics
+(Prometheus). A request whose client disconnects is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pipeline.runtime.client import PipelineClient
+from pipeline.server.generation import Generation
+from pipeline.server.limits import RateLimiter
+from pipeline.server.openai_api import ApiError, bad, new_id, parse_chat, parse_completion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    api_workers: int = 1
+    max_body_bytes: int = 4 << 20
+    rate_limit_rps: float = 0.0  # per API key and per client address; 0: off
+    rate_limit_concurrent: int = 0  # requests at once, per key and per address; 0: off
+    max_waiting: int = 1024  # sequences waiting in the scheduler before new requests get 503
+
+
+
+# ---------------------------------------------------------------- the app
+
+
+class FrontEnd:
+    """The handlers, around one PipelineClient."""
+
+    def __init__(self, client: PipelineClient, options: ServerOptions, vocab_size: int) -> None:
+        from pipeline.server import metrics  # after PROMETHEUS_MULTIPROC_DIR is set
+
+        self.client, self.options, self.vocab_size = client, options, vocab_size
+        self.metrics: Any = metrics
+        workers = max(1, options.api_workers)
+        self.limiter = RateLimiter(options.rate_limit_rps / workers,
+                                   math.ceil(options.rate_limit_concurrent / workers))
+        self.model = client.model_name
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+        ], exception_handlers={ApiError: self._api_error})  # type: ignore[dict-item]
+
+    async def _api_error(self, request: Request, exc: ApiError) -> Response:
+        self.metrics.HTTP.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    # ------------------------------------------------------------ plain routes
+
+    async def health(self, request: Request) -> Response:
+        h = self.client.health()
+        body = {"status": "ok" if h.ok else "unavailable", "problem": h.problem,
+                "stages": h.stages}
+        return JSONResponse(body, 200 if h.ok else 503)
+
+    async def metrics_route(self, request: Request) -> Response:
+        return Response(self.metrics.render(lambda: self.client.status),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": self.created,
+            "owned_by": "llm-pipeline", "max_model_len": self.client.max_model_len}]})
+
+    # ------------------------------------------------------------ generation routes
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        key = self._authorize(request)
+        identities = [f"addr:{request.client.host if request.client else '?'}"]
+        if key is not None:
+            identities.append(f"key:{key}")
+        taken: list[str] = []
+        try:
+            for identity in identities:
+                wait = self.limiter.acquire(identity)
+                if wait is not None:
+                    raise ApiError(429, f"rate limit reached for {identity.split(':')[0]}; "
+                                   f"retry in {wait:.1f} s", None, "rate_limit_error",
+                                   headers={"Retry-After": str(max(1, math.ceil(wait)))})
+                taken.append(identity)
+            response = await self._run(request, chat)
+        except BaseException:
+            for identity in taken:
+                self.limiter.release(identity)
+            raise
+        if isinstance(response, AbortingStreamingResponse):  # released when the stream ends
+            response.on_close.append(lambda: [self.limiter.release(i) for i in taken])
+        else:
+            for identity in taken:
+                self.limiter.release(identity)
+        return response
+
+    def _authorize(self, request: Request) -> str | None:
+        expected = self.options.api_key
+        if expected is None:
+            return None
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise ApiError(401, "invalid or missing API key (use the header "
+                                "'Authorization: Bearer KEY')", None, "authentication_error",
+                           "invalid_api_key")
+        return given
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.options.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body has {length} bytes; the limit is {limit}")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes")
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise bad("body", f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise bad("body", "the body must be a JSON object")
+        return body
+
+    def _check_capacity(self) -> None:
+        h = self.client.health()
+        if not h.ok:
+            raise ApiError(503, f"the engine is unavailable: {h.problem}", None,
+                           "service_unavailable", headers={"Retry-After": "5"})
+        if h.stats is not None and h.stats.num_waiting >= self.options.max_waiting:
+            raise ApiError(503, f"the engine is overloaded ({h.stats.num_waiting} sequences "
+                                f"waiting); retry shortly", None, "service_unavailable",
+                           headers={"Retry-After": "1"})
+
+    async def _run(self, request: Request, chat: bool) -> Response:
+        body = await self._read_json(request)
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise bad("model", "model must be a string naming the model (see GET /v1/models)")
+        if model != self.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server has "
+                                f"{self.model!r}", "model", "invalid_request_error",
+                           "model_not_found")
+        parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
+        self._check_capacity()
+        run = Generation(self, parsed, new_id(chat))
+        # Until the response streams (Starlette then listens itself), a hang-up aborts here.
+        hangup = asyncio.create_task(_wait_for_disconnect(request))
+        try:
+            await _unless_hung_up(run.start(), hangup, run)
+            if parsed.stream:
+                hangup.cancel()
+                self.metrics.HTTP.labels(request.url.path, "200").inc()
+                return AbortingStreamingResponse(run, run.sse(), media_type="text/event-stream",
+                                                 headers={"x-request-id": run.rid})
+            result = await _unless_hung_up(run.collect(), hangup, run)
+        finally:
+            hangup.cancel()
+        self.metrics.HTTP.labels(request.url.path, "200").inc()
+        return JSONResponse(result, headers={"x-request-id": run.rid})
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body is already read: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_hung_up(work: Any, hangup: asyncio.Task[None], run: Generation) -> Any:
+    """Await `work`, unless the client disconnects first: then abort everything it started."""
+    task = asyncio.ensure_future(work)
+    await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        run.cancel()  # the engine aborts the requests
+        raise ApiError(499, "the client closed the connection")
+    return task.result()
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A stream whose requests are aborted however it ends. Starlette cancels the streaming
+    task on a disconnect, which can leave the body generator suspended (not closed) until it
+    is garbage collected; so the requests are cancelled here, not in the generator."""
+
+    def __init__(self, run: Generation, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.run = run
+        self.on_close: list[Callable[[], object]] = []  # run however the response ends
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancel()
+            for callback in self.on_close:
+                callback()

@@ -1,0 +1,167 @@
+"""One API request in the engine: its prompts (each with n samples) submitted through the
+client, their outputs merged into choices, collected into one response or streamed as
+server-sent events. Runs in each front-end worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ipc.messages import WHOLE_REQUEST, ErrorKind, RequestOutput
+from ipc.outputs import SampleResult
+from pipeline.runtime.client import PipelineError
+from pipeline.server.openai_api import (
+    ApiError,
+    ParsedRequest,
+    chunk_json,
+    output_error,
+    response_json,
+    usage_chunk,
+)
+
+if TYPE_CHECKING:
+    from pipeline.server.app import FrontEnd
+
+logger = logging.getLogger(__name__)
+
+
+class Generation:
+    """One API request: its prompts (each with n samples) running in the engine, merged into
+    one stream of (choice index, output). Leaving before the end aborts what still runs."""
+
+    def __init__(self, front: FrontEnd, parsed: ParsedRequest, rid: str) -> None:
+        self.front, self.parsed, self.rid = front, parsed, rid
+        self.n = parsed.params.n
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | None] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+        self._early: list[tuple[int, RequestOutput]] = []  # read by start(), yielded first
+        self._done_feeds = 0
+        self.prompt_tokens = [0] * len(parsed.prompts)
+        self.cached_tokens = [0] * len(parsed.prompts)  # of each prompt, from the prefix cache
+        self.latency = front.metrics.LatencyRecorder()
+
+    async def _feed(self, i: int) -> None:
+        stream = self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
+                                          f"{self.rid}-{i}")
+        try:
+            async with contextlib.aclosing(stream):  # closed (so aborted) however this ends
+                async for out in stream:
+                    self.queue.put_nowait((i, out))
+        except PipelineError as exc:
+            self.queue.put_nowait((i, RequestOutput.refusal(
+                f"{self.rid}-{i}", ErrorKind.UNAVAILABLE, f"engine unavailable: {exc}")))
+        except Exception as exc:  # never leave the request waiting for an output
+            logger.exception("request %s-%d failed in the front end", self.rid, i)
+            self.queue.put_nowait((i, RequestOutput.refusal(
+                f"{self.rid}-{i}", ErrorKind.INTERNAL, f"front-end error: {exc}")))
+        finally:
+            self.queue.put_nowait(None)
+
+    async def start(self) -> None:
+        """Submit every prompt and wait for each one's first output, so that a request the
+        engine refuses (a prompt too long, say) is answered with an HTTP error, not a stream."""
+        self.tasks = [asyncio.create_task(self._feed(i)) for i in range(len(self.parsed.prompts))]
+        unanswered = set(range(len(self.parsed.prompts)))
+        try:
+            while unanswered:
+                item = await self._next()
+                if item is None:  # cannot happen: every feed reports before it ends
+                    raise ApiError(500, "the request ended without an answer", None,
+                                   "server_error")
+                i, out = item
+                unanswered.discard(i)
+                self._early.append(item)
+                if out.index == WHOLE_REQUEST or (out.finished and out.error):
+                    param = "messages" if self.parsed.chat else "prompt"
+                    raise output_error(out, param)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    async def _next(self) -> tuple[int, RequestOutput] | None:
+        """The next (prompt index, output), or None once every feed has ended."""
+        while self._done_feeds < len(self.tasks):
+            item = await self.queue.get()
+            if item is not None:
+                return item
+            self._done_feeds += 1
+        return None
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) until every sample of every prompt has finished."""
+        try:
+            for i, out in self._early:
+                yield self._record(i, out)
+            while (item := await self._next()) is not None:
+                yield self._record(*item)
+            self.latency.finished()
+        finally:
+            self.cancel()
+
+    def _record(self, i: int, out: RequestOutput) -> tuple[int, RequestOutput]:
+        self.prompt_tokens[i] = out.num_prompt_tokens
+        if out.index == 0:
+            self.cached_tokens[i] = out.num_cached_tokens
+        choice = i * self.n + max(out.index, 0)
+        if out.token_ids:
+            self.latency.tokens(choice, len(out.token_ids))
+        return choice, out
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole response (the caller aborts it if the client goes away meanwhile)."""
+        choices = [SampleResult(c) for c in range(len(self.parsed.prompts) * self.n)]
+        errors: list[str] = []
+        async for c, out in self.outputs():
+            choices[c].add(out)
+            if out.finished and out.error:
+                errors.append(out.error)
+        if errors:
+            raise ApiError(500, f"the engine failed the request: {errors[0]}", None,
+                           "server_error")
+        p = self.parsed
+        return response_json(self.rid, self.front.model, p.chat, choices, sum(self.prompt_tokens),
+                             p.params.logprobs is not None, sum(self.cached_tokens))
+
+    async def sse(self) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+        p = self.parsed
+        created = int(time.time())
+        want_lp = p.params.logprobs is not None
+        completion_tokens = 0
+        offsets: dict[int, int] = {}
+        try:
+            if p.chat:
+                for c in range(len(p.prompts) * self.n):
+                    yield _event(chunk_json(self.rid, self.front.model, True, c, None, want_lp,
+                                            created, role=True))
+            async for c, out in self.outputs():
+                completion_tokens += len(out.token_ids)
+                if out.finished and out.error:
+                    yield _event({"error": {"message": out.error, "type": "server_error",
+                                            "param": None, "code": None}})
+                    continue
+                if not (out.text or out.token_ids or out.finished):
+                    continue
+                yield _event(chunk_json(self.rid, self.front.model, p.chat, c, out, want_lp,
+                                        created, text_offset=offsets.get(c, 0)))
+                offsets[c] = offsets.get(c, 0) + len(out.text)
+            if p.include_usage:
+                yield _event(usage_chunk(self.rid, self.front.model, p.chat, created,
+                                         sum(self.prompt_tokens), completion_tokens,
+                                         sum(self.cached_tokens)))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.cancel()  # a disconnected client lands here: its requests are aborted
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,54 @@
+"""Entry of one HTTP front-end worker process, and the listening socket they all share."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pipeline.runtime.client import PipelineClient
+from pipeline.server.app import FrontEnd, ServerOptions
+from stages.process import watch_parent
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The one listening socket, bound by the serving process and handed to every worker,
+    which all accept on it. Not SO_REUSEPORT: a second server on the same port fails to
+    start instead of silently taking half of the connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart past TIME_WAIT
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: int,
+                   parent_pid: int, sock: socket.socket) -> None:
+    """Entry of one front-end worker process (spawned by `run_pipeline serve`)."""
+    import uvicorn
+
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"llm-pipeline:api:{rank}")
+    except ImportError:
+        pass
+    client = PipelineClient.connect(run_dir)
+    client.wait_for_status()  # so that /health and the first requests know how things stand
+    front = FrontEnd(client, options, vocab_size)
+    config = uvicorn.Config(front.app(), loop="uvloop", http="httptools", lifespan="off",
+                            log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    watch_parent(parent_pid, lambda: setattr(server, "should_exit", True),
+                 lambda: bool(server.should_exit))
+    ready_file(run_dir, rank).write_text(str(os.getpid()))  # the socket already listens
+    try:
+        server.run(sockets=[sock])
+    finally:
+        client.close()
+
+
+def ready_file(run_dir: str, rank: int) -> Path:
+    return Path(run_dir) / f"api-{rank}.ready"
