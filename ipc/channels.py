@@ -1,7 +1,8 @@
 """ZeroMQ channel helpers and the per-run address book. Used by every process.
 
 All addresses of one pipeline come from one run directory (mode 0700), so two pipelines on one
-machine never collide. (Placing stages on other hosts over `tcp://` is not wired up yet.)
+machine never collide. (Clients on other hosts reach it over `tcp://`: see --listen; stages on
+other hosts are not wired up yet.)
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ def make_run_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="llm-pipeline-", dir=base))
     path.chmod(0o700)
     return path
-
-
-def ipc_address(run_dir: str | Path, name: str) -> str:
-    return f"ipc://{Path(run_dir) / name}.sock"
 
 
 class PushChannel:
@@ -126,8 +123,8 @@ class SubChannel(PullChannel):
         self.socket.connect(address)
 
 
-__all__ = ["ProtocolError", "PullChannel", "PushChannel", "SubChannel", "ipc_address",
-           "listen_tcp", "make_run_dir"]
+__all__ = ["ProtocolError", "PullChannel", "PushChannel", "SubChannel", "listen_tcp",
+           "make_run_dir"]
 
 
 class ReplySockets:

@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
-from ipc.messages import RequestOutput, SamplingParams, SchedulerStats, TokenLogprob
+from ipc.messages import ErrorKind, RequestOutput, SamplingParams, SchedulerStats, TokenLogprob
 from ipc.outputs import SampleResult
 from pipeline.server.app import ServerOptions
 from pipeline.server.limits import RateLimiter
 from pipeline.server.openai_api import (
     ApiError,
     chunk_json,
+    output_error,
     parse_chat,
     parse_completion,
     response_json,
@@ -176,3 +177,17 @@ def test_overload_and_outage_answer_503_with_retry_after(tmp_path: Any,
         front._check_capacity()
     assert info.value.status == 503 and "executor:0" in info.value.message
     assert asyncio.iscoroutinefunction(front.health)
+
+
+@pytest.mark.parametrize(("kind", "param", "status", "named"), [
+    (ErrorKind.INVALID_REQUEST, None, 400, "prompt"),  # the prompt as a whole
+    (ErrorKind.INVALID_REQUEST, "max_tokens", 400, "max_tokens"),
+    (ErrorKind.UNAVAILABLE, None, 503, None),
+    (ErrorKind.INTERNAL, None, 500, None),
+])
+def test_an_engine_error_is_answered_by_its_kind_not_its_words(
+        kind: ErrorKind, param: str | None, status: int, named: str | None) -> None:
+    # The same message for every kind: only error_kind and error_param decide the answer.
+    out = RequestOutput.refusal("r", kind, "engine unavailable: tokenizer error", param)
+    err = output_error(out, "prompt")
+    assert (err.status, err.param) == (status, named)

@@ -275,23 +275,32 @@ class PipelineClient:
             if msg is None:
                 continue
             assert isinstance(msg, RequestOutputs)
-            for out in msg.outputs:
-                with self._routes_lock:
-                    route = self._routes.get(out.request_id)
-                    if route is None:
-                        continue
-                    deliver, remaining = route
-                    if out.finished:
-                        remaining = 0 if out.index == WHOLE_REQUEST else remaining - 1
-                        if remaining:
-                            self._routes[out.request_id] = (deliver, remaining)
-                        else:
-                            del self._routes[out.request_id]
+            for deliver, out in self._routed(msg.outputs):
+                try:
+                    deliver(out)
+                except RuntimeError:  # its event loop is closed: nobody is listening
+                    pass
+
+    def _routed(self, outputs: list[RequestOutput]
+                ) -> list[tuple[Callable[[RequestOutput], Any], RequestOutput]]:
+        """Each output with the callback of its request, under one lock for the whole batch;
+        a request's route goes once its last sample has finished."""
+        routed = []
+        with self._routes_lock:
+            for out in outputs:
+                route = self._routes.get(out.request_id)
+                if route is None:
+                    continue
+                deliver, remaining = route
+                if out.finished:
+                    remaining = 0 if out.index == WHOLE_REQUEST else remaining - 1
+                    if remaining:
+                        self._routes[out.request_id] = (deliver, remaining)
+                    else:
+                        del self._routes[out.request_id]
                 if deliver is not None:
-                    try:
-                        deliver(out)
-                    except RuntimeError:  # its event loop is closed: nobody is listening
-                        pass
+                    routed.append((deliver, out))
+        return routed
 
     def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None,
                 deliver: Callable[[RequestOutput], Any]) -> str:

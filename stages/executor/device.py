@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,7 +38,19 @@ OnDone = Callable[[HostStep, int, bool, int, int], None]
 HostLoop = Callable[[], None]  # receives plans and submit()s them until told to stop
 
 
-def make_device(runner: Runner, sampled: SharedRing, on_done: OnDone) -> CpuDevice | CudaDevice:
+class Device(Protocol):
+    """Runs a runner's steps in submission order and reports each with on_done."""
+
+    error: BaseException | None  # set when the device's own thread failed
+
+    def serve(self, host_loop: HostLoop, stop: threading.Event) -> None: ...
+
+    def submit(self, step: HostStep) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_device(runner: Runner, sampled: SharedRing, on_done: OnDone) -> Device:
     """The device that runs `runner`'s steps: CUDA streams for a CUDA runner, else the CPU."""
     if runner.device.type == "cuda":
         return CudaDevice(runner, sampled, on_done)

@@ -16,7 +16,7 @@ from ipc.messages import SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.shm import SharedRing
 from ipc.step import StepRings
-from stages.executor.device import CpuDevice, CudaDevice, make_device
+from stages.executor.device import Device, make_device
 from stages.executor.runner import ModelRunner, Runner, TimedRunner
 from stages.executor.step_inputs import HostStep
 from stages.process import StageContext, stage_process
@@ -72,7 +72,7 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
 
 
 def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: SharedRing,
-              device: CpuDevice | CudaDevice) -> None:
+              device: Device) -> None:
     while not ctx.stop.is_set():
         if device.error is not None:
             raise RuntimeError("the device failed") from device.error
