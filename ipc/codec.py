@@ -38,8 +38,13 @@ def _fields_of(cls: type) -> Callable[[Any], tuple[Any, ...]]:
     getter = _GETTERS.get(cls)
     if getter is None:
         names = [f.name for f in dataclasses.fields(cls)]
-        one = operator.attrgetter(*names)
-        getter = (lambda obj: (one(obj),)) if len(names) == 1 else one  # type: ignore[assignment]
+        if len(names) > 1:
+            getter = operator.attrgetter(*names)  # type: ignore[assignment]
+        elif names:
+            one = operator.attrgetter(names[0])
+            getter = lambda obj: (one(obj),)  # noqa: E731
+        else:
+            getter = lambda obj: ()  # noqa: E731
         _GETTERS[cls] = getter  # type: ignore[assignment]
     return getter  # type: ignore[return-value]
 
@@ -166,8 +171,11 @@ def _struct_decoder(cls: type) -> Decoder:
             )
         return cls(*[d(x) for d, x in zip(decoders, v, strict=False)])  # v may be shorter
 
-    complete = _complete_decoder(cls, [hints[f.name] for f in fields], decoders)
     num_fields = len(decoders)
+    if not num_fields:
+        _STRUCT_DECODERS[cls] = decode_any
+        return decode_any
+    complete = _complete_decoder(cls, [hints[f.name] for f in fields], decoders)
 
     def decode(v: Any) -> Any:
         if type(v) is list and len(v) == num_fields:

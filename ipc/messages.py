@@ -25,8 +25,18 @@ class Message(Struct):
 # ---------------------------------------------------------------- outcomes
 
 
-class FinishReason(str, enum.Enum):
-    """Why a sample ended (vLLM's and OpenAI's words). A str, so it is sent as its value."""
+class _WireEnum(str, enum.Enum):
+    """A str enum that is its value wherever it is written: on the wire, in JSON, in text."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class FinishReason(_WireEnum):
+    """Why a sample ended (vLLM's and OpenAI's words)."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens, or the end of the context
@@ -34,7 +44,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # see the output's error_kind and error
 
 
-class ErrorKind(str, enum.Enum):
+class ErrorKind(_WireEnum):
     """Whose fault an error output is, so a front end answers without reading the message."""
 
     INVALID_REQUEST = "invalid_request"  # the client must fix it; error_param names the field

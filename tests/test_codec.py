@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import msgpack
 import pytest
@@ -325,3 +326,17 @@ def test_fuzz_mutated_valid_messages_only_raise_protocol_error() -> None:
     encoded = [encode(m) for m in SAMPLES]
     for _ in range(5000):
         _decode_or_protocol_error(ALL, _mutations(rng, rng.choice(encoded)))
+
+
+def test_enums_print_as_their_values() -> None:
+    # The CLI and the HTTP errors write them into text: "(length)", not "(FinishReason.LENGTH)".
+    assert (str(FinishReason.LENGTH), f"{FinishReason.ABORT}", f"{ErrorKind.INTERNAL}") == (
+        "length", "abort", "internal")
+
+
+def test_a_message_without_fields_round_trips() -> None:
+    @dataclass(frozen=True, slots=True)
+    class Ping(Message):
+        TAG: ClassVar[int] = 99
+
+    assert Codec([Ping]).decode(encode(Ping())) == Ping()

@@ -67,7 +67,7 @@ def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
                                                                                         (3, 7)]
     staging = torch.zeros(staging_nbytes(LIMITS), dtype=torch.uint8)
     host = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS))
-    v = unpack(host.packed, host.counts)
+    v = unpack(host.packed.clone(), host.counts)  # a copy, as the device gets on CUDA
     assert v["input_ids"].tolist() == [5, 6, 7, -1]
     assert v["positions"].tolist() == [0, 1, 2, 7]  # the decode row sits at context 8
     assert v["logits_indices"].tolist() == [2] and v["sample_slots"].tolist() == [3]

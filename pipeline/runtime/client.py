@@ -117,7 +117,7 @@ class CompletionOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     samples: list[SampleResult] = field(default_factory=list)
-    _num_finished: int = 0
+    _num_finished: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.samples = self.samples or [SampleResult(i) for i in range(self.n)]

@@ -248,7 +248,7 @@ def add_throughput_parser(sub: Any) -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dataset", choices=["synthetic-chat"], default=None,
-                   help="instead of random prompts of --input-len (see pipeline/datasets.py)")
+                   help="instead of random prompts of --input-len (see pipeline/tools/datasets.py)")
     p.add_argument("--batch-size", type=_comma_list(int, "batch sizes"), default=[32],
                    help="the pipeline's max_num_seqs, and the batch of hf-static and limit; "
                         "a comma list runs each (for the plot; the last is the headline)")

@@ -50,6 +50,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live samples
         self._held: dict[str, list[Sequence]] = {}  # the HELD samples of each request
+        # Preempted sequences whose blocks are not released yet (one may have finished since,
+        # while its in-flight steps drain): while any is, no other victim is taken.
+        self._victims: set[Sequence] = set()
         self.free_slots: list[int] = list(range(limits.max_num_seqs - 1, -1, -1))
         self.inflight: deque[PlannedStep] = deque()
         # A ring slot is rewritten only after the step that used it reported back.
@@ -139,13 +142,6 @@ class Scheduler:
 
     # ------------------------------------------------------------ planning
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(self._wants_step(s) for s in self.running)
-
-    def can_schedule(self) -> bool:
-        return len(self.inflight) < self.limits.depth and self.has_work
-
     def schedule(self) -> PlannedStep | None:
         """Plan the next step, or None if there is nothing to run or too much in flight."""
         if len(self.inflight) >= self.limits.depth:
@@ -226,7 +222,7 @@ class Scheduler:
         if it is that one); within the lowest priority, one just resumed is spared while
         another can go. True if blocks were freed now; False if none were (they may be on
         their way)."""
-        if any(s.status is SeqStatus.PREEMPTING for s in self.running):
+        if self._victims:
             return False  # blocks are on their way back; wait for them
         candidates = [s for s in self.running if s not in step.members and s.blocks
                       and s.status is SeqStatus.RUNNING]
@@ -236,10 +232,11 @@ class Scheduler:
                                                 s.sort_key))
         step.has_preempted = True  # no admission in this step: the victim would come right back
         victim.move_to(SeqStatus.PREEMPTING)
+        self._victims.add(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._maybe_release(victim)
-        return victim.status is not SeqStatus.PREEMPTING and victim is not needy
+        return victim not in self._victims and victim is not needy
 
     def _admit(self, step: PlannedStep, budget: int) -> int:
         bs = self.limits.block_size
@@ -380,6 +377,7 @@ class Scheduler:
             self._enqueue(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self._victims.discard(seq)
         self.allocator.free(seq.blocks[::-1])
         seq.blocks = []
         seq.num_registered = 0
