@@ -1,5 +1,10 @@
 """ZeroMQ channel helpers and the per-run address book. Used by every process.
 
+Channels between stages carry the run's secret (a random prefix of every frame, handed to each
+stage process at spawn and never written to disk): a frame without it did not come from a stage
+of this run and is refused (`ForeignFrame`), counted and dropped; it never kills the stage.
+Channels that face clients (tokenizer inboxes, the abort inbox, reply sockets) carry none.
+
 All addresses of one pipeline come from one run directory (mode 0700), so two pipelines on one
 machine never collide. (Clients on other hosts reach it over `tcp://`: see --listen; stages on
 other hosts are not wired up yet.)
@@ -31,12 +36,17 @@ def make_run_dir() -> Path:
     return path
 
 
+class ForeignFrame(ProtocolError):
+    """A frame on a stage-to-stage channel without the run's secret: not from this run."""
+
+
 class PushChannel:
-    """Sends messages. `bind=False` connects to a peer that binds."""
+    """Sends messages. `bind=False` connects to a peer that binds. With `secret`, every frame
+    starts with it (a stage-to-stage channel)."""
 
     def __init__(self, ctx: zmq.Context, address: str, *, bind: bool,
-                 linger_ms: int = 2000) -> None:
-        self.address = address
+                 linger_ms: int = 2000, secret: bytes = b"") -> None:
+        self.address, self.secret = address, secret
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, linger_ms)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on our own stages
@@ -46,7 +56,7 @@ class PushChannel:
             self.socket.connect(address)
 
     def send(self, msg: Message) -> None:
-        self.socket.send(encode(msg), copy=False)
+        self.socket.send(self.secret + encode(msg) if self.secret else encode(msg), copy=False)
 
     def try_send(self, msg: Message) -> bool:
         """Send without blocking; False if the peer cannot take it now."""
@@ -61,12 +71,16 @@ class PushChannel:
 
 
 class PullChannel:
-    """Receives messages of the types its codec accepts."""
+    """Receives messages of the types its codec accepts. With `secret`, only frames that start
+    with it (a stage-to-stage channel); others raise ForeignFrame and are counted."""
 
     def __init__(
-        self, ctx: zmq.Context, address: str | list[str], codec: Codec, *, bind: bool
+        self, ctx: zmq.Context, address: str | list[str], codec: Codec, *, bind: bool,
+        secret: bytes = b""
     ) -> None:
-        self.codec = codec
+        self.codec, self.secret = codec, secret
+        self.num_refused = 0  # frames refused: foreign, or malformed on a client-facing one
+        self.address_name = address if isinstance(address, str) else ", ".join(address)
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
@@ -77,7 +91,25 @@ class PullChannel:
         """The next message, None on timeout. Raises ProtocolError on a malformed one."""
         if timeout_ms is not None and not self.socket.poll(timeout_ms):
             return None
-        return self.codec.decode(self.socket.recv(copy=True))
+        return self._decode(self.socket.recv(copy=True))
+
+    def _decode(self, data: bytes) -> Message:
+        if self.secret:
+            n = len(self.secret)
+            if data[:n] != self.secret:
+                self.num_refused += 1
+                raise ForeignFrame(f"a frame of {len(data)} bytes without this run's secret")
+            return self.codec.decode(memoryview(data)[n:])
+        return self.codec.decode(data)
+
+    def recv_foreign_safe(self, timeout_ms: int | None = None) -> Message | None:
+        """recv() on a stage-to-stage channel: a foreign frame is logged and dropped (None);
+        a malformed frame that carries the secret is a bug and still raises."""
+        try:
+            return self.recv(timeout_ms)
+        except ForeignFrame as exc:
+            logger.warning("refused a frame on %s: %s", self.address_name, exc)
+            return None
 
     def recv_valid(self, timeout_ms: int,
                    on_error: Callable[[ProtocolError], None] | None = None) -> Message | None:
@@ -86,6 +118,8 @@ class PullChannel:
         try:
             return self.recv(timeout_ms)
         except ProtocolError as exc:
+            if not isinstance(exc, ForeignFrame):
+                self.num_refused += 1
             if on_error is None:
                 logger.error("dropped a malformed message: %s", exc)
             else:
@@ -97,7 +131,7 @@ class PullChannel:
             data = self.socket.recv(flags=zmq.NOBLOCK, copy=True)
         except zmq.Again:
             return None
-        return self.codec.decode(data)
+        return self._decode(data)
 
     def close(self) -> None:
         self.socket.close()
@@ -116,29 +150,37 @@ class SubChannel(PullChannel):
     A subscriber that connects late misses what was published before: status is periodic."""
 
     def __init__(self, ctx: zmq.Context, address: str, codec: Codec) -> None:
-        self.codec = codec
+        self.codec, self.secret, self.num_refused, self.address_name = codec, b"", 0, address
         self.socket = ctx.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(address)
 
 
-__all__ = ["ProtocolError", "PullChannel", "PushChannel", "SubChannel", "listen_tcp",
-           "make_run_dir"]
+__all__ = ["ForeignFrame", "ProtocolError", "PullChannel", "PushChannel", "SubChannel",
+           "listen_tcp", "make_run_dir"]
 
 
 class ReplySockets:
     """One PUSH socket per client reply address (a PUSH connected to several would round-robin).
 
     Sends never block: a client that has gone away must not stall a stage; its outputs are
-    dropped with a warning. Sockets of idle addresses are closed, oldest first.
+    dropped with a warning. Sockets of idle addresses are closed, oldest first. An address
+    that `is_client` refuses (a stage's own socket, say) is never dialled: a request cannot
+    make a stage send its outputs into another stage.
     """
 
-    def __init__(self, ctx: zmq.Context, max_open: int = 256) -> None:
-        self._ctx, self._max_open = ctx, max_open
+    def __init__(self, ctx: zmq.Context, max_open: int = 256,
+                 is_client: Callable[[str], bool] = lambda address: True) -> None:
+        self._ctx, self._max_open, self._is_client = ctx, max_open, is_client
         self._sockets: dict[str, PushChannel] = {}
+        self.num_refused = 0  # outputs not sent: the address is not a client's
 
     def send(self, address: str, msg: Message) -> bool:
+        if address not in self._sockets and not self._is_client(address):
+            self.num_refused += 1
+            logger.warning("refused to reply to %r: not a client's address", address)
+            return False
         chan = self._sockets.pop(address, None)
         if chan is None:
             chan = self._connect(address)
@@ -164,7 +206,7 @@ class ReplySockets:
             logger.error("cannot reply to %r: %s", address, exc)
             return None
         chan = PushChannel.__new__(PushChannel)
-        chan.address, chan.socket = address, socket
+        chan.address, chan.socket, chan.secret = address, socket, b""
         return chan
 
     def close(self) -> None:

@@ -208,6 +208,9 @@ class PipelineConfig:
     trace_dir: str = ""  # set by the launcher when a trace is asked for
     served_model_name: str = ""  # default: the model folder's name
     listen_host: str = ""  # also take clients over tcp:// on this host (see Endpoints)
+    # Prefixes every frame between stages (ipc/channels.py); set by the launcher, handed to
+    # the stages at spawn, never written to disk or told to clients.
+    run_secret: bytes = b""
 
     @property
     def model_name(self) -> str:
@@ -218,7 +221,7 @@ class PipelineConfig:
         """The local (ipc://) endpoints of this run."""
         return Endpoints(self.model_name, self.model.max_model_len,
                          tuple(self.tokenizer_address(r) for r in range(self.num_tokenizers)),
-                         self.scheduler_address, self.status_address,
+                         self.abort_address, self.status_address,
                          f"ipc://{Path(self.run_dir) / 'client-'}")
 
     def __post_init__(self) -> None:
@@ -240,7 +243,22 @@ class PipelineConfig:
 
     @property
     def scheduler_address(self) -> str:
+        """The scheduler's inbox from the other stages (secret frames only)."""
         return self.address("scheduler")
+
+    @property
+    def abort_address(self) -> str:
+        """The scheduler's inbox from clients: AbortRequest only."""
+        return self.address("abort")
+
+    def is_client_address(self, address: str) -> bool:
+        """Whether outputs may be sent to `address`: a client's reply socket in the run
+        directory, or (with --listen) a remote client's tcp:// one; never a stage's socket."""
+        if address.startswith("tcp://"):
+            return bool(self.listen_host)
+        prefix = self.endpoints.reply
+        return (address.startswith(prefix) and address.endswith(".sock")
+                and "/" not in address[len(prefix):])
 
     @property
     def status_address(self) -> str:

@@ -130,8 +130,9 @@ class AbortRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class StopSample(Message):
-    """Sample `index` of a request produced one of its stop strings: the detokenizer has
-    already given its client the final output; the scheduler frees the sample at once."""
+    """Sample `index` of a request produced one of its stop strings (or its text could not be
+    made): the detokenizer has already given its client the final output; the scheduler frees
+    the sample at once."""
 
     TAG: ClassVar[int] = 12
     request_id: str
@@ -356,6 +357,7 @@ class SchedulerStats(Message):
     step_tokens_sum: int = 0
     device_idle_fraction: float = 0.0  # over the last few seconds of steps
     uptime_s: float = 0.0
+    num_refused_messages: int = 0  # frames the scheduler refused: foreign or malformed
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).

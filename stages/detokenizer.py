@@ -16,6 +16,7 @@ from ipc.config import PipelineConfig
 from ipc.messages import (
     DetokBatch,
     DetokRequestInfo,
+    ErrorKind,
     FinishReason,
     RequestOutput,
     RequestOutputs,
@@ -103,12 +104,30 @@ class Detokenizer:
                 continue
             state = samples[delta.index]
             if not state.stopped:
-                by_client.setdefault(state.info.reply_to, []).append(self._output(state, delta))
+                by_client.setdefault(state.info.reply_to, []).append(self._safe_output(state,
+                                                                                       delta))
             if delta.finish_reason is not None:
                 state.finished = True
                 if all(s.finished for s in samples):
                     del self.requests[delta.request_id]
         return by_client
+
+    def _safe_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
+        """_output, or the sample's final error output if its delta cannot be turned into
+        text (ids outside the tokenizer's vocabulary, say): one bad sample never stops the
+        stage, and the scheduler is told to free it."""
+        try:
+            return self._output(state, delta)
+        except Exception as exc:
+            logger.exception("request %s: sample %d failed in the detokenizer",
+                             delta.request_id, state.index)
+            if delta.finish_reason is None:
+                state.stopped = True
+                self.stopped.append(StopSample(delta.request_id, state.index))
+            return RequestOutput(delta.request_id, "", [], True, FinishReason.ERROR,
+                                 f"detokenizer error: {exc}", state.info.num_prompt_tokens,
+                                 state.num_output_tokens, state.index,
+                                 error_kind=ErrorKind.INTERNAL)
 
     def _output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
         info = state.info
@@ -232,9 +251,10 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     with stage_process("detokenizer", rank, cfg, parent_pid) as ctx:
         core = Detokenizer(Tokenizer.from_file(f"{cfg.model.path}/tokenizer.json"))
         inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank), Codec([DetokBatch]),
-                            bind=True)
-        replies = ReplySockets(ctx.zmq)
-        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False)
+                            bind=True, secret=cfg.run_secret)
+        replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
+        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,
+                                   secret=cfg.run_secret)
         ctx.ready()
         while not ctx.stop.is_set():
             batch = inbox.recv_valid(100)

@@ -57,7 +57,8 @@ class StageContext:
         self.stage, self.rank = stage, rank
         self.stop = threading.Event()
         self.zmq = zmq.Context()
-        self._control = PushChannel(self.zmq, cfg.control_address, bind=False)
+        self._control = PushChannel(self.zmq, cfg.control_address, bind=False,
+                                    secret=cfg.run_secret)
         trace = os.path.join(cfg.trace_dir, f"{stage}-{rank}.json") if cfg.trace_dir else None
         self.tracer = Tracer(trace, stage, rank)
         self.run_dir = cfg.run_dir

@@ -100,8 +100,9 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
         core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size)
         inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest]), bind=True)
-        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False)
-        replies = ReplySockets(ctx.zmq)
+        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,
+                                   secret=cfg.run_secret)
+        replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
         ctx.ready(**listen_tcp(inbox, cfg.listen_host))
         while not ctx.stop.is_set():
             req = inbox.recv_valid(100, lambda exc: _reject_malformed(replies, exc))

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import shutil
 import socket
 import threading
@@ -21,9 +22,9 @@ from typing import Any
 import zmq
 
 from ipc.channels import PullChannel, make_run_dir
-from ipc.codec import Codec
+from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
-from ipc.messages import PipelineStatus, SchedulerStats, StageFailed, StageReady
+from ipc.messages import Message, PipelineStatus, SchedulerStats, StageFailed, StageReady
 from ipc.step import StepRings
 from pipeline.runtime.client import PipelineClient
 from stages.entry import run_stage
@@ -70,9 +71,11 @@ class Pipeline:
             trace_dir = str(run_dir / "trace")
             os.mkdir(trace_dir)
         self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir),
-                                       run_id=uuid.uuid4().hex[:12], trace_dir=trace_dir)
+                                       run_id=uuid.uuid4().hex[:12], trace_dir=trace_dir,
+                                       run_secret=secrets.token_bytes(16))
         self._control = PullChannel(self._zmq, self.cfg.control_address,
-                                    Codec([StageReady, StageFailed, SchedulerStats]), bind=True)
+                                    Codec([StageReady, StageFailed, SchedulerStats]), bind=True,
+                                    secret=self.cfg.run_secret)
         self._rings = StepRings.open(self.cfg, create=True)
 
     @property
@@ -158,14 +161,14 @@ class Pipeline:
         while missing:
             for name in missing:
                 if not self.procs[name].is_alive():
-                    cause = self._ctl.recv(timeout_ms=500)  # its StageFailed, if it sent one
+                    cause = self._ctl.recv_foreign_safe(500)  # its StageFailed, if it sent one
                     why = f": {cause.message}" if isinstance(cause, StageFailed) else ""
                     raise StartupError(f"stage {name} exited with code "
                                        f"{self.procs[name].exitcode} before it was ready{why}")
             if time.monotonic() > deadline:
                 raise StartupError(f"stage(s) {', '.join(missing)} did not report ready within "
                                    f"{self.cfg.ready_timeout_s:.0f} s")
-            msg = self._ctl.recv(timeout_ms=100)
+            msg = self._ctl.recv_foreign_safe(100)
             if isinstance(msg, StageFailed):
                 raise StartupError(f"stage {msg.stage}:{msg.rank} failed to start: {msg.message}")
             if isinstance(msg, StageReady):
@@ -190,7 +193,7 @@ class Pipeline:
                         bootstrap.send(self._remote_endpoints)
                     except zmq.ZMQError as exc:
                         logger.warning("bootstrap request failed: %s", exc)
-                while not self._stopping.is_set() and (msg := self._ctl.recv_nowait()):
+                while not self._stopping.is_set() and (msg := self._next_control()):
                     if isinstance(msg, SchedulerStats):
                         self.scheduler_stats = msg
                     elif isinstance(msg, StageFailed):
@@ -210,6 +213,15 @@ class Pipeline:
             status.close()
             if bootstrap is not None:
                 bootstrap.close()
+
+    def _next_control(self) -> Message | None:
+        """The next message from a stage; a frame that is not one is counted and skipped, so
+        nothing sent to the control socket can stop the supervisor."""
+        while True:
+            try:
+                return self._ctl.recv_nowait()
+            except ProtocolError as exc:
+                logger.warning("refused a frame on the control socket: %s", exc)
 
     def idle_stats(self, timeout: float = 10.0) -> SchedulerStats:
         """The scheduler's stats once it has no request and no step in flight (they arrive a

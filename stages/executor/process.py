@@ -41,14 +41,14 @@ def build_runner(cfg: PipelineConfig) -> Runner:
 class Reporter:
     """Sends SampledTokens from the device's thread; its socket is used by that thread only."""
 
-    def __init__(self, ctx: StageContext, address: str) -> None:
-        self.ctx, self.address = ctx, address
+    def __init__(self, ctx: StageContext, address: str, secret: bytes) -> None:
+        self.ctx, self.address, self.secret = ctx, address, secret
         self._chan: PushChannel | None = None
 
     def __call__(self, step: HostStep, num_sampled: int, has_logprobs: bool, start_ns: int,
                  end_ns: int) -> None:
         if self._chan is None:
-            self._chan = PushChannel(self.ctx.zmq, self.address, bind=False)
+            self._chan = PushChannel(self.ctx.zmq, self.address, bind=False, secret=self.secret)
         plan = step.plan
         self._chan.send(SampledTokens(plan.step_id, plan.ring_slot, num_sampled,
                                       start_ns / 1e9, end_ns / 1e9,
@@ -62,8 +62,10 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     with stage_process("executor", rank, cfg, parent_pid) as ctx:
         runner = build_runner(cfg)
         rings = StepRings.open(cfg, create=False)
-        plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True)
-        device = make_device(runner, rings.sampled, Reporter(ctx, cfg.sampled_address))
+        plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True,
+                            secret=cfg.run_secret)
+        device = make_device(runner, rings.sampled, Reporter(ctx, cfg.sampled_address,
+                                                             cfg.run_secret))
         ctx.ready(num_kv_blocks=runner.num_blocks)
         try:
             device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device), ctx.stop)
@@ -76,8 +78,8 @@ def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: Shar
     while not ctx.stop.is_set():
         if device.error is not None:
             raise RuntimeError("the device failed") from device.error
-        try:
-            plan = plans.recv(timeout_ms=100)  # a malformed plan is a bug: the stage fails
+        try:  # a foreign frame is refused; a malformed plan of this run is a bug: it raises
+            plan = plans.recv_foreign_safe(timeout_ms=100)
         except zmq.ContextTerminated:
             return
         if plan is None:

@@ -25,6 +25,7 @@ from ipc.messages import (
     TokenizedRequest,
     TokenLogprob,
 )
+from ipc.params import RequestError, validate_params
 from ipc.sampling import encode_slot, uses_penalties
 from ipc.step import StepLogprobs
 from stages.scheduler.block_allocator import BlockAllocator
@@ -110,6 +111,9 @@ class Scheduler:
 
         if req.request_id in self.requests:
             return refuse(FinishReason.ERROR, f"request id {req.request_id!r} is already in use")
+        invalid = self._invalid(req)
+        if invalid is not None:
+            return refuse(FinishReason.ERROR, invalid)
         if self._early_aborts.pop(req.request_id, None) is not None:
             return refuse(FinishReason.ABORT)
         needed = self.allocator.blocks_for(num_prompt + 1)
@@ -117,6 +121,23 @@ class Scheduler:
             return refuse(FinishReason.ERROR,
                           f"the prompt needs {needed} KV blocks but the cache has only "
                           f"{self.num_blocks}; raise --kv-cache-memory or shorten it")
+        return None
+
+    def _invalid(self, req: TokenizedRequest) -> str | None:
+        """What is wrong with a request the tokenizer should not have let through: checked
+        again here, since a bad one would otherwise reach the executor."""
+        ids, lim = req.prompt_token_ids, self.limits
+        if not ids:
+            return "the prompt is empty"
+        if min(ids) < 0 or max(ids) >= lim.vocab_size:
+            return f"the prompt has token ids outside the vocabulary [0, {lim.vocab_size})"
+        if len(ids) >= lim.max_model_len:
+            return (f"the prompt has {len(ids)} tokens; the context holds {lim.max_model_len}, "
+                    "which must leave room for at least one output token")
+        try:
+            validate_params(req.params, lim.vocab_size)
+        except RequestError as exc:
+            return exc.message
         return None
 
     def abort(self, request_id: str) -> None:

@@ -3,19 +3,21 @@ sockets, the shared rings and the `Scheduler` core."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import zlib
 
 import zmq
 
-from ipc.channels import PullChannel, PushChannel, listen_tcp
+from ipc.channels import ForeignFrame, PullChannel, PushChannel, listen_tcp
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
 from ipc.messages import (
     AbortRequest,
     DetokBatch,
     SampledTokens,
+    SchedulerStats,
     StopSample,
     TokenizedRequest,
 )
@@ -35,14 +37,18 @@ class SchedulerShell:
         self.tracer = tracer or Tracer(None, "scheduler", 0)
         self.core = Scheduler(cfg.limits, num_blocks)
         self.rings = StepRings.open(cfg, create=False)
+        secret = cfg.run_secret
+        # From the other stages: tokenized requests, samples stopped by a stop string.
         self.inbox = PullChannel(zctx, cfg.scheduler_address,
-                                 Codec([TokenizedRequest, AbortRequest, StopSample]), bind=True)
-        self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True)
-        # Remote clients (--listen) reach the scheduler only to abort: requests from the
-        # network go through a tokenizer, which validates them.
-        self.remote = PullChannel(zctx, [], Codec([AbortRequest]), bind=True)
-        self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False)
-        self.detoks = [PushChannel(zctx, cfg.detokenizer_address(i), bind=False)
+                                 Codec([TokenizedRequest, AbortRequest, StopSample]), bind=True,
+                                 secret=secret)
+        self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True,
+                                   secret=secret)
+        # Clients reach the scheduler only to abort (locally, and with --listen over tcp://):
+        # their requests go through a tokenizer, which validates them.
+        self.remote = PullChannel(zctx, cfg.abort_address, Codec([AbortRequest]), bind=True)
+        self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False, secret=secret)
+        self.detoks = [PushChannel(zctx, cfg.detokenizer_address(i), bind=False, secret=secret)
                        for i in range(cfg.num_detokenizers)]
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
@@ -63,7 +69,14 @@ class SchedulerShell:
         self._flush_outputs()
 
     def _drain_results(self) -> None:
-        while (msg := self.results.recv_nowait()) is not None:
+        while True:
+            try:
+                msg = self.results.recv_nowait()
+            except ForeignFrame as exc:  # not the executor's; one of its frames is a bug
+                logger.warning("refused a frame on the sampled-token socket: %s", exc)
+                continue
+            if msg is None:
+                return
             assert isinstance(msg, SampledTokens)
             start = now_ns()
             ids, logprobs = read_sampled(self.rings.sampled.slot(msg.ring_slot),
@@ -77,8 +90,8 @@ class SchedulerShell:
         while True:
             try:
                 msg = inbox.recv_nowait()
-            except ProtocolError as exc:
-                logger.error("dropped a malformed message from a client or tokenizer: %s", exc)
+            except ProtocolError as exc:  # a foreign frame, or a client's malformed abort
+                logger.warning("refused a frame on %s: %s", inbox.address_name, exc)
                 continue
             if msg is None:
                 return
@@ -116,6 +129,10 @@ class SchedulerShell:
                 chan.send(batch)
         self.tracer.span("outputs", start, now_ns(), args={"deltas": len(deltas)})
 
+    def stats(self) -> SchedulerStats:
+        refused = self.inbox.num_refused + self.results.num_refused + self.remote.num_refused
+        return dataclasses.replace(self.core.stats(), num_refused_messages=refused)
+
     def _shard(self, request_id: str) -> int:
         """Every message of one request goes to the same detokenizer worker."""
         return zlib.crc32(request_id.encode()) % len(self.detoks)
@@ -129,5 +146,5 @@ def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: i
         while not ctx.stop.is_set():
             shell.run_once()
             if time.monotonic() >= next_stats:
-                ctx.report(shell.core.stats())
+                ctx.report(shell.stats())
                 next_stats = time.monotonic() + 0.2
