@@ -74,7 +74,12 @@ class SharedRing:
 
     def unlink(self) -> None:
         """Remove the name; existing mappings stay valid. Safe to call twice."""
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove /dev/shm/`name` if it is there."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass

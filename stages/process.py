@@ -18,6 +18,7 @@ import zmq
 from ipc.channels import PushChannel
 from ipc.config import PipelineConfig
 from ipc.messages import Message, StageFailed, StageReady
+from ipc.shm import unlink_segment
 from stages.trace import Tracer
 
 logger = logging.getLogger(__name__)
@@ -100,5 +101,7 @@ def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
     finally:
         ctx.tracer.dump()
         ctx.zmq.destroy(linger=1000)
-        if ctx.is_orphaned:  # nobody else will remove the run's socket files now
+        if ctx.is_orphaned:  # nobody else will remove the run's files now
             shutil.rmtree(ctx.run_dir, ignore_errors=True)
+            for name in (cfg.step_ring_name, cfg.sampled_ring_name):  # a launcher that died
+                unlink_segment(name)  # during start-up had not unlinked them yet

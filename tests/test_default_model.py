@@ -182,3 +182,38 @@ def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
         kill_pids(children)
+
+
+def test_launcher_killed_during_start_up_leaves_nothing(tmp_path: Path) -> None:
+    """kill -9 of the CLI while its stages are still starting (the rings exist, not yet
+    unlinked): the orphaned stages stop and remove the run directory and both segments."""
+    before = set(os.listdir("/dev/shm"))
+    runs_before = set(_run_dirs())
+    proc = subprocess.Popen(_cli("generate", "--prompt", "Hi", "--max-tokens", "4"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not children and time.monotonic() < deadline:
+            time.sleep(0.05)
+            children = _stage_children(proc.pid)
+        assert children, "no stage started"
+        assert [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n], \
+            "the rings should exist while the stages start"
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(children) == [], _describe(alive(children))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+                [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
+                or set(_run_dirs()) - runs_before):
+            time.sleep(0.2)
+        assert [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n] == []
+        assert set(_run_dirs()) - runs_before == set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_pids(children)
