@@ -357,3 +357,53 @@ def test_health_goes_503_naming_a_dead_stage(tiny_model_dir: Path) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_fuzzed_requests_get_4xx_never_5xx(server: Server) -> None:
+    """1,000 malformed or mutated requests over HTTP: deeply nested bodies, bytes that are
+    not JSON, odd chat message shapes, valid requests with a field replaced by junk. Every
+    answer is 2xx or 4xx, and the server still answers a plain request afterwards."""
+    import random
+
+    rng = random.Random(11)
+    junk = [None, True, -1, 0, 2**70, 1e308, "", "x" * 300, [], [1, "a"], {}, {"a": [None]},
+            [[[]]], [{"role": "user"}], {"type": "text"}, [{"type": "image"}]]
+    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stop",
+              "seed", "logprobs", "top_logprobs", "stream", "stream_options", "top_k",
+              "stop_token_ids", "priority", "echo", "response_format", "tools"]
+
+    def body(i: int) -> tuple[str, bytes]:
+        chat = i % 2 == 0
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        kind = i % 5
+        if kind == 0:
+            depth = rng.choice([70, 3000, 60_000])
+            return path, b'{"model": "m", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+        if kind == 1:
+            return path, rng.randbytes(rng.randrange(1, 200))
+        base: dict[str, object] = {"model": server.model, "max_tokens": 2}
+        if chat:
+            base["messages"] = [{"role": "user", "content": "hi"}]
+        else:
+            base["prompt"] = "hi"
+        if kind == 2 and chat:
+            base["messages"] = [rng.choice(junk) for _ in range(rng.randrange(1, 3))]
+        elif kind == 3 and chat:
+            base["messages"] = [{"role": rng.choice(junk + ["user"]),
+                                 "content": rng.choice(junk + ["hi"])}]
+        else:
+            base[rng.choice(fields)] = rng.choice(junk)
+        return path, json.dumps(base).encode()
+
+    statuses: dict[int, int] = {}
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    with httpx.Client(base_url=server.url, timeout=60, headers=headers) as http:
+        for i in range(1000):
+            path, data = body(i)
+            status = http.post(path, content=data).status_code
+            statuses[status] = statuses.get(status, 0) + 1
+        plain = http.post("/v1/completions", json={"model": server.model, "prompt": "hi",
+                                                   "max_tokens": 2})
+    assert not [s for s in statuses if s >= 500], statuses
+    assert statuses.get(400, 0) > 500, statuses  # most of them are refused as malformed
+    assert plain.status_code == 200

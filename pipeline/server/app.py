@@ -49,6 +49,30 @@ class ServerOptions:
 # ---------------------------------------------------------------- the app
 
 
+MAX_JSON_DEPTH = 64  # no field of the API nests deeper than a handful of levels
+
+
+def parse_json_body(data: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400: not JSON, not an object, or nested deeper
+    than MAX_JSON_DEPTH (json's own recursion limit is turned into the same 400)."""
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise bad("body", f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise bad("body", f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad("body", "the body must be a JSON object")
+    stack = [(body, 1)]
+    while stack:  # an explicit stack: the check itself never recurses
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad("body", f"the body is nested deeper than {MAX_JSON_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value
+        stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
+    return body
+
+
 class FrontEnd:
     """The handlers, around one PipelineClient."""
 
@@ -150,13 +174,7 @@ class FrontEnd:
             data += chunk
             if len(data) > limit:
                 raise ApiError(413, f"the request body exceeds the limit of {limit} bytes")
-        try:
-            body = json.loads(data)
-        except ValueError as exc:
-            raise bad("body", f"the body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise bad("body", "the body must be a JSON object")
-        return body
+        return parse_json_body(bytes(data))
 
     def _check_capacity(self) -> None:
         h = self.client.health()

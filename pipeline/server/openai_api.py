@@ -55,6 +55,8 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
         raise bad(name, f"{name} must be {_kind_names(kinds)}, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
         raise bad(name, f"{name} must be a finite number")
+    if float in kinds and isinstance(value, int) and abs(value) > 2**53:
+        raise bad(name, f"{name} is too large, got {value}")  # float() would overflow
     return value
 
 
@@ -227,7 +229,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
         if not isinstance(m, dict):
             raise bad(where, "each message must be an object")
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"{where}.role", f"role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         chat.append(ChatMessage(CHAT_ROLES[role], _message_text(m.get("content"), where)))
     params, lp_param = parse_sampling(body, chat=True)
