@@ -9,6 +9,10 @@ from ipc.messages import SamplingParams
 
 MAX_N = 128  # samples per request
 MAX_STOP_TOKEN_IDS = 64
+# Stop strings are searched after every token of the sample: their number and length bound
+# the detokenizer's work per token (5,000 of them once stalled every stream for a minute).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per token: the width of the sampled-token ring
 _INT32 = 2**31
 _INT64 = 2**63
@@ -57,6 +61,11 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
         _check(math.isfinite(value) and -2 <= value <= 2, name,
                f"{name} must be in [-2, 2], got {value}")
     _check(all(p.stop), "stop", "stop strings must not be empty")
+    _check(len(p.stop) <= MAX_STOP_STRINGS, "stop",
+           f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
+    longest = max(map(len, p.stop), default=0)
+    _check(longest <= MAX_STOP_STRING_CHARS, "stop",
+           f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
     _check(1 <= p.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {p.n}")
     _check(p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
            f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {p.logprobs}")

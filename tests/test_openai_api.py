@@ -191,3 +191,13 @@ def test_an_engine_error_is_answered_by_its_kind_not_its_words(
     out = RequestOutput.refusal("r", kind, "engine unavailable: tokenizer error", param)
     err = output_error(out, "prompt")
     assert (err.status, err.param) == (status, named)
+
+
+def test_one_request_may_not_queue_more_than_its_share() -> None:
+    with pytest.raises(ApiError) as info:
+        parse_completion({"model": "m", "prompt": ["a"] * 129}, V)
+    assert info.value.param == "prompt" and "at most 128 prompts" in info.value.message
+    with pytest.raises(ApiError) as info:
+        parse_completion({"model": "m", "prompt": ["a"] * 100, "n": 3}, V)
+    assert info.value.param == "n" and "300 sequences" in info.value.message
+    assert len(parse_completion({"model": "m", "prompt": ["a"] * 128, "n": 2}, V).prompts) == 128

@@ -27,6 +27,8 @@ BAD = [
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
     ({"frequency_penalty": -3.0}, "frequency_penalty"),
     ({"stop": ["ok", ""]}, "stop strings must not be empty"),
+    ({"stop": [str(i) for i in range(65)]}, "at most 64 stop strings, got 65"),
+    ({"stop": ["x" * 257]}, "stop strings must be at most 256 characters, got 257"),
     ({"n": 0}, "n must be between 1 and 128"),
     ({"n": 129}, "n must be between 1 and 128"),
     ({"logprobs": 21}, "logprobs must be between 0 and 20"),
@@ -44,7 +46,8 @@ def test_a_bad_parameter_is_named(fields: dict[str, object], message: str) -> No
     assert info.value.param == named  # the field itself, not parsed out of the message
 
 
-GOOD = [{"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"top_p": 1.0}, {"top_p": 0.01},
+GOOD = [{"stop": [str(i) for i in range(64)]}, {"stop": ["x" * 256]},
+        {"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"top_p": 1.0}, {"top_p": 0.01},
         {"min_p": 1.0}, {"seed": -(2**63)}, {"seed": 2**63 - 1}, {"presence_penalty": -2.0},
         {"frequency_penalty": 2.0}, {"n": 128}, {"logprobs": 0}, {"logprobs": 20},
         {"min_tokens": 4, "max_tokens": 4}, {"stop": ["a", "bc"]}, {"priority": -5}]

@@ -20,6 +20,9 @@ from ipc.outputs import SampleResult
 from ipc.params import RequestError, validate_params
 
 Prompt = str | list[int] | list[ChatMessage]
+# One API request may not queue more than this: its prompts, and prompts times n.
+MAX_PROMPTS = 128
+MAX_SEQUENCES = 256
 
 
 class ApiError(Exception):
@@ -190,6 +193,8 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
     else:
         raise bad("prompt", "prompt must be a string, an array of strings, an array of token "
                             "ids or an array of arrays of token ids (none empty)")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
     for p in prompts:
         bad_ids = [t for t in p if not 0 <= t < vocab_size] if isinstance(p, list) else []
         if bad_ids:
@@ -197,6 +202,9 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
                                 f"[0, {vocab_size})")
     params, lp_param = parse_sampling(body, chat=False)
     check_params(params, vocab_size, lp_param)
+    if len(prompts) * params.n > MAX_SEQUENCES:
+        raise bad("n", f"{len(prompts)} prompts times n = {params.n} make "
+                       f"{len(prompts) * params.n} sequences; at most {MAX_SEQUENCES} per request")
     stream = _get(body, "stream", (bool,), False)
     return ParsedRequest(prompts, params, stream, _stream_options(body, stream), False, lp_param)
 
