@@ -15,7 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from live import alive, kill_pids, live_config
+from live import alive, live_config, running
 
 from ipc.channels import ReplySockets
 from ipc.codec import encode
@@ -40,15 +40,8 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def pipe(tiny_model_dir: Path) -> Iterator[Pipeline]:
-    p = Pipeline(live_config(tiny_model_dir, num_detokenizers=2))
-    pids: list[int] = []
-    try:
-        p.start()
-        pids = list(p.stage_pids.values())
+    with running(live_config(tiny_model_dir, num_detokenizers=2)) as p:
         yield p
-    finally:
-        p.stop()
-        kill_pids(pids or list(p.stage_pids.values()))
 
 
 def stage_sockets(cfg: PipelineConfig) -> dict[str, str]:
