@@ -353,10 +353,42 @@ def test_health_goes_503_naming_a_dead_stage(tiny_model_dir: Path) -> None:
         body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
         r = post(s, "/v1/completions", body, key=None)
         assert r.status_code == 503 and "retry-after" in r.headers
+        # Then serve exits non-zero, so that a process supervisor notices.
+        assert s.proc.wait(timeout=30) == 1
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
+def test_sigterm_ends_every_stream_with_a_final_event(tiny_model_dir: Path) -> None:
+    """A graceful stop: streams open when serve gets SIGTERM end with a final event and
+    [DONE], not a cut connection."""
+    import threading
+
+    with serve(tiny_model_dir, "--api-workers", "2") as s:
+        lines: list[list[str]] = [[] for _ in range(4)]
+        started = threading.Barrier(5, timeout=60)
+
+        def stream(i: int) -> None:
+            body = {"model": s.model, "prompt": "count", "max_tokens": 480, "ignore_eos": True,
+                    "stream": True}  # far longer than the stop takes
+            with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines[i].append(line)
+                    if len(lines[i]) == 1 and line:
+                        started.wait()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()  # every stream has its first event
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+        for got in lines:
+            assert got[-1] == "data: [DONE]", got[-3:]
+            last = json.loads(got[-2][len("data: "):])
+            assert "shutting down" in last["error"]["message"], last  # ended now, and said so
+
 
 
 def test_fuzzed_requests_get_4xx_never_5xx(server: Server) -> None:
@@ -407,3 +439,7 @@ def test_fuzzed_requests_get_4xx_never_5xx(server: Server) -> None:
     assert not [s for s in statuses if s >= 500], statuses
     assert statuses.get(400, 0) > 500, statuses  # most of them are refused as malformed
     assert plain.status_code == 200
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

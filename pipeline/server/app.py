@@ -86,6 +86,21 @@ class FrontEnd:
                                    math.ceil(options.rate_limit_concurrent / workers))
         self.model = client.model_name
         self.created = int(time.time())
+        self.generations: set[Generation] = set()  # requests running in this worker
+        self.is_stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def stop_soon(self) -> None:
+        """The worker got SIGTERM: refuse new requests and end every running one with a final
+        answer (an error event and [DONE] for a stream; a 503 for a plain request). Safe to
+        call from a signal handler."""
+        self.is_stopping = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop_generations)
+
+    def _stop_generations(self) -> None:
+        for run in list(self.generations):
+            run.stop()
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -177,6 +192,9 @@ class FrontEnd:
         return parse_json_body(bytes(data))
 
     def _check_capacity(self) -> None:
+        if self.is_stopping:
+            raise ApiError(503, "the server is shutting down; retry", None,
+                           "service_unavailable", headers={"Retry-After": "1"})
         h = self.client.health()
         if not h.ok:
             raise ApiError(503, f"the engine is unavailable: {h.problem}", None,
@@ -197,6 +215,7 @@ class FrontEnd:
                            "model_not_found")
         parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
         self._check_capacity()
+        self._loop = asyncio.get_running_loop()
         run = Generation(self, parsed, new_id(chat))
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.
         hangup = asyncio.create_task(_wait_for_disconnect(request))

@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class ServerStopping(Exception):
+    """The worker is shutting down: every stream ends now, with a final event."""
+
+
+_STOPPING = object()  # put into a live generation's queue when the worker shuts down
+
+
 class Generation:
     """One API request: its prompts (each with n samples) running in the engine, merged into
     one stream of (choice index, output). Leaving before the end aborts what still runs."""
@@ -37,7 +44,7 @@ class Generation:
     def __init__(self, front: FrontEnd, parsed: ParsedRequest, rid: str) -> None:
         self.front, self.parsed, self.rid = front, parsed, rid
         self.n = parsed.params.n
-        self.queue: asyncio.Queue[tuple[int, RequestOutput] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()  # (i, output), None, or _STOPPING
         self.tasks: list[asyncio.Task[None]] = []
         self._early: list[tuple[int, RequestOutput]] = []  # read by start(), yielded first
         self._done_feeds = 0
@@ -65,6 +72,7 @@ class Generation:
     async def start(self) -> None:
         """Submit every prompt and wait for each one's first output, so that a request the
         engine refuses (a prompt too long, say) is answered with an HTTP error, not a stream."""
+        self.front.generations.add(self)
         self.tasks = [asyncio.create_task(self._feed(i)) for i in range(len(self.parsed.prompts))]
         unanswered = set(range(len(self.parsed.prompts)))
         try:
@@ -86,11 +94,19 @@ class Generation:
     def cancel(self) -> None:
         for task in self.tasks:
             task.cancel()
+        self.front.generations.discard(self)
+
+    def stop(self) -> None:
+        """End this request now (the worker is shutting down): its reader raises
+        ServerStopping, and leaving aborts the engine requests."""
+        self.queue.put_nowait(_STOPPING)
 
     async def _next(self) -> tuple[int, RequestOutput] | None:
         """The next (prompt index, output), or None once every feed has ended."""
         while self._done_feeds < len(self.tasks):
             item = await self.queue.get()
+            if item is _STOPPING:
+                raise ServerStopping
             if item is not None:
                 return item
             self._done_feeds += 1
@@ -120,10 +136,14 @@ class Generation:
         """The whole response (the caller aborts it if the client goes away meanwhile)."""
         choices = [SampleResult(c) for c in range(len(self.parsed.prompts) * self.n)]
         errors: list[str] = []
-        async for c, out in self.outputs():
-            choices[c].add(out)
-            if out.finished and out.error:
-                errors.append(out.error)
+        try:
+            async for c, out in self.outputs():
+                choices[c].add(out)
+                if out.finished and out.error:
+                    errors.append(out.error)
+        except ServerStopping:
+            raise ApiError(503, "the server is shutting down; retry", None,
+                           "service_unavailable", headers={"Retry-After": "1"}) from None
         if errors:
             raise ApiError(500, f"the engine failed the request: {errors[0]}", None,
                            "server_error")
@@ -158,6 +178,11 @@ class Generation:
                 yield _event(usage_chunk(self.rid, self.front.model, p.chat, created,
                                          sum(self.prompt_tokens), completion_tokens,
                                          sum(self.cached_tokens)))
+            yield "data: [DONE]\n\n"
+        except ServerStopping:  # a final event, never a cut stream
+            yield _event({"error": {"message": "the server is shutting down; retry",
+                                    "type": "service_unavailable", "param": None,
+                                    "code": None}})
             yield "data: [DONE]\n\n"
         finally:
             self.cancel()  # a disconnected client lands here: its requests are aborted

@@ -18,6 +18,9 @@ from pipeline.server.app import ServerOptions
 from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
 WORKER_READY_TIMEOUT_S = 60.0
+# After a stage dies, /health answers 503 (naming it) and requests get errors for this long,
+# so load balancers see it; then serve exits non-zero, so a process supervisor sees it too.
+ENGINE_FAILURE_GRACE_S = 2.0
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -54,11 +57,15 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
         host = f"[{options.host}]" if ":" in options.host else options.host
         print(f"serving {pipe.cfg.model_name} at http://{host}:{options.port}/v1 "
               f"({options.api_workers} API worker(s); pipeline run dir {run_dir})", flush=True)
-        while True:  # until a signal (SIGTERM/SIGINT end the CLI) or a worker dies
-            dead = wait([w.sentinel for w in workers], timeout=1.0)
+        while True:  # until a signal (SIGTERM/SIGINT end the CLI), a worker or a stage dies
+            dead = wait([w.sentinel for w in workers], timeout=0.25)
             if dead:
                 codes = [w.exitcode for w in workers if not w.is_alive()]
                 print(f"error: an API worker exited (codes {codes}); stopping", file=sys.stderr)
+                return 1
+            if pipe.failure is not None:
+                time.sleep(ENGINE_FAILURE_GRACE_S)
+                print(f"error: {pipe.failure}; stopping", file=sys.stderr)
                 return 1
     finally:
         for w in workers:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
+
+import uvicorn
 
 from pipeline.runtime.client import PipelineClient
 from pipeline.server.app import FrontEnd, ServerOptions
@@ -26,8 +29,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: int,
                    parent_pid: int, sock: socket.socket) -> None:
     """Entry of one front-end worker process (spawned by `run_pipeline serve`)."""
-    import uvicorn
-
     try:
         from setproctitle import setproctitle
 
@@ -40,7 +41,7 @@ def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: 
     config = uvicorn.Config(front.app(), loop="uvloop", http="httptools", lifespan="off",
                             log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = _Server(config, front)
     watch_parent(parent_pid, lambda: setattr(server, "should_exit", True),
                  lambda: bool(server.should_exit))
     ready_file(run_dir, rank).write_text(str(os.getpid()))  # the socket already listens
@@ -48,6 +49,19 @@ def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: 
         server.run(sockets=[sock])
     finally:
         client.close()
+
+
+class _Server(uvicorn.Server):  # type: ignore[misc]
+    """uvicorn's server, whose shutdown first ends every running request with a final answer
+    (uvicorn alone waits for them a while, then cuts the open streams)."""
+
+    def __init__(self, config: uvicorn.Config, front: FrontEnd) -> None:
+        super().__init__(config)
+        self.front = front
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.front.stop_soon()
+        super().handle_exit(sig, frame)
 
 
 def ready_file(run_dir: str, rank: int) -> Path:
