@@ -55,13 +55,16 @@ class PushChannel:
         else:
             self.socket.connect(address)
 
+    def _frame(self, msg: Message) -> bytes:
+        return self.secret + encode(msg) if self.secret else encode(msg)
+
     def send(self, msg: Message) -> None:
-        self.socket.send(self.secret + encode(msg) if self.secret else encode(msg), copy=False)
+        self.socket.send(self._frame(msg), copy=False)
 
     def try_send(self, msg: Message) -> bool:
         """Send without blocking; False if the peer cannot take it now."""
         try:
-            self.socket.send(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self.socket.send(self._frame(msg), flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             return False
