@@ -68,11 +68,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     depth: int = 2  # steps in flight; 1 = synchronous batching
+    max_waiting: int | None = None  # sequences that may wait; past it a request is refused
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "depth"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("max_num_batched_tokens must be at least max_num_seqs")
 

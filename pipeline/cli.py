@@ -143,7 +143,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
     return PipelineConfig(
         model=ModelInfo.from_dir(model_dir, args.max_model_len),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                  args.block_size, 1 if args.no_overlap else 2),
+                                  args.block_size, 1 if args.no_overlap else 2,
+                                  getattr(args, "max_waiting", None)),
         executor=ExecutorConfig.for_device(args.device, args.dtype,
                                            parse_bytes(args.kv_cache_memory)),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,

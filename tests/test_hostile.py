@@ -199,3 +199,24 @@ def test_a_delta_the_detokenizer_cannot_decode_ends_only_its_sample(
     later = detok.feed(DetokBatch([], [TokenDelta("bad", [6]), TokenDelta("ok", [6], "length",
                                        logprobs=[TokenLogprob(6, -0.1, [5], [-0.2])])]))
     assert [o.request_id for o in later[client]] == ["ok"]  # nothing more for the bad one
+
+
+def test_max_waiting_is_counted_where_requests_wait() -> None:
+    """A burst between two status reports cannot overfill the queue: the scheduler refuses
+    what would pass max_waiting, as unavailable (a 503 with Retry-After over HTTP)."""
+    from scheduler_driver import make_limits
+
+    from stages.scheduler.core import Scheduler
+
+    limits = make_limits()
+    core = Scheduler(limits.engine, limits.num_blocks, max_waiting=5)
+    for i in range(8):
+        core.add_request(TokenizedRequest(f"r{i}", "c", [5, 6], SamplingParams(n=2), 0.0))
+    rejected = core.take_outputs().rejected
+    assert len(core.waiting) + sum(map(len, core._held.values())) == 4  # 2 requests x n = 2
+    assert [r.request_id for r in rejected] == [f"r{i}" for i in range(2, 8)]
+    assert all(r.error_kind == "unavailable" and "overloaded" in (r.error or "")
+               for r in rejected)
+    core.schedule()  # admitted requests leave the queue: room again
+    core.add_request(TokenizedRequest("later", "c", [5, 6], SamplingParams(), 0.0))
+    assert "later" in core.requests

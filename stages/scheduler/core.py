@@ -42,8 +42,11 @@ class StepOutputs(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, limits: EngineLimits, num_blocks: int) -> None:
-        self.limits, self.num_blocks = limits, num_blocks
+    def __init__(self, limits: EngineLimits, num_blocks: int,
+                 max_waiting: int | None = None) -> None:
+        """max_waiting: sequences that may wait (queued or held); a request that would pass
+        it is refused as unavailable, counted here where it happens."""
+        self.limits, self.num_blocks, self.max_waiting = limits, num_blocks, max_waiting
         # A sequence may not outgrow the whole cache: past it, it could only preempt itself.
         self.max_len = min(limits.max_model_len, num_blocks * limits.block_size)
         self.allocator = BlockAllocator(num_blocks, limits.block_size)
@@ -104,10 +107,10 @@ class Scheduler:
         """The answer to a request that cannot be taken, if it cannot."""
         num_prompt = len(req.prompt_token_ids)
 
-        def refuse(reason: FinishReason, message: str | None = None) -> RequestRejected:
-            kind = ErrorKind.INVALID_REQUEST if reason is FinishReason.ERROR else None
+        def refuse(reason: FinishReason, message: str | None = None,
+                   kind: ErrorKind = ErrorKind.INVALID_REQUEST) -> RequestRejected:
             return RequestRejected(req.request_id, req.reply_to, reason, message, num_prompt,
-                                   kind)
+                                   kind if reason is FinishReason.ERROR else None)
 
         if req.request_id in self.requests:
             return refuse(FinishReason.ERROR, f"request id {req.request_id!r} is already in use")
@@ -116,6 +119,11 @@ class Scheduler:
             return refuse(FinishReason.ERROR, invalid)
         if self._early_aborts.pop(req.request_id, None) is not None:
             return refuse(FinishReason.ABORT)
+        num_waiting = len(self.waiting) + sum(map(len, self._held.values()))
+        if self.max_waiting is not None and num_waiting + req.params.n > self.max_waiting:
+            return refuse(FinishReason.ERROR,
+                          f"the engine is overloaded ({num_waiting} sequences waiting, at most "
+                          f"{self.max_waiting}); retry shortly", ErrorKind.UNAVAILABLE)
         needed = self.allocator.blocks_for(num_prompt + 1)
         if needed > self.num_blocks:
             return refuse(FinishReason.ERROR,

@@ -35,7 +35,7 @@ class SchedulerShell:
     def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int,
                  tracer: Tracer | None = None) -> None:
         self.tracer = tracer or Tracer(None, "scheduler", 0)
-        self.core = Scheduler(cfg.limits, num_blocks)
+        self.core = Scheduler(cfg.limits, num_blocks, cfg.scheduler.max_waiting)
         self.rings = StepRings.open(cfg, create=False)
         secret = cfg.run_secret
         # From the other stages: tokenized requests, samples stopped by a stop string.
