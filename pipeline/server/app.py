@@ -28,7 +28,14 @@ from starlette.routing import Route
 from pipeline.runtime.client import PipelineClient
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
-from pipeline.server.openai_api import ApiError, bad, new_id, parse_chat, parse_completion
+from pipeline.server.openai_api import (
+    ApiError,
+    bad,
+    new_id,
+    parse_chat,
+    parse_completion,
+    shutting_down,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +200,7 @@ class FrontEnd:
 
     def _check_capacity(self) -> None:
         if self.is_stopping:
-            raise ApiError(503, "the server is shutting down; retry", None,
-                           "service_unavailable", headers={"Retry-After": "1"})
+            raise shutting_down()
         h = self.client.health()
         if not h.ok:
             raise ApiError(503, f"the engine is unavailable: {h.problem}", None,

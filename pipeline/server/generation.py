@@ -21,6 +21,7 @@ from pipeline.server.openai_api import (
     chunk_json,
     output_error,
     response_json,
+    shutting_down,
     usage_chunk,
 )
 
@@ -142,8 +143,7 @@ class Generation:
                 if out.finished and out.error:
                     errors.append(out.error)
         except ServerStopping:
-            raise ApiError(503, "the server is shutting down; retry", None,
-                           "service_unavailable", headers={"Retry-After": "1"}) from None
+            raise shutting_down() from None
         if errors:
             raise ApiError(500, f"the engine failed the request: {errors[0]}", None,
                            "server_error")
@@ -166,8 +166,7 @@ class Generation:
             async for c, out in self.outputs():
                 completion_tokens += len(out.token_ids)
                 if out.finished and out.error:
-                    yield _event({"error": {"message": out.error, "type": "server_error",
-                                            "param": None, "code": None}})
+                    yield _event(ApiError(500, out.error, None, "server_error").body())
                     continue
                 if not (out.text or out.token_ids or out.finished):
                     continue
@@ -180,9 +179,7 @@ class Generation:
                                          sum(self.cached_tokens)))
             yield "data: [DONE]\n\n"
         except ServerStopping:  # a final event, never a cut stream
-            yield _event({"error": {"message": "the server is shutting down; retry",
-                                    "type": "service_unavailable", "param": None,
-                                    "code": None}})
+            yield _event(shutting_down().body())
             yield "data: [DONE]\n\n"
         finally:
             self.cancel()  # a disconnected client lands here: its requests are aborted

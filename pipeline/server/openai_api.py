@@ -45,6 +45,12 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param)
 
 
+def shutting_down() -> ApiError:
+    """The answer to a request this worker will not finish: it is stopping."""
+    return ApiError(503, "the server is shutting down; retry", None, "service_unavailable",
+                    headers={"Retry-After": "1"})
+
+
 # ---------------------------------------------------------------- field checks
 
 
