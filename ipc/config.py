@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ipc.params import MAX_STOP_TOKEN_IDS
+from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
 
 
 class ConfigError(ValueError):
@@ -69,6 +69,7 @@ class SchedulerConfig:
     block_size: int = 16
     depth: int = 2  # steps in flight; 1 = synchronous batching
     max_waiting: int | None = None  # sequences that may wait; past it a request is refused
+    priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE  # (most, least) urgent allowed
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "depth"):
@@ -78,6 +79,10 @@ class SchedulerConfig:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("max_num_batched_tokens must be at least max_num_seqs")
+        lo, hi = self.priority_range
+        if not -1000 <= lo <= hi <= 1000:
+            raise ConfigError(f"--priority-range must be LOW:HIGH with -1000 <= LOW <= HIGH "
+                              f"<= 1000, got {lo}:{hi}")
 
 
 
@@ -132,6 +137,7 @@ class EngineLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
     depth: int = 2  # steps in flight
+    priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -235,7 +241,8 @@ class PipelineConfig:
     def limits(self) -> EngineLimits:
         s, m = self.scheduler, self.model
         return EngineLimits(s.max_num_seqs, s.max_num_batched_tokens, s.block_size,
-                            m.max_model_len, m.vocab_size, m.eos_token_ids, s.depth)
+                            m.max_model_len, m.vocab_size, m.eos_token_ids, s.depth,
+                            s.priority_range)
 
     # ---- addresses: all from the run directory
     def address(self, name: str) -> str:

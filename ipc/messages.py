@@ -68,7 +68,9 @@ class SamplingParams(Struct):
     seed makes the request's draws depend only on (seed, sample index, position), not on its
     batch mates. n samples share the prompt's KV blocks. logprobs None: none; k: the sampled
     token's logprob and the k most likely alternatives (k <= 20). Lower priority values are
-    served first; equal priorities first come first served.
+    served first, within the range the engine allows and the fairness bound of the scheduler
+    (docs/ARCHITECTURE.md, "Fairness"). user names who the request is for: the scheduler
+    shares the engine fairly between users (and clients), first come first served within one.
     """
 
     max_tokens: int | None = None
@@ -89,6 +91,7 @@ class SamplingParams(Struct):
     n: int = 1
     logprobs: int | None = None
     priority: int = 0
+    user: str = ""
 
 
 @dataclass(frozen=True, slots=True)

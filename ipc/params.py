@@ -14,6 +14,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per token: the width of the sampled-token ring
+MAX_USER_CHARS = 256  # SamplingParams.user: the scheduler keeps one entry per active user
+# The priorities a caller may use unless the engine is started with another --priority-range:
+# a caller may make its own requests less urgent (batch work), never jump ahead of others.
+DEFAULT_PRIORITY_RANGE = (0, 10)
 _INT32 = 2**31
 _INT64 = 2**63
 
@@ -32,8 +36,11 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise RequestError(message, param)
 
 
-def validate_params(p: SamplingParams, vocab_size: int) -> None:
-    """Raise RequestError naming the first parameter out of its range; nothing is clamped."""
+def validate_params(p: SamplingParams, vocab_size: int,
+                    priority_range: tuple[int, int] | None = None) -> None:
+    """Raise RequestError naming the first parameter out of its range; nothing is clamped.
+    priority_range: the (most, least) urgent priority the engine lets callers ask for (the
+    stages check it; a front end that does not know the engine's range passes None)."""
     for name in ("max_tokens", "min_tokens", "top_k", "priority", "n", "logprobs"):
         value = getattr(p, name)
         _check(value is None or -_INT32 <= value < _INT32, name,
@@ -69,6 +76,12 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
     _check(1 <= p.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {p.n}")
     _check(p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
            f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {p.logprobs}")
+    lo, hi = priority_range or (-_INT32, _INT32)
+    _check(lo <= p.priority <= hi, "priority",
+           f"priority must be between {lo} and {hi} on this engine (lower is served first; "
+           f"the operator sets the range with --priority-range), got {p.priority}")
+    _check(len(p.user) <= MAX_USER_CHARS, "user",
+           f"user must be at most {MAX_USER_CHARS} characters, got {len(p.user)}")
     _check(len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
     bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]

@@ -52,6 +52,10 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     p.add_argument("--max-model-len", type=int, default=d(None))
     p.add_argument("--kv-cache-memory", default=d("1GiB"), help="bytes, or e.g. 2GiB, 512MiB")
     p.add_argument("--block-size", type=int, default=d(16))
+    p.add_argument("--priority-range", default=d("0:10"), metavar="LOW:HIGH",
+                   help="the priorities callers may ask for (lower is served first); the "
+                        "default lets a caller make its own work less urgent, never jump "
+                        "ahead of others")
     p.add_argument("--no-overlap", action="store_true", default=d(False),
                    help="synchronous batching (one step in flight), the baseline")
     p.add_argument("--listen", default=d(None), metavar="HOST",
@@ -116,7 +120,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--logprobs", type=int, default=None,
                    help="the sampled token's logprob and this many alternatives (0..20)")
-    g.add_argument("--priority", type=int, default=0, help="lower is served first")
+    g.add_argument("--priority", type=int, default=0,
+                   help="lower is served first, within --priority-range")
+    g.add_argument("--user", default="", help="who the requests are for (fair sharing)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -133,6 +139,14 @@ def listen_host(host: str | None) -> str:
     return host
 
 
+def parse_priority_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--priority-range {text!r}: give LOW:HIGH, e.g. 0:10 or -5:5") from None
+    return lo, hi
+
+
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     if args.model is None:
         from pipeline.tools.model_cache import ensure_default_model
@@ -144,7 +158,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         model=ModelInfo.from_dir(model_dir, args.max_model_len),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.block_size, 1 if args.no_overlap else 2,
-                                  getattr(args, "max_waiting", None)),
+                                  getattr(args, "max_waiting", None),
+                                  parse_priority_range(args.priority_range)),
         executor=ExecutorConfig.for_device(args.device, args.dtype,
                                            parse_bytes(args.kv_cache_memory)),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,

@@ -17,7 +17,7 @@ from ipc.messages import (
     RequestOutputs,
     TokenizedRequest,
 )
-from ipc.params import RequestError, validate_params
+from ipc.params import DEFAULT_PRIORITY_RANGE, RequestError, validate_params
 from stages.process import stage_process
 from stages.trace import now_ns
 
@@ -28,14 +28,16 @@ CHAT_ROLES = ("system", "user", "assistant")
 class TokenizerCore:
     """Turns an AddRequest into a TokenizedRequest or raises RequestError."""
 
-    def __init__(self, model_dir: str, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, model_dir: str, max_model_len: int, vocab_size: int,
+                 priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.priority_range = priority_range
 
     def process(self, req: AddRequest) -> TokenizedRequest:
-        validate_params(req.params, self.vocab_size)
+        validate_params(req.params, self.vocab_size, self.priority_range)
         ids = self._prompt_ids(req)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -98,7 +100,8 @@ def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
 
 def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
-        core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size)
+        core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
+                             cfg.scheduler.priority_range)
         inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest]), bind=True)
         to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,
                                    secret=cfg.run_secret)

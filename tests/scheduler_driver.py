@@ -54,11 +54,13 @@ class DriverLimits:
     max_model_len: int = 64
     eos_token_ids: tuple[int, ...] = (EOS,)
     depth: int = 2
+    priority_range: tuple[int, int] = (-100, 100)
 
     @property
     def engine(self) -> EngineLimits:
         return EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
-                            self.max_model_len, 1000, self.eos_token_ids, self.depth)
+                            self.max_model_len, 1000, self.eos_token_ids, self.depth,
+                            self.priority_range)
 
 
 def make_limits(**overrides: object) -> DriverLimits:

@@ -38,7 +38,7 @@ def test_every_completion_field_maps_onto_sampling_params() -> None:
         max_tokens=9, temperature=0.5, stop_token_ids=[4], ignore_eos=True,
         skip_special_tokens=False, min_tokens=2, top_p=0.9, top_k=5, min_p=0.05, seed=7,
         repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.2, stop=["END"],
-        include_stop_str_in_output=True, n=2, logprobs=3, priority=3)
+        include_stop_str_in_output=True, n=2, logprobs=3, priority=3, user="x")
 
 
 def test_completion_defaults_and_prompt_forms() -> None:

@@ -11,6 +11,7 @@ GET /v1/models, GET /health (200 only while every stage runs and answers), GET /
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -220,6 +221,10 @@ class FrontEnd:
                                 f"{self.model!r}", "model", "invalid_request_error",
                            "model_not_found")
         parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
+        # The scheduler shares the engine fairly between senders: here, each client address
+        # and the user it names (OpenAI's `user`).
+        host = request.client.host if request.client else "?"
+        parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}")
         self._check_capacity()
         self._loop = asyncio.get_running_loop()
         run = Generation(self, parsed, new_id(chat))

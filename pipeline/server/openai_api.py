@@ -17,7 +17,7 @@ from typing import Any
 
 from ipc.messages import ChatMessage, ErrorKind, RequestOutput, SamplingParams, TokenLogprob
 from ipc.outputs import SampleResult
-from ipc.params import RequestError, validate_params
+from ipc.params import MAX_USER_CHARS, RequestError, validate_params
 
 Prompt = str | list[int] | list[ChatMessage]
 # One API request may not queue more than this: its prompts, and prompts times n.
@@ -113,6 +113,15 @@ class ParsedRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _user(body: dict[str, Any]) -> str:
+    """OpenAI's `user`; the server prefixes the client's address (FrontEnd._run)."""
+    user = _get(body, "user", (str,), "")
+    limit = MAX_USER_CHARS - 64
+    if len(user) > limit:
+        raise bad("user", f"user must be at most {limit} characters, got {len(user)}")
+    return str(user)
+
+
 def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams, str]:
     """SamplingParams from the OpenAI fields and the common extensions; (params, the name of
     the field that set logprobs)."""
@@ -154,7 +163,8 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
         frequency_penalty=float(_get(body, "frequency_penalty", num, 0.0)),
         stop=_stop_strings(body),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
-        n=n, logprobs=logprobs, priority=_get(body, "priority", (int,), 0))
+        n=n, logprobs=logprobs, priority=_get(body, "priority", (int,), 0),
+        user=_user(body))
     return params, logprobs_param
 
 

@@ -2,9 +2,10 @@
 
 One step reads as: `schedule()` plans the next step (it may run `depth` steps ahead of the
 executor), `on_sampled()` takes a step's sampled ids, `take_outputs()` hands token deltas on.
-Decodes are planned first, then chunks of prompts; waiting requests are admitted by priority,
-then first come first served. A request with n samples is n sequences: sample 0 is admitted
-first, the others once its prompt is planned, so they find its full blocks in the prefix cache.
+Decodes are planned first, then chunks of prompts; waiting requests are admitted in order of
+their fair-queueing tags (`_tag_request`). A request with n samples is n sequences: sample 0 is
+admitted first, the others once its prompt is planned, so they find its full blocks in the
+prefix cache.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from stages.scheduler.metrics import StepMetrics
 from stages.scheduler.planned import PlannedStep, StepRow
 from stages.scheduler.sequence import SeqStatus, Sequence
 from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
+
+# One step of priority is worth this many tokens of other requests' work: a request of priority
+# p is admitted before requests of priority p + 1 that came up to this much work before it.
+PRIORITY_STEP_TOKENS = 1024
+MAX_SENDERS = 4096  # past this many senders, those with no request left are forgotten
 
 
 class StepOutputs(NamedTuple):
@@ -63,6 +69,11 @@ class Scheduler:
         self.free_ring_slots: list[int] = list(range(limits.depth, -1, -1))
         self.next_step_id = 0
         self._next_order = 0
+        # Start-time fair queueing over senders (client and user), in tokens of work: the
+        # virtual time is the largest tag admitted; a sender's end is where its next starts.
+        self._vtime = 0
+        self._sender_end: dict[str, int] = {}
+        self._forget_at = MAX_SENDERS
         self._early_aborts: dict[str, float] = {}
         self._new_infos: list[DetokRequestInfo] = []
         self._rejected: list[RequestRejected] = []
@@ -95,13 +106,34 @@ class Scheduler:
             req.arrival_time, p.n, list(p.stop), p.include_stop_str_in_output, p.min_tokens,
             p.logprobs))
         order, self._next_order = self._next_order, self._next_order + 1
+        sender = f"{req.reply_to}\0{p.user}"
+        start, cost = self._tag_request(req, sender)
         seqs = [Sequence(req.request_id, list(req.prompt_token_ids), p, req.arrival_time,
-                         index=i, order=order,
+                         index=i, order=order, tag=start + i * cost, sender=sender,
                          status=SeqStatus.HELD if i else SeqStatus.WAITING) for i in range(p.n)]
         self.requests[req.request_id] = seqs
         self._enqueue(seqs[0])
         if len(seqs) > 1:
             self._held[req.request_id] = seqs[1:]
+
+    def _tag_request(self, req: TokenizedRequest, sender: str) -> tuple[int, int]:
+        """(tag of sample 0, tag step between samples). A sender's requests follow one
+        another (first come first served within it), each costing n * (prompt + most
+        outputs) tokens; a sender that was idle starts at the virtual time, so it is served
+        next whatever others queued before. Priority moves a request by PRIORITY_STEP_TOKENS
+        per step. So one request's n, its prompt length and a flood of requests are counted
+        against their sender, and nobody else waits behind them (see also _share_slots)."""
+        p, num_prompt = req.params, len(req.prompt_token_ids)
+        cost = num_prompt + min(p.max_tokens or self.max_len, max(self.max_len - num_prompt, 1))
+        base = max(self._vtime, self._sender_end.get(sender, 0))
+        self._sender_end[sender] = base + p.n * cost
+        if len(self._sender_end) > self._forget_at:  # keep senders with work, or ahead
+            live = {s.sender for seqs in self.requests.values() for s in seqs}
+            vtime = self._vtime
+            self._sender_end = {k: v for k, v in self._sender_end.items()
+                                if v > vtime and k in live}
+            self._forget_at = max(MAX_SENDERS, 2 * len(self._sender_end))
+        return base + p.priority * PRIORITY_STEP_TOKENS, cost
 
     def _admission_error(self, req: TokenizedRequest) -> RequestRejected | None:
         """The answer to a request that cannot be taken, if it cannot."""
@@ -143,7 +175,7 @@ class Scheduler:
             return (f"the prompt has {len(ids)} tokens; the context holds {lim.max_model_len}, "
                     "which must leave room for at least one output token")
         try:
-            validate_params(req.params, lim.vocab_size)
+            validate_params(req.params, lim.vocab_size, lim.priority_range)
         except RequestError as exc:
             return exc.message
         return None
@@ -177,6 +209,8 @@ class Scheduler:
             return None
         step = PlannedStep(self.next_step_id)
         budget = self.limits.max_num_batched_tokens
+        if self.waiting and not self.free_slots and not self._victims:
+            self._share_slots()
         decodes, prefills = [], []
         for seq in self.running:
             if self._wants_step(seq):
@@ -260,12 +294,39 @@ class Scheduler:
         victim = max(candidates, key=lambda s: (s.params.priority, not s.is_just_resumed,
                                                 s.sort_key))
         step.has_preempted = True  # no admission in this step: the victim would come right back
+        self._preempt(victim)
+        return victim not in self._victims and victim is not needy
+
+    def _preempt(self, victim: Sequence) -> None:
+        """victim leaves the running set once its in-flight steps drain, and waits again."""
         victim.move_to(SeqStatus.PREEMPTING)
         self._victims.add(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._maybe_release(victim)
-        return victim not in self._victims and victim is not needy
+
+    def _share_slots(self) -> None:
+        """Every slot is taken and a sequence waits: if its sender holds fewer than its fair
+        share of the slots (max_num_seqs over the senders running or waiting first) while
+        another holds more, preempt that one's last sequence. Its slot comes back once its
+        steps drain, and the waiting one is admitted then: a request with n = 128, or a
+        sender's many requests, cannot keep everyone else waiting until they end. One
+        victim at a time (the _victims guard), and only down to the fair share, so this
+        never thrashes: senders holding their share are never touched."""
+        first = self.waiting[0]
+        held: dict[str, list[Sequence]] = {}
+        for seq in self.running:
+            if seq.status is SeqStatus.RUNNING:
+                held.setdefault(seq.sender, []).append(seq)
+        num_senders = len(held) + (first.sender not in held)
+        share = -(-self.limits.max_num_seqs // num_senders)
+        if len(held.get(first.sender, ())) >= share:
+            return
+        most = max(held.values(), key=len)
+        if len(most) > share:
+            victim = max(most, key=lambda s: s.sort_key)
+            victim.tag = self._vtime + 1  # behind the one it makes room for, not ahead again
+            self._preempt(victim)
 
     def _admit(self, step: PlannedStep, budget: int) -> int:
         bs = self.limits.block_size
@@ -284,6 +345,7 @@ class Scheduler:
             if len(step.block_updates) + len(hits) + new_blocks > self.limits.max_block_updates:
                 break
             self.waiting.pop(0)
+            self._vtime = max(self._vtime, seq.tag)
             seq.move_to(SeqStatus.RUNNING)
             seq.slot = self.free_slots.pop()
             self.running.append(seq)

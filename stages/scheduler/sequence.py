@@ -22,7 +22,7 @@ class SeqStatus(enum.Enum):
     preempted is WAITING with num_preemptions > 0.)"""
 
     HELD = "held"  # sample 1..n-1, until sample 0's prompt is planned (its blocks cached)
-    WAITING = "waiting"  # in the waiting queue, by priority and arrival
+    WAITING = "waiting"  # in the waiting queue, by fair-queueing tag and arrival
     RUNNING = "running"  # holds an executor slot and KV blocks
     PREEMPTING = "preempting"  # a victim: leaves the running set once num_inflight is 0
     FINISHED = "finished"  # told to the client; blocks freed once num_inflight is 0
@@ -44,7 +44,9 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     index: int = 0  # sample index among the request's n
-    order: int = 0  # arrival order in the scheduler: FCFS among equal priorities
+    order: int = 0  # arrival order in the scheduler: breaks ties between equal tags
+    tag: int = 0  # fair-queueing start tag (Scheduler._tag_request): waiting order
+    sender: str = ""  # whose share it counts against: the client and the request's user
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
@@ -70,8 +72,8 @@ class Sequence:
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
-        """Waiting order: lower priority value first, then arrival, then sample index."""
-        return (self.params.priority, self.order, self.index)
+        """Waiting order: fair-queueing tag, then arrival, then sample index."""
+        return (self.tag, self.order, self.index)
 
     @property
     def is_just_resumed(self) -> bool:

@@ -1,0 +1,121 @@
+"""No request waits forever: the starvation probe under each kind of hog (the scheduler core
+with the harness's executor; waiting is counted in steps, so nothing here depends on timing).
+The probe is a short request from another sender; alone it finishes in a few steps, and under
+every hog it must finish within 10 times that."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from scheduler_driver import Driver, make_limits, make_request
+
+from ipc.messages import TokenizedRequest
+from stages.scheduler.core import MAX_SENDERS
+
+LIMITS = make_limits(num_blocks=1024, block_size=16, max_num_seqs=16,
+                     max_num_batched_tokens=1024, max_model_len=4096)
+Hog = Callable[[int], list[TokenizedRequest]]
+PROBE_AT = 100  # the hog has filled the engine by then
+
+
+def probe_steps(hog: Hog, probe_at: int = PROBE_AT, probe_user: str = "probe",
+                limit: int = 5000) -> int:
+    """Steps from the probe's arrival until its last token."""
+    driver = Driver(LIMITS)
+    probe = make_request("probe", 16, max_tokens=8, user=probe_user)
+    for tick in range(probe_at + limit):
+        for req in hog(tick):
+            driver.add(req)
+        if tick == probe_at:
+            driver.add(probe)
+        driver.tick()
+        if "probe" in driver.finished:
+            return tick - probe_at
+    raise AssertionError(f"the probe did not finish in {limit} steps")
+
+
+def no_hog(tick: int) -> list[TokenizedRequest]:
+    return []
+
+
+def many_samples(tick: int) -> list[TokenizedRequest]:
+    """One request with n = 64: four times the engine's slots."""
+    return [make_request("hog", 32, n=64, max_tokens=300)] if tick == 0 else []
+
+
+def long_prompts(tick: int) -> list[TokenizedRequest]:
+    """A flood of prompts of 2,000 tokens, faster than the engine serves them."""
+    return [make_request(f"long{tick}", 2000, max_tokens=50)] if tick < 400 else []
+
+
+def many_requests(tick: int) -> list[TokenizedRequest]:
+    return [make_request(f"r{tick}.{i}", 32, max_tokens=200) for i in range(3)]
+
+
+def urgent_traffic(tick: int) -> list[TokenizedRequest]:
+    """Requests of a better priority than the probe's, arriving without pause."""
+    return [make_request(f"u{tick}", 32, max_tokens=100, priority=-1)]
+
+
+def test_the_probe_alone_takes_a_few_steps() -> None:
+    assert probe_steps(no_hog) <= 12
+
+
+@pytest.mark.parametrize("hog", [many_samples, long_prompts, many_requests, urgent_traffic],
+                         ids=lambda h: h.__name__)
+def test_the_probe_finishes_within_ten_times_its_alone_time(hog: Hog) -> None:
+    alone = probe_steps(no_hog)
+    assert probe_steps(hog) <= 10 * alone
+
+
+def test_within_one_sender_requests_are_first_come_first_served() -> None:
+    """The same probe sent by the hog's sender waits its turn behind the hog's samples."""
+    alone = probe_steps(no_hog)
+    assert probe_steps(many_samples, probe_user="") > 10 * alone
+
+
+def test_a_sender_holding_every_slot_makes_room_without_thrashing() -> None:
+    """Sender a holds every slot with one request of n = 40. Sender b's request of n = 40
+    gets a slot within a few steps (one of a's samples is preempted for it), and as a's
+    samples finish the two settle at half the slots each, with a handful of preemptions in
+    all: never one of a sender at or below its share."""
+    driver = Driver(LIMITS)
+    driver.add(make_request("a", 32, n=40, max_tokens=120))
+    for _ in range(30):
+        driver.tick()
+    assert len(driver.core.running) == LIMITS.max_num_seqs
+    driver.add(make_request("b", 32, n=40, max_tokens=120, user="b"))
+    for _ in range(4):
+        driver.tick()
+    assert [s.request_id for s in driver.core.running].count("b") == 1
+    for _ in range(150):
+        driver.tick()
+    running = [s.request_id for s in driver.core.running]
+    assert running.count("a") == running.count("b") == LIMITS.max_num_seqs // 2
+    driver.run()
+    driver.check_idle()
+    assert driver.core.num_preemptions <= 8
+    assert len(driver.outputs) == 80 and all(len(v) == 120 for v in driver.outputs.values())
+
+
+def test_senders_are_forgotten_once_caught_up() -> None:
+    """Each sender costs an entry until the virtual time passes its work: the table of
+    senders stays bounded however many distinct users send."""
+    driver = Driver(LIMITS)
+    for i in range(MAX_SENDERS + 100):
+        driver.add(make_request(f"r{i}", 4, max_tokens=1, user=f"u{i}"))
+        if i % 50 == 0:
+            driver.run()
+    driver.run()
+    assert len(driver.core._sender_end) <= MAX_SENDERS + 1
+
+
+def test_a_priority_outside_the_engines_range_is_refused() -> None:
+    driver = Driver(make_limits(priority_range=(0, 10)))
+    driver.add(make_request("urgent", 4, max_tokens=2, priority=-1))
+    driver.add(make_request("batch", 4, max_tokens=2, priority=10))
+    driver.run()
+    assert [r.request_id for r in driver.rejected] == ["urgent"]
+    assert "priority must be between 0 and 10" in (driver.rejected[0].error or "")
+    assert len(driver.outputs["batch"]) == 2
