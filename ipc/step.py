@@ -56,7 +56,9 @@ def sampled_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
 @dataclass
 class StepRings:
     """Both rings of one run, `limits.num_ring_slots` slots each, in /dev/shm under the run id.
-    The launcher creates them before any stage starts; the stages attach."""
+    The executor creates them before it reports ready, the scheduler attaches, and the
+    launcher removes the names once both have them mapped: at every moment some living
+    process of the run can remove them (a stage orphaned by its launcher does)."""
 
     steps: SharedRing
     sampled: SharedRing

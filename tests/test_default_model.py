@@ -185,10 +185,15 @@ def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) ->
 
 
 def test_launcher_killed_during_start_up_leaves_nothing(tmp_path: Path) -> None:
-    """kill -9 of the CLI while its stages are still starting (the rings exist, not yet
-    unlinked): the orphaned stages stop and remove the run directory and both segments."""
+    """kill -9 of the CLI while its stages are still starting (the executor has created the
+    rings, the launcher has not unlinked them yet): the orphaned stages stop and remove the
+    run directory and both segments."""
     before = set(os.listdir("/dev/shm"))
     runs_before = set(_run_dirs())
+
+    def rings() -> list[str]:
+        return [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
+
     proc = subprocess.Popen(_cli("generate", "--prompt", "Hi", "--max-tokens", "4"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: list[int] = []
@@ -198,8 +203,9 @@ def test_launcher_killed_during_start_up_leaves_nothing(tmp_path: Path) -> None:
             time.sleep(0.05)
             children = _stage_children(proc.pid)
         assert children, "no stage started"
-        assert [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n], \
-            "the rings should exist while the stages start"
+        while not rings() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rings(), "the rings should exist while the stages start"
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 60
@@ -207,11 +213,9 @@ def test_launcher_killed_during_start_up_leaves_nothing(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert alive(children) == [], _describe(alive(children))
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (
-                [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
-                or set(_run_dirs()) - runs_before):
+        while time.monotonic() < deadline and (rings() or set(_run_dirs()) - runs_before):
             time.sleep(0.2)
-        assert [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n] == []
+        assert rings() == []
         assert set(_run_dirs()) - runs_before == set()
     finally:
         if proc.poll() is None:

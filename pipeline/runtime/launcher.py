@@ -25,7 +25,7 @@ from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
 from ipc.messages import Message, PipelineStatus, SchedulerStats, StageFailed, StageReady
-from ipc.step import StepRings
+from ipc.shm import unlink_segment
 from pipeline.runtime.client import PipelineClient
 from stages.entry import run_stage
 from stages.trace import merge_traces
@@ -58,13 +58,13 @@ class Pipeline:
         self._zmq = zmq.Context()
         self.scheduler_stats: SchedulerStats | None = None
         self._supervisor: threading.Thread | None = None
-        self._rings: StepRings | None = None
         self._control: PullChannel | None = None
         self._clients: list[PipelineClient] = []
         self._started = False
 
     def _create_run(self) -> None:
-        """The run directory (sockets, trace files), the control socket and both rings."""
+        """The run directory (sockets, trace files) and the control socket. (The rings are
+        the executor's to create: a launcher killed before it spawned one leaves none.)"""
         run_dir = make_run_dir()
         trace_dir = ""
         if self.trace_path is not None:
@@ -76,7 +76,11 @@ class Pipeline:
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats]), bind=True,
                                     secret=self.cfg.run_secret)
-        self._rings = StepRings.open(self.cfg, create=True)
+
+    def _unlink_rings(self) -> None:
+        if self.cfg.run_id:  # the run was created (the executor may not have made them yet)
+            for name in (self.cfg.step_ring_name, self.cfg.sampled_ring_name):
+                unlink_segment(name)
 
     @property
     def _ctl(self) -> PullChannel:
@@ -102,8 +106,7 @@ class Pipeline:
             self._check_cache_holds_a_sequence(num_blocks)
             self._spawn("scheduler", 0, "stages.scheduler.process:run_scheduler", num_blocks)
             self._wait_ready(list(self.procs))
-            assert self._rings is not None
-            self._rings.unlink()  # every user has them mapped: nothing is left in /dev/shm
+            self._unlink_rings()  # both users have them mapped: nothing is left in /dev/shm
             self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
             status, bootstrap = self._open_status_sockets()
         except BaseException:
@@ -280,8 +283,7 @@ class Pipeline:
                 logger.warning("stage %s did not stop in %.0f s: killing it", name, timeout)
                 proc.kill()
                 proc.join(5)
-        if self._rings is not None:
-            self._rings.unlink()
+        self._unlink_rings()
         if self._control is not None:
             self._control.close()
         self._zmq.destroy(linger=0)

@@ -61,7 +61,7 @@ class Reporter:
 def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     with stage_process("executor", rank, cfg, parent_pid) as ctx:
         runner = build_runner(cfg)
-        rings = StepRings.open(cfg, create=False)
+        rings = StepRings.open(cfg, create=True)
         plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True,
                             secret=cfg.run_secret)
         device = make_device(runner, rings.sampled, Reporter(ctx, cfg.sampled_address,
