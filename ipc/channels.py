@@ -140,11 +140,15 @@ class PullChannel:
         self.socket.close()
 
 
-def listen_tcp(inbox: PullChannel, host: str) -> dict[str, int]:
-    """With --listen, an inbox also takes remote clients on a tcp:// port of `host`:
-    {"tcp_port": port}, for the stage's StageReady info ({} without --listen)."""
+def listen_tcp(inbox: PullChannel, host: str, port: int = 0) -> dict[str, int]:
+    """With --listen, an inbox also takes remote clients on a tcp:// port of `host` (`port`,
+    or any free one): {"tcp_port": port}, for the stage's StageReady info ({} without
+    --listen). A restarted stage binds the port its predecessor had."""
     if not host:
         return {}
+    if port:
+        inbox.socket.bind(f"tcp://{host}:{port}")
+        return {"tcp_port": port}
     return {"tcp_port": inbox.socket.bind_to_random_port(f"tcp://{host}")}
 
 

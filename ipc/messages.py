@@ -128,6 +128,39 @@ class AbortRequest(Message):
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class Reconcile(Message):
+    """Sent by a client through tokenizer `rank` once the launcher has restarted it, naming
+    the unfinished requests the client had sent to that rank; forwarded in order behind
+    every request the new worker received first. Each id the scheduler then does not know
+    was lost with the dead worker: it gets an error (a finished one's final output is
+    already ahead of it, and the client ignores what comes after that)."""
+
+    TAG: ClassVar[int] = 13
+    reply_to: str
+    rank: int
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetClient(Message):
+    """From the launcher of an HTTP front end whose worker died: abort every request that
+    replies to `reply_to`, and refuse any that arrives for it later."""
+
+    TAG: ClassVar[int] = 14
+    reply_to: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageRestarted(Message):
+    """From the launcher: stage:rank died and a new process took its place. For a
+    detokenizer, the scheduler fails the requests of its shard (their text state is lost)."""
+
+    TAG: ClassVar[int] = 15
+    stage: str
+    rank: int
+
+
 # ---------------------------------------------------------------- detokenizer -> scheduler
 
 
@@ -378,11 +411,15 @@ class PipelineStatus(Message):
     stages: dict[str, bool]  # "stage:rank" -> alive
     failure: str | None
     scheduler: SchedulerStats | None
+    restarts: dict[str, int] = field(default_factory=dict)  # "stage:rank" -> times restarted
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
     AddRequest,
     AbortRequest,
+    Reconcile,
+    ForgetClient,
+    StageRestarted,
     StopSample,
     TokenizedRequest,
     DetokBatch,

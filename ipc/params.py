@@ -14,6 +14,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per token: the width of the sampled-token ring
+MAX_RECONCILE_IDS = 4096  # ids one Reconcile may name (a client sends several if need be)
 MAX_USER_CHARS = 256  # SamplingParams.user: the scheduler keeps one entry per active user
 # The priorities a caller may use unless the engine is started with another --priority-range:
 # a caller may make its own requests less urgent (batch work), never jump ahead of others.

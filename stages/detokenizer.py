@@ -92,15 +92,18 @@ class Detokenizer:
                 _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens))
                 for i in range(info.n)]
         by_client: dict[str, list[RequestOutput]] = {}
-        for rej in batch.rejected:
+        for rej in batch.rejected:  # needs no state; a failed request's state is done with
+            samples = self.requests.get(rej.request_id)
+            if samples and samples[0].info.reply_to == rej.reply_to:  # not a duplicate's
+                del self.requests[rej.request_id]
             by_client.setdefault(rej.reply_to, []).append(RequestOutput.refusal(
                 rej.request_id, rej.error_kind, rej.error, None, rej.num_prompt_tokens,
                 rej.finish_reason))
+        unknown = 0
         for delta in batch.deltas:
             samples = self.requests.get(delta.request_id)
             if samples is None or not 0 <= delta.index < len(samples):
-                logger.error("token delta for unknown request %s (sample %d)", delta.request_id,
-                             delta.index)
+                unknown += 1  # after a restart: its predecessor had it, the scheduler fails it
                 continue
             state = samples[delta.index]
             if not state.stopped:
@@ -110,6 +113,9 @@ class Detokenizer:
                 state.finished = True
                 if all(s.finished for s in samples):
                     del self.requests[delta.request_id]
+        if unknown:
+            logger.warning("dropped %d token deltas of requests this worker does not know "
+                           "(expected just after it was restarted)", unknown)
         return by_client
 
     def _safe_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:

@@ -5,6 +5,7 @@ A bad request gets its error straight back to its client; nothing else is distur
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ipc.channels import PullChannel, PushChannel, ReplySockets, listen_tcp
@@ -13,11 +14,12 @@ from ipc.config import PipelineConfig
 from ipc.messages import (
     AddRequest,
     ErrorKind,
+    Reconcile,
     RequestOutput,
     RequestOutputs,
     TokenizedRequest,
 )
-from ipc.params import DEFAULT_PRIORITY_RANGE, RequestError, validate_params
+from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
 from stages.process import stage_process
 from stages.trace import now_ns
 
@@ -98,18 +100,35 @@ def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
         logger.error("dropped a malformed message with no reply address: %s", exc)
 
 
-def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
+def forward_reconcile(msg: Reconcile, rank: int, to_scheduler: PushChannel,
+                      is_client: Callable[[str], bool]) -> None:
+    """Pass a client's Reconcile on, behind the requests this worker has forwarded, if it
+    names a client's address, this rank and a bounded number of ids."""
+    if not is_client(msg.reply_to) or msg.rank != rank or len(msg.request_ids) > MAX_RECONCILE_IDS:
+        logger.warning("refused a Reconcile for %r (rank %d, %d ids)", msg.reply_to, msg.rank,
+                       len(msg.request_ids))
+        return
+    to_scheduler.send(msg)
+
+
+def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int, tcp_port: int = 0) -> None:
+    """tcp_port: with --listen, the port to take remote clients on (a restarted worker's
+    predecessor's; 0: any)."""
     with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
         core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
                              cfg.scheduler.priority_range)
-        inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest]), bind=True)
+        inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest, Reconcile]),
+                            bind=True)
         to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,
                                    secret=cfg.run_secret)
         replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
-        ctx.ready(**listen_tcp(inbox, cfg.listen_host))
+        ctx.ready(**listen_tcp(inbox, cfg.listen_host, tcp_port))
         while not ctx.stop.is_set():
             req = inbox.recv_valid(100, lambda exc: _reject_malformed(replies, exc))
             if req is None:
+                continue
+            if isinstance(req, Reconcile):
+                forward_reconcile(req, rank, to_scheduler, cfg.is_client_address)
                 continue
             assert isinstance(req, AddRequest)
             start = now_ns()

@@ -21,8 +21,10 @@ from ipc.messages import (
     DetokRequestInfo,
     ErrorKind,
     FinishReason,
+    ForgetClient,
     Message,
     PipelineStatus,
+    Reconcile,
     RequestOutput,
     RequestOutputs,
     SampledTokens,
@@ -30,6 +32,7 @@ from ipc.messages import (
     SchedulerStats,
     StageFailed,
     StageReady,
+    StageRestarted,
     StepPlan,
     StopSample,
     TokenDelta,
@@ -73,6 +76,10 @@ SAMPLES: list[Message] = [
                                   {"stop": 3, "abort": 1}, 50, 60, [1, 2], 0.5, [3], 7, 0.01,
                                   12.0)),
     PipelineStatus(2.0, {}, None, None),
+    PipelineStatus(2.5, {"tokenizer:0": True}, None, None, {"tokenizer:0": 2}),
+    Reconcile("ipc:///tmp/r/client-1.sock", 1, ["req-1", "req-2"]),
+    ForgetClient("ipc:///tmp/r/client-1.sock"),
+    StageRestarted("detokenizer", 1),
 ]
 
 ALL = Codec(ALL_MESSAGES)

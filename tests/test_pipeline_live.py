@@ -162,7 +162,8 @@ def test_a_request_with_a_bad_reply_address_does_not_kill_the_tokenizer(
     assert pipeline.is_alive
 
 
-def test_a_stage_dying_mid_run_fails_requests_and_stops_everything(tiny_model_dir: Path) -> None:
+def test_the_scheduler_dying_mid_run_fails_requests_and_stops_everything(
+        tiny_model_dir: Path) -> None:
     import os
     import signal
     import time
@@ -175,11 +176,11 @@ def test_a_stage_dying_mid_run_fails_requests_and_stops_everything(tiny_model_di
         pipe.start()
         pids = list(pipe.stage_pids.values())
         client = pipe.client()
-        os.kill(pipe.stage_pids["detokenizer:0"], signal.SIGKILL)
+        os.kill(pipe.stage_pids["scheduler:0"], signal.SIGKILL)
         with pytest.raises(PipelineError):
             client.generate(["x"] * 4, SamplingParams(max_tokens=400, ignore_eos=True),
                             timeout=60)
-        assert "detokenizer:0" in (pipe.failure or "")
+        assert "scheduler:0" in (pipe.failure or "")
         deadline = time.monotonic() + 30
         while alive(pids) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -87,6 +87,13 @@ def serve(model: Path, *args: str) -> Iterator[Server]:
     assert left == [], f"processes of the server outlived it: {described}"
 
 
+def cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:  # gone, or a zombie
+        return ""
+
+
 def describe(pids: list[int]) -> list[str]:
     out = []
     for pid in pids:
@@ -355,6 +362,66 @@ def test_health_goes_503_naming_a_dead_stage(tiny_model_dir: Path) -> None:
         assert r.status_code == 503 and "retry-after" in r.headers
         # Then serve exits non-zero, so that a process supervisor notices.
         assert s.proc.wait(timeout=30) == 1
+
+
+def test_a_killed_api_worker_comes_back_and_its_requests_are_aborted(
+        tiny_model_dir: Path) -> None:
+    """kill -9 of the API worker holding most of 32 open streams: serve keeps running and
+    starts it again within 2 s; the other worker's streams end with [DONE]; the dead one's
+    streams see their connection cut (an error, never a hang) and the engine aborts their
+    requests instead of running them for nobody."""
+    import threading
+
+    with serve(tiny_model_dir, "--api-workers", "2", "--device", "timed:10,0") as s:
+        aborted = "llm_pipeline_requests_finished_total{reason=abort}"
+        before = stat(s, aborted)
+        ends: list[str] = []
+        opened = threading.Barrier(33, timeout=60)
+
+        def stream() -> None:
+            body = {"model": s.model, "prompt": "count", "max_tokens": 300, "ignore_eos": True,
+                    "stream": True}
+            last, first = "", True
+            try:
+                with httpx.stream("POST", f"{s.url}/v1/completions", json=body,
+                                  timeout=60) as r:
+                    for line in r.iter_lines():
+                        last = line or last
+                        if first:
+                            first = False
+                            opened.wait()
+                ends.append("done" if last == "data: [DONE]" else f"cut after {last[:40]}")
+            except httpx.HTTPError as exc:
+                ends.append(f"error {type(exc).__name__}")
+
+        threads = [threading.Thread(target=stream) for _ in range(32)]
+        for t in threads:
+            t.start()
+        opened.wait()  # every stream has its first event
+        workers = [p for p in s.descendants() if "llm-pipeline:api:" in " ".join(p.cmdline())]
+        victim = max(workers, key=lambda p: len(p.net_connections(kind="tcp")))
+        title = " ".join(victim.cmdline())
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 2
+        while not [p for p in s.descendants() if p.pid != victim.pid and cmdline(p) == title]:
+            assert time.monotonic() < deadline, "the worker was not started again in 2 s"
+            time.sleep(0.02)
+        for t in threads:
+            t.join(timeout=90)
+        assert not any(t.is_alive() for t in threads), "a stream hung"
+        cut = [e for e in ends if e != "done"]
+        assert cut and len(cut) < 32, ends
+        assert s.proc.poll() is None  # serve runs on
+        deadline = time.monotonic() + 30
+        while stat(s, aborted) < before + len(cut):
+            assert time.monotonic() < deadline, f"aborted {stat(s, aborted) - before}: {ends}"
+            time.sleep(0.1)
+        while stat(s, "llm_pipeline_requests_running{}") > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = post(s, "/v1/completions", {"model": s.model, "prompt": "hi", "max_tokens": 2},
+                 key=None)
+        assert r.status_code == 200, r.text
 
 
 def test_sigterm_ends_every_stream_with_a_final_event(tiny_model_dir: Path) -> None:

@@ -37,6 +37,7 @@ from ipc.messages import (
     ErrorKind,
     FinishReason,
     PipelineStatus,
+    Reconcile,
     RequestOutput,
     RequestOutputs,
     SamplingParams,
@@ -44,6 +45,7 @@ from ipc.messages import (
     TokenLogprob,
 )
 from ipc.outputs import SampleResult
+from ipc.params import MAX_RECONCILE_IDS
 
 if TYPE_CHECKING:
     from ipc.config import Endpoints
@@ -203,13 +205,16 @@ class PipelineClient:
         self.status: PipelineStatus | None = None
         # Local times (this host's clock only: the pipeline's may differ).
         self._connected_at = self._status_at = time.monotonic()
-        self._requests = PushChannel(self._ctx, endpoints.tokenizers[0], bind=False)
-        for address in endpoints.tokenizers[1:]:
-            self._requests.socket.connect(address)
+        # One socket per tokenizer worker, taken in turn: the client knows which one holds
+        # each request, so when one is restarted it can ask which of its requests were lost.
+        self._tokenizers = [PushChannel(self._ctx, address, bind=False)
+                            for address in endpoints.tokenizers]
+        self._next_tokenizer = 0
+        self._restarts: dict[str, int] = {}  # as last published: "tokenizer:k" -> count
         self._aborts = PushChannel(self._ctx, endpoints.scheduler, bind=False)
         self._send_lock = threading.Lock()
-        # request id -> (deliver, samples still running)
-        self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int]] = {}
+        # request id -> (deliver, samples still running, the tokenizer it was sent to)
+        self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int, int]] = {}
         self._routes_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._route_outputs, name="client-io", daemon=True)
@@ -269,6 +274,7 @@ class PipelineClient:
                 while (status := self._status_sub.recv_valid(0)) is not None:
                     assert isinstance(status, PipelineStatus)
                     self.status, self._status_at = status, time.monotonic()
+                    self._reconcile(status.restarts)
             if self._inbox.socket not in events:
                 continue
             msg = self._inbox.recv_valid(0)
@@ -281,6 +287,28 @@ class PipelineClient:
                 except RuntimeError:  # its event loop is closed: nobody is listening
                     pass
 
+    def _reconcile(self, restarts: dict[str, int]) -> None:
+        """For each tokenizer restarted since the last status, send it a Reconcile naming the
+        unfinished requests this client had sent it: the scheduler answers an error for each
+        one it never received (ipc.messages.Reconcile)."""
+        for name, count in restarts.items():
+            if count <= self._restarts.get(name, 0) or not name.startswith("tokenizer:"):
+                continue
+            self._restarts[name] = count
+            rank = int(name.split(":")[1])
+            if rank >= len(self._tokenizers):
+                continue
+            with self._send_lock:  # no request is between its route and its send
+                if self._stop.is_set():
+                    return
+                with self._routes_lock:
+                    ids = [rid for rid, (_, _, r) in self._routes.items() if r == rank]
+                logger.warning("%s was restarted: checking %d requests sent to it", name,
+                               len(ids))
+                for i in range(0, max(len(ids), 1), MAX_RECONCILE_IDS):
+                    self._tokenizers[rank].send(
+                        Reconcile(self.reply_to, rank, ids[i:i + MAX_RECONCILE_IDS]))
+
     def _routed(self, outputs: list[RequestOutput]
                 ) -> list[tuple[Callable[[RequestOutput], Any], RequestOutput]]:
         """Each output with the callback of its request, under one lock for the whole batch;
@@ -291,11 +319,11 @@ class PipelineClient:
                 route = self._routes.get(out.request_id)
                 if route is None:
                     continue
-                deliver, remaining = route
+                deliver, remaining, rank = route
                 if out.finished:
                     remaining = 0 if out.index == WHOLE_REQUEST else remaining - 1
                     if remaining:
-                        self._routes[out.request_id] = (deliver, remaining)
+                        self._routes[out.request_id] = (deliver, remaining, rank)
                     else:
                         del self._routes[out.request_id]
                 if deliver is not None:
@@ -306,18 +334,26 @@ class PipelineClient:
                 deliver: Callable[[RequestOutput], Any]) -> str:
         request_id = request_id or uuid.uuid4().hex
         self._check_open()
-        with self._routes_lock:
-            if request_id in self._routes:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            self._routes[request_id] = (deliver, params.n)
+        msg = make_add_request(request_id, self.reply_to, prompt, params)
+        # The route and the send under one lock: a Reconcile either follows this request on
+        # its socket or does not name it (see _reconcile).
+        with self._send_lock:
+            rank = self._next_tokenizer
+            with self._routes_lock:
+                if request_id in self._routes:
+                    raise ValueError(f"request id {request_id!r} is already in flight")
+                self._routes[request_id] = (deliver, params.n, rank)
+            self._next_tokenizer = (rank + 1) % len(self._tokenizers)
+            self._send_or_unroute(request_id, rank, msg)
+        return request_id
+
+    def _send_or_unroute(self, request_id: str, rank: int, msg: AddRequest) -> None:
         try:
-            with self._send_lock:
-                self._requests.send(make_add_request(request_id, self.reply_to, prompt, params))
+            self._tokenizers[rank].send(msg)
         except BaseException:
             with self._routes_lock:
                 self._routes.pop(request_id, None)
             raise
-        return request_id
 
     def _check_open(self) -> None:
         if self._stop.is_set():

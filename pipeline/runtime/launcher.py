@@ -21,16 +21,28 @@ from typing import Any
 
 import zmq
 
-from ipc.channels import PullChannel, make_run_dir
+from ipc.channels import PullChannel, PushChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
-from ipc.messages import Message, PipelineStatus, SchedulerStats, StageFailed, StageReady
+from ipc.messages import (
+    Message,
+    PipelineStatus,
+    SchedulerStats,
+    StageFailed,
+    StageReady,
+    StageRestarted,
+)
 from ipc.shm import unlink_segment
 from pipeline.runtime.client import PipelineClient
 from stages.entry import run_stage
 from stages.trace import merge_traces
 
 logger = logging.getLogger(__name__)
+
+
+RESTARTABLE = ("tokenizer", "detokenizer")
+MAX_RESTARTS = 5  # of one stage within RESTART_WINDOW_S; one more death fails the pipeline
+RESTART_WINDOW_S = 60.0
 
 
 class StartupError(RuntimeError):
@@ -61,6 +73,9 @@ class Pipeline:
         self._control: PullChannel | None = None
         self._clients: list[PipelineClient] = []
         self._started = False
+        self._targets: dict[str, str] = {}  # "stage:rank" -> its entry, to start it again
+        self.restarts: dict[str, list[float]] = {}  # "stage:rank" -> when it was restarted
+        self._restart_due: dict[str, float] = {}  # dead, to be started again at this time
 
     def _create_run(self) -> None:
         """The run directory (sockets, trace files) and the control socket. (The rings are
@@ -157,6 +172,7 @@ class Pipeline:
                                 name=f"llm-pipeline:{stage}:{rank}", daemon=False)
         proc.start()
         self.procs[f"{stage}:{rank}"] = proc
+        self._targets[f"{stage}:{rank}"] = target
 
     def _wait_ready(self, names: list[str]) -> None:
         deadline = time.monotonic() + self.cfg.ready_timeout_s
@@ -182,14 +198,21 @@ class Pipeline:
 
     def _supervise(self, status: zmq.Socket, bootstrap: zmq.Socket | None) -> None:
         """Watch every stage process and the control channel (stats, failure reports),
-        publish the pipeline's status a few times a second, answer remote clients' requests
-        for the endpoints. The sockets are this thread's from here on."""
+        restart a dead tokenizer or detokenizer (see _restart), publish the pipeline's status
+        a few times a second, answer remote clients' requests for the endpoints. The sockets
+        are this thread's from here on."""
         sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
         failure_message = "no message"
         next_status = 0.0
+        to_scheduler = PushChannel(self._zmq, self.cfg.scheduler_address, bind=False,
+                                   secret=self.cfg.run_secret)
         try:
             while not self._stopping.is_set():
                 dead = wait(list(sentinels), timeout=0.1)
+                for name, due in list(self._restart_due.items()):
+                    if time.monotonic() >= due and not self._stopping.is_set():
+                        del self._restart_due[name]
+                        sentinels[self._respawn(name, to_scheduler)] = name
                 while bootstrap is not None and bootstrap.poll(0):
                     try:  # whatever a peer sends, it gets the endpoints; nothing else changes
                         bootstrap.recv_multipart()
@@ -199,8 +222,16 @@ class Pipeline:
                 while not self._stopping.is_set() and (msg := self._next_control()):
                     if isinstance(msg, SchedulerStats):
                         self.scheduler_stats = msg
+                    elif isinstance(msg, StageReady):  # a restarted stage
+                        logger.warning("stage %s:%d is running again", msg.stage, msg.rank)
                     elif isinstance(msg, StageFailed):
                         failure_message = msg.message
+                for sentinel in [s for s in dead if self._may_restart(sentinels[s])]:
+                    name = sentinels.pop(sentinel)
+                    logger.error("stage %s died (exit code %s: %s); starting it again", name,
+                                 self.procs[name].exitcode, failure_message)
+                    self._restart_due[name] = time.monotonic() + self._backoff(name)
+                    dead.remove(sentinel)
                 if dead and not self._stopping.is_set():
                     names = ", ".join(f"{sentinels[s]} (exit code "
                                       f"{self.procs[sentinels[s]].exitcode})" for s in dead)
@@ -214,8 +245,37 @@ class Pipeline:
                     next_status = time.monotonic() + 0.25
         finally:
             status.close()
+            to_scheduler.close()
             if bootstrap is not None:
                 bootstrap.close()
+
+    def _may_restart(self, name: str) -> bool:
+        """Tokenizers and detokenizers hold nothing that cannot be rebuilt: one that dies is
+        started again, unless it died MAX_RESTARTS times within RESTART_WINDOW_S (then the
+        pipeline fails, as it does when the scheduler or the executor dies)."""
+        if self._stopping.is_set() or name.split(":")[0] not in RESTARTABLE:
+            return False
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+        return len(recent) < MAX_RESTARTS
+
+    def _backoff(self, name: str) -> float:
+        """0 s for the first restart in the window, then 0.5 s, 1 s, ..."""
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+        return 0.0 if not recent else 0.5 * 2 ** (len(recent) - 1)
+
+    def _respawn(self, name: str, to_scheduler: PushChannel) -> Any:
+        """Start a dead stage again under its name and address; returns its sentinel."""
+        stage, rank = name.split(":")
+        self.restarts.setdefault(name, []).append(time.monotonic())
+        args = []
+        if stage == "tokenizer" and self.cfg.listen_host:  # the same port remote clients know
+            args = [self.stage_info[name]["tcp_port"]]
+        self._spawn(stage, int(rank), self._targets[name], *args)
+        if stage == "detokenizer":  # its requests' text state is lost: the scheduler fails them
+            to_scheduler.send(StageRestarted(stage, int(rank)))
+        return self.procs[name].sentinel
 
     def _next_control(self) -> Message | None:
         """The next message from a stage; a frame that is not one is counted and skipped, so
@@ -240,8 +300,10 @@ class Pipeline:
         raise TimeoutError(f"the scheduler did not become idle: {self.scheduler_stats}")
 
     def status(self) -> PipelineStatus:
-        return PipelineStatus(time.time(), {name: p.is_alive() for name, p in self.procs.items()},
-                              self.failure, self.scheduler_stats)
+        """A stage waiting to be started again counts as alive: the pipeline still serves."""
+        alive = {name: p.is_alive() or name in self._restart_due for name, p in self.procs.items()}
+        return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
+                              {name: len(times) for name, times in self.restarts.items()})
 
     @property
     def is_alive(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -12,8 +13,12 @@ import time
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import zmq
+
+from ipc.channels import PushChannel
 from ipc.config import ConfigError, parse_bytes
-from pipeline.runtime.launcher import Pipeline, StartupError
+from ipc.messages import ForgetClient
+from pipeline.runtime.launcher import MAX_RESTARTS, RESTART_WINDOW_S, Pipeline, StartupError
 from pipeline.server.app import ServerOptions
 from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
@@ -45,29 +50,48 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot listen on {options.host}:{options.port}: {exc}") from None
     options = dataclasses.replace(options, port=sock.getsockname()[1])
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=run_api_worker, name=f"llm-pipeline:api:{rank}",
-                           args=(run_dir, options, pipe.cfg.model.vocab_size, rank, os.getpid(),
-                                 sock))
-               for rank in range(options.api_workers)]
-    for w in workers:
+
+    def start_worker(rank: int) -> mp.process.BaseProcess:
+        w = ctx.Process(target=run_api_worker, name=f"llm-pipeline:api:{rank}",
+                        args=(run_dir, options, pipe.cfg.model.vocab_size, rank, os.getpid(),
+                              sock))
         w.start()
-    sock.close()  # the workers hold it now
+        return w
+
+    workers = [start_worker(rank) for rank in range(options.api_workers)]
+    to_scheduler = PushChannel(zmq.Context.instance(), pipe.cfg.scheduler_address, bind=False,
+                               secret=pipe.cfg.run_secret)
+    restarts: list[float] = []
     try:
         _wait_ready(workers, run_dir)
         host = f"[{options.host}]" if ":" in options.host else options.host
         print(f"serving {pipe.cfg.model_name} at http://{host}:{options.port}/v1 "
               f"({options.api_workers} API worker(s); pipeline run dir {run_dir})", flush=True)
-        while True:  # until a signal (SIGTERM/SIGINT end the CLI), a worker or a stage dies
-            dead = wait([w.sentinel for w in workers], timeout=0.25)
-            if dead:
-                codes = [w.exitcode for w in workers if not w.is_alive()]
-                print(f"error: an API worker exited (codes {codes}); stopping", file=sys.stderr)
-                return 1
+        while True:  # until a signal (SIGTERM/SIGINT end the CLI), or a stage dies
+            wait([w.sentinel for w in workers], timeout=0.25)
+            for rank, w in enumerate(workers):
+                if w.is_alive():
+                    continue
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+                if len(restarts) >= MAX_RESTARTS:
+                    print(f"error: API workers exited {len(restarts) + 1} times within "
+                          f"{RESTART_WINDOW_S:.0f} s (last code {w.exitcode}); stopping",
+                          file=sys.stderr)
+                    return 1
+                restarts.append(now)
+                print(f"warning: API worker {rank} exited (code {w.exitcode}); its open "
+                      "connections are closed, its requests aborted; starting it again",
+                      file=sys.stderr, flush=True)
+                _forget_worker(run_dir, rank, to_scheduler)
+                workers[rank] = start_worker(rank)
             if pipe.failure is not None:
                 time.sleep(ENGINE_FAILURE_GRACE_S)
                 print(f"error: {pipe.failure}; stopping", file=sys.stderr)
                 return 1
     finally:
+        sock.close()
+        to_scheduler.close()
         for w in workers:
             if w.is_alive():
                 w.terminate()
@@ -76,6 +100,18 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
             if w.is_alive():
                 w.kill()
                 w.join(5)
+
+
+def _forget_worker(run_dir: str, rank: int, to_scheduler: PushChannel) -> None:
+    """A dead worker's requests would run on for nobody: the scheduler aborts them (by the
+    reply address its ready file names) and refuses any still on their way."""
+    path = ready_file(run_dir, rank)
+    try:
+        reply_to = json.loads(path.read_text())["reply_to"]
+    except (OSError, ValueError, KeyError):
+        return  # it died before it was ready: it had sent nothing
+    path.unlink()
+    to_scheduler.send(ForgetClient(reply_to))
 
 
 def _wait_ready(workers: list[mp.process.BaseProcess], run_dir: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -44,7 +45,10 @@ def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: 
     server = _Server(config, front)
     watch_parent(parent_pid, lambda: setattr(server, "should_exit", True),
                  lambda: bool(server.should_exit))
-    ready_file(run_dir, rank).write_text(str(os.getpid()))  # the socket already listens
+    # The socket already listens. serve reads the reply address to abort what this worker
+    # had in flight, should it die.
+    ready_file(run_dir, rank).write_text(json.dumps({"pid": os.getpid(),
+                                                     "reply_to": client.reply_to}))
     try:
         server.run(sockets=[sock])
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from ipc.config import EngineLimits
@@ -26,7 +27,7 @@ from ipc.messages import (
     TokenizedRequest,
     TokenLogprob,
 )
-from ipc.params import RequestError, validate_params
+from ipc.params import MAX_RECONCILE_IDS, RequestError, validate_params
 from ipc.sampling import encode_slot, uses_penalties
 from ipc.step import StepLogprobs
 from stages.scheduler.block_allocator import BlockAllocator
@@ -38,6 +39,7 @@ from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
 # One step of priority is worth this many tokens of other requests' work: a request of priority
 # p is admitted before requests of priority p + 1 that came up to this much work before it.
 PRIORITY_STEP_TOKENS = 1024
+MAX_FORGOTTEN_CLIENTS = 1024
 MAX_SENDERS = 4096  # past this many senders, those with no request left are forgotten
 
 
@@ -75,6 +77,7 @@ class Scheduler:
         self._sender_end: dict[str, int] = {}
         self._forget_at = MAX_SENDERS
         self._early_aborts: dict[str, float] = {}
+        self._forgotten: dict[str, None] = {}  # reply addresses of dead clients, newest last
         self._new_infos: list[DetokRequestInfo] = []
         self._rejected: list[RequestRejected] = []
         self._touched: dict[Sequence, None] = {}  # new tokens or finished since take_outputs
@@ -110,6 +113,7 @@ class Scheduler:
         start, cost = self._tag_request(req, sender)
         seqs = [Sequence(req.request_id, list(req.prompt_token_ids), p, req.arrival_time,
                          index=i, order=order, tag=start + i * cost, sender=sender,
+                         reply_to=req.reply_to,
                          status=SeqStatus.HELD if i else SeqStatus.WAITING) for i in range(p.n)]
         self.requests[req.request_id] = seqs
         self._enqueue(seqs[0])
@@ -151,6 +155,8 @@ class Scheduler:
             return refuse(FinishReason.ERROR, invalid)
         if self._early_aborts.pop(req.request_id, None) is not None:
             return refuse(FinishReason.ABORT)
+        if req.reply_to in self._forgotten:
+            return refuse(FinishReason.ABORT)
         num_waiting = len(self.waiting) + sum(map(len, self._held.values()))
         if self.max_waiting is not None and num_waiting + req.params.n > self.max_waiting:
             return refuse(FinishReason.ERROR,
@@ -190,6 +196,42 @@ class Scheduler:
             return
         for seq in list(seqs):
             self._finish(seq, FinishReason.ABORT)
+
+    def fail_requests(self, request_ids: Iterable[str], message: str) -> None:
+        """End these requests with an error that needs no detokenizer state (their
+        detokenizer died with it): the client gets it in place of the rest of its output."""
+        for rid in request_ids:
+            seqs = self.requests.get(rid)
+            if not seqs:
+                continue
+            first = seqs[0]
+            for seq in list(seqs):
+                self._finish(seq, FinishReason.ERROR)
+                self._touched.pop(seq, None)  # no delta: nobody holds its text state now
+            self._rejected.append(RequestRejected(rid, first.reply_to, FinishReason.ERROR,
+                                                  message, len(first.prompt_ids),
+                                                  ErrorKind.UNAVAILABLE))
+
+    def reconcile(self, reply_to: str, rank: int, request_ids: list[str]) -> None:
+        """A client names the unfinished requests it had sent to tokenizer `rank`, which was
+        restarted; this arrives behind every request the new worker received first, so an
+        id not known here was lost with the dead one (see ipc.messages.Reconcile)."""
+        for rid in request_ids[:MAX_RECONCILE_IDS]:
+            if rid in self.requests:
+                continue
+            self._rejected.append(RequestRejected(
+                rid, reply_to, FinishReason.ERROR,
+                f"tokenizer:{rank} stopped while it held this request, which was not run; "
+                "send it again", 0, ErrorKind.UNAVAILABLE))
+            self._count_finished(FinishReason.ERROR)
+
+    def forget_client(self, reply_to: str) -> None:
+        """A client died (an HTTP worker): abort what it had sent, refuse what still comes."""
+        self._forgotten[reply_to] = None
+        while len(self._forgotten) > MAX_FORGOTTEN_CLIENTS:
+            del self._forgotten[next(iter(self._forgotten))]
+        for rid in [r for r, seqs in self.requests.items() if seqs[0].reply_to == reply_to]:
+            self.abort(rid)
 
     def stop_sample(self, request_id: str, index: int) -> None:
         """A detokenizer found a stop string in sample `index`; its client already has the

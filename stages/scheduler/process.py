@@ -16,8 +16,11 @@ from ipc.config import PipelineConfig
 from ipc.messages import (
     AbortRequest,
     DetokBatch,
+    ForgetClient,
+    Reconcile,
     SampledTokens,
     SchedulerStats,
+    StageRestarted,
     StopSample,
     TokenizedRequest,
 )
@@ -39,9 +42,11 @@ class SchedulerShell:
         self.rings = StepRings.open(cfg, create=False)
         secret = cfg.run_secret
         # From the other stages: tokenized requests, samples stopped by a stop string.
-        self.inbox = PullChannel(zctx, cfg.scheduler_address,
-                                 Codec([TokenizedRequest, AbortRequest, StopSample]), bind=True,
-                                 secret=secret)
+        # From the launcher: restarts and dead clients. (All behind the run's secret.)
+        self.inbox = PullChannel(
+            zctx, cfg.scheduler_address,
+            Codec([TokenizedRequest, AbortRequest, StopSample, Reconcile, StageRestarted,
+                   ForgetClient]), bind=True, secret=secret)
         self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True,
                                    secret=secret)
         # Clients reach the scheduler only to abort (locally, and with --listen over tcp://):
@@ -101,6 +106,20 @@ class SchedulerShell:
                 self.core.abort(msg.request_id)
             elif isinstance(msg, StopSample):
                 self.core.stop_sample(msg.request_id, msg.index)
+            elif isinstance(msg, Reconcile):
+                self.core.reconcile(msg.reply_to, msg.rank, msg.request_ids)
+            elif isinstance(msg, ForgetClient):
+                self.core.forget_client(msg.reply_to)
+            elif isinstance(msg, StageRestarted) and msg.stage == "detokenizer":
+                self._detokenizer_restarted(msg.rank)
+
+    def _detokenizer_restarted(self, rank: int) -> None:
+        """Its requests' text state died with it: each ends with an error, sent through the
+        new worker (which needs no state for it)."""
+        lost = [rid for rid in self.core.requests if self._shard(rid) == rank]
+        logger.warning("detokenizer:%d was restarted: failing its %d requests", rank, len(lost))
+        self.core.fail_requests(lost, f"detokenizer:{rank} stopped while it streamed this "
+                                      "request's text; send it again")
 
     def _launch_steps(self) -> None:
         while True:

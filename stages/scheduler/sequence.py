@@ -47,6 +47,7 @@ class Sequence:
     order: int = 0  # arrival order in the scheduler: breaks ties between equal tags
     tag: int = 0  # fair-queueing start tag (Scheduler._tag_request): waiting order
     sender: str = ""  # whose share it counts against: the client and the request's user
+    reply_to: str = ""  # the client's address
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
