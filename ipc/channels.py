@@ -3,11 +3,13 @@
 Channels between stages carry the run's secret (a random prefix of every frame, handed to each
 stage process at spawn and never written to disk): a frame without it did not come from a stage
 of this run and is refused (`ForeignFrame`), counted and dropped; it never kills the stage.
-Channels that face clients (tokenizer inboxes, the abort inbox, reply sockets) carry none.
+Channels that face clients (tokenizer inboxes, the abort inbox) carry the run's client key
+the same way (local clients read it from the private run directory, remote ones are given it:
+--listen); reply sockets carry none (the client dialled nothing: the pipeline connects to it).
 
 All addresses of one pipeline come from one run directory (mode 0700), so two pipelines on one
-machine never collide. (Clients on other hosts reach it over `tcp://`: see --listen; stages on
-other hosts are not wired up yet.)
+machine never collide. (Clients on other hosts reach it over `tcp://` with the key: see
+--listen; stages on other hosts are not wired up yet.)
 """
 
 from __future__ import annotations

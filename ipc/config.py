@@ -178,6 +178,7 @@ class Endpoints:
     scheduler: str  # the scheduler's inbox (aborts)
     status: str  # the launcher's status publisher
     reply: str  # where a client binds its reply socket: an ipc:// prefix, or "tcp://"
+    key: str = ""  # PipelineConfig.client_key: every frame a client sends starts with it
 
     def save(self, run_dir: str) -> Path:
         path = Path(run_dir) / ENDPOINTS_FILE
@@ -220,6 +221,10 @@ class PipelineConfig:
     # Prefixes every frame between stages (ipc/channels.py); set by the launcher, handed to
     # the stages at spawn, never written to disk or told to clients.
     run_secret: bytes = b""
+    # Prefixes every frame a client sends (requests, aborts) and opens the bootstrap socket:
+    # set by the operator for --listen (or made by the launcher), written to the run
+    # directory's pipeline.json for local clients; remote clients must be given it.
+    client_key: str = ""
 
     @property
     def model_name(self) -> str:
@@ -231,7 +236,7 @@ class PipelineConfig:
         return Endpoints(self.model_name, self.model.max_model_len,
                          tuple(self.tokenizer_address(r) for r in range(self.num_tokenizers)),
                          self.abort_address, self.status_address,
-                         f"ipc://{Path(self.run_dir) / 'client-'}")
+                         f"ipc://{Path(self.run_dir) / 'client-'}", self.client_key)
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:

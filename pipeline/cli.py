@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -23,7 +24,7 @@ from ipc.config import (
     parse_bytes,
 )
 from ipc.messages import ChatMessage, SamplingParams, TokenLogprob
-from pipeline.runtime.client import CompletionOutput, PipelineClient
+from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient
 
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -60,8 +61,12 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="synchronous batching (one step in flight), the baseline")
     p.add_argument("--listen", default=d(None), metavar="HOST",
                    help="also take clients from other hosts over tcp:// on HOST (an address "
-                        "of this machine, or 0.0.0.0); prints the address to connect to. "
-                        "Unauthenticated: use it on a trusted network only")
+                        "of this machine, or 0.0.0.0); prints the address to connect to and "
+                        "the key clients must give (see --listen-key)")
+    p.add_argument("--listen-key", default=d(None), metavar="KEY",
+                   help="the key remote clients must give (default: $LLM_PIPELINE_KEY, else "
+                        "a fresh one, printed). It authenticates, it does not encrypt: on an "
+                        "untrusted network, tunnel the ports (ssh, WireGuard)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +152,14 @@ def parse_priority_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def client_key(given: str | None) -> str:
+    """--listen-key, else $LLM_PIPELINE_KEY, else "" (the launcher makes one)."""
+    key = given if given is not None else os.environ.get(KEY_ENV, "")
+    if given is not None and len(key) < 16:
+        raise ConfigError("--listen-key must be at least 16 characters")
+    return key
+
+
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     if args.model is None:
         from pipeline.tools.model_cache import ensure_default_model
@@ -164,7 +177,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
                                            parse_bytes(args.kv_cache_memory)),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         served_model_name=getattr(args, "served_model_name", None) or "",
-        listen_host=listen_host(args.listen))
+        listen_host=listen_host(args.listen),
+        client_key=client_key(args.listen_key))
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -277,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
         with Pipeline(cfg, trace_path=args.trace) as pipe:
             if pipe.address is not None:
-                print(f"pipeline address: {pipe.address} (PipelineClient.connect)", flush=True)
+                key = "" if args.listen_key or os.environ.get(KEY_ENV) else (
+                    f" key: {pipe.cfg.client_key}")
+                print(f"pipeline address: {pipe.address}{key} (PipelineClient.connect(address, "
+                      "key=...))", flush=True)
             client = pipe.client()
             if args.command == "generate":
                 return run_generate(client, args)

@@ -118,7 +118,7 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int, tcp_port: int
         core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
                              cfg.scheduler.priority_range)
         inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest, Reconcile]),
-                            bind=True)
+                            bind=True, secret=cfg.client_key.encode())
         to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,
                                    secret=cfg.run_secret)
         replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)

@@ -85,7 +85,8 @@ def test_a_reply_address_that_is_a_stage_socket_is_never_dialled(pipe: Pipeline)
                           SamplingParams(max_tokens=2), 0.0)
         bad = AddRequest(f"hostile-bad-{name}", address, "", None, None,
                          SamplingParams(max_tokens=0), 0.0)  # an error answer, also refused
-        send_raw(cfg.tokenizer_address(0), [encode(good), encode(bad)])
+        key = cfg.client_key.encode()  # a client with the key, but hostile
+        send_raw(cfg.tokenizer_address(0), [key + encode(good), key + encode(bad)])
     assert_still_serving(pipe)
 
 
@@ -137,8 +138,11 @@ def test_random_and_mutated_frames_on_every_socket(pipe: Pipeline) -> None:
         return msgpack.packb([rng.randrange(1, 14), *(rng.randrange(-5, 5) for _ in range(6))])
 
     sockets = list(stage_sockets(cfg).values())
+    keyed = {cfg.tokenizer_address(0), cfg.abort_address}  # client-facing: past the key check
+    key = cfg.client_key.encode()
     for address in sockets:
-        send_raw(address, [frame() for _ in range(10_000 // len(sockets))])
+        prefix = key if address in keyed else b""
+        send_raw(address, [prefix + frame() for _ in range(10_000 // len(sockets))])
     assert_still_serving(pipe)
 
 

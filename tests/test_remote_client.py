@@ -1,6 +1,7 @@
 """A client in another process: by run directory on this host, and over tcp:// given only
-the address a pipeline started with --listen prints (every address it then uses is tcp://,
-its outputs come back to its own tcp:// socket). Generate, stream, abort, health."""
+the address and the key a pipeline started with --listen prints (every address it then uses
+is tcp://, its outputs come back to its own tcp:// socket). Generate, stream, abort, health.
+Without the key nothing gets in: no endpoints, no request, no abort."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ import zmq
 from live import live_config, running
 
 from ipc.channels import PushChannel
-from ipc.config import Endpoints
-from ipc.messages import SamplingParams, TokenizedRequest
-from pipeline.runtime.client import PipelineError, fetch_endpoints
+from ipc.messages import AbortRequest, SamplingParams, TokenizedRequest
+from pipeline.runtime.client import (
+    PipelineClient,
+    PipelineError,
+    fetch_endpoints,
+    make_add_request,
+)
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +33,7 @@ CLIENT = textwrap.dedent("""
     from ipc.messages import SamplingParams
     from pipeline.runtime.client import PipelineClient
 
-    client = PipelineClient.connect(sys.argv[1])
+    client = PipelineClient.connect(sys.argv[1])  # the key: $LLM_PIPELINE_KEY
     health = client.wait_for_status()
     (out,) = client.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
 
@@ -50,9 +55,10 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def run_client(where: str, name: str) -> dict[str, object]:
+def run_client(where: str, name: str, key: str = "") -> dict[str, object]:
     proc = subprocess.run([sys.executable, "-c", CLIENT, where, name], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+                          text=True, timeout=60, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "LLM_PIPELINE_KEY": key})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -65,34 +71,53 @@ def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
         assert pipe.address is not None and pipe.address.startswith("tcp://")
         # Dialled by IP, whatever name the pipeline gives itself: every endpoint follows.
         address = "tcp://127.0.0.1:" + pipe.address.rsplit(":", 1)[1]
-        remote = fetch_endpoints(address)
+        key = pipe.cfg.client_key
+        assert len(key) >= 16  # made by the launcher, since none was given
+        remote = fetch_endpoints(address, key)
         addresses = [*remote.tokenizers, remote.scheduler, remote.status]
         assert all(a.startswith("tcp://127.0.0.1:") for a in addresses) and remote.reply == "tcp://"
         stages = ["detokenizer:0", "executor:0", "scheduler:0", "tokenizer:0"]
         for where in (pipe.cfg.run_dir, address):
-            got = run_client(where, "tcp" if where == address else "local")
+            got = run_client(where, "tcp" if where == address else "local",
+                             key if where == address else "")
             assert got["ok"] is True and got["stages"] == stages
             assert got["ids"] == expected.token_ids
             assert got["abort"] == "abort"
             assert str(got["reply_to"]).startswith("tcp://" if where == address else "ipc://")
-        # A malformed bootstrap request and a request sent straight to the scheduler's
-        # network inbox (which takes aborts only) change nothing.
+        # Without the key: the bootstrap answers nothing useful, a request to a tokenizer
+        # and an abort to the scheduler are dropped; a request sent straight to the
+        # scheduler's network inbox (which takes aborts only) changes nothing either.
+        with pytest.raises(PipelineError, match="refused the key"):
+            fetch_endpoints(address, "not-the-key")
         ctx = zmq.Context.instance()
         req = ctx.socket(zmq.REQ)
         req.setsockopt(zmq.LINGER, 0)
         req.connect(address)
-        req.send_multipart([b"a", b"b"])
-        assert req.poll(5000) and Endpoints.from_json(req.recv().decode()) is not None
+        req.send_multipart([key.encode(), b"b"])
+        assert req.poll(5000) and req.recv() == b""
         req.close()
-        push = PushChannel(ctx, remote.scheduler, bind=False)
-        push.send(TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0))
+        assert pipe.num_refused_bootstraps == 2
+        client = pipe.client()
+        unkeyed = [PushChannel(ctx, a, bind=False) for a in (remote.tokenizers[0],
+                                                             remote.scheduler)]
+        unkeyed[0].send(make_add_request("no-key", client.reply_to, [5, 6, 7], SamplingParams()))
+        unkeyed[1].send(AbortRequest("long-tcp"))
+        keyed = PushChannel(ctx, remote.scheduler, bind=False, secret=key.encode())
+        keyed.send(TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0))
         stats = pipe.idle_stats()
         assert pipe.is_alive
         assert stats.prompt_tokens == 3 * 4 + 2 * 2  # ours only (3 x 4, 2 x 2)
-        assert fetch_endpoints(address) == remote
-        push.close()
+        assert stats.num_refused_messages >= 2  # the scheduler's: the unkeyed abort, the sneak
+        assert fetch_endpoints(address, key) == remote
+        for chan in (*unkeyed, keyed):
+            chan.close()
+
+
+def test_a_remote_client_needs_the_key() -> None:
+    with pytest.raises(PipelineError, match="needs the pipeline's key"):
+        PipelineClient.connect("tcp://127.0.0.1:9", key="")
 
 
 def test_no_pipeline_at_an_address_is_a_clear_error() -> None:
     with pytest.raises(PipelineError, match="no pipeline answered"):
-        fetch_endpoints("tcp://127.0.0.1:9", timeout=0.5)
+        fetch_endpoints("tcp://127.0.0.1:9", "some-key", timeout=0.5)

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import queue
 import socket
 import threading
@@ -53,8 +54,12 @@ if TYPE_CHECKING:
 STATUS_STALE_S = 3.0  # no status for this long: the pipeline is not answering
 
 
-def fetch_endpoints(address: str, timeout: float = 10.0) -> Endpoints:
-    """Ask a pipeline's bootstrap socket (tcp://host:port) for its tcp:// endpoints."""
+KEY_ENV = "LLM_PIPELINE_KEY"  # the client key, for PipelineClient.connect over tcp://
+
+
+def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
+    """Ask a pipeline's bootstrap socket (tcp://host:port) for its tcp:// endpoints, with the
+    key the pipeline was started with (it answers nothing useful without it)."""
     from ipc.config import Endpoints
 
     ctx = zmq.Context.instance()
@@ -62,12 +67,16 @@ def fetch_endpoints(address: str, timeout: float = 10.0) -> Endpoints:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        sock.send(b"endpoints")
+        sock.send(key.encode())
         if not sock.poll(int(timeout * 1000)):
             raise PipelineError(f"no pipeline answered at {address} within {timeout:.0f} s")
-        remote = Endpoints.from_json(sock.recv().decode())
+        answer = sock.recv()
     finally:
         sock.close()
+    if not answer:
+        raise PipelineError(f"the pipeline at {address} refused the key (give the one it "
+                            "printed at start-up, or its --listen-key)")
+    remote = Endpoints.from_json(answer.decode())
     # Reach every socket by the host this address reached (the pipeline's own name for
     # itself may be one only it resolves, or localhost).
     host = _host_of(address)
@@ -207,11 +216,12 @@ class PipelineClient:
         self._connected_at = self._status_at = time.monotonic()
         # One socket per tokenizer worker, taken in turn: the client knows which one holds
         # each request, so when one is restarted it can ask which of its requests were lost.
-        self._tokenizers = [PushChannel(self._ctx, address, bind=False)
+        key = endpoints.key.encode()
+        self._tokenizers = [PushChannel(self._ctx, address, bind=False, secret=key)
                             for address in endpoints.tokenizers]
         self._next_tokenizer = 0
         self._restarts: dict[str, int] = {}  # as last published: "tokenizer:k" -> count
-        self._aborts = PushChannel(self._ctx, endpoints.scheduler, bind=False)
+        self._aborts = PushChannel(self._ctx, endpoints.scheduler, bind=False, secret=key)
         self._send_lock = threading.Lock()
         # request id -> (deliver, samples still running, the tokenizer it was sent to)
         self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int, int]] = {}
@@ -235,13 +245,19 @@ class PipelineClient:
         return chan, f"tcp://{host}:{port}"
 
     @classmethod
-    def connect(cls, where: str | Path, timeout: float = 10.0) -> PipelineClient:
+    def connect(cls, where: str | Path, key: str | None = None,
+                timeout: float = 10.0) -> PipelineClient:
         """A client of a pipeline running in another process: `where` is its run directory
-        (same host), or the tcp:// address it printed when started with --listen."""
+        (same host: the key is read from there), or the tcp:// address it printed when
+        started with --listen, with the key it printed (or $LLM_PIPELINE_KEY)."""
         from ipc.config import Endpoints
 
         if str(where).startswith("tcp://"):
-            return cls(fetch_endpoints(str(where), timeout))
+            key = key or os.environ.get(KEY_ENV)
+            if not key:
+                raise PipelineError(f"connecting to {where} needs the pipeline's key: pass "
+                                    f"key=... or set ${KEY_ENV}")
+            return cls(fetch_endpoints(str(where), key, timeout))
         return cls(Endpoints.load(where))
 
     def wait_for_status(self, timeout: float = 10.0) -> Health:

@@ -5,6 +5,7 @@ Runs in the process that owns the pipeline (the CLI, a server, a user's program)
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
 import multiprocessing as mp
 import os
@@ -76,6 +77,7 @@ class Pipeline:
         self._targets: dict[str, str] = {}  # "stage:rank" -> its entry, to start it again
         self.restarts: dict[str, list[float]] = {}  # "stage:rank" -> when it was restarted
         self._restart_due: dict[str, float] = {}  # dead, to be started again at this time
+        self.num_refused_bootstraps = 0  # requests for the endpoints without the client key
 
     def _create_run(self) -> None:
         """The run directory (sockets, trace files) and the control socket. (The rings are
@@ -87,7 +89,8 @@ class Pipeline:
             os.mkdir(trace_dir)
         self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir),
                                        run_id=uuid.uuid4().hex[:12], trace_dir=trace_dir,
-                                       run_secret=secrets.token_bytes(16))
+                                       run_secret=secrets.token_bytes(16),
+                                       client_key=self.cfg.client_key or secrets.token_urlsafe(24))
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats]), bind=True,
                                     secret=self.cfg.run_secret)
@@ -214,11 +217,7 @@ class Pipeline:
                         del self._restart_due[name]
                         sentinels[self._respawn(name, to_scheduler)] = name
                 while bootstrap is not None and bootstrap.poll(0):
-                    try:  # whatever a peer sends, it gets the endpoints; nothing else changes
-                        bootstrap.recv_multipart()
-                        bootstrap.send(self._remote_endpoints)
-                    except zmq.ZMQError as exc:
-                        logger.warning("bootstrap request failed: %s", exc)
+                    self._answer_bootstrap(bootstrap)
                 while not self._stopping.is_set() and (msg := self._next_control()):
                     if isinstance(msg, SchedulerStats):
                         self.scheduler_stats = msg
@@ -248,6 +247,20 @@ class Pipeline:
             to_scheduler.close()
             if bootstrap is not None:
                 bootstrap.close()
+
+    def _answer_bootstrap(self, bootstrap: zmq.Socket) -> None:
+        """A remote client that sends the client key gets the tcp:// endpoints; any other
+        request gets an empty answer (a REP socket must answer) and is counted."""
+        try:
+            frames = bootstrap.recv_multipart()
+            key = self.cfg.client_key.encode()
+            if len(frames) == 1 and hmac.compare_digest(frames[0], key):
+                bootstrap.send(self._remote_endpoints)
+            else:
+                self.num_refused_bootstraps += 1
+                bootstrap.send(b"")
+        except zmq.ZMQError as exc:
+            logger.warning("bootstrap request failed: %s", exc)
 
     def _may_restart(self, name: str) -> bool:
         """Tokenizers and detokenizers hold nothing that cannot be rebuilt: one that dies is

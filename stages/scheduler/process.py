@@ -51,7 +51,8 @@ class SchedulerShell:
                                    secret=secret)
         # Clients reach the scheduler only to abort (locally, and with --listen over tcp://):
         # their requests go through a tokenizer, which validates them.
-        self.remote = PullChannel(zctx, cfg.abort_address, Codec([AbortRequest]), bind=True)
+        self.remote = PullChannel(zctx, cfg.abort_address, Codec([AbortRequest]), bind=True,
+                                  secret=cfg.client_key.encode())
         self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False, secret=secret)
         self.detoks = [PushChannel(zctx, cfg.detokenizer_address(i), bind=False, secret=secret)
                        for i in range(cfg.num_detokenizers)]
@@ -96,6 +97,8 @@ class SchedulerShell:
             try:
                 msg = inbox.recv_nowait()
             except ProtocolError as exc:  # a foreign frame, or a client's malformed abort
+                if not isinstance(exc, ForeignFrame):  # (those are counted already)
+                    inbox.num_refused += 1
                 logger.warning("refused a frame on %s: %s", inbox.address_name, exc)
                 continue
             if msg is None:
