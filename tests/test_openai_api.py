@@ -164,18 +164,22 @@ def test_overload_and_outage_answer_503_with_retry_after(tmp_path: Any,
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     from pipeline.server.app import FrontEnd
 
-    busy = SchedulerStats(*range(7), 5, 1, 6, 0, 0)  # num_waiting = 5
+    busy = SchedulerStats(*range(7), 5, 1, 6, 0, 0)  # num_waiting = 5, num_slots = 2
     front = FrontEnd(FakeClient(FakeHealth(True, None, busy)),  # type: ignore[arg-type]
                      ServerOptions(max_waiting=5), V)
-    with pytest.raises(ApiError) as info:
-        front._check_capacity()
-    assert info.value.status == 503 and info.value.headers["Retry-After"] == "1"
+    refusal = front._refusal()
+    assert refusal is not None and refusal.status == 503
+    assert refusal.headers["Retry-After"] == "1" and "overloaded" in refusal.message
     front.options = ServerOptions(max_waiting=6)
-    front._check_capacity()  # under the limit: fine
+    assert front._refusal() is None  # under the limit: fine
+    front.num_admitted = 8  # this worker already holds its share: 2 slots + 6 waiting places
+    refusal = front._refusal()
+    assert refusal is not None and "8 requests in this worker" in refusal.message
+    front.num_admitted = 7
+    assert front._refusal() is None
     front.client = FakeClient(FakeHealth(False, "stage executor:0 is not running", None))  # type: ignore[assignment]
-    with pytest.raises(ApiError) as info:
-        front._check_capacity()
-    assert info.value.status == 503 and "executor:0" in info.value.message
+    refusal = front._refusal()
+    assert refusal is not None and refusal.status == 503 and "executor:0" in refusal.message
     assert asyncio.iscoroutinefunction(front.health)
 
 

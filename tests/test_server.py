@@ -424,6 +424,29 @@ def test_a_killed_api_worker_comes_back_and_its_requests_are_aborted(
         assert r.status_code == 200, r.text
 
 
+def test_a_burst_past_the_engines_room_is_refused_at_once(tiny_model_dir: Path) -> None:
+    """40 requests at once where 4 slots and 4 waiting places exist: the worker counts what
+    it admits as they arrive (not from the status published a few times a second), so at
+    most 8 go in and the rest get 503 with Retry-After; none is lost."""
+    async def burst(s: Server) -> list[httpx.Response]:
+        body = {"model": s.model, "prompt": "hi", "max_tokens": 50, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=60) as client:
+            return list(await asyncio.gather(*(client.post(f"{s.url}/v1/completions", json=body)
+                                               for _ in range(40))))
+
+    with serve(tiny_model_dir, "--device", "timed:20,0", "--max-num-seqs", "4",
+               "--max-waiting", "4") as s:
+        responses = asyncio.run(burst(s))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503} and 1 <= codes.count(200) <= 8, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1", r.json()
+            assert "overloaded" in r.json()["error"]["message"]
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 50
+
+
 def test_sigterm_ends_every_stream_with_a_final_event(tiny_model_dir: Path) -> None:
     """A graceful stop: streams open when serve gets SIGTERM end with a final event and
     [DONE], not a cut connection."""

@@ -11,13 +11,14 @@ GET /v1/models, GET /health (200 only while every stage runs and answers), GET /
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import hmac
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,8 @@ class FrontEnd:
         self.created = int(time.time())
         self.generations: set[Generation] = set()  # requests running in this worker
         self.is_stopping = False
+        self.num_admitted = 0  # generation requests this worker has taken and not answered
+        self._trim_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def stop_soon(self) -> None:
@@ -110,7 +113,42 @@ class FrontEnd:
         for run in list(self.generations):
             run.stop()
 
-    def app(self) -> Starlette:
+    def app(self) -> Callable[[Any, Any, Any], Awaitable[None]]:
+        """The ASGI app: generation requests are admitted (or refused, before their body is
+        read or anything else is done: refusals stay fast under a flood) and counted here,
+        the rest is Starlette's."""
+        routes = self._routes()
+
+        async def asgi(scope: Any, receive: Any, send: Any) -> None:
+            path = scope.get("path") if scope["type"] == "http" else None
+            if path not in GENERATION_PATHS:
+                await routes(scope, receive, send)
+                return
+            refusal = self._refusal()
+            if refusal is not None:
+                self.metrics.HTTP.labels(path, str(refusal.status)).inc()
+                await _send_error(send, refusal)
+                return
+            self.num_admitted += 1
+            try:
+                await routes(scope, receive, send)
+            finally:
+                self.num_admitted -= 1
+                if not self.num_admitted and not self._trim_pending and _libc is not None:
+                    self._trim_pending = True  # once the connections have closed too
+                    asyncio.get_running_loop().call_later(1.0, self._trim_memory)
+
+        return asgi
+
+    def _trim_memory(self) -> None:
+        """Idle after a burst: hand the freed heap back to the system (glibc keeps it
+        otherwise, and the worker's memory would stay at the burst's peak). A few
+        milliseconds, at most once a second."""
+        self._trim_pending = False
+        if not self.num_admitted:
+            _libc.malloc_trim(0)
+
+    def _routes(self) -> Starlette:
         return Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -199,17 +237,27 @@ class FrontEnd:
                 raise ApiError(413, f"the request body exceeds the limit of {limit} bytes")
         return parse_json_body(bytes(data))
 
-    def _check_capacity(self) -> None:
+    def _refusal(self) -> ApiError | None:
+        """Why a generation request cannot be taken now, if it cannot: this worker is
+        stopping, the engine is down, or it is overloaded. Overload is counted here, as
+        requests arrive (this worker's share of the engine's slots and waiting room), not
+        only from the status the scheduler publishes a few times a second, which a burst
+        outruns; the scheduler still refuses sequences past --max-waiting exactly."""
         if self.is_stopping:
-            raise shutting_down()
+            return shutting_down()
         h = self.client.health()
         if not h.ok:
-            raise ApiError(503, f"the engine is unavailable: {h.problem}", None,
-                           "service_unavailable", headers={"Retry-After": "5"})
-        if h.stats is not None and h.stats.num_waiting >= self.options.max_waiting:
-            raise ApiError(503, f"the engine is overloaded ({h.stats.num_waiting} sequences "
-                                f"waiting); retry shortly", None, "service_unavailable",
-                           headers={"Retry-After": "1"})
+            return ApiError(503, f"the engine is unavailable: {h.problem}", None,
+                            "service_unavailable", headers={"Retry-After": "5"})
+        waiting = h.stats.num_waiting if h.stats is not None else 0
+        slots = h.stats.num_slots if h.stats is not None else 0
+        share = math.ceil((slots + self.options.max_waiting) / max(1, self.options.api_workers))
+        if waiting >= self.options.max_waiting or self.num_admitted >= share:
+            return ApiError(503, f"the engine is overloaded ({waiting} sequences waiting, "
+                                 f"{self.num_admitted} requests in this worker); retry "
+                                 "shortly", None, "service_unavailable",
+                            headers={"Retry-After": "1"})
+        return None
 
     async def _run(self, request: Request, chat: bool) -> Response:
         body = await self._read_json(request)
@@ -225,7 +273,6 @@ class FrontEnd:
         # and the user it names (OpenAI's `user`).
         host = request.client.host if request.client else "?"
         parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}")
-        self._check_capacity()
         self._loop = asyncio.get_running_loop()
         run = Generation(self, parsed, new_id(chat))
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.
@@ -242,6 +289,30 @@ class FrontEnd:
             hangup.cancel()
         self.metrics.HTTP.labels(request.url.path, "200").inc()
         return JSONResponse(result, headers={"x-request-id": run.rid})
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 (glibc only)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
+
+
+async def _send_error(send: Any, error: ApiError) -> None:
+    """An error answer in raw ASGI (no request read, no Starlette objects: cheap)."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _wait_for_disconnect(request: Request) -> None:

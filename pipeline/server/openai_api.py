@@ -360,9 +360,9 @@ def output_error(out: RequestOutput, prompt_param: str) -> ApiError:
     (400 naming it; prompt_param for the prompt as a whole), the engine unavailable (503), or
     a bug (500)."""
     message = out.error or f"the request ended with {out.finish_reason}"
-    if out.error_kind is ErrorKind.UNAVAILABLE:
+    if out.error_kind is ErrorKind.UNAVAILABLE:  # no room now, or lost in a restart
         return ApiError(503, message, None, "service_unavailable",
-                        headers={"Retry-After": "5"})
+                        headers={"Retry-After": "1"})
     if out.error_kind is ErrorKind.INTERNAL:
         return ApiError(500, message, None, "server_error")
     return bad(out.error_param or prompt_param, message)

@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=overlap)
     add_throughput_parser(sub)
     add_serve_parser(sub)
+    add_overload_parser(sub)
     return parser
 
 
@@ -189,6 +190,12 @@ def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=kv_cache_memory,
                    help="bytes or e.g. 2GiB")
     p.add_argument("--json", default=None, metavar="FILE")
+
+
+def add_overload_parser(sub: Any) -> None:
+    from pipeline.tools.bench_overload import add_overload_parser as add
+
+    add(sub)
 
 
 def add_serve_parser(sub: Any) -> None:
