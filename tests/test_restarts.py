@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live import live_config, running, shm_segments
+from live import alive, live_config, running, shm_segments
 
 from ipc.messages import RequestOutput, SamplingParams
-from pipeline.runtime.client import PipelineClient
+from pipeline.runtime.client import PipelineClient, PipelineError
 from pipeline.runtime.launcher import MAX_RESTARTS, Pipeline
 
 pytestmark = pytest.mark.timeout(240)
@@ -129,6 +129,41 @@ def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
             assert final.error is not None and "tokenizer:0 stopped" in final.error, final
         else:
             assert final.error is None and final.num_output_tokens == 2
+
+
+@pytest.mark.parametrize("name", ["scheduler:0", "executor:0"])
+def test_a_killed_engine_stage_fails_every_stream_at_once(tiny_model_dir: Path,
+                                                          name: str) -> None:
+    """The scheduler and the executor hold the engine's state: kill -9 of either ends every
+    one of 32 streams with an error within seconds (none hangs), the pipeline reports which
+    stage died and stops, and nothing of the run is left."""
+    cfg = live_config(tiny_model_dir, device="timed:10,0", max_num_seqs=64)
+    with running(cfg) as pipe:
+        client = pipe.client()
+
+        async def one(i: int) -> str:
+            try:
+                async for out in client.stream(f"stream {i}", LONG):
+                    if out.finished:
+                        return f"final {out.error}"
+            except PipelineError as exc:
+                return f"raised {exc}"
+            return "ended without a final output"
+
+        async def scenario() -> list[str]:
+            tasks = [asyncio.create_task(one(i)) for i in range(32)]
+            while (client.status is None or client.status.scheduler is None
+                   or client.status.scheduler.num_running < 32):
+                await asyncio.sleep(0.02)
+            os.kill(pipe.stage_pids[name], signal.SIGKILL)
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
+
+        ends = asyncio.run(scenario())
+        assert all(e.startswith("raised") for e in ends), ends
+        assert name in (pipe.failure or "")
+        pids = list(pipe.stage_pids.values())
+    assert alive(pids) == []
+    assert shm_segments(pipe.cfg.run_id) == []
 
 
 def test_a_stage_that_keeps_dying_fails_the_pipeline(pipe: Pipeline) -> None:
