@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from live import alive, live_config, running, shm_segments
 
@@ -108,9 +109,15 @@ def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
     when it is killed: its client learns of the restart and each of them gets an error,
     while those the other worker took are answered."""
     client = pipe.client()
+    # One request through each worker first: the client's connections are up (a message to a
+    # worker it has not connected to yet would wait in the client, for the new worker).
+    assert [o.error for o in client.generate(["a", "b"], SamplingParams(max_tokens=1))] == [
+        None, None]
     got: dict[str, list[RequestOutput]] = {}
     old = pipe.stage_pids["tokenizer:0"]
     os.kill(old, signal.SIGSTOP)
+    while psutil.Process(old).status() != psutil.STATUS_STOPPED:  # the signal takes a moment
+        time.sleep(0.01)
     try:  # round-robin from rank 0: the even ones go to the stopped worker
         ids = [client._submit(f"held {i}", SamplingParams(max_tokens=2), f"held-{i}",
                               lambda o: got.setdefault(o.request_id, []).append(o))
