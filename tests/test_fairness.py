@@ -119,3 +119,32 @@ def test_a_priority_outside_the_engines_range_is_refused() -> None:
     assert [r.request_id for r in driver.rejected] == ["urgent"]
     assert "priority must be between 0 and 10" in (driver.rejected[0].error or "")
     assert len(driver.outputs["batch"]) == 2
+
+
+def test_fair_sharing_survives_slots_held_only_by_finished_sequences() -> None:
+    """Every slot belongs to a sequence that finished with a step still in flight while
+    another waits: nothing to share (and no crash); the waiting one runs once they drain."""
+    driver = Driver(make_limits(max_num_seqs=4))
+    for i in range(6):
+        driver.add(make_request(f"r{i}", 4, max_tokens=50))
+    driver.plan()
+    for i in range(4):
+        driver.abort(f"r{i}")
+    driver.run()
+    driver.check_idle()
+    assert len(driver.outputs["r5"]) == 50
+
+
+def test_a_preempted_sample_waits_behind_the_one_it_made_room_for() -> None:
+    """Sender a fills every slot with n = 16; sender b's request, of a worse priority and so
+    a later tag than the virtual time, still takes the freed slot: one preemption, no
+    thrash."""
+    driver = Driver(make_limits(num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
+                                max_model_len=512))
+    driver.add(make_request("a", 8, n=16, max_tokens=400))
+    for _ in range(20):
+        driver.tick()
+    driver.add(make_request("b", 8, max_tokens=4, user="b", priority=1))
+    for _ in range(20):
+        driver.tick()
+    assert "b" in driver.finished and driver.core.num_preemptions == 1

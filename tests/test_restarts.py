@@ -204,17 +204,23 @@ def test_reconcile_answers_only_the_ids_the_scheduler_never_received() -> None:
 
 
 def test_failing_a_shard_ends_its_requests_with_no_delta_and_frees_them() -> None:
+    """Live requests of the dead detokenizer's shard end with an error and no delta; one that
+    ended just before (its final output may have died with the worker) gets the error too;
+    requests of other shards are untouched."""
     from scheduler_driver import Driver, make_limits, make_request
 
     driver = Driver(make_limits())
+    driver.add(make_request("done", 4, max_tokens=1))
+    driver.run()
     for rid in ("a", "b"):
         driver.add(make_request(rid, 4, max_tokens=20))
     for _ in range(3):
         driver.tick()
-    driver.core.fail_requests(["a", "unknown"], "detokenizer:1 stopped")
+    driver.core.fail_requests(lambda rid: rid in ("a", "done"), "detokenizer:1 stopped")
     _, deltas, rejected = driver.core.take_outputs()
     assert [d.request_id for d in deltas if d.request_id == "a"] == []
-    assert [(r.request_id, r.error) for r in rejected] == [("a", "detokenizer:1 stopped")]
+    assert sorted((r.request_id, r.error) for r in rejected) == [
+        ("a", "detokenizer:1 stopped"), ("done", "detokenizer:1 stopped")]
     driver.run()
     driver.check_idle()
     assert len(driver.outputs["b"]) == 20

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import NamedTuple
 
 from ipc.config import EngineLimits
@@ -40,7 +40,10 @@ from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
 # p is admitted before requests of priority p + 1 that came up to this much work before it.
 PRIORITY_STEP_TOKENS = 1024
 MAX_FORGOTTEN_CLIENTS = 1024
-MAX_SENDERS = 4096  # past this many senders, those with no request left are forgotten
+# A dead detokenizer may have taken the final outputs of requests that ended this recently.
+RECENT_FINAL_S = 10.0
+MAX_RECENT_FINALS = 65536
+MAX_SENDERS = 4096  # past this many senders, the idle and the caught up are forgotten
 
 
 class StepOutputs(NamedTuple):
@@ -78,6 +81,8 @@ class Scheduler:
         self._forget_at = MAX_SENDERS
         self._early_aborts: dict[str, float] = {}
         self._forgotten: dict[str, None] = {}  # reply addresses of dead clients, newest last
+        # (when, request id, reply_to, prompt length) of the samples that ended lately
+        self._recent_finals: deque[tuple[float, str, str, int]] = deque()
         self._new_infos: list[DetokRequestInfo] = []
         self._rejected: list[RequestRejected] = []
         self._touched: dict[Sequence, None] = {}  # new tokens or finished since take_outputs
@@ -101,6 +106,7 @@ class Scheduler:
         if refusal is not None:
             self._rejected.append(refusal)
             self._count_finished(refusal.finish_reason)
+            self._remember_final(req.request_id, req.reply_to, len(req.prompt_token_ids))
             return
         p = req.params
         self.prompt_tokens += len(req.prompt_token_ids)
@@ -131,8 +137,11 @@ class Scheduler:
         cost = num_prompt + min(p.max_tokens or self.max_len, max(self.max_len - num_prompt, 1))
         base = max(self._vtime, self._sender_end.get(sender, 0))
         self._sender_end[sender] = base + p.n * cost
-        if len(self._sender_end) > self._forget_at:  # keep senders with work, or ahead
-            live = {s.sender for seqs in self.requests.values() for s in seqs}
+        # Past MAX_SENDERS, keep only senders with work and ahead of the virtual time: for
+        # one caught up, max(vtime, end) is vtime anyway; an idle one gains at most the cost
+        # of its last request.
+        if len(self._sender_end) > self._forget_at:
+            live = {s.sender for seqs in self.requests.values() for s in seqs} | {sender}
             vtime = self._vtime
             self._sender_end = {k: v for k, v in self._sender_end.items()
                                 if v > vtime and k in live}
@@ -197,33 +206,41 @@ class Scheduler:
         for seq in list(seqs):
             self._finish(seq, FinishReason.ABORT)
 
-    def fail_requests(self, request_ids: Iterable[str], message: str) -> None:
-        """End these requests with an error that needs no detokenizer state (their
-        detokenizer died with it): the client gets it in place of the rest of its output."""
-        for rid in request_ids:
-            seqs = self.requests.get(rid)
-            if not seqs:
-                continue
-            first = seqs[0]
-            for seq in list(seqs):
-                self._finish(seq, FinishReason.ERROR)
-                self._touched.pop(seq, None)  # no delta: nobody holds its text state now
-            self._rejected.append(RequestRejected(rid, first.reply_to, FinishReason.ERROR,
-                                                  message, len(first.prompt_ids),
-                                                  ErrorKind.UNAVAILABLE))
+    def fail_requests(self, belongs: Callable[[str], bool], message: str) -> None:
+        """The detokenizer of the requests whose id `belongs` died: their text state went
+        with it. Each live one ends with an error that needs no such state, in place of the
+        rest of its output; so does each that ended in the last RECENT_FINAL_S, whose final
+        output may have gone to the dead worker (a client ignores what follows a final)."""
+        now = time.monotonic()
+        while self._recent_finals and now - self._recent_finals[0][0] > RECENT_FINAL_S:
+            self._recent_finals.popleft()
+        failed: set[str] = set()
+        for rid, seqs in list(self.requests.items()):
+            if belongs(rid):
+                first = seqs[0]
+                for seq in list(seqs):
+                    self._finish(seq, FinishReason.ERROR)
+                    self._touched.pop(seq, None)  # no delta: nobody holds its text state now
+                self._reject_unavailable(rid, first.reply_to, message, len(first.prompt_ids))
+                failed.add(rid)
+        for _, rid, reply_to, num_prompt in self._recent_finals:
+            if rid not in failed and belongs(rid):
+                self._reject_unavailable(rid, reply_to, message, num_prompt)
+                failed.add(rid)
+
+    def _reject_unavailable(self, rid: str, reply_to: str, message: str,
+                            num_prompt: int) -> None:
+        self._rejected.append(RequestRejected(rid, reply_to, FinishReason.ERROR, message,
+                                              num_prompt, ErrorKind.UNAVAILABLE))
 
     def reconcile(self, reply_to: str, rank: int, request_ids: list[str]) -> None:
         """A client names the unfinished requests it had sent to tokenizer `rank`, which was
         restarted; this arrives behind every request the new worker received first, so an
         id not known here was lost with the dead one (see ipc.messages.Reconcile)."""
         for rid in request_ids[:MAX_RECONCILE_IDS]:
-            if rid in self.requests:
-                continue
-            self._rejected.append(RequestRejected(
-                rid, reply_to, FinishReason.ERROR,
-                f"tokenizer:{rank} stopped while it held this request, which was not run; "
-                "send it again", 0, ErrorKind.UNAVAILABLE))
-            self._count_finished(FinishReason.ERROR)
+            if rid not in self.requests:
+                self._reject_unavailable(rid, reply_to, f"tokenizer:{rank} stopped while it "
+                                         "held this request, which was not run; send it again", 0)
 
     def forget_client(self, reply_to: str) -> None:
         """A client died (an HTTP worker): abort what it had sent, refuse what still comes."""
@@ -349,7 +366,7 @@ class Scheduler:
 
     def _share_slots(self) -> None:
         """Every slot is taken and a sequence waits: if its sender holds fewer than its fair
-        share of the slots (max_num_seqs over the senders running or waiting first) while
+        share of the slots (max_num_seqs over the senders running and the first waiting) while
         another holds more, preempt that one's last sequence. Its slot comes back once its
         steps drain, and the waiting one is admitted then: a request with n = 128, or a
         sender's many requests, cannot keep everyone else waiting until they end. One
@@ -360,6 +377,8 @@ class Scheduler:
         for seq in self.running:
             if seq.status is SeqStatus.RUNNING:
                 held.setdefault(seq.sender, []).append(seq)
+        if not held:
+            return  # every slot is a finished sequence's, about to come back
         num_senders = len(held) + (first.sender not in held)
         share = -(-self.limits.max_num_seqs // num_senders)
         if len(held.get(first.sender, ())) >= share:
@@ -367,7 +386,8 @@ class Scheduler:
         most = max(held.values(), key=len)
         if len(most) > share:
             victim = max(most, key=lambda s: s.sort_key)
-            victim.tag = self._vtime + 1  # behind the one it makes room for, not ahead again
+            # Behind the one it makes room for, so that one takes the slot (not it again).
+            victim.tag = max(self._vtime, first.tag) + 1
             self._preempt(victim)
 
     def _admit(self, step: PlannedStep, budget: int) -> int:
@@ -482,12 +502,20 @@ class Scheduler:
         elif seq.status is SeqStatus.HELD:
             self._held[seq.request_id].remove(seq)
         self._touched[seq] = None
+        self._remember_final(seq.request_id, seq.reply_to, len(seq.prompt_ids))
         seq.move_to(SeqStatus.FINISHED)
         seq.finish_reason = reason
         self._count_finished(reason)
         self._maybe_release(seq)
         if seq.index == 0 and seq.request_id in self._held:
             self._release_siblings()  # they no longer wait for its prompt
+
+    def _remember_final(self, rid: str, reply_to: str, num_prompt: int) -> None:
+        """For fail_requests: the final output just sent on may yet be lost with its
+        detokenizer."""
+        self._recent_finals.append((time.monotonic(), rid, reply_to, num_prompt))
+        if len(self._recent_finals) > MAX_RECENT_FINALS:
+            self._recent_finals.popleft()
 
     def _count_finished(self, reason: FinishReason) -> None:
         self.finished[reason.value] = self.finished.get(reason.value, 0) + 1

@@ -117,12 +117,12 @@ class SchedulerShell:
                 self._detokenizer_restarted(msg.rank)
 
     def _detokenizer_restarted(self, rank: int) -> None:
-        """Its requests' text state died with it: each ends with an error, sent through the
-        new worker (which needs no state for it)."""
-        lost = [rid for rid in self.core.requests if self._shard(rid) == rank]
-        logger.warning("detokenizer:%d was restarted: failing its %d requests", rank, len(lost))
-        self.core.fail_requests(lost, f"detokenizer:{rank} stopped while it streamed this "
-                                      "request's text; send it again")
+        """Its requests' text state died with it: each ends with an error, queued for the
+        worker that takes its place (which needs no state for it)."""
+        logger.warning("detokenizer:%d died: failing the requests of its shard", rank)
+        self.core.fail_requests(lambda rid: self._shard(rid) == rank,
+                                f"detokenizer:{rank} stopped while it streamed this request's "
+                                "text; send it again")
 
     def _launch_steps(self) -> None:
         while True:
