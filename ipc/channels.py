@@ -14,6 +14,7 @@ machine never collide. (Clients on other hosts reach it over `tcp://` with the k
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import tempfile
@@ -101,7 +102,7 @@ class PullChannel:
     def _decode(self, data: bytes) -> Message:
         if self.secret:
             n = len(self.secret)
-            if data[:n] != self.secret:
+            if not hmac.compare_digest(data[:n], self.secret):  # no timing to learn it from
                 self.num_refused += 1
                 raise ForeignFrame(f"a frame of {len(data)} bytes without this run's secret")
             return self.codec.decode(memoryview(data)[n:])

@@ -17,7 +17,7 @@ from ipc.config import EngineLimits, PipelineConfig
 from ipc.messages import StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import NUM_F, NUM_I, SlotRow
-from ipc.shm import BufferSpec, SharedRing
+from ipc.shm import BufferSpec, SharedRing, unlink_segment
 
 # ---------------------------------------------------------------- the two rings
 
@@ -80,6 +80,13 @@ class StepRings:
         """Remove both names; mappings stay valid. Safe to call twice."""
         self.steps.unlink()
         self.sampled.unlink()
+
+    @staticmethod
+    def unlink_names(cfg: PipelineConfig) -> None:
+        """Remove both names of a run without mapping them (the launcher, an orphaned stage);
+        safe whether or not they exist."""
+        for name in (cfg.step_ring_name, cfg.sampled_ring_name):
+            unlink_segment(name)
 
 
 def local_buffers(specs: tuple[BufferSpec, ...]) -> dict[str, np.ndarray]:

@@ -155,8 +155,9 @@ def parse_priority_range(text: str) -> tuple[int, int]:
 def client_key(given: str | None) -> str:
     """--listen-key, else $LLM_PIPELINE_KEY, else "" (the launcher makes one)."""
     key = given if given is not None else os.environ.get(KEY_ENV, "")
-    if given is not None and len(key) < 16:
-        raise ConfigError("--listen-key must be at least 16 characters")
+    if key and len(key) < 16:
+        raise ConfigError(f"the client key (--listen-key or ${KEY_ENV}) must be at least 16 "
+                          "characters")
     return key
 
 

@@ -18,7 +18,6 @@ import zmq
 from ipc.channels import PushChannel
 from ipc.config import PipelineConfig
 from ipc.messages import Message, StageFailed, StageReady
-from ipc.shm import unlink_segment
 from stages.trace import Tracer
 
 logger = logging.getLogger(__name__)
@@ -103,5 +102,6 @@ def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
         ctx.zmq.destroy(linger=1000)
         if ctx.is_orphaned:  # nobody else will remove the run's files now
             shutil.rmtree(ctx.run_dir, ignore_errors=True)
-            for name in (cfg.step_ring_name, cfg.sampled_ring_name):  # a launcher that died
-                unlink_segment(name)  # during start-up had not unlinked them yet
+            from ipc.step import StepRings  # (numpy: not for every importer of this module)
+
+            StepRings.unlink_names(cfg)  # a launcher that died in start-up had not yet

@@ -264,3 +264,13 @@ def test_the_tokenizer_forwards_only_a_clients_reconcile_for_its_own_rank() -> N
                 Reconcile("ipc:///run/client-1.sock", 1, ["a"] * (MAX_RECONCILE_IDS + 1))):
         forward_reconcile(msg, 1, Sink(), is_client)  # type: ignore[arg-type]
     assert sent == [good]
+
+
+def test_the_restart_policy_backs_off_then_gives_up() -> None:
+    from pipeline.runtime.launcher import RestartPolicy
+
+    policy = RestartPolicy()
+    delays = [policy.delay("tokenizer:0") for _ in range(MAX_RESTARTS + 1)]
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, None][:MAX_RESTARTS] + [None]
+    assert policy.delay("tokenizer:1") == 0.0  # each process on its own
+    assert policy.counts == {"tokenizer:0": MAX_RESTARTS, "tokenizer:1": 1}

@@ -220,7 +220,7 @@ class PipelineClient:
         self._tokenizers = [PushChannel(self._ctx, address, bind=False, secret=key)
                             for address in endpoints.tokenizers]
         self._next_tokenizer = 0
-        self._restarts: dict[str, int] = {}  # as last published: "tokenizer:k" -> count
+        self._restarts: dict[str, int] | None = None  # as last seen: "tokenizer:k" -> count
         self._aborts = PushChannel(self._ctx, endpoints.scheduler, bind=False, secret=key)
         self._send_lock = threading.Lock()
         # request id -> (deliver, samples still running, the tokenizer it was sent to)
@@ -307,6 +307,9 @@ class PipelineClient:
         """For each tokenizer restarted since the last status, send it a Reconcile naming the
         unfinished requests this client had sent it: the scheduler answers an error for each
         one it never received (ipc.messages.Reconcile)."""
+        if self._restarts is None:  # the first status: restarts before this client began
+            self._restarts = dict(restarts)
+            return
         for name, count in restarts.items():
             if count <= self._restarts.get(name, 0) or not name.startswith("tokenizer:"):
                 continue
@@ -321,7 +324,7 @@ class PipelineClient:
                     ids = [rid for rid, (_, _, r) in self._routes.items() if r == rank]
                 logger.warning("%s was restarted: checking %d requests sent to it", name,
                                len(ids))
-                for i in range(0, max(len(ids), 1), MAX_RECONCILE_IDS):
+                for i in range(0, len(ids), MAX_RECONCILE_IDS):
                     self._tokenizers[rank].send(
                         Reconcile(self.reply_to, rank, ids[i:i + MAX_RECONCILE_IDS]))
 

@@ -33,7 +33,7 @@ from ipc.messages import (
     StageReady,
     StageRestarted,
 )
-from ipc.shm import unlink_segment
+from ipc.step import StepRings
 from pipeline.runtime.client import PipelineClient
 from stages.entry import run_stage
 from stages.trace import merge_traces
@@ -44,6 +44,32 @@ logger = logging.getLogger(__name__)
 RESTARTABLE = ("tokenizer", "detokenizer")
 MAX_RESTARTS = 5  # of one stage within RESTART_WINDOW_S; one more death fails the pipeline
 RESTART_WINDOW_S = 60.0
+
+
+class RestartPolicy:
+    """When a dead process is started again: at once the first time, then after 0.5, 1, 2,
+    4 s; one that dies MAX_RESTARTS times within RESTART_WINDOW_S is not (the launcher for
+    tokenizers and detokenizers, `serve` for its HTTP workers)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}  # name -> restarts in all
+        self._recent: dict[str, list[float]] = {}  # name -> times within the window
+
+    def _prune(self, name: str, now: float) -> list[float]:
+        recent = [t for t in self._recent.get(name, []) if now - t < RESTART_WINDOW_S]
+        self._recent[name] = recent
+        return recent
+
+    def delay(self, name: str) -> float | None:
+        """Seconds to wait before starting `name` again (recording the restart), or None:
+        it died too often; give up."""
+        now = time.monotonic()
+        recent = self._prune(name, now)
+        if len(recent) >= MAX_RESTARTS:
+            return None
+        recent.append(now)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return 0.0 if len(recent) == 1 else 0.5 * 2 ** (len(recent) - 2)
 
 
 class StartupError(RuntimeError):
@@ -75,7 +101,7 @@ class Pipeline:
         self._clients: list[PipelineClient] = []
         self._started = False
         self._targets: dict[str, str] = {}  # "stage:rank" -> its entry, to start it again
-        self.restarts: dict[str, list[float]] = {}  # "stage:rank" -> when it was restarted
+        self.restarts = RestartPolicy()  # of tokenizers and detokenizers
         self._restart_due: dict[str, float] = {}  # dead, to be started again at this time
         self.num_refused_bootstraps = 0  # requests for the endpoints without the client key
 
@@ -97,8 +123,7 @@ class Pipeline:
 
     def _unlink_rings(self) -> None:
         if self.cfg.run_id:  # the run was created (the executor may not have made them yet)
-            for name in (self.cfg.step_ring_name, self.cfg.sampled_ring_name):
-                unlink_segment(name)
+            StepRings.unlink_names(self.cfg)
 
     @property
     def _ctl(self) -> PullChannel:
@@ -201,11 +226,11 @@ class Pipeline:
 
     def _supervise(self, status: zmq.Socket, bootstrap: zmq.Socket | None) -> None:
         """Watch every stage process and the control channel (stats, failure reports),
-        restart a dead tokenizer or detokenizer (see _restart), publish the pipeline's status
+        restart a dead tokenizer or detokenizer (see _restart_delay), publish the status
         a few times a second, answer remote clients' requests for the endpoints. The sockets
         are this thread's from here on."""
         sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
-        failure_message = "no message"
+        failure_message = "no message"  # the latest StageFailed's
         next_status = 0.0
         to_scheduler = PushChannel(self._zmq, self.cfg.scheduler_address, bind=False,
                                    secret=self.cfg.run_secret)
@@ -215,7 +240,7 @@ class Pipeline:
                 for name, due in list(self._restart_due.items()):
                     if time.monotonic() >= due and not self._stopping.is_set():
                         del self._restart_due[name]
-                        sentinels[self._respawn(name, to_scheduler)] = name
+                        sentinels[self._respawn(name)] = name
                 while bootstrap is not None and bootstrap.poll(0):
                     self._answer_bootstrap(bootstrap)
                 while not self._stopping.is_set() and (msg := self._next_control()):
@@ -225,12 +250,20 @@ class Pipeline:
                         logger.warning("stage %s:%d is running again", msg.stage, msg.rank)
                     elif isinstance(msg, StageFailed):
                         failure_message = msg.message
-                for sentinel in [s for s in dead if self._may_restart(sentinels[s])]:
-                    name = sentinels.pop(sentinel)
-                    logger.error("stage %s died (exit code %s: %s); starting it again", name,
-                                 self.procs[name].exitcode, failure_message)
-                    self._restart_due[name] = time.monotonic() + self._backoff(name)
+                for sentinel in list(dead):
+                    name = sentinels[sentinel]
+                    delay = self._restart_delay(name)
+                    if delay is None:
+                        continue
+                    logger.error("stage %s died (exit code %s: %s); starting it again in "
+                                 "%.1f s", name, self.procs[name].exitcode, failure_message,
+                                 delay)
+                    failure_message = "no message"
+                    del sentinels[sentinel]
                     dead.remove(sentinel)
+                    self._restart_due[name] = time.monotonic() + delay
+                    if name.startswith("detokenizer:"):  # the scheduler fails its requests now
+                        to_scheduler.send(StageRestarted("detokenizer", int(name.split(":")[1])))
                 if dead and not self._stopping.is_set():
                     names = ", ".join(f"{sentinels[s]} (exit code "
                                       f"{self.procs[sentinels[s]].exitcode})" for s in dead)
@@ -262,32 +295,21 @@ class Pipeline:
         except zmq.ZMQError as exc:
             logger.warning("bootstrap request failed: %s", exc)
 
-    def _may_restart(self, name: str) -> bool:
+    def _restart_delay(self, name: str) -> float | None:
         """Tokenizers and detokenizers hold nothing that cannot be rebuilt: one that dies is
-        started again, unless it died MAX_RESTARTS times within RESTART_WINDOW_S (then the
-        pipeline fails, as it does when the scheduler or the executor dies)."""
+        started again (RestartPolicy), unless it keeps dying; then the pipeline fails, as it
+        does when the scheduler or the executor dies."""
         if self._stopping.is_set() or name.split(":")[0] not in RESTARTABLE:
-            return False
-        now = time.monotonic()
-        recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
-        return len(recent) < MAX_RESTARTS
+            return None
+        return self.restarts.delay(name)
 
-    def _backoff(self, name: str) -> float:
-        """0 s for the first restart in the window, then 0.5 s, 1 s, ..."""
-        now = time.monotonic()
-        recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
-        return 0.0 if not recent else 0.5 * 2 ** (len(recent) - 1)
-
-    def _respawn(self, name: str, to_scheduler: PushChannel) -> Any:
+    def _respawn(self, name: str) -> Any:
         """Start a dead stage again under its name and address; returns its sentinel."""
         stage, rank = name.split(":")
-        self.restarts.setdefault(name, []).append(time.monotonic())
         args = []
         if stage == "tokenizer" and self.cfg.listen_host:  # the same port remote clients know
             args = [self.stage_info[name]["tcp_port"]]
         self._spawn(stage, int(rank), self._targets[name], *args)
-        if stage == "detokenizer":  # its requests' text state is lost: the scheduler fails them
-            to_scheduler.send(StageRestarted(stage, int(rank)))
         return self.procs[name].sentinel
 
     def _next_control(self) -> Message | None:
@@ -313,10 +335,12 @@ class Pipeline:
         raise TimeoutError(f"the scheduler did not become idle: {self.scheduler_stats}")
 
     def status(self) -> PipelineStatus:
-        """A stage waiting to be started again counts as alive: the pipeline still serves."""
-        alive = {name: p.is_alive() or name in self._restart_due for name, p in self.procs.items()}
+        """A dead tokenizer or detokenizer counts as alive while the pipeline has not failed:
+        it is being started again, and the pipeline still serves."""
+        alive = {name: p.is_alive() or (name.split(":")[0] in RESTARTABLE and self.failure is None)
+                 for name, p in self.procs.items()}
         return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
-                              {name: len(times) for name, times in self.restarts.items()})
+                              dict(self.restarts.counts))
 
     @property
     def is_alive(self) -> bool:

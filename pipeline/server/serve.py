@@ -18,7 +18,13 @@ import zmq
 from ipc.channels import PushChannel
 from ipc.config import ConfigError, parse_bytes
 from ipc.messages import ForgetClient
-from pipeline.runtime.launcher import MAX_RESTARTS, RESTART_WINDOW_S, Pipeline, StartupError
+from pipeline.runtime.launcher import (
+    MAX_RESTARTS,
+    RESTART_WINDOW_S,
+    Pipeline,
+    RestartPolicy,
+    StartupError,
+)
 from pipeline.server.app import ServerOptions
 from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
@@ -61,30 +67,37 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
     workers = [start_worker(rank) for rank in range(options.api_workers)]
     to_scheduler = PushChannel(zmq.Context.instance(), pipe.cfg.scheduler_address, bind=False,
                                secret=pipe.cfg.run_secret)
-    restarts: list[float] = []
+    restarts = RestartPolicy()
+    due: dict[int, float] = {}  # rank -> when to start the dead worker again
     try:
         _wait_ready(workers, run_dir)
         host = f"[{options.host}]" if ":" in options.host else options.host
         print(f"serving {pipe.cfg.model_name} at http://{host}:{options.port}/v1 "
               f"({options.api_workers} API worker(s); pipeline run dir {run_dir})", flush=True)
         while True:  # until a signal (SIGTERM/SIGINT end the CLI), or a stage dies
-            wait([w.sentinel for w in workers], timeout=0.25)
+            watched = [w.sentinel for rank, w in enumerate(workers) if rank not in due]
+            if watched:
+                wait(watched, timeout=0.25)
+            else:
+                time.sleep(0.25)
             for rank, w in enumerate(workers):
-                if w.is_alive():
+                if w.is_alive() or rank in due:
                     continue
-                now = time.monotonic()
-                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
-                if len(restarts) >= MAX_RESTARTS:
-                    print(f"error: API workers exited {len(restarts) + 1} times within "
+                delay = restarts.delay(f"api:{rank}")
+                if delay is None:
+                    print(f"error: API worker {rank} exited {MAX_RESTARTS + 1} times within "
                           f"{RESTART_WINDOW_S:.0f} s (last code {w.exitcode}); stopping",
                           file=sys.stderr)
                     return 1
-                restarts.append(now)
                 print(f"warning: API worker {rank} exited (code {w.exitcode}); its open "
-                      "connections are closed, its requests aborted; starting it again",
-                      file=sys.stderr, flush=True)
+                      f"connections are closed, its requests aborted; starting it again in "
+                      f"{delay:.1f} s", file=sys.stderr, flush=True)
                 _forget_worker(run_dir, rank, to_scheduler)
-                workers[rank] = start_worker(rank)
+                due[rank] = time.monotonic() + delay
+            for rank, when in list(due.items()):
+                if time.monotonic() >= when:
+                    del due[rank]
+                    workers[rank] = start_worker(rank)
             if pipe.failure is not None:
                 time.sleep(ENGINE_FAILURE_GRACE_S)
                 print(f"error: {pipe.failure}; stopping", file=sys.stderr)
