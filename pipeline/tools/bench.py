@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_parser(sub)
     add_serve_parser(sub)
     add_overload_parser(sub)
+    add_fairness_parser(sub)
     return parser
 
 
@@ -190,6 +191,12 @@ def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=kv_cache_memory,
                    help="bytes or e.g. 2GiB")
     p.add_argument("--json", default=None, metavar="FILE")
+
+
+def add_fairness_parser(sub: Any) -> None:
+    from pipeline.tools.bench_fairness import add_fairness_parser as add
+
+    add(sub)
 
 
 def add_overload_parser(sub: Any) -> None:
