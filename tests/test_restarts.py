@@ -74,7 +74,8 @@ def kill_under_streams(pipe: Pipeline, name: str) -> list[list[RequestOutput]]:
         assert len(finals(outputs)) == 1 and outputs[-1].finished, outputs[-3:]
     client.wait_for_status()
     deadline = time.monotonic() + 60  # the new worker is ready, health says so
-    (after,) = client.generate(["after"], SamplingParams(max_tokens=3), timeout=60)
+    (after,) = client.generate(["after"], SamplingParams(max_tokens=3, ignore_eos=True),
+                               timeout=60)
     assert after.error is None and after.num_output_tokens == 3
     while not client.health().ok:
         assert time.monotonic() < deadline, client.health().problem
@@ -119,7 +120,8 @@ def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
     while psutil.Process(old).status() != psutil.STATUS_STOPPED:  # the signal takes a moment
         time.sleep(0.01)
     try:  # round-robin from rank 0: the even ones go to the stopped worker
-        ids = [client._submit(f"held {i}", SamplingParams(max_tokens=2), f"held-{i}",
+        ids = [client._submit(f"held {i}", SamplingParams(max_tokens=2, ignore_eos=True),
+                              f"held-{i}",
                               lambda o: got.setdefault(o.request_id, []).append(o))
                for i in range(8)]
         time.sleep(0.3)
