@@ -89,3 +89,38 @@ def test_decode_groups_bound_the_padding() -> None:
     for g in groups:  # within a group the longest is at most twice the shortest
         assert g.max_len == lens[g.end - 1] <= 2 * max(lens[g.start], 16)
     assert len(groups) <= 5
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_llama_family_shapes_match_transformers(tmp_path: Path, arch: str) -> None:
+    """Qwen2 (q/k/v biases, tied embeddings) and Mistral shapes with GQA, through the fused
+    projections: greedy tokens equal transformers', with chunked prefill and run-ahead."""
+    from pipeline.tools.random_model import build_random_llama
+
+    folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2)
+    prompts = _prompts(folder)
+    expected = hf_greedy(folder, prompts, max_new_tokens=12)
+    engine = InProcessEngine(str(folder), depth=2, max_num_batched_tokens=16, max_num_seqs=4,
+                             eos_token_ids=_eos(folder))
+    assert engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0)) == expected
+
+
+def test_projections_are_fused_from_the_hf_names() -> None:
+    import torch
+
+    from stages.executor.model import fuse_projections
+
+    parts = {f"model.layers.0.self_attn.{n}.{t}": torch.full((2 if n == "q_proj" else 1, 3), i)
+             for i, n in enumerate(("q_proj", "k_proj", "v_proj")) for t in ("weight",)}
+    parts.update({f"model.layers.0.self_attn.{n}.bias": torch.full((1,), i)
+                  for i, n in enumerate(("q_proj", "k_proj", "v_proj"))})
+    parts.update({"model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 3),
+                  "model.layers.0.mlp.up_proj.weight": torch.ones(2, 3),
+                  "model.norm.weight": torch.ones(3)})
+    fused = fuse_projections(parts)
+    assert fused["model.layers.0.self_attn.qkv_proj.weight"][:, 0].tolist() == [0, 0, 1, 2]
+    assert fused["model.layers.0.self_attn.qkv_proj.bias"].tolist() == [0, 1, 2]
+    assert fused["model.layers.0.mlp.gate_up_proj.weight"][:, 0].tolist() == [0, 0, 1, 1]
+    assert set(fused) == {"model.layers.0.mlp.gate_up_proj.weight", "model.norm.weight",
+                          "model.layers.0.self_attn.qkv_proj.bias",
+                          "model.layers.0.self_attn.qkv_proj.weight"}

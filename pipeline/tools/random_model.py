@@ -42,27 +42,42 @@ def build_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
     return fast
 
 
+ARCHS = ("llama", "qwen2", "mistral")
+
+
 def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, heads: int = 4,
                        kv_heads: int = 2, max_len: int = 512, vocab_size: int | None = None,
-                       weight_std: float = 0.2, seed: int = 0) -> Path:
-    """Save a random Llama (GQA, untied head) and a tokenizer into folder; returns folder.
-    vocab_size pads the embedding beyond the tokenizer's (a larger, realistic output layer)."""
+                       weight_std: float = 0.2, seed: int = 0, arch: str = "llama") -> Path:
+    """Save a random Llama-family model (GQA) and a tokenizer into folder; returns folder.
+    arch: llama (untied head), qwen2 (q/k/v biases, tied embeddings) or mistral (no sliding
+    window). vocab_size pads the embedding beyond the tokenizer's (a larger, realistic
+    output layer)."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(folder)
-    cfg = LlamaConfig(vocab_size=max(len(tok), vocab_size or 0), hidden_size=hidden,
-                      intermediate_size=hidden * 3, num_hidden_layers=num_layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=max_len, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    extra: dict[str, Any] = {"tie_word_embeddings": arch == "qwen2"}
+    if arch == "mistral":
+        extra["sliding_window"] = None
+    cfg = config_cls(vocab_size=max(len(tok), vocab_size or 0), hidden_size=hidden,
+                     intermediate_size=hidden * 3, num_hidden_layers=num_layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     max_position_embeddings=max_len, eos_token_id=tok.eos_token_id,
+                     bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, **extra)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     with torch.no_grad():  # larger weights than the default init: peaked, varied logits
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith(".bias"):
                 p.normal_(0, weight_std)
     model.save_pretrained(folder)
     GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,

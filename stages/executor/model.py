@@ -1,8 +1,11 @@
 """A lean Llama-family decoder over a paged KV cache. Runs in the executor process.
 
-Parameter names match Hugging Face's, so a local HF folder (Llama, Mistral, Qwen2, SmolLM)
-loads with `load_state_dict`. One forward takes a flattened batch mixing prefill chunks and
-decode tokens of different sequences; attention reads and writes the paged cache.
+Parameter names match Hugging Face's except where projections are fused: q/k/v into one
+`qkv_proj` and gate/up into one `gate_up_proj` per layer (one matrix product each instead of
+three and two); `fuse_projections` builds them from a HF state dict, so a local HF folder
+(Llama, Mistral, Qwen2, SmolLM) loads as it is. One forward takes a flattened batch mixing
+prefill chunks and decode tokens of different sequences; attention reads and writes the
+paged cache.
 """
 
 from __future__ import annotations
@@ -44,19 +47,20 @@ class Attention(nn.Module):
         self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
         bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
         hidden = cfg["hidden_size"]
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.layer_idx = layer_idx
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
@@ -66,12 +70,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -137,6 +142,24 @@ class PagedLlama(nn.Module):
         return self.lm_head(x).float()  # [S, vocab]
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A HF state dict with each layer's q/k/v (weights and biases) and gate/up weights
+    concatenated, in that order, under the fused names."""
+    out = dict(state)
+    for name in state:
+        for fused, parts in FUSED.items():
+            suffix = f".{parts[0]}."
+            if suffix not in name:
+                continue
+            prefix, tail = name.split(suffix)
+            out[f"{prefix}.{fused}.{tail}"] = torch.cat(
+                [out.pop(f"{prefix}.{part}.{tail}") for part in parts], dim=0)
+    return out
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_len: int) -> PagedLlama:
     model_dir = Path(model_dir)
@@ -155,7 +178,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if cfg.get("tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v.to(dtype) for k, v in state.items() if "rotary_emb" not in k}
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(fuse_projections(state), strict=True, assign=True)
     if cfg.get("tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(max_len)
