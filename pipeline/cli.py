@@ -24,7 +24,7 @@ from ipc.config import (
     parse_bytes,
 )
 from ipc.messages import ChatMessage, SamplingParams, TokenLogprob
-from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient
+from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError
 
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -288,9 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally: stop all
+    pipe: Pipeline | None = None
     try:
         cfg = build_config(args)
-        with Pipeline(cfg, trace_path=args.trace) as pipe:
+        pipe = Pipeline(cfg, trace_path=args.trace)
+        with pipe:
             if pipe.address is not None:
                 key = "" if args.listen_key or os.environ.get(KEY_ENV) else (
                     f" key: {pipe.cfg.client_key}")
@@ -306,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(client, pipe.stage_pids)
     except StartupError as exc:
         print(f"error: the pipeline did not start: {exc}", file=sys.stderr)
+        return 1
+    except PipelineError as exc:  # a stage of the engine died (the pipeline has stopped)
+        failure = pipe.failure if pipe is not None else None
+        print(f"error: {failure or exc}", file=sys.stderr)
         return 1
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

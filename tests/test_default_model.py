@@ -151,6 +151,34 @@ def _describe(pids: list[int]) -> str:
     return "; ".join(out)
 
 
+def test_cli_exits_non_zero_with_one_line_when_the_engine_dies(tmp_path: Path) -> None:
+    """kill -9 of the executor under `generate`: every prompt's request fails at once; the
+    CLI says so in one line (no traceback) and exits 1, leaving nothing behind."""
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(_cli("--device", "timed:20,0", "generate", "--prompt", "a",
+                                 "--prompt", "b", "--max-tokens", "2000", "--ignore-eos"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            children = _stage_children(proc.pid)
+        time.sleep(1)
+        (executor,) = [c for c in children
+                       if "executor" in " ".join(psutil.Process(c).cmdline())]
+        os.kill(executor, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err
+        assert "Traceback" not in err, err
+        assert "error: stage executor:0 (exit code -9) died" in err, err
+        assert [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_pids(children)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C, SIGTERM or the parent's death: no stage process and nothing in /dev/shm remains."""
