@@ -129,8 +129,24 @@ def test_serve_the_default_model_to_the_openai_client(tmp_path: Path) -> None:
 
 
 def _stage_children(pid: int) -> list[int]:
-    return [c.pid for c in psutil.Process(pid).children(recursive=True)
-            if "llm-pipeline:" in " ".join(c.cmdline())]
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:  # the CLI's bootstrap runs short-lived helpers: one may be gone, or a zombie
+            if "llm-pipeline:" in " ".join(child.cmdline()):
+                out.append(child.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _wait_for_stages(pid: int, count: int = 4, timeout: float = 120) -> list[int]:
+    """The stage processes under pid once `count` of them run (or what there is at timeout)."""
+    deadline = time.monotonic() + timeout
+    children = _stage_children(pid)
+    while len(children) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+        children = _stage_children(pid)
+    return children
 
 
 def _run_dirs() -> list[str]:
@@ -160,10 +176,7 @@ def test_cli_exits_non_zero_with_one_line_when_the_engine_dies(tmp_path: Path) -
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while len(children) < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            children = _stage_children(proc.pid)
+        children = _wait_for_stages(proc.pid)
         time.sleep(1)
         (executor,) = [c for c in children
                        if "executor" in " ".join(psutil.Process(c).cmdline())]
@@ -190,10 +203,7 @@ def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) ->
                             stdout=subprocess.DEVNULL, stderr=log)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while len(children) < 4 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            children = _stage_children(proc.pid)
+        children = _wait_for_stages(proc.pid)
         assert len(children) == 4, "the four stages did not start"
         time.sleep(2)
         proc.send_signal(sig)

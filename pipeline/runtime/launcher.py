@@ -237,6 +237,8 @@ class Pipeline:
         try:
             while not self._stopping.is_set():
                 dead = wait(list(sentinels), timeout=0.1)
+                for sentinel in dead:  # closed as it exits: reap it, so its exit code is known
+                    self.procs[sentinels[sentinel]].join(1.0)
                 for name, due in list(self._restart_due.items()):
                     if time.monotonic() >= due and not self._stopping.is_set():
                         del self._restart_due[name]
