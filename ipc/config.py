@@ -108,6 +108,7 @@ class ExecutorConfig:
     kv_cache_memory: int = 1 << 30
     num_threads: int | None = None
     timed: tuple[float, float] | None = None  # (A, B): no model; A + B * tokens ms a step
+    compile: bool | None = None  # torch.compile the model; None: the device's default
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -118,11 +119,11 @@ class ExecutorConfig:
             raise ConfigError("--kv-cache-memory must be positive")
 
     @classmethod
-    def for_device(cls, device: str, dtype: str = "float32",
-                   kv_cache_memory: int = 1 << 30) -> ExecutorConfig:
+    def for_device(cls, device: str, dtype: str = "float32", kv_cache_memory: int = 1 << 30,
+                   compile: bool | None = None) -> ExecutorConfig:
         """From the --device option's text (which may name the timed instrument)."""
         torch_device, timed = parse_device(device)
-        return cls(torch_device, dtype, kv_cache_memory, timed=timed)
+        return cls(torch_device, dtype, kv_cache_memory, timed=timed, compile=compile)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,25 @@ class EngineLimits:
     def num_ring_slots(self) -> int:
         # A slot is rewritten only after the step that used it reported back.
         return self.depth + 1
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Padded step sizes of a compiled forward, one compiled graph each: powers of two and
+        1.5 times them (padding wastes at most a third of a step), then the token budget."""
+        sizes = {1, 2, 4}
+        size = 8
+        while size < self.max_num_batched_tokens:
+            sizes |= {size, size * 3 // 2}
+            size *= 2
+        return tuple(sorted(s for s in sizes if s < self.max_num_batched_tokens)
+                     ) + (self.max_num_batched_tokens,)
+
+    def max_query_blocks(self, num_tokens: int) -> int:
+        """Attention query blocks (one page of positions of one sequence each) a step of
+        `num_tokens` can need, plus one that padding tokens use: a row of L tokens spans at
+        most L // block_size + 2 pages and never more than L."""
+        rows = min(num_tokens, self.max_num_seqs)
+        return min(num_tokens, num_tokens // self.block_size + 2 * rows) + 1
 
     @property
     def max_stop_ids(self) -> int:

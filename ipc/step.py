@@ -209,6 +209,10 @@ def _tokens(lim: EngineLimits) -> int:
     return lim.max_num_batched_tokens
 
 
+def _query_blocks(lim: EngineLimits) -> int:
+    return lim.max_query_blocks(lim.max_num_batched_tokens)
+
+
 def _seqs(lim: EngineLimits) -> int:
     return lim.max_num_seqs
 
@@ -221,13 +225,18 @@ def _stops(lim: EngineLimits) -> int:
     return lim.max_stop_ids
 
 
-# What the executor's host side packs for one step (sizes T tokens, S rows, X sampled rows,
-# B decode rows, U block-table updates, N new slots, M suppressed ids), in order: one buffer,
-# so a step costs one host-to-device copy (none on the CPU).
+# What the executor's host side packs for one step (sizes T tokens, Q query blocks, S rows,
+# X sampled rows, B decode rows, U block-table updates, N new slots, M suppressed ids), in
+# order: one buffer, so a step costs one host-to-device copy (none on the CPU). A compiled
+# forward pads T and Q to a bucket (EngineLimits.token_buckets); its inputs come first, so
+# their offsets depend on the bucket alone (fixed addresses per ring slot, for CUDA graphs).
 STAGING_FIELDS = (
     PackedField("input_ids", "int64", _tokens),
     PackedField("positions", "int64", _tokens),
     PackedField("token_slots", "int64", _tokens),
+    PackedField("query_rows", "int64", _tokens),  # row of each token in the query blocks
+    PackedField("qblock_slots", "int64", _query_blocks),  # Q: the slot of each query block
+    PackedField("qblock_pages", "int64", _query_blocks),  # which page of that slot's table
     PackedField("logits_indices", "int64", _seqs),  # X
     PackedField("sample_slots", "int64", _seqs),  # X
     PackedField("decode_token_idx", "int64", _seqs),  # B, sorted by context length

@@ -52,6 +52,10 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d(2048))
     p.add_argument("--max-model-len", type=int, default=d(None))
     p.add_argument("--kv-cache-memory", default=d("1GiB"), help="bytes, or e.g. 2GiB, 512MiB")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d(None),
+                   help="torch.compile the model (TorchInductor; artefacts cached in "
+                        "$LLM_PIPELINE_CACHE/inductor). Default: on for CUDA, off on the CPU, "
+                        "where it measured slower (docs/BENCHMARKS.md)")
     p.add_argument("--block-size", type=int, default=d(16))
     p.add_argument("--priority-range", default=d("0:10"), metavar="LOW:HIGH",
                    help="the priorities callers may ask for (lower is served first); the "
@@ -175,7 +179,7 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
                                   getattr(args, "max_waiting", None),
                                   parse_priority_range(args.priority_range)),
         executor=ExecutorConfig.for_device(args.device, args.dtype,
-                                           parse_bytes(args.kv_cache_memory)),
+                                           parse_bytes(args.kv_cache_memory), args.compile),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         served_model_name=getattr(args, "served_model_name", None) or "",
         listen_host=listen_host(args.listen),

@@ -29,12 +29,13 @@ class InProcessEngine:
     def __init__(self, model_dir: str, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                  block_size: int = 4, kv_cache_memory: int = 1 << 24, depth: int = 2,
                  max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (),
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 compile: bool = False) -> None:
         vocab_size = ModelInfo.from_dir(model_dir).vocab_size
         self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, block_size,
                                    max_model_len, vocab_size, eos_token_ids, depth)
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
-                                           kv_cache_memory)
+                                           kv_cache_memory, compile)
         self.scheduler = Scheduler(self.limits, self.runner.num_blocks)
         specs = step_input_specs(self.limits)
         self.rings = [local_buffers(specs) for _ in range(self.limits.num_ring_slots)]

@@ -12,6 +12,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tiny_model.py
 from tiny_model import build_tiny_llama
 
 
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Compiled graphs go to one cache of the test session (its stages inherit it), never to
+    the user's: the first compile of each shape is cold, later ones in the session warm."""
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

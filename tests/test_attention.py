@@ -1,7 +1,9 @@
 """Attention over the paged cache against a plain reference, on mixed batches: decodes of very
 different context lengths (several padding groups), prompt chunks with and without past, rows
-crossing block boundaries, GQA. The reference gathers each sequence's keys in order and does
-the softmax in float64."""
+crossing block boundaries, GQA, a page two sequences share (a prefix hit). Both
+implementations: eager (SDPA per group and row) and compiled (one FlexAttention call, padded
+as a compiled step is). The reference gathers each sequence's keys in order and does the
+softmax in float64."""
 
 from __future__ import annotations
 
@@ -9,8 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from stages.executor.attention import build_attention_metadata, paged_attention
-from stages.executor.step_inputs import PrefillRow, group_by_length
+from ipc.config import EngineLimits
+from stages.executor.attention import (
+    build_attention_metadata,
+    build_flex_metadata,
+    flex_paged_attention,
+    paged_attention,
+)
+from stages.executor.step_inputs import (
+    PrefillRow,
+    group_by_length,
+    pad_forward_inputs,
+    query_blocks,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 96
 
@@ -33,11 +46,18 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 ROWS = [[(1, 1), (3, 1), (4, 1), (5, 1), (17, 1), (40, 1), (7, 7), (13, 5), (9, 1), (24, 8)],
         [(64, 1), (2, 1)],
         [(5, 5), (8, 4), (12, 3)],
-        [(33, 1)]]
+        [(33, 1)],
+        [(20, 1), (9, 3), (6, 6)]]
 
 
+def _past(row: tuple[int, int]) -> int:
+    return row[0] - row[1]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"{len(r)}-rows")
-def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]]) -> None:
+def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]],
+                                               compiled: bool) -> None:
     gen = torch.Generator().manual_seed(len(rows))
     scale = HEAD_DIM ** -0.5
     max_blocks = 20
@@ -48,10 +68,13 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]]) -> N
     used = 0
     for slot, (ctx, _) in enumerate(rows):
         n = -(-ctx // BLOCK)
-        block_table[slot, :n] = perm[used:used + n]  # scattered blocks, none shared
+        block_table[slot, :n] = perm[used:used + n]  # scattered blocks
         used += n
         seq_k.append(torch.randn(ctx, KV_HEADS, HEAD_DIM, generator=gen))
         seq_v.append(torch.randn(ctx, KV_HEADS, HEAD_DIM, generator=gen))
+        if slot == 1 and _past(rows[0]) >= BLOCK and _past(rows[1]) >= BLOCK:
+            block_table[1, 0] = block_table[0, 0]  # a prefix hit: row 0's first page, shared
+            seq_k[1][:BLOCK], seq_v[1][:BLOCK] = seq_k[0][:BLOCK], seq_v[0][:BLOCK]
         for p in range(ctx):  # the past is in the cache already (new ones are rewritten)
             b, o = int(block_table[slot, p // BLOCK]), p % BLOCK
             kv_cache[0, b, o], kv_cache[1, b, o] = seq_k[-1][p], seq_v[-1][p]
@@ -69,13 +92,17 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]]) -> N
         ("decode_lens", ctx_lens[decode]))}
     prefills = [PrefillRow(int(starts[r]), int(ends[r]), int(r), int(ctx_lens[r]))
                 for r in np.flatnonzero(q_lens > 1)]
-    meta = build_attention_metadata(views, group_by_length(ctx_lens[decode]), prefills,
-                                    block_table, BLOCK)
     total = int(ends[-1])
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
     k = torch.cat([seq_k[r][c - n:] for r, (c, n) in enumerate(rows)])  # this step's tokens
     v = torch.cat([seq_v[r][c - n:] for r, (c, n) in enumerate(rows)])
-    out = paged_attention(q, k, v, kv_cache, meta, scale)
+    if compiled:
+        out = _compiled_attention(q, k, v, kv_cache, block_table, q_lens, ctx_lens, positions,
+                                  token_slots, scale)
+    else:
+        meta = build_attention_metadata(views, group_by_length(ctx_lens[decode]), prefills,
+                                        block_table, BLOCK)
+        out = paged_attention(q, k, v, kv_cache, meta, scale)
     for r, (c, n) in enumerate(rows):
         want = reference(q[starts[r]:ends[r]], seq_k[r], seq_v[r], list(range(c - n, c)), scale)
         torch.testing.assert_close(out[starts[r]:ends[r]].double(), want, atol=1e-5, rtol=1e-5)
@@ -85,6 +112,33 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]]) -> N
             b, o = int(block_table[r, p // BLOCK]), p % BLOCK
             assert torch.equal(kv_cache[0, b, o], seq_k[r][p])
             assert torch.equal(kv_cache[1, b, o], seq_v[r][p])
+
+
+def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kv_cache: torch.Tensor, block_table: torch.Tensor, q_lens: np.ndarray,
+                        ctx_lens: np.ndarray, positions: np.ndarray, token_slots: np.ndarray,
+                        scale: float) -> torch.Tensor:
+    """The step as the compiled forward sees it: padded to its bucket (padding tokens in the
+    padding slot, whose table points at a scratch block), one compiled FlexAttention call."""
+    slots = np.arange(len(q_lens))
+    rows, qb_slots, qb_pages = query_blocks(q_lens, ctx_lens, slots, BLOCK)
+    limits = EngineLimits(len(q_lens), 64, BLOCK, 20 * BLOCK, 100)
+    padded = pad_forward_inputs({"input_ids": np.zeros(len(rows), np.int64),
+                                 "positions": positions, "token_slots": token_slots,
+                                 "query_rows": rows, "qblock_slots": qb_slots,
+                                 "qblock_pages": qb_pages}, limits)
+    scratch = NUM_BLOCKS - 1  # the tests' tables never reach it
+    table = torch.cat([block_table, torch.full((1, block_table.shape[1]), scratch,
+                                               dtype=torch.int32)])
+    views = {name: torch.from_numpy(a) for name, a in padded.items()}
+    num_tokens, num_pad = len(padded["input_ids"]), len(padded["input_ids"]) - len(rows)
+    meta = build_flex_metadata(views, table, BLOCK, NUM_BLOCKS)
+    pad = torch.zeros(num_pad, *k.shape[1:])
+    attend = torch.compile(flex_paged_attention, dynamic=False, fullgraph=True)
+    out = attend(torch.cat([q, torch.zeros(num_pad, *q.shape[1:])]), torch.cat([k, pad]),
+                 torch.cat([v, pad]), kv_cache, meta, scale)
+    assert out.shape[0] == num_tokens
+    return out[:len(rows)]
 
 
 def test_decode_rows_of_very_different_lengths_fall_in_several_groups() -> None:

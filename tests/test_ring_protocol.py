@@ -42,7 +42,7 @@ def _planned_step(step_count: int = 1) -> tuple[Scheduler, list]:
 
 def _prepare(plan: StepPlan, ring: dict[str, np.ndarray]) -> None:
     staging = torch.zeros(staging_nbytes(LIMITS), dtype=torch.uint8)
-    prepare_host_step(plan, ring, staging, HostSlotParams(SEQS))
+    prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), LIMITS)
 
 
 def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
@@ -66,7 +66,7 @@ def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
     assert list(zip(got.stop_slots.tolist(), got.stop_ids.tolist(), strict=True)) == [(3, 2),
                                                                                         (3, 7)]
     staging = torch.zeros(staging_nbytes(LIMITS), dtype=torch.uint8)
-    host = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS))
+    host = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), LIMITS)
     v = unpack(host.packed.clone(), host.counts)  # a copy, as the device gets on CUDA
     assert v["input_ids"].tolist() == [5, 6, 7, -1]
     assert v["positions"].tolist() == [0, 1, 2, 7]  # the decode row sits at context 8
@@ -76,6 +76,18 @@ def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
     assert v["new_iparams"].tolist() == row[1]
     assert v["stop_ids"].tolist() == [2, 7]
     assert host.sampling.use_seed and host.sampling.use_logprobs and host.sampling.use_min_tokens
+    # The compiled attention's query blocks (pages of 4 positions): the prompt's 3 tokens in
+    # slot 3's page 0 at rows 0-2; the decode at position 7, page 1 of slot 1, at row 4 + 3.
+    assert v["query_rows"].tolist() == [0, 1, 2, 7]
+    assert v["qblock_slots"].tolist() == [3, 1] and v["qblock_pages"].tolist() == [0, 1]
+    # Padded for a compiled forward: 4 tokens is a bucket already; the query blocks grow to
+    # the bound for 4 tokens, the extra ones the padding slot's (SEQS).
+    padded = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), LIMITS, pad=True)
+    v = unpack(padded.packed.clone(), padded.counts)
+    assert v["input_ids"].tolist() == [5, 6, 7, -1] and v["query_rows"].tolist() == [0, 1, 2, 7]
+    assert v["qblock_slots"].tolist() == [3, 1, SEQS, SEQS, SEQS]
+    assert v["qblock_pages"].tolist() == [0, 1, 0, 0, 0]
+    assert v["logits_indices"].tolist() == [2]
 
 
 def test_a_completely_written_slot_is_accepted() -> None:

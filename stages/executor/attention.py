@@ -1,9 +1,17 @@
 """Attention over the paged KV cache for a flattened mixed batch. Runs in the executor process.
 
-Rows with one query token (decodes) are attended in batched calls, grouped by context length
-so that padding at most doubles the keys read; rows with several (prefill chunks) one by one.
 The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; a token at
 position p of a sequence lives in block block_table[p // block_size] at offset p % block_size.
+
+Two implementations, one per forward mode:
+- compiled (`flex_paged_attention`): one FlexAttention call per layer over the whole batch,
+  reading the cache in place. Queries sit in blocks of one page of positions of one sequence
+  (step_inputs.query_blocks); a block's keys are its sequence's earlier pages, whole, and its
+  own page, masked by offset. Needs torch.compile (eager FlexAttention materialises every
+  score).
+- eager (`paged_attention`): rows with one query token (decodes) in batched SDPA calls,
+  grouped by context length so that padding at most doubles the keys read; rows with several
+  (prefill chunks) one by one, over keys gathered from the cache.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from stages.executor.step_inputs import DecodeGroup, PrefillRow
 
@@ -68,13 +77,36 @@ def build_attention_metadata(v: dict[str, torch.Tensor], decode_groups: list[Dec
     return meta
 
 
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write this step's keys and values [T, KVH, D] at their flat cache indices, in place.
+    Under torch.compile through an opaque op: as plain tensor code, the compiled graph would
+    copy the whole cache to honour the mutation of its input. (Eager, the op's dispatch
+    would cost milliseconds.)"""
+    if torch.compiler.is_compiling():
+        _write_kv_op(kv_cache, slot_mapping, k, v)
+    else:
+        _write_kv(kv_cache, slot_mapping, k, v)
+
+
+def _write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+_write_kv_op = torch.library.custom_op("llm_pipeline::write_kv", _write_kv,
+                                       mutates_args=("kv_cache",))
+_write_kv_op.register_fake(lambda kv_cache, slot_mapping, k, v: None)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's), kv_cache [2, NB, BS, KVH, D] -> [T, H, D]."""
+    write_kv(kv_cache, meta.slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     for group in meta.decodes:
         idx, tables = group.token_idx, group.block_tables
@@ -100,3 +132,63 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                 attn_mask=row.mask, scale=scale, enable_gqa=True)
         out[row.start:row.end] = op[0].transpose(0, 1)
     return out
+
+
+@dataclass
+class FlexMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache index that each token's K/V is written to
+    query_rows: torch.Tensor  # [T] row of each token in the query blocks
+    block_mask: BlockMask  # query blocks [Q] x the cache's pages
+
+
+def _same_page_causal(block_size: int):  # type: ignore[no-untyped-def]
+    def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return kv_idx % block_size <= q_idx % block_size
+    return mask_mod
+
+
+_MASK_MODS: dict[int, object] = {}
+
+
+def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
+                        block_size: int, num_cache_blocks: int) -> FlexMetadata:
+    """Device-side metadata of the compiled attention from the unpacked step views `v`
+    (tokens and query blocks, padded or not) and the block table [slots, max_blocks]."""
+    positions = v["positions"]
+    slot_mapping = (block_table[v["token_slots"], positions // block_size].long() * block_size
+                    + positions % block_size)
+    pages = block_table[v["qblock_slots"]]  # [Q, max_blocks] int32
+    own = v["qblock_pages"]
+    num_q = pages.shape[0]
+    width = min(pages.shape[1], num_cache_blocks)
+    # FlexAttention on the CPU wants index rows as long as the cache has pages.
+    full = pages.new_zeros(num_q, num_cache_blocks)
+    full[:, :width] = pages[:, :width]
+    partial = pages.new_zeros(num_q, num_cache_blocks)
+    partial[:, 0] = pages.gather(1, own[:, None])[:, 0]
+    mask_mod = _MASK_MODS.setdefault(block_size, _same_page_causal(block_size))
+    block_mask = BlockMask.from_kv_blocks(
+        pages.new_ones(1, 1, num_q), partial[None, None], own.int()[None, None],
+        full[None, None], BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod,  # type: ignore[arg-type]
+        seq_lengths=(num_q * block_size, num_cache_blocks * block_size),
+        compute_q_blocks=False)
+    return FlexMetadata(slot_mapping, v["query_rows"], block_mask)
+
+
+def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: FlexMetadata,
+                         scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's), kv_cache [2, NB, BS, KVH, D] -> [T, H, D].
+    One FlexAttention call; to be run under torch.compile."""
+    write_kv(kv_cache, meta.slot_mapping, k, v)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_rows = meta.block_mask.kv_num_blocks.shape[-1] * block_size
+    # [1, H, rows, D], a 4-D buffer of its own (Inductor's CPU template wants one).
+    queries = q.new_zeros(1, q.shape[1], num_rows, head_dim).index_copy_(
+        2, meta.query_rows, q.transpose(0, 1)[None])
+    keys = k_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)  # [1, KVH, NB*BS, D]
+    values = v_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = flex_attention(queries, keys, values,
+                         block_mask=meta.block_mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)[meta.query_rows]  # type: ignore[index]

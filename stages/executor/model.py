@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from stages.executor.attention import AttentionMetadata, paged_attention
+from stages.executor.attention import (
+    AttentionMetadata,
+    FlexMetadata,
+    flex_paged_attention,
+    paged_attention,
+)
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +60,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata | FlexMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -63,7 +68,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        attend = flex_paged_attention if isinstance(meta, FlexMetadata) else paged_attention
+        out = attend(q, k, v, kv_cache, meta, self.scale)  # type: ignore[arg-type]  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -102,7 +108,9 @@ class Backbone(nn.Module):
 
 
 class PagedLlama(nn.Module):
-    """forward(input_ids [T], positions [T], kv_caches, meta, logits_indices [S]) -> [S, V]."""
+    """forward(input_ids [T], positions [T], kv_caches (one per layer), meta,
+    logits_indices [S]) -> [S, V]. `compile_layers` compiles each decoder layer (one graph
+    serves every layer, one per padded step size) and leaves the rest eager."""
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -131,8 +139,9 @@ class PagedLlama(nn.Module):
         self.rope_cos = (emb.cos() * rope.attention_scaling).to(device, dtype)
         self.rope_sin = (emb.sin() * rope.attention_scaling).to(device, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata | FlexMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)

@@ -16,6 +16,7 @@ from ipc.messages import SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.shm import SharedRing
 from ipc.step import StepRings
+from stages.executor.compile import resolve_compile
 from stages.executor.device import Device, make_device
 from stages.executor.runner import ModelRunner, Runner, TimedRunner
 from stages.executor.step_inputs import HostStep
@@ -35,7 +36,7 @@ def build_runner(cfg: PipelineConfig) -> Runner:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
     return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
-                                ex.kv_cache_memory)
+                                ex.kv_cache_memory, resolve_compile(ex.compile, device))
 
 
 class Reporter:

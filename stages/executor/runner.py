@@ -17,7 +17,8 @@ import torch
 from ipc.config import EngineLimits
 from ipc.messages import StepPlan
 from ipc.step import staging_nbytes
-from stages.executor.attention import build_attention_metadata
+from stages.executor.attention import build_attention_metadata, build_flex_metadata
+from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.model import PagedLlama, load_model
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
@@ -43,14 +44,17 @@ def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -
 
 class SlotState:
     """Per-slot device state shared by every runner: block table, last sample, sampling
-    parameters and penalty counts."""
+    parameters and penalty counts. Slot max_num_seqs is the padding tokens' (step_inputs):
+    its block table row points at `pad_block`."""
 
-    def __init__(self, limits: EngineLimits, device: torch.device, pin: bool) -> None:
-        self.device = device
+    def __init__(self, limits: EngineLimits, device: torch.device, pin: bool,
+                 pad: bool = False, pad_block: int = 0) -> None:
+        self.device, self.limits, self.pad = device, limits, pad
         n = limits.max_num_seqs
-        self.block_table = torch.zeros(n, limits.max_blocks_per_seq, dtype=torch.int32,
+        self.block_table = torch.zeros(n + 1, limits.max_blocks_per_seq, dtype=torch.int32,
                                        device=device)
-        self.last_sampled = torch.zeros(n, dtype=torch.int64, device=device)
+        self.block_table[n] = pad_block
+        self.last_sampled = torch.zeros(n + 1, dtype=torch.int64, device=device)
         self.sampling = SamplingState(n, limits.vocab_size, device)
         self.host_params = HostSlotParams(n)
         # One packed staging buffer per ring slot: rewritten only after its step completed.
@@ -58,7 +62,8 @@ class SlotState:
                         for _ in range(limits.num_ring_slots)]
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
-        return prepare_host_step(plan, ring, self.staging[plan.ring_slot], self.host_params)
+        return prepare_host_step(plan, ring, self.staging[plan.ring_slot], self.host_params,
+                                 self.limits, self.pad)
 
     def apply(self, step: HostStep, v: dict[str, torch.Tensor]) -> torch.Tensor:
         """Apply the step's slot changes on the device; returns its input ids [T] with
@@ -71,7 +76,8 @@ class SlotState:
         ids = v["input_ids"]
         ids = torch.where(ids < 0, self.last_sampled[v["token_slots"]], ids)
         if step.sampling.use_penalties:
-            self.sampling.count_tokens(ids, v["token_slots"], v["positions"])
+            real = slice(0, step.num_tokens)  # not the padding
+            self.sampling.count_tokens(ids[real], v["token_slots"][real], v["positions"][real])
         return ids
 
     def sample(self, step: HostStep, v: dict[str, torch.Tensor],
@@ -84,29 +90,38 @@ class SlotState:
 
 
 class ModelRunner:
-    """The real model path."""
+    """The real model path: compiled (padded steps, FlexAttention) or eager."""
 
     def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
-                 device: torch.device) -> None:
+                 device: torch.device, compile: bool = False) -> None:
         self.model, self.limits, self.device = model, limits, device
         dtype = model.lm_head.weight.dtype
         per_block = kv_bytes_per_block(model, limits.block_size, dtype)
-        self.num_blocks = kv_cache_memory // per_block
+        # Compiled, one block of the memory is scratch, where padding tokens write.
+        scratch = 1 if compile else 0
+        self.num_blocks = kv_cache_memory // per_block - scratch
         if self.num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no KV block "
-                             f"({per_block} bytes each)")
-        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = torch.zeros(model.num_layers, 2, self.num_blocks, limits.block_size,
-                                     model.num_kv_heads, model.head_dim, dtype=dtype, device=device)
-        self.slots = SlotState(limits, device, device.type == "cuda")
+                             f"({per_block} bytes each{', and one of scratch' * scratch})")
+        # Per layer [2, blocks, block_size, kv_heads, head_dim], each its own tensor (so that
+        # every layer's cache looks alike to the compiled layer).
+        self.kv_caches = [torch.zeros(2, self.num_blocks + scratch, limits.block_size,
+                                      model.num_kv_heads, model.head_dim, dtype=dtype,
+                                      device=device) for _ in range(model.num_layers)]
+        self.compiled = compile
+        self.slots = SlotState(limits, device, device.type == "cuda", pad=compile,
+                               pad_block=self.num_blocks if compile else 0)
+        self.compile_stats = (compile_layers(model.model.layers, limits) if compile
+                              else CompileStats())
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
                     limits.block_size, self.num_blocks * per_block / 2**20)
 
     @classmethod
     def from_dir(cls, model_dir: str, dtype: torch.dtype, device: torch.device,
-                 limits: EngineLimits, kv_cache_memory: int) -> ModelRunner:
+                 limits: EngineLimits, kv_cache_memory: int,
+                 compile: bool = False) -> ModelRunner:
         model = load_model(model_dir, dtype, device, limits.max_model_len)
-        return cls(model, limits, kv_cache_memory, device)
+        return cls(model, limits, kv_cache_memory, device, compile)
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return self.slots.prepare(plan, ring)
@@ -116,8 +131,10 @@ class ModelRunner:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
-        meta = build_attention_metadata(v, step.decode_groups, step.prefills,
-                                        self.slots.block_table, self.limits.block_size)
+        table, block_size = self.slots.block_table, self.limits.block_size
+        meta = (build_flex_metadata(v, table, block_size, self.num_blocks + 1) if self.compiled
+                else build_attention_metadata(v, step.decode_groups, step.prefills, table,
+                                              block_size))
         logits = self.model(ids, v["positions"], self.kv_caches, meta, v["logits_indices"])
         return self.slots.sample(step, v, logits)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ipc.config import EngineLimits
 from ipc.messages import StepPlan
 from ipc.step import field_offsets, pack, read_step
 from stages.executor.sampler import HostSlotParams, StepSampling
@@ -41,6 +42,29 @@ def group_by_length(lens: np.ndarray, max_ratio: float = 2.0) -> list[DecodeGrou
             groups.append(DecodeGroup(start, i, values[i - 1]))
             start = i
     return groups
+
+
+def query_blocks(query_lens: np.ndarray, context_lens: np.ndarray, slots: np.ndarray,
+                 block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled attention's query layout: each row's query positions cut at page
+    boundaries into query blocks of block_size rows, row i of a block holding the position
+    at page offset i (so causality inside a page is `key offset <= query offset` for every
+    row alike). Returns the query row of each token [T], and the slot [Q] and page index [Q]
+    of each query block."""
+    first = (context_lens - query_lens) // block_size  # page of each row's first query
+    num = (context_lens - 1) // block_size - first + 1  # pages its queries span
+    start = np.cumsum(num) - num
+    page_of_block = np.repeat(first, num) + (np.arange(int(num.sum())) - np.repeat(start, num))
+    positions = np.repeat(context_lens - query_lens, query_lens) + (
+        np.arange(int(query_lens.sum())) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                     query_lens))
+    block_of_token = np.repeat(start - first, query_lens) + positions // block_size
+    rows = block_of_token * block_size + positions % block_size
+    return rows, np.repeat(slots, num), page_of_block
+
+
+def pad_to(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    return np.concatenate([values, np.full(size - len(values), fill, values.dtype)])
 
 
 @dataclass
@@ -78,9 +102,12 @@ def unpack(packed: torch.Tensor, counts: dict[str, int]) -> dict[str, torch.Tens
 
 
 def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torch.Tensor,
-                      host_params: HostSlotParams) -> HostStep:
+                      host_params: HostSlotParams, limits: EngineLimits, pad: bool = False
+                      ) -> HostStep:
     """Read ring slot `ring` (stamps checked) and fill `staging` (uint8, large enough) for
-    step `plan`."""
+    step `plan`. With `pad` (a compiled forward), the tokens and query blocks are padded
+    to the step's bucket: padding tokens belong to slot limits.max_num_seqs, whose block
+    table points at a scratch block, and use the last query block."""
     step = read_step(ring, plan)
     q, ctx, slots = step.query_lens, step.context_lens, step.seq_slots
     t = len(step.input_ids)
@@ -90,10 +117,19 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     decode = decode[np.argsort(ctx[decode], kind="stable")]
     sampled = np.flatnonzero(step.do_sample)
     host_params.update(step.new_slots, step.new_fparams, step.new_iparams)
-    arrays = {
+    query_rows, qblock_slots, qblock_pages = query_blocks(q, ctx, slots, limits.block_size)
+    forward = {
         "input_ids": step.input_ids,
         "positions": np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q)),
         "token_slots": np.repeat(slots, q),
+        "query_rows": query_rows,
+        "qblock_slots": qblock_slots,
+        "qblock_pages": qblock_pages,
+    }
+    if pad:
+        forward = pad_forward_inputs(forward, limits)
+    arrays = {
+        **forward,
         "logits_indices": ends[sampled] - 1,
         "sample_slots": slots[sampled],
         "decode_token_idx": starts[decode],
@@ -112,3 +148,19 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_ids) > 0)
     return HostStep(plan, staging[:nbytes], counts, group_by_length(ctx[decode]), prefills,
                     sampling)
+
+
+def pad_forward_inputs(forward: dict[str, np.ndarray],
+                       limits: EngineLimits) -> dict[str, np.ndarray]:
+    """The forward's inputs padded to the smallest bucket that holds the step."""
+    num_tokens = next(b for b in limits.token_buckets if b >= len(forward["input_ids"]))
+    num_blocks = limits.max_query_blocks(num_tokens)
+    pad_slot, spare_row = limits.max_num_seqs, (num_blocks - 1) * limits.block_size
+    return {
+        "input_ids": pad_to(forward["input_ids"], num_tokens, 0),
+        "positions": pad_to(forward["positions"], num_tokens, 0),
+        "token_slots": pad_to(forward["token_slots"], num_tokens, pad_slot),
+        "query_rows": pad_to(forward["query_rows"], num_tokens, spare_row),
+        "qblock_slots": pad_to(forward["qblock_slots"], num_blocks, pad_slot),
+        "qblock_pages": pad_to(forward["qblock_pages"], num_blocks, 0),
+    }
