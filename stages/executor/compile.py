@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ipc.config import ConfigError, EngineLimits
+from ipc.config import ConfigError, EngineLimits, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ def resolve_compile(requested: bool | None, device: torch.device) -> bool:
 def use_disk_cache() -> str:
     """Point TorchInductor's caches at the pipeline's cache folder unless the user chose one."""
     if INDUCTOR_CACHE_ENV not in os.environ:
-        from pipeline.tools.model_cache import cache_dir
-
         os.environ[INDUCTOR_CACHE_ENV] = str(cache_dir() / "inductor")
     return os.environ[INDUCTOR_CACHE_ENV]
 
