@@ -54,10 +54,10 @@ def _past(row: tuple[int, int]) -> int:
     return row[0] - row[1]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [None, "paged", "per-row"])
 @pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"{len(r)}-rows")
 def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]],
-                                               compiled: bool) -> None:
+                                               compiled: str | None) -> None:
     gen = torch.Generator().manual_seed(len(rows))
     scale = HEAD_DIM ** -0.5
     max_blocks = 20
@@ -98,7 +98,7 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]],
     v = torch.cat([seq_v[r][c - n:] for r, (c, n) in enumerate(rows)])
     if compiled:
         out = _compiled_attention(q, k, v, kv_cache, block_table, q_lens, ctx_lens, positions,
-                                  token_slots, scale)
+                                  token_slots, scale, per_row=compiled == "per-row")
     else:
         meta = build_attention_metadata(views, group_by_length(ctx_lens[decode]), prefills,
                                         block_table, BLOCK)
@@ -117,9 +117,10 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]],
 def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, q_lens: np.ndarray,
                         ctx_lens: np.ndarray, positions: np.ndarray, token_slots: np.ndarray,
-                        scale: float) -> torch.Tensor:
+                        scale: float, per_row: bool) -> torch.Tensor:
     """The step as the compiled forward sees it: padded to its bucket (padding tokens in the
-    padding slot, whose table points at a scratch block), one compiled FlexAttention call."""
+    padding slot, whose table points at a scratch block), one compiled FlexAttention call,
+    its query blocks a page of rows each or one row each."""
     slots = np.arange(len(q_lens))
     rows, qb_slots, qb_pages = query_blocks(q_lens, ctx_lens, slots, BLOCK)
     limits = EngineLimits(len(q_lens), 64, BLOCK, 20 * BLOCK, 100)
@@ -132,7 +133,7 @@ def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                dtype=torch.int32)])
     views = {name: torch.from_numpy(a) for name, a in padded.items()}
     num_tokens, num_pad = len(padded["input_ids"]), len(padded["input_ids"]) - len(rows)
-    meta = build_flex_metadata(views, table, BLOCK, NUM_BLOCKS)
+    meta = build_flex_metadata(views, table, BLOCK, NUM_BLOCKS, per_row)
     pad = torch.zeros(num_pad, *k.shape[1:])
     attend = torch.compile(flex_paged_attention, dynamic=False, fullgraph=True)
     out = attend(torch.cat([q, torch.zeros(num_pad, *q.shape[1:])]), torch.cat([k, pad]),

@@ -151,25 +151,43 @@ _MASK_MODS: dict[int, object] = {}
 
 
 def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
-                        block_size: int, num_cache_blocks: int) -> FlexMetadata:
+                        block_size: int, num_cache_blocks: int,
+                        per_row: bool = False) -> FlexMetadata:
     """Device-side metadata of the compiled attention from the unpacked step views `v`
-    (tokens and query blocks, padded or not) and the block table [slots, max_blocks]."""
+    (tokens and query blocks, padded or not) and the block table [slots, max_blocks].
+
+    The block mask's query blocks are the query blocks (a page of rows each), or with
+    `per_row` every row of them on its own: a decode row then reads its keys once instead of
+    once for each of its page's 16 rows (the CPU kernel computes every row of a block), and
+    rows no token uses read nothing. Same query layout, same mask either way."""
     positions = v["positions"]
-    slot_mapping = (block_table[v["token_slots"], positions // block_size].long() * block_size
+    pages_of_token = positions // block_size
+    slot_mapping = (block_table[v["token_slots"], pages_of_token].long() * block_size
                     + positions % block_size)
-    pages = block_table[v["qblock_slots"]]  # [Q, max_blocks] int32
-    own = v["qblock_pages"]
-    num_q = pages.shape[0]
-    width = min(pages.shape[1], num_cache_blocks)
+    num_q = v["qblock_slots"].shape[0]
     # FlexAttention on the CPU wants index rows as long as the cache has pages.
-    full = pages.new_zeros(num_q, num_cache_blocks)
-    full[:, :width] = pages[:, :width]
-    partial = pages.new_zeros(num_q, num_cache_blocks)
-    partial[:, 0] = pages.gather(1, own[:, None])[:, 0]
+    width = min(block_table.shape[1], num_cache_blocks)
+    if per_row:
+        rows, slots, own = v["query_rows"], v["token_slots"], pages_of_token
+        num_blocks = num_q * block_size
+    else:
+        rows, slots, own = None, v["qblock_slots"], v["qblock_pages"]
+        num_blocks = num_q
+    tables = block_table[slots]  # [rows or Q, max_blocks] int32
+    full = tables.new_zeros(num_blocks, num_cache_blocks)
+    partial = tables.new_zeros(num_blocks, num_cache_blocks)
+    num_full = tables.new_zeros(num_blocks)
+    num_partial = tables.new_zeros(num_blocks)
+    index = slice(None) if rows is None else rows
+    full[index, :width] = tables[:, :width]
+    partial[index, 0] = tables.gather(1, own[:, None])[:, 0]
+    num_full[index] = own.int()
+    num_partial[index] = 1
     mask_mod = _MASK_MODS.setdefault(block_size, _same_page_causal(block_size))
     block_mask = BlockMask.from_kv_blocks(
-        pages.new_ones(1, 1, num_q), partial[None, None], own.int()[None, None],
-        full[None, None], BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod,  # type: ignore[arg-type]
+        num_partial[None, None], partial[None, None], num_full[None, None], full[None, None],
+        BLOCK_SIZE=(1 if per_row else block_size, block_size),
+        mask_mod=mask_mod,  # type: ignore[arg-type]
         seq_lengths=(num_q * block_size, num_cache_blocks * block_size),
         compute_q_blocks=False)
     return FlexMetadata(slot_mapping, v["query_rows"], block_mask)
@@ -183,7 +201,7 @@ def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     write_kv(kv_cache, meta.slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_rows = meta.block_mask.kv_num_blocks.shape[-1] * block_size
+    num_rows = meta.block_mask.seq_lengths[0]
     # [1, H, rows, D], a 4-D buffer of its own (Inductor's CPU template wants one).
     queries = q.new_zeros(1, q.shape[1], num_rows, head_dim).index_copy_(
         2, meta.query_rows, q.transpose(0, 1)[None])

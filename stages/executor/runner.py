@@ -19,7 +19,7 @@ from ipc.messages import StepPlan
 from ipc.step import staging_nbytes
 from stages.executor.attention import build_attention_metadata, build_flex_metadata
 from stages.executor.compile import CompileStats, compile_layers
-from stages.executor.model import PagedLlama, load_model
+from stages.executor.model import PagedLlama, load_model, pack_linears
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
 
@@ -95,7 +95,7 @@ class ModelRunner:
     def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
                  device: torch.device, compile: bool = False) -> None:
         self.model, self.limits, self.device = model, limits, device
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype
         per_block = kv_bytes_per_block(model, limits.block_size, dtype)
         # Compiled, one block of the memory is scratch, where padding tokens write.
         scratch = 1 if compile else 0
@@ -119,8 +119,16 @@ class ModelRunner:
     @classmethod
     def from_dir(cls, model_dir: str, dtype: torch.dtype, device: torch.device,
                  limits: EngineLimits, kv_cache_memory: int,
-                 compile: bool = False) -> ModelRunner:
+                 compile: bool = False, pack: bool | None = None) -> ModelRunner:
+        """pack (default: eager on the CPU, where oneDNN is): PackedLinear for every
+        projection. (TorchInductor lowers packed weights only as frozen constants, which
+        one graph shared by every layer cannot have.)"""
         model = load_model(model_dir, dtype, device, limits.max_model_len)
+        if pack is None:
+            pack = (device.type == "cpu" and not compile
+                    and torch.backends.mkldnn.is_available())
+        if pack:
+            pack_linears(model)
         return cls(model, limits, kv_cache_memory, device, compile)
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
@@ -132,7 +140,11 @@ class ModelRunner:
         v = unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
         table, block_size = self.slots.block_table, self.limits.block_size
-        meta = (build_flex_metadata(v, table, block_size, self.num_blocks + 1) if self.compiled
+        # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels
+        # take a page of rows at once anyway.
+        per_row = step.decode_only and self.device.type == "cpu"
+        meta = (build_flex_metadata(v, table, block_size, self.num_blocks + 1, per_row)
+                if self.compiled
                 else build_attention_metadata(v, step.decode_groups, step.prefills, table,
                                               block_size))
         logits = self.model(ids, v["positions"], self.kv_caches, meta, v["logits_indices"])

@@ -86,6 +86,7 @@ class HostStep:
     decode_groups: list[DecodeGroup]  # decode rows sorted by context length, in groups
     prefills: list[PrefillRow]
     sampling: StepSampling
+    decode_only: bool  # every row has one query token
 
     @property
     def num_tokens(self) -> int:
@@ -147,7 +148,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
                 for r in np.flatnonzero(q > 1)]
     sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_ids) > 0)
     return HostStep(plan, staging[:nbytes], counts, group_by_length(ctx[decode]), prefills,
-                    sampling)
+                    sampling, len(decode) == len(q))
 
 
 def pad_forward_inputs(forward: dict[str, np.ndarray],
