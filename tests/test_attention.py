@@ -15,6 +15,7 @@ from ipc.config import EngineLimits
 from stages.executor.attention import (
     build_attention_metadata,
     build_flex_metadata,
+    decode_attention,
     flex_paged_attention,
     paged_attention,
 )
@@ -147,3 +148,21 @@ def test_decode_rows_of_very_different_lengths_fall_in_several_groups() -> None:
     assert len(groups) > 1 and groups[0].start == 0 and groups[-1].end == 10
     for g in groups:  # padding at most doubles the keys a group reads (16 at least)
         assert g.max_len <= 2 * max(16, [1, 3, 4, 5, 9, 17, 33, 40, 64, 200][g.start])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_sdpa_in_float64(dtype: torch.dtype) -> None:
+    """The decode path for reduced precision: grouped query heads, masked keys, GQA."""
+    gen = torch.Generator().manual_seed(3)
+    batch, length = 5, 24
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(batch, KV_HEADS, length, HEAD_DIM, generator=gen)
+    v = torch.randn(batch, KV_HEADS, length, HEAD_DIM, generator=gen)
+    lens = torch.tensor([1, 5, 16, 17, 24])
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double().unsqueeze(2), k.double(), v.double(), attn_mask=mask, scale=0.3,
+        enable_gqa=True).squeeze(2)
+    got = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
