@@ -74,7 +74,8 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="run_pipeline", description=__doc__)
+    # No abbreviations: with them `generate --n 3` read as an ambiguous --no-overlap/--no-compile.
+    parser = argparse.ArgumentParser(prog="run_pipeline", description=__doc__, allow_abbrev=False)
     add_global_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command")
     gen = sub.add_parser("generate", help="generate for given prompts")

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from live import alive, kill_pids, live_config, running
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
+from stages.executor.compile import compile_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +36,18 @@ PROMPTS = [
 ]
 
 
-def test_greedy_matches_transformers(default_model_dir: Path) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_greedy_matches_transformers(default_model_dir: Path, compile: bool) -> None:
+    """Through the live pipeline, eager (packed weights) and compiled (padded buckets,
+    FlexAttention), with chunked prefill (a 64-token budget)."""
     from transformers import AutoTokenizer
 
+    if compile and compile_unavailable(torch.device("cpu")):
+        pytest.skip("TorchInductor needs a C++ compiler here")
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     expected = hf_greedy(default_model_dir, [tok(p)["input_ids"] for p in PROMPTS], 24)
-    cfg = live_config(default_model_dir, max_num_batched_tokens=64, max_model_len=1024)
+    cfg = live_config(default_model_dir, max_num_batched_tokens=64, max_model_len=1024,
+                      compile=compile)
     with running(cfg) as pipe:
         outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
     assert [o.token_ids for o in outs] == expected

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,10 @@ def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
         unkeyed[1].send(AbortRequest("long-tcp"))
         keyed = PushChannel(ctx, remote.scheduler, bind=False, secret=key.encode())
         keyed.send(TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0))
-        stats = pipe.idle_stats()
+        deadline = time.monotonic() + 10  # the sends are asynchronous: wait until both arrived
+        while (stats := pipe.idle_stats()).num_refused_messages < 2 and (
+                time.monotonic() < deadline):
+            time.sleep(0.05)
         assert pipe.is_alive
         assert stats.prompt_tokens == 3 * 4 + 2 * 2  # ours only (3 x 4, 2 x 2)
         assert stats.num_refused_messages >= 2  # the scheduler's: the unkeyed abort, the sneak
