@@ -180,6 +180,10 @@ class EngineLimits:
         return tuple(sorted(s for s in sizes if s < self.max_num_batched_tokens)
                      ) + (self.max_num_batched_tokens,)
 
+    def bucket(self, num_tokens: int) -> int:
+        """The padded size of a step of num_tokens tokens (at most the token budget)."""
+        return next(b for b in self.token_buckets if b >= num_tokens)
+
     def max_query_blocks(self, num_tokens: int) -> int:
         """Attention query blocks (one page of positions of one sequence each) a step of
         `num_tokens` can need, plus one that padding tokens use: a row of L tokens spans at

@@ -63,22 +63,30 @@ def test_compiled_greedy_survives_preemption(tiny_model_dir: Path) -> None:
 
 def test_compiles_are_bounded_by_the_step_buckets(tiny_model_dir: Path) -> None:
     """A long mixed run (prompts of many lengths, chunked, joining and leaving) compiles once
-    per padded step size it meets and never again; a second run compiles nothing."""
+    per padded step size and kind (decode-only steps attend row by row on the CPU) it meets,
+    within the bound, and never again; a second run compiles nothing."""
     engine = _engine(tiny_model_dir, max_num_batched_tokens=64, max_num_seqs=8)
-    sizes: set[int] = set()
+    sizes: set[tuple[int, bool]] = set()
     prepare = engine.runner.prepare
 
     def recording_prepare(plan, ring):  # type: ignore[no-untyped-def]
         step = prepare(plan, ring)
-        sizes.add(step.counts["input_ids"])
+        sizes.add((step.counts["input_ids"], step.decode_only))
         return step
 
     engine.runner.prepare = recording_prepare  # type: ignore[method-assign]
     prompts = [[(7 * i + j) % 200 + 3 for j in range(1 + (13 * i) % 90)] for i in range(24)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)
+    # One 3-token prompt (a 4-token bucket, with a prefill) and four short ones (decoding
+    # in 4-token steps): one bucket, both kinds.
+    engine.generate([[5, 6, 7]], params)
+    engine.generate([[5, 6, 7], [8, 9], [10, 11], [12, 13]], params)
     stats = engine.runner.compile_stats
-    assert sizes <= set(engine.limits.token_buckets) and len(sizes) > 3
-    assert stats.num_graphs == len(sizes)
+    assert {size for size, _ in sizes} <= set(engine.limits.token_buckets)
+    assert len(sizes) > 3 and any(decode for _, decode in sizes)
+    assert any((size, not decode) in sizes for size, decode in sizes)  # both kinds at a size
+    assert stats.num_graphs == len(sizes) <= stats.max_graphs
     engine.generate(prompts[::-1], params)
+    engine.generate([[9, 8, 7]], params)
     assert stats.num_graphs == len(sizes)

@@ -67,9 +67,18 @@ def use_disk_cache() -> str:
     return os.environ[INDUCTOR_CACHE_ENV]
 
 
-def compile_layers(layers: torch.nn.ModuleList, limits: EngineLimits) -> CompileStats:
+def max_graphs(limits: EngineLimits, device: torch.device) -> int:
+    """One graph per bucket, and on the CPU one more per bucket a decode-only step can have
+    (those attend row by row: another block mask, see attention.build_flex_metadata)."""
+    buckets = limits.token_buckets
+    decode = [b for b in buckets if b <= limits.bucket(limits.max_num_seqs)]
+    return len(buckets) + (len(decode) if device.type == "cpu" else 0)
+
+
+def compile_layers(layers: torch.nn.ModuleList, limits: EngineLimits,
+                   device: torch.device) -> CompileStats:
     """Compile each layer in place; returns the stats the backend keeps up to date."""
-    stats = CompileStats(max_graphs=len(limits.token_buckets))
+    stats = CompileStats(max_graphs=max_graphs(limits, device))
     logger.info("compiling decoder layers (TorchInductor, cache %s)", use_disk_cache())
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

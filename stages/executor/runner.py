@@ -111,7 +111,7 @@ class ModelRunner:
         self.compiled = compile
         self.slots = SlotState(limits, device, device.type == "cuda", pad=compile,
                                pad_block=self.num_blocks if compile else 0)
-        self.compile_stats = (compile_layers(model.model.layers, limits) if compile
+        self.compile_stats = (compile_layers(model.model.layers, limits, device) if compile
                               else CompileStats())
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
                     limits.block_size, self.num_blocks * per_block / 2**20)

@@ -154,7 +154,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
 def pad_forward_inputs(forward: dict[str, np.ndarray],
                        limits: EngineLimits) -> dict[str, np.ndarray]:
     """The forward's inputs padded to the smallest bucket that holds the step."""
-    num_tokens = next(b for b in limits.token_buckets if b >= len(forward["input_ids"]))
+    num_tokens = limits.bucket(len(forward["input_ids"]))
     num_blocks = limits.max_query_blocks(num_tokens)
     pad_slot, spare_row = limits.max_num_seqs, (num_blocks - 1) * limits.block_size
     return {
