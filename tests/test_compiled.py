@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_model import hf_greedy
 
 from ipc.config import ModelInfo
@@ -15,7 +16,7 @@ from ipc.messages import SamplingParams
 from stages.executor.compile import compile_unavailable
 from stages.inprocess import InProcessEngine
 
-pytestmark = pytest.mark.skipif(compile_unavailable(__import__("torch").device("cpu")) is not None,
+pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
                                 reason="TorchInductor needs a C++ compiler here")
 
 

@@ -16,6 +16,7 @@ Two implementations, one per forward mode:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -162,13 +163,12 @@ class FlexMetadata:
     block_mask: BlockMask  # query blocks [Q] x the cache's pages
 
 
+@functools.cache  # one function per page size: the compiled graph guards on its identity
 def _same_page_causal(block_size: int):  # type: ignore[no-untyped-def]
     def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return kv_idx % block_size <= q_idx % block_size
     return mask_mod
 
-
-_MASK_MODS: dict[int, object] = {}
 
 
 def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
@@ -204,7 +204,7 @@ def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
     partial[index, 0] = tables.gather(1, own[:, None])[:, 0]
     num_full[index] = own.int()
     num_partial[index] = 1
-    mask_mod = _MASK_MODS.setdefault(block_size, _same_page_causal(block_size))
+    mask_mod = _same_page_causal(block_size)
     block_mask = BlockMask.from_kv_blocks(
         num_partial[None, None], partial[None, None], num_full[None, None], full[None, None],
         BLOCK_SIZE=(1 if per_row else block_size, block_size),
