@@ -56,6 +56,33 @@ class ErrorKind(_WireEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputs(Struct):
+    """A format the output must follow, enforced token by token while sampling (vLLM's
+    `StructuredOutputsParams`). Exactly one of: json (a JSON Schema, as JSON text or a dict),
+    json_object (any JSON object), regex, choice (one of these strings), grammar (a Lark
+    grammar). Checked by the tokenizer stage, which compiles it (stages/grammar.py)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, list, bool)):  # a schema given as a Python value
+            import json
+
+            object.__setattr__(self, "json", json.dumps(self.json))
+
+    def kinds(self) -> list[str]:
+        """The names of the constraints given (valid: exactly one)."""
+        given = [("json", self.json is not None), ("regex", self.regex is not None),
+                 ("choice", self.choice is not None), ("grammar", self.grammar is not None),
+                 ("json_object", self.json_object)]
+        return [name for name, is_given in given if is_given]
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams(Struct):
     """What the client asks of one request; validated by the tokenizer stage
     (ipc/params.py validate_params), with the meanings vLLM's users expect.
@@ -71,6 +98,7 @@ class SamplingParams(Struct):
     served first, within the range the engine allows and the fairness bound of the scheduler
     (docs/ARCHITECTURE.md, "Fairness"). user names who the request is for: the scheduler
     shares the engine fairly between users (and clients), first come first served within one.
+    structured_outputs constrains the output to a format (JSON Schema, regex, choice, grammar).
     """
 
     max_tokens: int | None = None
@@ -92,6 +120,7 @@ class SamplingParams(Struct):
     logprobs: int | None = None
     priority: int = 0
     user: str = ""
+    structured_outputs: StructuredOutputs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +215,7 @@ class TokenizedRequest(Message):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    grammar: str = ""  # params.structured_outputs as grammar text (stages/grammar.py)
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
@@ -323,6 +353,18 @@ class StepPlan(Message):
     num_block_updates: int
     num_new_slots: int
     num_stop_ids: int
+    grammars: list[SlotGrammar] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGrammar(Struct):
+    """A sequence with a structured output takes executor slot `slot` (with a StepPlan): its
+    grammar text, and the outputs it already has (a preempted sequence resuming) for the
+    slot's matcher to catch up on."""
+
+    slot: int
+    grammar: str
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

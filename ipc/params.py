@@ -16,6 +16,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per token: the width of the sampled-token ring
 MAX_RECONCILE_IDS = 4096  # ids one Reconcile may name (a client sends several if need be)
 MAX_USER_CHARS = 256  # SamplingParams.user: the scheduler keeps one entry per active user
+# A structured output's schema, regex or grammar (its text), and its number of choices.
+MAX_STRUCTURED_CHARS = 1 << 17
+MAX_CHOICES = 1024
 # The priorities a caller may use unless the engine is started with another --priority-range:
 # a caller may make its own requests less urgent (batch work), never jump ahead of others.
 DEFAULT_PRIORITY_RANGE = (0, 10)
@@ -88,4 +91,30 @@ def validate_params(p: SamplingParams, vocab_size: int,
     bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
     _check(not bad, "stop_token_ids",
            f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    if p.structured_outputs is not None:
+        _validate_structured(p)
+
+
+def _validate_structured(p: SamplingParams) -> None:
+    """The shape of a structured output (whether it compiles is the tokenizer stage's check,
+    stages/grammar.py), and the parameters it cannot be combined with."""
+    so, param = p.structured_outputs, "structured_outputs"
+    assert so is not None
+    kinds = so.kinds()
+    _check(len(kinds) == 1, param, "structured_outputs must give exactly one of json, regex, "
+                                   f"choice, grammar, json_object; got {kinds or 'none'}")
+    size = sum(len(t) for t in (so.json, so.regex, so.grammar) if t is not None)
+    size += sum(map(len, so.choice or ()))
+    _check(size <= MAX_STRUCTURED_CHARS, param,
+           f"the structured output's text has {size} characters; at most "
+           f"{MAX_STRUCTURED_CHARS}")
+    _check(so.choice is None or 1 <= len(so.choice) <= MAX_CHOICES, param,
+           f"choice must have between 1 and {MAX_CHOICES} strings")
+    # The format decides where the output ends (it allows only EOS once complete).
+    _check(p.min_tokens == 0, "min_tokens",
+           "min_tokens cannot be combined with a structured output: the format decides "
+           "where the output ends")
+    _check(not p.ignore_eos, "ignore_eos",
+           "ignore_eos cannot be combined with a structured output: the format decides "
+           "where the output ends")
 

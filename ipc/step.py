@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipc.config import EngineLimits, PipelineConfig
-from ipc.messages import StepPlan
+from ipc.messages import SlotGrammar, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import NUM_F, NUM_I, SlotRow
 from ipc.shm import BufferSpec, SharedRing, unlink_segment
@@ -116,7 +116,8 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
                input_ids: list[int], seq_slots: list[int], query_lens: list[int],
                context_lens: list[int], do_sample: list[bool],
                block_updates: list[tuple[int, int, int]], new_slots: list[NewSlot],
-               stop_ids: list[tuple[int, int]]) -> StepPlan:
+               stop_ids: list[tuple[int, int]],
+               grammars: list[SlotGrammar] | None = None) -> StepPlan:
     """Lay a step's bulk inputs into ring slot `buf`; returns the plan that names them. The
     stamp brackets the write, so a reader can tell a slot that is being rewritten."""
     buf["stamp"][0] = step_id
@@ -139,7 +140,7 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
         buf["stop_slot"][:len(pairs)], buf["stop_id"][:len(pairs)] = pairs.T
     buf["stamp"][1] = step_id
     return StepPlan(step_id, ring_slot, num_seqs, num_tokens, len(block_updates),
-                    len(new_slots), len(stop_ids))
+                    len(new_slots), len(stop_ids), grammars or [])
 
 
 @dataclass(frozen=True)

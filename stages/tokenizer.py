@@ -20,6 +20,7 @@ from ipc.messages import (
     TokenizedRequest,
 )
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
+from stages.grammar import Grammars
 from stages.process import stage_process
 from stages.trace import now_ns
 
@@ -31,12 +32,16 @@ class TokenizerCore:
     """Turns an AddRequest into a TokenizedRequest or raises RequestError."""
 
     def __init__(self, model_dir: str, max_model_len: int, vocab_size: int,
-                 priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE) -> None:
+                 priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.priority_range = priority_range
+        self.eos_token_ids = eos_token_ids
+        self.grammars = (Grammars(model_dir, vocab_size, eos_token_ids[0], self.tokenizer)
+                         if eos_token_ids else None)
 
     def process(self, req: AddRequest) -> TokenizedRequest:
         validate_params(req.params, self.vocab_size, self.priority_range)
@@ -54,7 +59,18 @@ class TokenizerCore:
         if max_tokens is not None and len(ids) + max_tokens > limit:
             raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
                                f"exceeds this model's context of {limit} tokens")
-        return TokenizedRequest(req.request_id, req.reply_to, ids, req.params, req.arrival_time)
+        return TokenizedRequest(req.request_id, req.reply_to, ids, req.params, req.arrival_time,
+                                self._grammar(req))
+
+    def _grammar(self, req: AddRequest) -> str:
+        """The request's structured output as grammar text ("" for none), or RequestError."""
+        so = req.params.structured_outputs
+        if so is None:
+            return ""
+        if self.grammars is None:
+            raise RequestError("this model has no EOS token, so a structured output could "
+                               "never end", "structured_outputs")
+        return self.grammars.grammar(so)
 
     def _prompt_ids(self, req: AddRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
@@ -116,7 +132,7 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int, tcp_port: int
     predecessor's; 0: any)."""
     with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
         core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
-                             cfg.scheduler.priority_range)
+                             cfg.scheduler.priority_range, cfg.model.eos_token_ids)
         inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest, Reconcile]),
                             bind=True, secret=cfg.client_key.encode())
         to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,

@@ -87,7 +87,7 @@ class Generation:
                 self._early.append(item)
                 if out.index == WHOLE_REQUEST or (out.finished and out.error):
                     param = "messages" if self.parsed.chat else "prompt"
-                    raise output_error(out, param)
+                    raise output_error(out, param, self.parsed)
         except BaseException:
             self.cancel()
             raise

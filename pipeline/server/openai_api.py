@@ -9,13 +9,21 @@ vLLM's `stop_reason` extension.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipc.messages import ChatMessage, ErrorKind, RequestOutput, SamplingParams, TokenLogprob
+from ipc.messages import (
+    ChatMessage,
+    ErrorKind,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputs,
+    TokenLogprob,
+)
 from ipc.outputs import SampleResult
 from ipc.params import MAX_USER_CHARS, RequestError, validate_params
 
@@ -95,9 +103,46 @@ def _int_list(body: dict[str, Any], name: str) -> list[int]:
     return list(value)
 
 
-UNSUPPORTED = {"suffix": "suffix is not supported", "tools": "tools are not supported",
-               "functions": "functions are not supported",
-               "response_format": "response_format is not supported"}
+# The fields each route implements. Any other field is a 400 that names it: a client must
+# never believe that a field it sent took effect when it did not.
+SAMPLING_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "seed", "user",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+    "stop_token_ids", "include_stop_str_in_output", "priority",
+    # structured outputs: OpenAI's, and vLLM's current and older names
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+})
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+# Known fields we do not implement, with what to do instead.
+NOT_IMPLEMENTED = {
+    "suffix": "suffix (insertion) is not supported",
+    "tools": "tools are not supported",
+    "tool_choice": "tool_choice is not supported (tools are not)",
+    "parallel_tool_calls": "parallel_tool_calls is not supported (tools are not)",
+    "functions": "functions are not supported",
+    "function_call": "function_call is not supported",
+    "guided_decoding_backend": "guided_decoding_backend cannot be chosen: this server has one",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
+    "chat_template": "chat_template is not supported: the model's own template is used",
+    "chat_template_kwargs": "chat_template_kwargs is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "add_generation_prompt": "add_generation_prompt is not supported (it is always on)",
+    "prompt_logprobs": "prompt_logprobs is not supported",
+}
+
+
+def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    """A 400 naming the first field of `body` that this route does not implement."""
+    for name in body:
+        if name in known:
+            continue
+        if name in NOT_IMPLEMENTED:
+            raise bad(name, NOT_IMPLEMENTED[name])
+        raise bad(name, f"unknown field {name!r}: this server does not implement it")
 
 
 @dataclass
@@ -110,6 +155,7 @@ class ParsedRequest:
     include_usage: bool = False
     chat: bool = False
     logprobs_param: str = "logprobs"  # the API field that asked for logprobs
+    structured_param: str = "response_format"  # the API field that set a structured output
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,12 +168,109 @@ def _user(body: dict[str, Any]) -> str:
     return str(user)
 
 
-def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams, str]:
+def _schema_text(value: Any, param: str) -> str:
+    """A JSON Schema given as an object (or as JSON text) -> its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise bad(param, f"{param} is not valid JSON: {exc}") from None
+    if not isinstance(value, (dict, bool)):
+        raise bad(param, f"{param} must be a JSON Schema (an object)")
+    return json.dumps(value)
+
+
+def _response_format(value: Any) -> StructuredOutputs | None:
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad("response_format", "response_format must be an object with a type")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad("response_format.json_schema",
+                      "response_format.json_schema must be an object with a schema")
+        return StructuredOutputs(json=_schema_text(spec["schema"],
+                                                   "response_format.json_schema.schema"))
+    raise bad("response_format.type", "response_format.type must be text, json_object or "
+                                      f"json_schema, got {kind!r}")
+
+
+def _structured_outputs(value: Any) -> StructuredOutputs:
+    """vLLM's structured_outputs object: exactly one of json, regex, choice, grammar,
+    json_object."""
+    if not isinstance(value, dict):
+        raise bad("structured_outputs", "structured_outputs must be an object")
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    for name in value:
+        if name not in known:
+            raise bad(f"structured_outputs.{name}", f"structured_outputs.{name} is not "
+                      f"supported (use one of {sorted(known)})")
+    fields: dict[str, Any] = {}
+    if value.get("json") is not None:
+        fields["json"] = _schema_text(value["json"], "structured_outputs.json")
+    for name in ("regex", "grammar"):
+        if value.get(name) is not None:
+            if not isinstance(value[name], str):
+                raise bad(f"structured_outputs.{name}",
+                          f"structured_outputs.{name} must be a string")
+            fields[name] = value[name]
+    if value.get("choice") is not None:
+        fields["choice"] = _choices(value["choice"], "structured_outputs.choice")
+    if value.get("json_object") is not None:
+        if not isinstance(value["json_object"], bool):
+            raise bad("structured_outputs.json_object",
+                      "structured_outputs.json_object must be a boolean")
+        fields["json_object"] = value["json_object"]
+    out = StructuredOutputs(**fields)
+    if len(out.kinds()) != 1:
+        raise bad("structured_outputs", "structured_outputs must give exactly one of "
+                                        f"{sorted(known)}, got {out.kinds() or 'none'}")
+    return out
+
+
+def _choices(value: Any, param: str) -> list[str]:
+    if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+        raise bad(param, f"{param} must be a non-empty array of strings")
+    return list(value)
+
+
+def parse_structured(body: dict[str, Any]) -> tuple[StructuredOutputs | None, str]:
+    """The request's structured output, from whichever field set it (at most one may):
+    (the constraint or None, the field's name)."""
+    given = [name for name in ("response_format", "structured_outputs", "guided_json",
+                               "guided_regex", "guided_choice", "guided_grammar")
+             if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad(given[1], f"give one structured output, not {' and '.join(given)}")
+    if not given:
+        return None, "response_format"
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        return _response_format(value), name
+    if name == "structured_outputs":
+        return _structured_outputs(value), name
+    if name == "guided_json":
+        return StructuredOutputs(json=_schema_text(value, name)), name
+    if name == "guided_choice":
+        return StructuredOutputs(choice=_choices(value, name)), name
+    if not isinstance(value, str):
+        raise bad(name, f"{name} must be a string")
+    if name == "guided_regex":
+        return StructuredOutputs(regex=value), name
+    return StructuredOutputs(grammar=value), name
+
+
+def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams, str, str]:
     """SamplingParams from the OpenAI fields and the common extensions; (params, the name of
-    the field that set logprobs)."""
-    for name, message in UNSUPPORTED.items():
-        if body.get(name):
-            raise bad(name, message)
+    the field that set logprobs, the name of the field that set a structured output)."""
+    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    structured, structured_param = parse_structured(body)
     if body.get("logit_bias"):
         raise bad("logit_bias", "logit_bias is not supported")
     num = (int, float)
@@ -164,8 +307,22 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
         stop=_stop_strings(body),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
         n=n, logprobs=logprobs, priority=_get(body, "priority", (int,), 0),
-        user=_user(body))
-    return params, logprobs_param
+        user=_user(body), structured_outputs=structured)
+    return params, logprobs_param, structured_param
+
+
+def api_param(param: str | None, parsed: ParsedRequest | None = None,
+              logprobs_param: str = "logprobs",
+              structured_param: str = "response_format") -> str | None:
+    """The API's name for an engine parameter: logprobs is logprobs or top_logprobs, the
+    structured output is whichever field set it."""
+    if parsed is not None:
+        logprobs_param, structured_param = parsed.logprobs_param, parsed.structured_param
+    if param == "logprobs":
+        return logprobs_param
+    if param == "structured_outputs":
+        return structured_param
+    return param
 
 
 def check_params(params: SamplingParams, vocab_size: int, logprobs_param: str) -> None:
@@ -175,9 +332,8 @@ def check_params(params: SamplingParams, vocab_size: int, logprobs_param: str) -
     except RequestError as exc:
         param, message = exc.param, exc.message
         if param == "logprobs":  # the API's name for it: logprobs or top_logprobs
-            param = logprobs_param
             message = logprobs_param + message.removeprefix("logprobs")
-        raise bad(param or "body", message) from None
+        raise bad(api_param(param, logprobs_param=logprobs_param) or "body", message) from None
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -216,13 +372,14 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
         if bad_ids:
             raise bad("prompt", f"token ids {bad_ids[:5]} are outside the vocabulary "
                                 f"[0, {vocab_size})")
-    params, lp_param = parse_sampling(body, chat=False)
+    params, lp_param, so_param = parse_sampling(body, chat=False)
     check_params(params, vocab_size, lp_param)
     if len(prompts) * params.n > MAX_SEQUENCES:
         raise bad("n", f"{len(prompts)} prompts times n = {params.n} make "
                        f"{len(prompts) * params.n} sequences; at most {MAX_SEQUENCES} per request")
     stream = _get(body, "stream", (bool,), False)
-    return ParsedRequest(prompts, params, stream, _stream_options(body, stream), False, lp_param)
+    return ParsedRequest(prompts, params, stream, _stream_options(body, stream), False, lp_param,
+                         so_param)
 
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
@@ -256,10 +413,11 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"{where}.role", f"role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         chat.append(ChatMessage(CHAT_ROLES[role], _message_text(m.get("content"), where)))
-    params, lp_param = parse_sampling(body, chat=True)
+    params, lp_param, so_param = parse_sampling(body, chat=True)
     check_params(params, vocab_size, lp_param)
     stream = _get(body, "stream", (bool,), False)
-    return ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param)
+    return ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param,
+                         so_param)
 
 
 # ---------------------------------------------------------------- responses
@@ -355,14 +513,15 @@ def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: i
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def output_error(out: RequestOutput, prompt_param: str) -> ApiError:
+def output_error(out: RequestOutput, prompt_param: str,
+                 parsed: ParsedRequest | None = None) -> ApiError:
     """An engine error on a request that produced nothing, by whose fault it is: a bad field
-    (400 naming it; prompt_param for the prompt as a whole), the engine unavailable (503), or
-    a bug (500)."""
+    (400 naming it, by the API's name for it; prompt_param for the prompt as a whole), the
+    engine unavailable (503), or a bug (500)."""
     message = out.error or f"the request ended with {out.finish_reason}"
     if out.error_kind is ErrorKind.UNAVAILABLE:  # no room now, or lost in a restart
         return ApiError(503, message, None, "service_unavailable",
                         headers={"Retry-After": "1"})
     if out.error_kind is ErrorKind.INTERNAL:
         return ApiError(500, message, None, "server_error")
-    return bad(out.error_param or prompt_param, message)
+    return bad(api_param(out.error_param, parsed) or prompt_param, message)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,6 +23,10 @@ from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.model import PagedLlama, load_model, pack_linears
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
+from stages.grammar import Grammars, SlotGrammars, words_per_row
+
+# A step's grammar work, done while its forward runs: (sampled rows, their slots, bitmask).
+GrammarMask = tuple[np.ndarray, np.ndarray, torch.Tensor] | None
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +49,13 @@ def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -
 
 class SlotState:
     """Per-slot device state shared by every runner: block table, last sample, sampling
-    parameters and penalty counts. Slot max_num_seqs is the padding tokens' (step_inputs):
-    its block table row points at `pad_block`."""
+    parameters and penalty counts, and the matchers of structured outputs. Slot
+    max_num_seqs is the padding tokens' (step_inputs): its block table row points at
+    `pad_block`."""
 
     def __init__(self, limits: EngineLimits, device: torch.device, pin: bool,
-                 pad: bool = False, pad_block: int = 0) -> None:
+                 pad: bool = False, pad_block: int = 0,
+                 grammars: Grammars | None = None) -> None:
         self.device, self.limits, self.pad = device, limits, pad
         n = limits.max_num_seqs
         self.block_table = torch.zeros(n + 1, limits.max_blocks_per_seq, dtype=torch.int32,
@@ -60,6 +67,14 @@ class SlotState:
         # One packed staging buffer per ring slot: rewritten only after its step completed.
         self.staging = [torch.zeros(staging_nbytes(limits), dtype=torch.uint8, pin_memory=pin)
                         for _ in range(limits.num_ring_slots)]
+        # Structured outputs: the matchers, and a bitmask buffer per ring slot (on CUDA, a
+        # step's mask may still be copying while the next step fills its own).
+        self.matchers = SlotGrammars(grammars) if grammars is not None else None
+        self._bitmasks = ([torch.zeros(n, words_per_row(limits.vocab_size), dtype=torch.int32,
+                                       pin_memory=pin) for _ in range(limits.num_ring_slots)]
+                          if grammars is not None else [])
+        self._pending: tuple[np.ndarray, Any] | None = None  # rows sampled, not yet consumed
+        self._grammar_thread: ThreadPoolExecutor | None = None
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return prepare_host_step(plan, ring, self.staging[plan.ring_slot], self.host_params,
@@ -80,20 +95,76 @@ class SlotState:
             self.sampling.count_tokens(ids[real], v["token_slots"][real], v["positions"][real])
         return ids
 
-    def sample(self, step: HostStep, v: dict[str, torch.Tensor],
-               logits: torch.Tensor) -> SampleOutput:
+    def start_grammar(self, step: HostStep) -> Future[GrammarMask] | None:
+        """Start the step's grammar work on a thread of its own, to run while the forward
+        does: the matchers take the tokens sampled last and this step's new slots, then the
+        bitmask of its structured rows is filled. None when no row has a structured output
+        (nothing is done at all)."""
+        m = self.matchers
+        if m is None or not (m or step.plan.grammars or self._pending is not None):
+            return None
+        if self._grammar_thread is None:
+            self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        pending, self._pending = self._pending, None
+        return self._grammar_thread.submit(self._grammar_work, step, pending)
+
+    def _grammar_work(self, step: HostStep, pending: tuple[np.ndarray, Any] | None
+                      ) -> GrammarMask:
+        m = self.matchers
+        assert m is not None
+        if pending is not None:
+            slots, tokens = pending
+            if isinstance(tokens, tuple):  # CUDA: (pinned host copy, its copy event)
+                tokens[1].synchronize()
+                tokens = tokens[0].numpy()
+            m.consume(slots, tokens)
+        given = {g.slot: g for g in step.plan.grammars}
+        for slot in step.new_slots.tolist():
+            g = given.get(slot)
+            m.admit(slot, g.grammar if g else "", g.output_ids if g else ())
+        rows, slots = m.rows(step.sample_slots)
+        if not len(rows):
+            return None
+        return rows, slots, m.fill(slots, self._bitmasks[step.plan.ring_slot])
+
+    def sample(self, step: HostStep, v: dict[str, torch.Tensor], logits: torch.Tensor,
+               grammar_work: Future[GrammarMask] | None = None) -> SampleOutput:
+        """Sample the step's rows; grammar_work: from start_grammar, awaited here (the
+        forward has run meanwhile)."""
         slots = v["sample_slots"]
+        work = grammar_work.result() if grammar_work is not None else None
+        mask = None
+        if work is not None:
+            rows, _, bitmask = work
+            mask = (torch.from_numpy(rows).to(self.device), bitmask.to(self.device,
+                                                                       non_blocking=True))
         out = self.sampling.sample(logits, slots, v["positions"][v["logits_indices"]],
-                                   step.sampling)
+                                   step.sampling, mask)
         self.last_sampled[slots] = out.tokens
+        if work is not None and mask is not None and self.matchers is not None:
+            self._pending = (work[1], _host_copy(out.tokens.index_select(0, mask[0])))
+            self.matchers.mark_failed(step.sample_slots, out.tokens)
         return out
+
+
+def _host_copy(t: torch.Tensor) -> Any:
+    """t on the host: itself as numpy on the CPU; on CUDA a page-locked copy on its way and
+    the event that says it arrived (the grammar thread waits on it, not the host loop)."""
+    if t.device.type == "cpu":
+        return t.numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 class ModelRunner:
     """The real model path: compiled (padded steps, FlexAttention) or eager."""
 
     def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
-                 device: torch.device, compile: bool = False) -> None:
+                 device: torch.device, compile: bool = False,
+                 grammars: Grammars | None = None) -> None:
         self.model, self.limits, self.device = model, limits, device
         dtype = model.model.embed_tokens.weight.dtype
         per_block = kv_bytes_per_block(model, limits.block_size, dtype)
@@ -110,7 +181,7 @@ class ModelRunner:
                                       device=device) for _ in range(model.num_layers)]
         self.compiled = compile
         self.slots = SlotState(limits, device, device.type == "cuda", pad=compile,
-                               pad_block=self.num_blocks if compile else 0)
+                               pad_block=self.num_blocks if compile else 0, grammars=grammars)
         self.compile_stats = (compile_layers(model.model.layers, limits, device) if compile
                               else CompileStats())
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
@@ -129,7 +200,9 @@ class ModelRunner:
                     and torch.backends.mkldnn.is_available())
         if pack:
             pack_linears(model)
-        return cls(model, limits, kv_cache_memory, device, compile)
+        grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0])
+                    if limits.eos_token_ids else None)
+        return cls(model, limits, kv_cache_memory, device, compile, grammars)
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return self.slots.prepare(plan, ring)
@@ -139,6 +212,7 @@ class ModelRunner:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
+        grammar_work = self.slots.start_grammar(step)
         table, block_size = self.slots.block_table, self.limits.block_size
         # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels
         # take a page of rows at once anyway.
@@ -148,7 +222,7 @@ class ModelRunner:
                 else build_attention_metadata(v, step.decode_groups, step.prefills, table,
                                               block_size))
         logits = self.model(ids, v["positions"], self.kv_caches, meta, v["logits_indices"])
-        return self.slots.sample(step, v, logits)
+        return self.slots.sample(step, v, logits, grammar_work)
 
     def execute(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> SampleOutput:
         """prepare + compute, synchronously (tests, the in-process engine)."""

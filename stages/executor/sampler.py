@@ -2,7 +2,8 @@
 
 Every executor slot has its sampling parameters on the device (encoded by
 ipc/sampling.py, set when a sequence takes the slot); a step samples
-all its rows at once: penalties, min_tokens, temperature, top-k/top-p, min-p, then a draw. No
+all its rows at once: a structured output's token mask, penalties, min_tokens, temperature,
+top-k/top-p, min-p, then a draw. No
 Python loop over rows or over the vocabulary; the host only passes which features the step's
 rows use (StepSampling), so a plain greedy batch costs one argmax.
 
@@ -21,6 +22,7 @@ import torch
 
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import GREEDY_SLOT, NUM_F, NUM_I, F, I, penalty_rows
+from stages.grammar import apply_bitmask
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,14 @@ class SamplingState:
         self.output_counts.index_put_((token_slots, ids), 1 - is_prompt, accumulate=True)
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-               flags: StepSampling) -> SampleOutput:
+               flags: StepSampling,
+               grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOutput:
         """logits [X, V] float32 of the sampled rows, their slots [X] and the positions [X]
-        of their last input token -> SampleOutput."""
+        of their last input token -> SampleOutput. grammar: (rows [R], bitmask [R, words])
+        of the rows with a structured output (stages/grammar.py), the tokens each allows."""
         raw = logits
+        if grammar is not None:
+            logits = apply_bitmask(logits, *grammar)
         f, i = self.f[slots], self.i[slots]
         if flags.use_penalties:
             assert self.output_counts is not None and self.prompt_counts is not None

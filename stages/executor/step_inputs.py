@@ -87,6 +87,8 @@ class HostStep:
     prefills: list[PrefillRow]
     sampling: StepSampling
     decode_only: bool  # every row has one query token
+    sample_slots: np.ndarray  # [X] the slot of each sampled row, on the host
+    new_slots: np.ndarray  # [N] slots taken by a new sequence this step
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +150,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
                 for r in np.flatnonzero(q > 1)]
     sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_ids) > 0)
     return HostStep(plan, staging[:nbytes], counts, group_by_length(ctx[decode]), prefills,
-                    sampling, len(decode) == len(q))
+                    sampling, len(decode) == len(q), slots[sampled], step.new_slots)
 
 
 def pad_forward_inputs(forward: dict[str, np.ndarray],

@@ -23,6 +23,7 @@ from ipc.messages import (
     FinishReason,
     RequestRejected,
     SchedulerStats,
+    SlotGrammar,
     TokenDelta,
     TokenizedRequest,
     TokenLogprob,
@@ -119,7 +120,7 @@ class Scheduler:
         start, cost = self._tag_request(req, sender)
         seqs = [Sequence(req.request_id, list(req.prompt_token_ids), p, req.arrival_time,
                          index=i, order=order, tag=start + i * cost, sender=sender,
-                         reply_to=req.reply_to,
+                         reply_to=req.reply_to, grammar=req.grammar,
                          status=SeqStatus.HELD if i else SeqStatus.WAITING) for i in range(p.n)]
         self.requests[req.request_id] = seqs
         self._enqueue(seqs[0])
@@ -193,6 +194,8 @@ class Scheduler:
             validate_params(req.params, lim.vocab_size, lim.priority_range)
         except RequestError as exc:
             return exc.message
+        if (req.params.structured_outputs is not None) != bool(req.grammar):
+            return "a structured output must come with its grammar (from a tokenizer stage)"
         return None
 
     def abort(self, request_id: str) -> None:
@@ -432,6 +435,8 @@ class Scheduler:
         step.new_slots.append((slot, encode_slot(seq.params, len(seq.prompt_ids), seq.index)))
         step.stop_ids += [(slot, t) for t in suppressed_ids(
             seq.params, self.limits.eos_token_ids, len(seq.output_ids))]
+        if seq.grammar:
+            step.grammars.append(SlotGrammar(slot, seq.grammar, list(seq.output_ids)))
 
     def _register_blocks(self, seq: Sequence) -> None:
         """Offer seq's full blocks whose tokens are all known to the prefix cache. Their KV is
@@ -476,6 +481,10 @@ class Scheduler:
             seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
                 continue  # a finished one's extra token is dropped
+            if token < 0:  # the executor could not sample it (its grammar failed)
+                seq.error = "the structured output's grammar failed in the executor"
+                self._finish(seq, FinishReason.ERROR)
+                continue
             seq.output_ids.append(token)
             self.generation_tokens += 1
             k = seq.params.logprobs
@@ -572,7 +581,8 @@ class Scheduler:
                 continue
             logprobs = seq.output_logprobs[start:] if seq.params.logprobs is not None else None
             deltas.append(TokenDelta(
-                seq.request_id, new, seq.finish_reason if finished else None, None, seq.index,
+                seq.request_id, new, seq.finish_reason if finished else None,
+                seq.error if finished else None, seq.index,
                 logprobs, max(seq.num_cached_tokens, 0), seq.stop_token))
         out = StepOutputs(self._new_infos, deltas, self._rejected)
         self._new_infos, self._rejected, self._touched = [], [], {}

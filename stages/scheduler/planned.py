@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.messages import StepPlan
+from ipc.messages import SlotGrammar, StepPlan
 from ipc.step import NewSlot, write_step
 from stages.scheduler.sequence import Sequence
 
@@ -28,6 +28,7 @@ class PlannedStep:
     block_updates: list[tuple[int, int, int]] = field(default_factory=list)  # slot, index, block
     new_slots: list[NewSlot] = field(default_factory=list)  # sequences taking a slot
     stop_ids: list[tuple[int, int]] = field(default_factory=list)  # (slot, id) min_tokens masks
+    grammars: list[SlotGrammar] = field(default_factory=list)  # new slots with a grammar
     members: set[Sequence] = field(default_factory=set)  # sequences planned in this step
     is_starved: bool = False  # a running sequence could not get blocks
     has_preempted: bool = False
@@ -46,4 +47,5 @@ class PlannedStep:
             seq_slots=[r.seq.slot for r in rows],  # type: ignore[misc]
             query_lens=[len(r.token_ids) for r in rows],
             context_lens=[r.context_len for r in rows], do_sample=[r.do_sample for r in rows],
-            block_updates=self.block_updates, new_slots=self.new_slots, stop_ids=self.stop_ids)
+            block_updates=self.block_updates, new_slots=self.new_slots, stop_ids=self.stop_ids,
+            grammars=self.grammars)

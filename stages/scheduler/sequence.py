@@ -64,6 +64,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token: int | None = None  # the stop token id that finished it, if one did
     num_sent: int = 0  # output tokens already handed to the detokenizer
+    grammar: str = ""  # its structured output as grammar text (stages/grammar.py)
+    error: str | None = None  # why it finished with an error, if it did
 
     def move_to(self, status: SeqStatus) -> None:
         if status not in _TRANSITIONS[self.status]:
