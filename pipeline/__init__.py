@@ -17,12 +17,30 @@ _EXPORTS = {
     "SchedulerConfig": "ipc.config",
     "ExecutorConfig": "ipc.config",
     "SamplingParams": "ipc.messages",
+    "StructuredOutputs": "ipc.messages",
     "ChatMessage": "ipc.messages",
 }
 
 
+def _version() -> str:
+    """The installed distribution's version, or the checkout's pyproject.toml's."""
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        return metadata.version("llm-pipeline")
+    except metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        for line in pyproject.read_text().splitlines():
+            if line.startswith("version ="):
+                return line.split("=", 1)[1].strip().strip('"')
+        return "unknown"
+
+
 def __getattr__(name: str) -> Any:
     """Imported on first use, so `python -m pipeline.tools.x` does not load the launcher."""
+    if name == "__version__":
+        return _version()
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
     import importlib

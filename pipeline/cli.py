@@ -23,7 +23,7 @@ from ipc.config import (
     SchedulerConfig,
     parse_bytes,
 )
-from ipc.messages import ChatMessage, SamplingParams, TokenLogprob
+from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
 from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError
 
 DEMO_PROMPTS = [
@@ -107,6 +107,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="requests at once per API key and per client address (0: off)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="answer 503 while this many sequences wait in the scheduler")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="CORS: comma-separated origins that browsers may call the API from, "
+                        "or '*' for any (default: none, CORS off)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -133,11 +136,47 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority", type=int, default=0,
                    help="lower is served first, within --priority-range")
     g.add_argument("--user", default="", help="who the requests are for (fair sharing)")
+    s = p.add_argument_group("structured output (at most one; TEXT or @FILE)")
+    s.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                   help="the output is JSON valid under this JSON Schema")
+    s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    s.add_argument("--regex", default=None, help="the output matches this regular expression")
+    s.add_argument("--choice", action="append", default=None,
+                   help="the output is one of these strings; repeatable")
+    s.add_argument("--grammar", default=None, help="the output follows this Lark grammar")
+
+
+def _text_or_file(value: str | None, flag: str) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {value[1:]}: {exc.strerror}") from None
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
+    so = StructuredOutputs(json=_text_or_file(args.json_schema, "--json-schema"),
+                           regex=_text_or_file(args.regex, "--regex"), choice=args.choice,
+                           grammar=_text_or_file(args.grammar, "--grammar"),
+                           json_object=args.json_object)
+    if so.json is not None:
+        try:
+            json.loads(so.json)
+        except ValueError as exc:
+            raise ConfigError(f"--json-schema is not valid JSON: {exc}") from None
+    kinds = so.kinds()
+    if len(kinds) > 1:
+        raise ConfigError("give at most one structured output, not --"
+                          + " and --".join(k.replace("_", "-") for k in kinds))
+    return so if kinds else None
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{f.name: getattr(args, f.name)
-                             for f in dataclasses.fields(SamplingParams)})
+                             for f in dataclasses.fields(SamplingParams)
+                             if f.name != "structured_outputs"},
+                          structured_outputs=structured_outputs(args))
 
 
 def listen_host(host: str | None) -> str:

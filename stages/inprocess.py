@@ -44,12 +44,20 @@ class InProcessEngine:
         results = self.run([(str(i), ids, params) for i, ids in enumerate(prompts)])
         return [results[str(i), 0].token_ids for i in range(len(prompts))]
 
+    def _grammar(self, params: SamplingParams) -> str:
+        """As the tokenizer stage does: the structured output's grammar text."""
+        matchers = self.runner.slots.matchers
+        if params.structured_outputs is None or matchers is None:
+            return ""
+        return matchers.grammars.grammar(params.structured_outputs)
+
     def run(self, requests: list[tuple[str, list[int], SamplingParams]]
             ) -> dict[tuple[str, int], SampleResult]:
         """Run requests (id, prompt ids, params) to the end; results by (id, sample index)."""
         results: dict[tuple[str, int], SampleResult] = {}
         for rid, ids, params in requests:
-            self.scheduler.add_request(TokenizedRequest(rid, "", ids, params, 0.0))
+            self.scheduler.add_request(TokenizedRequest(rid, "", ids, params, 0.0,
+                                                        self._grammar(params)))
             for i in range(params.n):
                 results[rid, i] = SampleResult(i)
         inflight: deque = deque()

@@ -13,6 +13,7 @@ from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
 from ipc.messages import (
     AddRequest,
+    ChatMessage,
     ErrorKind,
     Reconcile,
     RequestOutput,
@@ -87,15 +88,19 @@ class TokenizerCore:
 
     def _chat_ids(self, req: AddRequest) -> list[int]:
         assert req.messages is not None
-        if not req.messages:
+        return self.chat_ids(req.messages)
+
+    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant's turn."""
+        if not messages:
             raise RequestError("messages is empty")
-        for m in req.messages:
+        for m in messages:
             if m.role not in CHAT_ROLES:
                 raise RequestError(f"unknown chat role {m.role!r} (use one of {CHAT_ROLES})")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template; send a plain prompt")
         text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in req.messages],
+            [{"role": m.role, "content": m.content} for m in messages],
             tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen[str], url: str, model: str) -> None:
-        self.proc, self.url, self.model = proc, url, model
+    def __init__(self, proc: subprocess.Popen[str], url: str, model_dir: Path) -> None:
+        self.proc, self.url, self.model = proc, url, model_dir.name
+        self.model_dir = model_dir
 
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -70,7 +71,7 @@ def serve(model: Path, *args: str) -> Iterator[Server]:
             assert time.monotonic() < deadline, "the server did not start"
         else:
             raise AssertionError(f"the server exited with {proc.wait()}")
-        server = Server(proc, f"http://127.0.0.1:{port}", model.name)
+        server = Server(proc, f"http://127.0.0.1:{port}", model)
         pids = [p.pid for p in server.descendants()]
         yield server
     finally:

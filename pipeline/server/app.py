@@ -4,8 +4,9 @@ listening socket and share one pipeline, each through its own PipelineClient, so
 one more client of the engine, not a way around it.
 
 Routes: POST /v1/completions and /v1/chat/completions (plain JSON or server-sent events),
-GET /v1/models, GET /health (200 only while every stage runs and answers), GET /metrics
-(Prometheus). A request whose client disconnects is aborted in the engine.
+GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /version, GET /health (200 only
+while every stage runs and answers), GET /metrics (Prometheus). A request whose client
+disconnects is aborted in the engine. With allowed_origins, browsers may call it (CORS).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ipc.params import RequestError
 from pipeline.runtime.client import PipelineClient
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
@@ -36,6 +39,8 @@ from pipeline.server.openai_api import (
     new_id,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
     shutting_down,
 )
 
@@ -52,6 +57,7 @@ class ServerOptions:
     rate_limit_rps: float = 0.0  # per API key and per client address; 0: off
     rate_limit_concurrent: int = 0  # requests at once, per key and per address; 0: off
     max_waiting: int = 1024  # sequences waiting in the scheduler before new requests get 503
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
 
 
 
@@ -85,10 +91,16 @@ def parse_json_body(data: bytes) -> dict[str, Any]:
 class FrontEnd:
     """The handlers, around one PipelineClient."""
 
-    def __init__(self, client: PipelineClient, options: ServerOptions, vocab_size: int) -> None:
+    def __init__(self, client: PipelineClient, options: ServerOptions, vocab_size: int,
+                 model_dir: str | None = None) -> None:
+        """model_dir: the model's folder, for /tokenize and /detokenize (its tokenizer is
+        loaded on their first use)."""
         from pipeline.server import metrics  # after PROMETHEUS_MULTIPROC_DIR is set
 
         self.client, self.options, self.vocab_size = client, options, vocab_size
+        self.model_dir = model_dir
+        self._tokenizer: Any = None
+        self._tokenizer_lock = asyncio.Lock()
         self.metrics: Any = metrics
         workers = max(1, options.api_workers)
         self.limiter = RateLimiter(options.rate_limit_rps / workers,
@@ -118,6 +130,10 @@ class FrontEnd:
         read or anything else is done: refusals stay fast under a flood) and counted here,
         the rest is Starlette's."""
         routes = self._routes()
+        if self.options.allowed_origins:  # answers preflights before anything else sees them
+            routes = CORSMiddleware(routes, allow_origins=list(self.options.allowed_origins),
+                                    allow_methods=["GET", "POST"], allow_headers=["*"],
+                                    expose_headers=["x-request-id"])
 
         async def asgi(scope: Any, receive: Any, send: Any) -> None:
             path = scope.get("path") if scope["type"] == "http" else None
@@ -153,6 +169,9 @@ class FrontEnd:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
         ], exception_handlers={ApiError: self._api_error})  # type: ignore[dict-item]
@@ -178,6 +197,62 @@ class FrontEnd:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": self.created,
             "owned_by": "llm-pipeline", "max_model_len": self.client.max_model_len}]})
+
+    async def version(self, request: Request) -> Response:
+        import pipeline
+
+        return JSONResponse({"version": pipeline.__version__})
+
+    async def _core(self) -> Any:
+        """The tokenizer stage's core (the same template and checks), loaded on first use."""
+        if self.model_dir is None:
+            raise ApiError(501, "this front end has no tokenizer (no model folder given)",
+                           None, "server_error")
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from stages.tokenizer import TokenizerCore
+
+                self._tokenizer = await asyncio.to_thread(
+                    TokenizerCore, self.model_dir, self.client.max_model_len, self.vocab_size)
+        return self._tokenizer
+
+    async def tokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._read_json(request)
+        self._check_model(body)
+        req = parse_tokenize(body)
+        core = await self._core()
+        try:
+            if req.messages is not None:
+                ids = core.chat_ids(req.messages)
+            else:
+                ids = list(core.tokenizer(req.prompt,
+                                          add_special_tokens=req.add_special_tokens)["input_ids"])
+        except RequestError as exc:
+            raise bad(exc.param or ("messages" if req.messages else "prompt"),
+                      exc.message) from None
+        return JSONResponse({"count": len(ids), "max_model_len": self.client.max_model_len,
+                             "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._read_json(request)
+        self._check_model(body)
+        tokens = parse_detokenize(body, self.vocab_size)
+        core = await self._core()
+        return JSONResponse({"prompt": core.tokenizer.decode(tokens)})
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        """`model` may be left out (one model is served); if given it must be this one."""
+        model = body.get("model")
+        if model is None:
+            return
+        if not isinstance(model, str):
+            raise bad("model", "model must be a string naming the model (see GET /v1/models)")
+        if model != self.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server has "
+                                f"{self.model!r}", "model", "invalid_request_error",
+                           "model_not_found")
 
     # ------------------------------------------------------------ generation routes
 
@@ -261,13 +336,7 @@ class FrontEnd:
 
     async def _run(self, request: Request, chat: bool) -> Response:
         body = await self._read_json(request)
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise bad("model", "model must be a string naming the model (see GET /v1/models)")
-        if model != self.model:
-            raise ApiError(404, f"the model {model!r} does not exist; this server has "
-                                f"{self.model!r}", "model", "invalid_request_error",
-                           "model_not_found")
+        self._check_model(body)
         parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
         # The scheduler shares the engine fairly between senders: here, each client address
         # and the user it names (OpenAI's `user`).

@@ -400,7 +400,7 @@ def _message_text(content: Any, where: str) -> str:
     raise bad(f"{where}.content", "content must be a string or an array of text parts")
 
 
-def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
+def parse_messages(body: dict[str, Any]) -> list[ChatMessage]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty array")
@@ -413,11 +413,49 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"{where}.role", f"role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         chat.append(ChatMessage(CHAT_ROLES[role], _message_text(m.get("content"), where)))
+    return chat
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
+    chat = parse_messages(body)
     params, lp_param, so_param = parse_sampling(body, chat=True)
     check_params(params, vocab_size, lp_param)
     stream = _get(body, "stream", (bool,), False)
     return ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param,
                          so_param)
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the template."""
+
+    prompt: str | None
+    messages: list[ChatMessage] | None
+    add_special_tokens: bool
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
+    check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
+                                  "add_generation_prompt"}))
+    if _get(body, "add_generation_prompt", (bool,), True) is not True:
+        raise bad("add_generation_prompt", "add_generation_prompt must be true (the only "
+                                           "template this server applies)")
+    add_special = _get(body, "add_special_tokens", (bool,), True)
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("prompt", "give exactly one of prompt and messages")
+    if "prompt" in body:
+        return TokenizeRequest(_get(body, "prompt", (str,), ""), None, add_special)
+    return TokenizeRequest(None, parse_messages(body), add_special)
+
+
+def parse_detokenize(body: dict[str, Any], vocab_size: int) -> list[int]:
+    check_fields(body, frozenset({"model", "tokens"}))
+    tokens = _int_list(body, "tokens")
+    bad_ids = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad_ids:
+        raise bad("tokens", f"token ids {bad_ids[:5]} are outside the vocabulary "
+                            f"[0, {vocab_size})")
+    return tokens
 
 
 # ---------------------------------------------------------------- responses

@@ -41,7 +41,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         host=args.host, port=args.port, api_key=args.api_key,
         api_workers=args.api_workers, max_body_bytes=parse_bytes(args.max_body_bytes),
         rate_limit_rps=args.rate_limit_rps, rate_limit_concurrent=args.rate_limit_concurrent,
-        max_waiting=args.max_waiting)
+        max_waiting=args.max_waiting,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
 
 
 def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
@@ -60,7 +61,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
     def start_worker(rank: int) -> mp.process.BaseProcess:
         w = ctx.Process(target=run_api_worker, name=f"llm-pipeline:api:{rank}",
                         args=(run_dir, options, pipe.cfg.model.vocab_size, rank, os.getpid(),
-                              sock))
+                              sock, pipe.cfg.model.path))
         w.start()
         return w
 

@@ -28,7 +28,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: int,
-                   parent_pid: int, sock: socket.socket) -> None:
+                   parent_pid: int, sock: socket.socket, model_dir: str | None = None) -> None:
     """Entry of one front-end worker process (spawned by `run_pipeline serve`)."""
     try:
         from setproctitle import setproctitle
@@ -38,7 +38,7 @@ def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: 
         pass
     client = PipelineClient.connect(run_dir)
     client.wait_for_status()  # so that /health and the first requests know how things stand
-    front = FrontEnd(client, options, vocab_size)
+    front = FrontEnd(client, options, vocab_size, model_dir)
     config = uvicorn.Config(front.app(), loop="uvloop", http="httptools", lifespan="off",
                             log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
