@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -51,18 +53,26 @@ class Grammars:
         self.model_dir, self.vocab_size, self.eos_token_id = model_dir, vocab_size, eos_token_id
         self._hf = hf_tokenizer  # the process's own, if it has one loaded
         self._tokenizer: Any = None
+        self._lock = threading.Lock()
         self._templates: OrderedDict[str, Any] = OrderedDict()
+
+    def warm(self) -> None:
+        """Build the token table on a thread now, so the first structured request does not
+        wait for it (a stage calls this once it has started)."""
+        threading.Thread(target=lambda: self.tokenizer, name="grammar-warm",
+                         daemon=True).start()
 
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            import llguidance.hf
-            from transformers import AutoTokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+                from transformers import AutoTokenizer
 
-            hf = self._hf or AutoTokenizer.from_pretrained(self.model_dir)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_id)
-        return self._tokenizer
+                hf = self._hf or AutoTokenizer.from_pretrained(self.model_dir)
+                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                               eos_token=self.eos_token_id)
+            return self._tokenizer
 
     def grammar(self, so: StructuredOutputs) -> str:
         """The grammar text of `so`, checked against the model's tokens; RequestError naming
@@ -112,22 +122,36 @@ def words_per_row(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: row v is what byte value v adds to its 8 tokens' logits: 0 where bit i is
+    set (allowed), -inf where it is clear."""
+    table = _BYTE_BIAS.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, float("-inf"))
+        table = _BYTE_BIAS[device, dtype] = table.to(device)
+    return table
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor,
                   bitmask: torch.Tensor) -> torch.Tensor:
     """logits [X, V] with, in rows `rows` [R], every token whose bit is clear in bitmask
     [R, ceil(V / 32)] int32 set to -inf (bit j of word k: token 32k + j, llguidance's layout).
-    A new tensor (the raw logits stay, for logprobs); plain tensor code, on any device."""
-    shifts = _SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32,
-                                                       device=logits.device)
+    A new tensor (the raw logits stay, for logprobs); plain tensor code, on any device.
+
+    Read as bytes (little-endian: byte m of a row covers tokens 8m..8m+7), each byte picks
+    its 8 tokens' row of a 256-entry bias table, and the bias is added: 10x faster on this
+    CPU than unpacking bits into a boolean mask for masked_fill (0.3 against 3 ms at 32
+    rows of 49,152)."""
+    assert sys.byteorder == "little"
     vocab = logits.shape[1]
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    table = _byte_bias(logits.device, logits.dtype)
+    index = bitmask.contiguous().view(torch.uint8).view(-1).long()
+    bias = table.index_select(0, index).view(len(rows), -1)[:, :vocab]
+    return logits.index_copy(0, rows, logits.index_select(0, rows) + bias)
 
 
 class SlotGrammars:
@@ -189,12 +213,10 @@ class SlotGrammars:
         """The bitmask [len(slots), words] of the next token of each slot, in the first rows
         of buffer (host memory). A stopped or failed matcher allows EOS only (its row is
         dropped anyway)."""
-        import llguidance.torch
-
-        llg = _llguidance()
         if self._executor is None:
-            self._executor = llg.LLExecutor()
+            self._executor = _llguidance().LLExecutor(1)
         mask = buffer[:len(slots)]
+        assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
         live = []
         for i, slot in enumerate(slots.tolist()):
             matcher = self.matchers[slot]
@@ -204,8 +226,9 @@ class SlotGrammars:
                 mask[i, eos // 32] = _bit(eos % 32)
             else:
                 live.append((matcher, i))
-        if live:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, mask)
+        if live:  # (not llguidance.torch's wrapper of this: importing it takes 1.4 s)
+            self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), mask.shape[1] * 4,
+                                                   len(slots))
         return mask
 
     def mark_failed(self, slots: np.ndarray, tokens: torch.Tensor) -> None:

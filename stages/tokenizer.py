@@ -144,6 +144,8 @@ def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int, tcp_port: int
                                    secret=cfg.run_secret)
         replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
         ctx.ready(**listen_tcp(inbox, cfg.listen_host, tcp_port))
+        if core.grammars is not None:
+            core.grammars.warm()
         while not ctx.stop.is_set():
             req = inbox.recv_valid(100, lambda exc: _reject_malformed(replies, exc))
             if req is None:

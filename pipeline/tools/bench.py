@@ -1,10 +1,13 @@
 """Benchmarks behind `scripts/bench`. `overlap`: the same workload through the whole pipeline,
 synchronous (one step in flight) then overlapped (run-ahead), measured from the stages' own
-timelines: device idle fraction over the steady decode phase, step time, output tok/s."""
+timelines: device idle fraction over the steady decode phase, step time, output tok/s. With
+`--structured`, the same again with every request under a JSON Schema, interleaved: what a
+structured output costs the device and the overlap."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -17,7 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig, parse_bytes
-from ipc.messages import SamplingParams
+from ipc.messages import SamplingParams, StructuredOutputs
+
+# bench overlap --structured: a JSON document that cannot end before --output-len tokens
+# (1000 records at least), so every request decodes as long as an unconstrained one.
+RECORDS_SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 1000, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+                       "kind": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"}},
+        "required": ["id", "name", "kind", "ok"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False,
+}
 
 
 @dataclass
@@ -64,18 +79,22 @@ def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
 
 
-def run_once(args: argparse.Namespace, depth: int) -> RunResult:
+def run_once(args: argparse.Namespace, depth: int, structured: bool = False) -> RunResult:
     from pipeline.runtime.launcher import Pipeline
 
     vocab = ModelInfo.from_dir(args.model_dir).vocab_size
     prompts = [[(7 + 31 * i + 17 * j) % (vocab - 10) + 5 for j in range(args.input_len)]
                for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    if structured:
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0,
+                                structured_outputs=StructuredOutputs(json=RECORDS_SCHEMA))
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = os.path.join(tmp, "trace.json")
         with Pipeline(bench_config(args, depth), trace_path=trace_path) as pipe:
             client = pipe.client()
-            client.generate([prompts[0][:4]], SamplingParams(max_tokens=2))  # warm up
+            warm = dataclasses.replace(params, max_tokens=2)
+            client.generate([prompts[0][:4]], warm)  # warm up (and the grammars, if any)
             start = time.perf_counter()
             outs = client.generate(prompts, params)  # type: ignore[arg-type]
             seconds = time.perf_counter() - start
@@ -123,9 +142,13 @@ def overlap(args: argparse.Namespace) -> int:
         from pipeline.tools.model_cache import ensure_default_model
 
         args.model_dir = str(ensure_default_model())
-    pairs = []
+    pairs, structured_pairs = [], []
     for _ in range(args.repeat):  # interleaved, so slow drifts of a shared machine cancel out
         pairs.append((run_once(args, depth=1), run_once(args, depth=2)))
+        if args.structured:
+            structured_pairs.append((run_once(args, 1, True), run_once(args, 2, True)))
+    if structured_pairs:
+        _print_structured(pairs, structured_pairs)
     sync = _median_run([p[0] for p in pairs])
     fast = _median_run([p[1] for p in pairs])
     identical = all(p[0].token_ids == pairs[0][0].token_ids == p[1].token_ids for p in pairs)
@@ -159,6 +182,25 @@ def overlap(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
+def _print_structured(plain: list[tuple[RunResult, RunResult]],
+                      structured: list[tuple[RunResult, RunResult]]) -> None:
+    """Plain and structured (every request under RECORDS_SCHEMA), sync and async: medians,
+    and the structured/plain ratio of paired runs."""
+    print("structured outputs: every request under a JSON Schema (RECORDS_SCHEMA) against the "
+          "same load unconstrained, interleaved")
+    print(f"{'':12}{'tok/s':>10}{'idle':>9}{'step ms':>9}   (medians)")
+    for name, runs in (("plain", plain), ("structured", structured)):
+        for side, k in (("sync", 0), ("async", 1)):
+            r = _median_run([p[k] for p in runs])
+            print(f"{name[:6] + ' ' + side:12}{r.output_tok_s:>10.1f}"
+                  f"{r.device_idle_frac:>9.2%}{r.mean_step_ms:>9.2f}")
+    for side, k in (("sync", 0), ("async", 1)):
+        ratio = statistics.median(s[k].output_tok_s / p[k].output_tok_s
+                                  for p, s in zip(plain, structured, strict=True))
+        print(f"structured / plain tok/s, {side}: {ratio:.3f}")
+    print()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PNG|DIR",
                    help="timeline PNG (a folder: device_timeline.png in it); default: the "
                         "JSON path with .png")
+    p.add_argument("--structured", action="store_true",
+                   help="also run every request under a JSON Schema (interleaved), and "
+                        "compare")
     p.set_defaults(func=overlap)
     add_throughput_parser(sub)
     add_serve_parser(sub)

@@ -68,6 +68,8 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         device = make_device(runner, rings.sampled, Reporter(ctx, cfg.sampled_address,
                                                              cfg.run_secret))
         ctx.ready(num_kv_blocks=runner.num_blocks)
+        if runner.slots.matchers is not None:
+            runner.slots.matchers.grammars.warm()
         try:
             device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device), ctx.stop)
         finally:

@@ -36,6 +36,7 @@ class Runner(Protocol):
 
     device: torch.device
     num_blocks: int
+    slots: SlotState
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep: ...
 
