@@ -124,9 +124,32 @@ class SamplingParams(Struct):
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall(Struct):
+    """A function call an assistant message made (OpenAI's `tool_calls` entry)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage(Struct):
+    """role: system, user, assistant or tool (a tool's result, answering tool_call_id)."""
+
     role: str
     content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec(Struct):
+    """A function the model may call: its name, what it does, its parameters' JSON Schema
+    (as JSON text)."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
 
 
 # ---------------------------------------------------------------- client -> tokenizer
@@ -144,6 +167,7 @@ class AddRequest(Message):
     messages: list[ChatMessage] | None
     params: SamplingParams
     arrival_time: float
+    tools: list[ToolSpec] = field(default_factory=list)  # shown to the model with messages
 
 
 # ---------------------------------------------------------------- client -> scheduler

@@ -19,14 +19,15 @@ from ipc.messages import (
     RequestOutput,
     RequestOutputs,
     TokenizedRequest,
+    ToolSpec,
 )
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
+from stages.chat_template import render
 from stages.grammar import Grammars
 from stages.process import stage_process
 from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
-CHAT_ROLES = ("system", "user", "assistant")
 
 
 class TokenizerCore:
@@ -77,6 +78,8 @@ class TokenizerCore:
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
         if sum(given) != 1:
             raise RequestError("give exactly one of prompt, prompt_token_ids, messages")
+        if req.tools and req.messages is None:
+            raise RequestError("tools come with messages (a chat), not with a prompt", "tools")
         if req.prompt is not None:
             return list(self.tokenizer(req.prompt)["input_ids"])
         if req.prompt_token_ids is not None:
@@ -88,20 +91,13 @@ class TokenizerCore:
 
     def _chat_ids(self, req: AddRequest) -> list[int]:
         assert req.messages is not None
-        return self.chat_ids(req.messages)
+        return self.chat_ids(req.messages, req.tools)
 
-    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """A conversation through the model's chat template, ready for the assistant's turn."""
-        if not messages:
-            raise RequestError("messages is empty")
-        for m in messages:
-            if m.role not in CHAT_ROLES:
-                raise RequestError(f"unknown chat role {m.role!r} (use one of {CHAT_ROLES})")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestError("this model has no chat template; send a plain prompt")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            tokenize=False, add_generation_prompt=True)
+    def chat_ids(self, messages: list[ChatMessage], tools: list[ToolSpec] | None = None
+                 ) -> list[int]:
+        """A conversation (and the tools it may call) through the model's chat template,
+        ready for the assistant's turn (stages/chat_template.py)."""
+        text = render(self.tokenizer, messages, tools or [])
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

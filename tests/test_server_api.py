@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -20,8 +19,13 @@ ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
-    with serve(tiny_model_dir, "--allowed-origins", ORIGIN) as s:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model with a context long enough for tool descriptions (its tokenizer takes
+    about a token per character)."""
+    from tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-long"), max_len=2048)
+    with serve(model, "--allowed-origins", ORIGIN) as s:
         yield s
 
 
@@ -162,3 +166,102 @@ def test_cors_only_for_the_allowed_origins(server: Server) -> None:
     assert "access-control-allow-origin" not in preflight("https://evil.example").headers
     r = httpx.get(f"{server.url}/v1/models", headers={"Origin": ORIGIN}, timeout=10)
     assert r.headers["access-control-allow-origin"] == ORIGIN
+
+
+# ---------------------------------------------------------------- tool calls
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 10},
+    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def calls_of(message) -> list[tuple[str, dict]]:  # type: ignore[no-untyped-def]
+    out = []
+    for call in message.tool_calls or []:
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+        assert call.id.startswith("call_") and call.type == "function"
+        out.append((call.function.name, args))
+    return out
+
+
+@pytest.mark.parametrize("choice, names", [
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ("required", {"get_weather", "get_time"}),
+])
+def test_required_and_named_tool_calls_always_parse(server: Server, choice, names) -> None:
+    client = openai_client(server)
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model=server.model, messages=ASK, tools=TOOLS, tool_choice=choice,
+            parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed)
+        message = r.choices[0].message
+        calls = calls_of(message)
+        assert len(calls) == 1 and calls[0][0] in names and message.content is None
+        assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}},
+                                    "required"])
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(server: Server,
+                                                                  choice) -> None:
+    client = openai_client(server)
+    kwargs = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice=choice,
+                  max_tokens=200, temperature=1.0, seed=11)
+    whole = calls_of(client.chat.completions.create(**kwargs).choices[0].message)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice_delta in chunk.choices:
+            finish = choice_delta.finish_reason or finish
+            assert not choice_delta.delta.content
+            for d in choice_delta.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+                call["id"] = call["id"] or d.id
+                if d.function and d.function.name:
+                    call["name"] = d.function.name
+                if d.function and d.function.arguments:
+                    call["arguments"] += d.function.arguments
+    streamed = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+    assert streamed == whole and all(c["id"] for c in calls.values())
+    assert finish == "tool_calls"
+
+
+def test_a_conversation_with_tool_calls_and_results(server: Server) -> None:
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    r = openai_client(server).chat.completions.create(
+        model=server.model, messages=history, tools=TOOLS, max_tokens=5, temperature=0.0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    bad_call = post(server, "/v1/chat/completions", {
+        "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function",
+                                                        "function": {"name": "nope"}}})
+    assert bad_call.status_code == 400 and bad_call.json()["error"]["param"] == (
+        "tool_choice.function.name")
+    no_id = post(server, "/v1/chat/completions", {
+        "messages": ASK + [{"role": "tool", "content": "x"}], "max_tokens": 2})
+    assert no_id.status_code == 400 and "tool_call_id" in no_id.json()["error"]["param"]
+
+
+def test_langchain_bind_tools_and_function_calling(server: Server) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=server.model,
+                     max_tokens=200, temperature=1.0, seed=2, max_retries=0)
+    answer = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Oslo?")
+    assert [c["name"] for c in answer.tool_calls] == ["get_weather"]
+    jsonschema.validate(answer.tool_calls[0]["args"], WEATHER)
+    weather = llm.with_structured_output(
+        {"title": "get_weather", "description": "Weather now", **WEATHER}).invoke("Oslo?")
+    jsonschema.validate(weather, WEATHER)

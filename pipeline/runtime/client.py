@@ -44,6 +44,7 @@ from ipc.messages import (
     SamplingParams,
     SchedulerStats,
     TokenLogprob,
+    ToolSpec,
 )
 from ipc.outputs import SampleResult
 from ipc.params import MAX_RECONCILE_IDS
@@ -182,12 +183,14 @@ class CompletionOutput:
 
 
 def make_add_request(request_id: str, reply_to: str, prompt: Prompt,
-                     params: SamplingParams) -> AddRequest:
+                     params: SamplingParams, tools: Sequence[ToolSpec] = ()) -> AddRequest:
+    """tools: the functions a chat's model may call (shown to it through the template)."""
+    now, tools = time.time(), list(tools)
     if isinstance(prompt, str):
-        return AddRequest(request_id, reply_to, prompt, None, None, params, time.time())
+        return AddRequest(request_id, reply_to, prompt, None, None, params, now, tools)
     if prompt and all(isinstance(m, ChatMessage) for m in prompt):
-        return AddRequest(request_id, reply_to, None, None, list(prompt), params, time.time())  # type: ignore[arg-type]
-    return AddRequest(request_id, reply_to, None, list(prompt), None, params, time.time())  # type: ignore[arg-type]
+        return AddRequest(request_id, reply_to, None, None, list(prompt), params, now, tools)  # type: ignore[arg-type]
+    return AddRequest(request_id, reply_to, None, list(prompt), None, params, now, tools)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -350,10 +353,10 @@ class PipelineClient:
         return routed
 
     def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None,
-                deliver: Callable[[RequestOutput], Any]) -> str:
+                deliver: Callable[[RequestOutput], Any], tools: Sequence[ToolSpec] = ()) -> str:
         request_id = request_id or uuid.uuid4().hex
         self._check_open()
-        msg = make_add_request(request_id, self.reply_to, prompt, params)
+        msg = make_add_request(request_id, self.reply_to, prompt, params, tools)
         # The route and the send under one lock: a Reconcile either follows this request on
         # its socket or does not name it (see _reconcile).
         with self._send_lock:
@@ -435,13 +438,15 @@ class PipelineClient:
     # ------------------------------------------------------------ streaming API
 
     async def stream(self, prompt: Prompt, params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, tools: Sequence[ToolSpec] = ()
+                     ) -> AsyncIterator[RequestOutput]:
         """Yield one request's deltas as they come (each names its sample: `index`), until
-        every sample has finished. Leaving the loop early aborts the request."""
+        every sample has finished. Leaving the loop early aborts the request. tools: the
+        functions a chat's model may call."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = self._submit(prompt, params, request_id,
-                           lambda out: loop.call_soon_threadsafe(inbox.put_nowait, out))
+                           lambda out: loop.call_soon_threadsafe(inbox.put_nowait, out), tools)
         remaining = max(params.n, 1)
         finished = False
         try:

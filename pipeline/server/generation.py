@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from pipeline.server.openai_api import (
     shutting_down,
     usage_chunk,
 )
+from pipeline.server.tools import ToolStream
 
 if TYPE_CHECKING:
     from pipeline.server.app import FrontEnd
@@ -54,8 +56,9 @@ class Generation:
         self.latency = front.metrics.LatencyRecorder()
 
     async def _feed(self, i: int) -> None:
+        tools = self.parsed.tools.tools if self.parsed.tools is not None else ()
         stream = self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
-                                          f"{self.rid}-{i}")
+                                          f"{self.rid}-{i}", tools)
         try:
             async with contextlib.aclosing(stream):  # closed (so aborted) however this ends
                 async for out in stream:
@@ -149,7 +152,7 @@ class Generation:
                            "server_error")
         p = self.parsed
         return response_json(self.rid, self.front.model, p.chat, choices, sum(self.prompt_tokens),
-                             p.params.logprobs is not None, sum(self.cached_tokens))
+                             p.params.logprobs is not None, sum(self.cached_tokens), p.tools)
 
     async def sse(self) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
@@ -158,6 +161,7 @@ class Generation:
         want_lp = p.params.logprobs is not None
         completion_tokens = 0
         offsets: dict[int, int] = {}
+        tool_streams: dict[int, ToolStream] = {}
         try:
             if p.chat:
                 for c in range(len(p.prompts) * self.n):
@@ -169,6 +173,10 @@ class Generation:
                     yield _event(ApiError(500, out.error, None, "server_error").body())
                     continue
                 if not (out.text or out.token_ids or out.finished):
+                    continue
+                if p.tools is not None:
+                    for chunk in self._tool_chunks(tool_streams, c, out, want_lp, created):
+                        yield _event(chunk)
                     continue
                 yield _event(chunk_json(self.rid, self.front.model, p.chat, c, out, want_lp,
                                         created, text_offset=offsets.get(c, 0)))
@@ -183,6 +191,34 @@ class Generation:
             yield "data: [DONE]\n\n"
         finally:
             self.cancel()  # a disconnected client lands here: its requests are aborted
+
+
+    def _tool_chunks(self, streams: dict[int, ToolStream], c: int, out: RequestOutput,
+                     want_lp: bool, created: int) -> list[dict[str, Any]]:
+        """A tool-calling choice's chunks for one output: content or argument deltas as
+        they can be told apart, the calls once complete, then the finish."""
+        p = self.parsed
+        stream = streams.setdefault(c, ToolStream(p.tools))
+        deltas = stream.feed(out.text)
+        reason = None
+        if out.finished:
+            more, reason = stream.finish(out.finish_reason)
+            deltas += more
+        # The output's logprobs go with its first chunk (held text reports them too).
+        first = dataclasses.replace(out, finished=False, finish_reason=None)
+        bare = dataclasses.replace(first, logprobs=None)
+        chunks = [chunk_json(self.rid, self.front.model, True, c, bare if k else first,
+                             want_lp and not k, created, delta=delta)
+                  for k, delta in enumerate(deltas)]
+        if out.finished:
+            last = dataclasses.replace(out, logprobs=None) if deltas else out
+            chunks.append(chunk_json(self.rid, self.front.model, True, c, last,
+                                     want_lp and not deltas, created, delta={},
+                                     finish_reason=reason))
+        elif not deltas and want_lp and out.logprobs:
+            chunks.append(chunk_json(self.rid, self.front.model, True, c, first, True, created,
+                                     delta={}))
+        return chunks
 
 
 def _event(obj: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ vLLM's `stop_reason` extension.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -23,6 +24,7 @@ from ipc.messages import (
     SamplingParams,
     StructuredOutputs,
     TokenLogprob,
+    ToolCall,
 )
 from ipc.outputs import SampleResult
 from ipc.params import MAX_USER_CHARS, RequestError, validate_params
@@ -116,13 +118,14 @@ SAMPLING_FIELDS = frozenset({
     "guided_grammar",
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                 "tool_choice", "parallel_tool_calls"}
 # Known fields we do not implement, with what to do instead.
 NOT_IMPLEMENTED = {
     "suffix": "suffix (insertion) is not supported",
-    "tools": "tools are not supported",
-    "tool_choice": "tool_choice is not supported (tools are not)",
-    "parallel_tool_calls": "parallel_tool_calls is not supported (tools are not)",
+    "tools": "tools are for /v1/chat/completions",
+    "tool_choice": "tool_choice is for /v1/chat/completions",
+    "parallel_tool_calls": "parallel_tool_calls is for /v1/chat/completions",
     "functions": "functions are not supported",
     "function_call": "function_call is not supported",
     "guided_decoding_backend": "guided_decoding_backend cannot be chosen: this server has one",
@@ -156,6 +159,7 @@ class ParsedRequest:
     chat: bool = False
     logprobs_param: str = "logprobs"  # the API field that asked for logprobs
     structured_param: str = "response_format"  # the API field that set a structured output
+    tools: Any = None  # pipeline.server.tools.ToolRequest, for a chat that gave tools
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -383,7 +387,7 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
 
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant"}
+              "assistant": "assistant", "tool": "tool"}
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -412,17 +416,62 @@ def parse_messages(body: dict[str, Any]) -> list[ChatMessage]:
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"{where}.role", f"role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
-        chat.append(ChatMessage(CHAT_ROLES[role], _message_text(m.get("content"), where)))
+        for key in m:
+            # a tool message's name is its function's (the call id says it already); a
+            # refusal may come back null in an assistant message a client echoes
+            known = (key in ("role", "content", "tool_calls", "tool_call_id")
+                     or (key == "name" and role == "tool")
+                     or (key == "refusal" and m[key] is None))
+            if not known:
+                raise bad(f"{where}.{key}", f"{where}.{key} is not supported")
+        calls = _tool_calls(m.get("tool_calls"), where) if role == "assistant" else []
+        content = m.get("content")
+        text = "" if content is None and (calls or role == "assistant") else _message_text(
+            content, where)
+        call_id = ""
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad(f"{where}.tool_call_id", "a tool message needs its tool_call_id")
+        chat.append(ChatMessage(CHAT_ROLES[role], text, calls, call_id))
     return chat
 
 
+def _tool_calls(value: Any, where: str) -> list[ToolCall]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad(f"{where}.tool_calls", "tool_calls must be an array")
+    calls = []
+    for i, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", ""), str)):
+            raise bad(f"{where}.tool_calls[{i}]", 'each tool call must be {"id": ..., "type": '
+                      '"function", "function": {"name": ..., "arguments": "<JSON text>"}}')
+        calls.append(ToolCall(str(c.get("id", "")), fn["name"], fn.get("arguments", "")))
+    return calls
+
+
 def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
+    from pipeline.server.tools import parse_tools  # (it builds on this module)
+
     chat = parse_messages(body)
     params, lp_param, so_param = parse_sampling(body, chat=True)
+    tools = parse_tools(body)
+    if tools is not None:
+        if params.structured_outputs is not None:
+            raise bad(so_param, f"{so_param} cannot be combined with tools (unless "
+                                "tool_choice is none)")
+        enforced = tools.structured()  # tool_choice required, or a named function
+        if enforced is not None:
+            params, so_param = dataclasses.replace(params, structured_outputs=enforced), "tools"
     check_params(params, vocab_size, lp_param)
     stream = _get(body, "stream", (bool,), False)
-    return ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param,
-                         so_param)
+    parsed = ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param,
+                           so_param)
+    parsed.tools = tools
+    return parsed
 
 
 @dataclass
@@ -496,41 +545,53 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
         for e in entries]}
 
 
-def choice_json(c: SampleResult, chat: bool, want_logprobs: bool) -> dict[str, Any]:
+def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
+                tools: Any = None) -> dict[str, Any]:
+    """tools: the chat's ToolRequest (pipeline/server/tools.py), whose calls the text holds."""
     logprobs = None
     if want_logprobs:
         logprobs = chat_logprobs(c.logprobs) if chat else completion_logprobs(c.logprobs, 0)
     body: dict[str, Any] = {"index": c.index}
-    if chat:
+    finish: Any = c.finish_reason
+    if chat and tools is not None:
+        from pipeline.server.tools import message
+
+        body["message"], finish = message(tools, c.text, c.finish_reason)
+    elif chat:
         body["message"] = {"role": "assistant", "content": c.text}
     else:
         body["text"] = c.text
-    body.update(logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+    body.update(logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
     return body
 
 
 def response_json(rid: str, model: str, chat: bool, choices: list[SampleResult],
                   prompt_tokens: int, want_logprobs: bool,
-                  cached_tokens: int = 0) -> dict[str, Any]:
+                  cached_tokens: int = 0, tools: Any = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model,
-            "choices": [choice_json(c, chat, want_logprobs) for c in choices],
+            "choices": [choice_json(c, chat, want_logprobs, tools) for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices),
                            cached_tokens)}
 
 
 def chunk_json(rid: str, model: str, chat: bool, index: int, out: RequestOutput | None,
                want_logprobs: bool, created: int, *, role: bool = False,
-               text_offset: int = 0) -> dict[str, Any]:
-    """One stream chunk for choice `index`: its role (chat, first), or an output delta."""
+               text_offset: int = 0, delta: dict[str, Any] | None = None,
+               finish_reason: str | None = None) -> dict[str, Any]:
+    """One stream chunk for choice `index`: its role (chat, first), or an output delta.
+    delta and finish_reason, if given, replace what out would say (tool calls)."""
     choice: dict[str, Any] = {"index": index}
-    finish = out.finish_reason if out is not None and out.finished else None
+    finish: Any = out.finish_reason if out is not None and out.finished else None
+    if finish_reason is not None:
+        finish = finish_reason
     if chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta = {"role": "assistant", "content": ""}
-        elif out is not None and (out.text or not out.finished):
-            delta = {"content": out.text}
+        if delta is None:
+            delta = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif out is not None and (out.text or not out.finished):
+                delta = {"content": out.text}
         choice["delta"] = delta
     else:
         choice["text"] = out.text if out is not None else ""

@@ -1,0 +1,210 @@
+"""Tool calling for /v1/chat/completions: the request's `tools` and `tool_choice`, and the model's
+output turned back into OpenAI's `tool_calls`, whole or streamed as deltas.
+
+`tool_choice` "required" and a named function are enforced by structured outputs (the output
+is JSON under a schema built here, so the arguments always parse); "auto" lets the model choose
+and the output is parsed for the tool-call format the prompt taught it
+(stages/chat_template.py: Hermes' `<tool_call>{...}</tool_call>`); "none" calls nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipc.messages import FinishReason, StructuredOutputs, ToolSpec
+from pipeline.server.openai_api import bad
+from stages.chat_template import TOOL_CALL_OPEN, parse_tool_calls
+
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+
+
+@dataclass
+class ToolRequest:
+    """What a chat request asked of tools."""
+
+    tools: list[ToolSpec]
+    choice: str  # auto, none, required, or named
+    name: str | None = None  # the function, when choice is named
+    parallel: bool = True
+
+    def structured(self) -> StructuredOutputs | None:
+        """The format that enforces the choice (required, named), or None."""
+        if self.choice == "named":
+            spec = next(t for t in self.tools if t.name == self.name)
+            return StructuredOutputs(json=spec.parameters)
+        if self.choice == "required":
+            calls = [{"type": "object", "properties": {
+                "name": {"const": t.name}, "arguments": json.loads(t.parameters)},
+                "required": ["name", "arguments"], "additionalProperties": False}
+                for t in self.tools]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                      "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputs(json=json.dumps(schema))
+        return None
+
+
+def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """tools, tool_choice and parallel_tool_calls; None when there are no tools (or the
+    choice is none, when the prompt need not show them either)."""
+    tools_field, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if tools_field is None or tools_field == []:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "tool_choice needs tools")
+        return None
+    if not isinstance(tools_field, list) or len(tools_field) > MAX_TOOLS:
+        raise bad("tools", f"tools must be an array of at most {MAX_TOOLS} functions")
+    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools_field)]
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad("tools", "tool names must be unique")
+    if choice is None or choice in ("auto", "none", "required"):
+        kind = choice or "auto"
+        return None if kind == "none" else ToolRequest(tools, kind, None, parallel)
+    if (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(choice.get("function"), dict)):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise bad("tool_choice.function.name", f"tool_choice names {name!r}, which is not "
+                                                   f"among the tools ({', '.join(names)})")
+        return ToolRequest(tools, "named", name, parallel)
+    raise bad("tool_choice", "tool_choice must be none, auto, required or "
+                             '{"type": "function", "function": {"name": ...}}')
+
+
+def _tool(value: Any, where: str) -> ToolSpec:
+    if not (isinstance(value, dict) and value.get("type") == "function"
+            and isinstance(value.get("function"), dict)):
+        raise bad(where, f'{where} must be {{"type": "function", "function": {{...}}}}')
+    fn = value["function"]
+    for key in fn:
+        if key not in ("name", "description", "parameters", "strict"):
+            raise bad(f"{where}.function.{key}", f"{where}.function.{key} is not supported")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise bad(f"{where}.function.name", "a function name is 1 to 64 letters, digits, "
+                                            "underscores or dashes")
+    description = fn.get("description", "")
+    if not isinstance(description, str):
+        raise bad(f"{where}.function.description", "description must be a string")
+    parameters = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict):
+        raise bad(f"{where}.function.parameters", "parameters must be a JSON Schema object")
+    return ToolSpec(name, description, json.dumps(parameters))
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def message(req: ToolRequest, text: str, finish: FinishReason | None
+            ) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a whole answer, and its finish reason (tool_calls when the
+    model called a tool)."""
+    content: str | None = text
+    calls: list[dict[str, Any]] = []
+    if req.choice == "named":
+        assert req.name is not None
+        calls, content = [_call(req.name, text)], None
+    elif req.choice == "required":
+        try:
+            parsed = json.loads(text)
+            calls = [_call(c["name"], json.dumps(c["arguments"])) for c in parsed]
+            content = None
+        except (ValueError, TypeError, KeyError):  # cut by max_tokens: leave the text
+            calls = []
+    else:
+        found, rest = parse_tool_calls(text)
+        if found:
+            calls = [_call(name, args) for name, args in found]
+            content = rest if rest.strip() else None
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    reason = finish.value if finish is not None else None
+    if calls and finish is FinishReason.STOP:
+        reason = "tool_calls"
+    return out, reason
+
+
+@dataclass
+class ToolStream:
+    """One choice's stream: text deltas in, OpenAI deltas out. A named function streams its
+    arguments as they come; required and auto hold what may be a call until it is complete
+    (auto streams plain content up to a possible `<tool_call>`)."""
+
+    req: ToolRequest
+    text: str = ""
+    sent: int = 0  # characters of text already sent as content or arguments
+    held: bool = False  # auto: a tool call may have begun; content is held from `sent` on
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    _id: str = field(default_factory=call_id)
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        """The deltas (chat.completion.chunk `delta` objects) to send for new text."""
+        first = not self.text and self.req.choice == "named"
+        self.text += delta
+        if self.req.choice == "named":
+            start = {"id": self._id, "type": "function",
+                     "function": {"name": self.req.name, "arguments": ""}} if first else None
+            out = []
+            if start is not None:
+                out.append({"tool_calls": [{"index": 0, **start}]})
+            if delta:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
+            self.sent = len(self.text)
+            return out
+        if self.req.choice == "required" or self.held:
+            return []
+        # auto: content up to a possible start of a tool call (and none while it is only
+        # whitespace: an answer that is only calls has no content)
+        at = self.text.find(TOOL_CALL_OPEN, self.sent)
+        if at >= 0:
+            self.held = True
+            end = at
+        else:
+            end = len(self.text) - _partial_marker(self.text)
+        if not self.text[:end].strip():
+            return []
+        chunk, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return [{"content": chunk}] if chunk else []
+
+    def finish(self, finish: FinishReason | None) -> tuple[list[dict[str, Any]], str | None]:
+        """The last deltas once the output ended, and the finish reason."""
+        msg, reason = message(self.req, self.text, finish)
+        if self.req.choice == "named":
+            return [], reason
+        out: list[dict[str, Any]] = []
+        calls = msg.get("tool_calls", [])
+        if not calls:  # nothing was a call after all: what was held is content
+            rest = self.text[self.sent:]
+            return ([{"content": rest}] if rest else []), reason
+        if self.req.choice == "auto":
+            _, rest = parse_tool_calls(self.text[self.sent:])
+            if rest and (self.sent or rest.strip()):
+                out.append({"content": rest})
+        for i, call in enumerate(calls):
+            out.append({"tool_calls": [{"index": i, **call}]})
+        return out, reason
+
+
+def _partial_marker(text: str) -> int:
+    """How many characters at the end of text could begin TOOL_CALL_OPEN."""
+    for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,125 @@
+"""A conversation as the model's prompt: its chat template, with tools. Used by the tokenizer
+stage (prompts) and the HTTP front end (/tokenize, and the parse of tool calls out of an
+answer, which must match how the prompt asked for them).
+
+A template that knows tools (it reads `tools`, as Qwen's, Hermes' and Llama 3.1's do) gets them
+and the conversation's tool calls and results as transformers passes them. For one that does
+not (SmolLM2's), the tools are described in the system message in the Hermes format that most
+tool-trained open models know, calls are written `<tool_call>{"name": ..., "arguments": ...}
+</tool_call>` and results come back as `<tool_response>` in a user turn. Answers are parsed
+for that same format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ipc.messages import ChatMessage, ToolSpec
+from ipc.params import RequestError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE)
+                   + r"|$)", re.DOTALL)
+
+HERMES_TOOLS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def knows_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders `tools` itself."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def tool_json(t: ToolSpec) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": json.loads(t.parameters)}}
+
+
+def render(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolSpec]) -> str:
+    """The prompt text of a conversation, ready for the assistant's turn."""
+    if not messages:
+        raise RequestError("messages is empty")
+    for m in messages:
+        if m.role not in CHAT_ROLES:
+            raise RequestError(f"unknown chat role {m.role!r} (use one of {CHAT_ROLES})")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError("this model has no chat template; send a plain prompt")
+    uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
+    if uses_tools and knows_tools(tokenizer):
+        conversation = [_native(m) for m in messages]
+        return str(tokenizer.apply_chat_template(
+            conversation, tools=[tool_json(t) for t in tools] or None, tokenize=False,
+            add_generation_prompt=True))
+    conversation = [_hermes(m) for m in messages]
+    if tools:
+        described = HERMES_TOOLS.format(tools="\n".join(json.dumps(tool_json(t))
+                                                        for t in tools))
+        if conversation[0]["role"] == "system":
+            conversation[0]["content"] += "\n\n" + described
+        else:
+            conversation.insert(0, {"role": "system", "content": described})
+    return str(tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=True))
+
+
+def _native(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": _arguments(c.arguments)}} for c in m.tool_calls]
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _hermes(m: ChatMessage) -> dict[str, Any]:
+    if m.role == "tool":
+        return {"role": "user",
+                "content": f"<tool_response>\n{m.content}\n</tool_response>"}
+    content = m.content
+    for c in m.tool_calls:
+        call = json.dumps({"name": c.name, "arguments": _arguments(c.arguments)})
+        content += f"{chr(10) if content else ''}{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
+    return {"role": m.role, "content": content}
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a client may send back what a model wrote; keep it as it is
+
+
+def parse_tool_calls(text: str) -> tuple[list[tuple[str, str]], str]:
+    """The (name, arguments as JSON text) of each well-formed tool call in an answer, and the
+    text around them, as it is (what is not a call stays, a malformed call included)."""
+    calls, kept, last = [], [], 0
+    for match in _CALL.finditer(text):
+        try:
+            value = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+            continue
+        args = value.get("arguments", value.get("parameters", {}))
+        calls.append((value["name"], args if isinstance(args, str) else json.dumps(args)))
+        kept.append(text[last:match.start()])
+        last = match.end()
+    kept.append(text[last:])
+    return calls, "".join(kept)
