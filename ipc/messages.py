@@ -99,6 +99,9 @@ class SamplingParams(Struct):
     (docs/ARCHITECTURE.md, "Fairness"). user names who the request is for: the scheduler
     shares the engine fairly between users (and clients), first come first served within one.
     structured_outputs constrains the output to a format (JSON Schema, regex, choice, grammar).
+    prompt_logprobs k: each prompt token's logprob under the model (after the first, which has
+    none) and its k most likely alternatives, in sample 0's first output; such a prompt is
+    computed in full (no prefix-cache hit), and only these requests pay for it.
     """
 
     max_tokens: int | None = None
@@ -121,6 +124,7 @@ class SamplingParams(Struct):
     priority: int = 0
     user: str = ""
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +276,7 @@ class TokenLogprob(Struct):
     top_logprobs: list[float] = field(default_factory=list)
     token: str = ""
     top_tokens: list[str] = field(default_factory=list)
+    rank: int | None = None  # of token_id under the model (1: most likely); prompt logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +291,7 @@ class TokenDelta(Struct):
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     stop_token_id: int | None = None  # the stop_token_ids entry that finished it
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, all; the first's logprob is NaN
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +345,7 @@ class RequestOutput(Struct):
     num_cached_tokens: int = 0
     error_kind: ErrorKind | None = None
     error_param: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # see SamplingParams.prompt_logprobs
 
     @classmethod
     def refusal(cls, request_id: str, kind: ErrorKind | None, message: str | None,
@@ -378,6 +385,7 @@ class StepPlan(Message):
     num_new_slots: int
     num_stop_ids: int
     grammars: list[SlotGrammar] = field(default_factory=list)
+    num_prompt_logprobs: int = 0  # positions whose logits score the next prompt token
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +411,7 @@ class SampledTokens(Message):
     device_start: float = 0.0
     device_end: float = 0.0
     num_top_logprobs: int = -1  # -1: no logprobs this step; k: logprob + k alternatives
+    num_prompt_logprobs: int = 0  # prompt-token logprobs in the ring (StepPlan's count)
 
 
 # ---------------------------------------------------------------- stages -> launcher

@@ -20,10 +20,13 @@ class SampleResult:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked for (sample 0)
 
     def add(self, out: RequestOutput | TokenDelta) -> None:
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens
         if isinstance(out, TokenDelta):
             if out.finish_reason is not None:

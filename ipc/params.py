@@ -45,7 +45,8 @@ def validate_params(p: SamplingParams, vocab_size: int,
     """Raise RequestError naming the first parameter out of its range; nothing is clamped.
     priority_range: the (most, least) urgent priority the engine lets callers ask for (the
     stages check it; a front end that does not know the engine's range passes None)."""
-    for name in ("max_tokens", "min_tokens", "top_k", "priority", "n", "logprobs"):
+    for name in ("max_tokens", "min_tokens", "top_k", "priority", "n", "logprobs",
+                 "prompt_logprobs"):
         value = getattr(p, name)
         _check(value is None or -_INT32 <= value < _INT32, name,
                f"{name} must fit in 32 bits, got {value}")
@@ -80,6 +81,9 @@ def validate_params(p: SamplingParams, vocab_size: int,
     _check(1 <= p.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {p.n}")
     _check(p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
            f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {p.logprobs}")
+    _check(p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS,
+           "prompt_logprobs",
+           f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {p.prompt_logprobs}")
     lo, hi = priority_range or (-_INT32, _INT32)
     _check(lo <= p.priority <= hi, "priority",
            f"priority must be between {lo} and {hi} on this engine (lower is served first; "

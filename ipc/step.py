@@ -39,17 +39,26 @@ def step_input_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
         BufferSpec("new_iparams", "int64", (s, NUM_I)),
         BufferSpec("stop_slot", "int32", (limits.max_stop_ids,)),  # ids min_tokens suppresses
         BufferSpec("stop_id", "int32", (limits.max_stop_ids,)),
+        # prompt logprobs: the token (index in input_ids) whose logits score the next prompt
+        # token, and that token's id
+        BufferSpec("plp_index", "int32", (t,)),
+        BufferSpec("plp_target", "int32", (t,)),
     )
 
 
 def sampled_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
-    s = limits.max_num_seqs
+    s, t = limits.max_num_seqs, limits.max_num_batched_tokens
     return (
         BufferSpec("token_ids", "int64", (s,)),
         # only in steps whose SampledTokens has num_top_logprobs >= 0:
         BufferSpec("logprob", "float32", (s,)),  # of the sampled token
         BufferSpec("top_ids", "int64", (s, MAX_TOP_LOGPROBS)),  # most likely first
         BufferSpec("top_logprobs", "float32", (s, MAX_TOP_LOGPROBS)),
+        # only in steps whose SampledTokens has num_prompt_logprobs > 0, one per StepPlan pair:
+        BufferSpec("plp_logprob", "float32", (t,)),  # of the target prompt token
+        BufferSpec("plp_rank", "int32", (t,)),  # its rank under the model (1: most likely)
+        BufferSpec("plp_top_ids", "int64", (t, MAX_TOP_LOGPROBS)),
+        BufferSpec("plp_top_logprobs", "float32", (t, MAX_TOP_LOGPROBS)),
     )
 
 
@@ -117,7 +126,8 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
                context_lens: list[int], do_sample: list[bool],
                block_updates: list[tuple[int, int, int]], new_slots: list[NewSlot],
                stop_ids: list[tuple[int, int]],
-               grammars: list[SlotGrammar] | None = None) -> StepPlan:
+               grammars: list[SlotGrammar] | None = None,
+               prompt_logprobs: list[tuple[int, int]] | None = None) -> StepPlan:
     """Lay a step's bulk inputs into ring slot `buf`; returns the plan that names them. The
     stamp brackets the write, so a reader can tell a slot that is being rewritten."""
     buf["stamp"][0] = step_id
@@ -138,9 +148,12 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
     if stop_ids:
         pairs = np.asarray(stop_ids, dtype=np.int32)  # [m, 2]: slot, token id
         buf["stop_slot"][:len(pairs)], buf["stop_id"][:len(pairs)] = pairs.T
+    if prompt_logprobs:
+        scored = np.asarray(prompt_logprobs, dtype=np.int32)  # [p, 2]: token index, target
+        buf["plp_index"][:len(scored)], buf["plp_target"][:len(scored)] = scored.T
     buf["stamp"][1] = step_id
     return StepPlan(step_id, ring_slot, num_seqs, num_tokens, len(block_updates),
-                    len(new_slots), len(stop_ids), grammars or [])
+                    len(new_slots), len(stop_ids), grammars or [], len(prompt_logprobs or ()))
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,8 @@ class StepInputs:
     new_iparams: np.ndarray  # [N, NUM_I]
     stop_slots: np.ndarray  # [M]
     stop_ids: np.ndarray  # [M]
+    plp_index: np.ndarray  # [P] tokens whose logits score a prompt token
+    plp_target: np.ndarray  # [P] the token each scores
 
 
 def read_step(buf: dict[str, np.ndarray], plan: StepPlan) -> StepInputs:
@@ -176,13 +191,24 @@ def read_step(buf: dict[str, np.ndarray], plan: StepPlan) -> StepInputs:
         ints("context_len", s), buf["do_sample"][:s].copy(), ints("bt_slot", u),
         ints("bt_index", u), ints("bt_block", u), ints("new_slot", n),
         buf["new_fparams"][:n].copy(), ints("new_iparams", n), ints("stop_slot", m),
-        ints("stop_id", m))
+        ints("stop_id", m), ints("plp_index", plan.num_prompt_logprobs),
+        ints("plp_target", plan.num_prompt_logprobs))
     check_stamp(buf, plan.step_id)
     return inputs
 
 
 # Logprobs of one step's sampled rows, in row order: (logprob, top ids, top logprobs).
 StepLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
+# A step's prompt-token logprobs, in the order of its plan's pairs: (logprob, rank, top ids,
+# top logprobs), all MAX_TOP_LOGPROBS alternatives.
+PromptLogprobs = tuple[list[float], list[int], list[list[int]], list[list[float]]]
+
+
+def read_prompt_logprobs(buf: dict[str, np.ndarray], count: int) -> PromptLogprobs | None:
+    if count <= 0:
+        return None
+    return (buf["plp_logprob"][:count].tolist(), buf["plp_rank"][:count].tolist(),
+            buf["plp_top_ids"][:count].tolist(), buf["plp_top_logprobs"][:count].tolist())
 
 
 def read_sampled(buf: dict[str, np.ndarray], num_sampled: int, num_top_logprobs: int
@@ -251,6 +277,8 @@ STAGING_FIELDS = (
     PackedField("new_iparams", "int64", lambda lim: lim.max_num_seqs * NUM_I),
     PackedField("stop_slots", "int64", _stops),
     PackedField("stop_ids", "int64", _stops),
+    PackedField("plp_indices", "int64", _tokens),  # P: prompt-logprob positions
+    PackedField("plp_targets", "int64", _tokens),
 )
 _ALIGN = 8  # every field starts on an 8-byte boundary, so any dtype views it in place
 

@@ -183,7 +183,7 @@ class Detokenizer:
         return RequestOutput(
             delta.request_id, text, ids, finished, finish_reason, delta.error,
             info.num_prompt_tokens, num_out, state.index, stop_reason, logprobs,
-            delta.num_cached_tokens)
+            delta.num_cached_tokens, prompt_logprobs=self._with_texts(delta.prompt_logprobs))
 
     def _plain_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
         """_output without stop strings (the common case): no text kept, nothing held back."""
@@ -209,7 +209,8 @@ class Detokenizer:
         return RequestOutput(
             delta.request_id, text, delta.token_ids, finishing, delta.finish_reason, delta.error,
             info.num_prompt_tokens, state.num_output_tokens, state.index, delta.stop_token_id,
-            logprobs, delta.num_cached_tokens)
+            logprobs, delta.num_cached_tokens,
+            prompt_logprobs=self._with_texts(delta.prompt_logprobs))
 
     def _step(self, state: _SampleState, token: int, request_id: str) -> str:
         """The text token adds (possibly none yet: an unfinished character is held)."""
@@ -245,8 +246,14 @@ class Detokenizer:
 
     def _logprobs(self, delta: TokenDelta, count: int) -> list[TokenLogprob]:
         """The delta's logprobs for its first `count` tokens, with each token's text."""
+        return self._with_texts((delta.logprobs or [])[:count]) or []
+
+    def _with_texts(self, entries: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """Logprob entries with each token's text (and each alternative's)."""
+        if entries is None:
+            return None
         out = []
-        for lp in (delta.logprobs or [])[:count]:
+        for lp in entries:
             texts = self.tokenizer.decode_batch([[lp.token_id], *([i] for i in lp.top_ids)],
                                                 skip_special_tokens=False)
             out.append(dataclasses.replace(lp, token=texts[0], top_tokens=texts[1:]))

@@ -10,7 +10,7 @@ import torch
 from ipc.config import EngineLimits, ModelInfo
 from ipc.messages import SamplingParams, TokenizedRequest
 from ipc.outputs import SampleResult
-from ipc.step import StepLogprobs, local_buffers, step_input_specs
+from ipc.step import PromptLogprobs, StepLogprobs, local_buffers, step_input_specs
 from stages.executor.runner import ModelRunner
 from stages.executor.sampler import SampleOutput
 from stages.scheduler.core import Scheduler
@@ -20,6 +20,13 @@ def logprobs_lists(out: SampleOutput) -> StepLogprobs | None:
     if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
         return None
     return out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+
+
+def prompt_lists(out: SampleOutput) -> PromptLogprobs | None:
+    p = out.prompt
+    if p is None:
+        return None
+    return p.logprob.tolist(), p.rank.tolist(), p.top_ids.tolist(), p.top_logprobs.tolist()
 
 
 class InProcessEngine:
@@ -69,7 +76,8 @@ class InProcessEngine:
             if not inflight:
                 raise RuntimeError("the scheduler has requests but planned no step")
             step_id, out = inflight.popleft()
-            self.scheduler.on_sampled(step_id, out.tokens.tolist(), logprobs_lists(out))
+            self.scheduler.on_sampled(step_id, out.tokens.tolist(), logprobs_lists(out),
+                                      prompt_lists(out))
             for delta in self.scheduler.take_outputs().deltas:
                 results[delta.request_id, delta.index].add(delta)
         return results

@@ -25,7 +25,9 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "frequency_penalty", "stream", "stream_options", "top_k", "min_p",
           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
           "include_stop_str_in_output", "skip_special_tokens", "priority", "echo", "user",
-          "role", "content", "name"]
+          "role", "content", "name", "response_format", "structured_outputs", "guided_json",
+          "guided_regex", "guided_choice", "guided_grammar", "tools", "tool_choice",
+          "parallel_tool_calls", "prompt_logprobs", "tool_calls", "tool_call_id"]
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 4}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

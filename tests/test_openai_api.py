@@ -73,7 +73,7 @@ BAD = [
     ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"n": True}, "n"), ({"stop": [1]}, "stop"),
     ({"seed": 1.5}, "seed"), ({"logprobs": 30}, "logprobs"), ({"top_k": -3}, "top_k"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"best_of": 3}, "best_of"),
-    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"logit_bias": {"1": 2}},
+    ({"echo": 1}, "echo"), ({"suffix": "x"}, "suffix"), ({"logit_bias": {"1": 2}},
                                                            "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stop_token_ids": [V]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"),

@@ -493,7 +493,8 @@ def test_fuzzed_requests_get_4xx_never_5xx(server: Server) -> None:
             [[[]]], [{"role": "user"}], {"type": "text"}, [{"type": "image"}]]
     fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stop",
               "seed", "logprobs", "top_logprobs", "stream", "stream_options", "top_k",
-              "stop_token_ids", "priority", "echo", "response_format", "tools"]
+              "stop_token_ids", "priority", "echo", "response_format", "tools", "tool_choice",
+              "structured_outputs", "guided_regex", "prompt_logprobs"]
 
     def body(i: int) -> tuple[str, bytes]:
         chat = i % 2 == 0

@@ -151,6 +151,11 @@ class CompletionOutput:
         return self.samples[0].logprobs
 
     @property
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """With SamplingParams.prompt_logprobs: one per prompt token (the first's is NaN)."""
+        return self.samples[0].prompt_logprobs
+
+    @property
     def finished(self) -> bool:
         return self.finish_time is not None
 

@@ -203,7 +203,7 @@ class FrontEnd:
 
         return JSONResponse({"version": pipeline.__version__})
 
-    async def _core(self) -> Any:
+    async def core(self) -> Any:
         """The tokenizer stage's core (the same template and checks), loaded on first use."""
         if self.model_dir is None:
             raise ApiError(501, "this front end has no tokenizer (no model folder given)",
@@ -221,7 +221,7 @@ class FrontEnd:
         body = await self._read_json(request)
         self._check_model(body)
         req = parse_tokenize(body)
-        core = await self._core()
+        core = await self.core()
         try:
             if req.messages is not None:
                 ids = core.chat_ids(req.messages)
@@ -239,7 +239,7 @@ class FrontEnd:
         body = await self._read_json(request)
         self._check_model(body)
         tokens = parse_detokenize(body, self.vocab_size)
-        core = await self._core()
+        core = await self.core()
         return JSONResponse({"prompt": core.tokenizer.decode(tokens)})
 
     def _check_model(self, body: dict[str, Any]) -> None:

@@ -13,17 +13,20 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from ipc.messages import WHOLE_REQUEST, ErrorKind, RequestOutput
+from ipc.messages import WHOLE_REQUEST, ErrorKind, FinishReason, RequestOutput, TokenLogprob
 from ipc.outputs import SampleResult
 from pipeline.runtime.client import PipelineError
 from pipeline.server.openai_api import (
     ApiError,
     ParsedRequest,
+    PromptPart,
     chunk_json,
+    completion_logprobs,
     output_error,
     response_json,
     shutting_down,
     usage_chunk,
+    vllm_prompt_logprobs,
 )
 from pipeline.server.tools import ToolStream
 
@@ -151,8 +154,28 @@ class Generation:
             raise ApiError(500, f"the engine failed the request: {errors[0]}", None,
                            "server_error")
         p = self.parsed
+        prompts = None
+        if self._uses_prompts():
+            prompts = [await self._prompt_part(i, choices[i * self.n].prompt_logprobs)
+                       for i in range(len(p.prompts))]
         return response_json(self.rid, self.front.model, p.chat, choices, sum(self.prompt_tokens),
-                             p.params.logprobs is not None, sum(self.cached_tokens), p.tools)
+                             p.params.logprobs is not None, sum(self.cached_tokens), p.tools,
+                             prompts)
+
+    def _uses_prompts(self) -> bool:
+        """Whether the answer says something of its prompts: echo, prompt logprobs, or a
+        completion of max_tokens 0."""
+        p = self.parsed
+        return p.echo or p.score_only or p.prompt_logprobs is not None
+
+    async def _prompt_part(self, i: int, entries: list[TokenLogprob] | None) -> PromptPart:
+        p = self.parsed
+        text = None
+        if p.echo:
+            prompt = p.prompts[i]
+            text = prompt if isinstance(prompt, str) else (
+                (await self.front.core()).tokenizer.decode(prompt))
+        return PromptPart(text, entries or [], p.score_only, p.prompt_logprobs)
 
     async def sse(self) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
@@ -162,16 +185,29 @@ class Generation:
         completion_tokens = 0
         offsets: dict[int, int] = {}
         tool_streams: dict[int, ToolStream] = {}
+        scored: dict[int, list[TokenLogprob]] = {}  # prompt index -> its prompt logprobs
         try:
             if p.chat:
                 for c in range(len(p.prompts) * self.n):
                     yield _event(chunk_json(self.rid, self.front.model, True, c, None, want_lp,
                                             created, role=True))
             async for c, out in self.outputs():
-                completion_tokens += len(out.token_ids)
+                completion_tokens += 0 if p.score_only else len(out.token_ids)
                 if out.finished and out.error:
                     yield _event(ApiError(500, out.error, None, "server_error").body())
                     continue
+                if not p.chat and self._uses_prompts():
+                    if out.prompt_logprobs is not None:
+                        scored[c // self.n] = out.prompt_logprobs
+                    if c not in offsets:  # the choice's first chunk says its prompt
+                        chunk, offsets[c] = await self._prompt_chunk(c, scored, created)
+                        yield _event(chunk)
+                    if p.score_only:
+                        out = dataclasses.replace(out, text="", token_ids=[], logprobs=None,
+                                                  finish_reason=FinishReason.LENGTH,
+                                                  stop_reason=None)
+                        if not out.finished:
+                            continue
                 if not (out.text or out.token_ids or out.finished):
                     continue
                 if p.tools is not None:
@@ -192,6 +228,23 @@ class Generation:
         finally:
             self.cancel()  # a disconnected client lands here: its requests are aborted
 
+
+    async def _prompt_chunk(self, c: int, scored: dict[int, list[TokenLogprob]],
+                            created: int) -> tuple[dict[str, Any], int]:
+        """A completion choice's first chunk: its prompt echoed (with the prompt tokens'
+        logprobs), and vLLM's prompt_logprobs; and the text offset after it. Sample 0 of a
+        prompt brings its prompt logprobs with its first output, before any sibling's (the
+        siblings start after its prompt)."""
+        p = self.parsed
+        part = await self._prompt_part(c // self.n, scored.get(c // self.n))
+        choice: dict[str, Any] = {"index": c, "text": part.text or "", "logprobs": None,
+                                  "finish_reason": None, "stop_reason": None}
+        if part.text is not None and p.params.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(part.entries, 0)
+        if part.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(part.entries, part.prompt_logprobs)
+        return ({"id": self.rid, "object": "text_completion", "created": created,
+                 "model": self.front.model, "choices": [choice]}, len(choice["text"]))
 
     def _tool_chunks(self, streams: dict[int, ToolStream], c: int, out: RequestOutput,
                      want_lp: bool, created: int) -> list[dict[str, Any]]:

@@ -115,7 +115,7 @@ SAMPLING_FIELDS = frozenset({
     "stop_token_ids", "include_stop_str_in_output", "priority",
     # structured outputs: OpenAI's, and vLLM's current and older names
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar",
+    "guided_grammar", "prompt_logprobs",
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
@@ -134,7 +134,6 @@ NOT_IMPLEMENTED = {
     "chat_template_kwargs": "chat_template_kwargs is not supported",
     "continue_final_message": "continue_final_message is not supported",
     "add_generation_prompt": "add_generation_prompt is not supported (it is always on)",
-    "prompt_logprobs": "prompt_logprobs is not supported",
 }
 
 
@@ -160,6 +159,9 @@ class ParsedRequest:
     logprobs_param: str = "logprobs"  # the API field that asked for logprobs
     structured_param: str = "response_format"  # the API field that set a structured output
     tools: Any = None  # pipeline.server.tools.ToolRequest, for a chat that gave tools
+    echo: bool = False  # completions: the prompt comes back before the completion
+    score_only: bool = False  # max_tokens 0: the one token the engine samples is dropped
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as asked
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -311,7 +313,8 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
         stop=_stop_strings(body),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
         n=n, logprobs=logprobs, priority=_get(body, "priority", (int,), 0),
-        user=_user(body), structured_outputs=structured)
+        user=_user(body), structured_outputs=structured,
+        prompt_logprobs=_get(body, "prompt_logprobs", (int,)))
     return params, logprobs_param, structured_param
 
 
@@ -353,8 +356,13 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
-    if _get(body, "echo", (bool,), False):
-        raise bad("echo", "echo is not supported")
+    echo = _get(body, "echo", (bool,), False)
+    score_only = body.get("max_tokens") == 0 and type(body.get("max_tokens")) is int
+    if score_only:
+        if not (echo or body.get("prompt_logprobs") is not None):
+            raise bad("max_tokens", "max_tokens may be 0 only with echo or prompt_logprobs "
+                                    "(to score the prompt); otherwise at least 1")
+        body = {**body, "max_tokens": 1}  # the engine samples one token, which is dropped
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[Prompt] = [prompt]
@@ -377,13 +385,18 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
             raise bad("prompt", f"token ids {bad_ids[:5]} are outside the vocabulary "
                                 f"[0, {vocab_size})")
     params, lp_param, so_param = parse_sampling(body, chat=False)
+    asked_plp = params.prompt_logprobs
+    if echo and params.logprobs is not None:  # the prompt's tokens come with logprobs too
+        params = dataclasses.replace(params, prompt_logprobs=max(params.logprobs,
+                                                                 asked_plp or 0))
     check_params(params, vocab_size, lp_param)
     if len(prompts) * params.n > MAX_SEQUENCES:
         raise bad("n", f"{len(prompts)} prompts times n = {params.n} make "
                        f"{len(prompts) * params.n} sequences; at most {MAX_SEQUENCES} per request")
     stream = _get(body, "stream", (bool,), False)
     return ParsedRequest(prompts, params, stream, _stream_options(body, stream), False, lp_param,
-                         so_param)
+                         so_param, echo=echo, score_only=score_only,
+                         prompt_logprobs=asked_plp)
 
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
@@ -468,9 +481,11 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
             params, so_param = dataclasses.replace(params, structured_outputs=enforced), "tools"
     check_params(params, vocab_size, lp_param)
     stream = _get(body, "stream", (bool,), False)
+    if stream and params.prompt_logprobs is not None:
+        raise bad("prompt_logprobs", "prompt_logprobs on a chat is for plain answers, not "
+                                     "streams (completions stream them)")
     parsed = ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param,
-                           so_param)
-    parsed.tools = tools
+                           so_param, tools=tools, prompt_logprobs=params.prompt_logprobs)
     return parsed
 
 
@@ -521,16 +536,44 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The legacy completions shape: parallel arrays, top alternatives as {token: logprob}."""
+    """The legacy completions shape: parallel arrays, top alternatives as {token: logprob}.
+    A prompt's first token, which nothing scores (NaN), has null for both."""
     text_offset, pos = [], offset
     for e in entries:
         text_offset.append(pos)
         pos += len(e.token)
+    scored = [not math.isnan(e.logprob) for e in entries]
     return {"tokens": [e.token for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(zip(e.top_tokens, e.top_logprobs, strict=True))
-                             for e in entries],
+            "token_logprobs": [e.logprob if ok else None
+                               for e, ok in zip(entries, scored, strict=True)],
+            "top_logprobs": [dict(zip(e.top_tokens, e.top_logprobs, strict=True)) if ok
+                             else None for e, ok in zip(entries, scored, strict=True)],
             "text_offset": text_offset}
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprob], k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: null for the first token, then for each token {id: {logprob,
+    rank, decoded_token}} of the token itself and its k most likely alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries[1:]:
+        ranked = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank,
+                                    "decoded_token": e.token}}
+        alternatives = zip(e.top_ids[:k], e.top_tokens[:k], e.top_logprobs[:k], strict=True)
+        for rank, (tid, token, lp) in enumerate(alternatives, start=1):
+            ranked.setdefault(str(tid), {"logprob": lp, "rank": rank, "decoded_token": token})
+        out.append(ranked)
+    return out
+
+
+@dataclass
+class PromptPart:
+    """What a completion choice says of its prompt: the prompt itself when echoed, the
+    logprobs of its tokens when computed."""
+
+    text: str | None  # the prompt's text, echoed before the completion (None: no echo)
+    entries: list[TokenLogprob]  # its tokens' logprobs, the first's NaN (empty: none)
+    score_only: bool = False  # max_tokens 0: no completion
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as asked
 
 
 def _bytes(token: str) -> list[int]:
@@ -546,8 +589,11 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
-                tools: Any = None) -> dict[str, Any]:
-    """tools: the chat's ToolRequest (pipeline/server/tools.py), whose calls the text holds."""
+                tools: Any = None, prompt: PromptPart | None = None) -> dict[str, Any]:
+    """tools: the chat's ToolRequest (pipeline/server/tools.py), whose calls the text holds;
+    prompt: what a completion echoes or scores of its prompt."""
+    if prompt is not None and not chat:
+        return _completion_choice(c, want_logprobs, prompt)
     logprobs = None
     if want_logprobs:
         logprobs = chat_logprobs(c.logprobs) if chat else completion_logprobs(c.logprobs, 0)
@@ -565,14 +611,42 @@ def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
     return body
 
 
+def _completion_choice(c: SampleResult, want_logprobs: bool,
+                       prompt: PromptPart) -> dict[str, Any]:
+    text, entries = (("", []) if prompt.score_only else (c.text, c.logprobs))
+    body: dict[str, Any] = {"index": c.index}
+    if prompt.text is not None:  # echo
+        body["text"] = prompt.text + text
+        logprobs = completion_logprobs(prompt.entries + entries, 0) if want_logprobs else None
+    else:
+        body["text"] = text
+        logprobs = completion_logprobs(entries, 0) if want_logprobs else None
+    finish, stop = ("length", None) if prompt.score_only else (c.finish_reason, c.stop_reason)
+    body.update(logprobs=logprobs, finish_reason=finish, stop_reason=stop)
+    if prompt.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt.entries, prompt.prompt_logprobs)
+    return body
+
+
 def response_json(rid: str, model: str, chat: bool, choices: list[SampleResult],
                   prompt_tokens: int, want_logprobs: bool,
-                  cached_tokens: int = 0, tools: Any = None) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                  cached_tokens: int = 0, tools: Any = None,
+                  prompts: list[PromptPart] | None = None) -> dict[str, Any]:
+    """prompts: one per prompt (choices are prompt-major), when a completion echoes or
+    scores them; a chat's prompt_logprobs go at the top, as vLLM has them."""
+    n = len(choices) // max(1, len(prompts or [None]))
+    parts = [prompts[i // n] if prompts else None for i in range(len(choices))]
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model,
-            "choices": [choice_json(c, chat, want_logprobs, tools) for c in choices],
-            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices),
-                           cached_tokens)}
+            "choices": [choice_json(c, chat, want_logprobs, tools, part)
+                        for c, part in zip(choices, parts, strict=True)],
+            "usage": usage(prompt_tokens,
+                           0 if prompts and prompts[0].score_only
+                           else sum(len(c.token_ids) for c in choices), cached_tokens)}
+    if chat and prompts and prompts[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompts[0].entries,
+                                                       prompts[0].prompt_logprobs)
+    return body
 
 
 def chunk_json(rid: str, model: str, chat: bool, index: int, out: RequestOutput | None,

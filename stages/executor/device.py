@@ -30,9 +30,9 @@ from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
 
-# (step, num_sampled, has_logprobs, device_start_ns, device_end_ns); the ids (and logprobs)
-# are already in the step's sampled-token ring slot.
-OnDone = Callable[[HostStep, int, bool, int, int], None]
+# (step, num_sampled, has_logprobs, num_prompt_logprobs, device_start_ns, device_end_ns); the
+# ids (and logprobs) are already in the step's sampled-token ring slot.
+OnDone = Callable[[HostStep, int, bool, int, int, int], None]
 
 
 HostLoop = Callable[[], None]  # receives plans and submit()s them until told to stop
@@ -63,7 +63,17 @@ def _with_logprobs(out: SampleOutput) -> list[tuple[str, torch.Tensor]]:
     if out.logprob is not None and out.top_ids is not None and out.top_logprobs is not None:
         pairs += [("logprob", out.logprob), ("top_ids", out.top_ids),
                   ("top_logprobs", out.top_logprobs)]
+    if out.prompt is not None:
+        pairs += [("plp_logprob", out.prompt.logprob), ("plp_rank", out.prompt.rank),
+                  ("plp_top_ids", out.prompt.top_ids),
+                  ("plp_top_logprobs", out.prompt.top_logprobs)]
     return pairs
+
+
+def _counts(out: SampleOutput) -> tuple[int, bool, int]:
+    """(sampled ids, whether with logprobs, prompt logprobs) of a step's result."""
+    return (len(out.tokens), out.logprob is not None,
+            len(out.prompt.logprob) if out.prompt is not None else 0)
 
 
 class CpuDevice:
@@ -128,10 +138,9 @@ class CpuDevice:
             while (item := self._done.get()) is not None:
                 step, out, start, end = item
                 ring = self.sampled.slot(step.plan.ring_slot)
-                pairs = _with_logprobs(out)
-                for name, tensor in pairs:
+                for name, tensor in _with_logprobs(out):
                     ring[name][: len(tensor)] = tensor.numpy()
-                self.on_done(step, len(out.tokens), len(pairs) > 1, start, end)
+                self.on_done(step, *_counts(out), start, end)
         except BaseException as exc:
             logger.exception("report thread failed")
             self.error = exc
@@ -198,16 +207,16 @@ class CudaDevice:
                 host[name][: tensor.shape[0]].copy_(tensor, non_blocking=True)
             done = torch.cuda.Event(blocking=True)  # the notifier sleeps on it, not spins
             done.record()
-        self._pending.put((step, out.tokens.shape[0], len(pairs) > 1, start, end, done))
+        self._pending.put((step, _counts(out), start, end, done))
 
     def _notify(self) -> None:
         try:
             while (item := self._pending.get()) is not None:
-                step, num, has_logprobs, start, end, done = item
+                step, counts, start, end, done = item
                 done.synchronize()  # this thread waits; the host loop and the device do not
                 t0 = self._base_ns + int(self._base.elapsed_time(start) * 1e6)
                 t1 = self._base_ns + int(self._base.elapsed_time(end) * 1e6)
-                self.on_done(step, num, has_logprobs, t0, t1)
+                self.on_done(step, *counts, t0, t1)
         except BaseException as exc:
             logger.exception("CUDA notifier failed")
             self.error = exc

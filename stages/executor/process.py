@@ -46,14 +46,15 @@ class Reporter:
         self.ctx, self.address, self.secret = ctx, address, secret
         self._chan: PushChannel | None = None
 
-    def __call__(self, step: HostStep, num_sampled: int, has_logprobs: bool, start_ns: int,
-                 end_ns: int) -> None:
+    def __call__(self, step: HostStep, num_sampled: int, has_logprobs: bool,
+                 num_prompt_logprobs: int, start_ns: int, end_ns: int) -> None:
         if self._chan is None:
             self._chan = PushChannel(self.ctx.zmq, self.address, bind=False, secret=self.secret)
         plan = step.plan
         self._chan.send(SampledTokens(plan.step_id, plan.ring_slot, num_sampled,
                                       start_ns / 1e9, end_ns / 1e9,
-                                      MAX_TOP_LOGPROBS if has_logprobs else -1))
+                                      MAX_TOP_LOGPROBS if has_logprobs else -1,
+                                      num_prompt_logprobs))
         self.ctx.tracer.span("device", start_ns, end_ns, "device",
                              {"step": plan.step_id, "tokens": plan.num_tokens,
                               "seqs": plan.num_seqs})

@@ -21,7 +21,7 @@ from ipc.step import staging_nbytes
 from stages.executor.attention import build_attention_metadata, build_flex_metadata
 from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.model import PagedLlama, load_model, pack_linears
-from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState
+from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
 from stages.grammar import Grammars, SlotGrammars, words_per_row
 
@@ -222,8 +222,15 @@ class ModelRunner:
                 if self.compiled
                 else build_attention_metadata(v, step.decode_groups, step.prefills, table,
                                               block_size))
-        logits = self.model(ids, v["positions"], self.kv_caches, meta, v["logits_indices"])
-        return self.slots.sample(step, v, logits, grammar_work)
+        wanted, num_scored = v["logits_indices"], step.counts["plp_indices"]
+        if num_scored:  # prompt logprobs: the logits of the positions that score them too
+            wanted = torch.cat([wanted, v["plp_indices"]])
+        logits = self.model(ids, v["positions"], self.kv_caches, meta, wanted)
+        num_sampled = step.counts["logits_indices"]
+        out = self.slots.sample(step, v, logits[:num_sampled], grammar_work)
+        if num_scored:
+            out.prompt = score_prompt(logits[num_sampled:], v["plp_targets"])
+        return out
 
     def execute(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> SampleOutput:
         """prepare + compute, synchronously (tests, the in-process engine)."""

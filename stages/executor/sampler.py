@@ -67,11 +67,22 @@ class HostSlotParams:
 
 
 @dataclass
+class PromptScores:
+    """Logprobs of prompt tokens under the model, one row per scored position [P]."""
+
+    logprob: torch.Tensor  # [P] float32, of the prompt token that follows the position
+    rank: torch.Tensor  # [P] int32, its rank (1: the most likely)
+    top_ids: torch.Tensor  # [P, MAX_TOP_LOGPROBS] int64
+    top_logprobs: torch.Tensor  # [P, MAX_TOP_LOGPROBS] float32
+
+
+@dataclass
 class SampleOutput:
     tokens: torch.Tensor  # [X] int64
     logprob: torch.Tensor | None = None  # [X] float32, of the sampled token
     top_ids: torch.Tensor | None = None  # [X, MAX_TOP_LOGPROBS] int64, most likely first
     top_logprobs: torch.Tensor | None = None  # [X, MAX_TOP_LOGPROBS] float32
+    prompt: PromptScores | None = None  # the step's prompt logprobs, if its plan asks
 
 
 class SamplingState:
@@ -195,10 +206,24 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def score_prompt(logits: torch.Tensor, targets: torch.Tensor) -> PromptScores:
+    """logits [P, V] of prompt positions and the token following each [P] -> its logprob,
+    rank and the top alternatives, under the model's own distribution."""
+    chosen, top_ids, top_lps, logprobs = _logprobs(logits, targets)
+    rank = (logprobs > chosen.unsqueeze(1)).sum(dim=-1).to(torch.int32) + 1
+    return PromptScores(chosen, rank, top_ids, top_lps)
+
+
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs under the model's own distribution (before penalties and temperature)."""
-    logprobs = logits.log_softmax(dim=-1)
+    return _logprobs(logits, tokens)[:3]
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of each row's token, top ids, top logprobs, the whole log-softmax)."""
+    logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     k = min(MAX_TOP_LOGPROBS, logprobs.shape[-1])
     top_lps, top_ids = logprobs.topk(k, dim=-1)
@@ -206,7 +231,7 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor
         pad = MAX_TOP_LOGPROBS - k
         top_lps = torch.nn.functional.pad(top_lps, (0, pad), value=float("-inf"))
         top_ids = torch.nn.functional.pad(top_ids, (0, pad), value=-1)
-    return chosen, top_ids, top_lps
+    return chosen, top_ids, top_lps, logprobs
 
 
 _M32 = 0xFFFFFFFF

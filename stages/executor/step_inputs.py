@@ -144,6 +144,8 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
         "new_iparams": step.new_iparams,
         "stop_slots": step.stop_slots,
         "stop_ids": step.stop_ids,
+        "plp_indices": step.plp_index,
+        "plp_targets": step.plp_target,
     }
     counts, nbytes = pack(arrays, staging.numpy())
     prefills = [PrefillRow(int(starts[r]), int(ends[r]), int(slots[r]), int(ctx[r]))

@@ -11,6 +11,7 @@ prefix cache.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from ipc.messages import (
 )
 from ipc.params import MAX_RECONCILE_IDS, RequestError, validate_params
 from ipc.sampling import encode_slot, uses_penalties
-from ipc.step import StepLogprobs
+from ipc.step import PromptLogprobs, StepLogprobs
 from stages.scheduler.block_allocator import BlockAllocator
 from stages.scheduler.metrics import StepMetrics
 from stages.scheduler.planned import PlannedStep, StepRow
@@ -313,6 +314,8 @@ class Scheduler:
             step.is_starved = True
             return 0
         step.members.add(seq)
+        if _scores_prompt(seq):
+            self._plan_prompt_logprobs(step, seq, start, start + num_new)
         seq.num_computed = start + num_new
         do_sample = seq.num_computed == num_tokens
         step.rows.append(StepRow(seq, seq.tokens(start, start + num_new), seq.num_computed,
@@ -321,6 +324,20 @@ class Scheduler:
         if do_sample:
             seq.num_pending += 1
         return num_new
+
+    def _plan_prompt_logprobs(self, step: PlannedStep, seq: Sequence, start: int,
+                              end: int) -> None:
+        """The positions [start, end) about to be planned whose logits score the next prompt
+        token, unless an earlier step (before a preemption) already scored it."""
+        prompt = seq.prompt_ids
+        first = max(start, seq.num_plp_planned)
+        last = min(end, len(prompt) - 1)
+        if first >= last:
+            return
+        base = step.num_tokens - start  # index in the step of the row's position 0
+        step.prompt_logprobs += [(base + p, prompt[p + 1]) for p in range(first, last)]
+        step.plp_owners.append((seq, last - first))
+        seq.num_plp_planned = last
 
     def _grow(self, step: PlannedStep, seq: Sequence, num_tokens: int) -> bool:
         """Give seq blocks for num_tokens tokens, preempting another sequence if need be."""
@@ -400,8 +417,9 @@ class Scheduler:
             seq = self.waiting[0]
             # Reuse cached full blocks, but compute at least the last token (for its logits).
             # Not with penalties: the executor counts a sequence's tokens as they are computed.
-            hits = [] if uses_penalties(seq.params) else self.allocator.lookup(
-                seq.keys_for((seq.num_known - 1) // bs, bs))
+            # Nor with prompt logprobs: every prompt position's logits are needed.
+            hits = [] if uses_penalties(seq.params) or _scores_prompt(seq) else (
+                self.allocator.lookup(seq.keys_for((seq.num_known - 1) // bs, bs)))
             num_hit = len(hits) * bs
             num_new = min(seq.num_tokens - num_hit, budget)
             new_blocks = self.allocator.blocks_for(num_hit + num_new) - len(hits)
@@ -466,12 +484,16 @@ class Scheduler:
     # ------------------------------------------------------------ results in
 
     def on_sampled(self, step_id: int, token_ids: list[int],
-                   logprobs: StepLogprobs | None = None) -> None:
+                   logprobs: StepLogprobs | None = None,
+                   prompt_logprobs: PromptLogprobs | None = None) -> None:
         """Step `step_id` finished; token_ids has one id per sampling row, in row order, and
-        logprobs (if the step computed them) one entry per row as well."""
+        logprobs (if the step computed them) one entry per row as well; prompt_logprobs one
+        per pair of the step's prompt_logprobs."""
         step = self.inflight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"executor reported step {step_id}, expected {step.step_id}")
+        if prompt_logprobs is not None:
+            self._take_prompt_logprobs(step, prompt_logprobs)
         self.free_ring_slots.append(step.ring_slot)
         sampled = step.sampled_seqs
         if len(sampled) != len(token_ids):
@@ -502,6 +524,17 @@ class Scheduler:
         for row in step.rows:
             row.seq.num_inflight -= 1
             self._maybe_release(row.seq)
+
+    def _take_prompt_logprobs(self, step: PlannedStep, scored: PromptLogprobs) -> None:
+        lps, ranks, top_ids, top_lps = scored
+        j = 0
+        for seq, count in step.plp_owners:
+            k = seq.params.prompt_logprobs or 0
+            for _ in range(count):
+                seq.prompt_logprobs.append(TokenLogprob(
+                    step.prompt_logprobs[j][1], lps[j], top_ids[j][:k], top_lps[j][:k],
+                    rank=ranks[j]))
+                j += 1
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -557,6 +590,17 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
 
+    @staticmethod
+    def _prompt_logprobs_to_send(seq: Sequence) -> list[TokenLogprob] | None:
+        """All of a sequence's prompt logprobs, once they are in (the first token, which
+        nothing scores, has logprob NaN)."""
+        if seq.plp_sent or not _scores_prompt(seq):
+            return None
+        if len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1:
+            return None
+        seq.plp_sent = True
+        return [TokenLogprob(seq.prompt_ids[0], math.nan), *seq.prompt_logprobs]
+
     def stats(self) -> SchedulerStats:
         lim, m = self.limits, self.step_metrics
         return SchedulerStats(
@@ -583,7 +627,13 @@ class Scheduler:
             deltas.append(TokenDelta(
                 seq.request_id, new, seq.finish_reason if finished else None,
                 seq.error if finished else None, seq.index,
-                logprobs, max(seq.num_cached_tokens, 0), seq.stop_token))
+                logprobs, max(seq.num_cached_tokens, 0), seq.stop_token,
+                self._prompt_logprobs_to_send(seq)))
         out = StepOutputs(self._new_infos, deltas, self._rejected)
         self._new_infos, self._rejected, self._touched = [], [], {}
         return out
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """Whether seq's prompt logprobs are computed (sample 0 of a request that asks)."""
+    return seq.params.prompt_logprobs is not None and seq.index == 0

@@ -29,6 +29,9 @@ class PlannedStep:
     new_slots: list[NewSlot] = field(default_factory=list)  # sequences taking a slot
     stop_ids: list[tuple[int, int]] = field(default_factory=list)  # (slot, id) min_tokens masks
     grammars: list[SlotGrammar] = field(default_factory=list)  # new slots with a grammar
+    # (token index in the step, prompt token it scores), and whose they are, in order
+    prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)
+    plp_owners: list[tuple[Sequence, int]] = field(default_factory=list)
     members: set[Sequence] = field(default_factory=set)  # sequences planned in this step
     is_starved: bool = False  # a running sequence could not get blocks
     has_preempted: bool = False
@@ -48,4 +51,4 @@ class PlannedStep:
             query_lens=[len(r.token_ids) for r in rows],
             context_lens=[r.context_len for r in rows], do_sample=[r.do_sample for r in rows],
             block_updates=self.block_updates, new_slots=self.new_slots, stop_ids=self.stop_ids,
-            grammars=self.grammars)
+            grammars=self.grammars, prompt_logprobs=self.prompt_logprobs)

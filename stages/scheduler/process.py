@@ -24,7 +24,7 @@ from ipc.messages import (
     StopSample,
     TokenizedRequest,
 )
-from ipc.step import StepRings, read_sampled
+from ipc.step import StepRings, read_prompt_logprobs, read_sampled
 from stages.process import stage_process
 from stages.scheduler.core import Scheduler
 from stages.trace import Tracer, now_ns
@@ -85,10 +85,11 @@ class SchedulerShell:
                 return
             assert isinstance(msg, SampledTokens)
             start = now_ns()
-            ids, logprobs = read_sampled(self.rings.sampled.slot(msg.ring_slot),
-                                         msg.num_sampled, msg.num_top_logprobs)
+            ring = self.rings.sampled.slot(msg.ring_slot)
+            ids, logprobs = read_sampled(ring, msg.num_sampled, msg.num_top_logprobs)
             step = self.core.inflight[0]
-            self.core.on_sampled(msg.step_id, ids, logprobs)
+            self.core.on_sampled(msg.step_id, ids, logprobs,
+                                 read_prompt_logprobs(ring, msg.num_prompt_logprobs))
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
             self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 
