@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -131,6 +132,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--include-stop-str-in-output", action="store_true")
     g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="each prompt token's logprob and K alternatives (0..20), in --json")
     g.add_argument("--logprobs", type=int, default=None,
                    help="the sampled token's logprob and this many alternatives (0..20)")
     g.add_argument("--priority", type=int, default=0,
@@ -237,7 +240,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def logprobs_json(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [{"token_id": lp.token_id, "token": lp.token, "logprob": lp.logprob,
+    """A prompt's first token, which nothing scores (NaN), has logprob null."""
+    return [{"token_id": lp.token_id, "token": lp.token,
+             "logprob": None if math.isnan(lp.logprob) else lp.logprob,
+             **({"rank": lp.rank} if lp.rank is not None else {}),
              "top_logprobs": [{"token_id": i, "token": t, "logprob": v} for i, t, v in
                               zip(lp.top_ids, lp.top_tokens, lp.top_logprobs, strict=True)]}
             for lp in logprobs]
@@ -252,6 +258,8 @@ def output_json(index: int, out: CompletionOutput, params: SamplingParams) -> st
     }
     if params.logprobs is not None:
         line["logprobs"] = logprobs_json(out.logprobs)
+    if params.prompt_logprobs is not None:
+        line["prompt_logprobs"] = logprobs_json(out.prompt_logprobs or [])
     if params.n > 1:
         line["samples"] = [{"text": s.text, "token_ids": s.token_ids,
                             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,

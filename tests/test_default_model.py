@@ -104,6 +104,25 @@ def test_cli_generate_json_with_request_semantics() -> None:
     assert max(line["num_cached_prompt_tokens"] for line in lines) >= 16
 
 
+def test_cli_structured_outputs_and_prompt_logprobs(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"color": {
+        "enum": ["red", "green", "blue"]}}, "required": ["color"]}))
+    proc = subprocess.run(
+        _cli("generate", "--chat", "--prompt", "Pick a color, as JSON.", "--max-tokens", "40",
+             "--json-schema", f"@{schema}", "--prompt-logprobs", "1", "--json"),
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout)
+    assert json.loads(line["text"])["color"] in ("red", "green", "blue")
+    scored = line["prompt_logprobs"]
+    assert len(scored) == line["num_prompt_tokens"] and scored[0]["logprob"] is None
+    assert all(s["logprob"] <= 0 and len(s["top_logprobs"]) == 1 for s in scored[1:])
+    both = subprocess.run(_cli("generate", "--prompt", "x", "--regex", "a", "--choice", "b"),
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode != 0 and "--regex and --choice" in both.stderr
+
+
 def test_serve_the_default_model_to_the_openai_client(tmp_path: Path) -> None:
     """What the README shows: serve, then the official client, streaming; metrics move."""
     import httpx

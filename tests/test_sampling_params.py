@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ipc.messages import SamplingParams
+from ipc.messages import SamplingParams, StructuredOutputs
 from ipc.params import RequestError, validate_params
 from pipeline.cli import build_parser, sampling_params
 
@@ -64,12 +64,14 @@ def test_every_parameter_has_a_cli_flag() -> None:
             "--seed", "3", "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
             "--frequency-penalty", "0.3", "--stop", "a", "--stop", "b c", "--stop-token-ids",
             "5", "6", "--ignore-eos", "--include-stop-str-in-output",
-            "--no-skip-special-tokens", "--n", "2", "--logprobs", "4", "--priority", "-1"]
+            "--no-skip-special-tokens", "--n", "2", "--logprobs", "4", "--priority", "-1",
+            "--user", "u", "--regex", "a+", "--prompt-logprobs", "3"]
     params = sampling_params(build_parser().parse_args(argv))
     assert params == SamplingParams(
         max_tokens=9, temperature=0.5, stop_token_ids=[5, 6], ignore_eos=True,
         skip_special_tokens=False, min_tokens=2, top_p=0.9, top_k=7, min_p=0.05, seed=3,
         repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, stop=["a", "b c"],
-        include_stop_str_in_output=True, n=2, logprobs=4, priority=-1)
+        include_stop_str_in_output=True, n=2, logprobs=4, priority=-1, user="u",
+        structured_outputs=StructuredOutputs(regex="a+"), prompt_logprobs=3)
     defaults = sampling_params(build_parser().parse_args(["generate", "--prompt", "hi"]))
     assert defaults == dataclasses.replace(SamplingParams(), temperature=0.0)  # greedy CLI

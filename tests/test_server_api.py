@@ -115,6 +115,8 @@ def post(server: Server, path: str, body: dict) -> httpx.Response:
     ({"prompt": "x", "chat_template_kwargs": {}}, "chat_template_kwargs", "not supported"),
     ({"prompt": "x", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", ""),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown field"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "not supported"),
     ({"prompt": "x", "guided_json": {"type": "object"}, "min_tokens": 4}, "min_tokens",
      "structured output"),
 ])

@@ -105,6 +105,9 @@ def reassemble(req: ToolRequest, text: str, pieces: int) -> tuple[str, list, str
     (ToolRequest([WEATHER], "auto"), "Checking the weather <tool_c" + CALL[7:]),
     (ToolRequest([WEATHER], "auto"), "Sure.\n" + CALL + "\nDone."),
     (ToolRequest([WEATHER], "auto"), "No call here, just < and <tool text."),
+    (ToolRequest([WEATHER], "auto"), ' {"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    (ToolRequest([WEATHER], "auto"), '{"name": "unknown_tool", "arguments": {}}'),
+    (ToolRequest([WEATHER], "auto"), '{"answer": 42}'),
     (ToolRequest([WEATHER], "named", "get_weather"), '{"city": "Oslo"}'),
     (ToolRequest([WEATHER], "required"), '[{"name": "get_weather", "arguments": {"city": "X"}}]'),
 ])

@@ -349,6 +349,9 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         return False
     if not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
+    for key in options:
+        if key != "include_usage":
+            raise bad(f"stream_options.{key}", f"stream_options.{key} is not supported")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise bad("stream_options.include_usage", "include_usage must be a boolean")

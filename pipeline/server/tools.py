@@ -102,6 +102,24 @@ def _tool(value: Any, where: str) -> ToolSpec:
     return ToolSpec(name, description, json.dumps(parameters))
 
 
+def auto_calls(req: ToolRequest, text: str) -> tuple[list[tuple[str, str]], str]:
+    """The calls in an answer the model was free to give: Hermes' `<tool_call>` blocks, or
+    else the whole answer as one bare JSON call of a known function (`{"name": ...,
+    "arguments"|"parameters": {...}}`, as Llama 3.1's template asks); and the rest."""
+    found, rest = parse_tool_calls(text)
+    if found:
+        return found, rest
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return [], text
+    names = {t.name for t in req.tools}
+    if isinstance(value, dict) and value.get("name") in names:
+        args = value.get("arguments", value.get("parameters", {}))
+        return [(value["name"], args if isinstance(args, str) else json.dumps(args))], ""
+    return [], text
+
+
 def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -128,7 +146,7 @@ def message(req: ToolRequest, text: str, finish: FinishReason | None
         except (ValueError, TypeError, KeyError):  # cut by max_tokens: leave the text
             calls = []
     else:
-        found, rest = parse_tool_calls(text)
+        found, rest = auto_calls(req, text)
         if found:
             calls = [_call(name, args) for name, args in found]
             content = rest if rest.strip() else None
@@ -171,7 +189,11 @@ class ToolStream:
         if self.req.choice == "required" or self.held:
             return []
         # auto: content up to a possible start of a tool call (and none while it is only
-        # whitespace: an answer that is only calls has no content)
+        # whitespace: an answer that is only calls has no content); an answer that opens
+        # with "{" may be a bare JSON call, so it is held to the end
+        if not self.sent and self.text.lstrip().startswith("{"):
+            self.held = True
+            return []
         at = self.text.find(TOOL_CALL_OPEN, self.sent)
         if at >= 0:
             self.held = True
@@ -194,7 +216,7 @@ class ToolStream:
             rest = self.text[self.sent:]
             return ([{"content": rest}] if rest else []), reason
         if self.req.choice == "auto":
-            _, rest = parse_tool_calls(self.text[self.sent:])
+            _, rest = auto_calls(self.req, self.text[self.sent:])
             if rest and (self.sent or rest.strip()):
                 out.append({"content": rest})
         for i, call in enumerate(calls):
