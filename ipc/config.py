@@ -64,6 +64,9 @@ class ModelInfo:
         if not (path / "config.json").is_file():
             raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
         config = json.loads((path / "config.json").read_text())
+        from ipc.arch import arch_spec  # (it builds on this module)
+
+        arch_spec(config, str(path / "config.json"))  # a model the engine lacks: refused now
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         eos = gen.get("eos_token_id", config.get("eos_token_id"))

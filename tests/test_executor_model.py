@@ -91,10 +91,14 @@ def test_decode_groups_bound_the_padding() -> None:
     assert len(groups) <= 5
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "llama-bias", "mistral-window", "qwen3",
+                                  "phi3"])
 def test_other_llama_family_shapes_match_transformers(tmp_path: Path, arch: str) -> None:
-    """Qwen2 (q/k/v biases, tied embeddings) and Mistral shapes with GQA, through the fused
-    projections: greedy tokens equal transformers', with chunked prefill and run-ahead."""
+    """Qwen2 (q/k/v biases, tied embeddings), Mistral, Llama with attention and MLP biases,
+    Mistral with a sliding window of 6, Qwen3 (q/k norms, its own head_dim) and Phi-3
+    (fused checkpoint projections, a window of 10) shapes with GQA: greedy tokens equal
+    transformers', with chunked prefill and run-ahead; prompts and outputs outgrow the
+    windows, in prefill chunks with and without past and in decodes."""
     from pipeline.tools.random_model import build_random_llama
 
     folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2)
@@ -124,3 +128,47 @@ def test_projections_are_fused_from_the_hf_names() -> None:
     assert set(fused) == {"model.layers.0.mlp.gate_up_proj.weight", "model.norm.weight",
                           "model.layers.0.self_attn.qkv_proj.bias",
                           "model.layers.0.self_attn.qkv_proj.weight"}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"model_type": "gemma"}, "model_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1], "long_factor": [1]}},
+     "rope_scaling"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+])
+def test_what_the_engine_does_not_implement_is_refused_before_loading(
+        tiny_model_dir: Path, tmp_path: Path, change: dict, field: str) -> None:
+    """Refused when the model's info is read (before any stage starts), naming the field."""
+    import json
+    import shutil
+
+    from ipc.arch import UnsupportedModel
+    from ipc.config import ConfigError, ModelInfo
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UnsupportedModel) as err:
+        ModelInfo.from_dir(folder)
+    assert isinstance(err.value, ConfigError) and f"{field} = " in str(err.value)
+
+
+def test_a_sliding_window_is_refused_compiled(tmp_path: Path) -> None:
+    import torch
+
+    from ipc.arch import UnsupportedModel
+    from ipc.config import EngineLimits, ModelInfo
+    from pipeline.tools.random_model import build_random_llama
+    from stages.executor.runner import ModelRunner
+
+    folder = build_random_llama(tmp_path / "w", arch="mistral-window")
+    info = ModelInfo.from_dir(folder)
+    limits = EngineLimits(4, 64, 16, 128, info.vocab_size, info.eos_token_ids)
+    with pytest.raises(UnsupportedModel, match="--no-compile"):
+        ModelRunner.from_dir(str(folder), torch.float32, torch.device("cpu"), limits, 1 << 22,
+                             compile=True)

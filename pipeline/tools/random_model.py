@@ -42,16 +42,18 @@ def build_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
     return fast
 
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "llama-bias", "mistral-window", "qwen3", "phi3")
 
 
 def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, heads: int = 4,
                        kv_heads: int = 2, max_len: int = 512, vocab_size: int | None = None,
                        weight_std: float = 0.2, seed: int = 0, arch: str = "llama") -> Path:
     """Save a random Llama-family model (GQA) and a tokenizer into folder; returns folder.
-    arch: llama (untied head), qwen2 (q/k/v biases, tied embeddings) or mistral (no sliding
-    window). vocab_size pads the embedding beyond the tokenizer's (a larger, realistic
-    output layer)."""
+    arch: llama (untied head), qwen2 (q/k/v biases, tied embeddings), mistral (no sliding
+    window), llama-bias (attention and MLP biases), mistral-window (a sliding window of 6
+    positions), qwen3 (q/k norms, a head_dim of its own) or phi3 (fused checkpoint
+    projections, a sliding window of 10). vocab_size pads the embedding beyond the
+    tokenizer's (a larger, realistic output layer)."""
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -62,12 +64,21 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
     tok = build_tokenizer(folder)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "llama-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     extra: dict[str, Any] = {"tie_word_embeddings": arch == "qwen2"}
-    if arch == "mistral":
-        extra["sliding_window"] = None
+    extra.update({
+        "mistral": {"sliding_window": None},
+        "mistral-window": {"sliding_window": 6},
+        "llama-bias": {"attention_bias": True, "mlp_bias": True},
+        "qwen3": {"head_dim": 2 * hidden // heads},
+        "phi3": {"sliding_window": 10, "original_max_position_embeddings": max_len},
+    }.get(arch, {}))
     cfg = config_cls(vocab_size=max(len(tok), vocab_size or 0), hidden_size=hidden,
                      intermediate_size=hidden * 3, num_hidden_layers=num_layers,
                      num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -51,9 +51,11 @@ class AttentionMetadata:
 
 def build_attention_metadata(v: dict[str, torch.Tensor], decode_groups: list[DecodeGroup],
                              prefills: list[PrefillRow], block_table: torch.Tensor,
-                             block_size: int) -> AttentionMetadata:
+                             block_size: int, window: int | None = None) -> AttentionMetadata:
     """Device-side metadata from the unpacked step views `v` and the block table
-    [slots, max_blocks]; only Python ints from the host, so nothing waits for the device."""
+    [slots, max_blocks]; only Python ints from the host, so nothing waits for the device.
+    window: a sliding window (Mistral's): a query at position p sees keys p - window + 1 to
+    p, as Hugging Face masks them."""
     positions = v["positions"]
     slot_mapping = (block_table[v["token_slots"], positions // block_size].long() * block_size
                     + positions % block_size)
@@ -63,18 +65,26 @@ def build_attention_metadata(v: dict[str, torch.Tensor], decode_groups: list[Dec
         num_blocks = -(-group.max_len // block_size)
         tables = block_table[v["decode_slots"][rows], :num_blocks].long()
         keys = torch.arange(num_blocks * block_size, device=positions.device)
-        mask = (keys[None, :] < v["decode_lens"][rows][:, None])[:, None, None, :]
-        meta.decodes.append(DecodeAttention(v["decode_token_idx"][rows], tables, mask))
+        lens = v["decode_lens"][rows][:, None]
+        mask = keys[None, :] < lens
+        if window is not None and group.max_len > window:
+            mask &= keys[None, :] >= lens - window
+        meta.decodes.append(DecodeAttention(v["decode_token_idx"][rows], tables,
+                                            mask[:, None, None, :]))
     for row in prefills:
         qlen, clen = row.end - row.start, row.context_len
-        if qlen == clen:  # no past: causal attention over the fresh keys
+        windowed = window is not None and clen > window
+        if qlen == clen and not windowed:  # no past: causal attention over the fresh keys
             meta.prefills.append(PrefillAttention(row.start, row.end, None, None, clen))
             continue
         block_row = block_table[row.slot, :-(-clen // block_size)].long()
         query_pos = torch.arange(clen - qlen, clen, device=positions.device)
         keys = torch.arange(clen, device=positions.device)
-        mask = (keys[None, :] <= query_pos[:, None])[None, None]
-        meta.prefills.append(PrefillAttention(row.start, row.end, block_row, mask, clen))
+        mask = keys[None, :] <= query_pos[:, None]
+        if windowed:
+            mask &= keys[None, :] > query_pos[:, None] - window
+        meta.prefills.append(PrefillAttention(row.start, row.end, block_row, mask[None, None],
+                                              clen))
     return meta
 
 

@@ -3,9 +3,14 @@
 Parameter names match Hugging Face's except where projections are fused: q/k/v into one
 `qkv_proj` and gate/up into one `gate_up_proj` per layer (one matrix product each instead of
 three and two); `fuse_projections` builds them from a HF state dict, so a local HF folder
-(Llama, Mistral, Qwen2, SmolLM) loads as it is. One forward takes a flattened batch mixing
-prefill chunks and decode tokens of different sequences; attention reads and writes the
-paged cache.
+(Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) loads as it is. One forward takes a flattened
+batch mixing prefill chunks and decode tokens of different sequences; attention reads and
+writes the paged cache.
+
+What sets the families apart is read from config.json in one place (`arch_spec`): biases,
+Qwen3's q/k norms, a sliding window, a tied head. The forward has no per-family branches,
+only modules that are there or not; a config field the engine does not implement is refused
+before anything loads, by name (`UnsupportedModel`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from ipc.arch import ArchSpec, arch_spec
 from stages.executor.attention import (
     AttentionMetadata,
     FlexMetadata,
@@ -45,17 +51,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, layer_idx: int) -> None:
+    def __init__(self, spec: ArchSpec, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
-        bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
-        hidden = cfg["hidden_size"]
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim = spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = nn.Linear(spec.hidden, self.q_size + 2 * self.kv_size,
+                                  bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, spec.eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.eps) if spec.qk_norm else None
         self.layer_idx = layer_idx
         self.scale = self.head_dim**-0.5
 
@@ -66,6 +72,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         attend = flex_paged_attention if isinstance(meta, FlexMetadata) else paged_attention
@@ -74,11 +82,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -86,13 +94,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, layer_idx: int) -> None:
+    def __init__(self, spec: ArchSpec, layer_idx: int) -> None:
         super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec.hidden, spec.intermediate, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
 
     def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
@@ -100,11 +107,11 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, spec: ArchSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden, spec.eps)
 
 
 class PagedLlama(nn.Module):
@@ -112,12 +119,13 @@ class PagedLlama(nn.Module):
     logits_indices [S]) -> [S, V]. `compile_layers` compiles each decoder layer (one graph
     serves every layer, one per padded step size) and leaves the rest eager."""
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, spec: ArchSpec | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        if cfg.get("tie_word_embeddings", False):
+        self.spec = spec = spec or arch_spec(cfg)
+        self.model = Backbone(spec)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
         self.num_layers = cfg["num_hidden_layers"]
@@ -202,22 +210,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_len: int) -> PagedLlama:
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"{model_dir}: model_type {cfg.get('model_type')!r} is not of the "
-                         "Llama family (llama, mistral, qwen2)")
+    spec = arch_spec(cfg, str(model_dir / "config.json"))  # refuses before any weight loads
     with torch.device("meta"):
-        model = PagedLlama(cfg)
+        model = PagedLlama(cfg, spec)
     state: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
     for path in files:
         state.update(load_file(str(path)))
-    if cfg.get("tie_word_embeddings", False):
+    if spec.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v.to(dtype) for k, v in state.items() if "rotary_emb" not in k}
     model.load_state_dict(fuse_projections(state), strict=True, assign=True)
-    if cfg.get("tie_word_embeddings", False):
+    if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(max_len)
     return model.to(device).eval()

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ipc.arch import UnsupportedModel
 from ipc.config import EngineLimits
 from ipc.messages import StepPlan
 from ipc.step import staging_nbytes
@@ -167,6 +168,10 @@ class ModelRunner:
                  device: torch.device, compile: bool = False,
                  grammars: Grammars | None = None) -> None:
         self.model, self.limits, self.device = model, limits, device
+        if compile and model.spec.sliding_window is not None:
+            raise UnsupportedModel(
+                f"sliding_window = {model.spec.sliding_window}: the compiled forward does not "
+                "implement a sliding window yet; run this model with --no-compile")
         dtype = model.model.embed_tokens.weight.dtype
         per_block = kv_bytes_per_block(model, limits.block_size, dtype)
         # Compiled, one block of the memory is scratch, where padding tokens write.
@@ -221,7 +226,7 @@ class ModelRunner:
         meta = (build_flex_metadata(v, table, block_size, self.num_blocks + 1, per_row)
                 if self.compiled
                 else build_attention_metadata(v, step.decode_groups, step.prefills, table,
-                                              block_size))
+                                              block_size, self.model.spec.sliding_window))
         wanted, num_scored = v["logits_indices"], step.counts["plp_indices"]
         if num_scored:  # prompt logprobs: the logits of the positions that score them too
             wanted = torch.cat([wanted, v["plp_indices"]])
