@@ -104,6 +104,8 @@ class SchedulerConfig:
 def parse_device(text: str) -> tuple[str, tuple[float, float] | None]:
     """--device: 'cpu', 'cuda[:N]', or 'timed:A,B' (the measuring instrument, which runs on the
     CPU: A + B * tokens milliseconds a step) -> (torch device, (A, B) or None)."""
+    if text == "cuda":
+        return "cuda:0", None  # the executor sets the current device: it needs an index
     if not text.startswith("timed:"):
         return text, None
     try:

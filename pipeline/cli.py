@@ -25,6 +25,7 @@ from ipc.config import (
     parse_bytes,
 )
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
+from ipc.params import RequestError, validate_params
 from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError
 
 DEMO_PROMPTS = [
@@ -82,10 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate for given prompts")
     add_global_options(gen, suppress=True)
     gen.add_argument("--prompt", action="append", default=[], help="repeatable")
-    gen.add_argument("--prompts-file", help="one prompt per line (empty lines are skipped)")
+    gen.add_argument("--prompts-file", help="one prompt per line (empty lines are skipped, "
+                                            "and keep their index)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
     add_sampling_options(gen)
-    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    gen.add_argument("--json", action="store_true",
+                     help="one JSON object per prompt, written as each one finishes (index: "
+                          "its place among the --prompt values, then the file's lines)")
+    gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="a progress bar on stderr: prompts done, tok/s, ETA (default: when "
+                          "stderr is a terminal)")
     serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     add_global_options(serve, suppress=True)
     add_serve_options(serve)
@@ -116,7 +123,10 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     """One flag per SamplingParams field, of the same name with dashes (see its docstring)."""
     g = p.add_argument_group("sampling (per request; see ipc.messages.SamplingParams)")
-    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--max-tokens", type=_max_tokens, default=DEFAULT_MAX_TOKENS,
+                   help=f"default {DEFAULT_MAX_TOKENS}: an answer's length, and a bound, so a "
+                        "raw prompt that never reaches EOS cannot run for minutes; 'none': "
+                        "until EOS or the context ends")
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -175,6 +185,19 @@ def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
     return so if kinds else None
 
 
+DEFAULT_MAX_TOKENS = 256
+
+
+def _max_tokens(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a number of tokens or 'none', not {text!r}")\
+            from None
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(SamplingParams)
@@ -229,14 +252,35 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         client_key=client_key(args.listen_key))
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt)
+def read_prompts(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """(index, prompt) of each prompt to run: the --prompt values, then the file's lines
+    (index = their place, an empty line keeping its index but not run)."""
+    prompts = list(enumerate(args.prompt))
     if args.prompts_file:
-        text = Path(args.prompts_file).read_text(encoding="utf-8")
-        prompts += [line for line in text.splitlines() if line.strip()]
+        path = Path(args.prompts_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"--prompts-file {path}: no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--prompts-file {path}: cannot read it: {exc}") from None
+        first = len(prompts)
+        prompts += [(first + i, line) for i, line in enumerate(text.splitlines())
+                    if line.strip()]
     if not prompts:
         raise ConfigError("generate needs at least one --prompt or a --prompts-file")
     return prompts
+
+
+def check_generate(args: argparse.Namespace, vocab_size: int) -> None:
+    """Everything `generate` can check before the pipeline starts: the prompts, the
+    sampling parameters."""
+    read_prompts(args)
+    try:
+        validate_params(sampling_params(args), vocab_size)
+    except RequestError as exc:
+        flag = f"--{exc.param.replace('_', '-')}: " if exc.param else ""
+        raise ConfigError(f"{flag}{exc.message}") from None
 
 
 def logprobs_json(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -249,11 +293,16 @@ def logprobs_json(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
             for lp in logprobs]
 
 
-def output_json(index: int, out: CompletionOutput, params: SamplingParams) -> str:
+def output_json(index: int, out: CompletionOutput, params: SamplingParams,
+                prompt: str | None = None) -> str:
+    """Sample 0's text, ids and counts at the top (n > 1: every sample's in `samples`, and
+    total_output_tokens over them)."""
     line: dict[str, Any] = {
-        "index": index, "text": out.text, "token_ids": out.token_ids,
+        "index": index, "prompt": prompt, "text": out.text, "token_ids": out.token_ids,
         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-        "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_output_tokens": len(out.samples[0].token_ids),
+        "total_output_tokens": out.num_output_tokens,
         "num_cached_prompt_tokens": out.num_cached_tokens, "error": out.error,
     }
     if params.logprobs is not None:
@@ -262,6 +311,7 @@ def output_json(index: int, out: CompletionOutput, params: SamplingParams) -> st
         line["prompt_logprobs"] = logprobs_json(out.prompt_logprobs or [])
     if params.n > 1:
         line["samples"] = [{"text": s.text, "token_ids": s.token_ids,
+                            "num_output_tokens": len(s.token_ids),
                             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
                             **({"logprobs": logprobs_json(s.logprobs)}
                                if params.logprobs is not None else {})}
@@ -270,19 +320,63 @@ def output_json(index: int, out: CompletionOutput, params: SamplingParams) -> st
 
 
 def run_generate(client: PipelineClient, args: argparse.Namespace) -> int:
-    texts = read_prompts(args)
-    prompts: list[Any] = [[ChatMessage("user", t)] for t in texts] if args.chat else texts
+    """Every prompt at once; each one's answer is written as it finishes (with --json, a
+    line; else a block), a progress bar on stderr. Ctrl-C keeps what finished and says how
+    many did not. Exit code 1 if any prompt failed."""
+    prompts = read_prompts(args)
     params = sampling_params(args)
-    outputs = client.generate(prompts, params)
-    for i, out in enumerate(outputs):
-        if args.json:
-            print(output_json(i, out, params), flush=True)
-            continue
-        for s in out.samples:
-            status = f"error: {out.error}" if out.error else s.finish_reason
-            label = f"[{i}]" if params.n == 1 else f"[{i}.{s.index}]"
-            print(f"=== {label} {texts[i]!r} ({status})\n{s.text}\n", flush=True)
+    done: list[CompletionOutput] = []
+    try:
+        asyncio.run(_generate_all(client, args, prompts, params, done))
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(done)} of {len(prompts)} prompts finished (written above); "
+              f"{len(prompts) - len(done)} did not", file=sys.stderr)
+        return 130
+    failed = sum(1 for o in done if o.error)
+    if failed:
+        print(f"error: {failed} of {len(prompts)} prompts failed (see their output)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+async def _generate_all(client: PipelineClient, args: argparse.Namespace,
+                        prompts: list[tuple[int, str]], params: SamplingParams,
+                        done: list[CompletionOutput]) -> None:
+    from tqdm import tqdm
+
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    bar = tqdm(total=len(prompts), unit="prompt", disable=not show, file=sys.stderr,
+               dynamic_ncols=True)
+    start, tokens = time.monotonic(), 0
+
+    async def one(index: int, text: str) -> None:
+        nonlocal tokens
+        prompt: Any = [ChatMessage("user", text)] if args.chat else text
+        out = CompletionOutput(str(index), max(params.n, 1), arrival_time=time.monotonic())
+        async for delta in client.stream(prompt, params):
+            out.add(delta)
+            tokens += len(delta.token_ids)
+        done.append(out)
+        _write(index, text, out, params, args.json)
+        bar.update(1)
+        bar.set_postfix_str(f"{tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s")
+
+    try:
+        await asyncio.gather(*(one(i, t) for i, t in prompts))
+    finally:
+        bar.close()
+
+
+def _write(index: int, text: str, out: CompletionOutput, params: SamplingParams,
+           as_json: bool) -> None:
+    if as_json:
+        print(output_json(index, out, params, text), flush=True)
+        return
+    for s in out.samples:
+        status = f"error: {out.error}" if out.error else s.finish_reason
+        label = f"[{index}]" if params.n == 1 else f"[{index}.{s.index}]"
+        print(f"=== {label} {text!r} ({status})\n{s.text}\n", flush=True)
 
 
 async def _stream_demo(client: PipelineClient, params: SamplingParams) -> list[CompletionOutput]:
@@ -343,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     pipe: Pipeline | None = None
     try:
         cfg = build_config(args)
+        if args.command == "generate":  # what can be checked is, before anything starts
+            check_generate(args, cfg.model.vocab_size)
         start = time.monotonic()
         pipe = Pipeline(cfg, trace_path=args.trace)
         with pipe:

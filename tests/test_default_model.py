@@ -59,14 +59,16 @@ def _cli(*args: str) -> list[str]:
     return [str(ROOT / "scripts" / "run_pipeline"), *args]
 
 
-def test_cli_generate_json_lines_in_order_with_an_error_line() -> None:
+def test_cli_generate_json_lines_with_an_error_line_and_exit_code_1() -> None:
     proc = subprocess.run(
         _cli("generate", "--prompt", "What is 2+2?", "--prompt", "", "--prompt", "Say hi",
              "--max-tokens", "8", "--json", "--tokenizer-workers", "2"),
         capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 1 and "1 of 3 prompts failed" in proc.stderr, proc.stderr
+    lines = sorted((json.loads(line) for line in proc.stdout.splitlines()),
+                   key=lambda line: line["index"])  # written as each finishes
     assert [line["index"] for line in lines] == [0, 1, 2]
+    assert [line["prompt"] for line in lines] == ["What is 2+2?", "", "Say hi"]
     keys = {"index", "text", "token_ids", "finish_reason", "num_prompt_tokens",
             "num_output_tokens", "error"}
     assert all(keys <= set(line) for line in lines)
@@ -83,7 +85,8 @@ def test_cli_generate_json_with_request_semantics() -> None:
              "--top-p", "0.9", "--n", "2", "--logprobs", "1", "--stop", ".", "--json"),
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    lines = sorted((json.loads(line) for line in proc.stdout.splitlines()),
+                   key=lambda line: line["index"])
     assert [line["index"] for line in lines] == [0, 1]
     for line in lines:
         assert line["error"] is None
@@ -91,7 +94,9 @@ def test_cli_generate_json_with_request_semantics() -> None:
                 "num_cached_prompt_tokens"} <= set(line)
         assert len(line["samples"]) == 2
         for s in line["samples"]:
-            assert set(s) == {"text", "token_ids", "finish_reason", "stop_reason", "logprobs"}
+            assert set(s) == {"text", "token_ids", "num_output_tokens", "finish_reason",
+                              "stop_reason", "logprobs"}
+            assert s["num_output_tokens"] == len(s["token_ids"])
             assert "." not in s["text"]
             assert s["finish_reason"] in ("stop", "length")
             if s["stop_reason"] == ".":
@@ -99,7 +104,9 @@ def test_cli_generate_json_with_request_semantics() -> None:
             assert [lp["token_id"] for lp in s["logprobs"]] == s["token_ids"]
             assert all(len(lp["top_logprobs"]) == 1 for lp in s["logprobs"])
         assert line["text"] == line["samples"][0]["text"]
-        assert line["num_output_tokens"] == sum(len(s["token_ids"]) for s in line["samples"])
+        assert line["num_output_tokens"] == len(line["token_ids"])  # sample 0's, as text
+        assert line["total_output_tokens"] == sum(len(s["token_ids"])
+                                                  for s in line["samples"])
     # Both prompts share the chat template's system prompt: the second finds it cached.
     assert max(line["num_cached_prompt_tokens"] for line in lines) >= 16
 

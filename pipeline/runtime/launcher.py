@@ -24,7 +24,7 @@ import zmq
 
 from ipc.channels import PullChannel, PushChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
-from ipc.config import PipelineConfig
+from ipc.config import ConfigError, PipelineConfig
 from ipc.messages import (
     Message,
     PipelineStatus,
@@ -137,6 +137,7 @@ class Pipeline:
         if self._started:
             raise RuntimeError("a Pipeline starts once; make a new one")
         self._started = True
+        check_device(self.cfg.executor.device)  # before anything starts
         try:
             self._create_run()
             self._spawn("executor", 0, "stages.executor.process:run_executor")
@@ -401,3 +402,26 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+CUDA_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128 "
+                "(into this environment; pick the index of your CUDA driver's version)")
+
+
+def check_device(device: str) -> None:
+    """A CUDA device the executor will find, or ConfigError saying why not and what to do."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise ConfigError(f"--device {device}: this torch ({torch.__version__}) is a CPU build, "
+                          f"without CUDA. For a GPU: {CUDA_INSTALL}")
+    count = torch.cuda.device_count()
+    index = int(device.partition(":")[2] or 0)
+    if count == 0:
+        raise ConfigError(f"--device {device}: torch {torch.__version__} has CUDA, but sees no "
+                          "GPU (check the driver with nvidia-smi, and CUDA_VISIBLE_DEVICES)")
+    if index >= count:
+        raise ConfigError(f"--device {device}: there are {count} GPU(s), cuda:0 to "
+                          f"cuda:{count - 1}")

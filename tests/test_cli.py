@@ -1,0 +1,108 @@
+"""The CLI's `generate` as a long run uses it, on the tiny model: a prompts file whose empty
+lines keep their index, JSON lines as each prompt finishes with the prompt echoed, a
+progress bar, what is wrong with the arguments said before anything starts, Ctrl-C keeping
+what finished, and the default length bound."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from live import alive, kill_pids
+
+from pipeline.cli import DEFAULT_MAX_TOKENS, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(240)
+
+
+def cli(model: Path, *args: str) -> list[str]:
+    return [str(ROOT / "scripts" / "run_pipeline"), "--model", str(model), *args]
+
+
+def test_a_prompts_file_json_lines_and_progress(tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first line\n\n   \nfourth line\nfifth\n")
+    proc = subprocess.run(cli(tiny_model_dir, "generate", "--prompt", "given", "--prompts-file",
+                              str(prompts), "--json", "--max-tokens", "6", "--progress",
+                              "--n", "2", "--temperature", "1", "--seed", "1"),
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    lines = {json.loads(line)["index"]: json.loads(line) for line in proc.stdout.splitlines()}
+    # --prompt first (0), then the file's lines by their place (the blank 2 and 3 skipped)
+    assert {i: line["prompt"] for i, line in lines.items()} == {
+        0: "given", 1: "first line", 4: "fourth line", 5: "fifth"}
+    for line in lines.values():
+        assert line["num_output_tokens"] == len(line["token_ids"]) <= 6
+        assert line["total_output_tokens"] == sum(s["num_output_tokens"]
+                                                  for s in line["samples"])
+    assert "4/4" in proc.stderr and "tok/s" in proc.stderr and "prompt" in proc.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
+    (["--prompt", "x", "--json-schema", "{oops"], "--json-schema is not valid JSON"),
+    (["--prompt", "x", "--max-tokens", "many"], "argument --max-tokens"),
+])
+def test_bad_arguments_are_one_line_before_anything_starts(tiny_model_dir: Path,
+                                                           args: list[str], words: str) -> None:
+    proc = subprocess.run(cli(tiny_model_dir, "generate", *args), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "pipeline" not in proc.stdout
+
+
+def test_ctrl_c_keeps_what_finished_and_says_how_many_did_not(tiny_model_dir: Path) -> None:
+    # the timed device: 50 ms a step, so nothing ends within the 2 s before Ctrl-C
+    proc = subprocess.Popen(cli(tiny_model_dir, "--device", "timed:50,0", "generate", "--prompt",
+                                "a", "--prompt", "b", "--max-tokens", "none", "--ignore-eos",
+                                "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import psutil
+
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 4 and time.monotonic() < deadline:
+            children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)
+                        if "llm-pipeline:" in " ".join(c.cmdline())]
+            time.sleep(0.2)
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "interrupted: 0 of 2 prompts finished" in err and "2 did not" in err, err
+        assert out == ""  # nothing finished
+        deadline = time.monotonic() + 30
+        while alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(children) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_pids(children)
+
+
+def test_the_default_length_is_bounded_and_said() -> None:
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert args.max_tokens == DEFAULT_MAX_TOKENS == 256
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens",
+                                      "none"]).max_tokens is None
+
+
+def test_a_gpu_asked_of_a_cpu_torch_is_refused_with_how_to_get_one(tiny_model_dir: Path) -> None:
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this torch has CUDA")
+    for device in ("cuda", "cuda:1"):
+        proc = subprocess.run(cli(tiny_model_dir, "--device", device, "generate", "--prompt",
+                                  "hi"), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "is a CPU build" in proc.stderr, proc.stderr
+        assert "pip install torch==2.13.0 --index-url" in proc.stderr
+        assert "Traceback" not in proc.stderr
