@@ -74,4 +74,5 @@ def test_every_parameter_has_a_cli_flag() -> None:
         include_stop_str_in_output=True, n=2, logprobs=4, priority=-1, user="u",
         structured_outputs=StructuredOutputs(regex="a+"), prompt_logprobs=3)
     defaults = sampling_params(build_parser().parse_args(["generate", "--prompt", "hi"]))
-    assert defaults == dataclasses.replace(SamplingParams(), temperature=0.0)  # greedy CLI
+    # the CLI is greedy and bounds the length by default
+    assert defaults == dataclasses.replace(SamplingParams(), temperature=0.0, max_tokens=256)
