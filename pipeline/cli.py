@@ -38,6 +38,16 @@ DEMO_PROMPTS = [
 ]
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and each option's default."""
+
+
+def _version() -> str:
+    import pipeline
+
+    return str(pipeline.__version__)
+
+
 def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
     p.add_argument("--model", default=d(None), help="local Hugging Face folder (Llama family); "
@@ -75,12 +85,29 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "untrusted network, tunnel the ports (ssh, WireGuard)")
 
 
+USAGE = """An LLM inference engine: tokenizer, scheduler, executor and detokenizer processes,
+continuous batching over a paged KV cache, the scheduler one step ahead of the device.
+
+  run_pipeline                      a short demo on the default model (SmolLM2-135M-Instruct)
+  run_pipeline generate --prompt P  answers for prompts (--prompts-file F, --json, --chat)
+  run_pipeline serve --port 8000    the OpenAI-compatible HTTP API
+  run_pipeline bench --help         the benchmarks (scripts/bench)
+
+Each command's own options: run_pipeline COMMAND --help."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: with them `generate --n 3` read as an ambiguous --no-overlap/--no-compile.
-    parser = argparse.ArgumentParser(prog="run_pipeline", description=__doc__, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="run_pipeline", description=USAGE, allow_abbrev=False,
+                                     formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="tracebacks and debug logs of every stage (default: one line "
+                             "per error)")
     add_global_options(parser, suppress=False)
-    sub = parser.add_subparsers(dest="command")
-    gen = sub.add_parser("generate", help="generate for given prompts")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,serve}")
+    gen = sub.add_parser("generate", help="answers for prompts, printed as each one finishes",
+                         formatter_class=_Help)
     add_global_options(gen, suppress=True)
     gen.add_argument("--prompt", action="append", default=[], help="repeatable")
     gen.add_argument("--prompts-file", help="one prompt per line (empty lines are skipped, "
@@ -93,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="a progress bar on stderr: prompts done, tok/s, ETA (default: when "
                           "stderr is a terminal)")
-    serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    serve = sub.add_parser("serve", help="the OpenAI-compatible API over HTTP",
+                           formatter_class=_Help)
     add_global_options(serve, suppress=True)
     add_serve_options(serve)
     return parser
@@ -431,8 +459,16 @@ def run_demo(client: PipelineClient, stage_pids: dict[str, int], startup_s: floa
 def main(argv: list[str] | None = None) -> int:
     from pipeline.runtime.launcher import Pipeline, StartupError
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # `llm-pipeline bench ...` is scripts/bench
+        from pipeline.tools.bench import main as bench
+
+        return int(bench(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.debug:
+        os.environ["LLM_PIPELINE_LOG_LEVEL"] = "DEBUG"  # every stage inherits it
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally: stop all
     pipe: Pipeline | None = None
     try:

@@ -94,7 +94,11 @@ def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
     try:
         yield ctx
     except BaseException as exc:
-        logger.error("stage failed: %s", traceback.format_exc())
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.error("stage failed: %s", traceback.format_exc())
+        else:  # the launcher says it in one line too; the traceback is for --debug
+            logger.error("stage failed: %s: %s (the traceback: --debug, or "
+                         "LLM_PIPELINE_LOG_LEVEL=DEBUG)", type(exc).__name__, exc)
         ctx.failed(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     finally:

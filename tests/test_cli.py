@@ -106,3 +106,63 @@ def test_a_gpu_asked_of_a_cpu_torch_is_refused_with_how_to_get_one(tiny_model_di
         assert proc.returncode == 2 and "is a CPU build" in proc.stderr, proc.stderr
         assert "pip install torch==2.13.0 --index-url" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_a_stage_that_fails_to_start_is_one_line_unless_debug(tiny_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    quiet = subprocess.run(cli(broken, "generate", "--prompt", "hi"), capture_output=True,
+                           text=True, timeout=120)
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr, quiet.stderr
+    assert "error: the pipeline did not start: stage executor:0 failed to start: " \
+           "FileNotFoundError" in quiet.stderr
+    loud = subprocess.run(cli(broken, "--debug", "generate", "--prompt", "hi"),
+                          capture_output=True, text=True, timeout=120)
+    assert loud.returncode == 1 and "Traceback" in loud.stderr
+
+
+def test_help_and_version() -> None:
+    run = [str(ROOT / "scripts" / "run_pipeline")]
+    top = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "run_pipeline serve" in top and "run_pipeline generate" in top
+    assert "(default: cpu)" in top
+    gen = subprocess.run([*run, "generate", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "(default: 256)" in gen and "--json-schema" in gen
+    import pipeline
+
+    version = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=60)
+    assert version.stdout.strip() == f"run_pipeline {pipeline.__version__}"
+
+
+def test_the_package_builds_with_every_subpackage_and_the_command(tmp_path: Path) -> None:
+    """`pip install .` installs what a wheel built here holds: every package under the card's
+    three folders, and the llm-pipeline command."""
+    import shutil
+    import sys
+    import zipfile
+
+    source = tmp_path / "src"
+    for name in ("ipc", "stages", "pipeline"):
+        shutil.copytree(ROOT / name, source / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source),
+                           "-w", str(tmp_path / "dist")], capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("llm_pipeline-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("ipc/arch.py", "stages/executor/runner.py", "stages/scheduler/core.py",
+                   "pipeline/server/app.py", "pipeline/runtime/launcher.py",
+                   "pipeline/tools/bench.py"):
+        assert module in names, module
+    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "llm-pipeline = pipeline.cli:main" in text
