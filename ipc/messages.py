@@ -440,6 +440,14 @@ class StageFailed(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Histogram(Struct):
+    """Counts per bucket (the bounds are the metric's, the last bucket +Inf) and their sum."""
+
+    buckets: list[int]
+    sum: float
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats(Message):
     """The scheduler's accounting, sent to the launcher a few times a second."""
 
@@ -469,11 +477,18 @@ class SchedulerStats(Message):
     device_idle_fraction: float = 0.0  # over the last few seconds of steps
     uptime_s: float = 0.0
     num_refused_messages: int = 0  # frames the scheduler refused: foreign or malformed
+    # Finished requests (sample 0 of each) by phase (REQUEST_PHASES): waiting for admission,
+    # admission to first token, first token to end, admission to end.
+    request_phases: dict[str, Histogram] = field(default_factory=dict)
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).
 STEP_SECONDS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STEP_TOKENS_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# vLLM's request-time buckets, so that dashboards built for it read ours alike.
+REQUEST_SECONDS_BOUNDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                          50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_PHASES = ("queue", "prefill", "decode", "inference")
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,11 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="requests at once per API key and per client address (0: off)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="answer 503 while this many sequences wait in the scheduler")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="a line on stderr per API request (client, route, status, time)")
+    p.add_argument("--stats-interval", type=float, default=10.0, metavar="S",
+                   help="a line on stderr every S seconds: throughput, running/waiting, KV "
+                        "cache use, prefix hits, device idle (0: off)")
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="CORS: comma-separated origins that browsers may call the API from, "
                         "or '*' for any (default: none, CORS off)")

@@ -116,11 +116,12 @@ def test_serve_benchmark_drives_an_http_server(tmp_path: Path) -> None:
         report = json.loads(out.read_text())
         tokens = round(report["output_token_throughput"] * report["duration_s"])
         deadline = time.monotonic() + 5  # the engine's counters come with its next status
-        while (metrics := server.metrics())["llm_pipeline_generation_tokens_total{}"] < tokens:
+        generated = f"vllm:generation_tokens_total{{model_name={server.model}}}"
+        while (metrics := server.metrics())[generated] < tokens:
             assert time.monotonic() < deadline
             time.sleep(0.1)
     assert rc == 0 and report["completed"] == 4 and report["failed"] == 0
     assert report["ttft_ms"]["p50"] > 0 and tokens > 0
     # the server counted the same requests and tokens the benchmark saw
-    assert metrics["llm_pipeline_e2e_request_latency_seconds_count{}"] == 4
-    assert metrics["llm_pipeline_generation_tokens_total{}"] == tokens
+    assert metrics[f"vllm:e2e_request_latency_seconds_count{{model_name={server.model}}}"] == 4
+    assert metrics[generated] == tokens

@@ -152,7 +152,8 @@ def test_serve_the_default_model_to_the_openai_client(tmp_path: Path) -> None:
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert "Paris" in text
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        assert "llm_pipeline_time_to_first_token_seconds_count 1.0" in metrics
+        assert ('vllm:time_to_first_token_seconds_count{model_name="SmolLM2-135M-Instruct"} 1.0'
+                in metrics)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,10 @@ class Server:
     def __init__(self, proc: subprocess.Popen[str], url: str, model_dir: Path) -> None:
         self.proc, self.url, self.model = proc, url, model_dir.name
         self.model_dir = model_dir
+        self.log: list[str] = []  # what it printed after "serving" (drained, so it never blocks)
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=lambda: self.log.extend(stdout), daemon=True).start()
 
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -279,12 +284,34 @@ def test_rate_limits_answer_429_with_retry_after(tiny_model_dir: Path) -> None:
 # ---------------------------------------------------------------- engine effects
 
 
+GRAFANA_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+
+
 def stat(server: Server, name: str) -> float:
+    """A sample of /metrics; a vLLM metric named without labels gets the model's."""
+    if name.startswith("vllm:") and "{" not in name:
+        name += f"{{model_name={server.model}}}"
     return server.metrics().get(name, 0.0)
 
 
+def aborted_name(server: Server) -> str:
+    return f"vllm:request_success_total{{finished_reason=abort,model_name={server.model}}}"
+
+
 def test_a_disconnect_mid_stream_aborts_in_the_engine(server: Server) -> None:
-    aborted = 'llm_pipeline_requests_finished_total{reason=abort}'
+    aborted = aborted_name(server)
     before = stat(server, aborted)
     body = {"model": server.model, "prompt": "Tell me everything", "max_tokens": 400,
             "ignore_eos": True, "stream": True}
@@ -298,14 +325,14 @@ def test_a_disconnect_mid_stream_aborts_in_the_engine(server: Server) -> None:
         assert time.monotonic() < deadline, f"the engine never aborted: {server.metrics()}"
         time.sleep(0.1)
     deadline = time.monotonic() + 10
-    while stat(server, "llm_pipeline_requests_running{}") > 0:
+    while stat(server, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert stat(server, "llm_pipeline_kv_cache_usage{}") == 0.0  # its blocks were freed
+    assert stat(server, "vllm:kv_cache_usage_perc") == 0.0  # its blocks were freed
 
 
 def test_a_disconnect_before_a_plain_answer_aborts_too(server: Server) -> None:
-    aborted = 'llm_pipeline_requests_finished_total{reason=abort}'
+    aborted = aborted_name(server)
     before = stat(server, aborted)
     # 16 samples of 490 tokens: seconds of work for the tiny model, cut short by the hang-up
     body = {"model": server.model, "prompt": "Tell me everything", "max_tokens": 490, "n": 16,
@@ -328,20 +355,35 @@ def test_metrics_parse_and_move_across_two_workers(server: Server) -> None:
     time.sleep(0.6)  # one more status from the scheduler
     after = server.metrics()
 
+    model = f"model_name={server.model}"
+
     def moved(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert moved("llm_pipeline_time_to_first_token_seconds_count{}") == 6
-    assert moved("llm_pipeline_e2e_request_latency_seconds_count{}") == 6
-    assert moved("llm_pipeline_inter_token_latency_seconds_count{}") == 12
-    assert moved("llm_pipeline_generation_tokens_total{}") == 18
-    assert moved("llm_pipeline_requests_finished_total{reason=length}") == 6
-    assert moved("llm_pipeline_prompt_tokens_total{}") > 0
-    assert moved("llm_pipeline_step_tokens_count{}") > 0
+    assert moved(f"vllm:time_to_first_token_seconds_count{{{model}}}") == 6
+    assert moved(f"vllm:e2e_request_latency_seconds_count{{{model}}}") == 6
+    assert moved(f"vllm:inter_token_latency_seconds_count{{{model}}}") == 12
+    assert moved(f"vllm:time_per_output_token_seconds_count{{{model}}}") == 12
+    assert moved(f"vllm:request_time_per_output_token_seconds_count{{{model}}}") == 6
+    assert moved(f"vllm:generation_tokens_total{{{model}}}") == 18
+    assert moved(f"vllm:request_success_total{{finished_reason=length,{model}}}") == 6
+    assert moved(f"vllm:request_prompt_tokens_count{{{model}}}") == 6
+    assert moved(f"vllm:request_generation_tokens_sum{{{model}}}") == 18
+    assert moved(f"vllm:request_max_num_generation_tokens_sum{{{model}}}") == 18
+    assert moved(f"vllm:prompt_tokens_total{{{model}}}") > 0
+    assert moved(f"vllm:iteration_tokens_total_count{{{model}}}") > 0
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert moved(f"vllm:request_{phase}_time_seconds_count{{{model}}}") == 6
     assert moved("llm_pipeline_http_responses_total{route=/v1/completions,status=200}") == 6
-    assert "llm_pipeline_prefix_cache_queries_total{}" in after
-    assert "llm_pipeline_preemptions_total{}" in after
+    assert f"vllm:prefix_cache_queries_total{{{model}}}" in after
+    assert f"vllm:num_preemptions_total{{{model}}}" in after
+    assert f"vllm:gpu_cache_usage_perc{{{model}}}" in after
     assert "llm_pipeline_device_idle_fraction{}" in after
+    assert "llm_pipeline_steps_in_flight{}" in after
+    # every series the stock vLLM Grafana dashboard (examples/online_serving/
+    # prometheus_grafana/grafana.json) queries, with its model_name label
+    for name in GRAFANA_SERIES:
+        assert any(k.startswith(name + "{") and model in k for k in after), name
     assert after["llm_pipeline_stage_up{stage=executor:0}"] == 1.0
     pids = {p.pid for p in server.descendants() if "llm-pipeline:api" in " ".join(p.cmdline())}
     assert len(pids) == 2
@@ -374,7 +416,7 @@ def test_a_killed_api_worker_comes_back_and_its_requests_are_aborted(
     import threading
 
     with serve(tiny_model_dir, "--api-workers", "2", "--device", "timed:10,0") as s:
-        aborted = "llm_pipeline_requests_finished_total{reason=abort}"
+        aborted = aborted_name(s)
         before = stat(s, aborted)
         ends: list[str] = []
         opened = threading.Barrier(33, timeout=60)
@@ -417,7 +459,7 @@ def test_a_killed_api_worker_comes_back_and_its_requests_are_aborted(
         while stat(s, aborted) < before + len(cut):
             assert time.monotonic() < deadline, f"aborted {stat(s, aborted) - before}: {ends}"
             time.sleep(0.1)
-        while stat(s, "llm_pipeline_requests_running{}") > 0:
+        while stat(s, "vllm:num_requests_running") > 0:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         r = post(s, "/v1/completions", {"model": s.model, "prompt": "hi", "max_tokens": 2},
@@ -535,3 +577,24 @@ def test_fuzzed_requests_get_4xx_never_5xx(server: Server) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_an_access_line_per_request_and_a_periodic_engine_line(tiny_model_dir: Path) -> None:
+    with serve(tiny_model_dir, "--stats-interval", "0.5") as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                       timeout=30)
+        rid = r.headers["x-request-id"]
+        deadline = time.monotonic() + 10
+        while not (any(rid in line for line in s.log)
+                   and any("engine: prompt" in line for line in s.log)):
+            assert time.monotonic() < deadline, s.log
+            time.sleep(0.1)
+    access = next(line for line in s.log if rid in line)
+    assert '"POST /v1/completions" 200' in access and "127.0.0.1" in access
+    engine = next(line for line in s.log if "engine: prompt" in line)
+    assert "generation" in engine and "KV cache" in engine and "device idle" in engine
+    with serve(tiny_model_dir, "--no-access-log", "--stats-interval", "0") as quiet:
+        httpx.post(f"{quiet.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                   timeout=30)
+        time.sleep(1)
+    assert not any("/v1/completions" in line or "engine:" in line for line in quiet.log)

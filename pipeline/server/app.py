@@ -58,6 +58,7 @@ class ServerOptions:
     rate_limit_concurrent: int = 0  # requests at once, per key and per address; 0: off
     max_waiting: int = 1024  # sequences waiting in the scheduler before new requests get 503
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
+    access_log: bool = True  # a line per request on stderr
 
 
 
@@ -129,7 +130,9 @@ class FrontEnd:
         """The ASGI app: generation requests are admitted (or refused, before their body is
         read or anything else is done: refusals stay fast under a flood) and counted here,
         the rest is Starlette's."""
-        routes = self._routes()
+        routes: Any = self._routes()
+        if self.options.access_log:
+            routes = AccessLog(routes)
         if self.options.allowed_origins:  # answers preflights before anything else sees them
             routes = CORSMiddleware(routes, allow_origins=list(self.options.allowed_origins),
                                     allow_methods=["GET", "POST"], allow_headers=["*"],
@@ -189,7 +192,7 @@ class FrontEnd:
         return JSONResponse(body, 200 if h.ok else 503)
 
     async def metrics_route(self, request: Request) -> Response:
-        return Response(self.metrics.render(lambda: self.client.status),
+        return Response(self.metrics.render(lambda: self.client.status, self.model),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> Response:
@@ -361,6 +364,37 @@ class FrontEnd:
 
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+access_logger = logging.getLogger("llm_pipeline.access")
+
+
+class AccessLog:
+    """One line per HTTP request: client, method and path, status, seconds (for a stream,
+    until its last byte), and the request id of a generation."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status, rid = time.perf_counter(), 0, ""
+
+        async def sending(message: Any) -> None:
+            nonlocal status, rid
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                rid = next((v.decode() for k, v in message.get("headers", ())
+                            if k == b"x-request-id"), "")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("?", 0)
+            access_logger.info('%s "%s %s" %d %.3fs%s', client[0], scope["method"],
+                               scope["path"], status, time.perf_counter() - start,
+                               f" {rid}" if rid else "")
 
 
 def _load_libc() -> Any:

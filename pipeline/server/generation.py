@@ -56,7 +56,8 @@ class Generation:
         self._done_feeds = 0
         self.prompt_tokens = [0] * len(parsed.prompts)
         self.cached_tokens = [0] * len(parsed.prompts)  # of each prompt, from the prefix cache
-        self.latency = front.metrics.LatencyRecorder()
+        self.latency = front.metrics.LatencyRecorder(front.model)
+        self.choice_tokens = [[0] * self.n for _ in parsed.prompts]  # per prompt, per sample
 
     async def _feed(self, i: int) -> None:
         tools = self.parsed.tools.tools if self.parsed.tools is not None else ()
@@ -126,7 +127,7 @@ class Generation:
                 yield self._record(i, out)
             while (item := await self._next()) is not None:
                 yield self._record(*item)
-            self.latency.finished()
+            self.latency.finished(self.prompt_tokens, self.choice_tokens)
         finally:
             self.cancel()
 
@@ -137,6 +138,7 @@ class Generation:
         choice = i * self.n + max(out.index, 0)
         if out.token_ids:
             self.latency.tokens(choice, len(out.token_ids))
+            self.choice_tokens[i][max(out.index, 0)] += len(out.token_ids)
         return choice, out
 
     async def collect(self) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""Prometheus metrics of the HTTP front end, named `llm_pipeline_*`. Runs in each front-end
-worker process.
+"""Prometheus metrics of the HTTP front end: vLLM's names and labels (`vllm:*`, with
+`model_name`) for everything vLLM also measures, so the dashboards people run for vLLM show
+this engine too; `llm_pipeline_*` for our own (stage liveness, step time, device idle, the
+run-ahead, HTTP responses). Runs in each front-end worker process.
 
 Two sources. What the engine knows (requests running and waiting, finished by reason, tokens,
 KV cache usage, prefix-cache queries and hits, preemptions, step duration, tokens per step,
@@ -24,62 +26,108 @@ from prometheus_client.core import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from ipc.messages import STEP_SECONDS_BOUNDS, STEP_TOKENS_BOUNDS, PipelineStatus
+from ipc.messages import (
+    REQUEST_PHASES,
+    REQUEST_SECONDS_BOUNDS,
+    STEP_SECONDS_BOUNDS,
+    STEP_TOKENS_BOUNDS,
+    PipelineStatus,
+)
 
-P = "llm_pipeline_"
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
-                   5.0, 10.0, 20.0, 40.0, 80.0)
+P = "llm_pipeline_"  # our own metrics, beside vLLM's
+V = "vllm:"  # what vLLM also measures, under its names and labels (model_name)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, ... 500,000
+MODEL = ["model_name"]
 
-TTFT = Histogram(P + "time_to_first_token_seconds", "Time from request to first token",
-                 buckets=LATENCY_BUCKETS)
-ITL = Histogram(P + "inter_token_latency_seconds", "Time between a sample's tokens (tokens "
-                "that arrive together share the gap)", buckets=LATENCY_BUCKETS)
-E2E = Histogram(P + "e2e_request_latency_seconds", "Time from request to its last token",
-                buckets=LATENCY_BUCKETS)
+TTFT = Histogram(V + "time_to_first_token_seconds", "Time from request to its first token",
+                 MODEL, buckets=TTFT_BUCKETS)
+ITL = Histogram(V + "inter_token_latency_seconds", "Time between a sample's tokens (tokens "
+                "that arrive together share the gap)", MODEL, buckets=TOKEN_GAP_BUCKETS)
+# vLLM's older name of the same measure, which its stock Grafana dashboard reads.
+TPOT = Histogram(V + "time_per_output_token_seconds", "Time between a sample's tokens (as "
+                 "inter_token_latency_seconds)", MODEL, buckets=TOKEN_GAP_BUCKETS)
+REQUEST_TPOT = Histogram(V + "request_time_per_output_token_seconds", "Per request: (end - "
+                         "first token) / (output tokens - 1)", MODEL, buckets=TOKEN_GAP_BUCKETS)
+E2E = Histogram(V + "e2e_request_latency_seconds", "Time from request to its last token",
+                MODEL, buckets=REQUEST_SECONDS_BOUNDS)
+PROMPT_TOKENS = Histogram(V + "request_prompt_tokens", "Prompt tokens of each finished request",
+                          MODEL, buckets=COUNT_BUCKETS)
+GENERATION_TOKENS = Histogram(V + "request_generation_tokens", "Generated tokens of each "
+                              "finished request (all its samples)", MODEL, buckets=COUNT_BUCKETS)
+MAX_GENERATION_TOKENS = Histogram(V + "request_max_num_generation_tokens", "The most tokens "
+                                  "one sample of a finished request generated", MODEL,
+                                  buckets=COUNT_BUCKETS)
+PARAMS_N = Histogram(V + "request_params_n", "n of each finished request", MODEL,
+                     buckets=(1, 2, 5, 10, 20))
 HTTP = Counter(P + "http_responses", "HTTP responses by route and status", ["route", "status"])
 
 
 class LatencyRecorder:
-    """The latencies of one API request: time to first token, inter-token latency per choice
-    (tokens that arrive together share the gap), end-to-end."""
+    """The latencies and sizes of one API request: time to first token, inter-token latency
+    per choice (tokens that arrive together share the gap), end-to-end, and per prompt (an
+    engine request) its tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
+        self.model = model
         self.start = time.perf_counter()
         self.first_token_seen = False
+        self.first_token_time = 0.0
         self.last_token_time: dict[int, float] = {}
 
     def tokens(self, choice: int, count: int) -> None:
         now = time.perf_counter()
         if not self.first_token_seen:
             self.first_token_seen = True
-            TTFT.observe(now - self.start)
+            self.first_token_time = now
+            TTFT.labels(self.model).observe(now - self.start)
         last = self.last_token_time.get(choice)
-        if last is not None:
-            for _ in range(count):
-                ITL.observe((now - last) / count)
-        else:  # the first delta: its tokens after the first came with it
-            for _ in range(count - 1):
-                ITL.observe(0.0)
+        # (the first delta: its tokens after the first came with it)
+        gaps = [(now - last) / count] * count if last is not None else [0.0] * (count - 1)
+        for gap in gaps:
+            ITL.labels(self.model).observe(gap)
+            TPOT.labels(self.model).observe(gap)
         self.last_token_time[choice] = now
 
-    def finished(self) -> None:
-        E2E.observe(time.perf_counter() - self.start)
+    def finished(self, prompt_tokens: list[int] | None = None,
+                 choice_tokens: list[list[int]] | None = None) -> None:
+        """prompt_tokens: each prompt's; choice_tokens: each prompt's samples' token counts."""
+        now = time.perf_counter()
+        model = self.model
+        E2E.labels(model).observe(now - self.start)
+        for prompt, samples in zip(prompt_tokens or [], choice_tokens or [], strict=False):
+            generated = sum(samples)
+            PROMPT_TOKENS.labels(model).observe(prompt)
+            GENERATION_TOKENS.labels(model).observe(generated)
+            MAX_GENERATION_TOKENS.labels(model).observe(max(samples, default=0))
+            PARAMS_N.labels(model).observe(len(samples))
+            if self.first_token_seen and generated > len(samples):
+                REQUEST_TPOT.labels(model).observe(
+                    (now - self.first_token_time) / (generated / len(samples) - 1))
 
 
 def _histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int],
-               total: float) -> HistogramMetricFamily:
+               total: float, labels: list[str] | None = None) -> HistogramMetricFamily:
     cumulative, buckets = 0, []
     for bound, count in zip([*map(str, bounds), "+Inf"], counts, strict=False):
         cumulative += count
         buckets.append((bound, cumulative))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+    if labels is None:
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+    family = HistogramMetricFamily(name, doc, labels=MODEL)
+    family.add_metric(labels, buckets, sum_value=total)
+    return family
 
 
 class StatusCollector:
-    """The engine's metrics, from the latest published status."""
+    """The engine's metrics, from the latest published status: vLLM's names (with its
+    model_name label) for what vLLM also measures, ours for the rest."""
 
-    def __init__(self, status: Callable[[], PipelineStatus | None]) -> None:
-        self._status = status
+    def __init__(self, status: Callable[[], PipelineStatus | None], model: str = "") -> None:
+        self._status, self.model = status, model
 
     def collect(self) -> Iterator[Metric]:
         status = self._status()
@@ -90,42 +138,66 @@ class StatusCollector:
         s = status.scheduler if status is not None else None
         if s is None:
             return
-        yield GaugeMetricFamily(P + "requests_running", "Sequences in the running batch",
-                                value=s.num_running)
-        yield GaugeMetricFamily(P + "requests_waiting", "Sequences waiting for admission",
-                                value=s.num_waiting)
-        finished = CounterMetricFamily(P + "requests_finished", "Finished sequences (samples) "
-                                       "and refused requests, by finish reason", labels=["reason"])
-        for reason, count in sorted(s.finished.items()):
-            finished.add_metric([reason], count)
-        yield finished
-        yield CounterMetricFamily(P + "prompt_tokens", "Prompt tokens of admitted requests",
-                                  value=s.prompt_tokens)
-        yield CounterMetricFamily(P + "generation_tokens", "Generated tokens",
-                                  value=s.generation_tokens)
+        m = [self.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=MODEL)
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=MODEL)
+            c.add_metric(m, value)
+            return c
+
+        yield gauge(V + "num_requests_running", "Sequences in the running batch", s.num_running)
+        yield gauge(V + "num_requests_waiting", "Sequences waiting for admission", s.num_waiting)
         used = 1 - s.num_free_blocks / s.num_blocks if s.num_blocks else 0.0
-        yield GaugeMetricFamily(P + "kv_cache_usage", "Fraction of KV blocks held", value=used)
-        yield CounterMetricFamily(P + "prefix_cache_queries", "Prompt tokens looked up in the "
-                                  "prefix cache", value=s.prefix_cache_queries)
-        yield CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens found in the prefix "
-                                  "cache", value=s.prefix_cache_hits)
-        yield CounterMetricFamily(P + "preemptions", "Sequences preempted",
-                                  value=s.num_preemptions)
+        yield gauge(V + "kv_cache_usage_perc", "Fraction of KV blocks held (1 = all)", used)
+        yield gauge(V + "gpu_cache_usage_perc", "Fraction of KV blocks held (vLLM's older "
+                    "name, on any device)", used)
+        finished = CounterMetricFamily(V + "request_success", "Finished sequences (samples) "
+                                       "and refused requests, by finish reason",
+                                       labels=[*MODEL, "finished_reason"])
+        for reason, count in sorted(s.finished.items()):
+            finished.add_metric([self.model, reason], count)
+        yield finished
+        yield counter(V + "prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens)
+        yield counter(V + "generation_tokens", "Generated tokens", s.generation_tokens)
+        yield counter(V + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      s.prefix_cache_queries)
+        yield counter(V + "prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                      s.prefix_cache_hits)
+        yield counter(V + "num_preemptions", "Sequences preempted", s.num_preemptions)
+        if s.step_tokens_buckets:
+            yield _histogram(V + "iteration_tokens_total", "Tokens computed in each step",
+                             STEP_TOKENS_BOUNDS, s.step_tokens_buckets, s.step_tokens_sum, m)
+        docs = {"queue": "Time from arrival to first admission",
+                "prefill": "Time from admission to the first token",
+                "decode": "Time from the first token to the end",
+                "inference": "Time from admission to the end"}
+        for phase in REQUEST_PHASES:
+            h = s.request_phases.get(phase)
+            if h is not None:
+                yield _histogram(V + f"request_{phase}_time_seconds", docs[phase] + " (finished "
+                                 "requests)", REQUEST_SECONDS_BOUNDS, h.buckets, h.sum, m)
+        # Ours alone.
         yield CounterMetricFamily(P + "steps", "Steps planned", value=s.num_steps)
         if s.step_seconds_buckets:
             yield _histogram(P + "step_duration_seconds", "Device time of each step",
                              STEP_SECONDS_BOUNDS, s.step_seconds_buckets, s.step_seconds_sum)
-        if s.step_tokens_buckets:
-            yield _histogram(P + "step_tokens", "Tokens computed in each step",
-                             STEP_TOKENS_BOUNDS, s.step_tokens_buckets, s.step_tokens_sum)
         yield GaugeMetricFamily(P + "device_idle_fraction", "Fraction of the last seconds of "
                                 "steps the device waited between steps",
                                 value=s.device_idle_fraction)
+        yield GaugeMetricFamily(P + "steps_in_flight", "Steps planned and not yet reported "
+                                "(the run-ahead)", value=s.num_inflight_steps)
+        yield GaugeMetricFamily(P + "ring_slots_free", "Free slots of the step rings",
+                                value=s.num_free_ring_slots)
 
 
-def render(status: Callable[[], PipelineStatus | None]) -> bytes:
+def render(status: Callable[[], PipelineStatus | None], model: str = "") -> bytes:
     """The text exposition of every metric, over all front-end workers."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
-    registry.register(StatusCollector(status))  # type: ignore[arg-type]
+    registry.register(StatusCollector(status, model))  # type: ignore[arg-type]
     return generate_latest(registry)

@@ -17,7 +17,7 @@ import zmq
 
 from ipc.channels import PushChannel
 from ipc.config import ConfigError, parse_bytes
-from ipc.messages import ForgetClient
+from ipc.messages import ForgetClient, SchedulerStats
 from pipeline.runtime.launcher import (
     MAX_RESTARTS,
     RESTART_WINDOW_S,
@@ -41,7 +41,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         host=args.host, port=args.port, api_key=args.api_key,
         api_workers=args.api_workers, max_body_bytes=parse_bytes(args.max_body_bytes),
         rate_limit_rps=args.rate_limit_rps, rate_limit_concurrent=args.rate_limit_concurrent,
-        max_waiting=args.max_waiting,
+        max_waiting=args.max_waiting, access_log=args.access_log,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
 
 
@@ -70,6 +70,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                                secret=pipe.cfg.run_secret)
     restarts = RestartPolicy()
     due: dict[int, float] = {}  # rank -> when to start the dead worker again
+    stats = EngineStatsLog(args.stats_interval)
     try:
         _wait_ready(workers, run_dir)
         host = f"[{options.host}]" if ":" in options.host else options.host
@@ -99,6 +100,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                 if time.monotonic() >= when:
                     del due[rank]
                     workers[rank] = start_worker(rank)
+            stats.maybe_log(pipe.scheduler_stats)
             if pipe.failure is not None:
                 time.sleep(ENGINE_FAILURE_GRACE_S)
                 print(f"error: {pipe.failure}; stopping", file=sys.stderr)
@@ -114,6 +116,41 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
             if w.is_alive():
                 w.kill()
                 w.join(5)
+
+
+class EngineStatsLog:
+    """Every `interval` seconds (0: never), one line of what the engine did meanwhile, as
+    vLLM prints it: prompt and generation throughput, running and waiting sequences, KV cache
+    use, prefix-cache hit rate, device idle."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: tuple[float, SchedulerStats] | None = None
+
+    def maybe_log(self, stats: SchedulerStats | None) -> None:
+        now = time.monotonic()
+        if self.interval <= 0 or stats is None:
+            return
+        if self._last is None:
+            self._last = (now, stats)
+            return
+        then, before = self._last
+        if now - then < self.interval:
+            return
+        self._last = (now, stats)
+        print(self.line(before, stats, now - then), file=sys.stderr, flush=True)
+
+    @staticmethod
+    def line(before: SchedulerStats, now: SchedulerStats, seconds: float) -> str:
+        queries = now.prefix_cache_queries - before.prefix_cache_queries
+        hits = now.prefix_cache_hits - before.prefix_cache_hits
+        used = 1 - now.num_free_blocks / now.num_blocks if now.num_blocks else 0.0
+        prompt = (now.prompt_tokens - before.prompt_tokens) / seconds
+        generation = (now.generation_tokens - before.generation_tokens) / seconds
+        return (f"engine: prompt {prompt:.1f} tok/s, generation {generation:.1f} tok/s, "
+                f"running {now.num_running}, waiting {now.num_waiting}, KV cache "
+                f"{used:.1%}, prefix-cache hits {hits / queries if queries else 0.0:.1%}, device "
+                f"idle {now.device_idle_fraction:.1%}")
 
 
 def _forget_worker(run_dir: str, rank: int, to_scheduler: PushChannel) -> None:

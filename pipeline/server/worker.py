@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -36,6 +37,13 @@ def run_api_worker(run_dir: str, options: ServerOptions, vocab_size: int, rank: 
         setproctitle(f"llm-pipeline:api:{rank}")
     except ImportError:
         pass
+    if options.access_log:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s api:{rank} %(message)s"))
+        access = logging.getLogger("llm_pipeline.access")
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+        access.propagate = False
     client = PipelineClient.connect(run_dir)
     client.wait_for_status()  # so that /health and the first requests know how things stand
     front = FrontEnd(client, options, vocab_size, model_dir)

@@ -33,7 +33,7 @@ from ipc.params import MAX_RECONCILE_IDS, RequestError, validate_params
 from ipc.sampling import encode_slot, uses_penalties
 from ipc.step import PromptLogprobs, StepLogprobs
 from stages.scheduler.block_allocator import BlockAllocator
-from stages.scheduler.metrics import StepMetrics
+from stages.scheduler.metrics import RequestPhases, StepMetrics
 from stages.scheduler.planned import PlannedStep, StepRow
 from stages.scheduler.sequence import SeqStatus, Sequence
 from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
@@ -95,6 +95,7 @@ class Scheduler:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.step_metrics = StepMetrics()
+        self.request_phases = RequestPhases()
         self._started = time.monotonic()
 
     def seq(self, request_id: str, index: int = 0) -> Sequence:
@@ -429,6 +430,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self._vtime = max(self._vtime, seq.tag)
+            if seq.admitted_at is None:
+                seq.admitted_at = time.time()
             seq.move_to(SeqStatus.RUNNING)
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
@@ -508,6 +511,8 @@ class Scheduler:
                 self._finish(seq, FinishReason.ERROR)
                 continue
             seq.output_ids.append(token)
+            if seq.first_token_at is None:
+                seq.first_token_at = time.time()
             self.generation_tokens += 1
             k = seq.params.logprobs
             if k is not None and logprobs is not None:
@@ -548,6 +553,9 @@ class Scheduler:
         seq.move_to(SeqStatus.FINISHED)
         seq.finish_reason = reason
         self._count_finished(reason)
+        if seq.index == 0 and seq.admitted_at is not None:
+            self.request_phases.record(seq.arrival_time, seq.admitted_at, seq.first_token_at,
+                                       time.time())
         self._maybe_release(seq)
         if seq.index == 0 and seq.request_id in self._held:
             self._release_siblings()  # they no longer wait for its prompt
@@ -610,7 +618,8 @@ class Scheduler:
             self.prefix_cache_queries, self.prefix_cache_hits, self.allocator.num_cached_free,
             dict(self.finished), self.prompt_tokens, self.generation_tokens,
             list(m.seconds), m.seconds_sum, list(m.tokens), m.tokens_sum, m.idle_fraction,
-            time.monotonic() - self._started)
+            time.monotonic() - self._started,
+            request_phases=self.request_phases.snapshot())
 
     # ------------------------------------------------------------ outputs
 

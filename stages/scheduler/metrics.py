@@ -1,12 +1,41 @@
-"""Step metrics of the scheduler process: histograms of step duration and tokens per step, and
-the device's recent idle fraction, from the device interval each executor report carries."""
+"""Metrics of the scheduler process: histograms of step duration and tokens per step, the
+device's recent idle fraction (from the device interval each executor report carries), and
+how long finished requests spent in each phase."""
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
 
-from ipc.messages import STEP_SECONDS_BOUNDS, STEP_TOKENS_BOUNDS
+from ipc.messages import (
+    REQUEST_PHASES,
+    REQUEST_SECONDS_BOUNDS,
+    STEP_SECONDS_BOUNDS,
+    STEP_TOKENS_BOUNDS,
+    Histogram,
+)
+
+
+class RequestPhases:
+    """Histograms of finished requests' phases (REQUEST_PHASES): queue (arrival to first
+    admission), prefill (admission to first token), decode (first token to the end),
+    inference (admission to the end). Wall-clock seconds: the arrival time is the client's."""
+
+    def __init__(self) -> None:
+        self.buckets = {p: [0] * (len(REQUEST_SECONDS_BOUNDS) + 1) for p in REQUEST_PHASES}
+        self.sums = dict.fromkeys(REQUEST_PHASES, 0.0)
+
+    def record(self, arrival: float, admitted: float, first_token: float | None,
+               end: float) -> None:
+        first = first_token if first_token is not None else end
+        for phase, seconds in (("queue", admitted - arrival), ("prefill", first - admitted),
+                               ("decode", end - first), ("inference", end - admitted)):
+            seconds = max(0.0, seconds)
+            self.buckets[phase][bisect.bisect_left(REQUEST_SECONDS_BOUNDS, seconds)] += 1
+            self.sums[phase] += seconds
+
+    def snapshot(self) -> dict[str, Histogram]:
+        return {p: Histogram(list(self.buckets[p]), self.sums[p]) for p in REQUEST_PHASES}
 
 
 class StepMetrics:

@@ -65,6 +65,8 @@ class Sequence:
     stop_token: int | None = None  # the stop token id that finished it, if one did
     num_sent: int = 0  # output tokens already handed to the detokenizer
     grammar: str = ""  # its structured output as grammar text (stages/grammar.py)
+    admitted_at: float | None = None  # wall clock of its first admission
+    first_token_at: float | None = None  # wall clock of its first output token
     # prompt_logprobs: entry i scores prompt token i + 1; positions planned so far; sent?
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_plp_planned: int = 0
