@@ -2,7 +2,8 @@
 HTTP front end) and `tools` (benchmarks, datasets, random models, the default model), plus the
 command line (`cli`). The names most programs need are importable from here:
 
-    from pipeline import ModelInfo, Pipeline, PipelineConfig, SamplingParams
+    from pipeline import LLM, SamplingParams  # the offline API (pipeline/offline.py)
+    from pipeline import ModelInfo, Pipeline, PipelineConfig  # the pipeline itself
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _EXPORTS = {
     "ModelInfo": "ipc.config",
     "SchedulerConfig": "ipc.config",
     "ExecutorConfig": "ipc.config",
+    "LLM": "pipeline.offline",
     "SamplingParams": "ipc.messages",
     "StructuredOutputs": "ipc.messages",
     "ChatMessage": "ipc.messages",

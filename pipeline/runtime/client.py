@@ -129,10 +129,16 @@ class CompletionOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     samples: list[SampleResult] = field(default_factory=list)
+    prompt: Any = None  # what was asked (the offline API sets it)
     _num_finished: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.samples = self.samples or [SampleResult(i) for i in range(self.n)]
+
+    @property
+    def outputs(self) -> list[SampleResult]:
+        """The n samples (vLLM's RequestOutput.outputs)."""
+        return self.samples
 
     @property
     def text(self) -> str:
@@ -406,8 +412,11 @@ class PipelineClient:
     # ------------------------------------------------------------ blocking API
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
-                 timeout: float | None = None) -> list[CompletionOutput]:
-        """Run all prompts concurrently; outputs in input order. Errors are per output."""
+                 timeout: float | None = None,
+                 on_finished: Callable[[CompletionOutput], Any] | None = None
+                 ) -> list[CompletionOutput]:
+        """Run all prompts concurrently; outputs in input order. Errors are per output.
+        on_finished: called with each output as it finishes (a progress bar)."""
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
@@ -418,11 +427,12 @@ class PipelineClient:
             rid = uuid.uuid4().hex
             results[rid] = CompletionOutput(rid, max(p.n, 1), arrival_time=time.monotonic())
             order.append(self._submit(prompt, p, rid, inbox.put))
-        self._collect(inbox, results, timeout)
+        self._collect(inbox, results, timeout, on_finished)
         return [results[rid] for rid in order]
 
     def _collect(self, inbox: queue.Queue[RequestOutput], results: dict[str, CompletionOutput],
-                 timeout: float | None) -> None:
+                 timeout: float | None,
+                 on_finished: Callable[[CompletionOutput], Any] | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = set(results)
         while pending:
@@ -437,8 +447,10 @@ class PipelineClient:
                 continue
             result = results[out.request_id]
             result.add(out)
-            if result.finished:
+            if result.finished and out.request_id in pending:
                 pending.discard(out.request_id)
+                if on_finished is not None:
+                    on_finished(result)
 
     # ------------------------------------------------------------ streaming API
 

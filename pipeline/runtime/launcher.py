@@ -4,6 +4,7 @@ Runs in the process that owns the pipeline (the CLI, a server, a user's program)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -12,9 +13,11 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -199,7 +202,8 @@ class Pipeline:
     def _spawn(self, stage: str, rank: int, target: str, *args: Any) -> None:
         proc = self._mp.Process(target=run_stage, args=(target, self.cfg, rank, os.getpid(), *args),
                                 name=f"llm-pipeline:{stage}:{rank}", daemon=False)
-        proc.start()
+        with _main_hidden():
+            proc.start()
         self.procs[f"{stage}:{rank}"] = proc
         self._targets[f"{stage}:{rank}"] = target
 
@@ -402,6 +406,28 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """While a stage is spawned, the user's script is not named as `__main__`: a spawned child
+    would run it again to rebuild that module (without an `if __name__ == "__main__"` guard,
+    it would start a pipeline of its own). A stage needs nothing of it: its target is a
+    module path, its arguments are our types."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__")
+             if hasattr(main, name)}
+    main.__spec__ = None  # type: ignore[assignment]
+    if hasattr(main, "__file__"):
+        del main.__file__
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
 
 
 CUDA_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128 "

@@ -1,0 +1,112 @@
+"""The offline Python API, in the shape vLLM's users know:
+
+    from pipeline import LLM, SamplingParams
+
+    llm = LLM()  # the default model; or LLM(model="/path/to/hf-folder", dtype="bfloat16")
+    for out in llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=32)):
+        print(out.prompt, out.outputs[0].text)
+    llm.chat([{"role": "user", "content": "Hi!"}])
+
+Works from a plain script without a `__main__` guard (the stages are spawned without
+re-running the script: see Pipeline._spawn) and from a notebook (nothing here needs an event
+loop of its own). The pipeline stops when the object is closed, garbage collected, or when
+the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.messages import ChatMessage, SamplingParams
+from pipeline.runtime.client import CompletionOutput
+
+Conversation = Sequence[dict[str, str] | ChatMessage]
+
+
+class LLM:
+    """One running pipeline, for a program's own prompts. Keyword options are the CLI's
+    global ones (see `run_pipeline --help`)."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32",
+                 device: str = "cpu", max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int = 1 << 30, compile: bool | None = None,
+                 tokenizer_workers: int = 1, detokenizer_workers: int = 1) -> None:
+        from pipeline.runtime.launcher import Pipeline
+
+        if model is None:
+            from pipeline.tools.model_cache import ensure_default_model
+
+            model = str(ensure_default_model())
+        cfg = PipelineConfig(
+            model=ModelInfo.from_dir(model, max_model_len),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile),
+            num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers)
+        self._pipeline = Pipeline(cfg)
+        self._pipeline.start()
+        self._client = self._pipeline.client()
+        # Stops when this object goes, or at the interpreter's exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, self._pipeline.stop)
+
+    @property
+    def model_name(self) -> str:
+        return self._pipeline.cfg.model_name
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[CompletionOutput]:
+        """Answers for prompts (texts or token ids), in their order; each has `prompt`,
+        `outputs` (its n samples: `text`, `token_ids`, `finish_reason`), and the counts.
+        Errors are per output (`error`)."""
+        batch: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)
+        return self._run(batch, batch, sampling_params, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[CompletionOutput]:
+        """Answers for one conversation or several (lists of {"role", "content"}), through
+        the model's chat template."""
+        one = bool(messages) and isinstance(messages[0], (dict, ChatMessage))
+        conversations = [messages] if one else list(messages)  # type: ignore[list-item]
+        batch = [[m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"])
+                  for m in c] for c in conversations]  # type: ignore[union-attr]
+        return self._run(batch, conversations, sampling_params, use_tqdm)
+
+    def _run(self, batch: list[Any], shown: list[Any],
+             params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[CompletionOutput]:
+        from tqdm.auto import tqdm
+
+        params = params if params is not None else SamplingParams()
+        bar = tqdm(total=len(batch), unit="prompt", disable=not use_tqdm, file=sys.stderr)
+        tokens = [0]
+
+        def finished(out: CompletionOutput) -> None:
+            tokens[0] += out.num_output_tokens
+            bar.update(1)
+            rate = tokens[0] / max(bar.format_dict["elapsed"], 1e-9)
+            bar.set_postfix_str(f"{rate:.1f} tok/s")
+
+        try:
+            outs = self._client.generate(batch, params, on_finished=finished)
+        finally:
+            bar.close()
+        for out, prompt in zip(outs, shown, strict=True):
+            out.prompt = prompt
+        return outs
+
+    def close(self) -> None:
+        """Stop the pipeline now (every stage process ends; nothing is left in /dev/shm)."""
+        self._client.close()
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
