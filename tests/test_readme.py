@@ -1,0 +1,96 @@
+"""The README's commands and code, pasted as a user would: its Python blocks run as scripts,
+its `run_pipeline` lines run as shell commands, its `serve` block serves and answers its
+curl. A placeholder path (/path/to/...) becomes the tiny model, port 8000 a free port.
+Not run: ./scripts/test (this suite) and the benchmark lines (minutes each; their commands are
+tested in tests/test_bench.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from live import alive, kill_pids
+from test_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, re.DOTALL)
+PLACEHOLDER = re.compile(r"/path/to/[\w-]+")
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+
+
+def commands(block: str) -> list[str]:
+    """The shell commands of a block: continuation lines joined, comments dropped."""
+    joined = block.replace("\\\n", " ")
+    return [line.split("  #")[0].strip() for line in joined.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def shell(command: str, cwd: Path, model: Path) -> subprocess.CompletedProcess[str]:
+    command = PLACEHOLDER.sub(str(model), command).replace("./scripts/", f"{ROOT}/scripts/")
+    return subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_run_pipeline_lines(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "prompts.txt").write_text("What is 2+2?\nName a color.\n")
+    lines = [c for lang, block in BLOCKS if not lang for c in commands(block)
+             if c.startswith("./scripts/run_pipeline") and " serve" not in c]
+    assert len(lines) >= 6, lines
+    for command in lines:
+        proc = shell(command, tmp_path, tiny_model_dir)
+        assert proc.returncode == 0, (command, proc.stderr[-2000:])
+        assert proc.stdout.strip(), command
+
+
+def test_the_python_blocks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    blocks = [b for lang, b in BLOCKS if lang == "python"]
+    assert len(blocks) >= 2
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(PLACEHOLDER.sub(str(tiny_model_dir), code))
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, (code, proc.stderr[-2000:])
+        assert proc.stdout.strip()
+
+
+def test_the_serve_block_answers_its_curl(tmp_path: Path) -> None:
+    (block,) = [b for lang, b in BLOCKS if not lang and "run_pipeline serve" in b]
+    serve, curl = commands(block)
+    port = str(free_port())
+    proc = subprocess.Popen(shell_line(serve.replace("8000", port)), shell=True, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    import psutil
+
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("serving "):
+                break
+            assert time.monotonic() < deadline
+        pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        answer = subprocess.run(shell_line(curl.replace("8000", port)), shell=True,
+                                capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0 and '"chat.completion"' in answer.stdout, answer
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        kill_pids(pids)
+
+
+def shell_line(command: str) -> str:
+    return command.replace("./scripts/", f"{ROOT}/scripts/")
