@@ -231,6 +231,11 @@ class SlotGrammars:
                                                    len(slots))
         return mask
 
+    def fail_all(self, why: str) -> None:
+        """Every slot with a matcher fails (the grammar work itself raised)."""
+        for slot in self.matchers:
+            self.failed.setdefault(slot, why)
+
     def mark_failed(self, slots: np.ndarray, tokens: torch.Tensor) -> None:
         """Rows of failed slots report token -1 (tokens: this step's samples, in place)."""
         if not self.failed:

@@ -270,3 +270,24 @@ def test_every_output_validates_with_run_ahead_preemption_and_chunked_prefill(
         if name == "tiny":
             assert engine.scheduler.num_preemptions > 0
     assert runs["tiny"] == runs["roomy"]
+
+
+def test_a_grammar_that_fails_in_the_executor_ends_its_request_only(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the library raises while filling masks, the structured requests end with an error
+    and the others in the same batches finish as usual; the engine goes on."""
+    eos = ModelInfo.from_dir(tiny_model_dir).eos_token_ids
+    engine = InProcessEngine(str(tiny_model_dir), block_size=4, eos_token_ids=eos)
+
+    def broken_fill(self, slots, buffer):  # type: ignore[no-untyped-def]
+        raise RuntimeError("library bug")
+
+    monkeypatch.setattr(SlotGrammars, "fill", broken_fill)
+    results = engine.run([
+        ("structured", [5, 9, 13], SamplingParams(max_tokens=8, temperature=0.0,
+                                                  structured_outputs=StructuredOutputs(
+                                                      json_object=True))),
+        ("plain", [7, 8, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))])
+    assert results["structured", 0].finish_reason is FinishReason.ERROR
+    assert results["plain", 0].finish_reason is FinishReason.LENGTH
+    assert len(results["plain", 0].token_ids) == 8

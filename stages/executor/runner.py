@@ -134,7 +134,14 @@ class SlotState:
         """Sample the step's rows; grammar_work: from start_grammar, awaited here (the
         forward has run meanwhile)."""
         slots = v["sample_slots"]
-        work = grammar_work.result() if grammar_work is not None else None
+        work = None
+        if grammar_work is not None:
+            try:
+                work = grammar_work.result()
+            except Exception as exc:  # a grammar the library fails on ends its requests only
+                logger.exception("the grammar work of step %d failed", step.plan.step_id)
+                assert self.matchers is not None
+                self.matchers.fail_all(f"grammar error: {exc}")
         mask = None
         if work is not None:
             rows, _, bitmask = work
@@ -143,8 +150,9 @@ class SlotState:
         out = self.sampling.sample(logits, slots, v["positions"][v["logits_indices"]],
                                    step.sampling, mask)
         self.last_sampled[slots] = out.tokens
-        if work is not None and mask is not None and self.matchers is not None:
+        if work is not None and mask is not None:
             self._pending = (work[1], _host_copy(out.tokens.index_select(0, mask[0])))
+        if self.matchers is not None:
             self.matchers.mark_failed(step.sample_slots, out.tokens)
         return out
 
