@@ -57,6 +57,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # (ipc/arch.py) the compiled forward lacks it
 
     @classmethod
     def from_dir(cls, path: str | Path, max_model_len: int | None = None) -> ModelInfo:
@@ -66,7 +67,7 @@ class ModelInfo:
         config = json.loads((path / "config.json").read_text())
         from ipc.arch import arch_spec  # (it builds on this module)
 
-        arch_spec(config, str(path / "config.json"))  # a model the engine lacks: refused now
+        spec = arch_spec(config, str(path / "config.json"))  # one the engine lacks: refused
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
@@ -74,7 +75,8 @@ class ModelInfo:
         limit = int(config.get("max_position_embeddings", 2048))
         if max_model_len is not None and max_model_len > limit:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
-        return cls(str(path), max_model_len or limit, int(config["vocab_size"]), eos_ids)
+        return cls(str(path), max_model_len or limit, int(config["vocab_size"]), eos_ids,
+                   spec.sliding_window)
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,11 @@ class LLM:
             executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile),
             num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers)
         self._pipeline = Pipeline(cfg)
+        # Stops when this object goes, or at the interpreter's exit, whichever comes first
+        # (registered first: a start that fails half-way stops what it started too).
+        self._finalizer = weakref.finalize(self, self._pipeline.stop)
         self._pipeline.start()
         self._client = self._pipeline.client()
-        # Stops when this object goes, or at the interpreter's exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, self._pipeline.stop)
 
     @property
     def model_name(self) -> str:

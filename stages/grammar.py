@@ -190,17 +190,28 @@ class SlotGrammars:
     def consume(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Each slot in `slots` sampled the token beside it."""
         for slot, token in zip(slots.tolist(), tokens.tolist(), strict=True):
-            matcher = self.matchers.get(slot)
+            matcher = self.matchers.get(slot)  # (gone once its EOS was sampled)
             if matcher is not None:
                 self._consume(slot, matcher, token)
 
     def _consume(self, slot: int, matcher: Any, token: int) -> None:
-        if slot in self.failed or matcher.is_stopped():
+        if slot in self.failed:
+            return
+        if matcher.is_error():  # (is_stopped is true then too: it is not an end)
+            self._fail(slot, matcher.get_error() or "the grammar is in error")
+            return
+        if matcher.is_stopped():
+            if token == self.grammars.eos_token_id:  # the end, sampled: nothing more to do
+                del self.matchers[slot]
             return
         if not matcher.consume_token(token):
-            why = matcher.get_error() or f"token {token} was not allowed"
-            logger.error("the grammar of slot %d rejected a sampled token: %s", slot, why)
-            self.failed[slot] = why
+            self._fail(slot, matcher.get_error() or f"token {token} was not allowed")
+        elif matcher.is_error():
+            self._fail(slot, matcher.get_error() or "the grammar is in error")
+
+    def _fail(self, slot: int, why: str) -> None:
+        logger.error("the grammar of slot %d failed: %s", slot, why)
+        self.failed[slot] = why
 
     def rows(self, sample_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sampled row indices, their slots) of the rows that have a matcher."""
@@ -220,7 +231,7 @@ class SlotGrammars:
         live = []
         for i, slot in enumerate(slots.tolist()):
             matcher = self.matchers[slot]
-            if slot in self.failed or matcher.is_stopped():
+            if slot in self.failed or matcher.is_stopped() or matcher.is_error():
                 mask[i] = 0
                 eos = self.grammars.eos_token_id
                 mask[i, eos // 32] = _bit(eos % 32)

@@ -189,18 +189,20 @@ def test_a_resumed_sequence_catches_up_to_the_same_mask(grammars: Grammars) -> N
     assert torch.equal(a, b)
 
 
-def test_rows_past_the_end_are_ignored_and_allow_only_eos(grammars: Grammars) -> None:
+def test_a_complete_format_allows_only_eos_then_its_matcher_goes(grammars: Grammars) -> None:
     so = StructuredOutputs(choice=["yes"])
     slots = SlotGrammars(grammars)
     slots.admit(0, grammars.grammar(so), walk_tokens(grammars, so, 0))
     eos = grammars.eos_token_id
-    for junk in (eos, 7, 9):  # what a run-ahead step sampled after the end
-        slots.consume(np.array([0]), np.array([junk]))
-    assert not slots.failed
     mask = slots.fill(np.array([0]), torch.zeros(1, words_per_row(grammars.vocab_size),
                                                  dtype=torch.int32))
     logits = apply_bitmask(torch.zeros(1, grammars.vocab_size), torch.tensor([0]), mask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [eos]
+    slots.consume(np.array([0]), np.array([eos]))
+    assert 0 not in slots.matchers  # no more grammar work for the slot
+    for junk in (7, 9):  # what a run-ahead step sampled after the end: dropped, no error
+        slots.consume(np.array([0]), np.array([junk]))
+    assert not slots.failed and slots.rows(np.array([0]))[0].tolist() == []
 
 
 def test_a_rejected_token_fails_its_slot_and_its_next_rows_report_minus_one(

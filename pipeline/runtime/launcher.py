@@ -141,6 +141,10 @@ class Pipeline:
             raise RuntimeError("a Pipeline starts once; make a new one")
         self._started = True
         check_device(self.cfg.executor.device)  # before anything starts
+        window = self.cfg.model.sliding_window
+        if self.cfg.executor.compile and window is not None:
+            raise ConfigError(f"--compile: the model's sliding_window ({window}) is not "
+                              "implemented compiled; pass --no-compile")
         try:
             self._create_run()
             self._spawn("executor", 0, "stages.executor.process:run_executor")

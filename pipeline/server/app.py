@@ -130,13 +130,7 @@ class FrontEnd:
         """The ASGI app: generation requests are admitted (or refused, before their body is
         read or anything else is done: refusals stay fast under a flood) and counted here,
         the rest is Starlette's."""
-        routes: Any = self._routes()
-        if self.options.access_log:
-            routes = AccessLog(routes)
-        if self.options.allowed_origins:  # answers preflights before anything else sees them
-            routes = CORSMiddleware(routes, allow_origins=list(self.options.allowed_origins),
-                                    allow_methods=["GET", "POST"], allow_headers=["*"],
-                                    expose_headers=["x-request-id"])
+        routes = self._routes()
 
         async def asgi(scope: Any, receive: Any, send: Any) -> None:
             path = scope.get("path") if scope["type"] == "http" else None
@@ -157,7 +151,14 @@ class FrontEnd:
                     self._trim_pending = True  # once the connections have closed too
                     asyncio.get_running_loop().call_later(1.0, self._trim_memory)
 
-        return asgi
+        app: Any = asgi  # refusals too are logged, and carry CORS headers
+        if self.options.access_log:
+            app = AccessLog(app)
+        if self.options.allowed_origins:  # answers preflights before anything else sees them
+            app = CORSMiddleware(app, allow_origins=list(self.options.allowed_origins),
+                                 allow_methods=["GET", "POST"], allow_headers=["*"],
+                                 expose_headers=["x-request-id"])
+        return app  # type: ignore[no-any-return]
 
     def _trim_memory(self) -> None:
         """Idle after a burst: hand the freed heap back to the system (glibc keeps it

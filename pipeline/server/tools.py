@@ -108,7 +108,7 @@ def auto_calls(req: ToolRequest, text: str) -> tuple[list[tuple[str, str]], str]
     "arguments"|"parameters": {...}}`, as Llama 3.1's template asks); and the rest."""
     found, rest = parse_tool_calls(text)
     if found:
-        return found, rest
+        return (found if req.parallel else found[:1]), rest
     try:
         value = json.loads(text)
     except ValueError:
@@ -170,18 +170,19 @@ class ToolStream:
     sent: int = 0  # characters of text already sent as content or arguments
     held: bool = False  # auto: a tool call may have begun; content is held from `sent` on
     calls: list[dict[str, Any]] = field(default_factory=list)
+    started: bool = False  # named: the call's first delta (id, name) was sent
     _id: str = field(default_factory=call_id)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         """The deltas (chat.completion.chunk `delta` objects) to send for new text."""
-        first = not self.text and self.req.choice == "named"
         self.text += delta
         if self.req.choice == "named":
-            start = {"id": self._id, "type": "function",
-                     "function": {"name": self.req.name, "arguments": ""}} if first else None
             out = []
-            if start is not None:
-                out.append({"tool_calls": [{"index": 0, **start}]})
+            if not self.started:
+                self.started = True
+                out.append({"tool_calls": [{"index": 0, "id": self._id, "type": "function",
+                                            "function": {"name": self.req.name,
+                                                         "arguments": ""}}]})
             if delta:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
             self.sent = len(self.text)

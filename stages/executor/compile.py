@@ -46,9 +46,19 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def resolve_compile(requested: bool | None, device: torch.device) -> bool:
+def resolve_compile(requested: bool | None, device: torch.device,
+                    sliding_window: int | None = None) -> bool:
     """--compile / --no-compile, or the device's default (None): compiled where this
-    machine can compile (see DEFAULT_COMPILE), else eager with a log line saying why."""
+    machine can compile (see DEFAULT_COMPILE) and the model has no sliding window (which the
+    compiled attention lacks), else eager with a log line saying why."""
+    if sliding_window is not None:
+        if requested:
+            raise ConfigError(f"--compile: the model's sliding_window ({sliding_window}) is not "
+                              "implemented compiled; pass --no-compile")
+        if requested is None and DEFAULT_COMPILE[device.type]:
+            logger.warning("running the model eager: the compiled forward does not implement "
+                           "its sliding window (%d)", sliding_window)
+        return False
     reason = compile_unavailable(device)
     if requested and reason:
         raise ConfigError(f"--compile: {reason}; install one, or pass --no-compile")

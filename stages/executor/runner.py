@@ -75,6 +75,10 @@ class SlotState:
         self._bitmasks = ([torch.zeros(n, words_per_row(limits.vocab_size), dtype=torch.int32,
                                        pin_memory=pin) for _ in range(limits.num_ring_slots)]
                           if grammars is not None else [])
+        # ... and the sampled rows they apply to (a copy from pageable memory would wait for
+        # the whole queued forward on CUDA)
+        self._mask_rows = ([torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+                            for _ in range(limits.num_ring_slots)] if grammars is not None else [])
         self._pending: tuple[np.ndarray, Any] | None = None  # rows sampled, not yet consumed
         self._grammar_thread: ThreadPoolExecutor | None = None
 
@@ -145,8 +149,10 @@ class SlotState:
         mask = None
         if work is not None:
             rows, _, bitmask = work
-            mask = (torch.from_numpy(rows).to(self.device), bitmask.to(self.device,
-                                                                       non_blocking=True))
+            staged = self._mask_rows[step.plan.ring_slot][:len(rows)]
+            staged.copy_(torch.from_numpy(rows))
+            mask = (staged.to(self.device, non_blocking=True),
+                    bitmask.to(self.device, non_blocking=True))
         out = self.sampling.sample(logits, slots, v["positions"][v["logits_indices"]],
                                    step.sampling, mask)
         self.last_sampled[slots] = out.tokens
@@ -164,7 +170,7 @@ def _host_copy(t: torch.Tensor) -> Any:
         return t.numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
+    done = torch.cuda.Event(blocking=True)  # the grammar thread sleeps on it, not spins
     done.record()
     return host, done
 
