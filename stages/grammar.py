@@ -129,10 +129,12 @@ def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """[256, 8]: row v is what byte value v adds to its 8 tokens' logits: 0 where bit i is
     set (allowed), -inf where it is clear."""
     table = _BYTE_BIAS.get((device, dtype))
-    if table is None:
-        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-        table = torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, float("-inf"))
-        table = _BYTE_BIAS[device, dtype] = table.to(device)
+    if table is None:  # made on the device: a copy from the host would wait for it
+        bits = (torch.arange(256, device=device).unsqueeze(1)
+                >> torch.arange(8, device=device)) & 1
+        table = torch.zeros(256, 8, dtype=dtype, device=device).masked_fill_(bits == 0,
+                                                                             float("-inf"))
+        _BYTE_BIAS[device, dtype] = table
     return table
 
 
@@ -252,8 +254,9 @@ class SlotGrammars:
         if not self.failed:
             return
         bad = [i for i, s in enumerate(slots.tolist()) if s in self.failed]
-        if bad:
-            tokens[torch.tensor(bad, device=tokens.device)] = -1
+        if bad:  # from page-locked memory on CUDA, so nothing waits for the device
+            rows = torch.tensor(bad, pin_memory=tokens.is_cuda)
+            tokens.index_fill_(0, rows.to(tokens.device, non_blocking=True), -1)
 
 
 def _bit(j: int) -> int:

@@ -208,12 +208,13 @@ def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
     full = tables.new_zeros(num_blocks, num_cache_blocks)
     partial = tables.new_zeros(num_blocks, num_cache_blocks)
     num_full = tables.new_zeros(num_blocks)
-    num_partial = tables.new_zeros(num_blocks)
     index = slice(None) if rows is None else rows
     full[index, :width] = tables[:, :width]
     partial[index, 0] = tables.gather(1, own[:, None])[:, 0]
     num_full[index] = own.int()
-    num_partial[index] = 1
+    # (a device-side fill: `num_partial[index] = 1` would copy the 1 from the host)
+    num_partial = (tables.new_ones(num_blocks) if rows is None
+                   else tables.new_zeros(num_blocks).index_fill_(0, rows, 1))
     mask_mod = _same_page_causal(block_size)
     block_mask = BlockMask.from_kv_blocks(
         num_partial[None, None], partial[None, None], num_full[None, None], full[None, None],

@@ -26,8 +26,9 @@ from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState,
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
 from stages.grammar import Grammars, SlotGrammars, words_per_row
 
-# A step's grammar work, done while its forward runs: (sampled rows, their slots, bitmask).
-GrammarMask = tuple[np.ndarray, np.ndarray, torch.Tensor] | None
+# A step's grammar work, done while its forward runs: (their slots, the sampled rows with a
+# matcher and their bitmask, both staged in host memory for the device).
+GrammarMask = tuple[np.ndarray, torch.Tensor, torch.Tensor] | None
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +76,16 @@ class SlotState:
         self._bitmasks = ([torch.zeros(n, words_per_row(limits.vocab_size), dtype=torch.int32,
                                        pin_memory=pin) for _ in range(limits.num_ring_slots)]
                           if grammars is not None else [])
-        # ... and the sampled rows they apply to (a copy from pageable memory would wait for
-        # the whole queued forward on CUDA)
+        # ... the sampled rows they apply to (a copy from pageable memory would wait for the
+        # whole queued forward on CUDA), and the tokens those rows sampled, on their way back
         self._mask_rows = ([torch.zeros(n, dtype=torch.int64, pin_memory=pin)
                             for _ in range(limits.num_ring_slots)] if grammars is not None else [])
-        self._pending: tuple[np.ndarray, Any] | None = None  # rows sampled, not yet consumed
+        self._mask_tokens = ([torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+                              for _ in range(limits.num_ring_slots)]
+                             if grammars is not None else [])
+        # (slots, their tokens in host memory, the event that says they arrived (CUDA)):
+        # sampled by the last step, not yet consumed by the matchers
+        self._pending: tuple[np.ndarray, torch.Tensor, Any] | None = None
         self._grammar_thread: ThreadPoolExecutor | None = None
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
@@ -114,16 +120,19 @@ class SlotState:
         pending, self._pending = self._pending, None
         return self._grammar_thread.submit(self._grammar_work, step, pending)
 
-    def _grammar_work(self, step: HostStep, pending: tuple[np.ndarray, Any] | None
-                      ) -> GrammarMask:
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The host memory a step's device work copies from or to (page-locked on CUDA)."""
+        return [*self.staging, *self._bitmasks, *self._mask_rows, *self._mask_tokens]
+
+    def _grammar_work(self, step: HostStep,
+                      pending: tuple[np.ndarray, torch.Tensor, Any] | None) -> GrammarMask:
         m = self.matchers
         assert m is not None
         if pending is not None:
-            slots, tokens = pending
-            if isinstance(tokens, tuple):  # CUDA: (pinned host copy, its copy event)
-                tokens[1].synchronize()
-                tokens = tokens[0].numpy()
-            m.consume(slots, tokens)
+            slots, tokens, arrived = pending
+            if arrived is not None:  # CUDA: this thread waits for the copy, nothing else does
+                arrived.synchronize()
+            m.consume(slots, tokens.numpy())
         given = {g.slot: g for g in step.plan.grammars}
         for slot in step.new_slots.tolist():
             g = given.get(slot)
@@ -131,7 +140,9 @@ class SlotState:
         rows, slots = m.rows(step.sample_slots)
         if not len(rows):
             return None
-        return rows, slots, m.fill(slots, self._bitmasks[step.plan.ring_slot])
+        staged = self._mask_rows[step.plan.ring_slot][:len(rows)]
+        staged.numpy()[:] = rows
+        return slots, staged, m.fill(slots, self._bitmasks[step.plan.ring_slot])
 
     def sample(self, step: HostStep, v: dict[str, torch.Tensor], logits: torch.Tensor,
                grammar_work: Future[GrammarMask] | None = None) -> SampleOutput:
@@ -148,31 +159,23 @@ class SlotState:
                 self.matchers.fail_all(f"grammar error: {exc}")
         mask = None
         if work is not None:
-            rows, _, bitmask = work
-            staged = self._mask_rows[step.plan.ring_slot][:len(rows)]
-            staged.copy_(torch.from_numpy(rows))
-            mask = (staged.to(self.device, non_blocking=True),
+            _, rows, bitmask = work
+            mask = (rows.to(self.device, non_blocking=True),
                     bitmask.to(self.device, non_blocking=True))
         out = self.sampling.sample(logits, slots, v["positions"][v["logits_indices"]],
                                    step.sampling, mask)
         self.last_sampled[slots] = out.tokens
         if work is not None and mask is not None:
-            self._pending = (work[1], _host_copy(out.tokens.index_select(0, mask[0])))
+            host = self._mask_tokens[step.plan.ring_slot][:len(mask[0])]
+            host.copy_(out.tokens.index_select(0, mask[0]), non_blocking=True)
+            arrived = None
+            if self.device.type == "cuda":  # the grammar thread sleeps on it, not spins
+                arrived = torch.cuda.Event(blocking=True)
+                arrived.record()
+            self._pending = (work[0], host, arrived)
         if self.matchers is not None:
             self.matchers.mark_failed(step.sample_slots, out.tokens)
         return out
-
-
-def _host_copy(t: torch.Tensor) -> Any:
-    """t on the host: itself as numpy on the CPU; on CUDA a page-locked copy on its way and
-    the event that says it arrived (the grammar thread waits on it, not the host loop)."""
-    if t.device.type == "cpu":
-        return t.numpy()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event(blocking=True)  # the grammar thread sleeps on it, not spins
-    done.record()
-    return host, done
 
 
 class ModelRunner:

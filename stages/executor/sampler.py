@@ -107,17 +107,19 @@ class SamplingState:
                    stop_slots: torch.Tensor, stop_ids: torch.Tensor) -> None:
         """New sequences take `slots`: fparams [N * NUM_F] float32, iparams [N * NUM_I]; the
         (stop_slots, stop_ids) pairs are the ids min_tokens suppresses."""
-        self.f[slots] = fparams.view(-1, NUM_F)
-        self.i[slots] = iparams.view(-1, NUM_I)
+        # Device-side fills only: `t[idx] = 0` would copy the 0 from the host, which on CUDA
+        # waits for the device (tests/sync_guard.py catches it).
+        self.f.index_copy_(0, slots, fparams.view(-1, NUM_F))
+        self.i.index_copy_(0, slots, iparams.view(-1, NUM_I))
         if self.output_counts is not None and self.prompt_counts is not None:
-            self.output_counts[slots] = 0
-            self.prompt_counts[slots] = 0
+            self.output_counts.index_fill_(0, slots, 0)
+            self.prompt_counts.index_fill_(0, slots, 0)
         if self.stop_mask is not None:
-            self.stop_mask[slots] = False
+            self.stop_mask.index_fill_(0, slots, False)
         if stop_slots.numel():
             if self.stop_mask is None:
                 self.stop_mask = self._table(torch.bool)
-            self.stop_mask[stop_slots, stop_ids] = True
+            self.stop_mask.view(-1).index_fill_(0, stop_slots * self.vocab_size + stop_ids, True)
 
     def count_tokens(self, ids: torch.Tensor, token_slots: torch.Tensor,
                      positions: torch.Tensor) -> None:
@@ -194,7 +196,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Ascending order: drop a token while the mass of tokens below and at it is <= 1 - top_p.
     drop |= probs.cumsum(dim=-1) <= (1 - top_p).unsqueeze(1)
-    drop[:, -1] = False  # the most likely token always stays
+    drop[:, -1].fill_(False)  # the most likely token always stays
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ordered)
 

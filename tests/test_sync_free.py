@@ -1,0 +1,135 @@
+"""The executor's hot path never makes the host wait for the device: every step's compute()
+runs under tests/sync_guard.py, on the CPU, over workloads that reach every sampling feature,
+structured outputs, prompt logprobs, chunked prefill and preemption; and the guard itself
+catches what it must."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sync_guard import HostSync, no_host_sync
+
+from ipc.config import ModelInfo
+from ipc.messages import SamplingParams, StructuredOutputs
+from ipc.sampling import GREEDY_SLOT
+from stages.executor.attention import build_flex_metadata
+from stages.executor.sampler import SamplingState
+from stages.inprocess import InProcessEngine
+
+pytestmark = pytest.mark.timeout(300)
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def guarded(engine: InProcessEngine) -> list[int]:
+    """Run every compute() of `engine` under the guard; returns the number of steps seen."""
+    runner, seen = engine.runner, [0]
+    compute = runner.compute
+
+    def checked(step: Any, packed: torch.Tensor) -> Any:
+        seen[0] += 1
+        with no_host_sync(runner.slots.host_buffers()):
+            return compute(step, packed)
+
+    runner.compute = checked  # type: ignore[method-assign]
+    return seen
+
+
+def workloads(eos: int) -> dict[str, list[tuple[str, list[int], SamplingParams]]]:
+    prompts = [[5 + i, 9, 13 + 2 * i] * (1 + 3 * i) for i in range(6)]  # 3 to 48 tokens
+
+    def each(**kw: Any) -> list[tuple[str, list[int], SamplingParams]]:
+        return [(f"r{i}", p, SamplingParams(max_tokens=10, ignore_eos=True, **kw))
+                for i, p in enumerate(prompts)]
+
+    return {
+        "greedy": each(temperature=0.0),
+        "seeded with penalties": each(temperature=0.8, seed=7, repetition_penalty=1.3,
+                                      presence_penalty=0.5, frequency_penalty=0.2),
+        "top-k, top-p, min-p": each(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05),
+        "min_tokens and stop ids": each(temperature=0.0, min_tokens=4, stop_token_ids=[7, 8]),
+        "logprobs and prompt logprobs": each(temperature=0.0, logprobs=3, prompt_logprobs=2),
+        "n samples": each(temperature=0.7, n=2),
+        "structured": [(f"j{i}", p, SamplingParams(
+            max_tokens=24, temperature=0.0,
+            structured_outputs=StructuredOutputs(json=json.dumps(SCHEMA))))
+            for i, p in enumerate(prompts[:3])],
+        "mixed": [*each(temperature=0.0)[:2], *each(temperature=0.9, seed=3,
+                                                     repetition_penalty=1.1)[2:4],
+                  *each(temperature=0.0, logprobs=1, min_tokens=3, stop_token_ids=[eos])[4:]],
+    }
+
+
+@pytest.mark.parametrize("name", list(workloads(0)))
+def test_no_host_sync_in_compute(tiny_model_dir: Path, name: str) -> None:
+    eos = ModelInfo.from_dir(tiny_model_dir).eos_token_ids
+    # A small token budget (chunked prefill) and a small cache (preemption).
+    engine = InProcessEngine(str(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=16,
+                             block_size=4, kv_cache_memory=20 * 2048, eos_token_ids=eos)
+    seen = guarded(engine)
+    results = engine.run(workloads(eos[0])[name])
+    assert seen[0] > 10
+    assert all(r.finish_reason is not None for r in results.values())
+
+
+def test_flex_metadata_is_sync_free(tiny_model_dir: Path) -> None:
+    """The compiled forward's metadata, as CUDA builds it (a page of rows per query block)."""
+    block_table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
+    v = {"positions": torch.tensor([5, 6, 7, 0, 1, 17]),
+         "token_slots": torch.tensor([0, 0, 0, 1, 1, 2]),
+         "query_rows": torch.tensor([1, 2, 3, 4, 5, 9]),
+         "qblock_slots": torch.tensor([0, 1, 2]), "qblock_pages": torch.tensor([1, 0, 4])}
+    with no_host_sync():
+        meta = build_flex_metadata(v, block_table, 4, 33)
+    assert meta.slot_mapping.tolist() == [4 * 1 + 1, 4 * 1 + 2, 4 * 1 + 3, 4 * 8, 4 * 8 + 1,
+                                          4 * 20 + 1]
+
+
+@pytest.mark.parametrize(("what", "code"), [
+    ("item", lambda t: t.sum().item()),
+    ("tolist", lambda t: t.tolist()),
+    ("numpy", lambda t: t.numpy()),
+    ("bool", lambda t: bool(t[0, 0] > 0)),
+    ("python scalar assignment", lambda t: t.__setitem__(torch.zeros(1, dtype=torch.long), 0)),
+    ("from_numpy", lambda t: t + torch.from_numpy(np.ones(3, dtype=np.float32))),
+    ("factory without device", lambda t: t + torch.arange(3)),
+    ("boolean mask", lambda t: t[t > 0]),
+    ("nonzero", lambda t: t.nonzero()),
+])
+def test_guard_catches(what: str, code: Callable[[torch.Tensor], Any]) -> None:
+    t = torch.ones(2, 3)
+    with pytest.raises(HostSync), no_host_sync():
+        code(t)
+
+
+def test_guard_catches_a_blocking_copy_to_host_memory_and_allows_an_async_one() -> None:
+    host, device = torch.zeros(3), torch.ones(3)
+    with pytest.raises(HostSync), no_host_sync([host]):
+        host.copy_(device)
+    with no_host_sync([host]):
+        host.copy_(device, non_blocking=True)
+    assert host.sum() == 3
+
+
+def test_guard_caught_the_old_slot_reset() -> None:
+    """`t[idx] = 0`, as init_slots once reset the penalty counts, is caught; index_fill_ not."""
+    state = SamplingState(4, 32, torch.device("cpu"))
+    state.count_tokens(torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([0, 1]))
+    slots = torch.tensor([1])
+    assert state.output_counts is not None
+    with pytest.raises(HostSync), no_host_sync():
+        state.output_counts[slots] = 0
+    params = (torch.tensor(GREEDY_SLOT[0], dtype=torch.float32), torch.tensor(GREEDY_SLOT[1]),
+              torch.tensor([1]), torch.tensor([3]))
+    with no_host_sync():
+        state.init_slots(slots, *params)
+    assert state.prompt_counts is not None
+    counts = state.output_counts + state.prompt_counts
+    assert counts[1].sum() == 0 and counts[0].sum() == 1  # slot 1 reset, slot 0 kept
+    assert state.stop_mask is not None and state.stop_mask[1].nonzero().tolist() == [[3]]
