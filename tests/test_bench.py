@@ -82,6 +82,7 @@ def test_overlap_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> N
     assert rc == 0 and report["identical_outputs"] is True
     for mode in ("sync", "async"):
         assert set(report[mode]) >= {"output_tok_s", "device_idle_frac", "mean_step_ms", "steps"}
+        assert 0 < report[mode]["host_submit_ms"] < report[mode]["mean_step_ms"]
     assert report["speedup"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
 

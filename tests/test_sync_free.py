@@ -133,3 +133,63 @@ def test_guard_caught_the_old_slot_reset() -> None:
     counts = state.output_counts + state.prompt_counts
     assert counts[1].sum() == 0 and counts[0].sum() == 1  # slot 1 reset, slot 0 kept
     assert state.stop_mask is not None and state.stop_mask[1].nonzero().tolist() == [[3]]
+
+
+def test_packed_outputs_fill_the_ring_as_the_fields_would() -> None:
+    """CudaDevice brings a step's result back in one copy per row kind; unpacked, the ring
+    holds what writing each field would have written."""
+    from ipc.config import EngineLimits
+    from ipc.step import local_buffers, sampled_specs
+    from stages.executor.device import _with_logprobs, pack_outputs, unpack_outputs
+    from stages.executor.sampler import PromptScores, SampleOutput
+
+    limits = EngineLimits(8, 16, 4, 64, 100, (), 2)
+    g = torch.Generator().manual_seed(0)
+    x, p = 5, 3
+    out = SampleOutput(torch.randint(0, 100, (x,), generator=g), torch.randn(x, generator=g),
+                       torch.randint(0, 100, (x, 20), generator=g), torch.randn(x, 20, generator=g),
+                       PromptScores(torch.randn(p, generator=g),
+                                    torch.randint(1, 9, (p,), generator=g, dtype=torch.int32),
+                                    torch.randint(0, 100, (p, 20), generator=g),
+                                    torch.randn(p, 20, generator=g)))
+    packed, direct = local_buffers(sampled_specs(limits)), local_buffers(sampled_specs(limits))
+    groups = pack_outputs(out)
+    assert len(groups) == 2 and groups[0][0].shape == (x, 8 + 4 + 160 + 80)
+    for data, fields in groups:
+        unpack_outputs(data.numpy(), fields, packed)
+    for name, tensor in _with_logprobs(out):
+        direct[name][:len(tensor)] = tensor.numpy()
+    for name in direct:
+        np.testing.assert_array_equal(packed[name], direct[name], err_msg=name)
+    assert len(pack_outputs(SampleOutput(torch.zeros(0, dtype=torch.long)))) == 0
+
+
+class FakeEvent:
+    """A CUDA event's timing on a fake device clock (ms)."""
+
+    def __init__(self, t_ms: float) -> None:
+        self.t = t_ms
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.t - self.t
+
+
+def test_step_clock_chains_each_steps_own_events_and_reanchors_after_idle() -> None:
+    from stages.executor.device import EventPool, StepClock
+
+    base = FakeEvent(0.0)
+    clock = StepClock(base, 1_000_000_000)
+    t0, t1, released = clock.place(FakeEvent(0.5), FakeEvent(2.5), 0)
+    assert (t0, t1, released) == (1_000_500_000, 1_002_500_000, base)
+    end2 = FakeEvent(4.0)
+    t0, t1, released = clock.place(FakeEvent(3.0), end2, 0)  # 0.5 ms idle between the steps
+    assert (t0, t1) == (1_003_000_000, 1_004_000_000)
+    # After hours of no work, the host's clock anchors the chain again.
+    hours = 3 * 3600 * 1000.0
+    t0, t1, released = clock.place(FakeEvent(hours), FakeEvent(hours + 1.25), 5 * 10**12)
+    assert (t0, t1, released) == (5 * 10**12 - 1_250_000, 5 * 10**12, end2)
+    made = []
+    pool = EventPool(lambda: made.append(object()) or made[-1])
+    a, b = pool.take(), pool.take()
+    pool.give(a)
+    assert pool.take() is a and len(made) == 2 and b is made[1]

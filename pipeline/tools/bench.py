@@ -46,6 +46,7 @@ class RunResult:
     tokens_per_step: float
     token_ids: list[list[int]]
     device_spans: list[tuple[float, float]]  # seconds from the first step, steady window
+    host_submit_ms: float = float("nan")  # median host time launching a steady step
 
 
 def steady_device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,6 +66,15 @@ def idle_fraction(spans: list[dict[str, Any]]) -> tuple[float, float]:
     wall = spans[-1]["ts"] + spans[-1]["dur"] - spans[0]["ts"]
     busy = sum(e["dur"] for e in spans)
     return max(0.0, 1 - busy / wall), wall / 1000 / len(spans)
+
+
+def host_submit_ms(trace: list[dict[str, Any]], steady: list[dict[str, Any]]) -> float:
+    """Median host time the executor spent submitting the steady steps (on CUDA: launching
+    their kernels; beside the device's step time it says whether the host keeps up)."""
+    steps = {e["args"]["step"] for e in steady}
+    submits = [e["dur"] / 1000 for e in trace
+               if e.get("name") == "submit" and e.get("args", {}).get("step") in steps]
+    return statistics.median(submits) if submits else float("nan")
 
 
 def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
@@ -112,14 +122,15 @@ def run_once(args: argparse.Namespace, depth: int, structured: bool = False) -> 
         sum(1 for e in trace if e.get("name") == "device"), seconds, len(steady),
         num_tokens / max(1, sum(1 for e in trace if e.get("name") == "device")),
         [o.token_ids for o in outs],
-        [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in steady])
+        [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in steady],
+        host_submit_ms(trace, steady))
 
 
 def _median_run(runs: list[RunResult]) -> RunResult:
     """The run of median throughput, with each steady-phase metric replaced by its median."""
     ordered = sorted(runs, key=lambda r: r.output_tok_s)
     mid = ordered[(len(ordered) - 1) // 2]
-    for key in ("device_idle_frac", "mean_step_ms", "seconds"):
+    for key in ("device_idle_frac", "mean_step_ms", "seconds", "host_submit_ms"):
         setattr(mid, key, statistics.median(getattr(r, key) for r in runs))
     return mid
 
@@ -128,6 +139,7 @@ def print_table(sync: RunResult, fast: RunResult, speedup: float) -> None:
     rows = [("output tok/s", "output_tok_s", "{:.1f}"),
             ("device idle (steady)", "device_idle_frac", "{:.2%}"),
             ("mean step ms (steady)", "mean_step_ms", "{:.3f}"),
+            ("host submit ms (steady)", "host_submit_ms", "{:.3f}"),
             ("steps", "steps", "{}"), ("steady steps", "steady_steps", "{}"),
             ("tokens per step", "tokens_per_step", "{:.1f}"),
             ("seconds", "seconds", "{:.2f}")]
@@ -158,8 +170,8 @@ def overlap(args: argparse.Namespace) -> int:
           f"(medians; speedup = median of paired ratios)")
     print_table(sync, fast, speedup)
     print(f"identical outputs: {identical}")
-    keys = ("output_tok_s", "device_idle_frac", "mean_step_ms", "steps", "tokens_per_step",
-            "seconds")
+    keys = ("output_tok_s", "device_idle_frac", "mean_step_ms", "host_submit_ms", "steps",
+            "tokens_per_step", "seconds")
     report = {"sync": {k: getattr(sync, k) for k in keys},
               "async": {k: getattr(fast, k) for k in keys},
               "speedup": speedup,

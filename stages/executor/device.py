@@ -8,7 +8,9 @@ while a host thread runs the host loop (PyTorch releases the GIL inside kernels)
 flags are the queue itself.
 CudaDevice: the host loop runs on the main thread and launches each step on copy, compute and
 device->host streams ordered by CUDA events; the staging buffers and the sampled-token ring are
-page-locked; a notifier thread waits on each step's last event, never the host loop.
+page-locked; a notifier thread waits on each step's last event, never the host loop. A step's
+results come back in one copy per row kind (`pack_outputs`), its events come from pools, and
+its device interval from its own events (`StepClock`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import queue
+import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ipc.shm import SharedRing
@@ -57,17 +62,53 @@ def make_device(runner: Runner, sampled: SharedRing, on_done: OnDone) -> Device:
     return CpuDevice(runner, sampled, on_done)
 
 
-def _with_logprobs(out: SampleOutput) -> list[tuple[str, torch.Tensor]]:
-    """The (ring field, tensor) pairs a step's result fills in the sampled-token ring."""
-    pairs = [("token_ids", out.tokens)]
+def _row_groups(out: SampleOutput) -> list[list[tuple[str, torch.Tensor]]]:
+    """The (ring field, tensor) pairs a step's result fills in the sampled-token ring, in
+    groups of one row count: the sampled rows, then the scored prompt positions if any."""
+    sampled = [("token_ids", out.tokens)]
     if out.logprob is not None and out.top_ids is not None and out.top_logprobs is not None:
-        pairs += [("logprob", out.logprob), ("top_ids", out.top_ids),
-                  ("top_logprobs", out.top_logprobs)]
+        sampled += [("logprob", out.logprob), ("top_ids", out.top_ids),
+                    ("top_logprobs", out.top_logprobs)]
+    groups = [sampled]
     if out.prompt is not None:
-        pairs += [("plp_logprob", out.prompt.logprob), ("plp_rank", out.prompt.rank),
-                  ("plp_top_ids", out.prompt.top_ids),
-                  ("plp_top_logprobs", out.prompt.top_logprobs)]
-    return pairs
+        groups.append([("plp_logprob", out.prompt.logprob), ("plp_rank", out.prompt.rank),
+                       ("plp_top_ids", out.prompt.top_ids),
+                       ("plp_top_logprobs", out.prompt.top_logprobs)])
+    return groups
+
+
+def _with_logprobs(out: SampleOutput) -> list[tuple[str, torch.Tensor]]:
+    return [pair for group in _row_groups(out) for pair in group]
+
+
+# A packed group: its bytes [rows, row bytes] and, per field, (ring field, dtype, row shape).
+PackedRows = tuple[torch.Tensor, list[tuple[str, np.dtype, tuple[int, ...]]]]
+
+
+def pack_outputs(out: SampleOutput) -> list[PackedRows]:
+    """The step's result as one byte matrix per row kind (one row per sampled row, one per
+    scored prompt position), so that it comes back from the device in one copy each instead
+    of one per field. Device work: one concatenation, none for plain tokens."""
+    packed = []
+    for group in _row_groups(out):
+        rows = len(group[0][1])
+        if not rows:  # (a step of prompt chunks that samples nothing)
+            continue
+        columns = [t.contiguous().view(rows, -1).view(torch.uint8) for _, t in group]
+        data = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)
+        packed.append((data, [(name, np.dtype(str(t.dtype).removeprefix("torch.")),
+                               tuple(t.shape[1:])) for name, t in group]))
+    return packed
+
+
+def unpack_outputs(data: np.ndarray, fields: list[tuple[str, np.dtype, tuple[int, ...]]],
+                   ring: dict[str, np.ndarray]) -> None:
+    """Write a packed group's bytes [rows, row bytes] (host memory) into its ring fields."""
+    rows, offset = data.shape[0], 0
+    for name, dtype, shape in fields:
+        width = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        ring[name][:rows] = data[:, offset:offset + width].view(dtype).reshape(rows, *shape)
+        offset += width
 
 
 def _counts(out: SampleOutput) -> tuple[int, bool, int]:
@@ -159,22 +200,92 @@ def register_host_memory(ring: SharedRing) -> None:
         raise RuntimeError(f"cudaHostRegister of {ring.name} failed with error {int(err)}")
 
 
+def unregister_host_memory(ring: SharedRing) -> None:
+    buf = ctypes.c_char.from_buffer(ring.buffer)
+    err = torch.cuda.cudart().cudaHostUnregister(ctypes.addressof(buf))
+    del buf  # (the mapping cannot close while a ctypes view of it lives)
+    if int(err) != 0:
+        logger.warning("cudaHostUnregister of %s failed with error %d", ring.name, int(err))
+
+
+class EventPool:
+    """CUDA events for reuse: a step takes three to four, and making each costs host time
+    in the launch loop. take() one; give() it back once nothing will read it again (the
+    notifier does, after the step completed). deque's append and pop are thread-safe."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make, self._free = make, deque[Any]()
+
+    def take(self) -> Any:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return self._make()
+
+    def give(self, *events: Any) -> None:
+        self._free.extend(events)
+
+
+class StepClock:
+    """Device intervals of consecutive steps on the host's clock, from the steps' own events:
+    busy is elapsed(start, end) of the step, and its start sits elapsed(previous end, start)
+    after the previous step's end. Each elapsed time is short, so it keeps its precision (one
+    base event for every step would lose it after hours: the elapsed time is float ms).
+    After a gap of more than REANCHOR_MS (the device had no work) the chain is anchored on
+    the host's clock again, at the time the host saw the step complete."""
+
+    REANCHOR_MS = 1000.0
+
+    def __init__(self, base_event: Any, base_ns: int) -> None:
+        self._last = (base_event, base_ns)
+
+    def place(self, start: Any, end: Any, observed_ns: int) -> tuple[int, int, Any]:
+        """(start ns, end ns) of a completed step whose events are start and end, and the
+        previous step's end event, which nothing reads any more."""
+        last_event, last_ns = self._last
+        gap_ms, busy_ns = last_event.elapsed_time(start), int(start.elapsed_time(end) * 1e6)
+        if gap_ms > self.REANCHOR_MS:
+            t1 = observed_ns
+            t0 = t1 - busy_ns
+        else:
+            t0 = last_ns + int(gap_ms * 1e6)
+            t1 = t0 + busy_ns
+        self._last = (end, t1)
+        return t0, t1, last_event
+
+
 class CudaDevice:
+    # The notifier needs the GIL for a moment after each step; the host loop's launches hold
+    # it. Python's default switch interval (5 ms) would let a report wait that long.
+    SWITCH_INTERVAL_S = 0.0005
+
     def __init__(self, runner: Runner, sampled: SharedRing, on_done: OnDone) -> None:
         self.runner, self.sampled, self.on_done = runner, sampled, on_done
         self.error: BaseException | None = None
         register_host_memory(sampled)
-        self._host_out = [{name: torch.from_numpy(array)
-                           for name, array in sampled.slot(i).items()}
-                          for i in range(sampled.num_slots)]
+        sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
+        # Per ring slot, page-locked bytes for each packed group of a step's result.
+        limits = runner.slots.limits
+        self._bounce = [[torch.empty(rows * sum(np.dtype(spec.dtype).itemsize
+                                                * int(np.prod(spec.shape[1:], dtype=np.int64))
+                                                for spec in sampled.specs
+                                                if spec.name.startswith("plp_") == prompt),
+                                     dtype=torch.uint8, pin_memory=True)
+                         for prompt, rows in ((False, limits.max_num_seqs),
+                                              (True, limits.max_num_batched_tokens))]
+                        for _ in range(sampled.num_slots)]
         self.copy_stream, self.compute_stream, self.d2h_stream = (
             torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream())
         for stream in (self.copy_stream, self.compute_stream, self.d2h_stream):
             stream.wait_stream(torch.cuda.current_stream())  # weights and cache are ready
-        self._base = torch.cuda.Event(enable_timing=True)
-        self._base.record()
-        self._base.synchronize()  # once, at start: maps device time onto the host clock
-        self._base_ns = now_ns()
+        self._plain = EventPool(torch.cuda.Event)
+        self._timed = EventPool(lambda: torch.cuda.Event(enable_timing=True))
+        # The notifier sleeps on these, it does not spin.
+        self._blocking = EventPool(lambda: torch.cuda.Event(blocking=True))
+        base = torch.cuda.Event(enable_timing=True)
+        base.record()
+        base.synchronize()  # once, at start: maps device time onto the host clock
+        self._clock = StepClock(base, now_ns())
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._notify, name="cuda-notify", daemon=True)
         self._thread.start()
@@ -186,41 +297,51 @@ class CudaDevice:
     def submit(self, step: HostStep) -> None:
         """Enqueue copy -> compute -> copy back; returns at once (no host synchronisation)."""
         device = self.runner.device
+        copied, start, end, done = (self._plain.take(), self._timed.take(), self._timed.take(),
+                                    self._blocking.take())
         with torch.cuda.stream(self.copy_stream):
             packed = step.packed.to(device, non_blocking=True)  # from pinned staging
-            copied = torch.cuda.Event()
             copied.record()
         self.compute_stream.wait_event(copied)
         with torch.cuda.stream(self.compute_stream):
             packed.record_stream(self.compute_stream)
-            start = torch.cuda.Event(enable_timing=True)
             start.record()
             out = self.runner.compute(step, packed)
-            end = torch.cuda.Event(enable_timing=True)
+            groups = pack_outputs(out)
             end.record()
         self.d2h_stream.wait_event(end)
-        pairs = _with_logprobs(out)
         with torch.cuda.stream(self.d2h_stream):
-            host = self._host_out[step.plan.ring_slot]
-            for name, tensor in pairs:
-                tensor.record_stream(self.d2h_stream)
-                host[name][: tensor.shape[0]].copy_(tensor, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)  # the notifier sleeps on it, not spins
+            copies = []
+            for data, fields in groups:
+                data.record_stream(self.d2h_stream)
+                bounce = self._bounce[step.plan.ring_slot][fields[0][0].startswith("plp_")]
+                host = bounce[:data.numel()].view(data.shape)
+                host.copy_(data, non_blocking=True)
+                copies.append((host, fields))
             done.record()
-        self._pending.put((step, _counts(out), start, end, done))
+        self._pending.put((step, _counts(out), copies, (copied, start, end, done)))
 
     def _notify(self) -> None:
         try:
             while (item := self._pending.get()) is not None:
-                step, counts, start, end, done = item
+                step, counts, copies, (copied, start, end, done) = item
                 done.synchronize()  # this thread waits; the host loop and the device do not
-                t0 = self._base_ns + int(self._base.elapsed_time(start) * 1e6)
-                t1 = self._base_ns + int(self._base.elapsed_time(end) * 1e6)
+                t0, t1, previous_end = self._clock.place(start, end, now_ns())
+                ring = self.sampled.slot(step.plan.ring_slot)
+                for host, fields in copies:
+                    unpack_outputs(host.numpy(), fields, ring)
+                self._plain.give(copied)
+                self._timed.give(start, previous_end)
+                self._blocking.give(done)
                 self.on_done(step, *counts, t0, t1)
         except BaseException as exc:
             logger.exception("CUDA notifier failed")
             self.error = exc
 
     def close(self) -> None:
+        """Stop the notifier, wait for the device, and unpin the ring (its mapping outlives
+        this device in the process)."""
         self._pending.put(None)
         self._thread.join(timeout=30)
+        torch.cuda.synchronize()
+        unregister_host_memory(self.sampled)

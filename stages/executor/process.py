@@ -92,5 +92,7 @@ def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: Shar
         assert isinstance(plan, StepPlan)
         start = now_ns()
         step = runner.prepare(plan, steps.slot(plan.ring_slot))
-        device.submit(step)
-        ctx.tracer.span("prepare", start, now_ns(), "host", {"step": plan.step_id})
+        prepared = now_ns()
+        device.submit(step)  # on CUDA: launching the step's kernels
+        ctx.tracer.span("prepare", start, prepared, "host", {"step": plan.step_id})
+        ctx.tracer.span("submit", prepared, now_ns(), "host", {"step": plan.step_id})
