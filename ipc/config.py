@@ -128,6 +128,7 @@ class ExecutorConfig:
     num_threads: int | None = None
     timed: tuple[float, float] | None = None  # (A, B): no model; A + B * tokens ms a step
     compile: bool | None = None  # torch.compile the model; None: the device's default
+    cuda_graphs: bool = True  # on CUDA, compiled: replay decode steps as CUDA graphs
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -139,10 +140,11 @@ class ExecutorConfig:
 
     @classmethod
     def for_device(cls, device: str, dtype: str = "float32", kv_cache_memory: int = 1 << 30,
-                   compile: bool | None = None) -> ExecutorConfig:
+                   compile: bool | None = None, cuda_graphs: bool = True) -> ExecutorConfig:
         """From the --device option's text (which may name the timed instrument)."""
         torch_device, timed = parse_device(device)
-        return cls(torch_device, dtype, kv_cache_memory, timed=timed, compile=compile)
+        return cls(torch_device, dtype, kv_cache_memory, timed=timed, compile=compile,
+                   cuda_graphs=cuda_graphs)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,10 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="torch.compile the model (TorchInductor; artefacts cached in "
                         "$LLM_PIPELINE_CACHE/inductor). Default: on for CUDA, off on the CPU, "
                         "where it measured slower (docs/BENCHMARKS.md)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d(True),
+                   help="on CUDA with a compiled model, replay decode steps as CUDA graphs "
+                        "(one per padded batch size, captured on first reuse); "
+                        "--no-cuda-graphs launches every kernel from the host")
     p.add_argument("--block-size", type=int, default=d(16))
     p.add_argument("--priority-range", default=d("0:10"), metavar="LOW:HIGH",
                    help="the priorities callers may ask for (lower is served first); the "
@@ -278,7 +282,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
                                   getattr(args, "max_waiting", None),
                                   parse_priority_range(args.priority_range)),
         executor=ExecutorConfig.for_device(args.device, args.dtype,
-                                           parse_bytes(args.kv_cache_memory), args.compile),
+                                           parse_bytes(args.kv_cache_memory), args.compile,
+                                           args.cuda_graphs),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         served_model_name=getattr(args, "served_model_name", None) or "",
         listen_host=listen_host(args.listen),

@@ -91,3 +91,26 @@ def test_compiles_are_bounded_by_the_step_buckets(tiny_model_dir: Path) -> None:
     engine.generate(prompts[::-1], params)
     engine.generate([[9, 8, 7]], params)
     assert stats.num_graphs == len(sizes)
+
+
+def test_decode_graphs_static_buffers_give_the_same_tokens(tiny_model_dir: Path) -> None:
+    """Decode steps through the graphs' static buffers (graphs.py; on the CPU the captured
+    function runs as a plain call): the same tokens as the ordinary compiled path, greedy and
+    seeded with penalties, through preemption; one capture per decode bucket, no compile more."""
+    prompts = [p for p in _prompts(tiny_model_dir) if len(p) < 40]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=5, repetition_penalty=1.2,
+                            ignore_eos=True)
+    kwargs = {"block_size": 4, "kv_cache_memory": 25 * 2048, "max_num_seqs": 4}
+    plain, graphed = _engine(tiny_model_dir, **kwargs), _engine(tiny_model_dir, graphs=True,
+                                                                **kwargs)
+    assert plain.runner.graphs is None and graphed.runner.graphs is not None
+    for params in (greedy, seeded):
+        assert graphed.generate(prompts, params) == plain.generate(prompts, params)
+    stats = graphed.runner.graphs.stats
+    decode_buckets = {b for b in graphed.limits.token_buckets if b <= 4}
+    assert stats.replays > 20 and 0 < stats.captures == len(stats.buckets)
+    assert set(stats.buckets) <= decode_buckets and len(set(stats.buckets)) == stats.captures
+    assert graphed.scheduler.num_preemptions > 0
+    assert (graphed.runner.compile_stats.num_graphs
+            <= graphed.runner.compile_stats.max_graphs)

@@ -21,6 +21,7 @@ from ipc.messages import StepPlan
 from ipc.step import staging_nbytes
 from stages.executor.attention import build_attention_metadata, build_flex_metadata
 from stages.executor.compile import CompileStats, compile_layers
+from stages.executor.graphs import DecodeGraphs
 from stages.executor.model import PagedLlama, load_model, pack_linears
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
@@ -179,11 +180,13 @@ class SlotState:
 
 
 class ModelRunner:
-    """The real model path: compiled (padded steps, FlexAttention) or eager."""
+    """The real model path: compiled (padded steps, FlexAttention) or eager. Compiled, decode
+    steps can replay a graph per bucket (graphs.py): captured CUDA graphs on CUDA; on the CPU
+    (`graphs=True`, for tests) the same static buffers run as plain calls."""
 
     def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
                  device: torch.device, compile: bool = False,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, graphs: bool | None = None) -> None:
         self.model, self.limits, self.device = model, limits, device
         if compile and model.spec.sliding_window is not None:
             raise UnsupportedModel(
@@ -207,13 +210,18 @@ class ModelRunner:
                                pad_block=self.num_blocks if compile else 0, grammars=grammars)
         self.compile_stats = (compile_layers(model.model.layers, limits, device) if compile
                               else CompileStats())
+        if graphs is None:
+            graphs = device.type == "cuda"
+        self.graphs = (DecodeGraphs(self._graph_forward, device, device.type == "cuda")
+                       if compile and graphs else None)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
                     limits.block_size, self.num_blocks * per_block / 2**20)
 
     @classmethod
     def from_dir(cls, model_dir: str, dtype: torch.dtype, device: torch.device,
                  limits: EngineLimits, kv_cache_memory: int,
-                 compile: bool = False, pack: bool | None = None) -> ModelRunner:
+                 compile: bool = False, pack: bool | None = None,
+                 graphs: bool | None = None) -> ModelRunner:
         """pack (default: eager on the CPU, where oneDNN is): PackedLinear for every
         projection. (TorchInductor lowers packed weights only as frozen constants, which
         one graph shared by every layer cannot have.)"""
@@ -225,7 +233,7 @@ class ModelRunner:
             pack_linears(model)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0])
                     if limits.eos_token_ids else None)
-        return cls(model, limits, kv_cache_memory, device, compile, grammars)
+        return cls(model, limits, kv_cache_memory, device, compile, grammars, graphs)
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return self.slots.prepare(plan, ring)
@@ -236,6 +244,10 @@ class ModelRunner:
         v = unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
         grammar_work = self.slots.start_grammar(step)
+        if self.graphs is not None:
+            logits = self.graphs.run(step, packed, v["logits_indices"])
+            if logits is not None:
+                return self.slots.sample(step, v, logits, grammar_work)
         table, block_size = self.slots.block_table, self.limits.block_size
         # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels
         # take a page of rows at once anyway.
@@ -253,6 +265,15 @@ class ModelRunner:
         if num_scored:
             out.prompt = score_prompt(logits[num_sampled:], v["plp_targets"])
         return out
+
+    def _graph_forward(self, v: dict[str, torch.Tensor], wanted: torch.Tensor) -> torch.Tensor:
+        """A decode step's forward from a graph's static inputs (graphs.py): placeholder ids
+        resolved from the last samples, the metadata, the model, the wanted rows' logits."""
+        ids = v["input_ids"]
+        ids = torch.where(ids < 0, self.slots.last_sampled[v["token_slots"]], ids)
+        meta = build_flex_metadata(v, self.slots.block_table, self.limits.block_size,
+                                   self.num_blocks + 1, per_row=self.device.type == "cpu")
+        return self.model(ids, v["positions"], self.kv_caches, meta, wanted)
 
     def execute(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> SampleOutput:
         """prepare + compute, synchronously (tests, the in-process engine)."""

@@ -1,0 +1,139 @@
+"""Decode steps replayed as CUDA graphs, one per padded step size. Runs in the executor process.
+
+An eager (or regionally compiled) decode step is hundreds of kernel launches; from the host
+they take longer than the GPU takes to run them, so the GPU would wait on launches however
+well the scheduler runs ahead. A graph is launched in one call.
+
+What a graph needs, and how a step provides it:
+- static inputs: one buffer per bucket holds the forward's packed inputs (token ids with
+  their placeholders, positions, slots, query rows and blocks: the first fields of the
+  staging layout, padded to the bucket, ipc/step.py) and the rows whose logits are wanted.
+  A step copies them in on the compute stream, device to device, so a copy cannot overtake
+  the previous replay that reads the same buffer (one set per bucket is enough);
+- static state: the block table, the last samples, the KV cache and the weights never move;
+- what varies from step to step stays outside: slot updates (block table, sampling
+  parameters) before the replay, sampling after it, on the replay's logits.
+Inside the graph: placeholder ids resolved from the last samples, the attention metadata,
+the forward, the wanted rows' logits.
+
+A bucket is captured the second time a decode step of that size comes (the first compiles
+it), after a warm-up on the capture stream; capturing synchronises the device once, so a
+long run pays one wait per bucket, never more (`stats.captures`). Without CUDA (the tests on
+this machine) the same static buffers and the same captured function run as plain calls
+(`capture=False`): everything but the capture itself is exercised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ipc.step import field_offsets
+from stages.executor.step_inputs import HostStep
+
+logger = logging.getLogger(__name__)
+
+# The packed fields a graph reads, in staging order (they come first: one contiguous copy).
+GRAPH_FIELDS = ("input_ids", "positions", "token_slots", "query_rows", "qblock_slots",
+                "qblock_pages")
+
+# forward(static input views, static wanted rows) -> logits [bucket, V] float32
+GraphForward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    buckets: list[int] = field(default_factory=list)
+
+
+class _BucketGraph:
+    def __init__(self, counts: dict[str, int], device: torch.device) -> None:
+        where = field_offsets(counts)
+        self.nbytes = where["logits_indices"][0]  # the graph's fields end there
+        self.counts = {name: counts[name] for name in GRAPH_FIELDS}
+        self.inputs = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.views = {name: self.inputs[offset:offset + count * 8].view(torch.int64)
+                      for name, (offset, count, _) in where.items() if name in GRAPH_FIELDS}
+        self.wanted = torch.zeros(counts["input_ids"], dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def load(self, packed: torch.Tensor, wanted: torch.Tensor) -> None:
+        """This step's inputs into the static buffers (device to device, on this stream).
+        Wanted rows past the step's keep earlier values: valid rows, logits not read."""
+        self.inputs.copy_(packed[:self.nbytes])
+        self.wanted[:len(wanted)].copy_(wanted)
+
+
+class DecodeGraphs:
+    """The decode steps of one runner, by bucket (padded step size)."""
+
+    def __init__(self, forward: GraphForward, device: torch.device, capture: bool) -> None:
+        self.forward, self.device, self.capture = forward, device, capture
+        self.stats = GraphStats()
+        self._graphs: dict[int, _BucketGraph] = {}
+        self._seen: Counter[int] = Counter()
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._stream = torch.cuda.Stream(device) if capture else None
+
+    @staticmethod
+    def eligible(step: HostStep) -> bool:
+        """Decode-only steps without prompt logprobs (their sizes are one bucket each)."""
+        return step.decode_only and step.counts["plp_indices"] == 0
+
+    def run(self, step: HostStep, packed: torch.Tensor, wanted: torch.Tensor
+            ) -> torch.Tensor | None:
+        """The logits [len(wanted), V] of the step by its bucket's graph, or None when the
+        step should run the ordinary way (not eligible, or its bucket's first step)."""
+        if not self.eligible(step):
+            return None
+        bucket = step.counts["input_ids"]
+        g = self._graphs.get(bucket)
+        if g is None:
+            self._seen[bucket] += 1
+            if self._seen[bucket] < 2:
+                return None  # the ordinary run compiles the bucket first
+            g = self._graphs[bucket] = _BucketGraph(step.counts, self.device)
+            g.load(packed, wanted)
+            self._capture(g)
+        else:
+            assert g.counts == {name: step.counts[name] for name in GRAPH_FIELDS}, (
+                "a bucket's packed layout changed")
+            g.load(packed, wanted)
+        self.stats.replays += 1
+        if g.graph is not None:
+            g.graph.replay()
+            assert g.logits is not None
+            logits = g.logits
+        else:
+            logits = self.forward(g.views, g.wanted)
+        return logits[:len(wanted)]
+
+    def _capture(self, g: _BucketGraph) -> None:
+        bucket = g.counts["input_ids"]
+        self.stats.captures += 1
+        self.stats.buckets.append(bucket)
+        if not self.capture:
+            return
+        assert self._stream is not None
+        stream, current = self._stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)  # the static inputs were loaded on the current stream
+        # Warm up on the capture stream (BLAS handles and workspaces are per stream). The
+        # forward is idempotent: it writes the same keys and values where the replay will.
+        with torch.cuda.stream(stream):
+            self.forward(g.views, g.wanted)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the notifier and grammar threads keep waiting on their events.
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream,
+                              capture_error_mode="thread_local"):
+            g.logits = self.forward(g.views, g.wanted)
+        current.wait_stream(stream)
+        g.graph = graph
+        logger.info("captured the decode graph of %d tokens (%d so far)", bucket,
+                    self.stats.captures)
