@@ -63,3 +63,43 @@ def test_stream_and_abort_on_cuda(tiny_model_dir: Path) -> None:
             return reason
 
         assert asyncio.run(run()) == "abort"
+
+
+def test_decode_graphs_on_cuda_give_the_ordinary_compiled_tokens(tiny_model_dir: Path) -> None:
+    prompts = _prompts(tiny_model_dir)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = {}
+    for graphs in (False, True):
+        engine = InProcessEngine(str(tiny_model_dir), max_num_batched_tokens=16, device="cuda",
+                                 compile=True, graphs=graphs)
+        got[graphs] = engine.generate(prompts, params)
+        if graphs:
+            assert engine.runner.graphs is not None
+            assert engine.runner.graphs.stats.captures > 0
+            assert engine.runner.graphs.stats.replays > engine.runner.graphs.stats.captures
+    assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_no_host_sync_on_cuda_and_run_ahead_equals_synchronised(tiny_model_dir: Path,
+                                                                 compiled: bool) -> None:
+    """The executor's device path (pipeline/tools/device_run.py) with any host sync an error,
+    once a first run compiled and captured; then run-ahead against every step waited for."""
+    from ipc.config import EngineLimits, ModelInfo
+    from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload
+    from stages.executor.runner import ModelRunner
+
+    info = ModelInfo.from_dir(tiny_model_dir)
+    limits = EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, 2)
+    runner = ModelRunner.from_dir(str(tiny_model_dir), torch.float32, torch.device("cuda"),
+                                  limits, 20 * 2048, compile=compiled, graphs=compiled)
+    run = DeviceRun(runner, limits)
+    requests = overlap_workload(info.vocab_size)
+    synced, _ = run.run(requests, sync=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ahead, _ = run.run(requests)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    slowed, _ = run.run(requests, slow_cycles=2_000_000)
+    assert comparable(ahead) == comparable(synced) == comparable(slowed)

@@ -1,0 +1,422 @@
+"""The GPU check: what a machine with a CUDA GPU runs, once, in under 10 minutes, to prove the
+CUDA path (scripts/gpu_check is its entry). Each part runs in a process of its own under its
+own timeout, so one failure or hang loses only that part; the results go to one JSON file,
+rewritten after every part.
+
+Parts:
+  versions     torch, CUDA, cuDNN, the GPU; the kernels each of our attention calls gets
+  models       builds the random models the others use (kept in --work for a second run)
+  overlap      run-ahead against synchronised-after-every-step, bit for bit (greedy, seeded
+               sampling with penalties, min_tokens, logprobs, prompt logprobs, mixed lengths,
+               preemption, chunked prefill), compiled with CUDA graphs and eager, and again
+               with the GPU made slow so the host really runs ahead
+  syncs        the same run with torch.cuda.set_sync_debug_mode("error"): no host sync
+  utilisation  steady decode at batch 64 on a random 16-layer, 2048-wide bf16 Llama at ~300
+               and ~3,000 tokens of context: kernels per step, GPU kernel time / wall (from
+               the profiler's kernel intervals), host submit time per step, step time median
+               and max; overlap against sync
+  tests        the tests marked cuda
+  bench        bench overlap on the random model
+
+  python -m pipeline.tools.gpu_check --out results.json [--parts overlap,syncs] [--device cpu]
+
+`--device cpu` runs the parts that make sense without CUDA (overlap), to test this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# Seconds each, at most: 10 minutes in all.
+PARTS = {"versions": 60, "models": 90, "overlap": 150, "syncs": 90, "utilisation": 150,
+         "tests": 60, "bench": 60}
+CUDA_ONLY = {"versions", "syncs", "utilisation", "tests", "bench"}
+BIG_MODEL = {"layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 8, "vocab_size": 32000}
+
+
+def _model(folder: Path, big: bool) -> Path:
+    from pipeline.tools.random_model import build_random_llama
+
+    if (folder / "config.json").exists():
+        return folder
+    if big:
+        return build_random_llama(folder, num_layers=BIG_MODEL["layers"],
+                                  hidden=BIG_MODEL["hidden"], heads=BIG_MODEL["heads"],
+                                  kv_heads=BIG_MODEL["kv_heads"],
+                                  vocab_size=BIG_MODEL["vocab_size"], max_len=4096,
+                                  weight_std=0.02)
+    return build_random_llama(folder, num_layers=2, hidden=128, heads=4, kv_heads=2)
+
+
+def _runner(model: Path, limits: Any, kv_bytes: int, device: str, compiled: bool,
+            dtype: str = "float32") -> Any:
+    import torch
+
+    from stages.executor.runner import ModelRunner
+
+    return ModelRunner.from_dir(str(model), getattr(torch, dtype), torch.device(device),
+                                limits, kv_bytes, compile=compiled, graphs=compiled)
+
+
+def _small_limits(model: Path) -> Any:
+    from ipc.config import EngineLimits, ModelInfo
+
+    info = ModelInfo.from_dir(model)
+    # 4 slots, a 16-token budget (chunked prefill), room for preemption (see the runs).
+    return EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, 2)
+
+
+# ---------------------------------------------------------------- parts
+
+
+def part_versions(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from stages.executor.attention import decode_attention
+
+    dev = torch.device("cuda")
+    out: dict[str, Any] = {
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "sdp_enabled": {"flash": torch.backends.cuda.flash_sdp_enabled(),
+                        "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                        "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                        "math": torch.backends.cuda.math_sdp_enabled()}}
+    bf, fp = torch.bfloat16, torch.float32
+    h, kvh, d, b, length = 16, 8, 128, 64, 512
+
+    def rand(*shape: int, dtype: torch.dtype = bf) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dtype)
+
+    mask = torch.ones(b, 1, 1, length, dtype=torch.bool, device=dev)
+    calls = {
+        # paged_attention, eager: decode rows in fp32 (SDPA with a padding mask)
+        "eager decode fp32 (SDPA, mask)": lambda: F.scaled_dot_product_attention(
+            rand(b, h, 1, d, dtype=fp), rand(b, kvh, length, d, dtype=fp),
+            rand(b, kvh, length, d, dtype=fp), attn_mask=mask, enable_gqa=True),
+        # ... and in bf16 (two matrix products)
+        "eager decode bf16 (decode_attention)": lambda: decode_attention(
+            rand(b, h, d), rand(b, kvh, length, d), rand(b, kvh, length, d), mask, d**-0.5),
+        "eager prefill, no past (SDPA causal)": lambda: F.scaled_dot_product_attention(
+            rand(1, h, 1024, d), rand(1, kvh, 1024, d), rand(1, kvh, 1024, d),
+            is_causal=True, enable_gqa=True),
+        "eager prefill with past (SDPA, mask)": lambda: F.scaled_dot_product_attention(
+            rand(1, h, 256, d), rand(1, kvh, 1024, d), rand(1, kvh, 1024, d),
+            attn_mask=torch.ones(1, 1, 256, 1024, dtype=torch.bool, device=dev).tril(768),
+            enable_gqa=True),
+        "compiled (flex_paged_attention)": _flex_call(dev, h, kvh, d),
+    }
+    out["attention_kernels"] = {name: _kernel_names(call) for name, call in calls.items()}
+    return out
+
+
+def _flex_call(dev: Any, heads: int, kv_heads: int, head_dim: int) -> Any:
+    import torch
+
+    from stages.executor.attention import build_flex_metadata, flex_paged_attention
+
+    bs, num_blocks, seqs = 16, 256, 8
+    table = torch.arange(seqs * 16, device=dev, dtype=torch.int32).view(seqs, 16)
+    positions = torch.full((seqs,), 100, device=dev, dtype=torch.int64)  # one decode each
+    v = {"positions": positions, "token_slots": torch.arange(seqs, device=dev),
+         "query_rows": torch.arange(seqs, device=dev) * bs + 100 % bs,
+         "qblock_slots": torch.arange(seqs, device=dev),
+         "qblock_pages": torch.full((seqs,), 100 // bs, device=dev, dtype=torch.int64)}
+    cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    fn = torch.compile(flex_paged_attention, fullgraph=True, dynamic=False)
+
+    def call() -> Any:
+        meta = build_flex_metadata(v, table, bs, num_blocks)
+        q = torch.randn(seqs, heads, head_dim, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(seqs, kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+        return fn(q, k, k.clone(), cache, meta, head_dim**-0.5)
+
+    call()  # compile outside the profile
+    return call
+
+
+def _kernel_names(call: Any) -> list[str]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if _is_kernel(e)]
+    return sorted(set(names))
+
+
+def _is_kernel(event: Any) -> bool:
+    from torch.autograd import DeviceType
+
+    return bool(event.device_type == DeviceType.CUDA and not event.name.startswith("Memcpy")
+                and not event.name.startswith("Memset"))
+
+
+def part_models(args: argparse.Namespace) -> dict[str, Any]:
+    small = _model(Path(args.work) / "small", big=False)
+    big = _model(Path(args.work) / "big", big=True) if args.device == "cuda" else None
+    return {"ok": True, "small": str(small), "big": str(big)}
+
+
+def part_overlap(args: argparse.Namespace, slow: bool = True) -> dict[str, Any]:
+    from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload
+
+    model = _model(Path(args.work) / "small", big=False)
+    limits = _small_limits(model)
+    out: dict[str, Any] = {}
+    modes = {"compiled+graphs": True, "eager": False} if args.device == "cuda" else {
+        "eager": False}
+    for mode, compiled in modes.items():
+        runner = _runner(model, limits, 20 * _block_bytes(model, limits), args.device,
+                         compiled)
+        run = DeviceRun(runner, limits)
+        requests = overlap_workload(limits.vocab_size)
+        start = time.perf_counter()
+        ahead, stats = run.run(requests)
+        synced, _ = run.run(requests, sync=True)
+        result: dict[str, Any] = {"equal": comparable(ahead) == comparable(synced),
+                                  "steps": stats.steps, "preemptions": stats.preemptions,
+                                  "tokens": sum(len(r.token_ids) for r in ahead.values())}
+        if slow and args.device == "cuda":
+            slowed, _ = run.run(requests, slow_cycles=args.slow_cycles)
+            result["equal_with_slow_gpu"] = comparable(slowed) == comparable(synced)
+        graphs = getattr(runner, "graphs", None)
+        if graphs is not None:
+            result["graph_captures"], result["graph_replays"] = (graphs.stats.captures,
+                                                                 graphs.stats.replays)
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        out[mode] = result
+    out["ok"] = all(r["equal"] and r.get("equal_with_slow_gpu", True)
+                    for r in out.values() if isinstance(r, dict))
+    return out
+
+
+def _block_bytes(model: Path, limits: Any) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return (cfg["num_hidden_layers"] * 2 * limits.block_size * cfg["num_key_value_heads"]
+            * head_dim * 4)
+
+
+def part_syncs(args: argparse.Namespace) -> dict[str, Any]:
+    """A warm run compiles and captures; the second runs with any host sync an error."""
+    import torch
+
+    from pipeline.tools.device_run import DeviceRun, overlap_workload
+
+    model = _model(Path(args.work) / "small", big=False)
+    limits = _small_limits(model)
+    out: dict[str, Any] = {}
+    for mode, compiled in {"compiled+graphs": True, "eager": False}.items():
+        runner = _runner(model, limits, 20 * _block_bytes(model, limits), "cuda", compiled)
+        run = DeviceRun(runner, limits)
+        requests = overlap_workload(limits.vocab_size)
+        run.run(requests)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run.run(requests)
+            out[mode] = {"host_syncs": 0}
+        except Exception as exc:  # the first sync, with where it happened
+            out[mode] = {"host_syncs": ">= 1", "first": "".join(
+                traceback.format_exception(exc))[-3000:]}
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    out["ok"] = all(r.get("host_syncs") == 0 for r in out.values() if isinstance(r, dict))
+    return out
+
+
+def part_utilisation(args: argparse.Namespace) -> dict[str, Any]:
+    from ipc.config import EngineLimits, ModelInfo
+    from ipc.messages import SamplingParams
+    from pipeline.tools.device_run import DeviceRun
+
+    model = _model(Path(args.work) / "big", big=True)
+    info = ModelInfo.from_dir(model)
+    batch, decode_steps = 64, 48
+    out: dict[str, Any] = {"model": BIG_MODEL, "dtype": "bfloat16", "batch": batch}
+    limits = EngineLimits(batch, 2048, 16, 4096, info.vocab_size, (), 2)
+    runner = _runner(model, limits, 40 << 30, "cuda", compiled=True, dtype="bfloat16")
+    run = DeviceRun(runner, limits)
+    for context in (300, 3000):
+        prompts = [[(11 + 7 * i + 13 * j) % (info.vocab_size - 10) + 5 for j in range(context)]
+                   for i in range(batch)]
+        params = SamplingParams(max_tokens=decode_steps + 24, temperature=0.0,
+                                ignore_eos=True)
+        requests = [(f"u{i}", p, params) for i, p in enumerate(prompts)]
+        run.run(requests[:2])  # compile and capture the small buckets first
+        for mode, sync in (("overlap", False), ("sync", True)):
+            window = _ProfileWindow(batch, skip=8, steps=decode_steps // 2)
+            _, stats = run.run(requests, sync=sync, before_submit=window.before_submit)
+            window.stop()
+            out[f"ctx{context}_{mode}"] = window.report(stats)
+    out["graphs"] = {"captures": runner.graphs.stats.captures,
+                     "buckets": runner.graphs.stats.buckets}
+    return out
+
+
+class _ProfileWindow:
+    """Profiles the device's kernels over `steps` steady decode steps (every sequence
+    decoding), after skipping `skip` of them."""
+
+    def __init__(self, batch: int, skip: int, steps: int) -> None:
+        self.batch, self.skip, self.steps = batch, skip, steps
+        self.seen, self.prof, self.indices = 0, None, []  # type: ignore[var-annotated]
+        self.submit_index = 0
+
+    def before_submit(self, step: Any) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        index, self.submit_index = self.submit_index, self.submit_index + 1
+        if not (step.decode_only and step.plan.num_seqs == self.batch):
+            if self.prof is not None:
+                self.stop()
+            return
+        self.seen += 1
+        if self.seen == self.skip + 1:
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.start()
+        if self.prof is not None:
+            self.indices.append(index)
+            if len(self.indices) > self.steps:
+                self.stop()
+
+    def stop(self) -> None:
+        import torch
+
+        if self.prof is not None:
+            torch.cuda.synchronize()
+            self.prof.stop()
+            self.events = [(e.time_range.start, e.time_range.end) for e in self.prof.events()
+                           if _is_kernel(e)]
+            self.prof = None
+
+    def report(self, stats: Any) -> dict[str, Any]:
+        events = sorted(getattr(self, "events", []))
+        steps = max(1, len(self.indices) - 1)
+        busy, last_end = 0.0, float("-inf")
+        for start, end in events:  # union of kernel intervals (us)
+            if end > last_end:
+                busy += end - max(start, last_end)
+                last_end = end
+        wall = (events[-1][1] - events[0][0]) if events else 0.0
+        submit = [stats.submit_ns[i] / 1e6 for i in self.indices if i < len(stats.submit_ns)]
+        walls = [(b[1] - a[1]) / 1e6 for a, b in zip(
+            [stats.device[i] for i in self.indices if i < len(stats.device)],
+            [stats.device[i] for i in self.indices[1:] if i < len(stats.device)],
+            strict=False)]
+        return {"steps_profiled": len(self.indices),
+                "kernels_per_step": round(len(events) / steps, 1),
+                "gpu_kernel_time_over_wall": round(busy / wall, 4) if wall else None,
+                "gpu_idle": round(1 - busy / wall, 4) if wall else None,
+                "host_submit_ms_median": round(statistics.median(submit), 3) if submit else None,
+                "step_ms_median": round(statistics.median(walls), 3) if walls else None,
+                "step_ms_max": round(max(walls), 3) if walls else None,
+                "note": "under the profiler (CUPTI adds host time per launch)"}
+
+
+def part_tests(args: argparse.Namespace) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda",
+                           "-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                          timeout=PARTS["tests"] - 10)
+    return {"ok": proc.returncode == 0, "tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
+def part_bench(args: argparse.Namespace) -> dict[str, Any]:
+    model = _model(Path(args.work) / "big", big=True)
+    out_json = Path(args.work) / "overlap-cuda.json"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.tools.bench", "overlap", "--device",
+                           "cuda", "--dtype", "bfloat16", "--model", str(model), "--batch", "64",
+                           "--output-len", "64", "--repeat", "1", "--kv-cache-memory", "16GiB",
+                           "--json", str(out_json)], capture_output=True, text=True,
+                          timeout=PARTS["bench"] - 10)
+    report = json.loads(out_json.read_text()) if out_json.exists() else None
+    return {"ok": proc.returncode == 0, "report": report,
+            "tail": (proc.stdout + proc.stderr)[-2000:]}
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def _run_part(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The part `name` in a process of its own under its timeout."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [sys.executable, "-m", "pipeline.tools.gpu_check", "--part", name,
+           "--result", result_path, "--work", args.work, "--device", args.device,
+           "--slow-cycles", str(args.slow_cycles)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS[name])
+        if proc.returncode != 0 or not os.path.getsize(result_path):
+            result = {"ok": False, "error": f"exit {proc.returncode}",
+                      "tail": (proc.stdout + proc.stderr)[-3000:]}
+        else:
+            result = json.loads(Path(result_path).read_text())
+    except subprocess.TimeoutExpired as exc:
+        tail = ((exc.stdout or b"") + (exc.stderr or b""))
+        result = {"ok": False, "error": f"timed out after {PARTS[name]} s",
+                  "tail": tail.decode(errors="replace")[-3000:] if isinstance(tail, bytes)
+                  else str(tail)[-3000:]}
+    finally:
+        os.unlink(result_path)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="gpu_check.json", help="the results (JSON)")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, in order")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "llmp-gpu-check"),
+                   help="where the random models are built (kept for a second run)")
+    p.add_argument("--slow-cycles", type=int, default=2_000_000,
+                   help="torch.cuda._sleep per stream and step in the slow-GPU run")
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+    if args.part:  # one part, in this process
+        import torch
+
+        torch.manual_seed(0)
+        fn = globals()[f"part_{args.part}"]
+        result = fn(args)
+        Path(args.result).write_text(json.dumps(result, indent=2, default=str))
+        return 0
+    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "device": args.device}
+    for name in args.parts.split(","):
+        if name not in PARTS:
+            p.error(f"--parts: unknown part {name!r} (known: {', '.join(PARTS)})")
+        if args.device != "cuda" and name in CUDA_ONLY:
+            results[name] = {"skipped": "needs CUDA"}
+        else:
+            print(f"gpu_check: {name} (at most {PARTS[name]} s)", flush=True)
+            results[name] = _run_part(name, args)
+            print(f"gpu_check: {name}: ok={results[name].get('ok', '-')} "
+                  f"in {results[name]['seconds']} s", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    failed = [n for n, r in results.items() if isinstance(r, dict) and r.get("ok") is False]
+    print(f"gpu_check: results in {args.out}; failed: {', '.join(failed) or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
