@@ -102,15 +102,34 @@ def test_decode_graphs_static_buffers_give_the_same_tokens(tiny_model_dir: Path)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=5, repetition_penalty=1.2,
                             ignore_eos=True)
     kwargs = {"block_size": 4, "kv_cache_memory": 25 * 2048, "max_num_seqs": 4}
-    plain, graphed = _engine(tiny_model_dir, **kwargs), _engine(tiny_model_dir, graphs=True,
-                                                                **kwargs)
+    plain = _engine(tiny_model_dir, **kwargs)  # (each engine starts dynamo afresh)
+    expected = [plain.generate(prompts, params) for params in (greedy, seeded)]
+    graphed = _engine(tiny_model_dir, graphs=True, **kwargs)
     assert plain.runner.graphs is None and graphed.runner.graphs is not None
-    for params in (greedy, seeded):
-        assert graphed.generate(prompts, params) == plain.generate(prompts, params)
+    assert [graphed.generate(prompts, params) for params in (greedy, seeded)] == expected
+    # The static buffers are the staging buffers' kind of tensor: nothing compiles again.
+    assert graphed.runner.compile_stats.num_graphs == plain.runner.compile_stats.num_graphs
     stats = graphed.runner.graphs.stats
     decode_buckets = {b for b in graphed.limits.token_buckets if b <= 4}
     assert stats.replays > 20 and 0 < stats.captures == len(stats.buckets)
     assert set(stats.buckets) <= decode_buckets and len(set(stats.buckets)) == stats.captures
     assert graphed.scheduler.num_preemptions > 0
-    assert (graphed.runner.compile_stats.num_graphs
-            <= graphed.runner.compile_stats.max_graphs)
+
+
+def test_compile_default_and_refusals() -> None:
+    """Compiled by default on CUDA, eager on the CPU; on CUDA a page size that is not a whole
+    number of Triton tiles, or a sliding window, runs eager by default and is a ConfigError
+    when --compile asks for it."""
+    from ipc.config import ConfigError
+    from stages.executor.compile import resolve_compile
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_compile(None, cuda, None, 16) is True
+    assert resolve_compile(None, cpu, None, 16) is False
+    assert resolve_compile(None, cuda, None, 4) is False
+    assert resolve_compile(None, cuda, 4096, 16) is False
+    assert resolve_compile(False, cuda, None, 16) is False
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        resolve_compile(True, cuda, None, 8)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        resolve_compile(True, cpu, 4096, 16)

@@ -71,7 +71,7 @@ def test_decode_graphs_on_cuda_give_the_ordinary_compiled_tokens(tiny_model_dir:
     got = {}
     for graphs in (False, True):
         engine = InProcessEngine(str(tiny_model_dir), max_num_batched_tokens=16, device="cuda",
-                                 compile=True, graphs=graphs)
+                                 block_size=16, compile=True, graphs=graphs)
         got[graphs] = engine.generate(prompts, params)
         if graphs:
             assert engine.runner.graphs is not None
@@ -84,22 +84,21 @@ def test_decode_graphs_on_cuda_give_the_ordinary_compiled_tokens(tiny_model_dir:
 def test_no_host_sync_on_cuda_and_run_ahead_equals_synchronised(tiny_model_dir: Path,
                                                                  compiled: bool) -> None:
     """The executor's device path (pipeline/tools/device_run.py) with any host sync an error,
-    once a first run compiled and captured; then run-ahead against every step waited for."""
-    from ipc.config import EngineLimits, ModelInfo
+    once a first run compiled and captured; then run-ahead against every step waited for and
+    against a slowed GPU, bit for bit."""
     from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload
-    from stages.executor.runner import ModelRunner
+    from pipeline.tools.gpu_check import small_limits, small_runner
 
-    info = ModelInfo.from_dir(tiny_model_dir)
-    limits = EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, 2)
-    runner = ModelRunner.from_dir(str(tiny_model_dir), torch.float32, torch.device("cuda"),
-                                  limits, 20 * 2048, compile=compiled, graphs=compiled)
-    run = DeviceRun(runner, limits)
-    requests = overlap_workload(info.vocab_size)
+    limits = small_limits(tiny_model_dir)
+    run = DeviceRun(small_runner(tiny_model_dir, limits, "cuda", compiled), limits)
+    requests = overlap_workload(limits.vocab_size)
+    run.run(requests)
     synced, _ = run.run(requests, sync=True)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ahead, _ = run.run(requests)
+        ahead, stats = run.run(requests)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     slowed, _ = run.run(requests, slow_cycles=2_000_000)
     assert comparable(ahead) == comparable(synced) == comparable(slowed)
+    assert stats.preemptions > 0

@@ -52,4 +52,11 @@ def test_gpu_check_driver_writes_each_part_and_skips_what_needs_cuda(tmp_path: P
     report = json.loads(out.read_text())
     assert report["versions"] == {"skipped": "needs CUDA"}
     assert report["overlap"]["ok"] is True and report["overlap"]["eager"]["equal"] is True
-    assert report["overlap"]["eager"]["preemptions"] > 0
+    assert report["overlap"]["eager"]["preemptions"] > 0  # (the GPU check's small cache)
+
+
+def test_kernel_busy_counts_overlapping_kernels_once() -> None:
+    from pipeline.tools.gpu_check import kernel_busy
+
+    assert kernel_busy([(0, 4), (2, 6), (10, 12), (11, 11.5)]) == (8.0, 12.0)
+    assert kernel_busy([]) == (0.0, 0.0)

@@ -179,15 +179,19 @@ def test_step_clock_chains_each_steps_own_events_and_reanchors_after_idle() -> N
 
     base = FakeEvent(0.0)
     clock = StepClock(base, 1_000_000_000)
-    t0, t1, released = clock.place(FakeEvent(0.5), FakeEvent(2.5), 0)
+    # The host sees each step end a little later (the copy back, its wake-up).
+    t0, t1, released = clock.place(FakeEvent(0.5), FakeEvent(2.5), 1_002_600_000)
     assert (t0, t1, released) == (1_000_500_000, 1_002_500_000, base)
     end2 = FakeEvent(4.0)
-    t0, t1, released = clock.place(FakeEvent(3.0), end2, 0)  # 0.5 ms idle between the steps
+    t0, t1, released = clock.place(FakeEvent(3.0), end2, 1_004_070_000)  # 0.5 ms idle
     assert (t0, t1) == (1_003_000_000, 1_004_000_000)
     # After hours of no work, the host's clock anchors the chain again.
     hours = 3 * 3600 * 1000.0
     t0, t1, released = clock.place(FakeEvent(hours), FakeEvent(hours + 1.25), 5 * 10**12)
     assert (t0, t1, released) == (5 * 10**12 - 1_250_000, 5 * 10**12, end2)
+    # A chain that drifted past the host's clock (a step cannot end after it was seen) too.
+    t0, t1, _ = clock.place(FakeEvent(hours + 1.5), FakeEvent(hours + 2.5), 5 * 10**12 + 900_000)
+    assert (t0, t1) == (5 * 10**12 - 100_000, 5 * 10**12 + 900_000)
     made = []
     pool = EventPool(lambda: made.append(object()) or made[-1])
     a, b = pool.take(), pool.take()

@@ -141,10 +141,14 @@ class Pipeline:
             raise RuntimeError("a Pipeline starts once; make a new one")
         self._started = True
         check_device(self.cfg.executor.device)  # before anything starts
-        window = self.cfg.model.sliding_window
-        if self.cfg.executor.compile and window is not None:
-            raise ConfigError(f"--compile: the model's sliding_window ({window}) is not "
-                              "implemented compiled; pass --no-compile")
+        if self.cfg.executor.compile and self.cfg.executor.timed is None:
+            # what --compile cannot do here is a ConfigError now, not an executor failure
+            import torch
+
+            from stages.executor.compile import resolve_compile
+
+            resolve_compile(True, torch.device(self.cfg.executor.device),
+                            self.cfg.model.sliding_window, self.cfg.limits.block_size)
         try:
             self._create_run()
             self._spawn("executor", 0, "stages.executor.process:run_executor")

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 # Seconds each, at most: 10 minutes in all.
-PARTS = {"versions": 60, "models": 90, "overlap": 150, "syncs": 90, "utilisation": 150,
-         "tests": 60, "bench": 60}
+PARTS = {"versions": 45, "models": 90, "overlap": 120, "syncs": 75, "utilisation": 150,
+         "tests": 50, "bench": 60}
 CUDA_ONLY = {"versions", "syncs", "utilisation", "tests", "bench"}
 BIG_MODEL = {"layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 8, "vocab_size": 32000}
 
@@ -68,12 +68,22 @@ def _runner(model: Path, limits: Any, kv_bytes: int, device: str, compiled: bool
                                 limits, kv_bytes, compile=compiled, graphs=compiled)
 
 
-def _small_limits(model: Path) -> Any:
+def small_limits(model: Path) -> Any:
+    """4 slots and a 16-token budget (chunked prefill), pages of 16 (compiled CUDA needs a
+    multiple of 16); SMALL_CACHE_BLOCKS of them make the overlap workload preempt."""
     from ipc.config import EngineLimits, ModelInfo
 
     info = ModelInfo.from_dir(model)
-    # 4 slots, a 16-token budget (chunked prefill), room for preemption (see the runs).
-    return EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, 2)
+    return EngineLimits(4, 16, 16, 256, info.vocab_size, info.eos_token_ids, 2)
+
+
+SMALL_CACHE_BLOCKS = 5
+
+
+def small_runner(model: Path, limits: Any, device: str, compiled: bool) -> Any:
+    # (one block more: the compiled forward keeps one as scratch)
+    return _runner(model, limits, (SMALL_CACHE_BLOCKS + 1) * _block_bytes(model, limits),
+                   device, compiled)
 
 
 # ---------------------------------------------------------------- parts
@@ -116,10 +126,28 @@ def part_versions(args: argparse.Namespace) -> dict[str, Any]:
             rand(1, h, 256, d), rand(1, kvh, 1024, d), rand(1, kvh, 1024, d),
             attn_mask=torch.ones(1, 1, 256, 1024, dtype=torch.bool, device=dev).tril(768),
             enable_gqa=True),
-        "compiled (flex_paged_attention)": _flex_call(dev, h, kvh, d),
+        "compiled (flex_paged_attention)": _lazy(lambda: _flex_call(dev, h, kvh, d)),
     }
-    out["attention_kernels"] = {name: _kernel_names(call) for name, call in calls.items()}
+    out["attention_kernels"] = {}
+    for name, call in calls.items():
+        try:
+            out["attention_kernels"][name] = _kernel_names(call)
+        except Exception as exc:  # one call failing keeps the others' answers
+            out["attention_kernels"][name] = f"failed: {type(exc).__name__}: {exc}"[:1500]
+    out["ok"] = all(isinstance(v, list) for v in out["attention_kernels"].values())
     return out
+
+
+def _lazy(make: Any) -> Any:
+    """A call built on its first use (so that building it fails inside its own try)."""
+    made: list[Any] = []
+
+    def call() -> Any:
+        if not made:
+            made.append(make())
+        return made[0]()
+
+    return call
 
 
 def _flex_call(dev: Any, heads: int, kv_heads: int, head_dim: int) -> Any:
@@ -177,16 +205,17 @@ def part_overlap(args: argparse.Namespace, slow: bool = True) -> dict[str, Any]:
     from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload
 
     model = _model(Path(args.work) / "small", big=False)
-    limits = _small_limits(model)
+    limits = small_limits(model)
     out: dict[str, Any] = {}
     modes = {"compiled+graphs": True, "eager": False} if args.device == "cuda" else {
         "eager": False}
     for mode, compiled in modes.items():
-        runner = _runner(model, limits, 20 * _block_bytes(model, limits), args.device,
-                         compiled)
+        runner = small_runner(model, limits, args.device, compiled)
         run = DeviceRun(runner, limits)
         requests = overlap_workload(limits.vocab_size)
         start = time.perf_counter()
+        # A first run compiles and captures: the compared runs then take the same paths.
+        run.run(requests)
         ahead, stats = run.run(requests)
         synced, _ = run.run(requests, sync=True)
         result: dict[str, Any] = {"equal": comparable(ahead) == comparable(synced),
@@ -197,11 +226,13 @@ def part_overlap(args: argparse.Namespace, slow: bool = True) -> dict[str, Any]:
             result["equal_with_slow_gpu"] = comparable(slowed) == comparable(synced)
         graphs = getattr(runner, "graphs", None)
         if graphs is not None:
-            result["graph_captures"], result["graph_replays"] = (graphs.stats.captures,
-                                                                 graphs.stats.replays)
+            result["graphs"] = {"captures": graphs.stats.captures,
+                                "replays": graphs.stats.replays,
+                                "failed": graphs.stats.failed}
         result["seconds"] = round(time.perf_counter() - start, 2)
         out[mode] = result
     out["ok"] = all(r["equal"] and r.get("equal_with_slow_gpu", True)
+                    and not r.get("graphs", {}).get("failed")
                     for r in out.values() if isinstance(r, dict))
     return out
 
@@ -214,17 +245,18 @@ def _block_bytes(model: Path, limits: Any) -> int:
 
 
 def part_syncs(args: argparse.Namespace) -> dict[str, Any]:
-    """A warm run compiles and captures; the second runs with any host sync an error."""
+    """A warm run compiles and captures; the second runs with any host sync an error (it is
+    a process-wide mode: the notifier's and grammar thread's waits are events, which it
+    does not count)."""
     import torch
 
     from pipeline.tools.device_run import DeviceRun, overlap_workload
 
     model = _model(Path(args.work) / "small", big=False)
-    limits = _small_limits(model)
+    limits = small_limits(model)
     out: dict[str, Any] = {}
     for mode, compiled in {"compiled+graphs": True, "eager": False}.items():
-        runner = _runner(model, limits, 20 * _block_bytes(model, limits), "cuda", compiled)
-        run = DeviceRun(runner, limits)
+        run = DeviceRun(small_runner(model, limits, "cuda", compiled), limits)
         requests = overlap_workload(limits.vocab_size)
         run.run(requests)
         torch.cuda.set_sync_debug_mode("error")
@@ -247,86 +279,115 @@ def part_utilisation(args: argparse.Namespace) -> dict[str, Any]:
 
     model = _model(Path(args.work) / "big", big=True)
     info = ModelInfo.from_dir(model)
-    batch, decode_steps = 64, 48
+    batch, active = 64, 24
     out: dict[str, Any] = {"model": BIG_MODEL, "dtype": "bfloat16", "batch": batch}
-    limits = EngineLimits(batch, 2048, 16, 4096, info.vocab_size, (), 2)
-    runner = _runner(model, limits, 40 << 30, "cuda", compiled=True, dtype="bfloat16")
+    # A 512-token budget: prefill steps of one bucket, decode steps of one (64).
+    limits = EngineLimits(batch, 512, 16, 4096, info.vocab_size, (), 2)
+    runner = _runner(model, limits, 24 << 30, "cuda", compiled=True, dtype="bfloat16")
     run = DeviceRun(runner, limits)
     for context in (300, 3000):
         prompts = [[(11 + 7 * i + 13 * j) % (info.vocab_size - 10) + 5 for j in range(context)]
                    for i in range(batch)]
-        params = SamplingParams(max_tokens=decode_steps + 24, temperature=0.0,
-                                ignore_eos=True)
-        requests = [(f"u{i}", p, params) for i, p in enumerate(prompts)]
-        run.run(requests[:2])  # compile and capture the small buckets first
+
+        def requests(max_tokens: int, prompts: list[list[int]] = prompts) -> Any:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            return [(f"u{i}", p, params) for i, p in enumerate(prompts)]
+
+        run.run(requests(4))  # compiles every bucket this workload meets, captures decode's
         for mode, sync in (("overlap", False), ("sync", True)):
-            window = _ProfileWindow(batch, skip=8, steps=decode_steps // 2)
-            _, stats = run.run(requests, sync=sync, before_submit=window.before_submit)
-            window.stop()
+            window = ProfileWindow(batch, skip=4, active=active)
+            _, stats = run.run(requests(4 + ProfileWindow.WARMUP + active + 4), sync=sync,
+                               before_submit=window.before_submit)
+            window.finish()
             out[f"ctx{context}_{mode}"] = window.report(stats)
-    out["graphs"] = {"captures": runner.graphs.stats.captures,
-                     "buckets": runner.graphs.stats.buckets}
+    graphs = runner.graphs
+    out["graphs"] = {"captures": graphs.stats.captures, "buckets": graphs.stats.buckets,
+                     "failed": graphs.stats.failed}
+    out["compiled_graphs"] = runner.compile_stats.num_graphs
     return out
 
 
-class _ProfileWindow:
-    """Profiles the device's kernels over `steps` steady decode steps (every sequence
-    decoding), after skipping `skip` of them."""
+def kernel_busy(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time some kernel ran, first start to last end) of kernel intervals: the union, so
+    kernels overlapping on several streams count once."""
+    busy, last_end = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > last_end:
+            busy += end - max(start, last_end)
+            last_end = end
+    wall = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
+    return busy, wall
 
-    def __init__(self, batch: int, skip: int, steps: int) -> None:
-        self.batch, self.skip, self.steps = batch, skip, steps
-        self.seen, self.prof, self.indices = 0, None, []  # type: ignore[var-annotated]
-        self.submit_index = 0
+
+class ProfileWindow:
+    """The device's kernels over `active` steady decode steps (every sequence decoding),
+    after `skip` of them and WARMUP more under a warming profiler (CUPTI starts then, not
+    inside the measured steps). Kernel intervals come from the profiler; step times and
+    submit times from the run's own records of the same steps."""
+
+    WARMUP = 3
+
+    def __init__(self, batch: int, skip: int, active: int) -> None:
+        self.batch, self.skip, self.active = batch, skip, active
+        self.seen, self.submitted = 0, 0
+        self.indices: list[int] = []  # submit indices of the measured steps
+        self.kernels: list[tuple[float, float]] | None = None
+        self.prof: Any = None
 
     def before_submit(self, step: Any) -> None:
-        from torch.profiler import ProfilerActivity, profile
+        import torch
+        from torch.profiler import ProfilerActivity, profile, schedule
 
-        index, self.submit_index = self.submit_index, self.submit_index + 1
+        index, self.submitted = self.submitted, self.submitted + 1
+        if self.kernels is not None:
+            return
         if not (step.decode_only and step.plan.num_seqs == self.batch):
-            if self.prof is not None:
-                self.stop()
+            self.finish()
             return
         self.seen += 1
-        if self.seen == self.skip + 1:
-            self.prof = profile(activities=[ProfilerActivity.CUDA])
+        k = self.seen - self.skip - 1  # this step's place in the window
+        if k < 0:
+            return
+        if k == 0:
+            self.prof = profile(activities=[ProfilerActivity.CUDA],
+                                schedule=schedule(wait=0, warmup=self.WARMUP,
+                                                  active=self.active, repeat=1),
+                                on_trace_ready=self._ready)
             self.prof.start()
-        if self.prof is not None:
+            return
+        if k == self.WARMUP + self.active:
+            torch.cuda.synchronize()  # the measured steps' kernels are all in the trace
+        self.prof.step()
+        if k < self.WARMUP + self.active and k >= self.WARMUP:
             self.indices.append(index)
-            if len(self.indices) > self.steps:
-                self.stop()
+        if k >= self.WARMUP + self.active:
+            self.finish()
 
-    def stop(self) -> None:
-        import torch
+    def _ready(self, prof: Any) -> None:
+        self.kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                        if _is_kernel(e)]
 
+    def finish(self) -> None:
         if self.prof is not None:
-            torch.cuda.synchronize()
             self.prof.stop()
-            self.events = [(e.time_range.start, e.time_range.end) for e in self.prof.events()
-                           if _is_kernel(e)]
             self.prof = None
 
     def report(self, stats: Any) -> dict[str, Any]:
-        events = sorted(getattr(self, "events", []))
-        steps = max(1, len(self.indices) - 1)
-        busy, last_end = 0.0, float("-inf")
-        for start, end in events:  # union of kernel intervals (us)
-            if end > last_end:
-                busy += end - max(start, last_end)
-                last_end = end
-        wall = (events[-1][1] - events[0][0]) if events else 0.0
-        submit = [stats.submit_ns[i] / 1e6 for i in self.indices if i < len(stats.submit_ns)]
-        walls = [(b[1] - a[1]) / 1e6 for a, b in zip(
-            [stats.device[i] for i in self.indices if i < len(stats.device)],
-            [stats.device[i] for i in self.indices[1:] if i < len(stats.device)],
-            strict=False)]
-        return {"steps_profiled": len(self.indices),
-                "kernels_per_step": round(len(events) / steps, 1),
-                "gpu_kernel_time_over_wall": round(busy / wall, 4) if wall else None,
-                "gpu_idle": round(1 - busy / wall, 4) if wall else None,
-                "host_submit_ms_median": round(statistics.median(submit), 3) if submit else None,
-                "step_ms_median": round(statistics.median(walls), 3) if walls else None,
-                "step_ms_max": round(max(walls), 3) if walls else None,
-                "note": "under the profiler (CUPTI adds host time per launch)"}
+        if not self.kernels or len(self.indices) < 2:
+            return {"error": f"the window saw {len(self.indices)} steady steps"}
+        busy, wall = kernel_busy(self.kernels)
+        n = len(self.indices)
+        submit = [stats.submit_ns[i] / 1e6 for i in self.indices]
+        ends = [stats.device[i][2] for i in self.indices]
+        walls = [(b - a) / 1e6 for a, b in zip(ends, ends[1:], strict=False)]
+        return {"steps_measured": n,
+                "kernels_per_step": round(len(self.kernels) / n, 1),
+                "gpu_kernel_time_over_wall": round(busy / wall, 4),
+                "gpu_idle": round(1 - busy / wall, 4),
+                "host_submit_ms_median": round(statistics.median(submit), 3),
+                "step_ms_median": round(statistics.median(walls), 3),
+                "step_ms_max": round(max(walls), 3),
+                "note": "under the profiler (CUPTI adds host time to each launch)"}
 
 
 def part_tests(args: argparse.Namespace) -> dict[str, Any]:

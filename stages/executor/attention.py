@@ -225,6 +225,12 @@ def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
     return FlexMetadata(slot_mapping, v["query_rows"], block_mask)
 
 
+# On CUDA: Triton tiles of one page (the block mask's blocks are pages of 16 positions, see
+# compile.CUDA_PAGE_MULTIPLE; Inductor's default tiles are 32-128 and must divide them), and
+# the main kernel for short queries too (the decoding kernel's tiles are larger still).
+_CUDA_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, "BLOCK_N": 16}
+
+
 def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          kv_cache: torch.Tensor, meta: FlexMetadata,
                          scale: float) -> torch.Tensor:
@@ -239,6 +245,7 @@ def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         2, meta.query_rows, q.transpose(0, 1)[None])
     keys = k_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)  # [1, KVH, NB*BS, D]
     values = v_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-    out = flex_attention(queries, keys, values,
-                         block_mask=meta.block_mask, scale=scale, enable_gqa=True)
+    out = flex_attention(queries, keys, values, block_mask=meta.block_mask, scale=scale,
+                         enable_gqa=True,
+                         kernel_options=_CUDA_KERNEL_OPTIONS if q.is_cuda else None)
     return out[0].transpose(0, 1)[meta.query_rows]  # type: ignore[index]

@@ -46,18 +46,29 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
+# Triton's smallest tile: the compiled attention's blocks are pages, so on CUDA a page must
+# hold a whole number of tiles.
+CUDA_PAGE_MULTIPLE = 16
+
+
 def resolve_compile(requested: bool | None, device: torch.device,
-                    sliding_window: int | None = None) -> bool:
+                    sliding_window: int | None = None, block_size: int = 16) -> bool:
     """--compile / --no-compile, or the device's default (None): compiled where this
-    machine can compile (see DEFAULT_COMPILE) and the model has no sliding window (which the
-    compiled attention lacks), else eager with a log line saying why."""
+    machine can compile (see DEFAULT_COMPILE), the model has no sliding window (which the
+    compiled attention lacks) and, on CUDA, the page size is a multiple of Triton's tile;
+    else eager with a log line saying why (or, asked for, a ConfigError)."""
+    why_not = None
     if sliding_window is not None:
+        why_not = (f"the model's sliding_window ({sliding_window}) is not implemented "
+                   "compiled")
+    elif device.type == "cuda" and block_size % CUDA_PAGE_MULTIPLE:
+        why_not = (f"on CUDA the compiled attention needs --block-size a multiple of "
+                   f"{CUDA_PAGE_MULTIPLE} (Triton's smallest tile), not {block_size}")
+    if why_not is not None:
         if requested:
-            raise ConfigError(f"--compile: the model's sliding_window ({sliding_window}) is not "
-                              "implemented compiled; pass --no-compile")
+            raise ConfigError(f"--compile: {why_not}; pass --no-compile")
         if requested is None and DEFAULT_COMPILE[device.type]:
-            logger.warning("running the model eager: the compiled forward does not implement "
-                           "its sliding window (%d)", sliding_window)
+            logger.warning("running the model eager: %s", why_not)
         return False
     reason = compile_unavailable(device)
     if requested and reason:

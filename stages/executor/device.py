@@ -231,8 +231,9 @@ class StepClock:
     busy is elapsed(start, end) of the step, and its start sits elapsed(previous end, start)
     after the previous step's end. Each elapsed time is short, so it keeps its precision (one
     base event for every step would lose it after hours: the elapsed time is float ms).
-    After a gap of more than REANCHOR_MS (the device had no work) the chain is anchored on
-    the host's clock again, at the time the host saw the step complete."""
+    After a gap of more than REANCHOR_MS (the device had no work), or when the chain has
+    drifted from the host's clock (a step cannot end after the host saw it end, nor long
+    before), it is anchored again at the time the host saw the step complete."""
 
     REANCHOR_MS = 1000.0
 
@@ -244,12 +245,11 @@ class StepClock:
         previous step's end event, which nothing reads any more."""
         last_event, last_ns = self._last
         gap_ms, busy_ns = last_event.elapsed_time(start), int(start.elapsed_time(end) * 1e6)
-        if gap_ms > self.REANCHOR_MS:
+        t0 = last_ns + int(gap_ms * 1e6)
+        t1 = t0 + busy_ns
+        if gap_ms > self.REANCHOR_MS or not 0 <= observed_ns - t1 <= self.REANCHOR_MS * 1e6:
             t1 = observed_ns
             t0 = t1 - busy_ns
-        else:
-            t0 = last_ns + int(gap_ms * 1e6)
-            t1 = t0 + busy_ns
         self._last = (end, t1)
         return t0, t1, last_event
 

@@ -50,6 +50,7 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     buckets: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # buckets whose capture failed: ordinary
 
 
 class _BucketGraph:
@@ -57,10 +58,14 @@ class _BucketGraph:
         where = field_offsets(counts)
         self.nbytes = where["logits_indices"][0]  # the graph's fields end there
         self.counts = {name: counts[name] for name in GRAPH_FIELDS}
-        self.inputs = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        # Ordinary tensors, like the staging buffers the ordinary path's inputs view: made in
+        # compute()'s inference mode they would differ in dispatch keys, and the compiled
+        # layers would compile once more for every bucket.
+        with torch.inference_mode(False):
+            self.inputs = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+            self.wanted = torch.zeros(counts["input_ids"], dtype=torch.int64, device=device)
         self.views = {name: self.inputs[offset:offset + count * 8].view(torch.int64)
                       for name, (offset, count, _) in where.items() if name in GRAPH_FIELDS}
-        self.wanted = torch.zeros(counts["input_ids"], dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -79,6 +84,7 @@ class DecodeGraphs:
         self.stats = GraphStats()
         self._graphs: dict[int, _BucketGraph] = {}
         self._seen: Counter[int] = Counter()
+        self._failed: set[int] = set()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device) if capture else None
 
@@ -97,11 +103,13 @@ class DecodeGraphs:
         g = self._graphs.get(bucket)
         if g is None:
             self._seen[bucket] += 1
-            if self._seen[bucket] < 2:
+            if self._seen[bucket] < 2 or bucket in self._failed:
                 return None  # the ordinary run compiles the bucket first
-            g = self._graphs[bucket] = _BucketGraph(step.counts, self.device)
+            g = _BucketGraph(step.counts, self.device)
             g.load(packed, wanted)
-            self._capture(g)
+            if not self._capture(g):
+                return None
+            self._graphs[bucket] = g
         else:
             assert g.counts == {name: step.counts[name] for name in GRAPH_FIELDS}, (
                 "a bucket's packed layout changed")
@@ -115,25 +123,39 @@ class DecodeGraphs:
             logits = self.forward(g.views, g.wanted)
         return logits[:len(wanted)]
 
-    def _capture(self, g: _BucketGraph) -> None:
+    def _capture(self, g: _BucketGraph) -> bool:
+        """Capture g's graph (on CUDA); False if that failed: the bucket then runs the
+        ordinary way for good, and the run goes on."""
         bucket = g.counts["input_ids"]
+        if self.capture:
+            try:
+                self._capture_cuda(g)
+            except Exception:
+                logger.exception("capturing the decode graph of %d tokens failed; that step "
+                                 "size runs without a graph", bucket)
+                self._failed.add(bucket)
+                self.stats.failed.append(bucket)
+                return False
         self.stats.captures += 1
         self.stats.buckets.append(bucket)
-        if not self.capture:
-            return
+        return True
+
+    def _capture_cuda(self, g: _BucketGraph) -> None:
         assert self._stream is not None
         stream, current = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(current)  # the static inputs were loaded on the current stream
-        # Warm up on the capture stream (BLAS handles and workspaces are per stream). The
-        # forward is idempotent: it writes the same keys and values where the replay will.
-        with torch.cuda.stream(stream):
-            self.forward(g.views, g.wanted)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the notifier and grammar threads keep waiting on their events.
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream,
-                              capture_error_mode="thread_local"):
-            g.logits = self.forward(g.views, g.wanted)
+        # A compile now would sync inside the capture: say so by name instead.
+        with torch.compiler.set_stance("fail_on_recompile"):
+            # Warm up on the capture stream (BLAS handles and workspaces are per stream). The
+            # forward is idempotent: it writes the same keys and values where the replay will.
+            with torch.cuda.stream(stream):
+                self.forward(g.views, g.wanted)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the notifier and grammar threads keep waiting on their events.
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream,
+                                  capture_error_mode="thread_local"):
+                logits = self.forward(g.views, g.wanted)
         current.wait_stream(stream)
-        g.graph = graph
-        logger.info("captured the decode graph of %d tokens (%d so far)", bucket,
-                    self.stats.captures)
+        g.graph, g.logits = graph, logits
+        logger.info("captured the decode graph of %d tokens (%d so far)",
+                    g.counts["input_ids"], self.stats.captures + 1)

@@ -37,7 +37,8 @@ def build_runner(cfg: PipelineConfig) -> Runner:
         torch.cuda.set_device(device)  # streams and events are made on the current device
     return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
                                 ex.kv_cache_memory,
-                                resolve_compile(ex.compile, device, cfg.model.sliding_window),
+                                resolve_compile(ex.compile, device, cfg.model.sliding_window,
+                                                limits.block_size),
                                 graphs=ex.cuda_graphs and device.type == "cuda")
 
 

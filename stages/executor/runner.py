@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from ipc.arch import UnsupportedModel
-from ipc.config import EngineLimits
+from ipc.config import ConfigError, EngineLimits
 from ipc.messages import StepPlan
 from ipc.step import staging_nbytes
 from stages.executor.attention import build_attention_metadata, build_flex_metadata
-from stages.executor.compile import CompileStats, compile_layers
+from stages.executor.compile import CUDA_PAGE_MULTIPLE, CompileStats, compile_layers
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.model import PagedLlama, load_model, pack_linears
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
@@ -192,6 +192,9 @@ class ModelRunner:
             raise UnsupportedModel(
                 f"sliding_window = {model.spec.sliding_window}: the compiled forward does not "
                 "implement a sliding window yet; run this model with --no-compile")
+        if compile and device.type == "cuda" and limits.block_size % CUDA_PAGE_MULTIPLE:
+            raise ConfigError(f"block_size {limits.block_size}: on CUDA the compiled attention "
+                              f"needs a multiple of {CUDA_PAGE_MULTIPLE}; or run eager")
         dtype = model.model.embed_tokens.weight.dtype
         per_block = kv_bytes_per_block(model, limits.block_size, dtype)
         # Compiled, one block of the memory is scratch, where padding tokens write.
