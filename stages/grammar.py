@@ -46,11 +46,18 @@ def _llguidance() -> Any:
 
 class Grammars:
     """The model's token table for llguidance (built on first use, ~0.3 s) and grammars by
-    their text. One per process that checks or matches grammars."""
+    their text. One per process that checks or matches grammars.
+
+    llguidance knows one end token (eos_token_id); `end_token_ids` are all the model's (its
+    generation config's eos ids: Llama 3.1 Instruct ends a turn with <|eot_id|>, not the
+    first of them, <|end_of_text|>). Where a format may end, the mask allows each of them,
+    and the matcher reads any of them as the end."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_id: int,
-                 hf_tokenizer: Any = None) -> None:
+                 hf_tokenizer: Any = None, end_token_ids: Sequence[int] = ()) -> None:
         self.model_dir, self.vocab_size, self.eos_token_id = model_dir, vocab_size, eos_token_id
+        self.end_token_ids = tuple(t for t in end_token_ids if t != eos_token_id
+                                   and 0 <= t < vocab_size)
         self._hf = hf_tokenizer  # the process's own, if it has one loaded
         self._tokenizer: Any = None
         self._lock = threading.Lock()
@@ -199,6 +206,8 @@ class SlotGrammars:
     def _consume(self, slot: int, matcher: Any, token: int) -> None:
         if slot in self.failed:
             return
+        if token in self.grammars.end_token_ids:  # the model's other end tokens are its end
+            token = self.grammars.eos_token_id
         if matcher.is_error():  # (is_stopped is true then too: it is not an end)
             self._fail(slot, matcher.get_error() or "the grammar is in error")
             return
@@ -242,6 +251,10 @@ class SlotGrammars:
         if live:  # (not llguidance.torch's wrapper of this: importing it takes 1.4 s)
             self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), mask.shape[1] * 4,
                                                    len(slots))
+        eos = self.grammars.eos_token_id
+        for end in self.grammars.end_token_ids:  # allowed wherever EOS is
+            ends_here = (mask[:, eos // 32] >> (eos % 32)) & 1
+            mask[:, end // 32] |= ends_here << (end % 32)
         return mask
 
     def fail_all(self, why: str) -> None:

@@ -293,3 +293,25 @@ def test_a_grammar_that_fails_in_the_executor_ends_its_request_only(
     assert results["structured", 0].finish_reason is FinishReason.ERROR
     assert results["plain", 0].finish_reason is FinishReason.LENGTH
     assert len(results["plain", 0].token_ids) == 8
+
+
+def test_every_end_token_of_the_model_ends_a_format(tiny_model_dir: Path) -> None:
+    """A model with several end tokens (Llama 3.1 Instruct ends a turn with <|eot_id|>, not
+    the first of its eos ids): where the format may end, each is allowed, and each ends it."""
+    info = ModelInfo.from_dir(tiny_model_dir)
+    eos, other = info.eos_token_ids[0], 31  # 31: in the last bit of its word
+    grammars = Grammars(str(tiny_model_dir), info.vocab_size, eos, end_token_ids=(eos, other))
+    so = StructuredOutputs(choice=["yes"])
+    buffer = torch.zeros(1, words_per_row(grammars.vocab_size), dtype=torch.int32)
+    walked = walk_tokens(Grammars(str(tiny_model_dir), info.vocab_size, eos), so, 0)
+    slots = SlotGrammars(grammars)
+    slots.admit(0, grammars.grammar(so), ())
+    first = apply_bitmask(torch.zeros(1, grammars.vocab_size), torch.tensor([0]),
+                          slots.fill(np.array([0]), buffer))
+    assert not torch.isfinite(first[0, [eos, other]]).any()  # not before the format is done
+    slots.consume(np.array([0] * len(walked)), np.array(walked))
+    done = apply_bitmask(torch.zeros(1, grammars.vocab_size), torch.tensor([0]),
+                         slots.fill(np.array([0]), buffer))
+    assert sorted(torch.isfinite(done[0]).nonzero().flatten().tolist()) == sorted([eos, other])
+    slots.consume(np.array([0]), np.array([other]))
+    assert 0 not in slots.matchers and not slots.failed

@@ -234,7 +234,8 @@ class ModelRunner:
                     and torch.backends.mkldnn.is_available())
         if pack:
             pack_linears(model)
-        grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0])
+        grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
+                             end_token_ids=limits.eos_token_ids)
                     if limits.eos_token_ids else None)
         return cls(model, limits, kv_cache_memory, device, compile, grammars, graphs)
 
