@@ -129,6 +129,7 @@ class ExecutorConfig:
     timed: tuple[float, float] | None = None  # (A, B): no model; A + B * tokens ms a step
     compile: bool | None = None  # torch.compile the model; None: the device's default
     cuda_graphs: bool = True  # on CUDA, compiled: replay decode steps as CUDA graphs
+    tensor_parallel_size: int = 1  # executor ranks, each holding 1/K of the model
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -137,14 +138,19 @@ class ExecutorConfig:
             raise ConfigError(f"--device must be cpu, cuda[:N] or timed:A,B, got {self.device!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be at least 1")
+        if self.tensor_parallel_size > 1 and self.timed is not None:
+            raise ConfigError("--tensor-parallel-size needs a model, not the timed device")
 
     @classmethod
     def for_device(cls, device: str, dtype: str = "float32", kv_cache_memory: int = 1 << 30,
-                   compile: bool | None = None, cuda_graphs: bool = True) -> ExecutorConfig:
+                   compile: bool | None = None, cuda_graphs: bool = True,
+                   tensor_parallel_size: int = 1) -> ExecutorConfig:
         """From the --device option's text (which may name the timed instrument)."""
         torch_device, timed = parse_device(device)
         return cls(torch_device, dtype, kv_cache_memory, timed=timed, compile=compile,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size)
 
 
 @dataclass(frozen=True)

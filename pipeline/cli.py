@@ -68,6 +68,10 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="torch.compile the model (TorchInductor; artefacts cached in "
                         "$LLM_PIPELINE_CACHE/inductor). Default: on for CUDA, off on the CPU, "
                         "where it measured slower (docs/BENCHMARKS.md)")
+    p.add_argument("--tensor-parallel-size", type=int, default=d(1), metavar="K",
+                   help="K executor processes, each holding 1/K of every layer (heads, MLP "
+                        "rows, vocabulary), summed by torch.distributed all-reduces (gloo on "
+                        "the CPU, NCCL on CUDA, a GPU per rank); eager only")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d(True),
                    help="on CUDA with a compiled model, replay decode steps as CUDA graphs "
                         "(one per padded batch size, captured on first reuse); "
@@ -283,7 +287,7 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
                                   parse_priority_range(args.priority_range)),
         executor=ExecutorConfig.for_device(args.device, args.dtype,
                                            parse_bytes(args.kv_cache_memory), args.compile,
-                                           args.cuda_graphs),
+                                           args.cuda_graphs, args.tensor_parallel_size),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         served_model_name=getattr(args, "served_model_name", None) or "",
         listen_host=listen_host(args.listen),

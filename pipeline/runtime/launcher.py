@@ -148,10 +148,17 @@ class Pipeline:
             from stages.executor.compile import resolve_compile
 
             resolve_compile(True, torch.device(self.cfg.executor.device),
-                            self.cfg.model.sliding_window, self.cfg.limits.block_size)
+                            self.cfg.model.sliding_window, self.cfg.limits.block_size,
+                            self.cfg.executor.tensor_parallel_size)
+        num_ranks = self.cfg.executor.tensor_parallel_size
+        if num_ranks > 1:  # a model the ranks cannot split is refused before anything starts
+            from stages.executor.parallel import check_divisible, read_spec
+
+            check_divisible(read_spec(self.cfg.model.path), num_ranks)
         try:
             self._create_run()
-            self._spawn("executor", 0, "stages.executor.process:run_executor")
+            for rank in range(num_ranks):  # ranks beyond 0: tensor parallelism
+                self._spawn("executor", rank, "stages.executor.process:run_executor")
             for rank in range(self.cfg.num_tokenizers):
                 self._spawn("tokenizer", rank, "stages.tokenizer:run_tokenizer")
             for rank in range(self.cfg.num_detokenizers):

@@ -52,13 +52,16 @@ CUDA_PAGE_MULTIPLE = 16
 
 
 def resolve_compile(requested: bool | None, device: torch.device,
-                    sliding_window: int | None = None, block_size: int = 16) -> bool:
+                    sliding_window: int | None = None, block_size: int = 16,
+                    tensor_parallel_size: int = 1) -> bool:
     """--compile / --no-compile, or the device's default (None): compiled where this
     machine can compile (see DEFAULT_COMPILE), the model has no sliding window (which the
     compiled attention lacks) and, on CUDA, the page size is a multiple of Triton's tile;
     else eager with a log line saying why (or, asked for, a ConfigError)."""
     why_not = None
-    if sliding_window is not None:
+    if tensor_parallel_size > 1:
+        why_not = "the compiled forward does not implement tensor parallelism yet"
+    elif sliding_window is not None:
         why_not = (f"the model's sliding_window ({sliding_window}) is not implemented "
                    "compiled")
     elif device.type == "cuda" and block_size % CUDA_PAGE_MULTIPLE:

@@ -16,7 +16,9 @@ before anything loads, by name (`UnsupportedModel`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.eps) if spec.qk_norm else None
         self.layer_idx = layer_idx
         self.scale = self.head_dim**-0.5
+        # Tensor parallel (parallel.py): o_proj is row-parallel, its output summed over ranks.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata | FlexMetadata) -> torch.Tensor:
@@ -78,7 +82,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         attend = flex_paged_attention if isinstance(meta, FlexMetadata) else paged_attention
         out = attend(q, k, v, kv_cache, meta, self.scale)  # type: ignore[arg-type]  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = self.o_proj(out.reshape(num_tokens, -1))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
@@ -87,10 +92,12 @@ class MLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -132,6 +139,7 @@ class PagedLlama(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.tp: Any = None  # a parallel.TensorParallel: this model is one rank's shard
 
     def init_rope(self, max_len: int) -> None:
         """Tables of cos/sin per position, computed as Hugging Face does (in float32)."""
@@ -150,13 +158,18 @@ class PagedLlama(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata | FlexMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        """The logits; with tensor parallelism, on rank 0 (None on the others)."""
+        if self.tp is None:
+            x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            x = self.tp.embed(self.model.embed_tokens, input_ids)
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # [S, hidden]
-        return self.lm_head(x).float()  # [S, vocab]
+        logits = self.lm_head(x).float()  # [S, vocab]
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
 
 class PackedLinear(nn.Module):

@@ -5,7 +5,11 @@ sampled-token message (the ids themselves are in the shared sampled-token ring).
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
@@ -15,9 +19,10 @@ from ipc.config import PipelineConfig
 from ipc.messages import SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.shm import SharedRing
-from ipc.step import StepRings
+from ipc.step import StepRings, local_buffers, sampled_specs
 from stages.executor.compile import resolve_compile
 from stages.executor.device import Device, make_device
+from stages.executor.parallel import TensorParallel
 from stages.executor.runner import ModelRunner, Runner, TimedRunner
 from stages.executor.step_inputs import HostStep
 from stages.process import StageContext, stage_process
@@ -26,20 +31,27 @@ from stages.trace import now_ns
 logger = logging.getLogger(__name__)
 
 
-def build_runner(cfg: PipelineConfig) -> Runner:
+def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
+    """The runner of executor rank `rank` (ranks beyond 0: tensor parallelism)."""
     ex, limits = cfg.executor, cfg.limits
     if ex.timed is not None:
         return TimedRunner(ex.timed[0], ex.timed[1], limits)
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
     device = torch.device(ex.device)
+    if device.type == "cuda" and ex.tensor_parallel_size > 1 and device.index is None:
+        device = torch.device("cuda", rank)  # a GPU per rank
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
+    tp = None
+    if ex.tensor_parallel_size > 1:
+        tp = TensorParallel.init(rank, ex.tensor_parallel_size,
+                                 str(Path(cfg.run_dir) / "tp-store"), device, limits.vocab_size)
     return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
                                 ex.kv_cache_memory,
                                 resolve_compile(ex.compile, device, cfg.model.sliding_window,
-                                                limits.block_size),
-                                graphs=ex.cuda_graphs and device.type == "cuda")
+                                                limits.block_size, ex.tensor_parallel_size),
+                                graphs=ex.cuda_graphs and device.type == "cuda", tp=tp)
 
 
 class Reporter:
@@ -64,24 +76,93 @@ class Reporter:
 
 
 def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
+    """Rank 0 receives the scheduler's plans (and forwards each to the tensor-parallel
+    ranks, if any) and reports samples; ranks beyond 0 follow it (parallel.py)."""
     with stage_process("executor", rank, cfg, parent_pid) as ctx:
+        if rank > 0:
+            _follow(ctx, cfg, rank)
+            return
+        rings = StepRings.open(cfg, create=True)  # before the ranks meet: they map it then
         runner = build_runner(cfg)
-        rings = StepRings.open(cfg, create=True)
         plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True,
                             secret=cfg.run_secret)
+        followers = [PushChannel(ctx.zmq, tp_plan_address(cfg, r), bind=False,
+                                 secret=cfg.run_secret)
+                     for r in range(1, cfg.executor.tensor_parallel_size)]
         device = make_device(runner, rings.sampled, Reporter(ctx, cfg.sampled_address,
                                                              cfg.run_secret))
         ctx.ready(num_kv_blocks=runner.num_blocks)
         if runner.slots.matchers is not None:
             runner.slots.matchers.grammars.warm()
         try:
-            device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device), ctx.stop)
+            device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device, followers),
+                         ctx.stop)
         finally:
             device.close()
+            _close_tp(runner)
+
+
+def tp_plan_address(cfg: PipelineConfig, rank: int) -> str:
+    """Where tensor-parallel rank `rank` receives the plans rank 0 forwards."""
+    return cfg.address(f"executor-tp-{rank}")
+
+
+class _LocalRing:
+    """A sampled-token ring of the process's own: a follower's samples go nowhere."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.num_slots = cfg.limits.num_ring_slots
+        self._slots = [local_buffers(sampled_specs(cfg.limits)) for _ in range(self.num_slots)]
+
+    def slot(self, index: int) -> dict[str, np.ndarray]:
+        return self._slots[index]
+
+
+def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
+    """A tensor-parallel rank beyond 0: the same steps as rank 0, in the same order, from
+    the plans it forwards; its samples are rank 0's (broadcast inside compute)."""
+    plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), Codec([StepPlan]), bind=True,
+                        secret=cfg.run_secret)
+    runner = build_runner(cfg, rank)  # meets the other ranks: rank 0 made the rings by then
+    rings = StepRings.open(cfg, create=False)
+    # Rank 0 may forward the next plan of a ring slot as soon as its own step of that slot
+    # ended, before this rank's device is done with the slot's staging buffer: wait for it.
+    free = [threading.Event() for _ in range(cfg.limits.num_ring_slots)]
+    for event in free:
+        event.set()
+
+    def done(step: HostStep, *_: object) -> None:
+        free[step.plan.ring_slot].set()
+
+    def take_slot(plan: StepPlan) -> bool:
+        while not free[plan.ring_slot].wait(0.1):
+            if ctx.stop.is_set():
+                return False
+        free[plan.ring_slot].clear()
+        return True
+
+    device = make_device(runner, _LocalRing(cfg), done)  # type: ignore[arg-type]
+    ctx.ready(num_kv_blocks=runner.num_blocks)
+    try:
+        device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device, [], take_slot),
+                     ctx.stop)
+    finally:
+        device.close()
+        _close_tp(runner)
+
+
+def _close_tp(runner: Runner) -> None:
+    tp = getattr(runner, "tp", None)
+    if tp is not None:
+        tp.close()
 
 
 def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: SharedRing,
-              device: Device) -> None:
+              device: Device, followers: list[PushChannel] | None = None,
+              take_slot: Callable[[StepPlan], bool] | None = None) -> None:
+    """Receive plans, prepare each and submit it. followers: the tensor-parallel ranks each
+    plan is forwarded to; take_slot: waits until the plan's ring slot may be prepared
+    (False: stop)."""
     while not ctx.stop.is_set():
         if device.error is not None:
             raise RuntimeError("the device failed") from device.error
@@ -92,6 +173,10 @@ def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: Shar
         if plan is None:
             continue
         assert isinstance(plan, StepPlan)
+        for follower in followers or ():  # the same step, on every tensor-parallel rank
+            follower.send(plan)
+        if take_slot is not None and not take_slot(plan):
+            return
         start = now_ns()
         step = runner.prepare(plan, steps.slot(plan.ring_slot))
         prepared = now_ns()

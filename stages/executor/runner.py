@@ -23,6 +23,7 @@ from stages.executor.attention import build_attention_metadata, build_flex_metad
 from stages.executor.compile import CUDA_PAGE_MULTIPLE, CompileStats, compile_layers
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.model import PagedLlama, load_model, pack_linears
+from stages.executor.parallel import TensorParallel, load_model_shard
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
 from stages.grammar import Grammars, SlotGrammars, words_per_row
@@ -188,6 +189,7 @@ class ModelRunner:
                  device: torch.device, compile: bool = False,
                  grammars: Grammars | None = None, graphs: bool | None = None) -> None:
         self.model, self.limits, self.device = model, limits, device
+        self.tp: TensorParallel | None = None
         if compile and model.spec.sliding_window is not None:
             raise UnsupportedModel(
                 f"sliding_window = {model.spec.sliding_window}: the compiled forward does not "
@@ -224,11 +226,16 @@ class ModelRunner:
     def from_dir(cls, model_dir: str, dtype: torch.dtype, device: torch.device,
                  limits: EngineLimits, kv_cache_memory: int,
                  compile: bool = False, pack: bool | None = None,
-                 graphs: bool | None = None) -> ModelRunner:
+                 graphs: bool | None = None, tp: TensorParallel | None = None) -> ModelRunner:
         """pack (default: eager on the CPU, where oneDNN is): PackedLinear for every
         projection. (TorchInductor lowers packed weights only as frozen constants, which
-        one graph shared by every layer cannot have.)"""
-        model = load_model(model_dir, dtype, device, limits.max_model_len)
+        one graph shared by every layer cannot have.) tp: this rank's shard of the model
+        (parallel.py); rank 0 samples."""
+        if tp is not None and compile:
+            raise ConfigError("--tensor-parallel-size: the compiled forward does not implement "
+                              "tensor parallelism yet; pass --no-compile")
+        model = (load_model(model_dir, dtype, device, limits.max_model_len) if tp is None
+                 else load_model_shard(model_dir, dtype, device, limits.max_model_len, tp))
         if pack is None:
             pack = (device.type == "cpu" and not compile
                     and torch.backends.mkldnn.is_available())
@@ -236,8 +243,10 @@ class ModelRunner:
             pack_linears(model)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
-                    if limits.eos_token_ids else None)
-        return cls(model, limits, kv_cache_memory, device, compile, grammars, graphs)
+                    if limits.eos_token_ids and (tp is None or tp.rank == 0) else None)
+        runner = cls(model, limits, kv_cache_memory, device, compile, grammars, graphs)
+        runner.tp = tp
+        return runner
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return self.slots.prepare(plan, ring)
@@ -265,10 +274,22 @@ class ModelRunner:
             wanted = torch.cat([wanted, v["plp_indices"]])
         logits = self.model(ids, v["positions"], self.kv_caches, meta, wanted)
         num_sampled = step.counts["logits_indices"]
+        if logits is None:  # a tensor-parallel rank other than 0: its samples come from 0
+            return self._follow(v)
         out = self.slots.sample(step, v, logits[:num_sampled], grammar_work)
+        if self.tp is not None:  # what the other ranks keep as these slots' last samples
+            self.tp.broadcast(self.slots.last_sampled[v["sample_slots"]])
         if num_scored:
             out.prompt = score_prompt(logits[num_sampled:], v["plp_targets"])
         return out
+
+    def _follow(self, v: dict[str, torch.Tensor]) -> SampleOutput:
+        assert self.tp is not None
+        slots = v["sample_slots"]
+        tokens = self.tp.broadcast(torch.empty(len(slots), dtype=torch.int64,
+                                               device=self.device))
+        self.slots.last_sampled[slots] = tokens
+        return SampleOutput(tokens)
 
     def _graph_forward(self, v: dict[str, torch.Tensor], wanted: torch.Tensor) -> torch.Tensor:
         """A decode step's forward from a graph's static inputs (graphs.py): placeholder ids

@@ -1,0 +1,117 @@
+"""Tensor parallelism (stages/executor/parallel.py): two executor ranks over gloo give the
+greedy tokens of one, through the live pipeline, on Llama, Qwen2 (attention biases, tied
+embeddings) and Qwen3 (q/k norms) shapes with GQA, with chunked prefill and preemption;
+each rank loads only its slices; a model the ranks cannot split is refused before anything
+starts; every rank ends with the pipeline, also when one of them dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from live import alive, running
+
+from ipc.arch import UnsupportedModel
+from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.messages import SamplingParams
+from pipeline.runtime.launcher import Pipeline
+from pipeline.tools.random_model import build_random_llama
+from stages.executor.model import load_model
+from stages.executor.parallel import TensorParallel, load_model_shard
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[5 + i, 9, 13 + 2 * i] * (1 + 3 * i) for i in range(6)]  # 3 to 48 tokens
+
+
+def tp_config(folder: Path, size: int, kv_cache_memory: int = 1 << 22) -> PipelineConfig:
+    # 4 slots and a 16-token budget: prompts are chunked, steps mix chunks and decodes.
+    return PipelineConfig(
+        model=ModelInfo.from_dir(folder, 96), scheduler=SchedulerConfig(4, 16, 4, 2),
+        executor=ExecutorConfig.for_device("cpu", "float32", kv_cache_memory, False,
+                                           tensor_parallel_size=size),
+        ready_timeout_s=120)
+
+
+def generate(cfg: PipelineConfig, max_tokens: int = 12) -> tuple[list[list[int]], int]:
+    """Greedy outputs and the number of preemptions; every stage is gone once it returns."""
+    with running(cfg) as pipe:
+        outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=max_tokens,
+                                                              temperature=0.0, ignore_eos=True))
+        stats = pipe.scheduler_stats
+        pids = list(pipe.stage_pids.values())
+        names = sorted(pipe.stage_pids)
+        pipe.stop()
+        assert alive(pids) == [], "a stage outlived its pipeline"
+    assert not [o.error for o in outs if o.error]
+    size = cfg.executor.tensor_parallel_size
+    assert [n for n in names if n.startswith("executor:")] == [f"executor:{r}"
+                                                               for r in range(size)]
+    return [o.token_ids for o in outs], stats.num_preemptions if stats is not None else 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str) -> None:
+    folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2, num_layers=2)
+    one, _ = generate(tp_config(folder, 1))
+    two, _ = generate(tp_config(folder, 2))
+    assert two == one
+
+
+def test_two_ranks_through_preemption(tmp_path: Path) -> None:
+    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
+    one, _ = generate(tp_config(folder, 1), max_tokens=30)
+    # A cache of 30 blocks of 4 tokens per rank for 4 sequences of up to 78 tokens.
+    per_block = 2 * 2 * 4 * 1 * 16 * 4  # layers, K and V, positions, a rank's kv head, dim
+    small = tp_config(folder, 2, kv_cache_memory=30 * per_block)
+    two, preemptions = generate(small, max_tokens=30)
+    assert two == one
+    assert preemptions > 0
+
+
+def test_each_rank_loads_only_its_slices(tmp_path: Path) -> None:
+    folder = build_random_llama(tmp_path / "qwen2", arch="qwen2", heads=4, kv_heads=2)
+    full = load_model(folder, torch.float32, torch.device("cpu"), 64)
+    vocab = full.spec.vocab_size
+    shards = [load_model_shard(folder, torch.float32, torch.device("cpu"), 64,
+                               TensorParallel(r, 2, vocab, -(-vocab // 2))) for r in range(2)]
+    attn = [s.model.layers[0].self_attn for s in shards]
+    d, q, kv = full.spec.head_dim, 2 * full.spec.head_dim, full.spec.head_dim  # per rank
+    whole = full.model.layers[0].self_attn.qkv_proj.weight
+    q_full, k_full, v_full = whole.split([4 * d, 2 * d, 2 * d])
+    for r, a in enumerate(attn):
+        qr, kr, vr = a.qkv_proj.weight.split([q, kv, kv])
+        assert torch.equal(qr, q_full[r * q:(r + 1) * q])
+        assert torch.equal(kr, k_full[r * kv:(r + 1) * kv])
+        assert torch.equal(vr, v_full[r * kv:(r + 1) * kv])
+        assert a.qkv_proj.weight.numel() * 2 == whole.numel()
+    o = full.model.layers[0].self_attn.o_proj.weight
+    assert torch.equal(torch.cat([a.o_proj.weight for a in attn], dim=1), o)
+    embed = torch.cat([s.model.embed_tokens.weight for s in shards])[:vocab]
+    assert torch.equal(embed, full.model.embed_tokens.weight)
+    assert shards[0].lm_head.weight is shards[0].model.embed_tokens.weight  # still tied
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_before_anything_starts(
+        tmp_path: Path) -> None:
+    folder = build_random_llama(tmp_path / "odd", heads=4, kv_heads=1)
+    pipe = Pipeline(tp_config(folder, 2))
+    with pytest.raises(UnsupportedModel, match="num_key_value_heads = 1 is not divisible"):
+        pipe.start()
+    assert pipe.stage_pids == {}
+
+
+def test_a_rank_that_dies_ends_the_pipeline_and_every_rank(tmp_path: Path) -> None:
+    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
+    with running(tp_config(folder, 2)) as pipe:
+        pids = dict(pipe.stage_pids)
+        os.kill(pids["executor:1"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while alive(list(pids.values())) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(list(pids.values())) == []
+        assert pipe.failure is not None and "executor:1" in pipe.failure
