@@ -126,3 +126,19 @@ def test_serve_benchmark_drives_an_http_server(tmp_path: Path) -> None:
     # the server counted the same requests and tokens the benchmark saw
     assert metrics[f"vllm:e2e_request_latency_seconds_count{{model_name={server.model}}}"] == 4
     assert metrics[generated] == tokens
+
+
+def test_throughput_benchmark_with_two_tensor_parallel_ranks(tmp_path: Path) -> None:
+    """--tensor-parallel-size 2: the pipeline on two ranks, and on one beside it (the ratio
+    tensor parallelism buys), with the same greedy outputs."""
+    from pipeline.tools.random_model import build_random_llama
+
+    model = build_random_llama(tmp_path / "m", heads=4, kv_heads=2)
+    out = tmp_path / "tp.json"
+    rc = bench.main(["throughput", "--model", str(model), "--num-prompts", "4", "--batch-size",
+                     "2", "--input-len", "5", "--output-len", "6", "--peers", "",
+                     "--tensor-parallel-size", "2", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["config"]["tensor_parallel_size"] == 2
+    assert report["pipeline-tp1"]["identical_to_pipeline"] == 4
+    assert report["ratios"]["pipeline/pipeline-tp1"] > 0

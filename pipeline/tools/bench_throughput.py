@@ -7,6 +7,7 @@ one run."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -73,7 +74,8 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
         model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
         scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048),
         executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
-                                           args.compile))
+                                           args.compile,
+                                           tensor_parallel_size=args.tensor_parallel_size))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in work.output_lens]
     with Pipeline(cfg) as pipe:
@@ -243,6 +245,9 @@ def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
     from pipeline.tools.bench_peers import run_llama_cpp, run_vllm_cpu
 
     results = [run_pipeline(args, work)]
+    if args.tensor_parallel_size > 1:  # the same pipeline on one rank: the ratio TP buys
+        one = run_pipeline(argparse.Namespace(**{**vars(args), "tensor_parallel_size": 1}), work)
+        results.append(dataclasses.replace(one, name="pipeline-tp1"))
     runners = {"hf-batch": run_hf_batch, "hf-static": run_hf_static, "vllm-cpu": run_vllm_cpu,
                "llama.cpp": run_llama_cpp}
     results += [runners[name](args, work) for name in args.peers]
@@ -263,7 +268,8 @@ def build_report(args: argparse.Namespace, work: Workload,
                         "num_prompts": len(work.prompts), "batch_size": args.batch_size,
                         "dataset": args.dataset or f"random ids, {args.input_len} tokens",
                         "output_len": args.output_len if not args.dataset else "per prompt",
-                        "cpus": os.cpu_count()}
+                        "cpus": os.cpu_count(),
+                        "tensor_parallel_size": args.tensor_parallel_size}
     return report
 
 

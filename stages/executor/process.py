@@ -5,6 +5,7 @@ sampled-token message (the ids themselves are in the shared sampled-token ring).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,9 +37,11 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     ex, limits = cfg.executor, cfg.limits
     if ex.timed is not None:
         return TimedRunner(ex.timed[0], ex.timed[1], limits)
+    device = torch.device(ex.device)
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
-    device = torch.device(ex.device)
+    elif ex.tensor_parallel_size > 1 and device.type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ex.tensor_parallel_size))
     if device.type == "cuda" and ex.tensor_parallel_size > 1 and device.index is None:
         device = torch.device("cuda", rank)  # a GPU per rank
     if device.type == "cuda":
