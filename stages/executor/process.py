@@ -10,7 +10,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import zmq
 
@@ -20,7 +19,7 @@ from ipc.config import PipelineConfig
 from ipc.messages import SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.shm import SharedRing
-from ipc.step import StepRings, local_buffers, sampled_specs
+from ipc.step import StepRings, sampled_specs
 from stages.executor.compile import resolve_compile
 from stages.executor.device import Device, make_device
 from stages.executor.parallel import TensorParallel
@@ -110,15 +109,14 @@ def tp_plan_address(cfg: PipelineConfig, rank: int) -> str:
     return cfg.address(f"executor-tp-{rank}")
 
 
-class _LocalRing:
-    """A sampled-token ring of the process's own: a follower's samples go nowhere."""
-
-    def __init__(self, cfg: PipelineConfig) -> None:
-        self.num_slots = cfg.limits.num_ring_slots
-        self._slots = [local_buffers(sampled_specs(cfg.limits)) for _ in range(self.num_slots)]
-
-    def slot(self, index: int) -> dict[str, np.ndarray]:
-        return self._slots[index]
+def _own_sampled_ring(cfg: PipelineConfig, rank: int) -> SharedRing:
+    """A sampled-token ring of this rank's own, nameless once mapped: a follower's samples
+    go nowhere (rank 0 reports them), but its device writes them somewhere (and CUDA pins
+    it)."""
+    ring = SharedRing(f"{cfg.sampled_ring_name}-tp{rank}", sampled_specs(cfg.limits),
+                      cfg.limits.num_ring_slots, create=True)
+    ring.unlink()
+    return ring
 
 
 def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
@@ -144,7 +142,7 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
         free[plan.ring_slot].clear()
         return True
 
-    device = make_device(runner, _LocalRing(cfg), done)  # type: ignore[arg-type]
+    device = make_device(runner, _own_sampled_ring(cfg, rank), done)
     ctx.ready(num_kv_blocks=runner.num_blocks)
     try:
         device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device, [], take_slot),
