@@ -54,9 +54,16 @@ def generate(cfg: PipelineConfig, max_tokens: int = 12) -> tuple[list[list[int]]
     return [o.token_ids for o in outs], stats.num_preemptions if stats is not None else 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str) -> None:
-    folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2, num_layers=2)
+@pytest.mark.parametrize(("arch", "vocab"), [
+    ("llama", None), ("qwen2", None), ("qwen3", None),
+    ("llama-bias", None),  # o_proj and down_proj biases: added once
+    ("phi3", None),  # fused checkpoint projections, sliced per part
+    ("llama", 515),  # a vocabulary the ranks split unevenly: the last one's rows padded
+])
+def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str, vocab: int | None
+                                          ) -> None:
+    folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2, num_layers=2,
+                                vocab_size=vocab)
     one, _ = generate(tp_config(folder, 1))
     two, _ = generate(tp_config(folder, 2))
     assert two == one
@@ -115,3 +122,15 @@ def test_a_rank_that_dies_ends_the_pipeline_and_every_rank(tmp_path: Path) -> No
             time.sleep(0.2)
         assert alive(list(pids.values())) == []
         assert pipe.failure is not None and "executor:1" in pipe.failure
+
+
+def test_devices_the_ranks_cannot_have_are_refused() -> None:
+    from ipc.config import ConfigError
+    from stages.executor.parallel import check_devices
+
+    check_devices("cpu", 2)
+    with pytest.raises(ConfigError, match="pass --device cuda"):
+        check_devices("cuda:1", 2)
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ConfigError, match="needs 64 CUDA devices"):
+            check_devices("cuda", 64)

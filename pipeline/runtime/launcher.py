@@ -151,10 +151,11 @@ class Pipeline:
                             self.cfg.model.sliding_window, self.cfg.limits.block_size,
                             self.cfg.executor.tensor_parallel_size)
         num_ranks = self.cfg.executor.tensor_parallel_size
-        if num_ranks > 1:  # a model the ranks cannot split is refused before anything starts
-            from stages.executor.parallel import check_divisible, read_spec
+        if num_ranks > 1:  # what the ranks cannot do is refused before anything starts
+            from stages.executor.parallel import check_devices, check_divisible, read_spec
 
             check_divisible(read_spec(self.cfg.model.path), num_ranks)
+            check_devices(self.cfg.executor.device, num_ranks)
         try:
             self._create_run()
             for rank in range(num_ranks):  # ranks beyond 0: tensor parallelism

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from ipc.arch import ArchSpec, UnsupportedModel, arch_spec
+from ipc.config import ConfigError
 from stages.executor.model import PagedLlama
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class TensorParallel:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
                                 world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        # Every rank has joined once this returns (NCCL would connect only at the first
+        # collective, and a follower maps the rings rank 0 made before it joined).
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
         logger.info("tensor-parallel rank %d of %d (%s)", rank, size, backend)
         return cls(rank, size, vocab_size, -(-vocab_size // size))
 
@@ -103,6 +107,18 @@ def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> N
         if value % size:
             raise UnsupportedModel(f"{source}: {name} = {value} is not divisible by "
                                    f"--tensor-parallel-size {size}")
+
+
+def check_devices(device: str, size: int) -> None:
+    """On CUDA the ranks take cuda:0 to cuda:K-1, one each: the machine must have them."""
+    if not device.startswith("cuda"):
+        return
+    if device != "cuda":
+        raise ConfigError(f"--device {device} with --tensor-parallel-size {size}: the ranks "
+                          f"take cuda:0 to cuda:{size - 1}, one each; pass --device cuda")
+    if torch.cuda.device_count() < size:
+        raise ConfigError(f"--tensor-parallel-size {size} needs {size} CUDA devices, one per "
+                          f"rank; this machine has {torch.cuda.device_count()}")
 
 
 def shard_spec(spec: ArchSpec, size: int) -> ArchSpec:

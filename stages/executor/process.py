@@ -40,9 +40,9 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
     elif ex.tensor_parallel_size > 1 and device.type == "cpu":  # the ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ex.tensor_parallel_size))
-    if device.type == "cuda" and ex.tensor_parallel_size > 1 and device.index is None:
-        device = torch.device("cuda", rank)  # a GPU per rank
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ex.tensor_parallel_size))
+    if device.type == "cuda" and ex.tensor_parallel_size > 1:
+        device = torch.device("cuda", rank)  # a GPU per rank (parallel.check_devices)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
     tp = None
@@ -137,6 +137,8 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
 
     def take_slot(plan: StepPlan) -> bool:
         while not free[plan.ring_slot].wait(0.1):
+            if device.error is not None:  # its reports stopped: so would the slots
+                raise RuntimeError("the device failed") from device.error
             if ctx.stop.is_set():
                 return False
         free[plan.ring_slot].clear()
