@@ -94,16 +94,24 @@ class SlotState:
         return prepare_host_step(plan, ring, self.staging[plan.ring_slot], self.host_params,
                                  self.limits, self.pad)
 
-    def apply(self, step: HostStep, v: dict[str, torch.Tensor]) -> torch.Tensor:
+    def resolve_ids(self, v: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's input ids [T], placeholders resolved from each slot's last sample."""
+        ids = v["input_ids"]
+        return torch.where(ids < 0, self.last_sampled[v["token_slots"]], ids)
+
+    def apply(self, step: HostStep, v: dict[str, torch.Tensor],
+              resolve: bool = True) -> torch.Tensor | None:
         """Apply the step's slot changes on the device; returns its input ids [T] with
-        placeholders resolved from each slot's last sample (and counted for penalties)."""
+        placeholders resolved (and counted for penalties), or None when not `resolve` and
+        no penalty needs them (a graph resolves its own)."""
         if step.counts["bt_slot"]:
             self.block_table[v["bt_slot"], v["bt_index"]] = v["bt_block"].int()
         if step.counts["new_slots"]:
             self.sampling.init_slots(v["new_slots"], v["new_fparams"], v["new_iparams"],
                                      v["stop_slots"], v["stop_ids"])
-        ids = v["input_ids"]
-        ids = torch.where(ids < 0, self.last_sampled[v["token_slots"]], ids)
+        if not (resolve or step.sampling.use_penalties):
+            return None
+        ids = self.resolve_ids(v)
         if step.sampling.use_penalties:
             real = slice(0, step.num_tokens)  # not the padding
             self.sampling.count_tokens(ids[real], v["token_slots"][real], v["positions"][real])
@@ -255,12 +263,16 @@ class ModelRunner:
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = unpack(packed, step.counts)
-        ids = self.slots.apply(step, v)
+        graph = self.graphs is not None and DecodeGraphs.eligible(step)
+        ids = self.slots.apply(step, v, resolve=not graph)
         grammar_work = self.slots.start_grammar(step)
-        if self.graphs is not None:
+        if graph:
+            assert self.graphs is not None
             logits = self.graphs.run(step, packed, v["logits_indices"])
             if logits is not None:
                 return self.slots.sample(step, v, logits, grammar_work)
+        if ids is None:  # (its bucket's first step: the ordinary path)
+            ids = self.slots.resolve_ids(v)
         table, block_size = self.slots.block_table, self.limits.block_size
         # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels
         # take a page of rows at once anyway.
@@ -294,8 +306,7 @@ class ModelRunner:
     def _graph_forward(self, v: dict[str, torch.Tensor], wanted: torch.Tensor) -> torch.Tensor:
         """A decode step's forward from a graph's static inputs (graphs.py): placeholder ids
         resolved from the last samples, the metadata, the model, the wanted rows' logits."""
-        ids = v["input_ids"]
-        ids = torch.where(ids < 0, self.slots.last_sampled[v["token_slots"]], ids)
+        ids = self.slots.resolve_ids(v)
         meta = build_flex_metadata(v, self.slots.block_table, self.limits.block_size,
                                    self.num_blocks + 1, per_row=self.device.type == "cpu")
         return self.model(ids, v["positions"], self.kv_caches, meta, wanted)
@@ -325,6 +336,7 @@ class TimedRunner:
         """Sampling parameters are ignored: the tokens are a function of the context."""
         v = unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
+        assert ids is not None
         idx = v["logits_indices"]
         tokens = (ids[idx] * 1103515245 + v["positions"][idx] + 12345) % self.vocab_size
         self.slots.last_sampled[v["sample_slots"]] = tokens
