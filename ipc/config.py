@@ -226,7 +226,7 @@ class Endpoints:
     model_name: str  # the id front ends serve the model under
     max_model_len: int
     tokenizers: tuple[str, ...]  # the tokenizer workers' request inboxes
-    scheduler: str  # the scheduler's inbox (aborts)
+    schedulers: tuple[str, ...]  # each engine's abort inbox (an abort goes to every one)
     status: str  # the launcher's status publisher
     reply: str  # where a client binds its reply socket: an ipc:// prefix, or "tcp://"
     key: str = ""  # PipelineConfig.client_key: every frame a client sends starts with it
@@ -245,6 +245,7 @@ class Endpoints:
     def from_json(cls, text: str) -> Endpoints:
         fields = json.loads(text)
         fields["tokenizers"] = tuple(fields["tokenizers"])
+        fields["schedulers"] = tuple(fields["schedulers"])
         return cls(**fields)
 
     @classmethod
@@ -276,6 +277,15 @@ class PipelineConfig:
     # set by the operator for --listen (or made by the launcher), written to the run
     # directory's pipeline.json for local clients; remote clients must be given it.
     client_key: str = ""
+    # Data parallelism: scheduler+executor pairs ("engines") behind the same tokenizers and
+    # detokenizers; `engine` is the one a stage of an engine belongs to (for_engine).
+    data_parallel_size: int = 1
+    engine: int = 0
+    router: str = "prefix"  # how tokenizers pick an engine: "prefix" or "load" (stages/router.py)
+
+    def for_engine(self, engine: int) -> PipelineConfig:
+        """The config a stage of engine `engine` runs with: its addresses and rings."""
+        return dataclasses.replace(self, engine=engine)
 
     @property
     def model_name(self) -> str:
@@ -286,12 +296,18 @@ class PipelineConfig:
         """The local (ipc://) endpoints of this run."""
         return Endpoints(self.model_name, self.model.max_model_len,
                          tuple(self.tokenizer_address(r) for r in range(self.num_tokenizers)),
-                         self.abort_address, self.status_address,
+                         tuple(self.for_engine(e).abort_address
+                               for e in range(self.data_parallel_size)),
+                         self.status_address,
                          f"ipc://{Path(self.run_dir) / 'client-'}", self.client_key)
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:
             raise ConfigError("there must be at least one tokenizer and one detokenizer worker")
+        if self.data_parallel_size < 1:
+            raise ConfigError("--data-parallel-size must be at least 1")
+        if self.router not in ("prefix", "load"):
+            raise ConfigError(f"--router must be prefix or load, got {self.router!r}")
 
     @property
     def limits(self) -> EngineLimits:
@@ -304,18 +320,34 @@ class PipelineConfig:
     def address(self, name: str) -> str:
         return f"ipc://{Path(self.run_dir) / name}.sock"
 
+    def engine_address(self, name: str) -> str:
+        """An address of this config's engine (engine 0 keeps the plain names)."""
+        return self.address(f"{name}{self._engine_suffix}")
+
+    @property
+    def _engine_suffix(self) -> str:
+        return f"-e{self.engine}" if self.engine else ""
+
     def tokenizer_address(self, rank: int) -> str:
         return self.address(f"tokenizer-{rank}")
+
+    def tokenizer_stage_address(self, rank: int) -> str:
+        """Tokenizer `rank`'s inbox from the other stages (the engines' ReconcileAnswer)."""
+        return self.address(f"tokenizer-{rank}-stages")
 
     @property
     def scheduler_address(self) -> str:
         """The scheduler's inbox from the other stages (secret frames only)."""
-        return self.address("scheduler")
+        return self.engine_address("scheduler")
+
+    def scheduler_addresses(self) -> list[str]:
+        """Every engine's scheduler inbox (what the tokenizers route to, in engine order)."""
+        return [self.for_engine(e).scheduler_address for e in range(self.data_parallel_size)]
 
     @property
     def abort_address(self) -> str:
         """The scheduler's inbox from clients: AbortRequest only."""
-        return self.address("abort")
+        return self.engine_address("abort")
 
     def is_client_address(self, address: str) -> bool:
         """Whether outputs may be sent to `address`: a client's reply socket in the run
@@ -335,11 +367,11 @@ class PipelineConfig:
 
     @property
     def executor_address(self) -> str:
-        return self.address("executor")
+        return self.engine_address("executor")
 
     @property
     def sampled_address(self) -> str:
-        return self.address("sampled")
+        return self.engine_address("sampled")
 
     @property
     def control_address(self) -> str:
@@ -347,8 +379,8 @@ class PipelineConfig:
 
     @property
     def step_ring_name(self) -> str:
-        return f"llm-pipeline-{self.run_id}-step"
+        return f"llm-pipeline-{self.run_id}{self._engine_suffix}-step"
 
     @property
     def sampled_ring_name(self) -> str:
-        return f"llm-pipeline-{self.run_id}-sampled"
+        return f"llm-pipeline-{self.run_id}{self._engine_suffix}-sampled"

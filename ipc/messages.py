@@ -218,6 +218,38 @@ class StageRestarted(Message):
     rank: int
 
 
+@dataclass(frozen=True, slots=True)
+class EngineReconcile(Message):
+    """A client's Reconcile as tokenizer `rank` passes it to every engine, behind every
+    request it forwarded there first: each engine answers which of the ids it holds."""
+
+    TAG: ClassVar[int] = 16
+    nonce: int  # the tokenizer's, to match the answers
+    rank: int
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileAnswer(Message):
+    """An engine's answer to an EngineReconcile: the ids it holds (or held lately: finished
+    ones are not lost). An id no engine names was lost with the dead tokenizer."""
+
+    TAG: ClassVar[int] = 17
+    nonce: int
+    engine: int
+    known_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDown(Message):
+    """From the launcher to each detokenizer: data-parallel engine `engine` died (its
+    scheduler or executor); its requests there end with an error."""
+
+    TAG: ClassVar[int] = 18
+    engine: int
+    message: str
+
+
 # ---------------------------------------------------------------- detokenizer -> scheduler
 
 
@@ -315,6 +347,7 @@ class DetokBatch(Message):
     new_requests: list[DetokRequestInfo]
     deltas: list[TokenDelta]
     rejected: list[RequestRejected] = field(default_factory=list)
+    engine: int = 0  # the data-parallel engine whose scheduler sent it
 
 
 # ---------------------------------------------------------------- detokenizer/tokenizer -> client
@@ -480,6 +513,10 @@ class SchedulerStats(Message):
     # Finished requests (sample 0 of each) by phase (REQUEST_PHASES): waiting for admission,
     # admission to first token, first token to end, admission to end.
     request_phases: dict[str, Histogram] = field(default_factory=dict)
+    engine: int = 0  # which data-parallel engine's scheduler this is
+    # Tokens of work its unfinished sequences hold (prompt and output, waiting or running):
+    # the load the tokenizers' router balances (stages/router.py).
+    load_tokens: int = 0
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).
@@ -502,12 +539,19 @@ class PipelineStatus(Message):
     failure: str | None
     scheduler: SchedulerStats | None
     restarts: dict[str, int] = field(default_factory=dict)  # "stage:rank" -> times restarted
+    # Data-parallel engines (scheduler is then their sum): each one's load in tokens, and
+    # whether it serves (an engine whose scheduler or executor died does not come back).
+    engine_loads: list[int] = field(default_factory=list)
+    engines_alive: list[bool] = field(default_factory=list)
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
     AddRequest,
     AbortRequest,
     Reconcile,
+    EngineReconcile,
+    ReconcileAnswer,
+    EngineDown,
     ForgetClient,
     StageRestarted,
     StopSample,

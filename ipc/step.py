@@ -92,10 +92,12 @@ class StepRings:
 
     @staticmethod
     def unlink_names(cfg: PipelineConfig) -> None:
-        """Remove both names of a run without mapping them (the launcher, an orphaned stage);
-        safe whether or not they exist."""
-        for name in (cfg.step_ring_name, cfg.sampled_ring_name):
-            unlink_segment(name)
+        """Remove both names of every engine of a run without mapping them (the launcher, an
+        orphaned stage); safe whether or not they exist."""
+        for engine in range(cfg.data_parallel_size):
+            engine_cfg = cfg.for_engine(engine)
+            for name in (engine_cfg.step_ring_name, engine_cfg.sampled_ring_name):
+                unlink_segment(name)
 
 
 def local_buffers(specs: tuple[BufferSpec, ...]) -> dict[str, np.ndarray]:

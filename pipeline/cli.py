@@ -72,6 +72,13 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="K executor processes, each holding 1/K of every layer (heads, MLP "
                         "rows, vocabulary), summed by torch.distributed all-reduces (gloo on "
                         "the CPU, NCCL on CUDA, a GPU per rank); eager only")
+    p.add_argument("--data-parallel-size", type=int, default=d(1), metavar="D",
+                   help="D engines (a scheduler and its executor each, a whole model each) "
+                        "behind the same tokenizers; each request goes to one, by --router")
+    p.add_argument("--router", choices=["prefix", "load"], default=d("prefix"),
+                   help="with several engines: 'prefix' sends a request to the engine that "
+                        "holds the longest part of its prompt unless that one is far busier; "
+                        "'load' to the least loaded (tokens of work)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d(True),
                    help="on CUDA with a compiled model, replay decode steps as CUDA graphs "
                         "(one per padded batch size, captured on first reuse); "
@@ -289,6 +296,7 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
                                            parse_bytes(args.kv_cache_memory), args.compile,
                                            args.cuda_graphs, args.tensor_parallel_size),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
+        data_parallel_size=args.data_parallel_size, router=args.router,
         served_model_name=getattr(args, "served_model_name", None) or "",
         listen_host=listen_host(args.listen),
         client_key=client_key(args.listen_key))

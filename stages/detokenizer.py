@@ -16,6 +16,7 @@ from ipc.config import PipelineConfig
 from ipc.messages import (
     DetokBatch,
     DetokRequestInfo,
+    EngineDown,
     ErrorKind,
     FinishReason,
     RequestOutput,
@@ -45,6 +46,7 @@ class _SampleState:
     sent: int = 0
     stopped: bool = False  # ended by a stop string here; the scheduler's last delta is awaited
     finished: bool = False  # the scheduler's last delta came: nothing more will
+    engine: int = 0  # the data-parallel engine that runs it
 
 
 def _split_stop_token(delta: TokenDelta, include: bool) -> tuple[list[int], list[int]]:
@@ -85,11 +87,15 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.requests: dict[str, list[_SampleState]] = {}
         self.stopped: list[StopSample] = []
+        self.dead_engines: set[int] = set()
 
     def feed(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
+        if batch.engine in self.dead_engines:  # sent before it died; its requests are failed
+            return {}
         for info in batch.new_requests:
             self.requests[info.request_id] = [
-                _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens))
+                _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens),
+                             engine=batch.engine)
                 for i in range(info.n)]
         by_client: dict[str, list[RequestOutput]] = {}
         for rej in batch.rejected:  # needs no state; a failed request's state is done with
@@ -116,6 +122,24 @@ class Detokenizer:
         if unknown:
             logger.warning("dropped %d token deltas of requests this worker does not know "
                            "(expected just after it was restarted)", unknown)
+        return by_client
+
+    def engine_of(self, request_id: str) -> int:
+        """The engine running a request this worker streams (where its StopSample goes)."""
+        samples = self.requests.get(request_id)
+        return samples[0].engine if samples else 0
+
+    def fail_engine(self, engine: int, message: str) -> dict[str, list[RequestOutput]]:
+        """Engine `engine` died: each request it ran ends with an `unavailable` error in place
+        of the rest of its output (a client ignores what follows a sample's final output)."""
+        self.dead_engines.add(engine)
+        by_client: dict[str, list[RequestOutput]] = {}
+        for rid, samples in list(self.requests.items()):
+            if samples[0].engine == engine:
+                del self.requests[rid]
+                info = samples[0].info
+                by_client.setdefault(info.reply_to, []).append(RequestOutput.refusal(
+                    rid, ErrorKind.UNAVAILABLE, message, None, info.num_prompt_tokens))
         return by_client
 
     def _safe_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
@@ -263,21 +287,26 @@ class Detokenizer:
 def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     with stage_process("detokenizer", rank, cfg, parent_pid) as ctx:
         core = Detokenizer(Tokenizer.from_file(f"{cfg.model.path}/tokenizer.json"))
-        inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank), Codec([DetokBatch]),
+        inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank), Codec([DetokBatch, EngineDown]),
                             bind=True, secret=cfg.run_secret)
         replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
-        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,
-                                   secret=cfg.run_secret)
+        engines = [PushChannel(ctx.zmq, address, bind=False, secret=cfg.run_secret)
+                   for address in cfg.scheduler_addresses()]
         ctx.ready()
         while not ctx.stop.is_set():
             batch = inbox.recv_valid(100)
             if batch is None:
                 continue
+            if isinstance(batch, EngineDown):
+                logger.warning("engine %d is down: failing its requests", batch.engine)
+                for address, outputs in core.fail_engine(batch.engine, batch.message).items():
+                    replies.send(address, RequestOutputs(outputs))
+                continue
             assert isinstance(batch, DetokBatch)
             start = now_ns()
             outputs_by_client = core.feed(batch)
             for stop in core.stopped:  # first, so the scheduler frees them a step sooner
-                to_scheduler.send(stop)
+                engines[core.engine_of(stop.request_id)].send(stop)
             core.stopped.clear()
             for address, outputs in outputs_by_client.items():
                 replies.send(address, RequestOutputs(outputs))

@@ -1,6 +1,7 @@
 """Tokenizer worker (one of N processes): validates each request, applies the chat template,
-tokenizes, checks the length against the context and forwards it to the scheduler.
-A bad request gets its error straight back to its client; nothing else is disturbed."""
+tokenizes, checks the length against the context and forwards it to the scheduler of the
+engine its router picks (stages/dispatch.py). A bad request gets its error straight back to
+its client; nothing else is disturbed."""
 
 from __future__ import annotations
 
@@ -8,23 +9,28 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ipc.channels import PullChannel, PushChannel, ReplySockets, listen_tcp
+import zmq
+
+from ipc.channels import PullChannel, PushChannel, ReplySockets, SubChannel, listen_tcp
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
 from ipc.messages import (
     AddRequest,
     ChatMessage,
     ErrorKind,
+    Message,
+    PipelineStatus,
     Reconcile,
-    RequestOutput,
-    RequestOutputs,
+    ReconcileAnswer,
     TokenizedRequest,
     ToolSpec,
 )
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
 from stages.chat_template import render
 from stages.grammar import Grammars
-from stages.process import stage_process
+from stages.dispatch import Dispatcher, error_output
+from stages.process import StageContext, stage_process
+from stages.router import EngineRouter
 from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
@@ -106,11 +112,6 @@ class TokenizerCore:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def error_output(request_id: str, kind: ErrorKind, message: str,
-                 param: str | None = None) -> RequestOutputs:
-    return RequestOutputs([RequestOutput.refusal(request_id, kind, message, param)])
-
-
 def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
     """A request that does not decode still gets an answer if we can tell who sent it."""
     raw = exc.raw
@@ -122,48 +123,89 @@ def _reject_malformed(replies: ReplySockets, exc: ProtocolError) -> None:
         logger.error("dropped a malformed message with no reply address: %s", exc)
 
 
-def forward_reconcile(msg: Reconcile, rank: int, to_scheduler: PushChannel,
+def forward_reconcile(msg: Reconcile, rank: int, dispatcher: Dispatcher,
                       is_client: Callable[[str], bool]) -> None:
-    """Pass a client's Reconcile on, behind the requests this worker has forwarded, if it
-    names a client's address, this rank and a bounded number of ids."""
+    """Pass a client's Reconcile on to the engines, behind the requests this worker has
+    forwarded, if it names a client's address, this rank and a bounded number of ids."""
     if not is_client(msg.reply_to) or msg.rank != rank or len(msg.request_ids) > MAX_RECONCILE_IDS:
         logger.warning("refused a Reconcile for %r (rank %d, %d ids)", msg.reply_to, msg.rank,
                        len(msg.request_ids))
         return
-    to_scheduler.send(msg)
+    dispatcher.reconcile(msg)
+
+
+class TokenizerShell:
+    """The sockets around a TokenizerCore: clients' requests in; tokenized ones out to the
+    engines (a Dispatcher); the engines' answers and, with several engines, the launcher's
+    status (their loads and liveness) in."""
+
+    def __init__(self, ctx: StageContext, cfg: PipelineConfig, rank: int, tcp_port: int) -> None:
+        self.cfg, self.rank, self.ctx = cfg, rank, ctx
+        self.core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
+                                  cfg.scheduler.priority_range, cfg.model.eos_token_ids)
+        self.inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank),
+                                 Codec([AddRequest, Reconcile]), bind=True,
+                                 secret=cfg.client_key.encode())
+        self.answers = PullChannel(ctx.zmq, cfg.tokenizer_stage_address(rank),
+                                   Codec([ReconcileAnswer]), bind=True, secret=cfg.run_secret)
+        self.engines = [PushChannel(ctx.zmq, address, bind=False, secret=cfg.run_secret)
+                        for address in cfg.scheduler_addresses()]
+        self.replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
+        router = EngineRouter(cfg.data_parallel_size, cfg.scheduler.block_size, cfg.router)
+        self.dispatcher = Dispatcher(router, rank, lambda e, msg: self.engines[e].send(msg),
+                                     self.replies.send)
+        self.poller = zmq.Poller()
+        for chan in (self.inbox, self.answers):
+            self.poller.register(chan.socket, zmq.POLLIN)
+        self.status: SubChannel | None = None
+        if cfg.data_parallel_size > 1:  # the router balances by the engines' loads
+            self.status = SubChannel(ctx.zmq, cfg.status_address, Codec([PipelineStatus]))
+            self.poller.register(self.status.socket, zmq.POLLIN)
+        ctx.ready(**listen_tcp(self.inbox, cfg.listen_host, tcp_port))
+
+    def run_once(self) -> None:
+        events = dict(self.poller.poll(100))
+        if self.status is not None and self.status.socket in events:
+            while (status := self.status.recv_valid(0)) is not None:
+                assert isinstance(status, PipelineStatus)
+                self.dispatcher.set_status(status.engine_loads, status.engines_alive)
+        if self.answers.socket in events:
+            while (answer := self.answers.recv_valid(0)) is not None:
+                assert isinstance(answer, ReconcileAnswer)
+                self.dispatcher.on_answer(answer)
+        self.dispatcher.expire()
+        if self.inbox.socket in events:
+            while (req := self.inbox.recv_valid(0, self._reject_malformed)) is not None:
+                self._handle(req)
+
+    def _reject_malformed(self, exc: ProtocolError) -> None:
+        _reject_malformed(self.replies, exc)
+
+    def _handle(self, req: Message) -> None:
+        if isinstance(req, Reconcile):
+            forward_reconcile(req, self.rank, self.dispatcher, self.cfg.is_client_address)
+            return
+        assert isinstance(req, AddRequest)
+        start = now_ns()
+        try:
+            self.dispatcher.forward(self.core.process(req))
+        except RequestError as exc:
+            self.replies.send(req.reply_to, error_output(
+                req.request_id, ErrorKind.INVALID_REQUEST, exc.message, exc.param))
+        except Exception as exc:  # a tokenizer bug must not kill the stage
+            logger.exception("request %s failed in the tokenizer", req.request_id)
+            self.replies.send(req.reply_to, error_output(req.request_id, ErrorKind.INTERNAL,
+                                                         f"tokenizer error: {exc}"))
+        self.ctx.tracer.span("tokenize", start, now_ns())
 
 
 def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int, tcp_port: int = 0) -> None:
     """tcp_port: with --listen, the port to take remote clients on (a restarted worker's
     predecessor's; 0: any)."""
     with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
-        core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
-                             cfg.scheduler.priority_range, cfg.model.eos_token_ids)
-        inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank), Codec([AddRequest, Reconcile]),
-                            bind=True, secret=cfg.client_key.encode())
-        to_scheduler = PushChannel(ctx.zmq, cfg.scheduler_address, bind=False,
-                                   secret=cfg.run_secret)
-        replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
-        ctx.ready(**listen_tcp(inbox, cfg.listen_host, tcp_port))
-        if core.grammars is not None:
-            core.grammars.warm()
+        shell = TokenizerShell(ctx, cfg, rank, tcp_port)
+        if shell.core.grammars is not None:
+            shell.core.grammars.warm()
         while not ctx.stop.is_set():
-            req = inbox.recv_valid(100, lambda exc: _reject_malformed(replies, exc))
-            if req is None:
-                continue
-            if isinstance(req, Reconcile):
-                forward_reconcile(req, rank, to_scheduler, cfg.is_client_address)
-                continue
-            assert isinstance(req, AddRequest)
-            start = now_ns()
-            try:
-                to_scheduler.send(core.process(req))
-            except RequestError as exc:
-                replies.send(req.reply_to, error_output(req.request_id, ErrorKind.INVALID_REQUEST,
-                                                        exc.message, exc.param))
-            except Exception as exc:  # a tokenizer bug must not kill the stage
-                logger.exception("request %s failed in the tokenizer", req.request_id)
-                replies.send(req.reply_to, error_output(req.request_id, ErrorKind.INTERNAL,
-                                                        f"tokenizer error: {exc}"))
-            ctx.tracer.span("tokenize", start, now_ns())
-        replies.close()
+            shell.run_once()
+        shell.replies.close()

@@ -14,6 +14,9 @@ import pytest
 from ipc.codec import Codec, ProtocolError, encode
 from ipc.messages import (
     ALL_MESSAGES,
+    EngineDown,
+    EngineReconcile,
+    ReconcileAnswer,
     AbortRequest,
     AddRequest,
     ChatMessage,
@@ -80,6 +83,11 @@ SAMPLES: list[Message] = [
     Reconcile("ipc:///tmp/r/client-1.sock", 1, ["req-1", "req-2"]),
     ForgetClient("ipc:///tmp/r/client-1.sock"),
     StageRestarted("detokenizer", 1),
+    EngineReconcile(7, 1, ["req-1", "req-2"]),
+    ReconcileAnswer(7, 1, ["req-2"]),
+    EngineDown(1, "scheduler:1 died"),
+    DetokBatch([], [], [], 1),
+    PipelineStatus(3.0, {}, None, None, {}, [10, 0], [True, False]),
 ]
 
 ALL = Codec(ALL_MESSAGES)

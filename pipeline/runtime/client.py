@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from ipc.config import Endpoints
 
 STATUS_STALE_S = 3.0  # no status for this long: the pipeline is not answering
+ENGINE_STAGES = ("scheduler", "executor")  # the processes of a data-parallel engine
 
 
 KEY_ENV = "LLM_PIPELINE_KEY"  # the client key, for PipelineClient.connect over tcp://
@@ -83,7 +84,8 @@ def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
     host = _host_of(address)
     return dataclasses.replace(
         remote, tokenizers=tuple(_with_host(a, host) for a in remote.tokenizers),
-        scheduler=_with_host(remote.scheduler, host), status=_with_host(remote.status, host))
+        schedulers=tuple(_with_host(a, host) for a in remote.schedulers),
+        status=_with_host(remote.status, host))
 
 
 def _host_of(address: str) -> str:
@@ -213,6 +215,8 @@ class Health:
     problem: str | None  # why not ok: a dead stage, a failure, or no status for a while
     age_s: float  # seconds since the status was published (inf: none received yet)
     stats: SchedulerStats | None
+    # Data-parallel engines down while others serve (the pipeline is ok, with less room).
+    engines_down: list[int] = field(default_factory=list)
 
 
 class PipelineClient:
@@ -235,7 +239,10 @@ class PipelineClient:
                             for address in endpoints.tokenizers]
         self._next_tokenizer = 0
         self._restarts: dict[str, int] | None = None  # as last seen: "tokenizer:k" -> count
-        self._aborts = PushChannel(self._ctx, endpoints.scheduler, bind=False, secret=key)
+        # An abort goes to every engine: only the tokenizer that routed a request knows which
+        # holds it, and an engine that does not know the id remembers it for a while.
+        self._aborts = [PushChannel(self._ctx, address, bind=False, secret=key)
+                        for address in endpoints.schedulers]
         self._send_lock = threading.Lock()
         # request id -> (deliver, samples still running, the tokenizer it was sent to)
         self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int, int]] = {}
@@ -253,7 +260,7 @@ class PipelineClient:
             address = f"{endpoints.reply}{uuid.uuid4().hex[:12]}.sock"
             return PullChannel(self._ctx, address, codec, bind=True), address
         # A remote client: listen on the interface that reaches the pipeline, any port.
-        host = reachable_from(endpoints.scheduler)
+        host = reachable_from(endpoints.schedulers[0])
         chan = PullChannel(self._ctx, [], codec, bind=True)
         port = chan.socket.bind_to_random_port(f"tcp://{host}")
         return chan, f"tcp://{host}:{port}"
@@ -289,10 +296,14 @@ class PipelineClient:
                           math.inf, None)
         age = time.monotonic() - self._status_at
         dead = [name for name, alive in status.stages.items() if not alive]
+        down = [e for e, alive in enumerate(status.engines_alive) if not alive]
+        if down and len(down) < len(status.engines_alive):  # the others serve
+            dead = [name for name in dead if name.split(":")[0] not in ENGINE_STAGES]
         problem = status.failure or (f"stage {', '.join(dead)} is not running" if dead else None)
         if problem is None and age > STATUS_STALE_S:
             problem = f"the pipeline has not answered for {age:.1f} s"
-        return Health(problem is None, dict(status.stages), problem, age, status.scheduler)
+        return Health(problem is None, dict(status.stages), problem, age, status.scheduler,
+                      down)
 
     def _route_outputs(self) -> None:
         poller = zmq.Poller()
@@ -396,7 +407,8 @@ class PipelineClient:
         """Stop a request wherever it is; its last output has finish_reason 'abort'."""
         self._check_open()
         with self._send_lock:
-            self._aborts.send(AbortRequest(request_id))
+            for chan in self._aborts:
+                chan.send(AbortRequest(request_id))
 
     def _check_alive(self) -> None:
         self._check_open()

@@ -25,10 +25,11 @@ from typing import Any
 
 import zmq
 
-from ipc.channels import PullChannel, PushChannel, make_run_dir
+from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
 from ipc.config import ConfigError, PipelineConfig
 from ipc.messages import (
+    EngineDown,
     Message,
     PipelineStatus,
     SchedulerStats,
@@ -38,6 +39,7 @@ from ipc.messages import (
 )
 from ipc.step import StepRings
 from pipeline.runtime.client import PipelineClient
+from pipeline.runtime.engines import Engines, StageLinks
 from stages.entry import run_stage
 from stages.trace import merge_traces
 
@@ -98,7 +100,7 @@ class Pipeline:
         self._stopped = False
         self._mp = mp.get_context("spawn")
         self._zmq = zmq.Context()
-        self.scheduler_stats: SchedulerStats | None = None
+        self.engines = Engines(cfg.data_parallel_size, cfg.executor.tensor_parallel_size)
         self._supervisor: threading.Thread | None = None
         self._control: PullChannel | None = None
         self._clients: list[PipelineClient] = []
@@ -106,6 +108,8 @@ class Pipeline:
         self._targets: dict[str, str] = {}  # "stage:rank" -> its entry, to start it again
         self.restarts = RestartPolicy()  # of tokenizers and detokenizers
         self._restart_due: dict[str, float] = {}  # dead, to be started again at this time
+        self._sentinels: dict[Any, str] = {}  # of the processes the supervisor watches
+        self._failure_message = "no message"  # the latest StageFailed's
         self.num_refused_bootstraps = 0  # requests for the endpoints without the client key
 
     def _create_run(self) -> None:
@@ -150,24 +154,31 @@ class Pipeline:
             resolve_compile(True, torch.device(self.cfg.executor.device),
                             self.cfg.model.sliding_window, self.cfg.limits.block_size,
                             self.cfg.executor.tensor_parallel_size)
-        num_ranks = self.cfg.executor.tensor_parallel_size
-        if num_ranks > 1:  # what the ranks cannot do is refused before anything starts
-            from stages.executor.parallel import check_devices, check_divisible, read_spec
+        tp_size, dp_size = self.cfg.executor.tensor_parallel_size, self.cfg.data_parallel_size
+        if tp_size > 1:  # what the ranks cannot do is refused before anything starts
+            from stages.executor.parallel import check_divisible, read_spec
 
-            check_divisible(read_spec(self.cfg.model.path), num_ranks)
-            check_devices(self.cfg.executor.device, num_ranks)
+            check_divisible(read_spec(self.cfg.model.path), tp_size)
+        if tp_size * dp_size > 1 and self.cfg.executor.timed is None:
+            from stages.executor.parallel import check_devices
+
+            check_devices(self.cfg.executor.device, tp_size * dp_size)
         try:
             self._create_run()
-            for rank in range(num_ranks):  # ranks beyond 0: tensor parallelism
+            # Executor r is tensor-parallel rank r % K of engine r // K.
+            for rank in range(tp_size * dp_size):
                 self._spawn("executor", rank, "stages.executor.process:run_executor")
             for rank in range(self.cfg.num_tokenizers):
                 self._spawn("tokenizer", rank, "stages.tokenizer:run_tokenizer")
             for rank in range(self.cfg.num_detokenizers):
                 self._spawn("detokenizer", rank, "stages.detokenizer:run_detokenizer")
-            self._wait_ready(["executor:0"])
-            num_blocks = self.stage_info["executor:0"]["num_kv_blocks"]
-            self._check_cache_holds_a_sequence(num_blocks)
-            self._spawn("scheduler", 0, "stages.scheduler.process:run_scheduler", num_blocks)
+            for engine in range(dp_size):
+                head = f"executor:{engine * tp_size}"
+                self._wait_ready([head])
+                num_blocks = self.stage_info[head]["num_kv_blocks"]
+                self._check_cache_holds_a_sequence(num_blocks)
+                self._spawn("scheduler", engine, "stages.scheduler.process:run_scheduler",
+                            num_blocks)
             self._wait_ready(list(self.procs))
             self._unlink_rings()  # both users have them mapped: nothing is left in /dev/shm
             self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
@@ -199,7 +210,8 @@ class Pipeline:
             self.cfg.endpoints,
             tokenizers=tuple(tcp(self.stage_info[f"tokenizer:{r}"]["tcp_port"])
                              for r in range(self.cfg.num_tokenizers)),
-            scheduler=tcp(self.stage_info["scheduler:0"]["tcp_port"]),
+            schedulers=tuple(tcp(self.stage_info[f"scheduler:{e}"]["tcp_port"])
+                             for e in range(self.cfg.data_parallel_size)),
             status=tcp(status_port), reply="tcp://")
         bootstrap = self._zmq.socket(zmq.REP)
         bootstrap.setsockopt(zmq.LINGER, 0)
@@ -247,62 +259,94 @@ class Pipeline:
 
     def _supervise(self, status: zmq.Socket, bootstrap: zmq.Socket | None) -> None:
         """Watch every stage process and the control channel (stats, failure reports),
-        restart a dead tokenizer or detokenizer (see _restart_delay), publish the status
-        a few times a second, answer remote clients' requests for the endpoints. The sockets
-        are this thread's from here on."""
-        sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
-        failure_message = "no message"  # the latest StageFailed's
+        restart a dead tokenizer or detokenizer (see _restart_delay), take down an engine
+        whose scheduler or executor died while others serve, publish the status a few times
+        a second, answer remote clients' requests for the endpoints. The sockets are this
+        thread's from here on."""
+        self._sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        self._failure_message = "no message"  # the latest StageFailed's
         next_status = 0.0
-        to_scheduler = PushChannel(self._zmq, self.cfg.scheduler_address, bind=False,
-                                   secret=self.cfg.run_secret)
+        links = StageLinks(self._zmq, self.cfg)
         try:
             while not self._stopping.is_set():
-                dead = wait(list(sentinels), timeout=0.1)
+                dead = wait(list(self._sentinels), timeout=0.1)
                 for sentinel in dead:  # closed as it exits: reap it, so its exit code is known
-                    self.procs[sentinels[sentinel]].join(1.0)
+                    self.procs[self._sentinels[sentinel]].join(1.0)
                 for name, due in list(self._restart_due.items()):
                     if time.monotonic() >= due and not self._stopping.is_set():
                         del self._restart_due[name]
-                        sentinels[self._respawn(name)] = name
+                        self._sentinels[self._respawn(name)] = name
                 while bootstrap is not None and bootstrap.poll(0):
                     self._answer_bootstrap(bootstrap)
-                while not self._stopping.is_set() and (msg := self._next_control()):
-                    if isinstance(msg, SchedulerStats):
-                        self.scheduler_stats = msg
-                    elif isinstance(msg, StageReady):  # a restarted stage
-                        logger.warning("stage %s:%d is running again", msg.stage, msg.rank)
-                    elif isinstance(msg, StageFailed):
-                        failure_message = msg.message
-                for sentinel in list(dead):
-                    name = sentinels[sentinel]
-                    delay = self._restart_delay(name)
-                    if delay is None:
-                        continue
-                    logger.error("stage %s died (exit code %s: %s); starting it again in "
-                                 "%.1f s", name, self.procs[name].exitcode, failure_message,
-                                 delay)
-                    failure_message = "no message"
-                    del sentinels[sentinel]
-                    dead.remove(sentinel)
-                    self._restart_due[name] = time.monotonic() + delay
-                    if name.startswith("detokenizer:"):  # the scheduler fails its requests now
-                        to_scheduler.send(StageRestarted("detokenizer", int(name.split(":")[1])))
-                if dead and not self._stopping.is_set():
-                    names = ", ".join(f"{sentinels[s]} (exit code "
-                                      f"{self.procs[sentinels[s]].exitcode})" for s in dead)
-                    self.failure = f"stage {names} died: {failure_message}"
+                self._drain_control()
+                fatal = [name for name in map(self._sentinels.get, dead)
+                         if name is not None and not self._survive(name, links)]
+                if fatal and not self._stopping.is_set():
+                    names = ", ".join(f"{name} (exit code {self.procs[name].exitcode})"
+                                      for name in fatal)
+                    self.failure = f"stage {names} died: {self._failure_message}"
                     logger.error("%s; stopping the pipeline", self.failure)
                     status.send(Codec.encode(self.status()))
                     threading.Thread(target=self.stop, name="stop").start()
                     return
-                if time.monotonic() >= next_status:
+                if dead or time.monotonic() >= next_status:
                     status.send(Codec.encode(self.status()))
                     next_status = time.monotonic() + 0.25
         finally:
             status.close()
-            to_scheduler.close()
+            links.close()
             if bootstrap is not None:
                 bootstrap.close()
+
+    def _drain_control(self) -> None:
+        while not self._stopping.is_set() and (msg := self._next_control()):
+            if isinstance(msg, SchedulerStats):
+                self.engines.record(msg)
+            elif isinstance(msg, StageReady):  # a restarted stage
+                logger.warning("stage %s:%d is running again", msg.stage, msg.rank)
+            elif isinstance(msg, StageFailed):
+                self._failure_message = msg.message
+
+    def _survive(self, name: str, links: StageLinks) -> bool:
+        """Deal with a dead stage process the pipeline survives: start a tokenizer or a
+        detokenizer again, or take its engine down while other engines serve. False: the
+        pipeline fails."""
+        sentinel = self.procs[name].sentinel
+        engine = self.engines.can_lose(name)
+        if engine is not None and not self._stopping.is_set():
+            self._sentinels.pop(sentinel, None)
+            if self.engines.alive[engine]:
+                self._take_down(engine, name, links)
+            return True
+        delay = self._restart_delay(name)
+        if delay is None:
+            return False
+        logger.error("stage %s died (exit code %s: %s); starting it again in %.1f s", name,
+                     self.procs[name].exitcode, self._failure_message, delay)
+        self._failure_message = "no message"
+        del self._sentinels[sentinel]
+        self._restart_due[name] = time.monotonic() + delay
+        if name.startswith("detokenizer:"):  # the schedulers fail its requests now
+            links.to_schedulers(StageRestarted("detokenizer", int(name.split(":")[1])),
+                                self.engines.alive)
+        return True
+
+    def _take_down(self, engine: int, name: str, links: StageLinks) -> None:
+        """Engine `engine` lost `name`: stop its other processes, and have the detokenizers
+        fail its requests (the tokenizers fail those sent to it lately: see the status)."""
+        message = (f"engine {engine} stopped ({name} died, exit code "
+                   f"{self.procs[name].exitcode}: {self._failure_message}) while it held this "
+                   "request; send it again")
+        logger.error("stage %s died: engine %d is down; %d engine(s) still serve", name,
+                     engine, sum(self.engines.alive) - 1)
+        self._failure_message = "no message"
+        self.engines.take_down(engine)
+        for other in self.engines.processes(engine):
+            proc = self.procs[other]
+            self._sentinels.pop(proc.sentinel, None)
+            if proc.is_alive():
+                proc.terminate()
+        links.to_detokenizers(EngineDown(engine, message))
 
     def _answer_bootstrap(self, bootstrap: zmq.Socket) -> None:
         """A remote client that sends the client key gets the tcp:// endpoints; any other
@@ -357,13 +401,19 @@ class Pipeline:
             time.sleep(0.05)
         raise TimeoutError(f"the scheduler did not become idle: {self.scheduler_stats}")
 
+    @property
+    def scheduler_stats(self) -> SchedulerStats | None:
+        """The serving engines' latest accounting, added up."""
+        return self.engines.combined()
+
     def status(self) -> PipelineStatus:
         """A dead tokenizer or detokenizer counts as alive while the pipeline has not failed:
         it is being started again, and the pipeline still serves."""
         alive = {name: p.is_alive() or (name.split(":")[0] in RESTARTABLE and self.failure is None)
                  for name, p in self.procs.items()}
         return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
-                              dict(self.restarts.counts))
+                              dict(self.restarts.counts), self.engines.loads(),
+                              list(self.engines.alive))
 
     @property
     def is_alive(self) -> bool:

@@ -66,8 +66,9 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
         return w
 
     workers = [start_worker(rank) for rank in range(options.api_workers)]
-    to_scheduler = PushChannel(zmq.Context.instance(), pipe.cfg.scheduler_address, bind=False,
-                               secret=pipe.cfg.run_secret)
+    to_schedulers = [PushChannel(zmq.Context.instance(), address, bind=False,
+                                 secret=pipe.cfg.run_secret)
+                     for address in pipe.cfg.scheduler_addresses()]
     restarts = RestartPolicy()
     due: dict[int, float] = {}  # rank -> when to start the dead worker again
     stats = EngineStatsLog(args.stats_interval)
@@ -94,7 +95,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                 print(f"warning: API worker {rank} exited (code {w.exitcode}); its open "
                       f"connections are closed, its requests aborted; starting it again in "
                       f"{delay:.1f} s", file=sys.stderr, flush=True)
-                _forget_worker(run_dir, rank, to_scheduler)
+                _forget_worker(run_dir, rank, to_schedulers)
                 due[rank] = time.monotonic() + delay
             for rank, when in list(due.items()):
                 if time.monotonic() >= when:
@@ -107,7 +108,8 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                 return 1
     finally:
         sock.close()
-        to_scheduler.close()
+        for chan in to_schedulers:
+            chan.close()
         for w in workers:
             if w.is_alive():
                 w.terminate()
@@ -153,7 +155,7 @@ class EngineStatsLog:
                 f"idle {now.device_idle_fraction:.1%}")
 
 
-def _forget_worker(run_dir: str, rank: int, to_scheduler: PushChannel) -> None:
+def _forget_worker(run_dir: str, rank: int, to_schedulers: list[PushChannel]) -> None:
     """A dead worker's requests would run on for nobody: the scheduler aborts them (by the
     reply address its ready file names) and refuses any still on their way."""
     path = ready_file(run_dir, rank)
@@ -162,7 +164,8 @@ def _forget_worker(run_dir: str, rank: int, to_scheduler: PushChannel) -> None:
     except (OSError, ValueError, KeyError):
         return  # it died before it was ready: it had sent nothing
     path.unlink()
-    to_scheduler.send(ForgetClient(reply_to))
+    for chan in to_schedulers:  # the worker's requests may be on any engine
+        chan.send(ForgetClient(reply_to))
 
 
 def _wait_ready(workers: list[mp.process.BaseProcess], run_dir: str) -> None:

@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_overload_parser(sub)
     add_fairness_parser(sub)
+    from pipeline.tools.bench_dp import add_dp_parser
+
+    add_dp_parser(sub, _add_common)
     return parser
 
 

@@ -113,7 +113,7 @@ def check_devices(device: str, size: int) -> None:
     """On CUDA the ranks take cuda:0 to cuda:K-1, one each: the machine must have them."""
     if not device.startswith("cuda"):
         return
-    if device != "cuda":
+    if device not in ("cuda", "cuda:0"):  # (--device cuda reads as cuda:0)
         raise ConfigError(f"--device {device} with --tensor-parallel-size {size}: the ranks "
                           f"take cuda:0 to cuda:{size - 1}, one each; pass --device cuda")
     if torch.cuda.device_count() < size:

@@ -32,23 +32,26 @@ logger = logging.getLogger(__name__)
 
 
 def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
-    """The runner of executor rank `rank` (ranks beyond 0: tensor parallelism)."""
+    """The runner of tensor-parallel rank `rank` of engine cfg.engine (ranks beyond 0:
+    tensor parallelism)."""
     ex, limits = cfg.executor, cfg.limits
     if ex.timed is not None:
         return TimedRunner(ex.timed[0], ex.timed[1], limits)
     device = torch.device(ex.device)
+    num_procs = ex.tensor_parallel_size * cfg.data_parallel_size
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
-    elif ex.tensor_parallel_size > 1 and device.type == "cpu":  # the ranks share the cores
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ex.tensor_parallel_size))
-    if device.type == "cuda" and ex.tensor_parallel_size > 1:
-        device = torch.device("cuda", rank)  # a GPU per rank (parallel.check_devices)
+    elif num_procs > 1 and device.type == "cpu":  # the executors share the cores
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_procs))
+    if device.type == "cuda" and num_procs > 1:  # a GPU per process (parallel.check_devices)
+        device = torch.device("cuda", cfg.engine * ex.tensor_parallel_size + rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
     tp = None
     if ex.tensor_parallel_size > 1:
         tp = TensorParallel.init(rank, ex.tensor_parallel_size,
-                                 str(Path(cfg.run_dir) / "tp-store"), device, limits.vocab_size)
+                                 str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"), device,
+                                 limits.vocab_size)
     return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
                                 ex.kv_cache_memory,
                                 resolve_compile(ex.compile, device, cfg.model.sliding_window,
@@ -78,9 +81,12 @@ class Reporter:
 
 
 def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
-    """Rank 0 receives the scheduler's plans (and forwards each to the tensor-parallel
-    ranks, if any) and reports samples; ranks beyond 0 follow it (parallel.py)."""
-    with stage_process("executor", rank, cfg, parent_pid) as ctx:
+    """Executor `rank` is tensor-parallel rank `rank % K` of engine `rank // K` (K: the
+    tensor-parallel size). Rank 0 of an engine receives its scheduler's plans (and forwards
+    each to the engine's other ranks, if any) and reports samples; the others follow it."""
+    size = cfg.executor.tensor_parallel_size
+    stage_rank, cfg, rank = rank, cfg.for_engine(rank // size), rank % size
+    with stage_process("executor", stage_rank, cfg, parent_pid) as ctx:
         if rank > 0:
             _follow(ctx, cfg, rank)
             return
@@ -106,7 +112,7 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
 
 def tp_plan_address(cfg: PipelineConfig, rank: int) -> str:
     """Where tensor-parallel rank `rank` receives the plans rank 0 forwards."""
-    return cfg.address(f"executor-tp-{rank}")
+    return cfg.engine_address(f"executor-tp-{rank}")
 
 
 def _own_sampled_ring(cfg: PipelineConfig, rank: int) -> SharedRing:

@@ -238,14 +238,15 @@ class Scheduler:
         self._rejected.append(RequestRejected(rid, reply_to, FinishReason.ERROR, message,
                                               num_prompt, ErrorKind.UNAVAILABLE))
 
-    def reconcile(self, reply_to: str, rank: int, request_ids: list[str]) -> None:
-        """A client names the unfinished requests it had sent to tokenizer `rank`, which was
-        restarted; this arrives behind every request the new worker received first, so an
-        id not known here was lost with the dead one (see ipc.messages.Reconcile)."""
-        for rid in request_ids[:MAX_RECONCILE_IDS]:
-            if rid not in self.requests:
-                self._reject_unavailable(rid, reply_to, f"tokenizer:{rank} stopped while it "
-                                         "held this request, which was not run; send it again", 0)
+    def known_requests(self, request_ids: list[str]) -> list[str]:
+        """Which of these ids this engine holds. A client names the unfinished requests it
+        had sent to a tokenizer that was restarted; this is asked behind every request the
+        new worker forwarded first, so an id no engine holds was lost with the dead one
+        (ipc.messages.EngineReconcile; the tokenizer answers the client). One that ended
+        lately counts as held: its final output may still be on its way to the client."""
+        ended = {rid for _, rid, _, _ in self._recent_finals}
+        return [rid for rid in request_ids[:MAX_RECONCILE_IDS]
+                if rid in self.requests or rid in ended]
 
     def forget_client(self, reply_to: str) -> None:
         """A client died (an HTTP worker): abort what it had sent, refuse what still comes."""
@@ -619,7 +620,8 @@ class Scheduler:
             dict(self.finished), self.prompt_tokens, self.generation_tokens,
             list(m.seconds), m.seconds_sum, list(m.tokens), m.tokens_sum, m.idle_fraction,
             time.monotonic() - self._started,
-            request_phases=self.request_phases.snapshot())
+            request_phases=self.request_phases.snapshot(),
+            load_tokens=sum(s.num_known for seqs in self.requests.values() for s in seqs))
 
     # ------------------------------------------------------------ outputs
 

@@ -16,8 +16,9 @@ from ipc.config import PipelineConfig
 from ipc.messages import (
     AbortRequest,
     DetokBatch,
+    EngineReconcile,
     ForgetClient,
-    Reconcile,
+    ReconcileAnswer,
     SampledTokens,
     SchedulerStats,
     StageRestarted,
@@ -33,11 +34,12 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerShell:
-    """Owns the sockets and rings around one Scheduler core."""
+    """Owns the sockets and rings around one Scheduler core (of engine cfg.engine)."""
 
     def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int,
                  tracer: Tracer | None = None) -> None:
-        self.tracer = tracer or Tracer(None, "scheduler", 0)
+        self.cfg = cfg
+        self.tracer = tracer or Tracer(None, "scheduler", cfg.engine)
         self.core = Scheduler(cfg.limits, num_blocks, cfg.scheduler.max_waiting)
         self.rings = StepRings.open(cfg, create=False)
         secret = cfg.run_secret
@@ -45,7 +47,7 @@ class SchedulerShell:
         # From the launcher: restarts and dead clients. (All behind the run's secret.)
         self.inbox = PullChannel(
             zctx, cfg.scheduler_address,
-            Codec([TokenizedRequest, AbortRequest, StopSample, Reconcile, StageRestarted,
+            Codec([TokenizedRequest, AbortRequest, StopSample, EngineReconcile, StageRestarted,
                    ForgetClient]), bind=True, secret=secret)
         self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True,
                                    secret=secret)
@@ -56,6 +58,8 @@ class SchedulerShell:
         self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False, secret=secret)
         self.detoks = [PushChannel(zctx, cfg.detokenizer_address(i), bind=False, secret=secret)
                        for i in range(cfg.num_detokenizers)]
+        self.tokenizers = [PushChannel(zctx, cfg.tokenizer_stage_address(i), bind=False,
+                                       secret=secret) for i in range(cfg.num_tokenizers)]
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.results.socket, zmq.POLLIN)
@@ -110,8 +114,9 @@ class SchedulerShell:
                 self.core.abort(msg.request_id)
             elif isinstance(msg, StopSample):
                 self.core.stop_sample(msg.request_id, msg.index)
-            elif isinstance(msg, Reconcile):
-                self.core.reconcile(msg.reply_to, msg.rank, msg.request_ids)
+            elif isinstance(msg, EngineReconcile) and 0 <= msg.rank < len(self.tokenizers):
+                known = self.core.known_requests(msg.request_ids)
+                self.tokenizers[msg.rank].send(ReconcileAnswer(msg.nonce, self.cfg.engine, known))
             elif isinstance(msg, ForgetClient):
                 self.core.forget_client(msg.reply_to)
             elif isinstance(msg, StageRestarted) and msg.stage == "detokenizer":
@@ -140,7 +145,7 @@ class SchedulerShell:
         infos, deltas, rejected = self.core.take_outputs()
         if not (infos or deltas or rejected):
             return
-        batches = [DetokBatch([], [], []) for _ in self.detoks]
+        batches = [DetokBatch([], [], [], self.cfg.engine) for _ in self.detoks]
         for info in infos:
             batches[self._shard(info.request_id)].new_requests.append(info)
         for delta in deltas:
@@ -154,7 +159,8 @@ class SchedulerShell:
 
     def stats(self) -> SchedulerStats:
         refused = self.inbox.num_refused + self.results.num_refused + self.remote.num_refused
-        return dataclasses.replace(self.core.stats(), num_refused_messages=refused)
+        return dataclasses.replace(self.core.stats(), num_refused_messages=refused,
+                                   engine=self.cfg.engine)
 
     def _shard(self, request_id: str) -> int:
         """Every message of one request goes to the same detokenizer worker."""
@@ -162,6 +168,8 @@ class SchedulerShell:
 
 
 def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int) -> None:
+    """rank: the data-parallel engine this scheduler plans for."""
+    cfg = cfg.for_engine(rank)
     with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
         shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer)
         ctx.ready(**listen_tcp(shell.remote, cfg.listen_host))

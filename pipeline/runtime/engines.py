@@ -1,0 +1,128 @@
+"""The launcher's view of its data-parallel engines (each a scheduler and its executor ranks):
+which processes make up each, which still serve, and their accounting added up into one.
+Runs in the launcher's process."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from ipc.channels import PushChannel
+from ipc.config import PipelineConfig
+from ipc.messages import Histogram, Message, SchedulerStats
+
+MEAN_FIELDS = ("device_idle_fraction",)  # a fraction: the engines' mean, not their sum
+MAX_FIELDS = ("uptime_s",)
+
+
+def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
+    """The engines' accounting as one: counts, gauges and histogram buckets added up (the
+    metrics of `serve` read like one engine's), the idle fraction their mean."""
+    if len(stats) == 1:
+        return stats[0]
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(SchedulerStats):
+        parts = [getattr(s, f.name) for s in stats]
+        if f.name in MEAN_FIELDS:
+            values[f.name] = sum(parts) / len(parts)
+        elif f.name in MAX_FIELDS:
+            values[f.name] = max(parts)
+        elif f.name == "engine":
+            values[f.name] = 0
+        else:
+            values[f.name] = _add(parts)
+    return SchedulerStats(**values)
+
+
+def _add(parts: list[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, list):  # histogram buckets (an engine without steps has none yet)
+        width = max(len(p) for p in parts)
+        return [sum(p[i] for p in parts if i < len(p)) for i in range(width)]
+    if isinstance(first, dict):
+        keys = dict.fromkeys(k for p in parts for k in p)
+        return {k: _add([p[k] for p in parts if k in p]) for k in keys}
+    if isinstance(first, Histogram):
+        return Histogram(_add([p.buckets for p in parts]), sum(p.sum for p in parts))
+    return sum(parts)
+
+
+class Engines:
+    """Which stage processes belong to which engine, and which engines still serve. With
+    one engine its death is the pipeline's; with several, an engine whose scheduler or
+    executor dies is taken down alone (its other processes stopped, its requests failed)."""
+
+    def __init__(self, num_engines: int, tensor_parallel_size: int) -> None:
+        self.num_engines, self.tp_size = num_engines, tensor_parallel_size
+        self.alive = [True] * num_engines
+        self.stats: list[SchedulerStats | None] = [None] * num_engines
+
+    def engine_of(self, name: str) -> int | None:
+        """The engine of a stage process ("scheduler:E", "executor:R"), or None."""
+        stage, _, rank = name.partition(":")
+        if stage == "scheduler":
+            return int(rank)
+        if stage == "executor":
+            return int(rank) // self.tp_size
+        return None
+
+    def processes(self, engine: int) -> list[str]:
+        """The names of an engine's processes."""
+        ranks = range(engine * self.tp_size, (engine + 1) * self.tp_size)
+        return [f"scheduler:{engine}", *(f"executor:{r}" for r in ranks)]
+
+    def can_lose(self, name: str) -> int | None:
+        """The engine a dead process takes down alone, or None: the process is no engine's,
+        or its engine is the last one serving (then the pipeline fails)."""
+        engine = self.engine_of(name)
+        if engine is None or self.num_engines == 1:
+            return None
+        if not self.alive[engine]:
+            return engine  # a process of an engine already down (stopped by us)
+        return engine if sum(self.alive) > 1 else None
+
+    def take_down(self, engine: int) -> None:
+        self.alive[engine] = False
+        self.stats[engine] = None
+
+    def record(self, stats: SchedulerStats) -> None:
+        if 0 <= stats.engine < self.num_engines and self.alive[stats.engine]:
+            self.stats[stats.engine] = stats
+
+    def combined(self) -> SchedulerStats | None:
+        """Every serving engine's latest stats as one (None until each has reported)."""
+        live = [s for s, alive in zip(self.stats, self.alive, strict=True) if alive]
+        if not live or any(s is None for s in live):
+            return None
+        return combine_stats([s for s in live if s is not None])
+
+    def loads(self) -> list[int]:
+        return [s.load_tokens if s is not None else 0 for s in self.stats]
+
+
+class StageLinks:
+    """The launcher's sockets to the stages it tells of deaths: every engine's scheduler (a
+    detokenizer restarted) and every detokenizer (an engine down). Its supervisor's own."""
+
+    def __init__(self, zctx: zmq.Context, cfg: PipelineConfig) -> None:
+        secret = cfg.run_secret
+        self._schedulers = [PushChannel(zctx, address, bind=False, secret=secret)
+                            for address in cfg.scheduler_addresses()]
+        self._detokenizers = [PushChannel(zctx, cfg.detokenizer_address(r), bind=False,
+                                          secret=secret) for r in range(cfg.num_detokenizers)]
+
+    def to_schedulers(self, msg: Message, alive: Sequence[bool]) -> None:
+        for chan, is_alive in zip(self._schedulers, alive, strict=True):
+            if is_alive:
+                chan.send(msg)
+
+    def to_detokenizers(self, msg: Message) -> None:
+        for chan in self._detokenizers:
+            chan.send(msg)
+
+    def close(self) -> None:
+        for chan in (*self._schedulers, *self._detokenizers):
+            chan.close()

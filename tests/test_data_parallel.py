@@ -1,0 +1,177 @@
+"""Data-parallel engines (--data-parallel-size): two scheduler+executor pairs behind the same
+tokenizers and detokenizers, live. Requests spread over both and are answered alike; an abort
+reaches whichever holds the request; a shared prefix goes where its KV is; an engine killed
+by pid takes only its own requests with it while the other serves on; every process ends.
+Real processes, the tiny model's tokenizer, the timed device (outputs are deterministic)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live import alive, live_config, running, shm_segments
+
+from ipc.config import PipelineConfig
+from ipc.messages import (
+    DetokBatch,
+    DetokRequestInfo,
+    RequestOutput,
+    SamplingParams,
+    TokenDelta,
+)
+from pipeline.runtime.client import PipelineClient
+from pipeline.runtime.launcher import Pipeline
+
+pytestmark = pytest.mark.timeout(240)
+LONG = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.0)
+
+
+def dp_config(model_dir: Path, router: str = "prefix") -> PipelineConfig:
+    cfg = live_config(model_dir, num_tokenizers=2, num_detokenizers=2, device="timed:10,0",
+                      max_num_seqs=32)
+    return dataclasses.replace(cfg, data_parallel_size=2, router=router)
+
+
+@pytest.fixture()
+def pipe(tiny_model_dir: Path) -> Iterator[Pipeline]:
+    with running(dp_config(tiny_model_dir)) as p:
+        yield p
+    assert shm_segments(p.cfg.run_id) == []
+    assert alive(list(p.stage_pids.values())) == []
+
+
+def engine_stats(pipe: Pipeline, engine: int, settle: float = 0.6) -> tuple[int, int]:
+    """(generation tokens, prefix-cache hits) engine `engine` reported, once settled."""
+    time.sleep(settle)  # stats arrive a few times a second
+    stats = pipe.engines.stats[engine]
+    assert stats is not None
+    return stats.generation_tokens, stats.prefix_cache_hits
+
+
+def test_requests_spread_over_both_engines_and_are_answered_alike(pipe: Pipeline) -> None:
+    client = pipe.client()
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(16)]
+    outs = client.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), timeout=60)
+    assert [o.error for o in outs] == [None] * 16
+    assert all(o.num_output_tokens == 20 for o in outs)
+    # The timed device's tokens depend on the sequence alone: the same on either engine.
+    alone = client.generate([prompts[3]], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert alone[0].token_ids == outs[3].token_ids
+    per_engine = [engine_stats(pipe, e)[0] for e in (0, 1)]
+    assert min(per_engine) >= 5 * 20 and sum(per_engine) == 17 * 20, per_engine
+    total = pipe.idle_stats()
+    assert total.generation_tokens == 17 * 20 and total.num_blocks == 2 * pipe.engines.stats[
+        0].num_blocks  # type: ignore[union-attr]
+    assert client.health().ok and client.health().engines_down == []
+
+
+def test_an_abort_reaches_the_engine_that_holds_the_request(pipe: Pipeline) -> None:
+    client = pipe.client()
+
+    async def scenario() -> list[list[RequestOutput]]:
+        async def one(i: int) -> list[RequestOutput]:
+            return [o async for o in client.stream(f"abort me {i}", LONG, request_id=f"ab{i}")]
+
+        tasks = [asyncio.create_task(one(i)) for i in range(8)]
+        while not all(s is not None and s.num_running > 0 for s in pipe.engines.stats):
+            await asyncio.sleep(0.02)
+        for i in range(8):
+            client.abort(f"ab{i}")
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 60))
+
+    results = asyncio.run(scenario())
+    assert [r[-1].finish_reason for r in results] == ["abort"] * 8
+    assert all(r[-1].num_output_tokens < 300 for r in results)
+    stats = pipe.idle_stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_requests_sharing_a_prefix_go_where_its_kv_is(pipe: Pipeline) -> None:
+    client = pipe.client()
+    shared = list(range(10, 10 + 64))  # four full blocks
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = client.generate([shared + [1]], params)[0]
+    assert first.num_cached_tokens == 0
+    later = client.generate([shared + [2 + i, 3] for i in range(6)], params)
+    assert [o.num_cached_tokens for o in later] == [64] * 6
+
+
+def test_a_killed_engine_takes_only_its_requests(pipe: Pipeline) -> None:
+    client = pipe.client()
+
+    async def scenario() -> list[list[RequestOutput]]:
+        async def one(i: int) -> list[RequestOutput]:
+            return [o async for o in client.stream(f"stream {i}", LONG)]
+
+        tasks = [asyncio.create_task(one(i)) for i in range(16)]
+        while not all(s is not None and s.num_running >= 4 for s in pipe.engines.stats):
+            await asyncio.sleep(0.02)
+        os.kill(pipe.stage_pids["scheduler:1"], signal.SIGKILL)
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
+
+    results = asyncio.run(scenario())
+    finals = [r[-1] for r in results]
+    assert all(sum(o.finished for o in r) >= 1 and r[-1].finished for r in results)
+    failed = [o for o in finals if o.error is not None]
+    done = [o for o in finals if o.error is None]
+    assert failed and done, [o.error for o in finals]
+    assert all("engine 1 stopped" in (o.error or "") for o in failed), {o.error for o in failed}
+    assert all(o.error_kind == "unavailable" for o in failed)
+    assert all(o.num_output_tokens == 300 for o in done)
+    assert pipe.is_alive and pipe.failure is None
+    deadline = time.monotonic() + 10
+    while alive([pipe.stage_pids["executor:1"]]):  # its executor is stopped with it
+        assert time.monotonic() < deadline, "executor:1 still runs"
+        time.sleep(0.05)
+    health = client.wait_for_status()
+    assert health.ok and health.engines_down == [1], health
+    after = client.generate([f"after {i}" for i in range(4)],
+                            SamplingParams(max_tokens=3, ignore_eos=True), timeout=60)
+    assert [o.error for o in after] == [None] * 4  # all on engine 0 now
+    stats = pipe.idle_stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_killing_the_last_engine_fails_the_pipeline(tiny_model_dir: Path) -> None:
+    with running(dp_config(tiny_model_dir, router="load")) as pipe:
+        client = PipelineClient.connect(pipe.cfg.run_dir)
+        os.kill(pipe.stage_pids["executor:0"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while client.wait_for_status().engines_down != [0]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert pipe.is_alive
+        os.kill(pipe.stage_pids["executor:1"], signal.SIGKILL)
+        while pipe.failure is None:
+            assert time.monotonic() < deadline + 10, "the pipeline did not fail"
+            time.sleep(0.05)
+        assert "executor:1" in pipe.failure
+        client.close()
+
+
+def test_a_detokenizer_fails_the_requests_of_a_dead_engine_only() -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from stages.detokenizer import Detokenizer
+
+    detok = Detokenizer(Tokenizer(WordLevel({"a": 0, "b": 1}, unk_token="a")))
+
+    def info(rid: str) -> DetokRequestInfo:
+        return DetokRequestInfo(rid, f"client-{rid}", 3, True, 0.0)
+
+    detok.feed(DetokBatch([info("x")], [TokenDelta("x", [0])], [], engine=1))
+    detok.feed(DetokBatch([info("y")], [TokenDelta("y", [1])], [], engine=0))
+    assert detok.engine_of("x") == 1 and detok.engine_of("y") == 0
+    failed = detok.fail_engine(1, "engine 1 stopped")
+    assert list(failed) == ["client-x"]
+    (out,) = failed["client-x"]
+    assert out.finished and out.error == "engine 1 stopped" and out.error_kind == "unavailable"
+    assert detok.feed(DetokBatch([info("z")], [TokenDelta("z", [0])], [], engine=1)) == {}
+    assert list(detok.requests) == ["y"]
