@@ -35,7 +35,8 @@ class LLM:
                  device: str = "cpu", max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int = 1 << 30, compile: bool | None = None,
-                 tokenizer_workers: int = 1, detokenizer_workers: int = 1) -> None:
+                 tokenizer_workers: int = 1, detokenizer_workers: int = 1,
+                 data_parallel_size: int = 1) -> None:
         from pipeline.runtime.launcher import Pipeline
 
         if model is None:
@@ -46,7 +47,8 @@ class LLM:
             model=ModelInfo.from_dir(model, max_model_len),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile),
-            num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers)
+            num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers,
+            data_parallel_size=data_parallel_size)
         self._pipeline = Pipeline(cfg)
         # Stops when this object goes, or at the interpreter's exit, whichever comes first
         # (registered first: a start that fails half-way stops what it started too).

@@ -90,8 +90,8 @@ class Detokenizer:
         self.dead_engines: set[int] = set()
 
     def feed(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
-        if batch.engine in self.dead_engines:  # sent before it died; its requests are failed
-            return {}
+        if batch.engine in self.dead_engines:  # sent before it died: its requests failed
+            return self._refuse_late(batch)
         for info in batch.new_requests:
             self.requests[info.request_id] = [
                 _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens),
@@ -122,6 +122,16 @@ class Detokenizer:
         if unknown:
             logger.warning("dropped %d token deltas of requests this worker does not know "
                            "(expected just after it was restarted)", unknown)
+        return by_client
+
+    def _refuse_late(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
+        """A dead engine's batch that came after EngineDown: the requests it announced end
+        with an error too (those it announced before were failed then)."""
+        by_client: dict[str, list[RequestOutput]] = {}
+        for info in batch.new_requests:
+            by_client.setdefault(info.reply_to, []).append(RequestOutput.refusal(
+                info.request_id, ErrorKind.UNAVAILABLE, f"engine {batch.engine} stopped while "
+                "it held this request; send it again", None, info.num_prompt_tokens))
         return by_client
 
     def engine_of(self, request_id: str) -> int:

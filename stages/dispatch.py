@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ipc.messages import (
+    AbortRequest,
     EngineReconcile,
     ErrorKind,
     Message,
@@ -26,7 +28,9 @@ from stages.router import EngineRouter, NoEngine
 logger = logging.getLogger(__name__)
 
 RECENT_ROUTE_S = 10.0  # an engine announces a request to its detokenizer well within this
-RECONCILE_TIMEOUT_S = 10.0  # an engine that has not answered by then holds none of the ids
+# An engine that has not answered by then holds none of the ids (a dead one is known dead
+# from the status well before; this is for one that hangs).
+RECONCILE_TIMEOUT_S = 30.0
 
 
 def error_output(request_id: str, kind: ErrorKind, message: str,
@@ -48,7 +52,7 @@ class Dispatcher:
     reply(address, outputs) reaches a client."""
 
     def __init__(self, router: EngineRouter, rank: int, send: Callable[[int, Message], None],
-                 reply: Callable[[str, RequestOutputs], None],
+                 reply: Callable[[str, RequestOutputs], object],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.router, self.rank = router, rank
         self._send, self._reply, self._clock = send, reply, clock
@@ -57,7 +61,8 @@ class Dispatcher:
         # engine that dies may hold before its detokenizer knows of it (EngineDown).
         self._recent: deque[tuple[float, int, str, str]] = deque()
         self._pending: dict[int, _PendingReconcile] = {}
-        self._nonces = itertools.count()
+        # Random: answers to a predecessor's reconcile may reach this worker (its address).
+        self._nonces = itertools.count(secrets.randbits(62))
 
     def forward(self, req: TokenizedRequest) -> None:
         try:
@@ -135,3 +140,6 @@ class Dispatcher:
                 self._reply(pending.reply_to, error_output(
                     rid, ErrorKind.UNAVAILABLE, f"tokenizer:{self.rank} stopped while it held "
                     "this request, which was not run; send it again"))
+                for engine, is_alive in enumerate(self.alive):  # should one hold it after all
+                    if is_alive:
+                        self._send(engine, AbortRequest(rid))

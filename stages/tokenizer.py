@@ -27,8 +27,8 @@ from ipc.messages import (
 )
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
 from stages.chat_template import render
-from stages.grammar import Grammars
 from stages.dispatch import Dispatcher, error_output
+from stages.grammar import Grammars
 from stages.process import StageContext, stage_process
 from stages.router import EngineRouter
 from stages.trace import now_ns

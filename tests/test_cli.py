@@ -6,8 +6,11 @@ what finished, and the default length bound."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,20 +61,26 @@ def test_bad_arguments_are_one_line_before_anything_starts(tiny_model_dir: Path,
 
 
 def test_ctrl_c_keeps_what_finished_and_says_how_many_did_not(tiny_model_dir: Path) -> None:
-    # the timed device: 50 ms a step, so nothing ends within the 2 s before Ctrl-C
+    # the timed device: 50 ms a step, so nothing ends within the 2 s before Ctrl-C. The run
+    # directory goes under a folder of this test's (short: socket paths are bounded), where
+    # its pipeline.json says every stage is ready (a start can take longer than 2 s).
+    tmp_path = Path(tempfile.mkdtemp(prefix="ctrl-c-"))
+    env = {**os.environ, "TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": ""}
     proc = subprocess.Popen(cli(tiny_model_dir, "--device", "timed:50,0", "generate", "--prompt",
                                 "a", "--prompt", "b", "--max-tokens", "none", "--ignore-eos",
                                 "--json"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     import psutil
 
     children: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while len(children) < 4 and time.monotonic() < deadline:
-            children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)
-                        if "llm-pipeline:" in " ".join(c.cmdline())]
-            time.sleep(0.2)
+        while not list(tmp_path.glob("llm-pipeline-*/pipeline.json")):
+            assert time.monotonic() < deadline and proc.poll() is None, "it did not start"
+            time.sleep(0.1)
+        children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)
+                    if "llm-pipeline:" in " ".join(c.cmdline())]
+        assert len(children) == 4
         time.sleep(2)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
@@ -86,6 +95,7 @@ def test_ctrl_c_keeps_what_finished_and_says_how_many_did_not(tiny_model_dir: Pa
         if proc.poll() is None:
             proc.kill()
         kill_pids(children)
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def test_the_default_length_is_bounded_and_said() -> None:

@@ -173,5 +173,7 @@ def test_a_detokenizer_fails_the_requests_of_a_dead_engine_only() -> None:
     assert list(failed) == ["client-x"]
     (out,) = failed["client-x"]
     assert out.finished and out.error == "engine 1 stopped" and out.error_kind == "unavailable"
-    assert detok.feed(DetokBatch([info("z")], [TokenDelta("z", [0])], [], engine=1)) == {}
+    late = detok.feed(DetokBatch([info("z")], [TokenDelta("z", [0])], [], engine=1))
+    assert [(o.request_id, o.finished, o.error_kind) for o in late["client-z"]] == [
+        ("z", True, "unavailable")]
     assert list(detok.requests) == ["y"]

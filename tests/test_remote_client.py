@@ -75,7 +75,7 @@ def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
         key = pipe.cfg.client_key
         assert len(key) >= 16  # made by the launcher, since none was given
         remote = fetch_endpoints(address, key)
-        addresses = [*remote.tokenizers, remote.scheduler, remote.status]
+        addresses = [*remote.tokenizers, *remote.schedulers, remote.status]
         assert all(a.startswith("tcp://127.0.0.1:") for a in addresses) and remote.reply == "tcp://"
         stages = ["detokenizer:0", "executor:0", "scheduler:0", "tokenizer:0"]
         for where in (pipe.cfg.run_dir, address):
@@ -100,10 +100,10 @@ def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
         assert pipe.num_refused_bootstraps == 2
         client = pipe.client()
         unkeyed = [PushChannel(ctx, a, bind=False) for a in (remote.tokenizers[0],
-                                                             remote.scheduler)]
+                                                             remote.schedulers[0])]
         unkeyed[0].send(make_add_request("no-key", client.reply_to, [5, 6, 7], SamplingParams()))
         unkeyed[1].send(AbortRequest("long-tcp"))
-        keyed = PushChannel(ctx, remote.scheduler, bind=False, secret=key.encode())
+        keyed = PushChannel(ctx, remote.schedulers[0], bind=False, secret=key.encode())
         keyed.send(TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0))
         deadline = time.monotonic() + 10  # the sends are asynchronous: wait until both arrived
         while (stats := pipe.idle_stats()).num_refused_messages < 2 and (

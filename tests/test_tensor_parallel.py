@@ -132,5 +132,5 @@ def test_devices_the_ranks_cannot_have_are_refused() -> None:
     with pytest.raises(ConfigError, match="pass --device cuda"):
         check_devices("cuda:1", 2)
     if torch.cuda.device_count() < 64:
-        with pytest.raises(ConfigError, match="needs 64 CUDA devices"):
+        with pytest.raises(ConfigError, match="need 64 CUDA devices"):
             check_devices("cuda", 64)

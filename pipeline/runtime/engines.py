@@ -16,6 +16,12 @@ from ipc.messages import Histogram, Message, SchedulerStats
 
 MEAN_FIELDS = ("device_idle_fraction",)  # a fraction: the engines' mean, not their sum
 MAX_FIELDS = ("uptime_s",)
+# Counts that only grow (Prometheus counters and histograms): an engine that went down keeps
+# its part, or the sums would fall, which a scraper reads as a reset.
+CUMULATIVE_FIELDS = ("num_preemptions", "num_steps", "prefix_cache_queries",
+                     "prefix_cache_hits", "finished", "prompt_tokens", "generation_tokens",
+                     "step_seconds_buckets", "step_seconds_sum", "step_tokens_buckets",
+                     "step_tokens_sum", "num_refused_messages", "request_phases")
 
 
 def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
@@ -85,8 +91,7 @@ class Engines:
         return engine if sum(self.alive) > 1 else None
 
     def take_down(self, engine: int) -> None:
-        self.alive[engine] = False
-        self.stats[engine] = None
+        self.alive[engine] = False  # its last stats stay, for the cumulative counts
 
     def record(self, stats: SchedulerStats) -> None:
         if 0 <= stats.engine < self.num_engines and self.alive[stats.engine]:
@@ -97,10 +102,17 @@ class Engines:
         live = [s for s, alive in zip(self.stats, self.alive, strict=True) if alive]
         if not live or any(s is None for s in live):
             return None
-        return combine_stats([s for s in live if s is not None])
+        total = combine_stats([s for s in live if s is not None])
+        gone = [s for s, alive in zip(self.stats, self.alive, strict=True)
+                if not alive and s is not None]
+        if not gone:
+            return total
+        return dataclasses.replace(total, **{f: _add([getattr(s, f) for s in (total, *gone)])
+                                             for f in CUMULATIVE_FIELDS})
 
     def loads(self) -> list[int]:
-        return [s.load_tokens if s is not None else 0 for s in self.stats]
+        return [s.load_tokens if s is not None and alive else 0
+                for s, alive in zip(self.stats, self.alive, strict=True)]
 
 
 class StageLinks:

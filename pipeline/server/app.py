@@ -329,9 +329,12 @@ class FrontEnd:
             return ApiError(503, f"the engine is unavailable: {h.problem}", None,
                             "service_unavailable", headers={"Retry-After": "5"})
         waiting = h.stats.num_waiting if h.stats is not None else 0
-        slots = h.stats.num_slots if h.stats is not None else 0
-        share = math.ceil((slots + self.options.max_waiting) / max(1, self.options.api_workers))
-        if waiting >= self.options.max_waiting or self.num_admitted >= share:
+        slots = h.stats.num_slots if h.stats is not None else 0  # of every engine serving
+        status = self.client.status
+        engines = sum(status.engines_alive) if status is not None and status.engines_alive else 1
+        room = self.options.max_waiting * engines  # --max-waiting is each engine's
+        share = math.ceil((slots + room) / max(1, self.options.api_workers))
+        if waiting >= room or self.num_admitted >= share:
             return ApiError(503, f"the engine is overloaded ({waiting} sequences waiting, "
                                  f"{self.num_admitted} requests in this worker); retry "
                                  "shortly", None, "service_unavailable",

@@ -18,13 +18,8 @@ import zmq
 from ipc.channels import PushChannel
 from ipc.config import ConfigError, parse_bytes
 from ipc.messages import ForgetClient, SchedulerStats
-from pipeline.runtime.launcher import (
-    MAX_RESTARTS,
-    RESTART_WINDOW_S,
-    Pipeline,
-    RestartPolicy,
-    StartupError,
-)
+from pipeline.runtime.launcher import Pipeline, StartupError
+from pipeline.runtime.restarts import MAX_RESTARTS, RESTART_WINDOW_S, RestartPolicy
 from pipeline.server.app import ServerOptions
 from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
@@ -95,7 +90,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                 print(f"warning: API worker {rank} exited (code {w.exitcode}); its open "
                       f"connections are closed, its requests aborted; starting it again in "
                       f"{delay:.1f} s", file=sys.stderr, flush=True)
-                _forget_worker(run_dir, rank, to_schedulers)
+                _forget_worker(run_dir, rank, to_schedulers, pipe.status().engines_alive)
                 due[rank] = time.monotonic() + delay
             for rank, when in list(due.items()):
                 if time.monotonic() >= when:
@@ -155,7 +150,8 @@ class EngineStatsLog:
                 f"idle {now.device_idle_fraction:.1%}")
 
 
-def _forget_worker(run_dir: str, rank: int, to_schedulers: list[PushChannel]) -> None:
+def _forget_worker(run_dir: str, rank: int, to_schedulers: list[PushChannel],
+                   alive: list[bool]) -> None:
     """A dead worker's requests would run on for nobody: the scheduler aborts them (by the
     reply address its ready file names) and refuses any still on their way."""
     path = ready_file(run_dir, rank)
@@ -164,8 +160,9 @@ def _forget_worker(run_dir: str, rank: int, to_schedulers: list[PushChannel]) ->
     except (OSError, ValueError, KeyError):
         return  # it died before it was ready: it had sent nothing
     path.unlink()
-    for chan in to_schedulers:  # the worker's requests may be on any engine
-        chan.send(ForgetClient(reply_to))
+    for chan, is_alive in zip(to_schedulers, alive, strict=True):  # on any engine serving
+        if is_alive:
+            chan.send(ForgetClient(reply_to))
 
 
 def _wait_ready(workers: list[mp.process.BaseProcess], run_dir: str) -> None:

@@ -81,7 +81,8 @@ def dp(args: argparse.Namespace) -> int:
         args.model_dir = str(ensure_default_model())
     one, many, same = [], [], True
     for _ in range(args.repeat):  # interleaved, so slow drifts of a shared machine cancel out
-        (a, ids_a), (b, ids_b) = throughput_once(args, 1), throughput_once(args, args.data_parallel_size)
+        a, ids_a = throughput_once(args, 1)
+        b, ids_b = throughput_once(args, args.data_parallel_size)
         one.append(a)
         many.append(b)
         same = same and ids_a == ids_b

@@ -110,15 +110,18 @@ def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> N
 
 
 def check_devices(device: str, size: int) -> None:
-    """On CUDA the ranks take cuda:0 to cuda:K-1, one each: the machine must have them."""
+    """On CUDA the executors (tensor-parallel ranks × data-parallel engines) take cuda:0 to
+    cuda:N-1, one each: the machine must have them."""
     if not device.startswith("cuda"):
         return
+    what = ("--tensor-parallel-size × --data-parallel-size = "
+            f"{size} executor processes")
     if device not in ("cuda", "cuda:0"):  # (--device cuda reads as cuda:0)
-        raise ConfigError(f"--device {device} with --tensor-parallel-size {size}: the ranks "
-                          f"take cuda:0 to cuda:{size - 1}, one each; pass --device cuda")
+        raise ConfigError(f"--device {device} with {what}: they take cuda:0 to "
+                          f"cuda:{size - 1}, one each; pass --device cuda")
     if torch.cuda.device_count() < size:
-        raise ConfigError(f"--tensor-parallel-size {size} needs {size} CUDA devices, one per "
-                          f"rank; this machine has {torch.cuda.device_count()}")
+        raise ConfigError(f"{what} need {size} CUDA devices, one each; this machine has "
+                          f"{torch.cuda.device_count()}")
 
 
 def shard_spec(spec: ArchSpec, size: int) -> ArchSpec:
