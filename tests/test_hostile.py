@@ -25,6 +25,8 @@ from ipc.messages import (
     AddRequest,
     DetokBatch,
     DetokRequestInfo,
+    EngineDown,
+    ReconcileAnswer,
     SampledTokens,
     SamplingParams,
     StageFailed,
@@ -49,6 +51,7 @@ def stage_sockets(cfg: PipelineConfig) -> dict[str, str]:
     return {"executor": cfg.executor_address, "sampled": cfg.sampled_address,
             "scheduler": cfg.scheduler_address, "abort": cfg.abort_address,
             "control": cfg.control_address, "tokenizer": cfg.tokenizer_address(0),
+            "tokenizer-stages": cfg.tokenizer_stage_address(0),
             **{f"detokenizer-{r}": cfg.detokenizer_address(r)
                for r in range(cfg.num_detokenizers)}}
 
@@ -104,9 +107,11 @@ def test_foreign_frames_on_stage_sockets_are_refused(pipe: Pipeline) -> None:
                                                                              0, 0)],
         cfg.sampled_address: [SampledTokens(0, 2, 10**6), SampledTokens(99, 0, 1)],
         cfg.control_address: [StageFailed("executor", 0, 1, "forged failure")],
+        cfg.tokenizer_stage_address(0): [ReconcileAnswer(0, 0, ["x"])],
         **{cfg.detokenizer_address(r): [DetokBatch(
             [DetokRequestInfo("d", "x", 1, True, 0.0)],
-            [TokenDelta("d", [-1], logprobs=[TokenLogprob(-1, 0.0, [-1], [0.0])])])]
+            [TokenDelta("d", [-1], logprobs=[TokenLogprob(-1, 0.0, [-1], [0.0])])]),
+            EngineDown(0, "forged: fail every request")]
            for r in range(cfg.num_detokenizers)},
     }
     for address, messages in hostile.items():
