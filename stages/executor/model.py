@@ -191,6 +191,18 @@ class PackedLinear(nn.Module):
                                                   self.bias, "none", [], "")
 
 
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack weights of this dtype on this CPU: bf16 needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, which an AVX2-only CPU lacks (there F.linear runs it)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear below `model` by a PackedLinear; returns how many. (A tied
     lm_head gets a packed copy; the embedding keeps the plain matrix for its lookups.)"""

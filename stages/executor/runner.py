@@ -22,7 +22,7 @@ from ipc.step import staging_nbytes
 from stages.executor.attention import build_attention_metadata, build_flex_metadata
 from stages.executor.compile import CUDA_PAGE_MULTIPLE, CompileStats, compile_layers
 from stages.executor.graphs import DecodeGraphs
-from stages.executor.model import PagedLlama, load_model, pack_linears
+from stages.executor.model import PagedLlama, can_pack, load_model, pack_linears
 from stages.executor.parallel import TensorParallel, load_model_shard
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
@@ -245,8 +245,7 @@ class ModelRunner:
         model = (load_model(model_dir, dtype, device, limits.max_model_len) if tp is None
                  else load_model_shard(model_dir, dtype, device, limits.max_model_len, tp))
         if pack is None:
-            pack = (device.type == "cpu" and not compile
-                    and torch.backends.mkldnn.is_available())
+            pack = device.type == "cpu" and not compile and can_pack(dtype)
         if pack:
             pack_linears(model)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
