@@ -87,6 +87,20 @@ def test_overlap_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> N
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+def test_dp_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two engines against one (the same outputs), and the prefix-heavy load finding more of
+    its prefixes cached with prefix routing (the most it can: 1 of 2 rounds of 32 tokens)."""
+    out = tmp_path / "dp.json"
+    rc = bench.main(["dp", "--model", str(tiny_model_dir), "--device", "timed:1,0",
+                     "--batch", "4", "--output-len", "4", "--groups", "4", "--rounds", "2",
+                     "--prefix-len", "32", "--max-model-len", "256", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["identical_outputs"] is True and report["ratio"] > 0
+    hits = report["prefix_hit_rate"]
+    assert hits["prefix"][0] == pytest.approx(0.5 * 32 / 34)
+    assert hits["load"][0] < hits["prefix"][0]
+
+
 def test_serve_benchmark_reports_cache_hits_and_preemptions(tmp_path: Path) -> None:
     model = build_tiny_llama(tmp_path / "long", max_len=8192)
     out = tmp_path / "s.json"

@@ -54,7 +54,7 @@ def throughput_once(args: argparse.Namespace, num_engines: int) -> tuple[float, 
 def prefix_once(args: argparse.Namespace, router: str) -> tuple[float, float]:
     """A prefix-heavy load on D engines: --groups conversations, each a shared prefix of
     --prefix-len tokens, asked --rounds times (one request of each group at once, round
-    after round). Returns (prefix-cache hit rate of the prompt tokens, seconds)."""
+    after round, each round's arrivals in another order). Returns (prefix-cache hit rate of the prompt tokens, seconds)."""
     from pipeline.runtime.launcher import Pipeline
 
     vocab = ModelInfo.from_dir(args.model_dir).vocab_size
@@ -65,7 +65,8 @@ def prefix_once(args: argparse.Namespace, router: str) -> tuple[float, float]:
         client = pipe.client()
         start = time.perf_counter()
         for r in range(args.rounds):
-            prompts = [p + [5 + r, 6 + g % 7] for g, p in enumerate(prefixes)]
+            order = [(r + g) % args.groups for g in range(args.groups)]  # arrivals vary
+            prompts = [prefixes[g] + [5 + r, 6 + g % 7] for g in order]
             outs = client.generate(prompts, params)  # type: ignore[arg-type]
             if any(o.error for o in outs):
                 raise RuntimeError(f"benchmark requests failed: {outs[0].error}")
