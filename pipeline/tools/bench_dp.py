@@ -54,7 +54,8 @@ def throughput_once(args: argparse.Namespace, num_engines: int) -> tuple[float, 
 def prefix_once(args: argparse.Namespace, router: str) -> tuple[float, float]:
     """A prefix-heavy load on D engines: --groups conversations, each a shared prefix of
     --prefix-len tokens, asked --rounds times (one request of each group at once, round
-    after round, each round's arrivals in another order). Returns (prefix-cache hit rate of the prompt tokens, seconds)."""
+    after round, each round's arrivals in another order). Returns (prefix-cache hit rate
+    of the prompt tokens, seconds)."""
     from pipeline.runtime.launcher import Pipeline
 
     vocab = ModelInfo.from_dir(args.model_dir).vocab_size
