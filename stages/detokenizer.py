@@ -87,7 +87,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.requests: dict[str, list[_SampleState]] = {}
         self.stopped: list[StopSample] = []
-        self.dead_engines: set[int] = set()
+        self.dead_engines: dict[int, str] = {}  # engine -> why its requests failed
 
     def feed(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
         if batch.engine in self.dead_engines:  # sent before it died: its requests failed
@@ -130,8 +130,8 @@ class Detokenizer:
         by_client: dict[str, list[RequestOutput]] = {}
         for info in batch.new_requests:
             by_client.setdefault(info.reply_to, []).append(RequestOutput.refusal(
-                info.request_id, ErrorKind.UNAVAILABLE, f"engine {batch.engine} stopped while "
-                "it held this request; send it again", None, info.num_prompt_tokens))
+                info.request_id, ErrorKind.UNAVAILABLE, self.dead_engines[batch.engine], None,
+                info.num_prompt_tokens))
         return by_client
 
     def engine_of(self, request_id: str) -> int:
@@ -142,7 +142,7 @@ class Detokenizer:
     def fail_engine(self, engine: int, message: str) -> dict[str, list[RequestOutput]]:
         """Engine `engine` died: each request it ran ends with an `unavailable` error in place
         of the rest of its output (a client ignores what follows a sample's final output)."""
-        self.dead_engines.add(engine)
+        self.dead_engines[engine] = message
         by_client: dict[str, list[RequestOutput]] = {}
         for rid, samples in list(self.requests.items()):
             if samples[0].engine == engine:

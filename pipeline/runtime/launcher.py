@@ -236,7 +236,6 @@ class Pipeline:
         a second, answer remote clients' requests for the endpoints. The sockets are this
         thread's from here on."""
         self._sentinels = {p.sentinel: name for name, p in self.procs.items()}
-        self._failure_message = "no message"  # the latest StageFailed's
         next_status = 0.0
         links = StageLinks(self._zmq, self.cfg)
         try:
