@@ -9,7 +9,7 @@ the same way (local clients read it from the private run directory, remote ones 
 
 All addresses of one pipeline come from one run directory (mode 0700), so two pipelines on one
 machine never collide. (Clients on other hosts reach it over `tcp://` with the key: see
---listen; stages on other hosts are not wired up yet.)
+--listen; stages on other hosts over `tcp://` too, with the stage key: see --stage-key.)
 """
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ipc.codec import Codec, ProtocolError, encode
 from ipc.messages import Message
+
+if TYPE_CHECKING:
+    from ipc.config import PipelineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +159,18 @@ def listen_tcp(inbox: PullChannel, host: str, port: int = 0) -> dict[str, int]:
     return {"tcp_port": inbox.socket.bind_to_random_port(f"tcp://{host}")}
 
 
+def stage_listen(inbox: PullChannel, cfg: PipelineConfig, port: int = 0) -> int:
+    """When stages on other hosts may join (cfg.accepts_stages), a stage's inbox from the
+    other stages also listens on a tcp:// port of the listen host (`port`, a restarted
+    stage's predecessor's, or any free one): the port (else 0)."""
+    if not cfg.accepts_stages:
+        return 0
+    if port:
+        inbox.socket.bind(f"tcp://{cfg.listen_host}:{port}")
+        return port
+    return inbox.socket.bind_to_random_port(f"tcp://{cfg.listen_host}")
+
+
 class SubChannel(PullChannel):
     """Receives everything a PUB socket publishes (the launcher's status), decoded alike.
     A subscriber that connects late misses what was published before: status is periodic."""
@@ -168,7 +184,7 @@ class SubChannel(PullChannel):
 
 
 __all__ = ["ForeignFrame", "ProtocolError", "PullChannel", "PushChannel", "SubChannel",
-           "listen_tcp", "make_run_dir"]
+           "listen_tcp", "make_run_dir", "stage_listen"]
 
 
 class ReplySockets:

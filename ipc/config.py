@@ -11,6 +11,8 @@ LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -213,6 +215,24 @@ class EngineLimits:
         return self.max_num_seqs * (MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
 
 
+def derive_run_secret(stage_key: str, run_id: str) -> bytes:
+    """The secret every frame between the stages of run `run_id` starts with, when stages may
+    join from other hosts: each side derives it from the stage key it holds."""
+    mac = hmac.new(stage_key.encode(), f"llm-pipeline run secret {run_id}".encode(),
+                   hashlib.sha256)
+    return mac.digest()[:16]
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """What a joining stage's model folder must share with the launcher's: its config and
+    its tokenizer (a hash of config.json and tokenizer.json; the weights are not read)."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        file = Path(path) / name
+        digest.update(file.read_bytes() if file.is_file() else b"-")
+    return digest.hexdigest()[:16]
+
+
 ENDPOINTS_FILE = "pipeline.json"
 
 
@@ -230,6 +250,9 @@ class Endpoints:
     status: str  # the launcher's status publisher
     reply: str  # where a client binds its reply socket: an ipc:// prefix, or "tcp://"
     key: str = ""  # PipelineConfig.client_key: every frame a client sends starts with it
+    # The rank of each of `tokenizers` (empty: 0, 1, ...): stages that joined from other
+    # hosts come after the launcher's own, and one that left leaves a gap.
+    tokenizer_ranks: tuple[int, ...] = ()
 
     def save(self, run_dir: str) -> Path:
         path = Path(run_dir) / ENDPOINTS_FILE
@@ -246,6 +269,7 @@ class Endpoints:
         fields = json.loads(text)
         fields["tokenizers"] = tuple(fields["tokenizers"])
         fields["schedulers"] = tuple(fields["schedulers"])
+        fields["tokenizer_ranks"] = tuple(fields.get("tokenizer_ranks", ()))
         return cls(**fields)
 
     @classmethod
@@ -282,6 +306,12 @@ class PipelineConfig:
     data_parallel_size: int = 1
     engine: int = 0
     router: str = "prefix"  # how tokenizers pick an engine: "prefix" or "load" (stages/router.py)
+    # Stages on other hosts (pipeline/runtime/remote.py) may join a run that has --listen and
+    # this key; they prove they hold it, and the run's secret is derived from it
+    # (derive_run_secret), so the secret itself never crosses the network in a join.
+    stage_key: str = ""
+    # In a stage that joined from another host: the launcher's tcp:// status publisher.
+    launcher_status: str = ""
 
     def for_engine(self, engine: int) -> PipelineConfig:
         """The config a stage of engine `engine` runs with: its addresses and rings."""
@@ -290,6 +320,45 @@ class PipelineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model.path).name
+
+    @property
+    def accepts_stages(self) -> bool:
+        """Whether stages on other hosts may join (--listen and --stage-key): then every
+        stage's inbox from the other stages also listens on tcp://."""
+        return bool(self.listen_host and self.stage_key)
+
+    # Fields a joining stage gets from the launcher: not the run's private paths and
+    # secrets (its own run directory; the secret it derives), not the launcher's host.
+    _LOCAL_FIELDS = ("run_dir", "trace_dir", "run_secret", "stage_key", "listen_host",
+                     "launcher_status")
+
+    def to_wire(self) -> dict[str, object]:
+        """This run's config as JSON-able values, for a stage that joins from another host."""
+        fields = dataclasses.asdict(self)
+        for name in self._LOCAL_FIELDS:
+            del fields[name]
+        return fields
+
+    @classmethod
+    def from_wire(cls, fields: dict[str, object], model_path: str, **local: object
+                  ) -> PipelineConfig:
+        """A joining stage's config: the launcher's (to_wire), its own model folder (which
+        must hold the same model: model_fingerprint) and its local fields."""
+        values = dict(fields)
+        try:
+            model = dict(values.pop("model"))  # type: ignore[call-overload]
+            model["path"] = model_path
+            model["eos_token_ids"] = tuple(model["eos_token_ids"])
+            sched = dict(values.pop("scheduler"))  # type: ignore[call-overload]
+            sched["priority_range"] = tuple(sched["priority_range"])
+            execu = dict(values.pop("executor"))  # type: ignore[call-overload]
+            if execu.get("timed") is not None:
+                execu["timed"] = tuple(execu["timed"])
+            return cls(ModelInfo(**model), SchedulerConfig(**sched), ExecutorConfig(**execu),
+                       **values, **local)  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"the launcher sent a config this version cannot read: {exc}"
+                              ) from None
 
     @property
     def endpoints(self) -> Endpoints:
@@ -360,7 +429,7 @@ class PipelineConfig:
 
     @property
     def status_address(self) -> str:
-        return self.address("status")
+        return self.launcher_status or self.address("status")
 
     def detokenizer_address(self, rank: int) -> str:
         return self.address(f"detokenizer-{rank}")

@@ -250,6 +250,21 @@ class EngineDown(Message):
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Members(Message):
+    """From the launcher to every stage, when a stage joined from another host or one that
+    had joined left: where each stage's inbox is, by engine or rank ("" where none serves).
+    A stage sends to these, never to a list of its own; a later epoch replaces the whole."""
+
+    TAG: ClassVar[int] = 19
+    epoch: int
+    engines: list[str]  # each engine's scheduler inbox
+    tokenizers: list[str]  # each tokenizer worker's stage inbox (ReconcileAnswer)
+    detokenizers: list[str]
+    # On the launcher's host: it can reach the ipc:// reply sockets of local clients.
+    local_detokenizers: list[bool]
+
+
 # ---------------------------------------------------------------- detokenizer -> scheduler
 
 
@@ -462,6 +477,16 @@ class StageReady(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class StageAlive(Message):
+    """From a stage on another host, every HEARTBEAT_S: it still runs (the launcher cannot
+    watch its process; one silent for REMOTE_SILENCE_S is gone)."""
+
+    TAG: ClassVar[int] = 20
+    stage: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class StageFailed(Message):
     """A stage is about to die; message says why."""
 
@@ -543,6 +568,10 @@ class PipelineStatus(Message):
     # whether it serves (an engine whose scheduler or executor died does not come back).
     engine_loads: list[int] = field(default_factory=list)
     engines_alive: list[bool] = field(default_factory=list)
+    # Stages that joined from other hosts, for remote clients: "tokenizer:R" -> its tcp://
+    # request inbox, "scheduler:E" -> its tcp:// abort inbox.
+    joined: dict[str, str] = field(default_factory=dict)
+    stopping: bool = False  # the launcher is stopping the pipeline: stages that joined stop
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
@@ -552,6 +581,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     EngineReconcile,
     ReconcileAnswer,
     EngineDown,
+    Members,
     ForgetClient,
     StageRestarted,
     StopSample,
@@ -561,6 +591,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     StepPlan,
     SampledTokens,
     StageReady,
+    StageAlive,
     StageFailed,
     SchedulerStats,
     PipelineStatus,

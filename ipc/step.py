@@ -94,7 +94,7 @@ class StepRings:
     def unlink_names(cfg: PipelineConfig) -> None:
         """Remove both names of every engine of a run without mapping them (the launcher, an
         orphaned stage); safe whether or not they exist."""
-        for engine in range(cfg.data_parallel_size):
+        for engine in {*range(cfg.data_parallel_size), cfg.engine}:  # (one that joined)
             engine_cfg = cfg.for_engine(engine)
             for name in (engine_cfg.step_ring_name, engine_cfg.sampled_ring_name):
                 unlink_segment(name)

@@ -98,6 +98,10 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="the key remote clients must give (default: $LLM_PIPELINE_KEY, else "
                         "a fresh one, printed). It authenticates, it does not encrypt: on an "
                         "untrusted network, tunnel the ports (ssh, WireGuard)")
+    p.add_argument("--stage-key", default=d(None), metavar="KEY",
+                   help="with --listen: stages on other hosts that give this key may join "
+                        "(run_pipeline stage ...; default: $LLM_PIPELINE_STAGE_KEY, else none "
+                        "may). Authenticates, does not encrypt, like --listen-key")
 
 
 USAGE = """An LLM inference engine: tokenizer, scheduler, executor and detokenizer processes,
@@ -106,6 +110,8 @@ continuous batching over a paged KV cache, the scheduler one step ahead of the d
   run_pipeline                      a short demo on the default model (SmolLM2-135M-Instruct)
   run_pipeline generate --prompt P  answers for prompts (--prompts-file F, --json, --chat)
   run_pipeline serve --port 8000    the OpenAI-compatible HTTP API
+  run_pipeline stage engine --connect tcp://HOST:PORT
+                                    a stage on this host joins a pipeline on another one
   run_pipeline bench --help         the benchmarks (scripts/bench)
 
 Each command's own options: run_pipeline COMMAND --help."""
@@ -120,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tracebacks and debug logs of every stage (default: one line "
                              "per error)")
     add_global_options(parser, suppress=False)
-    sub = parser.add_subparsers(dest="command", metavar="{generate,serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,stage}")
     gen = sub.add_parser("generate", help="answers for prompts, printed as each one finishes",
                          formatter_class=_Help)
     add_global_options(gen, suppress=True)
@@ -139,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=_Help)
     add_global_options(serve, suppress=True)
     add_serve_options(serve)
+    stage = sub.add_parser(
+        "stage", formatter_class=argparse.HelpFormatter,
+        help="run a stage here that joins a pipeline on another host over tcp://",
+        description="Join a running pipeline (started with --listen HOST --stage-key KEY) as "
+                    "one more engine (a scheduler and its executor: a whole model, routed to "
+                    "like --data-parallel-size's), tokenizer or detokenizer worker. It serves "
+                    "until that pipeline stops, and leaves it if stopped (Ctrl-C, SIGTERM).")
+    stage.add_argument("kind", choices=["engine", "tokenizer", "detokenizer"])
+    stage.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                       help="the pipeline address the launcher printed")
+    stage.add_argument("--stage-key", default=None, metavar="KEY",
+                       help="the pipeline's --stage-key (default: $LLM_PIPELINE_STAGE_KEY)")
+    stage.add_argument("--model", default=None,
+                       help="this host's copy of the pipeline's model folder (default: the "
+                            "default model, as the pipeline's)")
+    stage.add_argument("--listen", default=None, metavar="HOST",
+                       help="the address of this host the other stages reach it on (default: "
+                            "the one that routes to the pipeline)")
     return parser
 
 
@@ -279,6 +303,42 @@ def client_key(given: str | None) -> str:
     return key
 
 
+def stage_key(given: str | None) -> str:
+    """--stage-key, else $LLM_PIPELINE_STAGE_KEY, else "" (no stage may join)."""
+    from pipeline.runtime.remote import STAGE_KEY_ENV
+
+    key = given if given is not None else os.environ.get(STAGE_KEY_ENV, "")
+    if key and len(key) < 16:
+        raise ConfigError(f"the stage key (--stage-key or ${STAGE_KEY_ENV}) must be at least "
+                          "16 characters")
+    return key
+
+
+def run_stage_command(args: argparse.Namespace) -> int:
+    """`run_pipeline stage KIND --connect ADDRESS`: join, serve, leave."""
+    from pipeline.runtime.remote import STAGE_KEY_ENV, run_joined
+    from pipeline.runtime.roster import JoinError
+
+    key = stage_key(args.stage_key)
+    if not key:
+        raise ConfigError(f"joining needs the pipeline's stage key: --stage-key or "
+                          f"${STAGE_KEY_ENV}")
+    if not args.connect.startswith("tcp://"):
+        raise ConfigError(f"--connect {args.connect}: give the tcp://HOST:PORT the pipeline "
+                          "printed")
+    if args.model is None:
+        from pipeline.tools.model_cache import ensure_default_model
+
+        model = str(ensure_default_model())
+    else:
+        model = str(ModelInfo.from_dir(args.model).path)
+    try:
+        return run_joined(args.connect, args.kind, key, model, listen_host(args.listen) or None)
+    except JoinError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     if args.model is None:
         from pipeline.tools.model_cache import ensure_default_model
@@ -299,7 +359,7 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         data_parallel_size=args.data_parallel_size, router=args.router,
         served_model_name=getattr(args, "served_model_name", None) or "",
         listen_host=listen_host(args.listen),
-        client_key=client_key(args.listen_key))
+        client_key=client_key(args.listen_key), stage_key=stage_key(args.stage_key))
 
 
 def read_prompts(args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -494,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally: stop all
     pipe: Pipeline | None = None
     try:
+        if args.command == "stage":
+            return run_stage_command(args)
         cfg = build_config(args)
         if args.command == "generate":  # what can be checked is, before anything starts
             check_generate(args, cfg.model.vocab_size)
@@ -506,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
                     f" key: {pipe.cfg.client_key}")
                 print(f"pipeline address: {pipe.address}{key} (PipelineClient.connect(address, "
                       "key=...))", flush=True)
+                if pipe.cfg.accepts_stages:
+                    print(f"stages on other hosts join with: run_pipeline stage "
+                          f"engine|tokenizer|detokenizer --connect {pipe.address}", flush=True)
             client = pipe.client()
             if args.command == "generate":
                 return run_generate(client, args)

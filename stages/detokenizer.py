@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from ipc.channels import PullChannel, PushChannel, ReplySockets
+from ipc.channels import PullChannel, ReplySockets, stage_listen
 from ipc.codec import Codec
 from ipc.config import PipelineConfig
 from ipc.messages import (
@@ -19,12 +19,14 @@ from ipc.messages import (
     EngineDown,
     ErrorKind,
     FinishReason,
+    Members,
     RequestOutput,
     RequestOutputs,
     StopSample,
     TokenDelta,
     TokenLogprob,
 )
+from stages.peers import Peers, local_members
 from stages.process import stage_process
 from stages.trace import now_ns
 
@@ -294,18 +296,24 @@ class Detokenizer:
         return out
 
 
-def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
+def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int,
+                    members: Members | None = None, stage_port: int = 0) -> None:
+    """members: the stages to send to, when others joined from other hosts (default: the
+    run's own). stage_port: a restarted worker's predecessor's (see stage_listen)."""
     with stage_process("detokenizer", rank, cfg, parent_pid) as ctx:
         core = Detokenizer(Tokenizer.from_file(f"{cfg.model.path}/tokenizer.json"))
-        inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank), Codec([DetokBatch, EngineDown]),
-                            bind=True, secret=cfg.run_secret)
+        inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank),
+                            Codec([DetokBatch, EngineDown, Members]), bind=True,
+                            secret=cfg.run_secret)
         replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
-        engines = [PushChannel(ctx.zmq, address, bind=False, secret=cfg.run_secret)
-                   for address in cfg.scheduler_addresses()]
-        ctx.ready()
+        engines = Peers(ctx.zmq, cfg.run_secret, members or local_members(cfg))
+        ctx.ready(stage_port=stage_listen(inbox, cfg, stage_port))
         while not ctx.stop.is_set():
             batch = inbox.recv_valid(100)
             if batch is None:
+                continue
+            if isinstance(batch, Members):
+                engines.update(batch)
                 continue
             if isinstance(batch, EngineDown):
                 logger.warning("engine %d is down: failing its requests", batch.engine)
@@ -316,9 +324,10 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
             start = now_ns()
             outputs_by_client = core.feed(batch)
             for stop in core.stopped:  # first, so the scheduler frees them a step sooner
-                engines[core.engine_of(stop.request_id)].send(stop)
+                engines.to_engine(core.engine_of(stop.request_id), stop)
             core.stopped.clear()
             for address, outputs in outputs_by_client.items():
                 replies.send(address, RequestOutputs(outputs))
             ctx.tracer.span("detokenize", start, now_ns(), args={"deltas": len(batch.deltas)})
         replies.close()
+        engines.close()

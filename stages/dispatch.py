@@ -51,12 +51,14 @@ class Dispatcher:
     """Pure: sockets are the callables. send(engine, msg) reaches an engine's scheduler;
     reply(address, outputs) reaches a client."""
 
-    def __init__(self, router: EngineRouter, rank: int, send: Callable[[int, Message], None],
+    def __init__(self, router: EngineRouter, rank: int, send: Callable[[int, Message], object],
                  reply: Callable[[str, RequestOutputs], object],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.router, self.rank = router, rank
         self._send, self._reply, self._clock = send, reply, clock
-        self.alive = [True] * router.num_engines
+        self.alive = [True] * router.num_engines  # as the status says (down for good)
+        self.up = [True] * router.num_engines  # the roster names its address
+        self.serving = [True] * router.num_engines  # both: it is routed to
         # (time, engine, request id, reply address) of each request sent lately: what an
         # engine that dies may hold before its detokenizer knows of it (EngineDown).
         self._recent: deque[tuple[float, int, str, str]] = deque()
@@ -79,16 +81,36 @@ class Dispatcher:
                 self._recent.popleft()
         self._send(engine, req)
 
+    def set_engines(self, up: Sequence[bool]) -> None:
+        """The engines the roster names (Members): one that joined from another host is
+        routed to once its address is known; one that left is down."""
+        extra = len(up) - len(self.alive)
+        if extra > 0:
+            self.router.grow(len(up))
+            self.alive += [True] * extra
+            self.serving += [False] * extra
+        self.up = [bool(x) for x in up] + [False] * (len(self.alive) - len(up))
+        self._apply(list(self.router.loads))
+
     def set_status(self, loads: Sequence[int], alive: Sequence[bool]) -> None:
         """The engines' published loads and liveness; an engine seen dead for the first
-        time fails the requests sent to it lately."""
-        if len(alive) != len(self.alive):
-            return  # not a data-parallel status (or a stale one)
-        self.router.set_loads(loads, alive)
-        for engine, is_alive in enumerate(alive):
-            if self.alive[engine] and not is_alive:
+        time fails the requests sent to it lately. (An engine the status names before this
+        worker's roster does waits for the roster: its address comes with it.)"""
+        n = len(self.alive)
+        if len(alive) < n or len(loads) < n:
+            return  # a stale status, from before an engine joined
+        # (An engine down stays down: engines are not started again.)
+        self.alive = [a and bool(b) for a, b in zip(self.alive, alive[:n], strict=True)]
+        self._apply(loads[:n])
+
+    def _apply(self, loads: Sequence[int]) -> None:
+        """An engine serves while it is alive and the roster has its address."""
+        serving = [a and u for a, u in zip(self.alive, self.up, strict=True)]
+        self.router.set_loads(loads, serving)
+        for engine, now_serving in enumerate(serving):
+            if self.serving[engine] and not now_serving:
                 self._engine_down(engine)
-        self.alive = list(alive)
+        self.serving = serving
 
     def _engine_down(self, engine: int) -> None:
         logger.warning("engine %d is down: failing the requests sent to it lately", engine)
@@ -106,7 +128,7 @@ class Dispatcher:
         """Ask every live engine which of the ids it holds, behind every request this worker
         forwarded to it first; the answers decide which ids were lost."""
         nonce = next(self._nonces)
-        waiting = {e for e, is_alive in enumerate(self.alive) if is_alive}
+        waiting = {e for e, serving in enumerate(self.serving) if serving}
         self._pending[nonce] = _PendingReconcile(msg.reply_to, list(msg.request_ids), waiting,
                                                  self._clock() + RECONCILE_TIMEOUT_S)
         for engine in waiting:
@@ -140,6 +162,6 @@ class Dispatcher:
                 self._reply(pending.reply_to, error_output(
                     rid, ErrorKind.UNAVAILABLE, f"tokenizer:{self.rank} stopped while it held "
                     "this request, which was not run; send it again"))
-                for engine, is_alive in enumerate(self.alive):  # should one hold it after all
-                    if is_alive:
+                for engine, serving in enumerate(self.serving):  # should one hold it after all
+                    if serving:
                         self._send(engine, AbortRequest(rid))

@@ -60,6 +60,15 @@ class EngineRouter:
         self._alive = [True] * num_engines
         self._table: OrderedDict[int, int] = OrderedDict()
 
+    def grow(self, num_engines: int) -> None:
+        """Engines joined (from another host): they start empty and alive."""
+        extra = num_engines - self.num_engines
+        if extra > 0:
+            self._base += [0] * extra
+            self._added += [0] * extra
+            self._alive += [True] * extra
+            self.num_engines = num_engines
+
     @property
     def loads(self) -> tuple[int, ...]:
         """The current estimate: published load plus local additions, per engine."""

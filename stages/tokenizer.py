@@ -11,13 +11,14 @@ from typing import Any
 
 import zmq
 
-from ipc.channels import PullChannel, PushChannel, ReplySockets, SubChannel, listen_tcp
+from ipc.channels import PullChannel, ReplySockets, SubChannel, listen_tcp, stage_listen
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
 from ipc.messages import (
     AddRequest,
     ChatMessage,
     ErrorKind,
+    Members,
     Message,
     PipelineStatus,
     Reconcile,
@@ -29,6 +30,7 @@ from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, 
 from stages.chat_template import render
 from stages.dispatch import Dispatcher, error_output
 from stages.grammar import Grammars
+from stages.peers import Peers, local_members
 from stages.process import StageContext, stage_process
 from stages.router import EngineRouter
 from stages.trace import now_ns
@@ -136,10 +138,11 @@ def forward_reconcile(msg: Reconcile, rank: int, dispatcher: Dispatcher,
 
 class TokenizerShell:
     """The sockets around a TokenizerCore: clients' requests in; tokenized ones out to the
-    engines (a Dispatcher); the engines' answers and, with several engines, the launcher's
-    status (their loads and liveness) in."""
+    engines (a Dispatcher); the engines' answers, the launcher's roster (Members) and, with
+    several engines (or room for more), the launcher's status (their loads and liveness) in."""
 
-    def __init__(self, ctx: StageContext, cfg: PipelineConfig, rank: int, tcp_port: int) -> None:
+    def __init__(self, ctx: StageContext, cfg: PipelineConfig, rank: int, tcp_port: int,
+                 members: Members | None = None, stage_port: int = 0) -> None:
         self.cfg, self.rank, self.ctx = cfg, rank, ctx
         self.core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
                                   cfg.scheduler.priority_range, cfg.model.eos_token_ids)
@@ -147,21 +150,23 @@ class TokenizerShell:
                                  Codec([AddRequest, Reconcile]), bind=True,
                                  secret=cfg.client_key.encode())
         self.answers = PullChannel(ctx.zmq, cfg.tokenizer_stage_address(rank),
-                                   Codec([ReconcileAnswer]), bind=True, secret=cfg.run_secret)
-        self.engines = [PushChannel(ctx.zmq, address, bind=False, secret=cfg.run_secret)
-                        for address in cfg.scheduler_addresses()]
+                                   Codec([ReconcileAnswer, Members]), bind=True,
+                                   secret=cfg.run_secret)
+        self.engines = Peers(ctx.zmq, cfg.run_secret, members or local_members(cfg))
         self.replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
-        router = EngineRouter(cfg.data_parallel_size, cfg.scheduler.block_size, cfg.router)
-        self.dispatcher = Dispatcher(router, rank, lambda e, msg: self.engines[e].send(msg),
-                                     self.replies.send)
+        router = EngineRouter(self.engines.num_engines, cfg.scheduler.block_size, cfg.router)
+        self.dispatcher = Dispatcher(router, rank, self.engines.to_engine, self.replies.send)
+        self.dispatcher.set_engines([self.engines.engine_up(e)
+                                     for e in range(self.engines.num_engines)])
         self.poller = zmq.Poller()
         for chan in (self.inbox, self.answers):
             self.poller.register(chan.socket, zmq.POLLIN)
         self.status: SubChannel | None = None
-        if cfg.data_parallel_size > 1:  # the router balances by the engines' loads
+        if cfg.data_parallel_size > 1 or cfg.accepts_stages:  # the router balances by load
             self.status = SubChannel(ctx.zmq, cfg.status_address, Codec([PipelineStatus]))
             self.poller.register(self.status.socket, zmq.POLLIN)
-        ctx.ready(**listen_tcp(self.inbox, cfg.listen_host, tcp_port))
+        ctx.ready(**listen_tcp(self.inbox, cfg.listen_host, tcp_port),
+                  stage_port=stage_listen(self.answers, cfg, stage_port))
 
     def run_once(self) -> None:
         events = dict(self.poller.poll(100))
@@ -171,6 +176,10 @@ class TokenizerShell:
                 self.dispatcher.set_status(status.engine_loads, status.engines_alive)
         if self.answers.socket in events:
             while (answer := self.answers.recv_valid(0)) is not None:
+                if isinstance(answer, Members):
+                    if self.engines.update(answer):
+                        self.dispatcher.set_engines([bool(a) for a in answer.engines])
+                    continue
                 assert isinstance(answer, ReconcileAnswer)
                 self.dispatcher.on_answer(answer)
         self.dispatcher.expire()
@@ -199,13 +208,16 @@ class TokenizerShell:
         self.ctx.tracer.span("tokenize", start, now_ns())
 
 
-def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int, tcp_port: int = 0) -> None:
-    """tcp_port: with --listen, the port to take remote clients on (a restarted worker's
-    predecessor's; 0: any)."""
+def run_tokenizer(cfg: PipelineConfig, rank: int, parent_pid: int, tcp_port: int = 0,
+                  members: Members | None = None, stage_port: int = 0) -> None:
+    """tcp_port, stage_port: with --listen, the ports to take remote clients and stages on
+    (a restarted worker's predecessor's; 0: any). members: the stages to send to, when
+    others joined from other hosts (default: the run's own)."""
     with stage_process("tokenizer", rank, cfg, parent_pid) as ctx:
-        shell = TokenizerShell(ctx, cfg, rank, tcp_port)
+        shell = TokenizerShell(ctx, cfg, rank, tcp_port, members, stage_port)
         if shell.core.grammars is not None:
             shell.core.grammars.warm()
         while not ctx.stop.is_set():
             shell.run_once()
         shell.replies.close()
+        shell.engines.close()

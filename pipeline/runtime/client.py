@@ -35,6 +35,7 @@ from ipc.messages import (
     AbortRequest,
     AddRequest,
     ChatMessage,
+    ErrorKind,
     PipelineStatus,
     Reconcile,
     RequestOutput,
@@ -76,13 +77,17 @@ def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
         raise PipelineError(f"the pipeline at {address} refused the key (give the one it "
                             "printed at start-up, or its --listen-key)")
     remote = Endpoints.from_json(answer.decode())
-    # Reach every socket by the host this address reached (the pipeline's own name for
-    # itself may be one only it resolves, or localhost).
-    host = _host_of(address)
+    # Reach the launcher's host by the name this address reached (the pipeline's own name
+    # for itself may be one only it resolves, or localhost); stages that joined from other
+    # hosts by theirs.
+    host, own = _host_of(address), _host_of(remote.status)
+
+    def reach(a: str) -> str:
+        return _with_host(a, host) if _host_of(a) == own else a
+
     return dataclasses.replace(
-        remote, tokenizers=tuple(_with_host(a, host) for a in remote.tokenizers),
-        schedulers=tuple(_with_host(a, host) for a in remote.schedulers),
-        status=_with_host(remote.status, host))
+        remote, tokenizers=tuple(map(reach, remote.tokenizers)),
+        schedulers=tuple(map(reach, remote.schedulers)), status=reach(remote.status))
 
 
 def _host_of(address: str) -> str:
@@ -149,15 +154,19 @@ class PipelineClient:
         self._connected_at = self._status_at = time.monotonic()
         # One socket per tokenizer worker, taken in turn: the client knows which one holds
         # each request, so when one is restarted it can ask which of its requests were lost.
-        key = endpoints.key.encode()
-        self._tokenizers = [PushChannel(self._ctx, address, bind=False, secret=key)
-                            for address in endpoints.tokenizers]
+        self._key = key = endpoints.key.encode()
+        ranks = endpoints.tokenizer_ranks or range(len(endpoints.tokenizers))
+        self._tokenizers = {rank: PushChannel(self._ctx, address, bind=False, secret=key)
+                            for rank, address in zip(ranks, endpoints.tokenizers, strict=True)}
+        self._turns = list(self._tokenizers)  # the ranks requests go to, in turn
         self._next_tokenizer = 0
         self._restarts: dict[str, int] | None = None  # as last seen: "tokenizer:k" -> count
         # An abort goes to every engine: only the tokenizer that routed a request knows which
         # holds it, and an engine that does not know the id remembers it for a while.
-        self._aborts = [PushChannel(self._ctx, address, bind=False, secret=key)
-                        for address in endpoints.schedulers]
+        self._aborts: list[PushChannel | None] = [
+            PushChannel(self._ctx, address, bind=False, secret=key)
+            for address in endpoints.schedulers]
+        self._joined: set[str] = set()  # stages from other hosts this client follows
         self._send_lock = threading.Lock()
         # request id -> (deliver, samples still running, the tokenizer it was sent to)
         self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int, int]] = {}
@@ -231,6 +240,7 @@ class PipelineClient:
                     assert isinstance(status, PipelineStatus)
                     self.status, self._status_at = status, time.monotonic()
                     self._reconcile(status.restarts)
+                    self._follow_joined(status)
             if self._inbox.socket not in events:
                 continue
             msg = self._inbox.recv_valid(0)
@@ -255,7 +265,7 @@ class PipelineClient:
                 continue
             self._restarts[name] = count
             rank = int(name.split(":")[1])
-            if rank >= len(self._tokenizers):
+            if rank not in self._tokenizers:
                 continue
             with self._send_lock:  # no request is between its route and its send
                 if self._stop.is_set():
@@ -267,6 +277,47 @@ class PipelineClient:
                 for i in range(0, len(ids), MAX_RECONCILE_IDS):
                     self._tokenizers[rank].send(
                         Reconcile(self.reply_to, rank, ids[i:i + MAX_RECONCILE_IDS]))
+
+    def _follow_joined(self, status: PipelineStatus) -> None:
+        """Stages that joined from other hosts since this client connected: an engine's abort
+        inbox; for a remote client, a tokenizer (a local client's ipc:// reply socket is out
+        of its reach). A joined tokenizer that left: the requests this client sent it end
+        with an error, and are aborted wherever they run."""
+        for name, address in status.joined.items():
+            stage, _, index = name.partition(":")
+            if name in self._joined or not index.isdigit():
+                continue
+            self._joined.add(name)
+            rank = int(index)
+            with self._send_lock:
+                if stage == "scheduler":
+                    self._aborts += [None] * (rank + 1 - len(self._aborts))
+                    self._aborts[rank] = PushChannel(self._ctx, address, bind=False,
+                                                     secret=self._key)
+                elif (stage == "tokenizer" and self.reply_to.startswith("tcp://")
+                      and rank not in self._tokenizers):
+                    self._tokenizers[rank] = PushChannel(self._ctx, address, bind=False,
+                                                         secret=self._key)
+                    self._turns.append(rank)
+        for rank in [r for r in self._turns if f"tokenizer:{r}" in self._joined
+                     and status.stages.get(f"tokenizer:{r}") is False]:
+            self._tokenizer_left(rank)
+
+    def _tokenizer_left(self, rank: int) -> None:
+        with self._send_lock:
+            self._turns.remove(rank)
+            self._next_tokenizer = 0
+        with self._routes_lock:
+            ids = [rid for rid, (_, _, r) in self._routes.items() if r == rank]
+        logger.warning("tokenizer:%d (joined from another host) left: failing the %d "
+                       "requests sent to it", rank, len(ids))
+        for rid in ids:
+            self.abort(rid)
+        failed = [RequestOutput.refusal(rid, ErrorKind.UNAVAILABLE, f"tokenizer:{rank} left "
+                                        "the pipeline while it held this request; send it "
+                                        "again", None) for rid in ids]
+        for deliver, out in self._routed(failed):
+            deliver(out)
 
     def _routed(self, outputs: list[RequestOutput]
                 ) -> list[tuple[Callable[[RequestOutput], Any], RequestOutput]]:
@@ -297,12 +348,13 @@ class PipelineClient:
         # The route and the send under one lock: a Reconcile either follows this request on
         # its socket or does not name it (see _reconcile).
         with self._send_lock:
-            rank = self._next_tokenizer
+            turn = self._next_tokenizer % len(self._turns)
+            rank = self._turns[turn]
             with self._routes_lock:
                 if request_id in self._routes:
                     raise ValueError(f"request id {request_id!r} is already in flight")
                 self._routes[request_id] = (deliver, params.n, rank)
-            self._next_tokenizer = (rank + 1) % len(self._tokenizers)
+            self._next_tokenizer = turn + 1
             self._send_or_unroute(request_id, rank, msg)
         return request_id
 
@@ -325,7 +377,8 @@ class PipelineClient:
         alive = status.engines_alive if status is not None else []
         with self._send_lock:
             for engine, chan in enumerate(self._aborts):
-                if engine >= len(alive) or alive[engine]:  # a down engine reads nothing
+                if chan is not None and (engine >= len(alive) or alive[engine]):  # (a down
+                    # engine reads nothing)
                     chan.send(AbortRequest(request_id))
 
     def _check_alive(self) -> None:

@@ -1,6 +1,6 @@
-"""The launcher's view of its data-parallel engines (each a scheduler and its executor ranks):
-which processes make up each, which still serve, and their accounting added up into one.
-Runs in the launcher's process."""
+"""The launcher's view of its data-parallel engines (each a scheduler and its executor ranks,
+on this host or joined from another): which processes make up each, which still serve, and
+their accounting added up into one. Runs in the launcher's process."""
 
 from __future__ import annotations
 
@@ -8,11 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import zmq
-
-from ipc.channels import PushChannel
-from ipc.config import PipelineConfig
-from ipc.messages import Histogram, Message, SchedulerStats
+from ipc.messages import Histogram, SchedulerStats
 
 MEAN_FIELDS = ("device_idle_fraction",)  # a fraction: the engines' mean, not their sum
 MAX_FIELDS = ("uptime_s",)
@@ -64,7 +60,16 @@ class Engines:
     def __init__(self, num_engines: int, tensor_parallel_size: int) -> None:
         self.num_engines, self.tp_size = num_engines, tensor_parallel_size
         self.alive = [True] * num_engines
+        self.ready = [True] * num_engines  # one joining from another host is not, at first
         self.stats: list[SchedulerStats | None] = [None] * num_engines
+
+    def grow(self) -> int:
+        """An engine joins from another host: its index (it counts once ready)."""
+        self.alive.append(True)
+        self.ready.append(False)
+        self.stats.append(None)
+        self.num_engines += 1
+        return self.num_engines - 1
 
     def engine_of(self, name: str) -> int | None:
         """The engine of a stage process ("scheduler:E", "executor:R"), or None."""
@@ -88,18 +93,21 @@ class Engines:
             return None
         if not self.alive[engine]:
             return engine  # a process of an engine already down (stopped by us)
-        return engine if sum(self.alive) > 1 else None
+        serving = sum(a and r for a, r in zip(self.alive, self.ready, strict=True))
+        return engine if serving > 1 else None
 
     def take_down(self, engine: int) -> None:
         self.alive[engine] = False  # its last stats stay, for the cumulative counts
 
     def record(self, stats: SchedulerStats) -> None:
-        if 0 <= stats.engine < self.num_engines and self.alive[stats.engine]:
+        if 0 <= stats.engine < self.num_engines and self.alive[stats.engine] \
+                and self.ready[stats.engine]:
             self.stats[stats.engine] = stats
 
     def combined(self) -> SchedulerStats | None:
         """Every serving engine's latest stats as one (None until each has reported)."""
-        live = [s for s, alive in zip(self.stats, self.alive, strict=True) if alive]
+        live = [s for s, alive, ready in zip(self.stats, self.alive, self.ready, strict=True)
+                if alive and ready]
         if not live or any(s is None for s in live):
             return None
         total = combine_stats([s for s in live if s is not None])
@@ -113,28 +121,3 @@ class Engines:
     def loads(self) -> list[int]:
         return [s.load_tokens if s is not None and alive else 0
                 for s, alive in zip(self.stats, self.alive, strict=True)]
-
-
-class StageLinks:
-    """The launcher's sockets to the stages it tells of deaths: every engine's scheduler (a
-    detokenizer restarted) and every detokenizer (an engine down). Its supervisor's own."""
-
-    def __init__(self, zctx: zmq.Context, cfg: PipelineConfig) -> None:
-        secret = cfg.run_secret
-        self._schedulers = [PushChannel(zctx, address, bind=False, secret=secret)
-                            for address in cfg.scheduler_addresses()]
-        self._detokenizers = [PushChannel(zctx, cfg.detokenizer_address(r), bind=False,
-                                          secret=secret) for r in range(cfg.num_detokenizers)]
-
-    def to_schedulers(self, msg: Message, alive: Sequence[bool]) -> None:
-        for chan, is_alive in zip(self._schedulers, alive, strict=True):
-            if is_alive:
-                chan.send(msg)
-
-    def to_detokenizers(self, msg: Message) -> None:
-        for chan in self._detokenizers:
-            chan.send(msg)
-
-    def close(self) -> None:
-        for chan in (*self._schedulers, *self._detokenizers):
-            chan.close()

@@ -27,26 +27,34 @@ import zmq
 
 from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
-from ipc.config import ConfigError, PipelineConfig
+from ipc.config import ConfigError, PipelineConfig, derive_run_secret, model_fingerprint
 from ipc.messages import (
     EngineDown,
     Message,
     PipelineStatus,
     SchedulerStats,
+    StageAlive,
     StageFailed,
     StageReady,
     StageRestarted,
 )
 from ipc.step import StepRings
 from pipeline.runtime.client import PipelineClient
-from pipeline.runtime.engines import Engines, StageLinks
+from pipeline.runtime.engines import Engines
 from pipeline.runtime.restarts import MAX_RESTARTS, RESTARTABLE, RestartPolicy
+from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster
 from stages.entry import run_stage
+from stages.peers import Peers
 from stages.trace import merge_traces
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_RESTARTS", "Pipeline", "RestartPolicy", "StartupError", "check_device"]
+
+
+def _kind(stage: str) -> str:
+    """The roster's kind of a stage process: a scheduler stands for its engine."""
+    return "engine" if stage == "scheduler" else stage
 
 
 class StartupError(RuntimeError):
@@ -83,6 +91,9 @@ class Pipeline:
         self._sentinels: dict[Any, str] = {}  # of the processes the supervisor watches
         self._failure_message = "no message"  # the latest StageFailed's
         self.num_refused_bootstraps = 0  # requests for the endpoints without the client key
+        self.roster: Roster | None = None  # every stage and its address, once started
+        self._public: dict[str, str] = {}  # with --listen: the tcp:// control and status
+        self._fingerprint = ""  # the model's, which a joining stage's must equal
 
     def _create_run(self) -> None:
         """The run directory (sockets, trace files) and the control socket. (The rings are
@@ -92,13 +103,19 @@ class Pipeline:
         if self.trace_path is not None:
             trace_dir = str(run_dir / "trace")
             os.mkdir(trace_dir)
-        self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir),
-                                       run_id=uuid.uuid4().hex[:12], trace_dir=trace_dir,
-                                       run_secret=secrets.token_bytes(16),
+        run_id = uuid.uuid4().hex[:12]
+        secret = (derive_run_secret(self.cfg.stage_key, run_id) if self.cfg.stage_key
+                  else secrets.token_bytes(16))
+        self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir), run_id=run_id,
+                                       trace_dir=trace_dir, run_secret=secret,
                                        client_key=self.cfg.client_key or secrets.token_urlsafe(24))
         self._control = PullChannel(self._zmq, self.cfg.control_address,
-                                    Codec([StageReady, StageFailed, SchedulerStats]), bind=True,
-                                    secret=self.cfg.run_secret)
+                                    Codec([StageReady, StageFailed, SchedulerStats, StageAlive]),
+                                    bind=True, secret=self.cfg.run_secret)
+        if self.cfg.accepts_stages:  # stages on other hosts report here
+            port = self._control.socket.bind_to_random_port(f"tcp://{self.cfg.listen_host}")
+            self._public["control"] = self._tcp(port)
+            self._fingerprint = model_fingerprint(self.cfg.model.path)
 
     def _unlink_rings(self) -> None:
         if self.cfg.run_id:  # the run was created (the executor may not have made them yet)
@@ -152,6 +169,11 @@ class Pipeline:
                 self._spawn("scheduler", engine, "stages.scheduler.process:run_scheduler",
                             num_blocks)
             self._wait_ready(list(self.procs))
+            self.roster = Roster(self.cfg, self._public_host)
+            for name, info in self.stage_info.items():
+                stage, index = name.split(":")
+                if stage != "executor":
+                    self.roster.local_ready(_kind(stage), int(index), info.get("stage_port", 0))
             self._unlink_rings()  # both users have them mapped: nothing is left in /dev/shm
             self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
             status, bootstrap = self._open_status_sockets()
@@ -172,24 +194,39 @@ class Pipeline:
         host = self.cfg.listen_host
         if not host:
             return status, None
-        public = socket.getfqdn() if host in ("0.0.0.0", "*") else host
-        status_port = status.bind_to_random_port(f"tcp://{host}")
-
-        def tcp(port: int) -> str:
-            return f"tcp://{public}:{port}"
-
-        remote = dataclasses.replace(
-            self.cfg.endpoints,
-            tokenizers=tuple(tcp(self.stage_info[f"tokenizer:{r}"]["tcp_port"])
-                             for r in range(self.cfg.num_tokenizers)),
-            schedulers=tuple(tcp(self.stage_info[f"scheduler:{e}"]["tcp_port"])
-                             for e in range(self.cfg.data_parallel_size)),
-            status=tcp(status_port), reply="tcp://")
+        self._public["status"] = self._tcp(status.bind_to_random_port(f"tcp://{host}"))
         bootstrap = self._zmq.socket(zmq.REP)
         bootstrap.setsockopt(zmq.LINGER, 0)
-        self.address = tcp(bootstrap.bind_to_random_port(f"tcp://{host}"))
-        self._remote_endpoints = remote.to_json().encode()
+        self.address = self._tcp(bootstrap.bind_to_random_port(f"tcp://{host}"))
+        self._update_remote_endpoints()
         return status, bootstrap
+
+    @property
+    def _public_host(self) -> str:
+        """The name remote clients and stages reach this host by (with --listen)."""
+        host = self.cfg.listen_host
+        return socket.getfqdn() if host in ("0.0.0.0", "*") else host
+
+    def _tcp(self, port: int) -> str:
+        return f"tcp://{self._public_host}:{port}"
+
+    def _update_remote_endpoints(self) -> None:
+        """What the bootstrap socket hands remote clients: the tcp:// inboxes of every
+        tokenizer and engine, those that joined from other hosts included."""
+        joined = dict(sorted(self.roster.joined_addresses().items() if self.roster else (),
+                             key=lambda item: int(item[0].split(":")[1])))
+        remote = dataclasses.replace(
+            self.cfg.endpoints,
+            tokenizers=tuple(self._tcp(self.stage_info[f"tokenizer:{r}"]["tcp_port"])
+                             for r in range(self.cfg.num_tokenizers))
+            + tuple(a for name, a in joined.items() if name.startswith("tokenizer:")),
+            schedulers=tuple(self._tcp(self.stage_info[f"scheduler:{e}"]["tcp_port"])
+                             for e in range(self.cfg.data_parallel_size))
+            + tuple(a for name, a in joined.items() if name.startswith("scheduler:")),
+            status=self._public["status"], reply="tcp://",
+            tokenizer_ranks=tuple(range(self.cfg.num_tokenizers))
+            + tuple(int(name.split(":")[1]) for name in joined if name.startswith("tokenizer:")))
+        self._remote_endpoints = remote.to_json().encode()
 
     def _check_cache_holds_a_sequence(self, num_blocks: int) -> None:
         capacity = num_blocks * self.cfg.scheduler.block_size
@@ -237,7 +274,8 @@ class Pipeline:
         thread's from here on."""
         self._sentinels = {p.sentinel: name for name, p in self.procs.items()}
         next_status = 0.0
-        links = StageLinks(self._zmq, self.cfg)
+        assert self.roster is not None
+        links = Peers(self._zmq, self.cfg.run_secret, self.roster.view(False))
         try:
             while not self._stopping.is_set():
                 dead = wait(list(self._sentinels), timeout=0.1)
@@ -249,7 +287,9 @@ class Pipeline:
                         self._sentinels[self._respawn(name)] = name
                 while bootstrap is not None and bootstrap.poll(0):
                     self._answer_bootstrap(bootstrap)
-                self._drain_control()
+                self._drain_control(links)
+                for member in self.roster.silent(time.monotonic()):
+                    self._left(member, links)
                 fatal = [name for name in map(self._sentinels.get, dead)
                          if name is not None and not self._survive(name, links)]
                 if fatal and not self._stopping.is_set():
@@ -264,21 +304,61 @@ class Pipeline:
                     status.send(Codec.encode(self.status()))
                     next_status = time.monotonic() + 0.25
         finally:
+            # The last word: stages that joined from other hosts stop on it.
+            status.send(Codec.encode(dataclasses.replace(self.status(), stopping=True)))
             status.close()
             links.close()
             if bootstrap is not None:
                 bootstrap.close()
 
-    def _drain_control(self) -> None:
+    def _drain_control(self, links: Peers) -> None:
+        assert self.roster is not None
+        now = time.monotonic()
         while not self._stopping.is_set() and (msg := self._next_control()):
             if isinstance(msg, SchedulerStats):
                 self.engines.record(msg)
-            elif isinstance(msg, StageReady):  # a restarted stage
-                logger.warning("stage %s:%d is running again", msg.stage, msg.rank)
+                self.roster.seen("engine", msg.engine, now)
+            elif isinstance(msg, StageAlive):
+                self.roster.seen(_kind(msg.stage), msg.rank, now)
+            elif isinstance(msg, StageReady):
+                self._ready(msg, links)
             elif isinstance(msg, StageFailed):
                 self._failure_message = msg.message
 
-    def _survive(self, name: str, links: StageLinks) -> bool:
+    def _ready(self, msg: StageReady, links: Peers) -> None:
+        """A stage that joined from another host is ready (or a restarted one is)."""
+        assert self.roster is not None
+        kind = _kind(msg.stage)
+        if self.roster.joined_ready(kind, msg.rank, msg.info, time.monotonic()):
+            logger.warning("%s:%d joined from another host", msg.stage, msg.rank)
+            if kind == "engine":
+                self.engines.ready[msg.rank] = True
+            self._tell_members(links)
+        elif f"{msg.stage}:{msg.rank}" in self.procs:
+            logger.warning("stage %s:%d is running again", msg.stage, msg.rank)
+
+    def _left(self, member: Member, links: Peers) -> None:
+        """A stage that had joined from another host went silent (it stopped, or its host
+        or the network failed): an engine is taken down; the roster no longer names it."""
+        logger.error("%s (joined from another host) has not been heard from for %.0f s: it "
+                     "is gone", member.name, REMOTE_SILENCE_S)
+        if member.kind == "engine" and self.engines.alive[member.index]:
+            self._take_down(member.index, member.name, links)
+        else:
+            self._tell_members(links)
+
+    def _tell_members(self, links: Peers) -> None:
+        """Every stage learns the roster (each as it can reach the others)."""
+        assert self.roster is not None
+        links.update(self.roster.view(False))
+        send = {"engine": links.to_engine, "tokenizer": links.to_tokenizer,
+                "detokenizer": links.to_detokenizer}
+        for member, members in self.roster.recipients():
+            send[member.kind](member.index, members)
+        if self.address is not None:
+            self._update_remote_endpoints()
+
+    def _survive(self, name: str, links: Peers) -> bool:
         """Deal with a dead stage process the pipeline survives: start a tokenizer or a
         detokenizer again, or take its engine down while other engines serve. False: the
         pipeline fails."""
@@ -298,40 +378,61 @@ class Pipeline:
         del self._sentinels[sentinel]
         self._restart_due[name] = time.monotonic() + delay
         if name.startswith("detokenizer:"):  # the schedulers fail its requests now
-            links.to_schedulers(StageRestarted("detokenizer", int(name.split(":")[1])),
-                                self.engines.alive)
+            links.to_engines(StageRestarted("detokenizer", int(name.split(":")[1])))
         return True
 
-    def _take_down(self, engine: int, name: str, links: StageLinks) -> None:
+    def _take_down(self, engine: int, name: str, links: Peers) -> None:
         """Engine `engine` lost `name`: stop its other processes, and have the detokenizers
         fail its requests (the tokenizers fail those sent to it lately: see the status)."""
-        message = (f"engine {engine} stopped ({name} died, exit code "
-                   f"{self.procs[name].exitcode}: {self._failure_message}) while it held this "
-                   "request; send it again")
+        how = (f"exit code {self.procs[name].exitcode}" if name in self.procs
+               else "it joined from another host and went silent")
+        message = (f"engine {engine} stopped ({name} died, {how}: {self._failure_message}) "
+                   "while it held this request; send it again")
         logger.error("stage %s died: engine %d is down; %d engine(s) still serve", name,
                      engine, sum(self.engines.alive) - 1)
         self._failure_message = "no message"
         self.engines.take_down(engine)
+        assert self.roster is not None
+        self.roster.leave(self.roster.members[("engine", engine)])
         for other in self.engines.processes(engine):
-            proc = self.procs[other]
+            proc = self.procs.get(other)  # (none: an engine on another host)
+            if proc is None:
+                continue
             self._sentinels.pop(proc.sentinel, None)
             if proc.is_alive():
                 proc.terminate()
         links.to_detokenizers(EngineDown(engine, message))
+        self._tell_members(links)
 
     def _answer_bootstrap(self, bootstrap: zmq.Socket) -> None:
-        """A remote client that sends the client key gets the tcp:// endpoints; any other
-        request gets an empty answer (a REP socket must answer) and is counted."""
+        """A remote client that sends the client key gets the tcp:// endpoints; a stage on
+        another host that proves it has the stage key joins (roster.py); any other request
+        gets an empty answer (a REP socket must answer) and is counted."""
         try:
             frames = bootstrap.recv_multipart()
             key = self.cfg.client_key.encode()
             if len(frames) == 1 and hmac.compare_digest(frames[0], key):
                 bootstrap.send(self._remote_endpoints)
+            elif frames[0] in (b"hello", b"join") and self.roster is not None:
+                bootstrap.send(self._answer_join(frames))
             else:
                 self.num_refused_bootstraps += 1
                 bootstrap.send(b"")
         except zmq.ZMQError as exc:
             logger.warning("bootstrap request failed: %s", exc)
+
+    def _answer_join(self, frames: list[bytes]) -> bytes:
+        assert self.roster is not None
+        if not self.cfg.accepts_stages:
+            return (b'{"error": "this pipeline takes no stages from other hosts: start it '
+                    b'with --listen HOST and --stage-key KEY"}')
+        reply, member = self.roster.answer(frames, self.cfg.stage_key, self._fingerprint,
+                                           time.monotonic(), self._public)
+        if member is not None:
+            logger.warning("%s is joining from %s", member.name, member.tcp)
+            if member.kind == "engine":
+                self.engines.grow()
+        return reply
 
     def _restart_delay(self, name: str) -> float | None:
         """Tokenizers and detokenizers hold nothing that cannot be rebuilt: one that dies is
@@ -344,9 +445,11 @@ class Pipeline:
     def _respawn(self, name: str) -> Any:
         """Start a dead stage again under its name and address; returns its sentinel."""
         stage, rank = name.split(":")
-        args = []
-        if stage == "tokenizer" and self.cfg.listen_host:  # the same port remote clients know
-            args = [self.stage_info[name]["tcp_port"]]
+        assert self.roster is not None
+        # The same ports remote clients and stages know, and the roster as it stands.
+        args: list[Any] = [self.roster.view(False), self.stage_info[name].get("stage_port", 0)]
+        if stage == "tokenizer":
+            args.insert(0, self.stage_info[name].get("tcp_port", 0))
         self._spawn(stage, int(rank), self._targets[name], *args)
         return self.procs[name].sentinel
 
@@ -382,9 +485,13 @@ class Pipeline:
         it is being started again, and the pipeline still serves."""
         alive = {name: p.is_alive() or (name.split(":")[0] in RESTARTABLE and self.failure is None)
                  for name, p in self.procs.items()}
+        joined: dict[str, str] = {}
+        if self.roster is not None:
+            alive |= {m.name: not m.gone for m in self.roster.members.values() if m.joined}
+            joined = self.roster.joined_addresses()
         return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
                               dict(self.restarts.counts), self.engines.loads(),
-                              list(self.engines.alive))
+                              list(self.engines.alive), joined)
 
     @property
     def is_alive(self) -> bool:

@@ -44,7 +44,9 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     elif num_procs > 1 and device.type == "cpu":  # the executors share the cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_procs))
     if device.type == "cuda" and num_procs > 1:  # a GPU per process (parallel.check_devices)
-        device = torch.device("cuda", cfg.engine * ex.tensor_parallel_size + rank)
+        # (An engine that joined from another host has that host's GPUs from 0.)
+        first = 0 if cfg.launcher_status else cfg.engine * ex.tensor_parallel_size
+        device = torch.device("cuda", first + rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
     tp = None

@@ -10,7 +10,7 @@ import zlib
 
 import zmq
 
-from ipc.channels import ForeignFrame, PullChannel, PushChannel, listen_tcp
+from ipc.channels import ForeignFrame, PullChannel, PushChannel, listen_tcp, stage_listen
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
 from ipc.messages import (
@@ -18,6 +18,7 @@ from ipc.messages import (
     DetokBatch,
     EngineReconcile,
     ForgetClient,
+    Members,
     ReconcileAnswer,
     SampledTokens,
     SchedulerStats,
@@ -26,6 +27,7 @@ from ipc.messages import (
     TokenizedRequest,
 )
 from ipc.step import StepRings, read_prompt_logprobs, read_sampled
+from stages.peers import Peers, local_members
 from stages.process import stage_process
 from stages.scheduler.core import Scheduler
 from stages.trace import Tracer, now_ns
@@ -37,18 +39,22 @@ class SchedulerShell:
     """Owns the sockets and rings around one Scheduler core (of engine cfg.engine)."""
 
     def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, members: Members | None = None) -> None:
+        """members: the stages to send to, for an engine that joined from another host
+        (default: the run's own)."""
         self.cfg = cfg
         self.tracer = tracer or Tracer(None, "scheduler", cfg.engine)
         self.core = Scheduler(cfg.limits, num_blocks, cfg.scheduler.max_waiting)
         self.rings = StepRings.open(cfg, create=False)
         secret = cfg.run_secret
         # From the other stages: tokenized requests, samples stopped by a stop string.
-        # From the launcher: restarts and dead clients. (All behind the run's secret.)
+        # From the launcher: restarts, dead clients, the roster. (All behind the run's secret.)
         self.inbox = PullChannel(
             zctx, cfg.scheduler_address,
             Codec([TokenizedRequest, AbortRequest, StopSample, EngineReconcile, StageRestarted,
-                   ForgetClient]), bind=True, secret=secret)
+                   ForgetClient, Members]), bind=True, secret=secret)
+        # (With stages on other hosts: on tcp:// too, for them.)
+        self.stage_port = stage_listen(self.inbox, cfg)
         self.results = PullChannel(zctx, cfg.sampled_address, Codec([SampledTokens]), bind=True,
                                    secret=secret)
         # Clients reach the scheduler only to abort (locally, and with --listen over tcp://):
@@ -56,10 +62,8 @@ class SchedulerShell:
         self.remote = PullChannel(zctx, cfg.abort_address, Codec([AbortRequest]), bind=True,
                                   secret=cfg.client_key.encode())
         self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False, secret=secret)
-        self.detoks = [PushChannel(zctx, cfg.detokenizer_address(i), bind=False, secret=secret)
-                       for i in range(cfg.num_detokenizers)]
-        self.tokenizers = [PushChannel(zctx, cfg.tokenizer_stage_address(i), bind=False,
-                                       secret=secret) for i in range(cfg.num_tokenizers)]
+        self.peers = Peers(zctx, secret, members or local_members(cfg))
+        self._pins: dict[str, int] = {}  # request id -> the detokenizer that streams it
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.results.socket, zmq.POLLIN)
@@ -114,19 +118,30 @@ class SchedulerShell:
                 self.core.abort(msg.request_id)
             elif isinstance(msg, StopSample):
                 self.core.stop_sample(msg.request_id, msg.index)
-            elif isinstance(msg, EngineReconcile) and 0 <= msg.rank < len(self.tokenizers):
+            elif isinstance(msg, EngineReconcile):
                 known = self.core.known_requests(msg.request_ids)
-                self.tokenizers[msg.rank].send(ReconcileAnswer(msg.nonce, self.cfg.engine, known))
+                self.peers.to_tokenizer(msg.rank, ReconcileAnswer(msg.nonce, self.cfg.engine,
+                                                                  known))
             elif isinstance(msg, ForgetClient):
                 self.core.forget_client(msg.reply_to)
             elif isinstance(msg, StageRestarted) and msg.stage == "detokenizer":
-                self._detokenizer_restarted(msg.rank)
+                self._detokenizer_lost(msg.rank)
+            elif isinstance(msg, Members):
+                self._new_members(msg)
 
-    def _detokenizer_restarted(self, rank: int) -> None:
-        """Its requests' text state died with it: each ends with an error, queued for the
-        worker that takes its place (which needs no state for it)."""
-        logger.warning("detokenizer:%d died: failing the requests of its shard", rank)
-        self.core.fail_requests(lambda rid: self._shard(rid) == rank,
+    def _new_members(self, members: Members) -> None:
+        before = self.peers.members.detokenizers
+        if not self.peers.update(members):
+            return
+        for rank, address in enumerate(before):
+            if address and not (rank < len(members.detokenizers) and members.detokenizers[rank]):
+                self._detokenizer_lost(rank)  # one that had joined from another host left
+
+    def _detokenizer_lost(self, rank: int) -> None:
+        """Its requests' text state died with it: each ends with an error, sent to the
+        worker that takes its place, or to another (an error needs no state)."""
+        logger.warning("detokenizer:%d stopped: failing the requests it streamed", rank)
+        self.core.fail_requests(lambda rid: self._pins.get(rid) == rank,
                                 f"detokenizer:{rank} stopped while it streamed this request's "
                                 "text; send it again")
 
@@ -145,16 +160,26 @@ class SchedulerShell:
         infos, deltas, rejected = self.core.take_outputs()
         if not (infos or deltas or rejected):
             return
-        batches = [DetokBatch([], [], [], self.cfg.engine) for _ in self.detoks]
+        batches: dict[int, DetokBatch] = {}
+
+        def batch(request_id: str, reply_to: str = "") -> DetokBatch:
+            rank = self._shard(request_id, reply_to)
+            return batches.setdefault(rank, DetokBatch([], [], [], self.cfg.engine))
+
         for info in infos:
-            batches[self._shard(info.request_id)].new_requests.append(info)
+            batch(info.request_id, info.reply_to).new_requests.append(info)
         for delta in deltas:
-            batches[self._shard(delta.request_id)].deltas.append(delta)
+            batch(delta.request_id).deltas.append(delta)
         for rej in rejected:
-            batches[self._shard(rej.request_id)].rejected.append(rej)
-        for chan, batch in zip(self.detoks, batches, strict=True):
-            if batch.new_requests or batch.deltas or batch.rejected:
-                chan.send(batch)
+            batch(rej.request_id, rej.reply_to).rejected.append(rej)
+        for rank, detok_batch in batches.items():
+            if not self.peers.to_detokenizer(rank, detok_batch):
+                logger.error("no detokenizer can take the outputs of %d request(s)",
+                             len({d.request_id for d in detok_batch.deltas}))
+        ended = {d.request_id for d in deltas if d.finish_reason is not None}
+        for rid in ended | {r.request_id for r in rejected}:
+            if rid not in self.core.requests:
+                self._pins.pop(rid, None)
         self.tracer.span("outputs", start, now_ns(), args={"deltas": len(deltas)})
 
     def stats(self) -> SchedulerStats:
@@ -162,17 +187,26 @@ class SchedulerShell:
         return dataclasses.replace(self.core.stats(), num_refused_messages=refused,
                                    engine=self.cfg.engine)
 
-    def _shard(self, request_id: str) -> int:
-        """Every message of one request goes to the same detokenizer worker."""
-        return zlib.crc32(request_id.encode()) % len(self.detoks)
+    def _shard(self, request_id: str, reply_to: str = "") -> int:
+        """The detokenizer worker of a request: every message of it goes to the one chosen
+        first (pinned: workers may join meanwhile), among those that reach its client."""
+        rank = self._pins.get(request_id)
+        if rank is not None and self.peers.detokenizer_up(rank):
+            return rank
+        fits = self.peers.detokenizers_for(reply_to) or [0]  # (0: no reply address known)
+        rank = fits[zlib.crc32(request_id.encode()) % len(fits)]
+        self._pins[request_id] = rank
+        return rank
 
 
-def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int) -> None:
-    """rank: the data-parallel engine this scheduler plans for."""
+def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int,
+                  members: Members | None = None) -> None:
+    """rank: the data-parallel engine this scheduler plans for. members: see SchedulerShell."""
     cfg = cfg.for_engine(rank)
     with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
-        shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer)
-        ctx.ready(**listen_tcp(shell.remote, cfg.listen_host))
+        shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer, members)
+        ports = listen_tcp(shell.remote, cfg.listen_host)
+        ctx.ready(**ports, stage_port=shell.stage_port)
         next_stats = 0.0
         while not ctx.stop.is_set():
             shell.run_once()

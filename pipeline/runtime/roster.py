@@ -1,0 +1,211 @@
+"""Which stages make up a running pipeline, where each listens, and how a stage on another
+host joins it (pipeline/runtime/remote.py is the joining side). Runs in the launcher.
+
+The join is two requests on the launcher's bootstrap socket (the one remote clients ask for
+the endpoints), with the stage key that the launcher was started with (--stage-key):
+
+  hello                       -> a fresh random challenge
+  join {kind, host, model fingerprint, challenge, proof = HMAC(key, challenge...), nonce}
+                              -> {engine or rank, the run's config and id, the roster,
+                                  where to report, proof = HMAC(key, nonce + answer)}
+
+Both sides prove they hold the key; the run's secret is derived from it on each side
+(ipc.config.derive_run_secret), so it never crosses the network in a join. The joined stage
+reports ready to the launcher's control socket over tcp://, and from then on a heartbeat
+(StageAlive); one silent for REMOTE_SILENCE_S has left. Every change of the roster reaches
+every stage as a `Members` message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from dataclasses import dataclass
+
+from ipc.config import PipelineConfig
+from ipc.messages import Members
+
+REMOTE_SILENCE_S = 5.0  # a joined stage that sends nothing for this long has left
+HEARTBEAT_S = 1.0  # how often a joined stage says it runs (StageAlive)
+CHALLENGE_TTL_S = 30.0  # a challenge not answered by then is void
+JOIN_KINDS = ("engine", "tokenizer", "detokenizer")
+
+
+def proof(key: str, *parts: str) -> str:
+    """HMAC-SHA256 of the parts under the stage key (hex)."""
+    mac = hmac.new(key.encode(), "\n".join(parts).encode(), hashlib.sha256)
+    return mac.hexdigest()
+
+
+class JoinError(RuntimeError):
+    """A stage could not join: the message says why (and what to do)."""
+
+
+@dataclass
+class Member:
+    """A stage the roster names: an engine (its scheduler's inbox) or a worker."""
+
+    kind: str  # "engine", "tokenizer" or "detokenizer"
+    index: int  # the engine, or the worker's rank
+    local: str  # its ipc:// inbox, for stages on the launcher's host ("" if joined)
+    tcp: str = ""  # its tcp:// inbox, once known (with stages on other hosts only)
+    client: str = ""  # a joined one's tcp:// inbox from clients (requests; aborts)
+    joined: bool = False  # it joined from another host
+    ready: bool = False
+    gone: bool = False
+    last_seen: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{'scheduler' if self.kind == 'engine' else self.kind}:{self.index}"
+
+
+class Roster:
+    """The members, and what each stage is told of them. Pure: no sockets."""
+
+    def __init__(self, cfg: PipelineConfig, public_host: str) -> None:
+        self.cfg, self.public_host = cfg, public_host
+        self.epoch = 0
+        self.members: dict[tuple[str, int], Member] = {}
+        for e in range(cfg.data_parallel_size):
+            self._add(Member("engine", e, cfg.for_engine(e).scheduler_address, ready=True))
+        for r in range(cfg.num_tokenizers):
+            self._add(Member("tokenizer", r, cfg.tokenizer_stage_address(r), ready=True))
+        for r in range(cfg.num_detokenizers):
+            self._add(Member("detokenizer", r, cfg.detokenizer_address(r), ready=True))
+        self._challenges: dict[str, float] = {}  # challenge -> when it was handed out
+
+    def _add(self, member: Member) -> None:
+        self.members[(member.kind, member.index)] = member
+
+    def of_kind(self, kind: str) -> list[Member]:
+        return sorted((m for m in self.members.values() if m.kind == kind),
+                      key=lambda m: m.index)
+
+    def local_ready(self, kind: str, index: int, stage_port: int) -> None:
+        """A stage the launcher started is ready; with stages on other hosts, it also
+        listens on stage_port."""
+        if stage_port:
+            self.members[(kind, index)].tcp = f"tcp://{self.public_host}:{stage_port}"
+
+    # ------------------------------------------------------------ what stages are told
+
+    def view(self, joined: bool) -> Members:
+        """The roster as a stage on the launcher's host (ipc:// where it can) or on
+        another host (tcp:// everywhere) sends to it."""
+
+        def address(m: Member) -> str:
+            if m.gone or not m.ready:
+                return ""
+            return m.tcp if (joined or m.joined) else m.local
+
+        detoks = self.of_kind("detokenizer")
+        return Members(self.epoch, [address(m) for m in self.of_kind("engine")],
+                       [address(m) for m in self.of_kind("tokenizer")],
+                       [address(m) for m in detoks], [not m.joined for m in detoks])
+
+    def recipients(self) -> list[tuple[Member, Members]]:
+        """Each serving member with the roster as it must see it."""
+        views = {False: self.view(False), True: self.view(True)}
+        return [(m, views[m.joined]) for m in self.members.values() if m.ready and not m.gone]
+
+    # ------------------------------------------------------------ joining
+
+    def challenge(self, now: float) -> str:
+        for old in [c for c, t in self._challenges.items() if now - t > CHALLENGE_TTL_S]:
+            del self._challenges[old]
+        challenge = secrets.token_hex(16)
+        self._challenges[challenge] = now
+        return challenge
+
+    def join(self, request: dict[str, object], key: str, fingerprint: str, now: float,
+             public: dict[str, str]) -> dict[str, object]:
+        """Admit a stage (JoinError if not): its engine or rank, and what it runs with.
+        public: where it reaches the launcher ("control", "status")."""
+        try:
+            kind, host, challenge, nonce = (str(request[k]) for k in
+                                            ("kind", "host", "challenge", "nonce"))
+            their_proof, their_model = str(request["proof"]), str(request["fingerprint"])
+        except KeyError as exc:
+            raise JoinError(f"a join request without {exc}") from None
+        if self._challenges.pop(challenge, None) is None:
+            raise JoinError("the challenge is unknown or expired: join again")
+        if not hmac.compare_digest(their_proof, proof(key, "join", kind, host, challenge)):
+            raise JoinError("wrong stage key (give the one the pipeline was started with: "
+                            "--stage-key or $LLM_PIPELINE_STAGE_KEY)")
+        if kind not in JOIN_KINDS:
+            raise JoinError(f"cannot join as {kind!r}: one of {', '.join(JOIN_KINDS)}")
+        if their_model != fingerprint:
+            raise JoinError("the model folder differs from the pipeline's (its config.json or "
+                            "tokenizer.json): give --model a copy of the same model")
+        index = 1 + max((m.index for m in self.of_kind(kind)), default=-1)
+        self._add(Member(kind, index, "", joined=True, last_seen=now + self.cfg.ready_timeout_s))
+        self.members[(kind, index)].tcp = host  # the host only, until it reports its port
+        answer = {"index": index, "run_id": self.cfg.run_id, "config": self.cfg.to_wire(),
+                  "members": list(_fields(self.view(True))), **public}
+        body = json.dumps(answer, sort_keys=True)
+        return {"answer": body, "proof": proof(key, "answer", nonce, body)}
+
+    def answer(self, frames: list[bytes], key: str, fingerprint: str, now: float,
+               public: dict[str, str]) -> tuple[bytes, Member | None]:
+        """The bootstrap socket's answer to a joining stage's `hello` or `join` frames, and
+        the member a join admitted (None otherwise)."""
+        if frames == [b"hello"]:
+            return self.challenge(now).encode(), None
+        before = set(self.members)
+        try:
+            if len(frames) != 2 or frames[0] != b"join":
+                raise JoinError("not a join request")
+            request = json.loads(frames[1])
+            if not isinstance(request, dict):
+                raise JoinError("not a join request")
+            reply = self.join(request, key, fingerprint, now, public)
+        except (JoinError, ValueError) as exc:
+            return json.dumps({"error": str(exc)}).encode(), None
+        (added,) = set(self.members) - before
+        return json.dumps(reply).encode(), self.members[added]
+
+    def joined_ready(self, kind: str, index: int, info: dict[str, int], now: float) -> bool:
+        """A joined stage reported ready (its ports); False if the roster does not await it."""
+        member = self.members.get((kind, index))
+        if member is None or not member.joined or member.ready or member.gone:
+            return False
+        host = member.tcp
+        member.tcp = f"tcp://{host}:{info['stage_port']}"
+        if "tcp_port" in info:
+            member.client = f"tcp://{host}:{info['tcp_port']}"
+        member.ready, member.last_seen = True, now
+        self.epoch += 1
+        return True
+
+    def seen(self, kind: str, index: int, now: float) -> None:
+        member = self.members.get((kind, index))
+        if member is not None and member.joined:
+            member.last_seen = max(member.last_seen, now)
+
+    def silent(self, now: float) -> list[Member]:
+        """Joined members not heard from for REMOTE_SILENCE_S (or, before ready, within the
+        ready timeout): each is marked gone and the epoch moves on."""
+        lost = [m for m in self.members.values() if m.joined and not m.gone
+                and now - m.last_seen > REMOTE_SILENCE_S]
+        for member in lost:
+            self.leave(member)
+        return lost
+
+    def leave(self, member: Member) -> None:
+        if not member.gone:
+            member.gone = True
+            self.epoch += 1
+
+    def joined_addresses(self) -> dict[str, str]:
+        """For clients: each serving joined tokenizer's and engine's tcp:// inbox."""
+        return {m.name: m.client for m in self.members.values()
+                if m.joined and m.ready and not m.gone and m.client}
+
+
+def _fields(members: Members) -> tuple[object, ...]:
+    return (members.epoch, members.engines, members.tokenizers, members.detokenizers,
+            members.local_detokenizers)
+

@@ -1,0 +1,60 @@
+"""A pipeline that stages on other hosts join (tests/test_remote_stages.py runs it, in a
+network namespace of its own or on this host):
+
+    python tests/remote_driver.py MODEL_DIR LISTEN_HOST STAGE_KEY KIND[,KIND...] [N]
+
+It prints `address tcp://...`, waits until one stage of each KIND has joined, then sends N
+prompts through a client that reaches it over tcp:// (as a client on another host would),
+prints one JSON line (what came back, each engine's steps, who served) and stops."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
+from pipeline.runtime.client import PipelineClient  # noqa: E402
+from pipeline.runtime.launcher import Pipeline  # noqa: E402
+
+
+def main() -> None:
+    model_dir, host, key, kinds = sys.argv[1:5]
+    num_prompts = int(sys.argv[5]) if len(sys.argv) > 5 else 16
+    cfg = PipelineConfig(ModelInfo.from_dir(model_dir), SchedulerConfig(16, 256),
+                         ExecutorConfig.for_device("timed:3,0", kv_cache_memory=32 << 20),
+                         listen_host=host, stage_key=key, ready_timeout_s=120)
+    with Pipeline(cfg) as pipe:
+        print(f"address {pipe.address}", flush=True)
+        assert pipe.roster is not None
+        wanted = set(kinds.split(","))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            joined = {m.kind for m in pipe.roster.members.values() if m.joined and m.ready}
+            if wanted <= joined:
+                break
+            time.sleep(0.1)
+        else:
+            raise SystemExit(f"not joined within 120 s: {sorted(wanted - joined)}")
+        client = PipelineClient.connect(pipe.address, key=pipe.cfg.client_key)
+        outs = client.generate([[3 + i, 4, 5, 6] for i in range(num_prompts)],
+                               SamplingParams(max_tokens=6, ignore_eos=True), timeout=60)
+        time.sleep(0.5)  # the engines' last stats
+        result = {
+            "finish": sorted({str(o.finish_reason) for o in outs}),
+            "tokens": [len(o.token_ids) for o in outs],
+            "engine_steps": [s.num_steps if s else 0 for s in pipe.engines.stats],
+            "client_tokenizers": list(client.endpoints.tokenizers),
+            "stages": pipe.status().stages,
+            "joined": sorted(m.name for m in pipe.roster.members.values() if m.joined),
+        }
+        client.close()
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
