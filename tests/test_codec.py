@@ -24,6 +24,7 @@ from ipc.messages import (
     ErrorKind,
     FinishReason,
     ForgetClient,
+    Members,
     Message,
     PipelineStatus,
     Reconcile,
@@ -33,6 +34,7 @@ from ipc.messages import (
     SampledTokens,
     SamplingParams,
     SchedulerStats,
+    StageAlive,
     StageFailed,
     StageReady,
     StageRestarted,
@@ -88,6 +90,10 @@ SAMPLES: list[Message] = [
     EngineDown(1, "scheduler:1 died"),
     DetokBatch([], [], [], 1),
     PipelineStatus(3.0, {}, None, None, {}, [10, 0], [True, False]),
+    Members(3, ["ipc:///tmp/r/scheduler.sock", "", "tcp://10.0.0.2:7001"], [], [""], [False]),
+    StageAlive("scheduler", 2),
+    PipelineStatus(4.0, {"scheduler:2": True}, None, None, {}, [0, 0, 5], [True, False, True],
+                   {"scheduler:2": "tcp://10.0.0.2:7002"}, True),
 ]
 
 ALL = Codec(ALL_MESSAGES)
