@@ -572,6 +572,7 @@ class PipelineStatus(Message):
     # request inbox, "scheduler:E" -> its tcp:// abort inbox.
     joined: dict[str, str] = field(default_factory=dict)
     stopping: bool = False  # the launcher is stopping the pipeline: stages that joined stop
+    left: list[str] = field(default_factory=list)  # joined stages that have left (gone)
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

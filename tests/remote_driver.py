@@ -51,6 +51,7 @@ def main() -> None:
             "client_tokenizers": list(client.endpoints.tokenizers),
             "stages": pipe.status().stages,
             "joined": sorted(m.name for m in pipe.roster.members.values() if m.joined),
+            "run_id": pipe.cfg.run_id,
         }
         client.close()
         print(json.dumps(result), flush=True)

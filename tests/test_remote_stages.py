@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live import alive, kill_pids, running
+import zmq
+from live import alive, kill_pids, running, shm_segments
 
 from ipc.config import (
     ExecutorConfig,
@@ -102,7 +103,10 @@ def test_each_stage_sees_the_others_where_it_can_reach_them(tmp_path: Path,
     assert [m.name for m in roster.silent(2.0 + 1.0)] == []
     (gone,) = roster.silent(2.0 + 60.0)  # silent past REMOTE_SILENCE_S: it left
     assert gone.name == "detokenizer:2" and roster.view(False).detokenizers[2] == ""
-    assert roster.view(False).epoch == 2
+    assert roster.view(False).epoch == 2 and roster.left() == ["detokenizer:2"]
+    _join(roster, "tokenizer")  # one whose report lacks its ports is not taken
+    assert not roster.joined_ready("tokenizer", 1, {"tcp_port": 7200}, 3.0)
+    assert roster.left() == ["detokenizer:2", "tokenizer:1"]
 
 
 def test_a_worker_routes_to_an_engine_once_the_roster_names_it() -> None:
@@ -191,6 +195,22 @@ def test_a_stage_without_the_key_or_with_another_model_is_refused(tiny_model_dir
         assert wrong.returncode == 1 and "wrong stage key" in wrong_err
         assert differs.returncode == 1 and "model folder differs" in differs_err
         assert not any(m.joined for m in pipe.roster.members.values())
+        # Whatever anyone sends the bootstrap socket, it answers and the launcher supervises on.
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(pipe.address)
+        try:
+            for frames in ([b"join", b"[" * 200_000], [b"hello"],
+                           [b"join", json.dumps({"kind": "engine", "host": "h", "nonce": "n",
+                                                 "challenge": "c", "fingerprint": "f",
+                                                 "proof": "\u00e9"}).encode()],
+                           [b"join", b"[1, 2]"], [b"join", b'{"kind": 3}']):
+                sock.send_multipart(frames)
+                assert sock.poll(10_000), frames[:1]
+                sock.recv()
+        finally:
+            sock.close()
+        assert pipe.is_alive and pipe._supervisor is not None and pipe._supervisor.is_alive()
     cfg = _config(tiny_model_dir)
     with running(PipelineConfig(cfg.model, cfg.scheduler, cfg.executor,
                                 listen_host="127.0.0.1")) as pipe:  # no stage key
@@ -224,8 +244,9 @@ def test_an_engine_that_joined_serves_and_its_leaving_fails_only_its_requests(
             assert 0 < len(failed) < len(rids)  # engine 0's still run
             assert all(o.error_kind == ErrorKind.UNAVAILABLE for o in failed)
             assert all("engine 1 stopped" in str(o.error) for o in failed)
-            assert pipe.status().stages["scheduler:1"] is False
-            assert pipe.status().engines_alive == [True, False]
+            status = pipe.status()
+            assert "scheduler:1" not in status.stages and status.left == ["scheduler:1"]
+            assert status.engines_alive == [True, False]
             (after,) = client.generate([[7, 8, 9]], SamplingParams(max_tokens=4), timeout=30)
             assert after.finish_reason == "length"  # engine 0 serves on
             for rid in rids:
@@ -273,7 +294,6 @@ def namespaces() -> Iterator[tuple[str, str, str]]:
 def test_an_engine_a_tokenizer_and_a_detokenizer_join_from_another_network_namespace(
         namespaces: tuple[str, str, str], tiny_model_dir: Path) -> None:
     ns_a, ns_b, address_a = namespaces
-    shm_before = set(os.listdir("/dev/shm"))
     driver = subprocess.Popen(
         ["ip", "netns", "exec", ns_a, sys.executable, str(ROOT / "tests" / "remote_driver.py"),
          str(tiny_model_dir), address_a, KEY, "engine,tokenizer,detokenizer", "24"],
@@ -304,8 +324,7 @@ def test_an_engine_a_tokenizer_and_a_detokenizer_join_from_another_network_names
         assert stage.returncode == 0, stage_err  # each left when the pipeline stopped
         assert "listening on 10.213.7.2" in stage_out
         assert "the pipeline stopped" in stage_err
-    leaked = [n for n in set(os.listdir("/dev/shm")) - shm_before if "llm-pipeline" in n]
-    assert leaked == []
+    assert shm_segments(result["run_id"]) == []  # the joined engine's rings (-e1) too
 
 
 def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
@@ -325,10 +344,11 @@ def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
             assert stage.wait(30) == 0
             assert alive(children) == []
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and pipe.status().stages["detokenizer:1"]:
+            while time.monotonic() < deadline and "detokenizer:1" in pipe.status().stages:
                 time.sleep(0.2)
-            assert pipe.status().stages["detokenizer:1"] is False
+            assert pipe.status().left == ["detokenizer:1"]
             client = PipelineClient.connect(pipe.address, key=pipe.cfg.client_key)
+            assert client.wait_for_status().ok  # healthy without it
             (out,) = client.generate([[3, 4, 5]], SamplingParams(max_tokens=3), timeout=30)
             assert out.finish_reason == "length"  # detokenizer 0 streams everything now
             client.close()

@@ -247,11 +247,15 @@ class PipelineClient:
             if msg is None:
                 continue
             assert isinstance(msg, RequestOutputs)
-            for deliver, out in self._routed(msg.outputs):
-                try:
-                    deliver(out)
-                except RuntimeError:  # its event loop is closed: nobody is listening
-                    pass
+            self._deliver(self._routed(msg.outputs))
+
+    @staticmethod
+    def _deliver(routed: list[tuple[Callable[[RequestOutput], Any], RequestOutput]]) -> None:
+        for deliver, out in routed:
+            try:
+                deliver(out)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                pass
 
     def _reconcile(self, restarts: dict[str, int]) -> None:
         """For each tokenizer restarted since the last status, send it a Reconcile naming the
@@ -299,8 +303,7 @@ class PipelineClient:
                     self._tokenizers[rank] = PushChannel(self._ctx, address, bind=False,
                                                          secret=self._key)
                     self._turns.append(rank)
-        for rank in [r for r in self._turns if f"tokenizer:{r}" in self._joined
-                     and status.stages.get(f"tokenizer:{r}") is False]:
+        for rank in [r for r in self._turns if f"tokenizer:{r}" in status.left]:
             self._tokenizer_left(rank)
 
     def _tokenizer_left(self, rank: int) -> None:
@@ -312,12 +315,11 @@ class PipelineClient:
         logger.warning("tokenizer:%d (joined from another host) left: failing the %d "
                        "requests sent to it", rank, len(ids))
         for rid in ids:
-            self.abort(rid)
+            self._abort_everywhere(rid)
         failed = [RequestOutput.refusal(rid, ErrorKind.UNAVAILABLE, f"tokenizer:{rank} left "
                                         "the pipeline while it held this request; send it "
                                         "again", None) for rid in ids]
-        for deliver, out in self._routed(failed):
-            deliver(out)
+        self._deliver(self._routed(failed))
 
     def _routed(self, outputs: list[RequestOutput]
                 ) -> list[tuple[Callable[[RequestOutput], Any], RequestOutput]]:
@@ -373,12 +375,16 @@ class PipelineClient:
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its last output has finish_reason 'abort'."""
         self._check_open()
+        self._abort_everywhere(request_id)
+
+    def _abort_everywhere(self, request_id: str) -> None:
         status = self.status
         alive = status.engines_alive if status is not None else []
         with self._send_lock:
-            for engine, chan in enumerate(self._aborts):
-                if chan is not None and (engine >= len(alive) or alive[engine]):  # (a down
-                    # engine reads nothing)
+            if self._stop.is_set():
+                return
+            for engine, chan in enumerate(self._aborts):  # (a down engine reads nothing)
+                if chan is not None and (engine >= len(alive) or alive[engine]):
                     chan.send(AbortRequest(request_id))
 
     def _check_alive(self) -> None:

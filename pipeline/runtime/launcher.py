@@ -288,13 +288,15 @@ class Pipeline:
                 while bootstrap is not None and bootstrap.poll(0):
                     self._answer_bootstrap(bootstrap)
                 self._drain_control(links)
-                for member in self.roster.silent(time.monotonic()):
-                    self._left(member, links)
+                lost = [m.name for m in self.roster.silent(time.monotonic())
+                        if not self._left(m, links)]
                 fatal = [name for name in map(self._sentinels.get, dead)
                          if name is not None and not self._survive(name, links)]
-                if fatal and not self._stopping.is_set():
-                    names = ", ".join(f"{name} (exit code {self.procs[name].exitcode})"
-                                      for name in fatal)
+                if (fatal or lost) and not self._stopping.is_set():
+                    names = ", ".join([f"{name} (exit code {self.procs[name].exitcode})"
+                                       for name in fatal]
+                                      + [f"{name} (joined from another host, gone silent)"
+                                         for name in lost])
                     self.failure = f"stage {names} died: {self._failure_message}"
                     logger.error("%s; stopping the pipeline", self.failure)
                     status.send(Codec.encode(self.status()))
@@ -321,7 +323,11 @@ class Pipeline:
             elif isinstance(msg, StageAlive):
                 self.roster.seen(_kind(msg.stage), msg.rank, now)
             elif isinstance(msg, StageReady):
-                self._ready(msg, links)
+                try:
+                    self._ready(msg, links)
+                except Exception:  # (a joined stage's bad report must not stop supervision)
+                    logger.exception("could not take %s:%d's ready report", msg.stage,
+                                     msg.rank)
             elif isinstance(msg, StageFailed):
                 self._failure_message = msg.message
 
@@ -336,16 +342,27 @@ class Pipeline:
             self._tell_members(links)
         elif f"{msg.stage}:{msg.rank}" in self.procs:
             logger.warning("stage %s:%d is running again", msg.stage, msg.rank)
+        elif kind == "engine" and msg.rank < self.engines.num_engines \
+                and not self.engines.ready[msg.rank]:  # refused (see joined_ready)
+            self.engines.take_down(msg.rank)
 
-    def _left(self, member: Member, links: Peers) -> None:
+    def _left(self, member: Member, links: Peers) -> bool:
         """A stage that had joined from another host went silent (it stopped, or its host
-        or the network failed): an engine is taken down; the roster no longer names it."""
+        or the network failed): an engine is taken down; the roster no longer names it.
+        False: it was the last engine serving (the pipeline fails, as when a local one is)."""
         logger.error("%s (joined from another host) has not been heard from for %.0f s: it "
                      "is gone", member.name, REMOTE_SILENCE_S)
-        if member.kind == "engine" and self.engines.alive[member.index]:
-            self._take_down(member.index, member.name, links)
-        else:
+        if member.kind != "engine" or not self.engines.alive[member.index]:
             self._tell_members(links)
+            return True
+        if not self.engines.ready[member.index]:  # it never served
+            self.engines.take_down(member.index)
+            self._tell_members(links)
+            return True
+        if self.engines.can_lose(f"scheduler:{member.index}") is None:
+            return False
+        self._take_down(member.index, member.name, links)
+        return True
 
     def _tell_members(self, links: Peers) -> None:
         """Every stage learns the roster (each as it can reach the others)."""
@@ -410,16 +427,24 @@ class Pipeline:
         gets an empty answer (a REP socket must answer) and is counted."""
         try:
             frames = bootstrap.recv_multipart()
-            key = self.cfg.client_key.encode()
-            if len(frames) == 1 and hmac.compare_digest(frames[0], key):
-                bootstrap.send(self._remote_endpoints)
-            elif frames[0] in (b"hello", b"join") and self.roster is not None:
-                bootstrap.send(self._answer_join(frames))
-            else:
-                self.num_refused_bootstraps += 1
-                bootstrap.send(b"")
         except zmq.ZMQError as exc:
             logger.warning("bootstrap request failed: %s", exc)
+            return
+        reply = b""
+        try:
+            key = self.cfg.client_key.encode()
+            if len(frames) == 1 and hmac.compare_digest(frames[0], key):
+                reply = self._remote_endpoints
+            elif frames[0] in (b"hello", b"join") and self.roster is not None:
+                reply = self._answer_join(frames)
+            else:
+                self.num_refused_bootstraps += 1
+        except Exception:  # whatever a request holds, the supervisor goes on
+            logger.exception("a bootstrap request could not be answered")
+        try:
+            bootstrap.send(reply)  # (a REP socket answers every request)
+        except zmq.ZMQError as exc:
+            logger.warning("bootstrap answer failed: %s", exc)
 
     def _answer_join(self, frames: list[bytes]) -> bytes:
         assert self.roster is not None
@@ -486,12 +511,14 @@ class Pipeline:
         alive = {name: p.is_alive() or (name.split(":")[0] in RESTARTABLE and self.failure is None)
                  for name, p in self.procs.items()}
         joined: dict[str, str] = {}
-        if self.roster is not None:
-            alive |= {m.name: not m.gone for m in self.roster.members.values() if m.joined}
-            joined = self.roster.joined_addresses()
+        left: list[str] = []
+        if self.roster is not None:  # (one that left is not a stage of the pipeline now)
+            alive |= {m.name: True for m in self.roster.members.values()
+                      if m.joined and not m.gone}
+            joined, left = self.roster.joined_addresses(), self.roster.left()
         return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
                               dict(self.restarts.counts), self.engines.loads(),
-                              list(self.engines.alive), joined)
+                              list(self.engines.alive), joined, left=left)
 
     @property
     def is_alive(self) -> bool:

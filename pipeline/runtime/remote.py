@@ -95,13 +95,11 @@ def join(address: str, kind: str, stage_key: str, model_path: str, host: str,
     if reply.get("proof") != proof(stage_key, "answer", nonce, reply["answer"]):
         raise JoinError(f"the answer from {address} does not prove it holds the stage key")
     answer = json.loads(reply["answer"])
-    run_dir = make_run_dir()
     cfg = PipelineConfig.from_wire(
-        answer["config"], model_path, run_dir=str(run_dir),
-        run_secret=derive_run_secret(stage_key, answer["run_id"]), stage_key=stage_key,
-        listen_host=host, launcher_status=answer["status"])
+        answer["config"], model_path, run_secret=derive_run_secret(stage_key, answer["run_id"]),
+        stage_key=stage_key, listen_host=host, launcher_status=answer["status"])
     # One engine here: its threads and GPUs are this host's (stages/executor/process.py).
-    cfg = dataclasses.replace(cfg, data_parallel_size=1)
+    cfg = dataclasses.replace(cfg, data_parallel_size=1, run_dir=str(make_run_dir()))
     members = Members(*answer["members"])
     return Joined(int(answer["index"]), cfg, members, answer["control"])
 
@@ -117,13 +115,20 @@ class RemoteStage:
         self._stop = threading.Event()
         self._mp = mp.get_context("spawn")
         self._zmq = zmq.Context()
-        self._control = PullChannel(self._zmq, self.cfg.control_address,
-                                    Codec([StageReady, StageFailed, SchedulerStats]), bind=True,
-                                    secret=self.cfg.run_secret)
-        self._launcher = PushChannel(self._zmq, joined.control, bind=False,
-                                     secret=self.cfg.run_secret)
-        self._status = SubChannel(self._zmq, self.cfg.status_address, Codec([PipelineStatus]))
+        try:
+            self._control = PullChannel(self._zmq, self.cfg.control_address,
+                                        Codec([StageReady, StageFailed, SchedulerStats]),
+                                        bind=True, secret=self.cfg.run_secret)
+            self._launcher = PushChannel(self._zmq, joined.control, bind=False,
+                                         secret=self.cfg.run_secret)
+            self._status = SubChannel(self._zmq, self.cfg.status_address,
+                                      Codec([PipelineStatus]))
+        except BaseException:
+            self._zmq.destroy(linger=0)
+            shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+            raise
         self._status_at = time.monotonic()
+        self._next_beat = 0.0
 
     @property
     def name(self) -> str:
@@ -150,7 +155,14 @@ class RemoteStage:
             for rank in range(index * tp, (index + 1) * tp):
                 self._spawn("executor", rank)
             head = self._wait_ready([f"executor:{index * tp}"])[0]
-            self._spawn("scheduler", index, head.info["num_kv_blocks"], members)
+            num_blocks = head.info["num_kv_blocks"]
+            capacity = num_blocks * self.cfg.scheduler.block_size
+            if capacity < self.cfg.model.max_model_len:
+                raise JoinError(f"the KV cache here holds {capacity} tokens ({num_blocks} "
+                                "blocks), fewer than one sequence of the context length "
+                                f"{self.cfg.model.max_model_len}: give this host more memory "
+                                "or the pipeline a larger --kv-cache-memory")
+            self._spawn("scheduler", index, num_blocks, members)
             ready = self._wait_ready(list(self.procs))
             self._unlink_rings()  # both users have them mapped: nothing is left in /dev/shm
         elif self.kind == "tokenizer":
@@ -184,6 +196,7 @@ class RemoteStage:
                                 f"{self.cfg.ready_timeout_s:.0f} s")
             if self._stop.is_set() or self._launcher_says_stop():
                 raise JoinError(f"stopped while starting: {self.stop_reason or 'interrupted'}")
+            self._beat()  # a long start (a model loading) is not silence
             msg = self._control.recv_foreign_safe(100)
             if isinstance(msg, StageFailed):
                 self._launcher.send(msg)
@@ -201,7 +214,7 @@ class RemoteStage:
             if status.stopping or status.failure:
                 self.stop_reason = ("the pipeline stopped" if status.stopping
                                     else f"the pipeline failed: {status.failure}")
-            elif not status.stages.get(self.name, True):
+            elif self.name in status.left:
                 self.stop_reason = "the launcher counts this stage as gone"
         if not self.stop_reason and time.monotonic() - self._status_at > LAUNCHER_SILENCE_S:
             self.stop_reason = f"no word from the launcher for {LAUNCHER_SILENCE_S:.0f} s"
@@ -209,7 +222,6 @@ class RemoteStage:
 
     def _relay(self) -> None:
         sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
-        next_beat = 0.0
         while not self._stop.is_set():
             dead = wait(list(sentinels), timeout=0.1)
             while (msg := self._control.recv_foreign_safe(0)) is not None:
@@ -219,10 +231,13 @@ class RemoteStage:
                 return
             if self._launcher_says_stop():
                 return
-            if time.monotonic() >= next_beat:
-                self._launcher.send(StageAlive(_stage_of(self.kind), self.joined.index))
-                next_beat = time.monotonic() + HEARTBEAT_S
+            self._beat()
         self.stop_reason = self.stop_reason or "interrupted"
+
+    def _beat(self) -> None:
+        if time.monotonic() >= self._next_beat:
+            self._launcher.send(StageAlive(_stage_of(self.kind), self.joined.index))
+            self._next_beat = time.monotonic() + HEARTBEAT_S
 
     def _forward(self, msg: Message) -> None:
         if isinstance(msg, (SchedulerStats, StageFailed)):

@@ -21,16 +21,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import re
 import secrets
 from dataclasses import dataclass
 
 from ipc.config import PipelineConfig
 from ipc.messages import Members
 
+logger = logging.getLogger(__name__)
+
 REMOTE_SILENCE_S = 5.0  # a joined stage that sends nothing for this long has left
 HEARTBEAT_S = 1.0  # how often a joined stage says it runs (StageAlive)
 CHALLENGE_TTL_S = 30.0  # a challenge not answered by then is void
 JOIN_KINDS = ("engine", "tokenizer", "detokenizer")
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")  # a host name or an IPv4 address
+_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def proof(key: str, *parts: str) -> str:
@@ -124,19 +130,21 @@ class Roster:
              public: dict[str, str]) -> dict[str, object]:
         """Admit a stage (JoinError if not): its engine or rank, and what it runs with.
         public: where it reaches the launcher ("control", "status")."""
-        try:
-            kind, host, challenge, nonce = (str(request[k]) for k in
-                                            ("kind", "host", "challenge", "nonce"))
-            their_proof, their_model = str(request["proof"]), str(request["fingerprint"])
-        except KeyError as exc:
-            raise JoinError(f"a join request without {exc}") from None
+        fields = ("kind", "host", "challenge", "nonce", "proof", "fingerprint")
+        if not all(isinstance(request.get(k), str) for k in fields):
+            raise JoinError(f"a join request names {', '.join(fields)}, each a string")
+        kind, host, challenge, nonce, their_proof, their_model = (str(request[k])
+                                                                   for k in fields)
         if self._challenges.pop(challenge, None) is None:
             raise JoinError("the challenge is unknown or expired: join again")
-        if not hmac.compare_digest(their_proof, proof(key, "join", kind, host, challenge)):
+        if not (_HEX.fullmatch(their_proof) and hmac.compare_digest(
+                their_proof, proof(key, "join", kind, host, challenge))):
             raise JoinError("wrong stage key (give the one the pipeline was started with: "
                             "--stage-key or $LLM_PIPELINE_STAGE_KEY)")
         if kind not in JOIN_KINDS:
             raise JoinError(f"cannot join as {kind!r}: one of {', '.join(JOIN_KINDS)}")
+        if not _HOST.fullmatch(host):
+            raise JoinError(f"{host!r} is not a host name or an IPv4 address")
         if their_model != fingerprint:
             raise JoinError("the model folder differs from the pipeline's (its config.json or "
                             "tokenizer.json): give --model a copy of the same model")
@@ -162,8 +170,11 @@ class Roster:
             if not isinstance(request, dict):
                 raise JoinError("not a join request")
             reply = self.join(request, key, fingerprint, now, public)
-        except (JoinError, ValueError) as exc:
+        except JoinError as exc:
             return json.dumps({"error": str(exc)}).encode(), None
+        except Exception as exc:  # whatever anyone sends, the supervisor goes on
+            logger.warning("refused a malformed join request: %s: %s", type(exc).__name__, exc)
+            return json.dumps({"error": "a malformed join request"}).encode(), None
         (added,) = set(self.members) - before
         return json.dumps(reply).encode(), self.members[added]
 
@@ -171,6 +182,12 @@ class Roster:
         """A joined stage reported ready (its ports); False if the roster does not await it."""
         member = self.members.get((kind, index))
         if member is None or not member.joined or member.ready or member.gone:
+            return False
+        ports = [info.get("stage_port"), info.get("tcp_port", 1)]
+        if not all(isinstance(p, int) and 0 < p < 65536 for p in ports):
+            logger.warning("%s reported ready without its ports (%s): it is not taken",
+                           member.name, info)
+            self.leave(member)
             return False
         host = member.tcp
         member.tcp = f"tcp://{host}:{info['stage_port']}"
@@ -198,6 +215,10 @@ class Roster:
         if not member.gone:
             member.gone = True
             self.epoch += 1
+
+    def left(self) -> list[str]:
+        """The names of joined stages that have left (or never got ready)."""
+        return sorted(m.name for m in self.members.values() if m.joined and m.gone)
 
     def joined_addresses(self) -> dict[str, str]:
         """For clients: each serving joined tokenizer's and engine's tcp:// inbox."""

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 import zlib
+from collections import deque
 
 import zmq
 
@@ -29,7 +30,7 @@ from ipc.messages import (
 from ipc.step import StepRings, read_prompt_logprobs, read_sampled
 from stages.peers import Peers, local_members
 from stages.process import stage_process
-from stages.scheduler.core import Scheduler
+from stages.scheduler.core import RECENT_FINAL_S, Scheduler
 from stages.trace import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class SchedulerShell:
         self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False, secret=secret)
         self.peers = Peers(zctx, secret, members or local_members(cfg))
         self._pins: dict[str, int] = {}  # request id -> the detokenizer that streams it
+        # (time, id) of requests whose final output went out: their pins stay as long as the
+        # core remembers their finals (a lost worker's recent finals are failed again).
+        self._unpin: deque[tuple[float, str]] = deque()
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.results.socket, zmq.POLLIN)
@@ -176,8 +180,11 @@ class SchedulerShell:
             if not self.peers.to_detokenizer(rank, detok_batch):
                 logger.error("no detokenizer can take the outputs of %d request(s)",
                              len({d.request_id for d in detok_batch.deltas}))
+        now = time.monotonic()
         ended = {d.request_id for d in deltas if d.finish_reason is not None}
-        for rid in ended | {r.request_id for r in rejected}:
+        self._unpin.extend((now, rid) for rid in ended | {r.request_id for r in rejected})
+        while self._unpin and now - self._unpin[0][0] > RECENT_FINAL_S:
+            rid = self._unpin.popleft()[1]
             if rid not in self.core.requests:
                 self._pins.pop(rid, None)
         self.tracer.span("outputs", start, now_ns(), args={"deltas": len(deltas)})
