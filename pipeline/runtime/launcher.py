@@ -10,6 +10,7 @@ import hmac
 import logging
 import multiprocessing as mp
 import os
+import queue
 import secrets
 import shutil
 import socket
@@ -94,6 +95,7 @@ class Pipeline:
         self.roster: Roster | None = None  # every stage and its address, once started
         self._public: dict[str, str] = {}  # with --listen: the tcp:// control and status
         self._fingerprint = ""  # the model's, which a joining stage's must equal
+        self._to_engines: queue.SimpleQueue[Message] = queue.SimpleQueue()  # tell_engines
 
     def _create_run(self) -> None:
         """The run directory (sockets, trace files) and the control socket. (The rings are
@@ -288,6 +290,8 @@ class Pipeline:
                 while bootstrap is not None and bootstrap.poll(0):
                     self._answer_bootstrap(bootstrap)
                 self._drain_control(links)
+                while not self._to_engines.empty():
+                    links.to_engines(self._to_engines.get())
                 lost = [m.name for m in self.roster.silent(time.monotonic())
                         if not self._left(m, links)]
                 fatal = [name for name in map(self._sentinels.get, dead)
@@ -445,6 +449,11 @@ class Pipeline:
             bootstrap.send(reply)  # (a REP socket answers every request)
         except zmq.ZMQError as exc:
             logger.warning("bootstrap answer failed: %s", exc)
+
+    def tell_engines(self, msg: Message) -> None:
+        """Send every engine serving (joined ones included) a message from the launcher's
+        process (serve's ForgetClient); the supervisor sends it within 0.1 s."""
+        self._to_engines.put(msg)
 
     def _answer_join(self, frames: list[bytes]) -> bytes:
         assert self.roster is not None

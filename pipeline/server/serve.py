@@ -13,9 +13,6 @@ import time
 from multiprocessing.connection import wait
 from pathlib import Path
 
-import zmq
-
-from ipc.channels import PushChannel
 from ipc.config import ConfigError, parse_bytes
 from ipc.messages import ForgetClient, SchedulerStats
 from pipeline.runtime.launcher import Pipeline, StartupError
@@ -61,9 +58,6 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
         return w
 
     workers = [start_worker(rank) for rank in range(options.api_workers)]
-    to_schedulers = [PushChannel(zmq.Context.instance(), address, bind=False,
-                                 secret=pipe.cfg.run_secret)
-                     for address in pipe.cfg.scheduler_addresses()]
     restarts = RestartPolicy()
     due: dict[int, float] = {}  # rank -> when to start the dead worker again
     stats = EngineStatsLog(args.stats_interval)
@@ -90,7 +84,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                 print(f"warning: API worker {rank} exited (code {w.exitcode}); its open "
                       f"connections are closed, its requests aborted; starting it again in "
                       f"{delay:.1f} s", file=sys.stderr, flush=True)
-                _forget_worker(run_dir, rank, to_schedulers, pipe.status().engines_alive)
+                _forget_worker(run_dir, rank, pipe)
                 due[rank] = time.monotonic() + delay
             for rank, when in list(due.items()):
                 if time.monotonic() >= when:
@@ -103,8 +97,6 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                 return 1
     finally:
         sock.close()
-        for chan in to_schedulers:
-            chan.close()
         for w in workers:
             if w.is_alive():
                 w.terminate()
@@ -150,8 +142,7 @@ class EngineStatsLog:
                 f"idle {now.device_idle_fraction:.1%}")
 
 
-def _forget_worker(run_dir: str, rank: int, to_schedulers: list[PushChannel],
-                   alive: list[bool]) -> None:
+def _forget_worker(run_dir: str, rank: int, pipe: Pipeline) -> None:
     """A dead worker's requests would run on for nobody: the scheduler aborts them (by the
     reply address its ready file names) and refuses any still on their way."""
     path = ready_file(run_dir, rank)
@@ -160,9 +151,7 @@ def _forget_worker(run_dir: str, rank: int, to_schedulers: list[PushChannel],
     except (OSError, ValueError, KeyError):
         return  # it died before it was ready: it had sent nothing
     path.unlink()
-    for chan, is_alive in zip(to_schedulers, alive, strict=True):  # on any engine serving
-        if is_alive:
-            chan.send(ForgetClient(reply_to))
+    pipe.tell_engines(ForgetClient(reply_to))  # every engine serving
 
 
 def _wait_ready(workers: list[mp.process.BaseProcess], run_dir: str) -> None:
