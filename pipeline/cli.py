@@ -296,21 +296,20 @@ def parse_priority_range(text: str) -> tuple[int, int]:
 
 def client_key(given: str | None) -> str:
     """--listen-key, else $LLM_PIPELINE_KEY, else "" (the launcher makes one)."""
-    key = given if given is not None else os.environ.get(KEY_ENV, "")
-    if key and len(key) < 16:
-        raise ConfigError(f"the client key (--listen-key or ${KEY_ENV}) must be at least 16 "
-                          "characters")
-    return key
+    return _key(given, KEY_ENV, "client key (--listen-key")
 
 
 def stage_key(given: str | None) -> str:
     """--stage-key, else $LLM_PIPELINE_STAGE_KEY, else "" (no stage may join)."""
     from pipeline.runtime.remote import STAGE_KEY_ENV
 
-    key = given if given is not None else os.environ.get(STAGE_KEY_ENV, "")
+    return _key(given, STAGE_KEY_ENV, "stage key (--stage-key")
+
+
+def _key(given: str | None, env: str, what: str) -> str:
+    key = given if given is not None else os.environ.get(env, "")
     if key and len(key) < 16:
-        raise ConfigError(f"the stage key (--stage-key or ${STAGE_KEY_ENV}) must be at least "
-                          "16 characters")
+        raise ConfigError(f"the {what} or ${env}) must be at least 16 characters")
     return key
 
 

@@ -397,3 +397,17 @@ def test_a_connected_client_follows_stages_that_join_and_leave(tiny_model_dir: P
         finally:
             client.close()
             _end(stages)
+
+
+def test_the_stage_command_says_what_it_lacks() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LLM_PIPELINE_STAGE_KEY"}
+    cmd = [sys.executable, "-m", "pipeline.cli", "stage", "engine"]
+    no_key = subprocess.run([*cmd, "--connect", "tcp://127.0.0.1:9"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert no_key.returncode == 2 and "--stage-key or $LLM_PIPELINE_STAGE_KEY" in no_key.stderr
+    short = subprocess.run([*cmd, "--connect", "tcp://127.0.0.1:9", "--stage-key", "short"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert short.returncode == 2 and "at least 16 characters" in short.stderr
+    not_tcp = subprocess.run([*cmd, "--connect", "/tmp/run", "--stage-key", KEY], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert not_tcp.returncode == 2 and "tcp://HOST:PORT" in not_tcp.stderr
