@@ -411,3 +411,22 @@ def test_the_stage_command_says_what_it_lacks() -> None:
     not_tcp = subprocess.run([*cmd, "--connect", "/tmp/run", "--stage-key", KEY], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=60)
     assert not_tcp.returncode == 2 and "tcp://HOST:PORT" in not_tcp.stderr
+
+
+def test_an_engine_that_joined_runs_the_model_as_the_first_one_does(tiny_model_dir: Path
+                                                                     ) -> None:
+    """With the model on the CPU (not the timed device): a joined engine loads its copy of
+    the model and its greedy tokens are the first engine's."""
+    with running(_config(tiny_model_dir, "cpu")) as pipe:
+        assert pipe.address is not None
+        stage = _stage("engine", pipe.address, tiny_model_dir)
+        try:
+            _wait_joined(pipe, "scheduler:1")
+            client = pipe.client()
+            greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            outs = client.generate([[5, 9, 13, 7]] * 8, greedy, timeout=60)
+            time.sleep(0.5)  # the engines' last stats
+            assert all(s is not None and s.num_steps > 0 for s in pipe.engines.stats)
+            assert len({tuple(o.token_ids) for o in outs}) == 1 and len(outs[0].token_ids) == 12
+        finally:
+            _end([stage])
