@@ -173,3 +173,35 @@ def test_a_sliding_window_is_refused_compiled(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match="--no-compile"):
         ModelRunner.from_dir(str(folder), torch.float32, torch.device("cpu"), limits, 1 << 22,
                              compile=True)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 10000.0},  # a config that names its theta: computed here
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    {},  # no theta: the config class's default
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+     "rope_theta": 500000.0},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 10000.0},
+])
+def test_rope_tables_are_transformers(rope: dict) -> None:
+    """The cos/sin tables equal those of transformers' LlamaRotaryEmbedding, for the plain
+    rope computed here and the scaled ones taken from its rope functions."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from stages.executor.model import PagedLlama
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 128,
+           "vocab_size": 32, "max_position_embeddings": 256, **rope}
+    with torch.device("meta"):
+        model = PagedLlama(cfg)
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(32, 64))  # (the tables' dtype)
+    model.init_rope(256)
+    hf = LlamaRotaryEmbedding(AutoConfig.for_model(**cfg))
+    x = torch.zeros(1, 256, 64)
+    cos, sin = hf(x, torch.arange(256)[None])
+    assert torch.allclose(model.rope_cos, cos[0], atol=1e-6)
+    assert torch.allclose(model.rope_sin, sin[0], atol=1e-6)

@@ -116,7 +116,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, spec: ArchSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
+        # Built on the meta device and loaded with assign=True: no initial values. (An
+        # Embedding that initialises itself on meta goes through torch._refs, which
+        # imports torch._dynamo: 1.5 s of every executor's start.)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden))
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden, spec.eps)
 
@@ -142,18 +146,33 @@ class PagedLlama(nn.Module):
         self.tp: Any = None  # a parallel.TensorParallel: this model is one rank's shard
 
     def init_rope(self, max_len: int) -> None:
-        """Tables of cos/sin per position, computed as Hugging Face does (in float32)."""
-        from transformers import AutoConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        """Tables of cos/sin per position, computed as Hugging Face's LlamaRotaryEmbedding
+        does (in float32). The plain rope of a config that names its theta is computed here
+        (compute_default_rope_parameters' formula); scaled ropes go through transformers'
+        rope functions. (Importing transformers' model code costs ~2.5 s of every executor's
+        start, and modeling_llama imports torch._dynamo too.)"""
+        params, scaled = self.cfg.get("rope_parameters") or {}, self.cfg.get("rope_scaling")
+        theta = params.get("rope_theta", self.cfg.get("rope_theta"))
+        if params.get("rope_type", "default") == "default" and not scaled and theta is not None:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+            inv_freq, scaling = 1.0 / (float(theta) ** exponents), 1.0
+        else:
+            from transformers import AutoConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        hf_cfg = AutoConfig.for_model(**self.cfg)
-        rope = LlamaRotaryEmbedding(hf_cfg)  # type: ignore[arg-type]
+            hf_cfg = AutoConfig.for_model(**self.cfg)
+            rope_type = hf_cfg.rope_parameters["rope_type"]
+            if rope_type == "default":  # (the theta came from the config class's default)
+                exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+                inv_freq, scaling = 1.0 / (hf_cfg.rope_parameters["rope_theta"] ** exponents), 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg)
         positions = torch.arange(max_len, dtype=torch.float32)
-        freqs = positions[:, None] * rope.inv_freq.float()[None, :]  # [L, D/2]
+        freqs = positions[:, None] * inv_freq.float()[None, :]  # [L, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
-        self.rope_cos = (emb.cos() * rope.attention_scaling).to(device, dtype)
-        self.rope_sin = (emb.sin() * rope.attention_scaling).to(device, dtype)
+        self.rope_cos = (emb.cos() * scaling).to(device, dtype)
+        self.rope_sin = (emb.sin() * scaling).to(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata | FlexMetadata,
