@@ -342,6 +342,9 @@ def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
             assert children
             stage.send_signal(signal.SIGTERM)
             assert stage.wait(30) == 0
+            deadline = time.monotonic() + 10  # (multiprocessing's resource tracker exits
+            while alive(children) and time.monotonic() < deadline:  # once its parent has)
+                time.sleep(0.1)
             assert alive(children) == []
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and "detokenizer:1" in pipe.status().stages:
