@@ -43,7 +43,7 @@ from ipc.step import StepRings
 from pipeline.runtime.client import PipelineClient
 from pipeline.runtime.engines import Engines
 from pipeline.runtime.restarts import MAX_RESTARTS, RESTARTABLE, RestartPolicy
-from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster
+from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster, kind_of
 from stages.entry import run_stage
 from stages.peers import Peers
 from stages.trace import merge_traces
@@ -51,11 +51,6 @@ from stages.trace import merge_traces
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_RESTARTS", "Pipeline", "RestartPolicy", "StartupError", "check_device"]
-
-
-def _kind(stage: str) -> str:
-    """The roster's kind of a stage process: a scheduler stands for its engine."""
-    return "engine" if stage == "scheduler" else stage
 
 
 class StartupError(RuntimeError):
@@ -175,7 +170,7 @@ class Pipeline:
             for name, info in self.stage_info.items():
                 stage, index = name.split(":")
                 if stage != "executor":
-                    self.roster.local_ready(_kind(stage), int(index), info.get("stage_port", 0))
+                    self.roster.local_ready(kind_of(stage), int(index), info.get("stage_port", 0))
             self._unlink_rings()  # both users have them mapped: nothing is left in /dev/shm
             self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
             status, bootstrap = self._open_status_sockets()
@@ -325,7 +320,7 @@ class Pipeline:
                 self.engines.record(msg)
                 self.roster.seen("engine", msg.engine, now)
             elif isinstance(msg, StageAlive):
-                self.roster.seen(_kind(msg.stage), msg.rank, now)
+                self.roster.seen(kind_of(msg.stage), msg.rank, now)
             elif isinstance(msg, StageReady):
                 try:
                     self._ready(msg, links)
@@ -338,7 +333,7 @@ class Pipeline:
     def _ready(self, msg: StageReady, links: Peers) -> None:
         """A stage that joined from another host is ready (or a restarted one is)."""
         assert self.roster is not None
-        kind = _kind(msg.stage)
+        kind = kind_of(msg.stage)
         if self.roster.joined_ready(kind, msg.rank, msg.info, time.monotonic()):
             logger.warning("%s:%d joined from another host", msg.stage, msg.rank)
             if kind == "engine":

@@ -40,7 +40,8 @@ from ipc.messages import (
     StageReady,
 )
 from pipeline.runtime.client import reachable_from
-from pipeline.runtime.roster import HEARTBEAT_S, JOIN_KINDS, REMOTE_SILENCE_S, JoinError, proof
+from pipeline.runtime.roster import (HEARTBEAT_S, JOIN_KINDS, REMOTE_SILENCE_S, JoinError, proof,
+                                     stage_of)
 from stages.entry import run_stage
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ class RemoteStage:
 
     def _beat(self) -> None:
         if time.monotonic() >= self._next_beat:
-            self._launcher.send(StageAlive(_stage_of(self.kind), self.joined.index))
+            self._launcher.send(StageAlive(stage_of(self.kind), self.joined.index))
             self._next_beat = time.monotonic() + HEARTBEAT_S
 
     def _forward(self, msg: Message) -> None:
@@ -267,10 +268,6 @@ class RemoteStage:
             from ipc.step import StepRings
 
             StepRings.unlink_names(self.cfg.for_engine(self.joined.index))
-
-
-def _stage_of(kind: str) -> str:
-    return "scheduler" if kind == "engine" else kind
 
 
 def run_joined(address: str, kind: str, stage_key: str, model_path: str,

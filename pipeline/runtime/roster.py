@@ -49,6 +49,16 @@ class JoinError(RuntimeError):
     """A stage could not join: the message says why (and what to do)."""
 
 
+def kind_of(stage: str) -> str:
+    """The roster's kind of a stage process: a scheduler stands for its engine."""
+    return "engine" if stage == "scheduler" else stage
+
+
+def stage_of(kind: str) -> str:
+    """The stage process that stands for a roster kind: an engine's is its scheduler."""
+    return "scheduler" if kind == "engine" else kind
+
+
 @dataclass
 class Member:
     """A stage the roster names: an engine (its scheduler's inbox) or a worker."""
@@ -65,7 +75,7 @@ class Member:
 
     @property
     def name(self) -> str:
-        return f"{'scheduler' if self.kind == 'engine' else self.kind}:{self.index}"
+        return f"{stage_of(self.kind)}:{self.index}"
 
 
 class Roster:
