@@ -40,8 +40,14 @@ from ipc.messages import (
     StageReady,
 )
 from pipeline.runtime.client import reachable_from
-from pipeline.runtime.roster import (HEARTBEAT_S, JOIN_KINDS, REMOTE_SILENCE_S, JoinError, proof,
-                                     stage_of)
+from pipeline.runtime.roster import (
+    HEARTBEAT_S,
+    JOIN_KINDS,
+    REMOTE_SILENCE_S,
+    JoinError,
+    proof,
+    stage_of,
+)
 from stages.entry import run_stage
 
 logger = logging.getLogger(__name__)
