@@ -21,6 +21,15 @@ def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels() -> None:
+    """The CPU kernels are built (first use on a machine: ~10-20 s) before any test, so that
+    no pipeline's start-up in a timed test pays for the compile."""
+    from stages.executor import kernels
+
+    kernels.load()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,9 +1,9 @@
 """Attention over the paged cache against a plain reference, on mixed batches: decodes of very
 different context lengths (several padding groups), prompt chunks with and without past, rows
 crossing block boundaries, GQA, a page two sequences share (a prefix hit). Both
-implementations: eager (SDPA per group and row) and compiled (one FlexAttention call, padded
-as a compiled step is). The reference gathers each sequence's keys in order and does the
-softmax in float64."""
+implementations: eager PyTorch (SDPA per group and row), compiled (one FlexAttention call,
+padded as a compiled step is) and the CPU kernel (one call, rope and the cache write inside).
+The reference gathers each sequence's keys in order and does the softmax in float64."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from ipc.config import EngineLimits
+from stages.executor import kernels
 from stages.executor.attention import (
+    KernelMetadata,
     build_attention_metadata,
     build_flex_metadata,
     decode_attention,
     flex_paged_attention,
+    kernel_paged_attention,
     paged_attention,
 )
 from stages.executor.step_inputs import (
@@ -49,16 +52,24 @@ ROWS = [[(1, 1), (3, 1), (4, 1), (5, 1), (17, 1), (40, 1), (7, 7), (13, 5), (9, 
         [(5, 5), (8, 4), (12, 3)],
         [(33, 1)],
         [(20, 1), (9, 3), (6, 6)]]
+# More query tokens than a tile of the CPU kernel holds (16); beyond the compiled tests' budget.
+LONG_ROWS = [(50, 37), (3, 1), (40, 40)]
+
+needs_kernels = pytest.mark.skipif(not kernels.available(),
+                                   reason=f"CPU kernels: {kernels.load()}")
+CASES = [pytest.param(impl, rows, id=f"{impl}-{i}",
+                      marks=[needs_kernels] if impl == "kernel" else [])
+         for impl, row_sets in (("eager", [*ROWS, LONG_ROWS]), ("paged", ROWS),
+                                ("per-row", ROWS), ("kernel", [*ROWS, LONG_ROWS]))
+         for i, rows in enumerate(row_sets)]
 
 
 def _past(row: tuple[int, int]) -> int:
     return row[0] - row[1]
 
 
-@pytest.mark.parametrize("compiled", [None, "paged", "per-row"])
-@pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"{len(r)}-rows")
-def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]],
-                                               compiled: str | None) -> None:
+@pytest.mark.parametrize(("impl", "rows"), CASES)
+def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl: str) -> None:
     gen = torch.Generator().manual_seed(len(rows))
     scale = HEAD_DIM ** -0.5
     max_blocks = 20
@@ -97,9 +108,14 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]],
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
     k = torch.cat([seq_k[r][c - n:] for r, (c, n) in enumerate(rows)])  # this step's tokens
     v = torch.cat([seq_v[r][c - n:] for r, (c, n) in enumerate(rows)])
-    if compiled:
+    if impl in ("paged", "per-row"):
         out = _compiled_attention(q, k, v, kv_cache, block_table, q_lens, ctx_lens, positions,
-                                  token_slots, scale, per_row=compiled == "per-row")
+                                  token_slots, scale, per_row=impl == "per-row")
+    elif impl == "kernel":  # a rope of angle 0 (cos 1, sin 0): the keys are written as given
+        ones, zeros = torch.ones(64, HEAD_DIM), torch.zeros(64, HEAD_DIM)
+        meta = KernelMetadata(block_table, views["positions"].new_tensor(token_slots),
+                              views["positions"], ones, zeros, 0)
+        out = kernel_paged_attention(q, k, v, kv_cache, meta, scale)
     else:
         meta = build_attention_metadata(views, group_by_length(ctx_lens[decode]), prefills,
                                         block_table, BLOCK)

@@ -9,6 +9,7 @@ import pytest
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
+from stages.executor import kernels
 from stages.inprocess import InProcessEngine
 
 
@@ -33,6 +34,17 @@ def test_greedy_matches_transformers(tiny_model_dir: Path, depth: int, budget: i
     got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert got == expected
     assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks
+    assert engine.runner.cpu_kernels == kernels.available()
+
+
+def test_greedy_matches_transformers_on_pytorch_ops_alone(tiny_model_dir: Path) -> None:
+    """The eager forward without the CPU kernels (as on CUDA, or where none can be built)."""
+    prompts = _prompts(tiny_model_dir)
+    engine = InProcessEngine(str(tiny_model_dir), max_num_batched_tokens=16, cpu_kernels=False,
+                             eos_token_ids=_eos(tiny_model_dir))
+    assert not engine.runner.cpu_kernels
+    got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    assert got == hf_greedy(tiny_model_dir, prompts, max_new_tokens=12)
 
 
 def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path) -> None:

@@ -3,15 +3,19 @@
 The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; a token at
 position p of a sequence lives in block block_table[p // block_size] at offset p % block_size.
 
-Two implementations, one per forward mode:
+Three implementations:
+- CPU kernels (`kernel_paged_attention`, the eager default on the CPU): one call per layer
+  over the whole batch into csrc/cpu_kernels.cpp, which also ropes this step's keys and
+  queries and writes the cache, and reads the cache in place; nothing gathered or padded.
 - compiled (`flex_paged_attention`): one FlexAttention call per layer over the whole batch,
   reading the cache in place. Queries sit in blocks of one page of positions of one sequence
   (step_inputs.query_blocks); a block's keys are its sequence's earlier pages, whole, and its
   own page, masked by offset. Needs torch.compile (eager FlexAttention materialises every
   score).
-- eager (`paged_attention`): rows with one query token (decodes) in batched SDPA calls,
-  grouped by context length so that padding at most doubles the keys read; rows with several
-  (prefill chunks) one by one, over keys gathered from the cache.
+- eager PyTorch (`paged_attention`: CUDA without compile, or a CPU without the kernels):
+  rows with one query token (decodes) in batched SDPA calls, grouped by context length so
+  that padding at most doubles the keys read; rows with several (prefill chunks) one by
+  one, over keys gathered from the cache.
 """
 
 from __future__ import annotations
@@ -40,6 +44,26 @@ class DecodeAttention:
     token_idx: torch.Tensor  # [B] rows of the flattened batch
     block_tables: torch.Tensor  # [B, nb]
     mask: torch.Tensor  # [B, 1, 1, nb * block_size] bool
+
+
+@dataclass
+class KernelMetadata:
+    block_table: torch.Tensor  # [slots, max_blocks] int32
+    token_slots: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    rope_cos: torch.Tensor  # [max_len, D] float32: the model's tables (rounded to its dtype)
+    rope_sin: torch.Tensor
+    window: int  # a sliding window, or 0
+
+
+def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kv_cache: torch.Tensor, meta: KernelMetadata,
+                           scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
+    [2, NB, BS, KVH, D] -> [T, H, D]. One call: rope, the cache write, attention."""
+    return torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, meta.block_table,
+                                             meta.token_slots, meta.positions, meta.rope_cos,
+                                             meta.rope_sin, scale, meta.window)
 
 
 @dataclass

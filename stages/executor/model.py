@@ -29,9 +29,13 @@ from ipc.arch import ArchSpec, arch_spec
 from stages.executor.attention import (
     AttentionMetadata,
     FlexMetadata,
+    KernelMetadata,
     flex_paged_attention,
+    kernel_paged_attention,
     paged_attention,
 )
+
+Metadata = AttentionMetadata | FlexMetadata | KernelMetadata
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +43,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels = False  # torch.ops.llm_cpu (a 2-D contiguous input); see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return torch.ops.llm_cpu.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,8 +76,8 @@ class Attention(nn.Module):
         # Tensor parallel (parallel.py): o_proj is row-parallel, its output summed over ranks.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata | FlexMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: Metadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -78,10 +85,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        attend = flex_paged_attention if isinstance(meta, FlexMetadata) else paged_attention
-        out = attend(q, k, v, kv_cache, meta, self.scale)  # type: ignore[arg-type]  # [T, H, D]
+        if isinstance(meta, KernelMetadata):  # rope inside the kernel
+            out = kernel_paged_attention(q, k, v, kv_cache, meta, self.scale)
+        else:
+            assert cos is not None and sin is not None
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            attend = flex_paged_attention if isinstance(meta, FlexMetadata) else paged_attention
+            out = attend(q, k, v, kv_cache, meta, self.scale)  # type: ignore[arg-type]
         out = self.o_proj(out.reshape(num_tokens, -1))
         return out if self.reduce is None else self.reduce(out)
 
@@ -93,10 +104,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention's
+        self.kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        if self.kernels:
+            out = self.down_proj(torch.ops.llm_cpu.silu_and_mul(self.gate_up_proj(x)))
+        else:
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -107,8 +122,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec.hidden, spec.intermediate, spec.mlp_bias)
         self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
+        self.kernels = False
 
     def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+        if self.kernels:  # the residual add fused into the second norm; x updated in place
+            h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+            norm = self.post_attention_layernorm
+            h = torch.ops.llm_cpu.add_rms_norm(x, h, norm.weight, norm.eps)
+            return x.add_(self.mlp(h))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -144,6 +165,20 @@ class PagedLlama(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.tp: Any = None  # a parallel.TensorParallel: this model is one rank's shard
+        self.kernels = False  # use_cpu_kernels
+
+    def use_cpu_kernels(self) -> None:
+        """Run the eager forward through torch.ops.llm_cpu (kernels.py, loaded already):
+        attention with rope over the paged cache, the norms (the residual add fused into
+        the second of each layer) and SiLU-and-mul. The rope tables keep the values of the
+        model's dtype, in float32 for the kernel."""
+        self.kernels = True
+        self.rope_cos_f32 = self.rope_cos.float().contiguous()
+        self.rope_sin_f32 = self.rope_sin.float().contiguous()
+        self.model.norm.kernels = True
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.kernels = layer.input_layernorm.kernels = layer.mlp.kernels = True
 
     def init_rope(self, max_len: int) -> None:
         """Tables of cos/sin per position, computed as Hugging Face's LlamaRotaryEmbedding
@@ -175,15 +210,17 @@ class PagedLlama(nn.Module):
         self.rope_sin = (emb.sin() * scaling).to(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata | FlexMetadata,
+                kv_caches: list[torch.Tensor], meta: Metadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """The logits; with tensor parallelism, on rank 0 (None on the others)."""
         if self.tp is None:
             x = self.model.embed_tokens(input_ids)  # [T, hidden]
         else:
             x = self.tp.embed(self.model.embed_tokens, input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(1)
+        cos = sin = None  # the kernel ropes from the tables itself
+        if not isinstance(meta, KernelMetadata):
+            cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+            sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # [S, hidden]

@@ -19,10 +19,15 @@ from ipc.arch import UnsupportedModel
 from ipc.config import ConfigError, EngineLimits
 from ipc.messages import StepPlan
 from ipc.step import staging_nbytes
-from stages.executor.attention import build_attention_metadata, build_flex_metadata
+from stages.executor import kernels
+from stages.executor.attention import (
+    KernelMetadata,
+    build_attention_metadata,
+    build_flex_metadata,
+)
 from stages.executor.compile import CUDA_PAGE_MULTIPLE, CompileStats, compile_layers
 from stages.executor.graphs import DecodeGraphs
-from stages.executor.model import PagedLlama, can_pack, load_model, pack_linears
+from stages.executor.model import Metadata, PagedLlama, can_pack, load_model, pack_linears
 from stages.executor.parallel import TensorParallel, load_model_shard
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
@@ -191,11 +196,14 @@ class SlotState:
 class ModelRunner:
     """The real model path: compiled (padded steps, FlexAttention) or eager. Compiled, decode
     steps can replay a graph per bucket (graphs.py): captured CUDA graphs on CUDA; on the CPU
-    (`graphs=True`, for tests) the same static buffers run as plain calls."""
+    (`graphs=True`, for tests) the same static buffers run as plain calls. Eager on the CPU,
+    the forward runs through the CPU kernels (kernels.py) unless `cpu_kernels=False`, or
+    they cannot be built (logged)."""
 
     def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
                  device: torch.device, compile: bool = False,
-                 grammars: Grammars | None = None, graphs: bool | None = None) -> None:
+                 grammars: Grammars | None = None, graphs: bool | None = None,
+                 cpu_kernels: bool | None = None) -> None:
         self.model, self.limits, self.device = model, limits, device
         self.tp: TensorParallel | None = None
         if compile and model.spec.sliding_window is not None:
@@ -219,6 +227,7 @@ class ModelRunner:
                                       model.num_kv_heads, model.head_dim, dtype=dtype,
                                       device=device) for _ in range(model.num_layers)]
         self.compiled = compile
+        self.cpu_kernels = self._use_cpu_kernels(cpu_kernels)
         self.slots = SlotState(limits, device, device.type == "cuda", pad=compile,
                                pad_block=self.num_blocks if compile else 0, grammars=grammars)
         self.compile_stats = (compile_layers(model.model.layers, limits, device) if compile
@@ -230,11 +239,27 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
                     limits.block_size, self.num_blocks * per_block / 2**20)
 
+    def _use_cpu_kernels(self, wanted: bool | None) -> bool:
+        if wanted is False or (wanted is None and (self.compiled or self.device.type != "cpu")):
+            return False
+        if self.compiled or self.device.type != "cpu":
+            raise ConfigError("the CPU kernels serve the eager forward on the CPU only")
+        why = kernels.load()
+        if why is not None:
+            if wanted:
+                raise RuntimeError(f"the CPU kernels are not available: {why}")
+            logger.warning("CPU kernels not available (%s): the eager forward runs on "
+                           "PyTorch's ops, which is slower", why)
+            return False
+        self.model.use_cpu_kernels()
+        return True
+
     @classmethod
     def from_dir(cls, model_dir: str, dtype: torch.dtype, device: torch.device,
                  limits: EngineLimits, kv_cache_memory: int,
                  compile: bool = False, pack: bool | None = None,
-                 graphs: bool | None = None, tp: TensorParallel | None = None) -> ModelRunner:
+                 graphs: bool | None = None, tp: TensorParallel | None = None,
+                 cpu_kernels: bool | None = None) -> ModelRunner:
         """pack (default: eager on the CPU, where oneDNN is): PackedLinear for every
         projection. (TorchInductor lowers packed weights only as frozen constants, which
         one graph shared by every layer cannot have.) tp: this rank's shard of the model
@@ -251,7 +276,8 @@ class ModelRunner:
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
                     if limits.eos_token_ids and (tp is None or tp.rank == 0) else None)
-        runner = cls(model, limits, kv_cache_memory, device, compile, grammars, graphs)
+        runner = cls(model, limits, kv_cache_memory, device, compile, grammars, graphs,
+                     cpu_kernels)
         runner.tp = tp
         return runner
 
@@ -276,10 +302,16 @@ class ModelRunner:
         # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels
         # take a page of rows at once anyway.
         per_row = step.decode_only and self.device.type == "cpu"
-        meta = (build_flex_metadata(v, table, block_size, self.num_blocks + 1, per_row)
-                if self.compiled
-                else build_attention_metadata(v, step.decode_groups, step.prefills, table,
-                                              block_size, self.model.spec.sliding_window))
+        meta: Metadata
+        if self.compiled:
+            meta = build_flex_metadata(v, table, block_size, self.num_blocks + 1, per_row)
+        elif self.cpu_kernels:
+            meta = KernelMetadata(table, v["token_slots"], v["positions"],
+                                  self.model.rope_cos_f32, self.model.rope_sin_f32,
+                                  self.model.spec.sliding_window or 0)
+        else:
+            meta = build_attention_metadata(v, step.decode_groups, step.prefills, table,
+                                            block_size, self.model.spec.sliding_window)
         wanted, num_scored = v["logits_indices"], step.counts["plp_indices"]
         if num_scored:  # prompt logprobs: the logits of the positions that score them too
             wanted = torch.cat([wanted, v["plp_indices"]])

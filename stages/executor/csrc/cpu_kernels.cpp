@@ -1,0 +1,433 @@
+// CPU kernels of the eager forward: attention over the paged KV cache in place, and the
+// elementwise work around the matrix products (RMSNorm with the residual add, SiLU-and-mul).
+// Built once per machine by stages/executor/kernels.py (g++ -O3 -march=native, torch's
+// headers and its OpenMP runtime) and registered as torch.ops.llm_cpu.*.
+//
+// Attention (`paged_attention`): one call per layer over the whole flattened batch. Each
+// token t of slot s at position p attends to keys lo..p of its own sequence (lo = 0, or
+// p - window + 1 with a sliding window), read from block block_table[s][j / BS] at offset
+// j % BS of the cache [2, NB, BS, KVH, D]. The call first rotates (rope) this step's keys and
+// writes them and the values into the cache, then rotates the queries. Queries are grouped
+// into tiles of consecutive positions of one sequence; a work item is a tile and one KV head,
+// whose query heads share every key read. Softmax is online (a running max and sum per row),
+// in float32, a page of keys at a time. Nothing is gathered or padded: decodes of any lengths
+// and prompt chunks with or without past go through the same loop.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// ---------------------------------------------------------------- element types
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(c10::Half x) {
+  _Float16 h;
+  std::memcpy(&h, &x.x, sizeof h);
+  return static_cast<float>(h);
+}
+
+template <typename T> inline T from_float(float f);
+template <> inline float from_float<float>(float f) { return f; }
+template <> inline c10::BFloat16 from_float<c10::BFloat16>(float f) {
+  return c10::BFloat16(f);  // round to nearest even, NaN kept
+}
+template <> inline c10::Half from_float<c10::Half>(float f) {
+  _Float16 h = static_cast<_Float16>(f);
+  c10::Half out;
+  std::memcpy(&out.x, &h, sizeof h);
+  return out;
+}
+
+// exp: Cephes' single-precision polynomial, written so that a loop over it vectorizes
+// (std::exp does not). Relative error ~1e-7; arguments are clamped to [-87, 88].
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// ---------------------------------------------------------------- attention
+
+constexpr int64_t kMaxTileRows = 64;  // query rows (tokens x heads of a KV group) per item
+
+struct Tile {
+  int64_t start;  // first token of the tile in the flattened batch
+  int64_t len;    // consecutive positions of one sequence
+};
+
+// Rope (Hugging Face's rotate_half convention) of one head vector, into float.
+template <typename T>
+inline void rope(const T* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = to_float(x[i]) * cos[i] - to_float(x[i + half]) * sin[i];
+  }
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i) {
+    out[i] = to_float(x[i]) * cos[i] + to_float(x[i - half]) * sin[i];
+  }
+}
+
+// kD: the head size as a constant (64 and 128, the common ones), so that the loops over it
+// unroll with no remainder; 0 reads it from the tensors.
+template <typename T, int64_t kD>
+void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      at::Tensor& kv_cache, const at::Tensor& block_table,
+                      const at::Tensor& token_slots, const at::Tensor& positions,
+                      const at::Tensor& cos_table, const at::Tensor& sin_table, double scale,
+                      int64_t window, at::Tensor& out) {
+  const int64_t num_tokens = q.size(0), heads = q.size(1), d = kD > 0 ? kD : q.size(2);
+  const int64_t kv_heads = k.size(1), block_size = kv_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t cache_half = kv_cache.stride(0);
+  const int64_t table_stride = block_table.stride(0);
+  T* k_cache = kv_cache.data_ptr<T>();
+  T* v_cache = k_cache + cache_half;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k.data_ptr<T>();
+  const T* v_ptr = v.data_ptr<T>();
+  const int64_t q_row = q.stride(0), k_row = k.stride(0), v_row = v.stride(0);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t* slots = token_slots.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cos_ptr = cos_table.data_ptr<float>();
+  const float* sin_ptr = sin_table.data_ptr<float>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  auto cache_offset = [&](int64_t slot, int64_t p) {  // element offset of (p, head 0)
+    const int64_t block = table[slot * table_stride + p / block_size];
+    return (block * block_size + p % block_size) * kv_heads * d;
+  };
+
+  // 1. This step's keys (rotated) and values into the cache; the queries rotated and scaled.
+  at::Tensor qf = at::empty({num_tokens, heads, d}, q.options().dtype(at::kFloat));
+  float* qf_ptr = qf.data_ptr<float>();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(d);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos_ptr + pos[t] * d;
+      const float* s = sin_ptr + pos[t] * d;
+      const int64_t at = cache_offset(slots[t], pos[t]);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rope(k_ptr + t * k_row + h * d, c, s, d, rotated.data());
+        T* kd = k_cache + at + h * d;
+        T* vd = v_cache + at + h * d;
+        const T* vs = v_ptr + t * v_row + h * d;
+        for (int64_t i = 0; i < d; ++i) {
+          kd[i] = from_float<T>(rotated[i]);
+          vd[i] = vs[i];
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* qd = qf_ptr + (t * heads + h) * d;
+        rope(q_ptr + t * q_row + h * d, c, s, d, qd);
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) qd[i] *= fscale;
+      }
+    }
+  });
+
+  // 2. Tiles: runs of consecutive positions of one sequence, at most tile_len tokens.
+  const int64_t tile_len = std::max<int64_t>(1, std::min<int64_t>(16, kMaxTileRows / group));
+  std::vector<Tile> tiles;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (!tiles.empty()) {
+      Tile& last = tiles.back();
+      const int64_t prev = last.start + last.len - 1;
+      if (last.len < tile_len && slots[t] == slots[prev] && pos[t] == pos[prev] + 1) {
+        ++last.len;
+        continue;
+      }
+    }
+    tiles.push_back({t, 1});
+  }
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const int64_t kv_stride = kv_heads * d;  // between keys of one head in a page
+
+  // 3. Attention per (tile, KV head). Dynamic scheduling: a prompt's last tiles read many
+  // more keys than its first.
+  auto work = [&](int64_t item, float* acc, float* row_max, float* row_sum, float* scores) {
+    const Tile tile = tiles[item / kv_heads];
+    const int64_t g = item % kv_heads;
+    const int64_t slot = slots[tile.start];
+    const int64_t first = pos[tile.start];
+    const int64_t last = first + tile.len - 1;
+    const int64_t rows = tile.len * group;
+    std::fill(acc, acc + rows * d, 0.0f);
+    std::fill(row_max, row_max + rows, -INFINITY);
+    std::fill(row_sum, row_sum + rows, 0.0f);
+    const int64_t lo_first = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    for (int64_t page = lo_first / block_size; page <= last / block_size; ++page) {
+      const int64_t page_start = page * block_size;
+      const int64_t block = table[slot * table_stride + page];
+      const T* kp = k_cache + block * block_size * kv_stride + g * d;
+      const T* vp = v_cache + block * block_size * kv_stride + g * d;
+      for (int64_t i = 0; i < tile.len; ++i) {
+        const int64_t p = first + i;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        const int64_t j_lo = std::max(lo, page_start) - page_start;
+        const int64_t j_hi = std::min(p, page_start + block_size - 1) - page_start + 1;
+        if (j_hi <= j_lo) continue;
+        for (int64_t gh = 0; gh < group; ++gh) {
+          const int64_t r = i * group + gh;
+          const float* qr = qf_ptr + ((tile.start + i) * heads + g * group + gh) * d;
+          float top = row_max[r];
+          for (int64_t j = j_lo; j < j_hi; ++j) {
+            const T* kj = kp + j * kv_stride;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t e = 0; e < d; ++e) dot += qr[e] * to_float(kj[e]);
+            scores[j] = dot;
+            top = std::max(top, dot);
+          }
+          const float correction = row_max[r] == -INFINITY ? 0.0f
+                                                            : exp_clamped(row_max[r] - top);
+          float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t j = j_lo; j < j_hi; ++j) {
+            scores[j] = exp_clamped(scores[j] - top);
+            total += scores[j];
+          }
+          row_max[r] = top;
+          row_sum[r] = row_sum[r] * correction + total;
+          float* ar = acc + r * d;
+          if (correction != 1.0f) {
+#pragma omp simd
+            for (int64_t e = 0; e < d; ++e) ar[e] *= correction;
+          }
+          for (int64_t j = j_lo; j < j_hi; ++j) {
+            const T* vj = vp + j * kv_stride;
+            const float w = scores[j];
+#pragma omp simd
+            for (int64_t e = 0; e < d; ++e) ar[e] += w * to_float(vj[e]);
+          }
+        }
+      }
+    }
+    for (int64_t i = 0; i < tile.len; ++i) {
+      for (int64_t gh = 0; gh < group; ++gh) {
+        const int64_t r = i * group + gh;
+        const float inv = 1.0f / row_sum[r];
+        T* o = out_ptr + ((tile.start + i) * heads + g * group + gh) * d;
+        for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(acc[r * d + e] * inv);
+      }
+    }
+  };
+
+#pragma omp parallel if (num_items > 1)
+  {
+    const int64_t rows = tile_len * group;
+    std::vector<float> acc(rows * d), row_max(rows), row_sum(rows), scores(block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      work(item, acc.data(), row_max.data(), row_sum.data(), scores.data());
+    }
+  }
+}
+
+template <typename F>
+void dispatch_float_types(at::ScalarType type, const char* name, F&& f) {
+  switch (type) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16, not ", type);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor& kv_cache, const at::Tensor& block_table,
+                           const at::Tensor& token_slots, const at::Tensor& positions,
+                           const at::Tensor& cos_table, const at::Tensor& sin_table,
+                           double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [tokens, heads, dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(),
+              "kv_cache: contiguous [2, blocks, block_size, kv_heads, dim]");
+  const int64_t d = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(1) == kv_heads &&
+                  kv_cache.size(3) == kv_heads && kv_cache.size(4) == d && d % 2 == 0,
+              "q, k, v and kv_cache disagree on heads or head size");
+  TORCH_CHECK(q.size(1) % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
+                  token_slots.numel() == q.size(0) && positions.numel() == q.size(0),
+              "q, k, v, token_slots and positions disagree on the number of tokens");
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == d, "q, k, v: each token's heads contiguous");
+    TORCH_CHECK(t->scalar_type() == kv_cache.scalar_type(), "q, k, v: the cache's dtype");
+  }
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
+              "block_table: int32 rows");
+  TORCH_CHECK(token_slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  token_slots.is_contiguous() && positions.is_contiguous(),
+              "token_slots, positions: contiguous int64");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() &&
+                  cos_table.size(-1) == d && sin_table.size(-1) == d,
+              "cos, sin: contiguous float32 [max_len, dim]");
+  at::Tensor out = at::empty({q.size(0), q.size(1), d}, q.options());
+  if (q.size(0) == 0) return out;
+  dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) {
+    using T = decltype(tag);
+    auto run = [&](auto head_size) {
+      attention_kernel<T, decltype(head_size)::value>(q, k, v, kv_cache, block_table,
+                                                      token_slots, positions, cos_table,
+                                                      sin_table, scale, window, out);
+    };
+    if (d == 64) {
+      run(std::integral_constant<int64_t, 64>{});
+    } else if (d == 128) {
+      run(std::integral_constant<int64_t, 128>{});
+    } else {
+      run(std::integral_constant<int64_t, 0>{});
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- elementwise
+
+// out = weight * (x / rms(x)), the statistics in float32 (Hugging Face's RMSNorm). With
+// `residual`: x += residual first, in place, and the norm is of the sum.
+template <typename T>
+void rms_norm_kernel(T* x, const T* residual, const T* weight, T* out, int64_t rows,
+                     int64_t width, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * width;
+      float squares = 0.0f;
+      if (residual != nullptr) {
+        const T* rr = residual + r * width;
+        for (int64_t e = 0; e < width; ++e) {
+          const T sum = from_float<T>(to_float(xr[e]) + to_float(rr[e]));  // rounded as x + y
+          xr[e] = sum;
+          row[e] = to_float(sum);
+        }
+      } else {
+        for (int64_t e = 0; e < width; ++e) row[e] = to_float(xr[e]);
+      }
+#pragma omp simd reduction(+ : squares)
+      for (int64_t e = 0; e < width; ++e) squares += row[e] * row[e];
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
+      T* o = out + r * width;
+      for (int64_t e = 0; e < width; ++e) {
+        // x.to(dtype) first, then the product in the dtype, as Hugging Face rounds
+        o[e] = from_float<T>(to_float(weight[e]) * to_float(from_float<T>(row[e] * inv)));
+      }
+    }
+  });
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.dim() == 2 &&
+                  weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms_norm: contiguous x [rows, width] and weight [width]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight of one dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  at::Tensor out = at::empty_like(x);
+  dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_kernel<T>(x.data_ptr<T>(), nullptr, weight.data_ptr<T>(), out.data_ptr<T>(),
+                       x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual of x's shape and dtype, contiguous");
+  at::Tensor out = at::empty_like(x);
+  dispatch_float_types(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_kernel<T>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(),
+                       out.data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// [rows, 2 * width] (gate, then up) -> silu(gate) * up, [rows, width]; rounded as
+// F.silu(gate) * up rounds (silu to the dtype, then the product).
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul: contiguous [rows, 2 * width]");
+  const int64_t rows = x.size(0), width = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, x.options());
+  dispatch_float_types(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* in = x.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> gate(width);
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = in + r * 2 * width;
+        const T* u = g + width;
+        for (int64_t e = 0; e < width; ++e) gate[e] = to_float(g[e]);
+#pragma omp simd
+        for (int64_t e = 0; e < width; ++e) gate[e] = gate[e] / (1.0f + exp_clamped(-gate[e]));
+        for (int64_t e = 0; e < width; ++e) {
+          o[r * width + e] = from_float<T>(to_float(from_float<T>(gate[e])) * to_float(u[e]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llm_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_table, "
+        "Tensor token_slots, Tensor positions, Tensor cos, Tensor sin, float scale, "
+        "int window) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
+  m.impl("paged_attention", TORCH_FN(paged_attention));
+  m.impl("rms_norm", TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
+  m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
+}

@@ -1,0 +1,119 @@
+"""The executor's CPU kernels (csrc/cpu_kernels.cpp), built once per machine and loaded as
+torch.ops.llm_cpu. Runs in the executor process.
+
+The source is compiled with the machine's C++ compiler against the installed torch's headers
+and libraries, `-march=native`, into `$LLM_PIPELINE_CACHE/kernels/<key>/`, where the key
+hashes the source, the torch version, the compiler and the CPU's flags: a second start, or
+another executor, loads it in milliseconds; a change to any of them builds anew (about 10 s on
+the 2-core test machine). Builders take a file lock, so executors starting together compile
+once. Where no compiler works, or `LLM_PIPELINE_CPU_KERNELS=0`, the eager forward keeps its
+PyTorch path, and the executor's log says why.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ipc.config import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
+BUILD_TIMEOUT_S = 300
+
+_loaded: Path | None = None
+_failure: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _command(compiler: str, out: Path) -> list[str]:
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [compiler, "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp",
+            "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}", str(SOURCE),
+            f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}",
+            "-o", str(out)]
+
+
+def library_path(compiler: str) -> Path:
+    """Where the build for this source, torch, compiler and CPU lives."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=False).stdout.splitlines()[:1]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *version,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / key / "llm_cpu_kernels.so"
+
+
+def build(compiler: str) -> Path:
+    """The compiled library, building it first unless the cache has it."""
+    path = library_path(compiler)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
+        if path.is_file():
+            return path
+        logger.info("building the CPU kernels (once per machine and torch version) into %s",
+                    path.parent)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            staged = Path(tmp) / path.name
+            done = subprocess.run(_command(compiler, staged), capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed (exit {done.returncode}): "
+                                   f"{done.stderr.strip()[-2000:]}")
+            os.replace(staged, path)
+    return path
+
+
+def load() -> str | None:
+    """Load the kernels into this process (once). None when loaded; else why they are not
+    available, for the caller to log."""
+    global _loaded, _failure
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if _loaded is not None or _failure is not None:
+        return _failure
+    compiler = _compiler()
+    if compiler is None:
+        _failure = f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"
+        return _failure
+    try:
+        path = build(compiler)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _failure = f"the build failed: {e}"
+        return _failure
+    _loaded = path
+    return None
+
+
+def available() -> bool:
+    return load() is None

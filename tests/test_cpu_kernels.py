@@ -1,0 +1,144 @@
+"""The CPU kernels (stages/executor/csrc/cpu_kernels.cpp) against the PyTorch code they replace:
+attention with its rope and cache write, a sliding window, reduced precision; the norms
+with the residual add and SiLU-and-mul; their refusals; where the build is cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.executor import kernels
+from stages.executor.attention import (
+    KernelMetadata,
+    build_attention_metadata,
+    kernel_paged_attention,
+    paged_attention,
+)
+from stages.executor.model import RMSNorm, rotate_half
+from stages.executor.step_inputs import DecodeGroup, PrefillRow
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 16, 4, 64
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+def _rope_tables(max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """As PagedLlama.init_rope: float32 angles, then rounded to the model's dtype."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    freqs = torch.arange(max_len).float()[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _step(dtype: torch.dtype, window: int | None):
+    """A mixed step: decodes (one across a page boundary), a prompt chunk with past, a
+    prompt without past longer than the window; the cache holds each sequence's past."""
+    gen = torch.Generator().manual_seed(7)
+    rows = [(21, 1), (5, 1), (30, 9), (12, 12), (17, 1)]  # (context after the step, queries)
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[:len(rows) * 8].view(len(rows), 8).int()
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    positions = torch.cat([torch.arange(c - q, c) for c, q in rows])
+    slots = torch.cat([torch.full((q,), s) for s, (_, q) in enumerate(rows)])
+    total = len(positions)
+    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q = q.view(total, HEADS, HEAD_DIM)  # strided views of one matrix, as the model has them
+    k = k.view(total, KV_HEADS, HEAD_DIM)
+    v = v.view(total, KV_HEADS, HEAD_DIM)
+    starts = torch.tensor([0, *torch.cumsum(torch.tensor([q for _, q in rows]), 0).tolist()])
+    decode = [i for i, (_, q) in enumerate(rows) if q == 1]
+    decode.sort(key=lambda i: rows[i][0])
+    views = {"positions": positions, "token_slots": slots,
+             "decode_token_idx": starts[decode], "decode_slots": torch.tensor(decode),
+             "decode_lens": torch.tensor([rows[i][0] for i in decode])}
+    groups = [DecodeGroup(0, len(decode), max(rows[i][0] for i in decode))]
+    prefills = [PrefillRow(int(starts[i]), int(starts[i + 1]), i, c)
+                for i, (c, q) in enumerate(rows) if q > 1]
+    meta = build_attention_metadata(views, groups, prefills, table, BLOCK, window)
+    return q, k, v, kv_cache, table, slots, positions, meta
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dtype,
+                                                                window: int | None) -> None:
+    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window)
+    cos, sin = _rope_tables(64, dtype)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected_cache = kv_cache.clone()
+    expected = paged_attention(q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v,
+                               expected_cache, meta, HEAD_DIM ** -0.5)
+    kernel_meta = KernelMetadata(table, slots, positions, cos.float(), sin.float(), window or 0)
+    got = kernel_paged_attention(q, k, v, kv_cache, kernel_meta, HEAD_DIM ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    # the keys (roped in float32, rounded once) and values landed where the table says
+    torch.testing.assert_close(kv_cache.float(), expected_cache.float(), atol=tol, rtol=tol)
+    assert torch.equal(kv_cache[1], expected_cache[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 96, generator=gen).to(dtype)
+    residual = torch.randn(37, 96, generator=gen).to(dtype)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    one_ulp = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2,
+                                                                           "rtol": 8e-3}
+    with torch.inference_mode():
+        want = norm(x)
+        norm.kernels = True
+        torch.testing.assert_close(norm(x), want, **one_ulp)
+        summed = x.clone()
+        got = torch.ops.llm_cpu.add_rms_norm(summed, residual, norm.weight, norm.eps)
+        norm.kernels = False
+        assert torch.equal(summed, x + residual)  # x updated in place, rounded as x + y
+        torch.testing.assert_close(got, norm(x + residual), **one_ulp)
+        gate_up = (torch.randn(9, 2 * 40, generator=gen) * 6).to(dtype)
+        gate, up = gate_up.split(40, dim=-1)
+        torch.testing.assert_close(torch.ops.llm_cpu.silu_and_mul(gate_up), F.silu(gate) * up,
+                                   **one_ulp)
+
+
+def test_bad_inputs_are_refused_with_the_reason() -> None:
+    q, k, v, kv_cache, table, slots, positions, _ = _step(torch.float32, None)
+    cos, sin = _rope_tables(64, torch.float32)
+    with pytest.raises(RuntimeError, match="the cache's dtype"):
+        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache.double(), table, slots, positions,
+                                          cos, sin, 0.25, 0)
+    with pytest.raises(RuntimeError, match="int32 rows"):
+        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table.long(), slots, positions,
+                                          cos, sin, 0.25, 0)
+    with pytest.raises(RuntimeError, match="number of tokens"):
+        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table, slots[:-1], positions,
+                                          cos, sin, 0.25, 0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.llm_cpu.silu_and_mul(torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="weight \\[width\\]"):
+        torch.ops.llm_cpu.rms_norm(torch.ones(2, 4), torch.ones(3), 1e-5)
+
+
+def test_the_build_is_keyed_by_source_and_cache(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler = kernels._compiler()
+    assert compiler is not None
+    here = kernels.library_path(compiler)
+    assert here.parent.parent.name == "kernels"
+    monkeypatch.setenv("LLM_PIPELINE_CACHE", str(tmp_path))
+    moved = kernels.library_path(compiler)
+    assert moved.is_relative_to(tmp_path) and moved.parent.name == here.parent.name
+    changed = tmp_path / "cpu_kernels.cpp"
+    changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(kernels, "SOURCE", changed)
+    assert kernels.library_path(compiler).parent.name != here.parent.name
+
+
+def test_switched_off_they_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert kernels.load() == f"{kernels.ENV}=0" and not kernels.available()
