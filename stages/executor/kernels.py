@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
-BUILD_TIMEOUT_S = 300
+BUILD_TIMEOUT_S = 120  # well inside an executor's ready timeout (300 s by default)
 
 _loaded: Path | None = None
 _failure: str | None = None
@@ -53,8 +53,10 @@ def _compiler() -> str | None:
 def _command(compiler: str, out: Path) -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler, "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp",
-            "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    # -fopenmp: the kernels' threads are torch's (its libgomp is the one loaded already);
+    # -ffp-contract=fast: multiply-adds fused (ISO C++ mode would leave them apart).
+    return [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared",
+            "-fPIC", "-fopenmp", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
             f"-I{sysconfig.get_paths()['include']}", str(SOURCE),
             f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}",
@@ -62,23 +64,24 @@ def _command(compiler: str, out: Path) -> list[str]:
 
 
 def library_path(compiler: str) -> Path:
-    """Where the build for this source, torch, compiler and CPU lives."""
+    """Where the build for this source, torch, compiler, command and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
+    command = _command(compiler, Path("out.so"))
     key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *version,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+                                    *command, _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / key / "llm_cpu_kernels.so"
 
 
-def build(compiler: str) -> Path:
-    """The compiled library, building it first unless the cache has it."""
+def build(compiler: str, again: bool = False) -> Path:
+    """The compiled library, building it first unless the cache has it (or `again`)."""
     path = library_path(compiler)
-    if path.is_file():
+    if path.is_file() and not again:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
-        if path.is_file():
+        if path.is_file() and not again:
             return path
         logger.info("building the CPU kernels (once per machine and torch version) into %s",
                     path.parent)
@@ -107,12 +110,34 @@ def load() -> str | None:
         return _failure
     try:
         path = build(compiler)
-        torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _failure = f"the build failed: {e}"
         return _failure
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as first:  # a damaged file in the cache: build it again, once
+        logger.warning("the cached CPU kernels did not load (%s): building them again", first)
+        try:
+            torch.ops.load_library(str(build(compiler, again=True)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _failure = f"the library did not load: {e}"
+            return _failure
     _loaded = path
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:  # e.g. a torch build that ships its libgomp under another name
+        logger.warning("two OpenMP runtimes are loaded (%s): the CPU kernels' threads do not "
+                       "follow torch.set_num_threads", ", ".join(runtimes))
     return None
+
+
+def _openmp_runtimes() -> list[str]:
+    """The OpenMP runtime libraries mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in maps
+                   if "libgomp" in line or "libiomp" in line or "libomp" in line})
 
 
 def available() -> bool:

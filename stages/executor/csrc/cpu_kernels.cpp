@@ -21,6 +21,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -41,23 +42,14 @@ inline float to_float(c10::BFloat16 x) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-inline float to_float(c10::Half x) {
-  _Float16 h;
-  std::memcpy(&h, &x.x, sizeof h);
-  return static_cast<float>(h);
-}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T> inline T from_float(float f);
 template <> inline float from_float<float>(float f) { return f; }
 template <> inline c10::BFloat16 from_float<c10::BFloat16>(float f) {
   return c10::BFloat16(f);  // round to nearest even, NaN kept
 }
-template <> inline c10::Half from_float<c10::Half>(float f) {
-  _Float16 h = static_cast<_Float16>(f);
-  c10::Half out;
-  std::memcpy(&out.x, &h, sizeof h);
-  return out;
-}
+template <> inline c10::Half from_float<c10::Half>(float f) { return c10::Half(f); }
 
 // exp: Cephes' single-precision polynomial, written so that a loop over it vectorizes
 // (std::exp does not). Relative error ~1e-7; arguments are clamped to [-87, 88].
@@ -79,9 +71,156 @@ inline float exp_clamped(float x) {
   return y * scale;
 }
 
+// ---------------------------------------------------------------- vectors of 8 floats
+
+// GCC vector extensions: AVX registers where the CPU has them, pairs of SSE ones otherwise.
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8f load8(const c10::BFloat16* p) {
+  v8u16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const v8u32 bits = __builtin_convertvector(raw, v8u32) << 16;
+  v8f v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline v8f load8(const c10::Half* p) {
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+const v8i kLanes = {0, 1, 2, 3, 4, 5, 6, 7};
+
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+
+// exp_clamped on 8 lanes; rounding to the nearest integer by adding and subtracting 1.5 * 2^23.
+inline v8f exp8(v8f x) {
+  x = x < -87.0f ? v8f{} - 87.0f : x;
+  x = x > 88.0f ? v8f{} + 88.0f : x;
+  const v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v8f r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v8f y = v8f{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+inline float sum8(v8f v) {
+  float total = 0.0f;
+  for (int i = 0; i < 8; ++i) total += v[i];
+  return total;
+}
+
+// Sums of 8 vectors: lane l of the result is the sum of v[l]'s lanes.
+inline v8f sum8x8(const v8f* v) {
+#ifdef __AVX__
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  return _mm256_permute2f128_ps(ab, cd, 0x20) + _mm256_permute2f128_ps(ab, cd, 0x31);
+#else
+  v8f out;
+  for (int l = 0; l < 8; ++l) out[l] = sum8(v[l]);
+  return out;
+#endif
+}
+
+// Whether the head size takes the vector paths: a constant multiple of 32, at most 128 (its
+// accumulators stay in registers).
+template <int64_t kD>
+constexpr bool kVectorHead = kD > 0 && kD % 32 == 0 && kD <= 128;
+
+// q . k as 8 partial sums (four independent accumulators: one chain of d / 8 dependent
+// multiply-adds would bound the loop by their latency, not by the loads).
+template <int64_t kD, typename T>
+inline v8f dot_parts(const float* q, const T* k) {
+  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t e = 0; e < kD; e += 32) {
+    a0 += load8(q + e) * load8(k + e);
+    a1 += load8(q + e + 8) * load8(k + e + 8);
+    a2 += load8(q + e + 16) * load8(k + e + 16);
+    a3 += load8(q + e + 24) * load8(k + e + 24);
+  }
+  return (a0 + a1) + (a2 + a3);
+}
+
+// scores[j] = q . k_j for j in [j_lo, j_hi); returns max(top, the scores).
+template <int64_t kD, typename T>
+inline float page_scores(const float* q, const T* k, int64_t stride, int64_t d, int64_t j_lo,
+                         int64_t j_hi, float top, float* scores) {
+  if constexpr (kVectorHead<kD>) {
+    v8f best = v8f{} + top;
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += 8) {  // 8 keys, then one transposed reduction
+      v8f parts[8];
+      for (int64_t l = 0; l < 8; ++l) {
+        parts[l] = j0 + l < j_hi ? dot_parts<kD>(q, k + (j0 + l) * stride) : v8f{};
+      }
+      const v8f sums = sum8x8(parts);
+      store8(scores + j0, sums);
+      const auto valid = (kLanes + static_cast<int32_t>(j0)) < static_cast<int32_t>(j_hi);
+      best = (valid & (sums > best)) ? sums : best;
+    }
+    for (int l = 0; l < 8; ++l) top = std::max(top, best[l]);
+  } else {
+    for (int64_t j = j_lo; j < j_hi; ++j) {
+      const T* kj = k + j * stride;
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t e = 0; e < d; ++e) total += q[e] * to_float(kj[e]);
+      scores[j] = total;
+      top = std::max(top, total);
+    }
+  }
+  return top;
+}
+
+// acc = acc * correction + sum over j of weights[j] * v_j.
+template <int64_t kD, typename T>
+inline void page_values(float* acc, float correction, const T* v, int64_t stride, int64_t d,
+                        int64_t j_lo, int64_t j_hi, const float* weights) {
+  if constexpr (kVectorHead<kD>) {
+    v8f a[kD / 8];
+    for (int64_t c = 0; c < kD / 8; ++c) a[c] = load8(acc + 8 * c) * correction;
+    for (int64_t j = j_lo; j < j_hi; ++j) {
+      const v8f w = v8f{} + weights[j];
+      const T* vj = v + j * stride;
+      for (int64_t c = 0; c < kD / 8; ++c) a[c] += w * load8(vj + 8 * c);
+    }
+    for (int64_t c = 0; c < kD / 8; ++c) store8(acc + 8 * c, a[c]);
+  } else {
+    if (correction != 1.0f) {
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) acc[e] *= correction;
+    }
+    for (int64_t j = j_lo; j < j_hi; ++j) {
+      const T* vj = v + j * stride;
+      const float w = weights[j];
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) acc[e] += w * to_float(vj[e]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- attention
 
-constexpr int64_t kMaxTileRows = 64;  // query rows (tokens x heads of a KV group) per item
+constexpr int64_t kMaxTileRows = 256;  // query rows (tokens x heads) per tile
 
 struct Tile {
   int64_t start;  // first token of the tile in the flattened batch
@@ -134,7 +273,42 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     return (block * block_size + p % block_size) * kv_heads * d;
   };
 
-  // 1. This step's keys (rotated) and values into the cache; the queries rotated and scaled.
+  // 1. Tiles: runs of consecutive positions of one sequence, at most tile_len tokens. Every
+  // index the kernel will follow is checked first (a bad one would read or write another
+  // sequence's pages, or outside the cache), before anything is written.
+  const int64_t tile_len = std::max<int64_t>(1, std::min<int64_t>(16, kMaxTileRows / heads));
+  std::vector<Tile> tiles;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (!tiles.empty()) {
+      Tile& last = tiles.back();
+      const int64_t prev = last.start + last.len - 1;
+      if (last.len < tile_len && slots[t] == slots[prev] && pos[t] == pos[prev] + 1) {
+        ++last.len;
+        continue;
+      }
+    }
+    tiles.push_back({t, 1});
+  }
+  const int64_t max_len = cos_table.size(0), num_blocks = kv_cache.size(1);
+  const int64_t table_rows = block_table.size(0), table_cols = block_table.size(1);
+  for (const Tile& tile : tiles) {
+    const int64_t slot = slots[tile.start], first = pos[tile.start];
+    const int64_t last = first + tile.len - 1;
+    TORCH_CHECK(slot >= 0 && slot < table_rows, "paged_attention: slot ", slot,
+                " outside the block table's ", table_rows, " rows");
+    TORCH_CHECK(first >= 0 && last < max_len, "paged_attention: position ", last,
+                " outside the rope tables' ", max_len, " rows");
+    TORCH_CHECK(last / block_size < table_cols, "paged_attention: position ", last,
+                " past the block table's ", table_cols, " blocks of ", block_size);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    for (int64_t page = lo / block_size; page <= last / block_size; ++page) {
+      const int64_t block = table[slot * table_stride + page];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_attention: block ", block,
+                  " (slot ", slot, ", page ", page, ") outside the cache's ", num_blocks);
+    }
+  }
+
+  // 2. This step's keys (rotated) and values into the cache; the queries rotated and scaled.
   at::Tensor qf = at::empty({num_tokens, heads, d}, q.options().dtype(at::kFloat));
   float* qf_ptr = qf.data_ptr<float>();
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
@@ -162,32 +336,17 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
   });
 
-  // 2. Tiles: runs of consecutive positions of one sequence, at most tile_len tokens.
-  const int64_t tile_len = std::max<int64_t>(1, std::min<int64_t>(16, kMaxTileRows / group));
-  std::vector<Tile> tiles;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (!tiles.empty()) {
-      Tile& last = tiles.back();
-      const int64_t prev = last.start + last.len - 1;
-      if (last.len < tile_len && slots[t] == slots[prev] && pos[t] == pos[prev] + 1) {
-        ++last.len;
-        continue;
-      }
-    }
-    tiles.push_back({t, 1});
-  }
-  const int64_t num_items = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t kv_stride = kv_heads * d;  // between keys of one head in a page
 
-  // 3. Attention per (tile, KV head). Dynamic scheduling: a prompt's last tiles read many
-  // more keys than its first.
-  auto work = [&](int64_t item, float* acc, float* row_max, float* row_sum, float* scores) {
-    const Tile tile = tiles[item / kv_heads];
-    const int64_t g = item % kv_heads;
+  // 3. Attention per tile, every head: a page is read whole, once (its KV heads are
+  // interleaved in memory). Row r = i * heads + h holds query i's head h.
+  auto work = [&](const Tile& tile, float* acc, float* row_max, float* row_sum,
+                  float* scores) {
     const int64_t slot = slots[tile.start];
     const int64_t first = pos[tile.start];
     const int64_t last = first + tile.len - 1;
-    const int64_t rows = tile.len * group;
+    const int64_t rows = tile.len * heads;
     std::fill(acc, acc + rows * d, 0.0f);
     std::fill(row_max, row_max + rows, -INFINITY);
     std::fill(row_sum, row_sum + rows, 0.0f);
@@ -195,67 +354,53 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     for (int64_t page = lo_first / block_size; page <= last / block_size; ++page) {
       const int64_t page_start = page * block_size;
       const int64_t block = table[slot * table_stride + page];
-      const T* kp = k_cache + block * block_size * kv_stride + g * d;
-      const T* vp = v_cache + block * block_size * kv_stride + g * d;
-      for (int64_t i = 0; i < tile.len; ++i) {
-        const int64_t p = first + i;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-        const int64_t j_lo = std::max(lo, page_start) - page_start;
-        const int64_t j_hi = std::min(p, page_start + block_size - 1) - page_start + 1;
-        if (j_hi <= j_lo) continue;
-        for (int64_t gh = 0; gh < group; ++gh) {
-          const int64_t r = i * group + gh;
-          const float* qr = qf_ptr + ((tile.start + i) * heads + g * group + gh) * d;
-          float top = row_max[r];
-          for (int64_t j = j_lo; j < j_hi; ++j) {
-            const T* kj = kp + j * kv_stride;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t e = 0; e < d; ++e) dot += qr[e] * to_float(kj[e]);
-            scores[j] = dot;
-            top = std::max(top, dot);
-          }
-          const float correction = row_max[r] == -INFINITY ? 0.0f
-                                                            : exp_clamped(row_max[r] - top);
-          float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t j = j_lo; j < j_hi; ++j) {
-            scores[j] = exp_clamped(scores[j] - top);
-            total += scores[j];
-          }
-          row_max[r] = top;
-          row_sum[r] = row_sum[r] * correction + total;
-          float* ar = acc + r * d;
-          if (correction != 1.0f) {
-#pragma omp simd
-            for (int64_t e = 0; e < d; ++e) ar[e] *= correction;
-          }
-          for (int64_t j = j_lo; j < j_hi; ++j) {
-            const T* vj = vp + j * kv_stride;
-            const float w = scores[j];
-#pragma omp simd
-            for (int64_t e = 0; e < d; ++e) ar[e] += w * to_float(vj[e]);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const T* kp = k_cache + block * block_size * kv_stride + g * d;
+        const T* vp = v_cache + block * block_size * kv_stride + g * d;
+        for (int64_t i = 0; i < tile.len; ++i) {
+          const int64_t p = first + i;
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+          const int64_t j_lo = std::max(lo, page_start) - page_start;
+          const int64_t j_hi = std::min(p, page_start + block_size - 1) - page_start + 1;
+          if (j_hi <= j_lo) continue;
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const int64_t r = i * heads + h;
+            const float* qr = qf_ptr + ((tile.start + i) * heads + h) * d;
+            const float top = page_scores<kD>(qr, kp, kv_stride, d, j_lo, j_hi, row_max[r],
+                                              scores);
+            const float correction = row_max[r] == -INFINITY ? 0.0f
+                                                              : exp_clamped(row_max[r] - top);
+            // exp(score - top), 8 keys at a time (scores has 8 spare entries past a page)
+            v8f sums = {};
+            for (int64_t j = j_lo; j < j_hi; j += 8) {
+              const v8f e = exp8(load8(scores + j) - top);
+              const v8f kept = (kLanes + static_cast<int32_t>(j)) < static_cast<int32_t>(j_hi)
+                                   ? e : v8f{};
+              store8(scores + j, kept);
+              sums += kept;
+            }
+            row_max[r] = top;
+            row_sum[r] = row_sum[r] * correction + sum8(sums);
+            page_values<kD>(acc + r * d, correction, vp, kv_stride, d, j_lo, j_hi, scores);
           }
         }
       }
     }
-    for (int64_t i = 0; i < tile.len; ++i) {
-      for (int64_t gh = 0; gh < group; ++gh) {
-        const int64_t r = i * group + gh;
-        const float inv = 1.0f / row_sum[r];
-        T* o = out_ptr + ((tile.start + i) * heads + g * group + gh) * d;
-        for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(acc[r * d + e] * inv);
-      }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / row_sum[r];
+      T* o = out_ptr + (tile.start * heads + r) * d;  // rows of a tile are contiguous in out
+      for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(acc[r * d + e] * inv);
     }
   };
 
-#pragma omp parallel if (num_items > 1)
+  // Dynamic scheduling: a prompt's last tiles read many more keys than its first.
+#pragma omp parallel if (num_tiles > 1)
   {
-    const int64_t rows = tile_len * group;
-    std::vector<float> acc(rows * d), row_max(rows), row_sum(rows), scores(block_size);
+    const int64_t rows = tile_len * heads;
+    std::vector<float> acc(rows * d), row_max(rows), row_sum(rows), scores(block_size + 8);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      work(item, acc.data(), row_max.data(), row_sum.data(), scores.data());
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      work(tiles[t], acc.data(), row_max.data(), row_sum.data(), scores.data());
     }
   }
 }
@@ -282,7 +427,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(1) == kv_heads &&
                   kv_cache.size(3) == kv_heads && kv_cache.size(4) == d && d % 2 == 0,
               "q, k, v and kv_cache disagree on heads or head size");
-  TORCH_CHECK(q.size(1) % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0,
+              "query heads must be a multiple of KV heads");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
                   token_slots.numel() == q.size(0) && positions.numel() == q.size(0),
               "q, k, v, token_slots and positions disagree on the number of tokens");
@@ -297,6 +443,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "token_slots, positions: contiguous int64");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
                   cos_table.is_contiguous() && sin_table.is_contiguous() &&
+                  cos_table.dim() == 2 && cos_table.sizes() == sin_table.sizes() &&
                   cos_table.size(-1) == d && sin_table.size(-1) == d,
               "cos, sin: contiguous float32 [max_len, dim]");
   at::Tensor out = at::empty({q.size(0), q.size(1), d}, q.options());
