@@ -545,14 +545,17 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const T* in = x.data_ptr<T>();
     T* o = out.data_ptr<T>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(width);
+      std::vector<float> gate(width + 8);
       for (int64_t r = begin; r < end; ++r) {
         const T* g = in + r * 2 * width;
         const T* u = g + width;
-        for (int64_t e = 0; e < width; ++e) gate[e] = to_float(g[e]);
-#pragma omp simd
-        for (int64_t e = 0; e < width; ++e) gate[e] = gate[e] / (1.0f + exp_clamped(-gate[e]));
-        for (int64_t e = 0; e < width; ++e) {
+        int64_t e = 0;
+        for (; e + 8 <= width; e += 8) {  // exp on 8 lanes
+          const v8f x = load8(g + e);
+          store8(gate.data() + e, x / (1.0f + exp8(v8f{} - x)));
+        }
+        for (; e < width; ++e) gate[e] = to_float(g[e]) / (1.0f + exp_clamped(-to_float(g[e])));
+        for (e = 0; e < width; ++e) {
           o[r * width + e] = from_float<T>(to_float(from_float<T>(gate[e])) * to_float(u[e]));
         }
       }
