@@ -51,26 +51,6 @@ template <> inline c10::BFloat16 from_float<c10::BFloat16>(float f) {
 }
 template <> inline c10::Half from_float<c10::Half>(float f) { return c10::Half(f); }
 
-// exp: Cephes' single-precision polynomial, written so that a loop over it vectorizes
-// (std::exp does not). Relative error ~1e-7; arguments are clamped to [-87, 88].
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
-
 // ---------------------------------------------------------------- vectors of 8 floats
 
 // GCC vector extensions: AVX registers where the CPU has them, pairs of SSE ones otherwise.
@@ -102,7 +82,9 @@ const v8i kLanes = {0, 1, 2, 3, 4, 5, 6, 7};
 
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
-// exp_clamped on 8 lanes; rounding to the nearest integer by adding and subtracting 1.5 * 2^23.
+// exp on 8 lanes: Cephes' single-precision polynomial, written with vector operations (a loop
+// over std::exp does not vectorize). Relative error ~1e-7; arguments are clamped to
+// [-87, 88]; n rounded to the nearest integer by adding and subtracting 1.5 * 2^23.
 inline v8f exp8(v8f x) {
   x = x < -87.0f ? v8f{} - 87.0f : x;
   x = x > 88.0f ? v8f{} + 88.0f : x;
@@ -121,6 +103,8 @@ inline v8f exp8(v8f x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
 }
+
+inline float exp_clamped(float x) { return exp8(v8f{} + x)[0]; }
 
 inline float sum8(v8f v) {
   float total = 0.0f;
