@@ -186,29 +186,6 @@ class EngineLimits:
         return self.depth + 1
 
     @property
-    def token_buckets(self) -> tuple[int, ...]:
-        """Padded step sizes of a compiled forward, one compiled graph each: powers of two and
-        1.5 times them (padding wastes at most a third of a step), then the token budget."""
-        sizes = {1, 2, 4}
-        size = 8
-        while size < self.max_num_batched_tokens:
-            sizes |= {size, size * 3 // 2}
-            size *= 2
-        return tuple(sorted(s for s in sizes if s < self.max_num_batched_tokens)
-                     ) + (self.max_num_batched_tokens,)
-
-    def bucket(self, num_tokens: int) -> int:
-        """The padded size of a step of num_tokens tokens (at most the token budget)."""
-        return next(b for b in self.token_buckets if b >= num_tokens)
-
-    def max_query_blocks(self, num_tokens: int) -> int:
-        """Attention query blocks (one page of positions of one sequence each) a step of
-        `num_tokens` can need, plus one that padding tokens use: a row of L tokens spans at
-        most L // block_size + 2 pages and never more than L."""
-        rows = min(num_tokens, self.max_num_seqs)
-        return min(num_tokens, num_tokens // self.block_size + 2 * rows) + 1
-
-    @property
     def max_stop_ids(self) -> int:
         """(slot, id) pairs min_tokens may suppress in one step: each new sequence's
         stop_token_ids (validate_params bounds them) and the EOS ids."""

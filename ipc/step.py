@@ -1,14 +1,13 @@
 """The step protocol's shared memory, in one place (see docs/ARCHITECTURE.md, "The step
 protocol"): the layouts of the step-input ring (written by the scheduler, read by the executor)
 and the sampled-token ring (written by the executor, read by the scheduler), opening both,
-writing and reading one step with its stamps, and the packed layout in which the executor
-hands a step's index arrays to the device. Used by the launcher, both stages, the in-process
-engine and the benchmarks.
+and writing and reading one step with its stamps. (What the executor makes of a step for its
+device is its own: stages/executor/staging.py.) Used by the launcher, both stages, the
+in-process engine and the benchmarks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,96 +221,3 @@ def read_sampled(buf: dict[str, np.ndarray], num_sampled: int, num_top_logprobs:
         return ids, None
     return ids, (buf["logprob"][:n].tolist(), buf["top_ids"][:n, :k].tolist(),
                  buf["top_logprobs"][:n, :k].tolist())
-
-
-# ---------------------------------------------------------------- the packed device inputs
-
-
-@dataclass(frozen=True)
-class PackedField:
-    name: str
-    dtype: str  # a numpy dtype name
-    max_count: Callable[[EngineLimits], int]
-
-
-def _tokens(lim: EngineLimits) -> int:
-    return lim.max_num_batched_tokens
-
-
-def _query_blocks(lim: EngineLimits) -> int:
-    return lim.max_query_blocks(lim.max_num_batched_tokens)
-
-
-def _seqs(lim: EngineLimits) -> int:
-    return lim.max_num_seqs
-
-
-def _updates(lim: EngineLimits) -> int:
-    return lim.max_block_updates
-
-
-def _stops(lim: EngineLimits) -> int:
-    return lim.max_stop_ids
-
-
-# What the executor's host side packs for one step (sizes T tokens, Q query blocks, S rows,
-# X sampled rows, B decode rows, U block-table updates, N new slots, M suppressed ids), in
-# order: one buffer, so a step costs one host-to-device copy (none on the CPU). A compiled
-# forward pads T and Q to a bucket (EngineLimits.token_buckets); its inputs come first, so
-# their offsets depend on the bucket alone (fixed addresses per ring slot, for CUDA graphs).
-STAGING_FIELDS = (
-    PackedField("input_ids", "int64", _tokens),
-    PackedField("positions", "int64", _tokens),
-    PackedField("token_slots", "int64", _tokens),
-    PackedField("query_rows", "int64", _tokens),  # row of each token in the query blocks
-    PackedField("qblock_slots", "int64", _query_blocks),  # Q: the slot of each query block
-    PackedField("qblock_pages", "int64", _query_blocks),  # which page of that slot's table
-    PackedField("logits_indices", "int64", _seqs),  # X
-    PackedField("sample_slots", "int64", _seqs),  # X
-    PackedField("decode_token_idx", "int64", _seqs),  # B, sorted by context length
-    PackedField("decode_slots", "int64", _seqs),
-    PackedField("decode_lens", "int64", _seqs),
-    PackedField("bt_slot", "int64", _updates),
-    PackedField("bt_index", "int64", _updates),
-    PackedField("bt_block", "int64", _updates),
-    PackedField("new_slots", "int64", _seqs),
-    PackedField("new_fparams", "float32", lambda lim: lim.max_num_seqs * NUM_F),
-    PackedField("new_iparams", "int64", lambda lim: lim.max_num_seqs * NUM_I),
-    PackedField("stop_slots", "int64", _stops),
-    PackedField("stop_ids", "int64", _stops),
-    PackedField("plp_indices", "int64", _tokens),  # P: prompt-logprob positions
-    PackedField("plp_targets", "int64", _tokens),
-)
-_ALIGN = 8  # every field starts on an 8-byte boundary, so any dtype views it in place
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def staging_nbytes(limits: EngineLimits) -> int:
-    """Bytes of a staging buffer that holds any step."""
-    return sum(_aligned(np.dtype(f.dtype).itemsize * f.max_count(limits))
-               for f in STAGING_FIELDS)
-
-
-def pack(arrays: dict[str, np.ndarray], out: np.ndarray) -> tuple[dict[str, int], int]:
-    """Write every staging field of `arrays` densely into `out` (uint8); returns the count of
-    each field and the bytes used. `unpack` finds them again from the counts."""
-    counts, offset = {}, 0
-    for f in STAGING_FIELDS:
-        values = arrays[f.name]
-        nbytes = values.size * np.dtype(f.dtype).itemsize
-        out[offset:offset + nbytes].view(f.dtype)[:] = values.reshape(-1)
-        counts[f.name] = values.size
-        offset += _aligned(nbytes)
-    return counts, offset
-
-
-def field_offsets(counts: dict[str, int]) -> dict[str, tuple[int, int, str]]:
-    """(byte offset, count, dtype) of each field of a buffer packed with these counts."""
-    where, offset = {}, 0
-    for f in STAGING_FIELDS:
-        where[f.name] = (offset, counts[f.name], f.dtype)
-        offset += _aligned(counts[f.name] * np.dtype(f.dtype).itemsize)
-    return where

@@ -13,20 +13,19 @@ import torch
 
 from ipc.config import EngineLimits
 from stages.executor import kernels
-from stages.executor.attention import (
-    KernelMetadata,
-    build_attention_metadata,
+from stages.executor.backends.cpu_kernels import KernelMetadata, kernel_paged_attention
+from stages.executor.backends.flex import (
     build_flex_metadata,
-    decode_attention,
     flex_paged_attention,
-    kernel_paged_attention,
-    paged_attention,
-)
-from stages.executor.step_inputs import (
-    PrefillRow,
-    group_by_length,
     pad_forward_inputs,
     query_blocks,
+)
+from stages.executor.backends.torch_sdpa import (
+    PrefillRow,
+    build_attention_metadata,
+    decode_attention,
+    group_by_length,
+    paged_attention,
 )
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 96

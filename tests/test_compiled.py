@@ -8,15 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from tiny_model import hf_greedy
 
 from ipc.config import ModelInfo
 from ipc.messages import SamplingParams
-from stages.executor.compile import compile_unavailable
+from stages.executor.backends.flex import token_buckets
+from stages.executor.backends.select import compile_unavailable
 from stages.inprocess import InProcessEngine
 
-pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
+pytestmark = pytest.mark.skipif(compile_unavailable("cpu") is not None,
                                 reason="TorchInductor needs a C++ compiler here")
 
 
@@ -49,7 +49,7 @@ def test_compiled_greedy_matches_transformers(tmp_path: Path, arch: str) -> None
     got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert got == expected
     assert engine.scheduler.prefix_cache_hits > 0  # the shared prompt was reused
-    assert engine.runner.compile_stats.num_graphs <= len(engine.limits.token_buckets)
+    assert engine.runner.compile_stats.num_graphs <= len(token_buckets(engine.limits))
 
 
 def test_compiled_greedy_survives_preemption(tiny_model_dir: Path) -> None:
@@ -84,7 +84,7 @@ def test_compiles_are_bounded_by_the_step_buckets(tiny_model_dir: Path) -> None:
     engine.generate([[5, 6, 7]], params)
     engine.generate([[5, 6, 7], [8, 9], [10, 11], [12, 13]], params)
     stats = engine.runner.compile_stats
-    assert {size for size, _ in sizes} <= set(engine.limits.token_buckets)
+    assert {size for size, _ in sizes} <= set(token_buckets(engine.limits))
     assert len(sizes) > 3 and any(decode for _, decode in sizes)
     assert any((size, not decode) in sizes for size, decode in sizes)  # both kinds at a size
     assert stats.num_graphs == len(sizes) <= stats.max_graphs
@@ -110,7 +110,7 @@ def test_decode_graphs_static_buffers_give_the_same_tokens(tiny_model_dir: Path)
     # The static buffers are the staging buffers' kind of tensor: nothing compiles again.
     assert graphed.runner.compile_stats.num_graphs == plain.runner.compile_stats.num_graphs
     stats = graphed.runner.graphs.stats
-    decode_buckets = {b for b in graphed.limits.token_buckets if b <= 4}
+    decode_buckets = {b for b in token_buckets(graphed.limits) if b <= 4}
     assert stats.replays > 20 and 0 < stats.captures == len(stats.buckets)
     assert set(stats.buckets) <= decode_buckets and len(set(stats.buckets)) == stats.captures
     assert graphed.scheduler.num_preemptions > 0
@@ -121,15 +121,23 @@ def test_compile_default_and_refusals() -> None:
     number of Triton tiles, or a sliding window, runs eager by default and is a ConfigError
     when --compile asks for it."""
     from ipc.config import ConfigError
-    from stages.executor.compile import resolve_compile
+    from stages.executor.backends.select import ForwardRequest, select_backend
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve_compile(None, cuda, None, 16) is True
-    assert resolve_compile(None, cpu, None, 16) is False
-    assert resolve_compile(None, cuda, None, 4) is False
-    assert resolve_compile(None, cuda, 4096, 16) is False
-    assert resolve_compile(False, cuda, None, 16) is False
+    def chosen(device: str, compile: bool | None, window: int | None = None,
+               block_size: int = 16, tp: int = 1) -> str:
+        return select_backend(ForwardRequest(device, compile, None, window, block_size, tp),
+                              probe=False).backend
+
+    assert chosen("cuda", None) == "flex"
+    assert chosen("cpu", None) == "cpu_kernels"
+    assert chosen("cpu", True) == "flex"
+    assert chosen("cuda", None, block_size=4) == "torch"
+    assert chosen("cuda", None, window=4096) == "torch"
+    assert chosen("cuda", False) == "torch"
+    assert chosen("cuda", None, tp=2) == "torch"
     with pytest.raises(ConfigError, match="multiple of 16"):
-        resolve_compile(True, cuda, None, 8)
+        chosen("cuda", True, block_size=8)
     with pytest.raises(ConfigError, match="sliding_window"):
-        resolve_compile(True, cpu, 4096, 16)
+        chosen("cpu", True, window=4096)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        chosen("cpu", True, tp=2)

@@ -11,14 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from stages.executor import kernels
-from stages.executor.attention import (
+from stages.executor.backends.base import TORCH_OPS, rotate_half
+from stages.executor.backends.cpu_kernels import (
     KernelMetadata,
-    build_attention_metadata,
+    KernelOps,
     kernel_paged_attention,
+)
+from stages.executor.backends.torch_sdpa import (
+    DecodeGroup,
+    PrefillRow,
+    build_attention_metadata,
     paged_attention,
 )
-from stages.executor.model import RMSNorm, rotate_half
-from stages.executor.step_inputs import DecodeGroup, PrefillRow
+from stages.executor.model import RMSNorm
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
 
@@ -87,18 +92,19 @@ def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, 96, generator=gen).to(dtype)
     residual = torch.randn(37, 96, generator=gen).to(dtype)
-    norm = RMSNorm(96, 1e-5)
+    norm = RMSNorm(96, 1e-5, TORCH_OPS)
     norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    fused = RMSNorm(96, 1e-5, KernelOps())
+    fused.weight.data = norm.weight.data
     one_ulp = {torch.float32: {"atol": 1e-6, "rtol": 1e-6},
                torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
                torch.float16: {"atol": 2e-3, "rtol": 1e-3}}[dtype]
     with torch.inference_mode():
         want = norm(x)
-        norm.kernels = True
-        torch.testing.assert_close(norm(x), want, **one_ulp)
+        torch.testing.assert_close(fused(x), want, **one_ulp)
         summed = x.clone()
-        got = torch.ops.llm_cpu.add_rms_norm(summed, residual, norm.weight, norm.eps)
-        norm.kernels = False
+        same, got = KernelOps().add_rms_norm(summed, residual, norm.weight, norm.eps)
+        assert same is summed
         assert torch.equal(summed, x + residual)  # x updated in place, rounded as x + y
         torch.testing.assert_close(got, norm(x + residual), **one_ulp)
         gate_up = (torch.randn(9, 2 * 40, generator=gen) * 6).to(dtype)

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from live import alive, kill_pids, live_config, running
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
-from stages.executor.compile import compile_unavailable
+from stages.executor.backends.select import compile_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +41,7 @@ def test_greedy_matches_transformers(default_model_dir: Path, compile: bool) -> 
     FlexAttention), with chunked prefill (a 64-token budget)."""
     from transformers import AutoTokenizer
 
-    if compile and compile_unavailable(torch.device("cpu")):
+    if compile and compile_unavailable("cpu"):
         pytest.skip("TorchInductor needs a C++ compiler here")
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     expected = hf_greedy(default_model_dir, [tok(p)["input_ids"] for p in PROMPTS], 24)

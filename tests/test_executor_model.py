@@ -93,7 +93,7 @@ def test_bfloat16_runs_with_a_bfloat16_cache(tiny_model_dir: Path) -> None:
 def test_decode_groups_bound_the_padding() -> None:
     import numpy as np
 
-    from stages.executor.step_inputs import group_by_length
+    from stages.executor.backends.torch_sdpa import group_by_length
 
     lens = np.array(sorted([20, 21, 30, 45, 90, 100, 2000, 2500, 17]))
     groups = group_by_length(lens)
@@ -203,17 +203,14 @@ def test_rope_tables_are_transformers(rope: dict) -> None:
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from stages.executor.model import PagedLlama
+    from stages.executor.model import rope_tables
 
     cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 128,
            "vocab_size": 32, "max_position_embeddings": 256, **rope}
-    with torch.device("meta"):
-        model = PagedLlama(cfg)
-    model.lm_head.weight = torch.nn.Parameter(torch.zeros(32, 64))  # (the tables' dtype)
-    model.init_rope(256)
+    got_cos, got_sin = rope_tables(cfg, 16, 256)
     hf = LlamaRotaryEmbedding(AutoConfig.for_model(**cfg))
     x = torch.zeros(1, 256, 64)
     cos, sin = hf(x, torch.arange(256)[None])
-    assert torch.allclose(model.rope_cos, cos[0], atol=1e-6)
-    assert torch.allclose(model.rope_sin, sin[0], atol=1e-6)
+    assert torch.allclose(got_cos, cos[0], atol=1e-6)
+    assert torch.allclose(got_sin, sin[0], atol=1e-6)

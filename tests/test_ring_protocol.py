@@ -16,12 +16,15 @@ from ipc.step import (
     check_stamp,
     local_buffers,
     read_step,
-    staging_nbytes,
     step_input_specs,
     write_step,
 )
+from stages.executor.backends.base import AttentionBackend
+from stages.executor.backends.flex import FlexBackend
+from stages.executor.backends.torch_sdpa import TorchBackend
 from stages.executor.sampler import HostSlotParams
-from stages.executor.step_inputs import prepare_host_step, unpack
+from stages.executor.staging import StagingLayout
+from stages.executor.step_inputs import HostStep, prepare_host_step
 from stages.scheduler.core import Scheduler
 
 SEQS, TOKENS = 4, 64
@@ -40,9 +43,15 @@ def _planned_step(step_count: int = 1) -> tuple[Scheduler, list]:
     return core, [core.schedule() for _ in range(step_count)]
 
 
-def _prepare(plan: StepPlan, ring: dict[str, np.ndarray]) -> None:
-    staging = torch.zeros(staging_nbytes(LIMITS), dtype=torch.uint8)
-    prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), LIMITS)
+def _prepare(plan: StepPlan, ring: dict[str, np.ndarray],
+             backend: type[AttentionBackend] = TorchBackend
+             ) -> tuple[HostStep, dict[str, torch.Tensor]]:
+    """The step packed as `backend`'s executor packs it, and the device's views of it."""
+    layout = StagingLayout(backend.staging_fields)
+    staging = torch.zeros(layout.nbytes(LIMITS), dtype=torch.uint8)
+    host = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), layout,
+                             backend(LIMITS, torch.device("cpu"), None))
+    return host, layout.unpack(host.packed.clone(), host.counts)  # a copy, as on CUDA
 
 
 def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
@@ -65,25 +74,25 @@ def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
     assert got.new_iparams[0].tolist() == row[1]
     assert list(zip(got.stop_slots.tolist(), got.stop_ids.tolist(), strict=True)) == [(3, 2),
                                                                                         (3, 7)]
-    staging = torch.zeros(staging_nbytes(LIMITS), dtype=torch.uint8)
-    host = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), LIMITS)
-    v = unpack(host.packed.clone(), host.counts)  # a copy, as the device gets on CUDA
+    host, v = _prepare(plan, ring)  # the eager PyTorch backend's fields
     assert v["input_ids"].tolist() == [5, 6, 7, -1]
     assert v["positions"].tolist() == [0, 1, 2, 7]  # the decode row sits at context 8
     assert v["logits_indices"].tolist() == [2] and v["sample_slots"].tolist() == [3]
     assert v["decode_slots"].tolist() == [1] and v["decode_lens"].tolist() == [8]
+    assert "query_rows" not in v  # the compiled backend's fields
+    assert [(g.start, g.end, g.max_len) for g in host.attn_plan.decode_groups] == [(0, 1, 8)]
+    assert [(p.start, p.end, p.slot, p.context_len) for p in host.attn_plan.prefills] == [
+        (0, 3, 3, 3)]
     assert v["new_fparams"].view(1, -1).tolist()[0] == pytest.approx(row[0])
     assert v["new_iparams"].tolist() == row[1]
     assert v["stop_ids"].tolist() == [2, 7]
     assert host.sampling.use_seed and host.sampling.use_logprobs and host.sampling.use_min_tokens
     # The compiled attention's query blocks (pages of 4 positions): the prompt's 3 tokens in
     # slot 3's page 0 at rows 0-2; the decode at position 7, page 1 of slot 1, at row 4 + 3.
-    assert v["query_rows"].tolist() == [0, 1, 2, 7]
-    assert v["qblock_slots"].tolist() == [3, 1] and v["qblock_pages"].tolist() == [0, 1]
-    # Padded for a compiled forward: 4 tokens is a bucket already; the query blocks grow to
-    # the bound for 4 tokens, the extra ones the padding slot's (SEQS).
-    padded = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), LIMITS, pad=True)
-    v = unpack(padded.packed.clone(), padded.counts)
+    # Padded: 4 tokens is a bucket already; the query blocks grow to the bound for 4 tokens,
+    # the extra ones the padding slot's (SEQS).
+    host, v = _prepare(plan, ring, FlexBackend)
+    assert "decode_slots" not in v and not host.attn_plan.per_row  # (a prompt row)
     assert v["input_ids"].tolist() == [5, 6, 7, -1] and v["query_rows"].tolist() == [0, 1, 2, 7]
     assert v["qblock_slots"].tolist() == [3, 1, SEQS, SEQS, SEQS]
     assert v["qblock_pages"].tolist() == [0, 1, 0, 0, 0]

@@ -18,7 +18,7 @@ from sync_guard import HostSync, no_host_sync
 from ipc.config import ModelInfo
 from ipc.messages import SamplingParams, StructuredOutputs
 from ipc.sampling import GREEDY_SLOT
-from stages.executor.attention import build_flex_metadata
+from stages.executor.backends.flex import build_flex_metadata
 from stages.executor.sampler import SamplingState
 from stages.inprocess import InProcessEngine
 

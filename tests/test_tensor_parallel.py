@@ -16,10 +16,12 @@ import torch
 from live import alive, running
 
 from ipc.arch import UnsupportedModel
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import EngineLimits, ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
 from ipc.messages import SamplingParams
 from pipeline.runtime.launcher import Pipeline
 from pipeline.tools.random_model import build_random_llama
+from stages.executor.backends.torch_sdpa import TorchBackend
+from stages.executor.linear.dense import DenseMethod
 from stages.executor.model import load_model
 from stages.executor.parallel import TensorParallel, load_model_shard
 from stages.inprocess import InProcessEngine
@@ -92,10 +94,13 @@ def test_two_ranks_through_preemption(tmp_path: Path) -> None:
 
 def test_each_rank_loads_only_its_slices(tmp_path: Path) -> None:
     folder = build_random_llama(tmp_path / "qwen2", arch="qwen2", heads=4, kv_heads=2)
-    full = load_model(folder, torch.float32, torch.device("cpu"), 64)
+    cpu = torch.device("cpu")
+    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu, None)  # (not run)
+    full = load_model(folder, torch.float32, cpu, 64, backend, DenseMethod())
     vocab = full.spec.vocab_size
-    shards = [load_model_shard(folder, torch.float32, torch.device("cpu"), 64,
-                               TensorParallel(r, 2, vocab, -(-vocab // 2))) for r in range(2)]
+    shards = [load_model_shard(folder, torch.float32, cpu, 64,
+                               TensorParallel(r, 2, vocab, -(-vocab // 2)), backend,
+                               DenseMethod()) for r in range(2)]
     attn = [s.model.layers[0].self_attn for s in shards]
     d, q, kv = full.spec.head_dim, 2 * full.spec.head_dim, full.spec.head_dim  # per rank
     whole = full.model.layers[0].self_attn.qkv_proj.weight
@@ -136,7 +141,7 @@ def test_a_rank_that_dies_ends_the_pipeline_and_every_rank(tmp_path: Path) -> No
 
 def test_devices_the_ranks_cannot_have_are_refused() -> None:
     from ipc.config import ConfigError
-    from stages.executor.parallel import check_devices
+    from stages.executor.preflight import check_devices
 
     check_devices("cpu", 2)
     with pytest.raises(ConfigError, match="pass --device cuda"):

@@ -45,6 +45,7 @@ from pipeline.runtime.engines import Engines
 from pipeline.runtime.restarts import MAX_RESTARTS, RESTARTABLE, RestartPolicy
 from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster, kind_of
 from stages.entry import run_stage
+from stages.executor.preflight import check_executor
 from stages.peers import Peers
 from stages.trace import merge_traces
 
@@ -131,24 +132,10 @@ class Pipeline:
             raise RuntimeError("a Pipeline starts once; make a new one")
         self._started = True
         check_device(self.cfg.executor.device)  # before anything starts
-        if self.cfg.executor.compile and self.cfg.executor.timed is None:
-            # what --compile cannot do here is a ConfigError now, not an executor failure
-            import torch
-
-            from stages.executor.compile import resolve_compile
-
-            resolve_compile(True, torch.device(self.cfg.executor.device),
-                            self.cfg.model.sliding_window, self.cfg.limits.block_size,
-                            self.cfg.executor.tensor_parallel_size)
+        # What the executors cannot do (--compile, the ranks' shapes and devices) is a
+        # ConfigError now, not an executor failure.
+        check_executor(self.cfg)
         tp_size, dp_size = self.cfg.executor.tensor_parallel_size, self.cfg.data_parallel_size
-        if tp_size > 1:  # what the ranks cannot do is refused before anything starts
-            from stages.executor.parallel import check_divisible, read_spec
-
-            check_divisible(read_spec(self.cfg.model.path), tp_size)
-        if tp_size * dp_size > 1 and self.cfg.executor.timed is None:
-            from stages.executor.parallel import check_devices
-
-            check_devices(self.cfg.executor.device, tp_size * dp_size)
         try:
             self._create_run()
             # Executor r is tensor-parallel rank r % K of engine r // K.

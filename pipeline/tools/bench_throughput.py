@@ -155,7 +155,6 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     pipeline's batch size: one prefill step, then decode steps; no scheduler, IPC or text."""
     import torch
 
-    from stages.executor.compile import resolve_compile
     from stages.executor.runner import ModelRunner
 
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
@@ -164,7 +163,7 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     limits = EngineLimits(args.batch_size, tokens, 16, longest, info.vocab_size, depth=0)
     device = torch.device(args.device)
     runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype), device, limits,
-                                  args.kv_cache_memory, resolve_compile(args.compile, device))
+                                  args.kv_cache_memory, args.compile)
     ring = local_buffers(step_input_specs(limits))
     ids_out: list[list[int]] = []
     start = time.perf_counter()

@@ -93,7 +93,7 @@ def part_versions(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from stages.executor.attention import decode_attention
+    from stages.executor.backends.torch_sdpa import decode_attention
 
     dev = torch.device("cuda")
     out: dict[str, Any] = {
@@ -153,7 +153,7 @@ def _lazy(make: Any) -> Any:
 def _flex_call(dev: Any, heads: int, kv_heads: int, head_dim: int) -> Any:
     import torch
 
-    from stages.executor.attention import build_flex_metadata, flex_paged_attention
+    from stages.executor.backends.flex import build_flex_metadata, flex_paged_attention
 
     bs, num_blocks, seqs = 16, 256, 8
     table = torch.arange(seqs * 16, device=dev, dtype=torch.int32).view(seqs, 16)

@@ -6,8 +6,8 @@ well the scheduler runs ahead. A graph is launched in one call.
 
 What a graph needs, and how a step provides it:
 - static inputs: one buffer per bucket holds the forward's packed inputs (token ids with
-  their placeholders, positions, slots, query rows and blocks: the first fields of the
-  staging layout, padded to the bucket, ipc/step.py) and the rows whose logits are wanted.
+  their placeholders, positions, slots and the backend's `graph_fields`: the first fields of
+  the staging layout, padded to the bucket, staging.py) and the rows whose logits are wanted.
   A step copies them in on the compute stream, device to device, so a copy cannot overtake
   the previous replay that reads the same buffer (one set per bucket is enough);
 - static state: the block table, the last samples, the KV cache and the weights never move;
@@ -32,14 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ipc.step import field_offsets
+from stages.executor.backends.base import AttentionBackend
+from stages.executor.staging import StagingLayout
 from stages.executor.step_inputs import HostStep
 
 logger = logging.getLogger(__name__)
-
-# The packed fields a graph reads, in staging order (they come first: one contiguous copy).
-GRAPH_FIELDS = ("input_ids", "positions", "token_slots", "query_rows", "qblock_slots",
-                "qblock_pages")
 
 # forward(static input views, static wanted rows) -> logits [bucket, V] float32
 GraphForward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
@@ -54,10 +51,15 @@ class GraphStats:
 
 
 class _BucketGraph:
-    def __init__(self, counts: dict[str, int], device: torch.device) -> None:
-        where = field_offsets(counts)
+    """fields: the packed fields the graph reads, in staging order (they come first: one
+    contiguous copy)."""
+
+    def __init__(self, counts: dict[str, int], fields: tuple[str, ...], layout: StagingLayout,
+                 device: torch.device) -> None:
+        where = layout.offsets(counts)
+        assert list(where)[:len(fields)] == list(fields), "graph fields must be packed first"
         self.nbytes = where["logits_indices"][0]  # the graph's fields end there
-        self.counts = {name: counts[name] for name in GRAPH_FIELDS}
+        self.counts = {name: counts[name] for name in fields}
         # Ordinary tensors, like the staging buffers the ordinary path's inputs view: made in
         # compute()'s inference mode they would differ in dispatch keys, and the compiled
         # layers would compile once more for every bucket.
@@ -65,7 +67,7 @@ class _BucketGraph:
             self.inputs = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
             self.wanted = torch.zeros(counts["input_ids"], dtype=torch.int64, device=device)
         self.views = {name: self.inputs[offset:offset + count * 8].view(torch.int64)
-                      for name, (offset, count, _) in where.items() if name in GRAPH_FIELDS}
+                      for name, (offset, count, _) in where.items() if name in fields}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -79,8 +81,11 @@ class _BucketGraph:
 class DecodeGraphs:
     """The decode steps of one runner, by bucket (padded step size)."""
 
-    def __init__(self, forward: GraphForward, device: torch.device, capture: bool) -> None:
+    def __init__(self, forward: GraphForward, backend: AttentionBackend, layout: StagingLayout,
+                 device: torch.device, capture: bool) -> None:
         self.forward, self.device, self.capture = forward, device, capture
+        self.backend, self.layout = backend, layout
+        self.fields = tuple(backend.graph_fields)
         self.stats = GraphStats()
         self._graphs: dict[int, _BucketGraph] = {}
         self._seen: Counter[int] = Counter()
@@ -88,10 +93,10 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device) if capture else None
 
-    @staticmethod
-    def eligible(step: HostStep) -> bool:
-        """Decode-only steps without prompt logprobs (their sizes are one bucket each)."""
-        return step.decode_only and step.counts["plp_indices"] == 0
+    def eligible(self, step: HostStep) -> bool:
+        """The steps the backend replays (decode-only ones: their sizes are one bucket
+        each)."""
+        return self.backend.graph_eligible(step.decode_only, step.counts["plp_indices"])
 
     def run(self, step: HostStep, packed: torch.Tensor, wanted: torch.Tensor
             ) -> torch.Tensor | None:
@@ -105,13 +110,13 @@ class DecodeGraphs:
             self._seen[bucket] += 1
             if self._seen[bucket] < 2 or bucket in self._failed:
                 return None  # the ordinary run compiles the bucket first
-            g = _BucketGraph(step.counts, self.device)
+            g = _BucketGraph(step.counts, self.fields, self.layout, self.device)
             g.load(packed, wanted)
             if not self._capture(g):
                 return None
             self._graphs[bucket] = g
         else:
-            assert g.counts == {name: step.counts[name] for name in GRAPH_FIELDS}, (
+            assert g.counts == {name: step.counts[name] for name in self.fields}, (
                 "a bucket's packed layout changed")
             g.load(packed, wanted)
         self.stats.replays += 1

@@ -20,7 +20,6 @@ Collectives are issued only by each process's device thread, in step order.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -29,9 +28,11 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from ipc.arch import ArchSpec, UnsupportedModel, arch_spec
-from ipc.config import ConfigError
-from stages.executor.model import PagedLlama
+from ipc.arch import ArchSpec
+from stages.executor.backends.base import AttentionBackend
+from stages.executor.linear.base import LinearMethod, process_weights
+from stages.executor.model import PagedLlama, read_config
+from stages.executor.preflight import check_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -94,36 +95,6 @@ class TensorParallel:
             dist.destroy_process_group()
 
 
-def read_spec(model_dir: str | Path) -> ArchSpec:
-    path = Path(model_dir) / "config.json"
-    return arch_spec(json.loads(path.read_text()), str(path))
-
-
-def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> None:
-    """The shapes K ranks can split evenly, or UnsupportedModel naming the one they cannot."""
-    for name, value in (("num_attention_heads", spec.num_heads),
-                        ("num_key_value_heads", spec.num_kv_heads),
-                        ("intermediate_size", spec.intermediate)):
-        if value % size:
-            raise UnsupportedModel(f"{source}: {name} = {value} is not divisible by "
-                                   f"--tensor-parallel-size {size}")
-
-
-def check_devices(device: str, size: int) -> None:
-    """On CUDA the executors (tensor-parallel ranks × data-parallel engines) take cuda:0 to
-    cuda:N-1, one each: the machine must have them."""
-    if not device.startswith("cuda"):
-        return
-    what = ("--tensor-parallel-size × --data-parallel-size = "
-            f"{size} executor processes")
-    if device not in ("cuda", "cuda:0"):  # (--device cuda reads as cuda:0)
-        raise ConfigError(f"--device {device} with {what}: they take cuda:0 to "
-                          f"cuda:{size - 1}, one each; pass --device cuda")
-    if torch.cuda.device_count() < size:
-        raise ConfigError(f"{what} need {size} CUDA devices, one each; this machine has "
-                          f"{torch.cuda.device_count()}")
-
-
 def shard_spec(spec: ArchSpec, size: int) -> ArchSpec:
     return dataclasses.replace(spec, num_heads=spec.num_heads // size,
                                num_kv_heads=spec.num_kv_heads // size,
@@ -154,15 +125,15 @@ class _Checkpoint:
 
 
 def load_model_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                     max_len: int, tp: TensorParallel) -> PagedLlama:
+                     max_len: int, tp: TensorParallel, backend: AttentionBackend,
+                     linear: LinearMethod) -> PagedLlama:
     """Rank tp.rank's part of the model, read slice by slice (no rank holds the whole)."""
     model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    spec = read_spec(model_dir)
+    cfg, spec = read_config(model_dir)
     check_divisible(spec, tp.size, str(model_dir / "config.json"))
     local = shard_spec(spec, tp.size)
     with torch.device("meta"):
-        model = PagedLlama(cfg, local)
+        model = PagedLlama(cfg, local, backend, linear)
     ckpt, r = _Checkpoint(model_dir), tp.rank
     d, hq, hkv, inter = spec.head_dim, local.num_heads, local.num_kv_heads, local.intermediate
     q_rows = (r * hq * d, (r + 1) * hq * d)
@@ -225,7 +196,9 @@ def load_model_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.de
     for layer in model.model.layers:
         layer.self_attn.reduce = tp.all_reduce
         layer.mlp.reduce = tp.all_reduce
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    process_weights(model)
+    return model
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -20,7 +20,6 @@ from ipc.messages import SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.shm import SharedRing
 from ipc.step import StepRings, sampled_specs
-from stages.executor.compile import resolve_compile
 from stages.executor.device import Device, make_device
 from stages.executor.parallel import TensorParallel
 from stages.executor.runner import ModelRunner, Runner, TimedRunner
@@ -55,9 +54,7 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
                                  str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"), device,
                                  limits.vocab_size)
     return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
-                                ex.kv_cache_memory,
-                                resolve_compile(ex.compile, device, cfg.model.sliding_window,
-                                                limits.block_size, ex.tensor_parallel_size),
+                                ex.kv_cache_memory, ex.compile,
                                 graphs=ex.cuda_graphs and device.type == "cuda", tp=tp)
 
 

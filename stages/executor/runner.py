@@ -15,22 +15,18 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ipc.arch import UnsupportedModel
-from ipc.config import ConfigError, EngineLimits
+from ipc.config import EngineLimits
 from ipc.messages import StepPlan
-from ipc.step import staging_nbytes
-from stages.executor import kernels
-from stages.executor.attention import (
-    KernelMetadata,
-    build_attention_metadata,
-    build_flex_metadata,
-)
-from stages.executor.compile import CUDA_PAGE_MULTIPLE, CompileStats, compile_layers
+from stages.executor.backends.base import AttentionBackend, ForwardTables
+from stages.executor.backends.select import ForwardRequest, Selection, select_backend
+from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.graphs import DecodeGraphs
-from stages.executor.model import Metadata, PagedLlama, can_pack, load_model, pack_linears
+from stages.executor.linear.base import select_linear_method
+from stages.executor.model import PagedLlama, load_model, read_config
 from stages.executor.parallel import TensorParallel, load_model_shard
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
-from stages.executor.step_inputs import HostStep, prepare_host_step, unpack
+from stages.executor.staging import StagingLayout
+from stages.executor.step_inputs import HostStep, prepare_host_step
 from stages.grammar import Grammars, SlotGrammars, words_per_row
 
 # A step's grammar work, done while its forward runs: (their slots, the sampled rows with a
@@ -59,14 +55,16 @@ def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -
 
 class SlotState:
     """Per-slot device state shared by every runner: block table, last sample, sampling
-    parameters and penalty counts, and the matchers of structured outputs. Slot
-    max_num_seqs is the padding tokens' (step_inputs): its block table row points at
-    `pad_block`."""
+    parameters and penalty counts, and the matchers of structured outputs; the staging
+    buffers that steps are packed into, with `backend`'s fields (None: the common ones).
+    Slot max_num_seqs is the padding tokens' (a compiled backend's): its block table row
+    points at `pad_block`."""
 
     def __init__(self, limits: EngineLimits, device: torch.device, pin: bool,
-                 pad: bool = False, pad_block: int = 0,
+                 backend: AttentionBackend | None = None, pad_block: int = 0,
                  grammars: Grammars | None = None) -> None:
-        self.device, self.limits, self.pad = device, limits, pad
+        self.device, self.limits, self.backend = device, limits, backend
+        self.layout = StagingLayout(backend.staging_fields if backend is not None else ())
         n = limits.max_num_seqs
         self.block_table = torch.zeros(n + 1, limits.max_blocks_per_seq, dtype=torch.int32,
                                        device=device)
@@ -75,7 +73,7 @@ class SlotState:
         self.sampling = SamplingState(n, limits.vocab_size, device)
         self.host_params = HostSlotParams(n)
         # One packed staging buffer per ring slot: rewritten only after its step completed.
-        self.staging = [torch.zeros(staging_nbytes(limits), dtype=torch.uint8, pin_memory=pin)
+        self.staging = [torch.zeros(self.layout.nbytes(limits), dtype=torch.uint8, pin_memory=pin)
                         for _ in range(limits.num_ring_slots)]
         # Structured outputs: the matchers, and a bitmask buffer per ring slot (on CUDA, a
         # step's mask may still be copying while the next step fills its own).
@@ -97,7 +95,7 @@ class SlotState:
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return prepare_host_step(plan, ring, self.staging[plan.ring_slot], self.host_params,
-                                 self.limits, self.pad)
+                                 self.layout, self.backend)
 
     def resolve_ids(self, v: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's input ids [T], placeholders resolved from each slot's last sample."""
@@ -194,29 +192,20 @@ class SlotState:
 
 
 class ModelRunner:
-    """The real model path: compiled (padded steps, FlexAttention) or eager. Compiled, decode
-    steps can replay a graph per bucket (graphs.py): captured CUDA graphs on CUDA; on the CPU
-    (`graphs=True`, for tests) the same static buffers run as plain calls. Eager on the CPU,
-    the forward runs through the CPU kernels (kernels.py) unless `cpu_kernels=False`, or
-    they cannot be built (logged)."""
+    """The real model path, through its attention backend (backends/select.py says which):
+    compiled (padded steps, FlexAttention), the CPU kernels, or eager PyTorch. Compiled,
+    decode steps can replay a graph per bucket (graphs.py): captured CUDA graphs on CUDA; on
+    the CPU (`graphs=True`, for tests) the same static buffers run as plain calls."""
 
     def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
-                 device: torch.device, compile: bool = False,
-                 grammars: Grammars | None = None, graphs: bool | None = None,
-                 cpu_kernels: bool | None = None) -> None:
+                 device: torch.device, grammars: Grammars | None = None,
+                 graphs: bool | None = None, selection: Selection | None = None) -> None:
         self.model, self.limits, self.device = model, limits, device
+        self.backend = backend = model.backend
+        self.selection = selection
         self.tp: TensorParallel | None = None
-        if compile and model.spec.sliding_window is not None:
-            raise UnsupportedModel(
-                f"sliding_window = {model.spec.sliding_window}: the compiled forward does not "
-                "implement a sliding window yet; run this model with --no-compile")
-        if compile and device.type == "cuda" and limits.block_size % CUDA_PAGE_MULTIPLE:
-            raise ConfigError(f"block_size {limits.block_size}: on CUDA the compiled attention "
-                              f"needs a multiple of {CUDA_PAGE_MULTIPLE}; or run eager")
-        dtype = model.model.embed_tokens.weight.dtype
-        per_block = kv_bytes_per_block(model, limits.block_size, dtype)
-        # Compiled, one block of the memory is scratch, where padding tokens write.
-        scratch = 1 if compile else 0
+        per_block = kv_bytes_per_block(model, limits.block_size, model.dtype)
+        scratch = backend.scratch_blocks  # where padding tokens write
         self.num_blocks = kv_cache_memory // per_block - scratch
         if self.num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no KV block "
@@ -224,60 +213,51 @@ class ModelRunner:
         # Per layer [2, blocks, block_size, kv_heads, head_dim], each its own tensor (so that
         # every layer's cache looks alike to the compiled layer).
         self.kv_caches = [torch.zeros(2, self.num_blocks + scratch, limits.block_size,
-                                      model.num_kv_heads, model.head_dim, dtype=dtype,
+                                      model.num_kv_heads, model.head_dim, dtype=model.dtype,
                                       device=device) for _ in range(model.num_layers)]
-        self.compiled = compile
-        self.cpu_kernels = self._use_cpu_kernels(cpu_kernels)
-        self.slots = SlotState(limits, device, device.type == "cuda", pad=compile,
-                               pad_block=self.num_blocks if compile else 0, grammars=grammars)
-        self.compile_stats = (compile_layers(model.model.layers, limits, device) if compile
-                              else CompileStats())
+        self.compiled = backend.compiled
+        self.slots = SlotState(limits, device, device.type == "cuda", backend,
+                               pad_block=self.num_blocks if scratch else 0, grammars=grammars)
+        backend.bind(ForwardTables(self.slots.block_table, model.rope_cos, model.rope_sin,
+                                   self.num_blocks + scratch))
+        self.compile_stats = (compile_layers(model.model.layers, limits, device)
+                              if self.compiled else CompileStats())
         if graphs is None:
             graphs = device.type == "cuda"
-        self.graphs = (DecodeGraphs(self._graph_forward, device, device.type == "cuda")
-                       if compile and graphs else None)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
-                    limits.block_size, self.num_blocks * per_block / 2**20)
+        self.graphs = (DecodeGraphs(self._graph_forward, backend, self.slots.layout, device,
+                                    device.type == "cuda")
+                       if graphs and backend.graph_fields else None)
+        logger.info("forward: %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB)",
+                    backend.name, selection.reason if selection else "given",
+                    self.num_blocks, limits.block_size, self.num_blocks * per_block / 2**20)
 
-    def _use_cpu_kernels(self, wanted: bool | None) -> bool:
-        if wanted is False or (wanted is None and (self.compiled or self.device.type != "cpu")):
-            return False
-        if self.compiled or self.device.type != "cpu":
-            raise ConfigError("the CPU kernels serve the eager forward on the CPU only")
-        why = kernels.load()
-        if why is not None:
-            if wanted:
-                raise RuntimeError(f"the CPU kernels are not available: {why}")
-            logger.warning("CPU kernels not available (%s): the eager forward runs on "
-                           "PyTorch's ops, which is slower", why)
-            return False
-        self.model.use_cpu_kernels()
-        return True
+    @property
+    def cpu_kernels(self) -> bool:
+        return self.backend.name == "cpu_kernels"
 
     @classmethod
     def from_dir(cls, model_dir: str, dtype: torch.dtype, device: torch.device,
                  limits: EngineLimits, kv_cache_memory: int,
-                 compile: bool = False, pack: bool | None = None,
+                 compile: bool | None = False, pack: bool | None = None,
                  graphs: bool | None = None, tp: TensorParallel | None = None,
                  cpu_kernels: bool | None = None) -> ModelRunner:
-        """pack (default: eager on the CPU, where oneDNN is): PackedLinear for every
-        projection. (TorchInductor lowers packed weights only as frozen constants, which
-        one graph shared by every layer cannot have.) tp: this rank's shard of the model
-        (parallel.py); rank 0 samples."""
-        if tp is not None and compile:
-            raise ConfigError("--tensor-parallel-size: the compiled forward does not implement "
-                              "tensor parallelism yet; pass --no-compile")
-        model = (load_model(model_dir, dtype, device, limits.max_model_len) if tp is None
-                 else load_model_shard(model_dir, dtype, device, limits.max_model_len, tp))
-        if pack is None:
-            pack = device.type == "cpu" and not compile and can_pack(dtype)
-        if pack:
-            pack_linears(model)
+        """The forward is chosen first (select_backend: `compile` and `cpu_kernels` as asked,
+        None for the default), then the weight format (select_linear_method: `pack` None
+        packs for oneDNN where it can), then the model is built with both. tp: this rank's
+        shard of the model (parallel.py); rank 0 samples."""
+        _, spec = read_config(model_dir)
+        selection = select_backend(ForwardRequest(
+            device.type, compile, cpu_kernels, spec.sliding_window, limits.block_size,
+            tp.size if tp is not None else 1))
+        backend = selection.load()(limits, device, spec.sliding_window)
+        linear = select_linear_method(dtype, device, selection.compiled, pack)
+        model = (load_model(model_dir, dtype, device, limits.max_model_len, backend, linear)
+                 if tp is None else load_model_shard(model_dir, dtype, device,
+                                                     limits.max_model_len, tp, backend, linear))
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
                     if limits.eos_token_ids and (tp is None or tp.rank == 0) else None)
-        runner = cls(model, limits, kv_cache_memory, device, compile, grammars, graphs,
-                     cpu_kernels)
+        runner = cls(model, limits, kv_cache_memory, device, grammars, graphs, selection)
         runner.tp = tp
         return runner
 
@@ -287,8 +267,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
-        v = unpack(packed, step.counts)
-        graph = self.graphs is not None and DecodeGraphs.eligible(step)
+        v = self.slots.layout.unpack(packed, step.counts)
+        graph = self.graphs is not None and self.graphs.eligible(step)
         ids = self.slots.apply(step, v, resolve=not graph)
         grammar_work = self.slots.start_grammar(step)
         if graph:
@@ -298,24 +278,11 @@ class ModelRunner:
                 return self.slots.sample(step, v, logits, grammar_work)
         if ids is None:  # (its bucket's first step: the ordinary path)
             ids = self.slots.resolve_ids(v)
-        table, block_size = self.slots.block_table, self.limits.block_size
-        # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels
-        # take a page of rows at once anyway.
-        per_row = step.decode_only and self.device.type == "cpu"
-        meta: Metadata
-        if self.compiled:
-            meta = build_flex_metadata(v, table, block_size, self.num_blocks + 1, per_row)
-        elif self.cpu_kernels:
-            meta = KernelMetadata(table, v["token_slots"], v["positions"],
-                                  self.model.rope_cos_f32, self.model.rope_sin_f32,
-                                  self.model.spec.sliding_window or 0)
-        else:
-            meta = build_attention_metadata(v, step.decode_groups, step.prefills, table,
-                                            block_size, self.model.spec.sliding_window)
+        meta = self.backend.metadata(v, step.attn_plan)
         wanted, num_scored = v["logits_indices"], step.counts["plp_indices"]
         if num_scored:  # prompt logprobs: the logits of the positions that score them too
             wanted = torch.cat([wanted, v["plp_indices"]])
-        logits = self.model(ids, v["positions"], self.kv_caches, meta, wanted)
+        logits = self.model(ids, self.kv_caches, meta, wanted)
         num_sampled = step.counts["logits_indices"]
         if logits is None:  # a tensor-parallel rank other than 0: its samples come from 0
             return self._follow(v)
@@ -338,9 +305,8 @@ class ModelRunner:
         """A decode step's forward from a graph's static inputs (graphs.py): placeholder ids
         resolved from the last samples, the metadata, the model, the wanted rows' logits."""
         ids = self.slots.resolve_ids(v)
-        meta = build_flex_metadata(v, self.slots.block_table, self.limits.block_size,
-                                   self.num_blocks + 1, per_row=self.device.type == "cpu")
-        return self.model(ids, v["positions"], self.kv_caches, meta, wanted)
+        meta = self.backend.metadata(v, self.backend.graph_plan())
+        return self.model(ids, self.kv_caches, meta, wanted)
 
     def execute(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> SampleOutput:
         """prepare + compute, synchronously (tests, the in-process engine)."""
@@ -365,7 +331,7 @@ class TimedRunner:
 
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput:
         """Sampling parameters are ignored: the tokens are a function of the context."""
-        v = unpack(packed, step.counts)
+        v = self.slots.layout.unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
         assert ids is not None
         idx = v["logits_indices"]

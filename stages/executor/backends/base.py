@@ -1,0 +1,185 @@
+"""What a forward backend is, in the executor process: how a step's attention reads and writes
+the paged KV cache, and which ops do a layer's elementwise work.
+
+A backend says what it supports (`unsupported`, read by select.py), prepares only its own
+host inputs (`host_inputs`: its staging fields and any host-side plan), builds its device
+metadata once per step (`metadata`, from the unpacked staging views), and attends
+(`attend`, once per layer, with this step's queries and keys before rope). A backend whose
+steps can be replayed as CUDA graphs names their static inputs (`graph_fields`) and which
+steps qualify (`graph_eligible`). The model holds its backend and calls nothing else: no
+flags set on modules, no metadata types tested in the forward.
+
+The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; a token at
+position p of a sequence lives in block block_table[p // block_size] at offset p % block_size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ipc.config import EngineLimits
+from stages.executor.staging import PackedField
+
+
+class ForwardOps:
+    """A layer's elementwise work in PyTorch ops (any device, eager or compiled); a backend
+    with fused kernels overrides them. Rounding follows Hugging Face's modules."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, rms_norm(x + h)): the residual stream after a block, and its norm."""
+        x = x + h
+        return x, self.rms_norm(x, weight, eps)
+
+    def add(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream after a block (a new tensor: a compiled layer must not mutate
+        its input)."""
+        return x + h
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+TORCH_OPS = ForwardOps()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] at positions whose tables are cos/sin [T, 1, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A step's rows as the host knows them: what a backend plans its inputs from."""
+
+    query_lens: np.ndarray  # [R] tokens computed this step
+    context_lens: np.ndarray  # [R] KV length after it
+    slots: np.ndarray  # [R]
+    starts: np.ndarray  # [R] first token of each row in the flattened batch
+    forward: dict[str, np.ndarray]  # the FORWARD_FIELDS (input_ids, positions, token_slots)
+
+    @property
+    def ends(self) -> np.ndarray:
+        return self.starts + self.query_lens
+
+
+@dataclass(frozen=True)
+class HostInputs:
+    arrays: dict[str, np.ndarray]  # the backend's staging fields (a padded forward: its own)
+    plan: Any = None  # what the backend's metadata needs from the host (Python values)
+
+
+@dataclass(frozen=True)
+class ForwardTables:
+    """The runner's device state a backend's metadata reads; it never moves."""
+
+    block_table: torch.Tensor  # [slots + 1, max_blocks] int32 (the last row: padding's)
+    rope_cos: torch.Tensor  # [max_len, D] in the model's dtype
+    rope_sin: torch.Tensor
+    num_cache_blocks: int  # blocks of each layer's cache, a scratch block included
+
+
+class AttentionBackend(ABC):
+    """One way of running the forward's attention over the paged cache (see the module's
+    docstring). An instance serves one runner: `bind` hands it the runner's tables."""
+
+    name: ClassVar[str]
+    ops: ClassVar[ForwardOps] = TORCH_OPS
+    # A compiled forward (compile.py compiles the layers): steps padded to its buckets,
+    # padding tokens belong to slot max_num_seqs, whose block table row points at a scratch
+    # block of the cache.
+    compiled: ClassVar[bool] = False
+    staging_fields: ClassVar[Sequence[PackedField]] = ()
+    graph_fields: ClassVar[Sequence[str]] = ()  # a replayed graph's static inputs; () none
+
+    def __init__(self, limits: EngineLimits, device: torch.device,
+                 sliding_window: int | None) -> None:
+        self.limits, self.device, self.window = limits, device, sliding_window
+        self._tables: ForwardTables | None = None
+
+    @property
+    def scratch_blocks(self) -> int:
+        """KV blocks beyond the usable ones: where padding tokens write."""
+        return 1 if self.compiled else 0
+
+    def bind(self, tables: ForwardTables) -> None:
+        self._tables = tables
+
+    @property
+    def tables(self) -> ForwardTables:
+        assert self._tables is not None, "bind() the runner's tables first"
+        return self._tables
+
+    def host_inputs(self, rows: StepRows) -> HostInputs:
+        """This backend's staging arrays for a step (the FORWARD_FIELDS may be replaced, e.g.
+        padded), and its host-side plan; only numpy, no device work."""
+        return HostInputs({})
+
+    @abstractmethod
+    def metadata(self, v: dict[str, torch.Tensor], plan: Any) -> Any:
+        """The step's device-side metadata from its unpacked staging views `v` and the
+        host plan; only Python values from the host, so nothing waits for the device."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
+        [2, NB, BS, KVH, D] -> [T, H, D]: rope, the cache write, attention."""
+
+    def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
+        """Whether a step may be replayed as a graph (only with `graph_fields`)."""
+        return False
+
+    def graph_plan(self) -> Any:
+        """The host plan of a replayed step (the replay cannot take one per step)."""
+        return None
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write this step's keys and values [T, KVH, D] at their flat cache indices, in place.
+    Under torch.compile through an opaque op: as plain tensor code, the compiled graph would
+    copy the whole cache to honour the mutation of its input. (Eager, the op's dispatch
+    would cost milliseconds.)"""
+    if torch.compiler.is_compiling():
+        _write_kv_op(kv_cache, slot_mapping, k, v)
+    else:
+        _write_kv(kv_cache, slot_mapping, k, v)
+
+
+def _write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+_write_kv_op = torch.library.custom_op("llm_pipeline::write_kv", _write_kv,
+                                       mutates_args=("kv_cache",))
+_write_kv_op.register_fake(lambda kv_cache, slot_mapping, k, v: None)
+
+
+def slot_mapping(block_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """[T] the flat cache index each token's key and value are written to."""
+    return (block_table[token_slots, positions // block_size].long() * block_size
+            + positions % block_size)

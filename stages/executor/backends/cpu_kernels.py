@@ -1,0 +1,74 @@
+"""Attention and a layer's elementwise work through the C++ CPU kernels (kernels.py,
+csrc/cpu_kernels.cpp), in the executor process: the eager default on the CPU. One attention
+call per layer over the whole flattened batch ropes this step's keys and queries, writes the
+cache and reads it in place (nothing gathered or padded); RMSNorm with the residual add fused
+into each layer's second norm; SiLU-and-mul."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stages.executor.backends.base import AttentionBackend, ForwardOps, ForwardTables
+
+
+class KernelOps(ForwardOps):
+    """torch.ops.llm_cpu's norms (2-D contiguous inputs) and SiLU-and-mul; the residual
+    stream is updated in place (the eager forward owns it)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.llm_cpu.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.ops.llm_cpu.add_rms_norm(x, h, weight, eps)  # x += h, in place
+
+    def add(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return x.add_(h)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llm_cpu.silu_and_mul(gate_up)
+
+
+@dataclass
+class KernelMetadata:
+    block_table: torch.Tensor  # [slots, max_blocks] int32
+    token_slots: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    rope_cos: torch.Tensor  # [max_len, D] float32: the model's tables (rounded to its dtype)
+    rope_sin: torch.Tensor
+    window: int  # a sliding window, or 0
+
+
+def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kv_cache: torch.Tensor, meta: KernelMetadata,
+                           scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
+    [2, NB, BS, KVH, D] -> [T, H, D]. One call: rope, the cache write, attention."""
+    return torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, meta.block_table,
+                                             meta.token_slots, meta.positions, meta.rope_cos,
+                                             meta.rope_sin, scale, meta.window)
+
+
+class CpuKernelBackend(AttentionBackend):
+    """The eager CPU forward on torch.ops.llm_cpu (loaded by select.py before this is made).
+    Needs no staging fields of its own: the block table, each token's slot and position."""
+
+    name = "cpu_kernels"
+    ops = KernelOps()
+
+    def bind(self, tables: ForwardTables) -> None:
+        super().bind(tables)
+        # The kernel reads the tables in float32, holding the values of the model's dtype.
+        self._cos = tables.rope_cos.float().contiguous()
+        self._sin = tables.rope_sin.float().contiguous()
+
+    def metadata(self, v: dict[str, torch.Tensor], plan: Any) -> KernelMetadata:
+        return KernelMetadata(self.tables.block_table, v["token_slots"], v["positions"],
+                              self._cos, self._sin, self.window or 0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: KernelMetadata, scale: float) -> torch.Tensor:
+        return kernel_paged_attention(q, k, v, kv_cache, meta, scale)

@@ -1,0 +1,239 @@
+"""Compiled attention: one FlexAttention call per layer over the whole batch, reading the cache
+in place, in the executor process (needs torch.compile: eager FlexAttention materialises
+every score). Steps are padded to a few token buckets, one compiled graph each; decode steps
+can be replayed as CUDA graphs (graphs.py).
+
+Queries sit in blocks of one page of positions of one sequence (`query_blocks`); a block's
+keys are its sequence's earlier pages, whole, and its own page, masked by offset.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from ipc.config import EngineLimits
+from stages.executor.backends.base import (
+    AttentionBackend,
+    HostInputs,
+    StepRows,
+    apply_rope,
+    slot_mapping,
+    write_kv,
+)
+from stages.executor.staging import PackedField, per_token
+
+# ------------------------------------------------------------------ buckets and query blocks
+
+
+def token_buckets(limits: EngineLimits) -> tuple[int, ...]:
+    """Padded step sizes of a compiled forward, one compiled graph each: powers of two and
+    1.5 times them (padding wastes at most a third of a step), then the token budget."""
+    budget = limits.max_num_batched_tokens
+    sizes = {1, 2, 4}
+    size = 8
+    while size < budget:
+        sizes |= {size, size * 3 // 2}
+        size *= 2
+    return tuple(sorted(s for s in sizes if s < budget)) + (budget,)
+
+
+def bucket(limits: EngineLimits, num_tokens: int) -> int:
+    """The padded size of a step of num_tokens tokens (at most the token budget)."""
+    return next(b for b in token_buckets(limits) if b >= num_tokens)
+
+
+def max_query_blocks(limits: EngineLimits, num_tokens: int) -> int:
+    """Attention query blocks (one page of positions of one sequence each) a step of
+    `num_tokens` can need, plus one that padding tokens use: a row of L tokens spans at
+    most L // block_size + 2 pages and never more than L."""
+    rows = min(num_tokens, limits.max_num_seqs)
+    return min(num_tokens, num_tokens // limits.block_size + 2 * rows) + 1
+
+
+def _query_blocks_count(limits: EngineLimits) -> int:
+    return max_query_blocks(limits, limits.max_num_batched_tokens)
+
+
+def query_blocks(query_lens: np.ndarray, context_lens: np.ndarray, slots: np.ndarray,
+                 block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled attention's query layout: each row's query positions cut at page
+    boundaries into query blocks of block_size rows, row i of a block holding the position
+    at page offset i (so causality inside a page is `key offset <= query offset` for every
+    row alike). Returns the query row of each token [T], and the slot [Q] and page index [Q]
+    of each query block."""
+    first = (context_lens - query_lens) // block_size  # page of each row's first query
+    num = (context_lens - 1) // block_size - first + 1  # pages its queries span
+    start = np.cumsum(num) - num
+    page_of_block = np.repeat(first, num) + (np.arange(int(num.sum())) - np.repeat(start, num))
+    positions = np.repeat(context_lens - query_lens, query_lens) + (
+        np.arange(int(query_lens.sum())) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                     query_lens))
+    block_of_token = np.repeat(start - first, query_lens) + positions // block_size
+    rows = block_of_token * block_size + positions % block_size
+    return rows, np.repeat(slots, num), page_of_block
+
+
+def pad_to(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    return np.concatenate([values, np.full(size - len(values), fill, values.dtype)])
+
+
+def pad_forward_inputs(forward: dict[str, np.ndarray],
+                       limits: EngineLimits) -> dict[str, np.ndarray]:
+    """The forward's inputs padded to the smallest bucket that holds the step: padding
+    tokens belong to slot limits.max_num_seqs and use the last query block."""
+    num_tokens = bucket(limits, len(forward["input_ids"]))
+    num_blocks = max_query_blocks(limits, num_tokens)
+    pad_slot, spare_row = limits.max_num_seqs, (num_blocks - 1) * limits.block_size
+    return {
+        "input_ids": pad_to(forward["input_ids"], num_tokens, 0),
+        "positions": pad_to(forward["positions"], num_tokens, 0),
+        "token_slots": pad_to(forward["token_slots"], num_tokens, pad_slot),
+        "query_rows": pad_to(forward["query_rows"], num_tokens, spare_row),
+        "qblock_slots": pad_to(forward["qblock_slots"], num_blocks, pad_slot),
+        "qblock_pages": pad_to(forward["qblock_pages"], num_blocks, 0),
+    }
+
+
+# ------------------------------------------------------------------ metadata and attention
+
+
+@dataclass
+class FlexMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache index that each token's K/V is written to
+    query_rows: torch.Tensor  # [T] row of each token in the query blocks
+    block_mask: BlockMask  # query blocks [Q] x the cache's pages
+    cos: torch.Tensor | None = None  # [T, 1, D] the rope tables at each token's position
+    sin: torch.Tensor | None = None
+
+
+@functools.cache  # one function per page size: the compiled graph guards on its identity
+def _same_page_causal(block_size: int):  # type: ignore[no-untyped-def]
+    def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return kv_idx % block_size <= q_idx % block_size
+    return mask_mod
+
+
+def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
+                        block_size: int, num_cache_blocks: int,
+                        per_row: bool = False) -> FlexMetadata:
+    """Device-side metadata of the compiled attention from the unpacked step views `v`
+    (tokens and query blocks, padded or not) and the block table [slots, max_blocks].
+
+    The block mask's query blocks are the query blocks (a page of rows each), or with
+    `per_row` every row of them on its own: a decode row then reads its keys once instead of
+    once for each of its page's 16 rows (the CPU kernel computes every row of a block), and
+    rows no token uses read nothing. Same query layout, same mask either way."""
+    positions = v["positions"]
+    pages_of_token = positions // block_size
+    num_q = v["qblock_slots"].shape[0]
+    # FlexAttention on the CPU wants index rows as long as the cache has pages.
+    width = min(block_table.shape[1], num_cache_blocks)
+    if per_row:
+        rows, slots, own = v["query_rows"], v["token_slots"], pages_of_token
+        num_blocks = num_q * block_size
+    else:
+        rows, slots, own = None, v["qblock_slots"], v["qblock_pages"]
+        num_blocks = num_q
+    tables = block_table[slots]  # [rows or Q, max_blocks] int32
+    full = tables.new_zeros(num_blocks, num_cache_blocks)
+    partial = tables.new_zeros(num_blocks, num_cache_blocks)
+    num_full = tables.new_zeros(num_blocks)
+    index = slice(None) if rows is None else rows
+    full[index, :width] = tables[:, :width]
+    partial[index, 0] = tables.gather(1, own[:, None])[:, 0]
+    num_full[index] = own.int()
+    # (a device-side fill: `num_partial[index] = 1` would copy the 1 from the host)
+    num_partial = (tables.new_ones(num_blocks) if rows is None
+                   else tables.new_zeros(num_blocks).index_fill_(0, rows, 1))
+    mask_mod = _same_page_causal(block_size)
+    block_mask = BlockMask.from_kv_blocks(
+        num_partial[None, None], partial[None, None], num_full[None, None], full[None, None],
+        BLOCK_SIZE=(1 if per_row else block_size, block_size),
+        mask_mod=mask_mod,  # type: ignore[arg-type]
+        seq_lengths=(num_q * block_size, num_cache_blocks * block_size),
+        compute_q_blocks=False)
+    return FlexMetadata(slot_mapping(block_table, v["token_slots"], positions, block_size),
+                        v["query_rows"], block_mask)
+
+
+# On CUDA: Triton tiles of one page (the block mask's blocks are pages of 16 positions, see
+# select.CUDA_PAGE_MULTIPLE; Inductor's default tiles are 32-128 and must divide them), and
+# the main kernel for short queries too (the decoding kernel's tiles are larger still).
+_CUDA_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: FlexMetadata,
+                         scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's, roped), kv_cache [2, NB, BS, KVH, D]
+    -> [T, H, D]. One FlexAttention call; to be run under torch.compile."""
+    write_kv(kv_cache, meta.slot_mapping, k, v)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_rows = meta.block_mask.seq_lengths[0]
+    # [1, H, rows, D], a 4-D buffer of its own (Inductor's CPU template wants one).
+    queries = q.new_zeros(1, q.shape[1], num_rows, head_dim).index_copy_(
+        2, meta.query_rows, q.transpose(0, 1)[None])
+    keys = k_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)  # [1, KVH, NB*BS, D]
+    values = v_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = flex_attention(queries, keys, values, block_mask=meta.block_mask, scale=scale,
+                         enable_gqa=True,
+                         kernel_options=_CUDA_KERNEL_OPTIONS if q.is_cuda else None)
+    return out[0].transpose(0, 1)[meta.query_rows]  # type: ignore[index]
+
+
+@dataclass(frozen=True)
+class FlexPlan:
+    # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels take
+    # a page of rows at once anyway.
+    per_row: bool
+
+
+class FlexBackend(AttentionBackend):
+    """The compiled forward's attention (compile.py compiles the layers around it)."""
+
+    name = "flex"
+    compiled = True
+    staging_fields = (
+        PackedField("query_rows", "int64", per_token),  # row of each token in the blocks
+        PackedField("qblock_slots", "int64", _query_blocks_count),  # Q: each block's slot
+        PackedField("qblock_pages", "int64", _query_blocks_count),  # its page in the table
+    )
+    # The padded forward's inputs: FORWARD_FIELDS and this backend's, packed first.
+    graph_fields = ("input_ids", "positions", "token_slots", "query_rows", "qblock_slots",
+                    "qblock_pages")
+
+    def host_inputs(self, rows: StepRows) -> HostInputs:
+        query_rows, qblock_slots, qblock_pages = query_blocks(
+            rows.query_lens, rows.context_lens, rows.slots, self.limits.block_size)
+        arrays = pad_forward_inputs({**rows.forward, "query_rows": query_rows,
+                                     "qblock_slots": qblock_slots,
+                                     "qblock_pages": qblock_pages}, self.limits)
+        decode_only = bool((rows.query_lens == 1).all())
+        return HostInputs(arrays, FlexPlan(decode_only and self.device.type == "cpu"))
+
+    def metadata(self, v: dict[str, torch.Tensor], plan: FlexPlan) -> FlexMetadata:
+        t = self.tables
+        meta = build_flex_metadata(v, t.block_table, self.limits.block_size,
+                                   t.num_cache_blocks, plan.per_row)
+        meta.cos = t.rope_cos[v["positions"]].unsqueeze(1)  # [T, 1, D]
+        meta.sin = t.rope_sin[v["positions"]].unsqueeze(1)
+        return meta
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: FlexMetadata, scale: float) -> torch.Tensor:
+        assert meta.cos is not None and meta.sin is not None
+        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+        return flex_paged_attention(q, k, v, kv_cache, meta, scale)
+
+    def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
+        """Decode-only steps without prompt logprobs (their sizes are one bucket each)."""
+        return decode_only and num_prompt_logprobs == 0
+
+    def graph_plan(self) -> FlexPlan:
+        return FlexPlan(self.device.type == "cpu")  # a replayed step is decode-only

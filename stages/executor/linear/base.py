@@ -1,0 +1,79 @@
+"""A linear layer whose weight format is a method of its own (as vLLM's quantize methods):
+the layer holds the parameters as the checkpoint names them ([out, in] weight, bias), the
+method turns them into its format once they are loaded (`process`) and runs the product
+(`apply`). Executor process."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """One weight format. `unsupported` says why it cannot run here (None: it can)."""
+
+    name: str
+
+    @classmethod
+    def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
+        return None
+
+    def process(self, layer: Linear) -> None:
+        """Called once the layer's weights are loaded and on their device: convert them
+        (plain weights stay as loaded)."""
+        return None
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+
+
+class Linear(nn.Module):
+    """y = x W^T + b through `method`. Parameters as nn.Linear's (so checkpoints load by
+    name); built on the meta device, filled by load_state_dict(assign=True)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 method: LinearMethod) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.method = in_features, out_features, method
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
+                     else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"method={self.method.name}")
+
+
+def process_weights(model: nn.Module) -> int:
+    """Each Linear's method converts its loaded weights; returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.method.process(layer)
+    return len(layers)
+
+
+def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: bool,
+                         pack: bool | None = None) -> LinearMethod:
+    """oneDNN's packed weights for the eager CPU forward where oneDNN can pack the dtype
+    (`pack`: None as that, False plain, True required); plain F.linear otherwise.
+    (TorchInductor lowers packed weights only as frozen constants, which one graph shared by
+    every layer cannot have.)"""
+    from stages.executor.linear.dense import DenseMethod
+    from stages.executor.linear.onednn import OneDnnPackedMethod
+
+    if pack is False:
+        return DenseMethod()
+    why = OneDnnPackedMethod.unsupported(dtype, device)
+    if why is None and compiled:
+        why = "the compiled forward needs plain weights"
+    if why is None:
+        return OneDnnPackedMethod()
+    if pack:
+        raise ValueError(f"packed weights: {why}")
+    return DenseMethod()

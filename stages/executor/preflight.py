@@ -1,0 +1,61 @@
+"""What the launcher checks of an executor's configuration before anything starts, in the
+launcher's process (the user's): the forward that will run (backends/select.py, without
+probing), the shapes tensor parallelism must split and the devices its ranks take. Imports
+no torch unless the device is CUDA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ipc.arch import ArchSpec, UnsupportedModel, arch_spec
+from ipc.config import ConfigError, PipelineConfig
+from stages.executor.backends.select import ForwardRequest, Selection, select_backend
+
+
+def check_executor(cfg: PipelineConfig) -> Selection | None:
+    """The forward the run's executors will choose, or the ConfigError (or UnsupportedModel)
+    that one would fail with; None for the timed instrument (no model)."""
+    ex = cfg.executor
+    if ex.timed is not None:
+        return None
+    selection = select_backend(ForwardRequest(
+        ex.device.split(":")[0], ex.compile, None, cfg.model.sliding_window,
+        cfg.limits.block_size, ex.tensor_parallel_size), probe=False)
+    if ex.tensor_parallel_size > 1:
+        check_divisible(read_spec(cfg.model.path), ex.tensor_parallel_size)
+    if ex.tensor_parallel_size * cfg.data_parallel_size > 1:
+        check_devices(ex.device, ex.tensor_parallel_size * cfg.data_parallel_size)
+    return selection
+
+
+def read_spec(model_dir: str | Path) -> ArchSpec:
+    path = Path(model_dir) / "config.json"
+    return arch_spec(json.loads(path.read_text()), str(path))
+
+
+def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> None:
+    """The shapes K ranks can split evenly, or UnsupportedModel naming the one they cannot."""
+    for name, value in (("num_attention_heads", spec.num_heads),
+                        ("num_key_value_heads", spec.num_kv_heads),
+                        ("intermediate_size", spec.intermediate)):
+        if value % size:
+            raise UnsupportedModel(f"{source}: {name} = {value} is not divisible by "
+                                   f"--tensor-parallel-size {size}")
+
+
+def check_devices(device: str, size: int) -> None:
+    """On CUDA the executors (tensor-parallel ranks × data-parallel engines) take cuda:0 to
+    cuda:N-1, one each: the machine must have them."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    what = ("--tensor-parallel-size × --data-parallel-size = "
+            f"{size} executor processes")
+    if device not in ("cuda", "cuda:0"):  # (--device cuda reads as cuda:0)
+        raise ConfigError(f"--device {device} with {what}: they take cuda:0 to "
+                          f"cuda:{size - 1}, one each; pass --device cuda")
+    if torch.cuda.device_count() < size:
+        raise ConfigError(f"{what} need {size} CUDA devices, one each; this machine has "
+                          f"{torch.cuda.device_count()}")
