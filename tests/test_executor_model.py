@@ -122,27 +122,6 @@ def test_other_llama_family_shapes_match_transformers(tmp_path: Path, arch: str)
     assert engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0)) == expected
 
 
-def test_projections_are_fused_from_the_hf_names() -> None:
-    import torch
-
-    from stages.executor.model import fuse_projections
-
-    parts = {f"model.layers.0.self_attn.{n}.{t}": torch.full((2 if n == "q_proj" else 1, 3), i)
-             for i, n in enumerate(("q_proj", "k_proj", "v_proj")) for t in ("weight",)}
-    parts.update({f"model.layers.0.self_attn.{n}.bias": torch.full((1,), i)
-                  for i, n in enumerate(("q_proj", "k_proj", "v_proj"))})
-    parts.update({"model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 3),
-                  "model.layers.0.mlp.up_proj.weight": torch.ones(2, 3),
-                  "model.norm.weight": torch.ones(3)})
-    fused = fuse_projections(parts)
-    assert fused["model.layers.0.self_attn.qkv_proj.weight"][:, 0].tolist() == [0, 0, 1, 2]
-    assert fused["model.layers.0.self_attn.qkv_proj.bias"].tolist() == [0, 1, 2]
-    assert fused["model.layers.0.mlp.gate_up_proj.weight"][:, 0].tolist() == [0, 0, 1, 1]
-    assert set(fused) == {"model.layers.0.mlp.gate_up_proj.weight", "model.norm.weight",
-                          "model.layers.0.self_attn.qkv_proj.bias",
-                          "model.layers.0.self_attn.qkv_proj.weight"}
-
-
 @pytest.mark.parametrize("change, field", [
     ({"model_type": "gemma"}, "model_type"),
     ({"hidden_act": "gelu"}, "hidden_act"),

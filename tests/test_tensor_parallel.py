@@ -23,7 +23,7 @@ from pipeline.tools.random_model import build_random_llama
 from stages.executor.backends.torch_sdpa import TorchBackend
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.model import load_model
-from stages.executor.parallel import TensorParallel, load_model_shard
+from stages.executor.parallel import TensorParallel
 from stages.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,9 +98,8 @@ def test_each_rank_loads_only_its_slices(tmp_path: Path) -> None:
     backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu, None)  # (not run)
     full = load_model(folder, torch.float32, cpu, 64, backend, DenseMethod())
     vocab = full.spec.vocab_size
-    shards = [load_model_shard(folder, torch.float32, cpu, 64,
-                               TensorParallel(r, 2, vocab, -(-vocab // 2)), backend,
-                               DenseMethod()) for r in range(2)]
+    shards = [load_model(folder, torch.float32, cpu, 64, backend, DenseMethod(),
+                         TensorParallel(r, 2, vocab, -(-vocab // 2))) for r in range(2)]
     attn = [s.model.layers[0].self_attn for s in shards]
     d, q, kv = full.spec.head_dim, 2 * full.spec.head_dim, full.spec.head_dim  # per rank
     whole = full.model.layers[0].self_attn.qkv_proj.weight

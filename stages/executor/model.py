@@ -2,13 +2,14 @@
 
 Parameter names match Hugging Face's except where projections are fused: q/k/v into one
 `qkv_proj` and gate/up into one `gate_up_proj` per layer (one matrix product each instead of
-three and two); `fuse_projections` builds them from a HF state dict, so a local HF folder
-(Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) loads as it is. One forward takes a flattened
-batch mixing prefill chunks and decode tokens of different sequences; attention reads and
-writes the paged cache through the model's attention backend (backends/base.py), which also
-supplies the ops of a layer's elementwise work; each projection's weight format is its
-linear method (linear/). Both are chosen before the model is built (backends/select.py,
-linear/base.py) and never changed on it.
+three and two), which the loader fills from the checkpoint's parts (loader.py), so a local HF
+folder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) loads as it is. The layers own their
+tensor-parallel sharding (sharding.py): one rank or many, the same model and load path. One
+forward takes a flattened batch mixing prefill chunks and decode tokens of different
+sequences; attention reads and writes the paged cache through the model's attention backend
+(backends/base.py), which also supplies the ops of a layer's elementwise work; each
+projection's weight format is its linear method (linear/). Both are chosen before the model
+is built (backends/select.py, linear/base.py) and never changed on it.
 
 What sets the families apart is read from config.json in one place (`arch_spec`): biases,
 Qwen3's q/k norms, a sliding window, a tied head. The forward has no per-family branches,
@@ -18,18 +19,29 @@ before anything loads, by name (`UnsupportedModel`).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from ipc.arch import ArchSpec, arch_spec
 from stages.executor.backends.base import TORCH_OPS, AttentionBackend, ForwardOps
-from stages.executor.linear.base import Linear, LinearMethod, process_weights
+from stages.executor.linear.base import LinearMethod, process_weights
+from stages.executor.loader import load_weights
+from stages.executor.sharding import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
+
+if TYPE_CHECKING:
+    from stages.executor.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -43,22 +55,26 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """This rank's heads: q/k/v column-parallel by head, o row-parallel."""
+
     def __init__(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
-                 linear: LinearMethod) -> None:
+                 linear: LinearMethod, shard: Shard) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
-        self.head_dim = spec.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(spec.hidden, self.q_size + 2 * self.kv_size, spec.qkv_bias, linear)
-        self.o_proj = Linear(self.q_size, spec.hidden, spec.o_bias, linear)
+        d = self.head_dim = spec.head_dim
+        self.num_heads, self.num_kv_heads = shard.local(spec.num_heads), shard.local(
+            spec.num_kv_heads)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden, (spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d),
+            spec.qkv_bias, linear, shard)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden, spec.o_bias, linear,
+                                        shard)
         # Qwen3's norms of each head's query and key ([T, heads, D]: PyTorch's ops)
         self.q_norm = RMSNorm(self.head_dim, spec.eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.eps) if spec.qk_norm else None
         self.layer_idx, self.backend = layer_idx, backend
         self.scale = self.head_dim**-0.5
-        # Tensor parallel (parallel.py): o_proj is row-parallel, its output summed over ranks.
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -69,31 +85,32 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.attend(q, k, v, kv_cache, meta, self.scale)  # ropes q and k
-        out = self.o_proj(out.reshape(num_tokens, -1))
-        return out if self.reduce is None else self.reduce(out)
+        return self.o_proj(out.reshape(num_tokens, -1))  # (summed over the ranks)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, ops: ForwardOps,
-                 linear: LinearMethod) -> None:
+    """This rank's intermediate rows: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, spec: ArchSpec, ops: ForwardOps, linear: LinearMethod,
+                 shard: Shard) -> None:
         super().__init__()
-        self.intermediate, self.ops = intermediate, ops
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, linear)
-        self.down_proj = Linear(intermediate, hidden, bias, linear)
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention's
+        self.ops = ops
+        inter = spec.intermediate
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden, (inter, inter), spec.mlp_bias,
+                                                 linear, shard)
+        self.down_proj = RowParallelLinear(inter, spec.hidden, spec.mlp_bias, linear, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
-        return out if self.reduce is None else self.reduce(out)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
-                 linear: LinearMethod) -> None:
+                 linear: LinearMethod, shard: Shard) -> None:
         super().__init__()
         ops = backend.ops
-        self.self_attn = Attention(spec, layer_idx, backend, linear)
-        self.mlp = MLP(spec.hidden, spec.intermediate, spec.mlp_bias, ops, linear)
+        self.self_attn = Attention(spec, layer_idx, backend, linear, shard)
+        self.mlp = MLP(spec, ops, linear, shard)
         self.input_layernorm = RMSNorm(spec.hidden, spec.eps, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps, ops)
         self.ops = ops
@@ -106,14 +123,14 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, spec: ArchSpec, backend: AttentionBackend, linear: LinearMethod) -> None:
+    def __init__(self, spec: ArchSpec, backend: AttentionBackend, linear: LinearMethod,
+                 shard: Shard) -> None:
         super().__init__()
-        # Built on the meta device and loaded with assign=True: no initial values. (An
-        # Embedding that initialises itself on meta goes through torch._refs, which
+        # Built on the meta device, given memory and filled by the loader: no initial values.
+        # (nn.Embedding, initialising itself on meta, would go through torch._refs, which
         # imports torch._dynamo: 1.5 s of every executor's start.)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden,
-                                         _weight=torch.empty(spec.vocab_size, spec.hidden))
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, backend, linear)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden, shard)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, backend, linear, shard)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden, spec.eps, backend.ops)
 
@@ -121,14 +138,16 @@ class Backbone(nn.Module):
 class PagedLlama(nn.Module):
     """forward(input_ids [T], kv_caches (one per layer), meta (the backend's metadata of the
     step), logits_indices [S]) -> [S, V]. `compile_layers` compiles each decoder layer (one
-    graph serves every layer, one per padded step size) and leaves the rest eager."""
+    graph serves every layer, one per padded step size) and leaves the rest eager.
+    With `tp`, this is one rank's shard (sharding.py); without, the whole model."""
 
     def __init__(self, cfg: dict, spec: ArchSpec, backend: AttentionBackend,
-                 linear: LinearMethod) -> None:
+                 linear: LinearMethod, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.cfg, self.spec, self.backend = cfg, spec, backend
-        self.model = Backbone(spec, backend, linear)
-        self.lm_head = Linear(spec.hidden, spec.vocab_size, False, linear)
+        self.cfg, self.spec, self.backend, self.tp = cfg, spec, backend, tp
+        shard = Shard(tp.rank, tp.size, tp) if tp is not None else Shard()
+        self.model = Backbone(spec, backend, linear, shard)
+        self.lm_head = ParallelLMHead(spec.hidden, spec.vocab_size, linear, shard)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
@@ -136,7 +155,6 @@ class PagedLlama(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self.tp: Any = None  # a parallel.TensorParallel: this model is one rank's shard
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,10 +169,7 @@ class PagedLlama(nn.Module):
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """The logits; with tensor parallelism, on rank 0 (None on the others)."""
-        if self.tp is None:
-            x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        else:
-            x = self.tp.embed(self.model.embed_tokens, input_ids)
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # [S, hidden]
@@ -189,24 +204,6 @@ def rope_tables(cfg: dict, head_dim: int, max_len: int) -> tuple[torch.Tensor, t
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A HF state dict with each layer's q/k/v (weights and biases) and gate/up weights
-    concatenated, in that order, under the fused names."""
-    out = dict(state)
-    for name in state:
-        for fused, parts in FUSED.items():
-            suffix = f".{parts[0]}."
-            if suffix not in name:
-                continue
-            prefix, tail = name.split(suffix)
-            out[f"{prefix}.{fused}.{tail}"] = torch.cat(
-                [out.pop(f"{prefix}.{part}.{tail}") for part in parts], dim=0)
-    return out
-
-
 def read_config(model_dir: str | Path) -> tuple[dict, ArchSpec]:
     """config.json and what the engine reads of it; refuses what it does not implement
     before any weight loads."""
@@ -215,26 +212,33 @@ def read_config(model_dir: str | Path) -> tuple[dict, ArchSpec]:
     return cfg, arch_spec(cfg, str(path))
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               max_len: int, backend: AttentionBackend, linear: LinearMethod) -> PagedLlama:
-    model_dir = Path(model_dir)
+               max_len: int, backend: AttentionBackend, linear: LinearMethod,
+               tp: TensorParallel | None = None) -> PagedLlama:
+    """The model (with `tp`: that rank's shard, read slice by slice, no rank holding the
+    whole) on `device`, its weights in their linear method's format."""
     cfg, spec = read_config(model_dir)
-    with torch.device("meta"):
-        model = PagedLlama(cfg, spec, backend, linear)
-    state: dict[str, torch.Tensor] = {}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    for path in files:
-        state.update(load_file(str(path)))
-    if spec.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    state = {k: v.to(dtype) for k, v in state.items() if "rotary_emb" not in k}
-    model.load_state_dict(fuse_projections(state), strict=True, assign=True)
-    if spec.tie_word_embeddings:
+    if tp is not None:
+        from stages.executor.preflight import check_divisible
+
+        check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
+    with torch.device("meta"), _default_dtype(dtype):
+        model = PagedLlama(cfg, spec, backend, linear, tp)
+    model.to_empty(device="cpu")
+    if spec.tie_word_embeddings:  # (to_empty gave each module its own tensor)
         model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, model_dir, spec.tie_word_embeddings)
     model.init_rope(max_len)
     model = model.to(device).eval()
     process_weights(model)
     return model
-

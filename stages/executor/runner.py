@@ -23,7 +23,7 @@ from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.linear.base import select_linear_method
 from stages.executor.model import PagedLlama, load_model, read_config
-from stages.executor.parallel import TensorParallel, load_model_shard
+from stages.executor.parallel import TensorParallel
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.staging import StagingLayout
 from stages.executor.step_inputs import HostStep, prepare_host_step
@@ -251,9 +251,7 @@ class ModelRunner:
             tp.size if tp is not None else 1))
         backend = selection.load()(limits, device, spec.sliding_window)
         linear = select_linear_method(dtype, device, selection.compiled, pack)
-        model = (load_model(model_dir, dtype, device, limits.max_model_len, backend, linear)
-                 if tp is None else load_model_shard(model_dir, dtype, device,
-                                                     limits.max_model_len, tp, backend, linear))
+        model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
                     if limits.eos_token_ids and (tp is None or tp.rank == 0) else None)
