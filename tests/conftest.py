@@ -1,8 +1,15 @@
-"""Shared fixtures: the tiny offline model, the default model (when it can be set up)."""
+"""Shared fixtures (the tiny offline model, the default model when it can be set up) and the
+suite's tiers: a test that starts the pipeline's processes is marked `live`, one that compiles
+or runs for long `slow` (`./scripts/test --fast` runs neither). The marks are checked, not
+trusted: a test without `live` that starts a stage, a server or a script fails, naming it."""
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,3 +50,71 @@ def default_model_dir() -> Path:
         return ensure_default_model()
     except ModelSetupError as exc:
         pytest.skip(f"default model unavailable: {exc}")
+
+
+# What the running test started, and whether it may (see pytest_runtest_protocol).
+_started: list[str] = []
+ROOT = Path(__file__).resolve().parents[1]
+_real_mp_start = multiprocessing.process.BaseProcess.start
+_real_popen_init = subprocess.Popen.__init__
+
+
+def _mp_start(self: multiprocessing.process.BaseProcess) -> None:
+    _started.append(f"process {self.name}")
+    _real_mp_start(self)
+
+
+def _popen_init(self: subprocess.Popen, args, *rest, **kwargs) -> None:  # noqa: ANN001
+    if _ours(args):
+        _started.append("command " + " ".join(str(a) for a in _argv(args)[:3]))
+    _real_popen_init(self, args, *rest, **kwargs)
+
+
+def _argv(args: object) -> list[str]:
+    return ([str(args)] if isinstance(args, (str, bytes, os.PathLike))
+            else [str(a) for a in args])  # type: ignore[union-attr]
+
+
+def _ours(args: object) -> bool:
+    """A command of this project's (a script, or Python running a file or module of ours),
+    not a tool (a compiler, openssl, pip) or a `python -c` one-liner."""
+    argv = _argv(args)
+    if not argv:
+        return False
+    if argv[0].startswith(str(ROOT / "scripts")):
+        return True
+    is_python = Path(argv[0]).name.startswith("python")
+    return is_python and len(argv) > 1 and argv[1] != "-c" and argv[1:3] != ["-m", "pip"]
+
+
+multiprocessing.process.BaseProcess.start = _mp_start  # type: ignore[method-assign]
+subprocess.Popen.__init__ = _popen_init  # type: ignore[method-assign]
+
+
+# The suite's fixtures that start a pipeline or a server: a test that uses one is live.
+LIVE_FIXTURES = {"pipe", "pipeline", "server", "namespaces"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.live)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test (or a fixture of its own, set up just before) that started a process while not
+    marked `live` fails: the fast tier must not start the pipeline."""
+    result = yield  # (raises if the test failed: then that is its report)
+    if _started and item.get_closest_marker("live") is None:
+        what = sorted(set(_started))
+        _started.clear()
+        pytest.fail(f"started {', '.join(what[:3])} but is not marked live "
+                    "(pytest.mark.live: the tier of tests that start processes)",
+                    pytrace=False)
+    return result
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _started.clear()

@@ -57,7 +57,8 @@ LONG_ROWS = [(50, 37), (3, 1), (40, 40)]
 needs_kernels = pytest.mark.skipif(not kernels.available(),
                                    reason=f"CPU kernels: {kernels.load()}")
 CASES = [pytest.param(impl, rows, id=f"{impl}-{i}",
-                      marks=[needs_kernels] if impl == "kernel" else [])
+                      marks=[needs_kernels] if impl == "kernel"
+                      else [pytest.mark.slow] if impl in ("paged", "per-row") else [])
          for impl, row_sets in (("eager", [*ROWS, LONG_ROWS]), ("paged", ROWS),
                                 ("per-row", ROWS), ("kernel", [*ROWS, LONG_ROWS]))
          for i, rows in enumerate(row_sets)]

@@ -57,6 +57,7 @@ def test_latency_metrics_are_exact() -> None:
     assert s["goodput"]["requests_per_s"] == pytest.approx(0.5)  # only the first meets TTFT
 
 
+@pytest.mark.live
 def test_throughput_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     rc = bench.main(["throughput", "--model", str(tiny_model_dir), "--num-prompts", "6",
@@ -73,6 +74,7 @@ def test_throughput_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -
     assert (tmp_path / "throughput_vs_batch.png").stat().st_size > 1000
 
 
+@pytest.mark.live
 def test_overlap_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.json"
     rc = bench.main(["overlap", "--model", str(tiny_model_dir), "--device", "timed:1,0",
@@ -87,6 +89,7 @@ def test_overlap_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> N
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+@pytest.mark.live
 def test_dp_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Two engines against one (the same outputs), and the prefix-heavy load finding more of
     its prefixes cached with prefix routing (the most it can: 1 of 2 rounds of 32 tokens)."""
@@ -101,6 +104,7 @@ def test_dp_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert hits["load"][0] < hits["prefix"][0]
 
 
+@pytest.mark.live
 def test_serve_benchmark_reports_cache_hits_and_preemptions(tmp_path: Path) -> None:
     model = build_tiny_llama(tmp_path / "long", max_len=8192)
     out = tmp_path / "s.json"
@@ -120,6 +124,7 @@ def test_serve_benchmark_reports_cache_hits_and_preemptions(tmp_path: Path) -> N
     assert sched["num_steps"] > 0
 
 
+@pytest.mark.live
 def test_serve_benchmark_drives_an_http_server(tmp_path: Path) -> None:
     from test_server import serve
 
@@ -142,6 +147,7 @@ def test_serve_benchmark_drives_an_http_server(tmp_path: Path) -> None:
     assert metrics[generated] == tokens
 
 
+@pytest.mark.live
 def test_throughput_benchmark_with_two_tensor_parallel_ranks(tmp_path: Path) -> None:
     """--tensor-parallel-size 2: the pipeline on two ranks, and on one beside it (the ratio
     tensor parallelism buys), with the same greedy outputs."""

@@ -62,6 +62,7 @@ def test_unknown_peers_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown peers ['vllm']" in capsys.readouterr().err
 
 
+@pytest.mark.live
 def test_job_and_result_round_trip_through_the_worker(tmp_path: Path) -> None:
     args = throughput_args("--batch-size", "2", "--dtype", "bfloat16")
     args.batch_size = 2  # as throughput() hands it to the runners: one size at a time
@@ -76,6 +77,7 @@ def test_job_and_result_round_trip_through_the_worker(tmp_path: Path) -> None:
     assert "loading /models/m" in (tmp_path / "logs" / "worker.log").read_text()
 
 
+@pytest.mark.live
 def test_a_failing_worker_raises_with_its_stderr(tmp_path: Path) -> None:
     with pytest.raises(PeerError, match="exited with 3") as err:
         run_worker(Path(sys.executable), script(tmp_path, FAILING_WORKER), {},

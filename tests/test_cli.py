@@ -20,7 +20,7 @@ from live import alive, kill_pids
 from pipeline.cli import DEFAULT_MAX_TOKENS, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
 
 
 def cli(model: Path, *args: str) -> list[str]:

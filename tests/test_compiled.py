@@ -16,8 +16,9 @@ from stages.executor.backends.flex import token_buckets
 from stages.executor.backends.select import compile_unavailable
 from stages.inprocess import InProcessEngine
 
-pytestmark = pytest.mark.skipif(compile_unavailable("cpu") is not None,
-                                reason="TorchInductor needs a C++ compiler here")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(compile_unavailable("cpu") is not None,
+                                 reason="TorchInductor needs a C++ compiler here")]
 
 
 def _prompts(model_dir: Path) -> list[list[int]]:

@@ -54,6 +54,7 @@ def engine_stats(pipe: Pipeline, engine: int, settle: float = 0.6) -> tuple[int,
     return stats.generation_tokens, stats.prefix_cache_hits
 
 
+@pytest.mark.live
 def test_requests_spread_over_both_engines_and_are_answered_alike(pipe: Pipeline) -> None:
     client = pipe.client()
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(16)]
@@ -71,6 +72,7 @@ def test_requests_spread_over_both_engines_and_are_answered_alike(pipe: Pipeline
     assert client.health().ok and client.health().engines_down == []
 
 
+@pytest.mark.live
 def test_an_abort_reaches_the_engine_that_holds_the_request(pipe: Pipeline) -> None:
     client = pipe.client()
 
@@ -92,6 +94,7 @@ def test_an_abort_reaches_the_engine_that_holds_the_request(pipe: Pipeline) -> N
     assert stats.num_free_blocks == stats.num_blocks
 
 
+@pytest.mark.live
 def test_requests_sharing_a_prefix_go_where_its_kv_is(pipe: Pipeline) -> None:
     client = pipe.client()
     shared = list(range(10, 10 + 64))  # four full blocks
@@ -102,6 +105,7 @@ def test_requests_sharing_a_prefix_go_where_its_kv_is(pipe: Pipeline) -> None:
     assert [o.num_cached_tokens for o in later] == [64] * 6
 
 
+@pytest.mark.live
 def test_a_killed_engine_takes_only_its_requests(pipe: Pipeline) -> None:
     client = pipe.client()
 
@@ -138,6 +142,7 @@ def test_a_killed_engine_takes_only_its_requests(pipe: Pipeline) -> None:
     assert stats.num_free_blocks == stats.num_blocks
 
 
+@pytest.mark.live
 def test_killing_the_last_engine_fails_the_pipeline(tiny_model_dir: Path) -> None:
     with running(dp_config(tiny_model_dir, router="load")) as pipe:
         client = PipelineClient.connect(pipe.cfg.run_dir)

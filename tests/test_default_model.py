@@ -18,7 +18,7 @@ from tiny_model import hf_greedy
 from ipc.messages import SamplingParams
 from stages.executor.backends.select import compile_unavailable
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = [

@@ -14,7 +14,7 @@ from ipc.config import EngineLimits, ModelInfo
 from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload
 from stages.executor.runner import ModelRunner
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(300)]
 
 
 def test_overlapped_equals_synchronised_bit_for_bit(tiny_model_dir: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from live import alive, kill_pids
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
 
 
 def run_script(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from tiny_model import hf_greedy
 from ipc.messages import SamplingParams
 from pipeline.runtime.client import PipelineClient
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
 
 TEXTS = ["The quick brown fox", "Paged attention", "Héllo wörld 🚀", "def main():",
          "Continuous batching lets new requests join. " * 3, "a", "日本語", "Grüße aus Köln."]

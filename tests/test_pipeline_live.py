@@ -14,7 +14,7 @@ from tiny_model import hf_greedy
 from ipc.messages import ChatMessage, SamplingParams
 from pipeline.runtime.launcher import Pipeline
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(180)]
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values", "Héllo wörld 🚀",
            "def main():", "Continuous batching lets new requests join at any step. " * 4,

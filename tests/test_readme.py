@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, re.DOTALL)
 PLACEHOLDER = re.compile(r"/path/to/[\w-]+")
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = [pytest.mark.live, pytest.mark.timeout(400), pytest.mark.slow]
 
 
 def commands(block: str) -> list[str]:

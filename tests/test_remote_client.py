@@ -26,7 +26,7 @@ from pipeline.runtime.client import (
     make_add_request,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parent.parent
 
 CLIENT = textwrap.dedent("""

@@ -176,6 +176,7 @@ def _wait_joined(pipe, name: str, timeout: float = 120) -> None:  # type: ignore
     raise AssertionError(f"{name} did not join within {timeout} s")
 
 
+@pytest.mark.live
 def test_a_stage_without_the_key_or_with_another_model_is_refused(tiny_model_dir: Path,
                                                                   tmp_path: Path) -> None:
     other = tmp_path / "other-model"
@@ -220,6 +221,7 @@ def test_a_stage_without_the_key_or_with_another_model_is_refused(tiny_model_dir
         assert refused.returncode == 1 and "takes no stages from other hosts" in err
 
 
+@pytest.mark.live
 def test_an_engine_that_joined_serves_and_its_leaving_fails_only_its_requests(
         tiny_model_dir: Path) -> None:
     with running(_config(tiny_model_dir, "timed:50,0")) as pipe:  # 20 s a request
@@ -291,6 +293,7 @@ def namespaces() -> Iterator[tuple[str, str, str]]:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=20)
 
 
+@pytest.mark.live
 def test_an_engine_a_tokenizer_and_a_detokenizer_join_from_another_network_namespace(
         namespaces: tuple[str, str, str], tiny_model_dir: Path) -> None:
     ns_a, ns_b, address_a = namespaces
@@ -327,6 +330,7 @@ def test_an_engine_a_tokenizer_and_a_detokenizer_join_from_another_network_names
     assert shm_segments(result["run_id"]) == []  # the joined engine's rings (-e1) too
 
 
+@pytest.mark.live
 def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
     """Stopping a joined stage (SIGTERM, as Ctrl-C or a service manager does) ends its
     processes and the pipeline learns it is gone."""
@@ -360,6 +364,7 @@ def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
             kill_pids(children)
 
 
+@pytest.mark.live
 def test_a_connected_client_follows_stages_that_join_and_leave(tiny_model_dir: Path) -> None:
     """A remote client connected before a tokenizer and an engine join takes the tokenizer
     in turn and aborts on the engine too; when the tokenizer leaves, what it held ends
@@ -402,6 +407,7 @@ def test_a_connected_client_follows_stages_that_join_and_leave(tiny_model_dir: P
             _end(stages)
 
 
+@pytest.mark.live
 def test_the_stage_command_says_what_it_lacks() -> None:
     env = {k: v for k, v in os.environ.items() if k != "LLM_PIPELINE_STAGE_KEY"}
     cmd = [sys.executable, "-m", "pipeline.cli", "stage", "engine"]
@@ -416,6 +422,7 @@ def test_the_stage_command_says_what_it_lacks() -> None:
     assert not_tcp.returncode == 2 and "tcp://HOST:PORT" in not_tcp.stderr
 
 
+@pytest.mark.live
 def test_an_engine_that_joined_runs_the_model_as_the_first_one_does(tiny_model_dir: Path
                                                                      ) -> None:
     """With the model on the CPU (not the timed device): a joined engine loads its copy of

@@ -85,6 +85,7 @@ def kill_under_streams(pipe: Pipeline, name: str) -> list[list[RequestOutput]]:
     return results
 
 
+@pytest.mark.live
 def test_a_killed_detokenizer_comes_back_and_only_its_requests_fail(pipe: Pipeline) -> None:
     results = kill_under_streams(pipe, "detokenizer:1")
     errors = [finals(r)[0].error for r in results if finals(r)[0].error is not None]
@@ -95,6 +96,7 @@ def test_a_killed_detokenizer_comes_back_and_only_its_requests_fail(pipe: Pipeli
                         for o in done)
 
 
+@pytest.mark.live
 def test_a_killed_tokenizer_comes_back_and_streams_go_on(pipe: Pipeline) -> None:
     results = kill_under_streams(pipe, "tokenizer:0")
     for r in results:
@@ -105,6 +107,7 @@ def test_a_killed_tokenizer_comes_back_and_streams_go_on(pipe: Pipeline) -> None
             assert final.num_output_tokens == 200
 
 
+@pytest.mark.live
 def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
     """Requests sent to a stopped tokenizer (SIGSTOP: they sit in its socket buffer) are lost
     when it is killed: its client learns of the restart and each of them gets an error,
@@ -140,6 +143,7 @@ def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
             assert final.error is None and final.num_output_tokens == 2
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("name", ["scheduler:0", "executor:0"])
 def test_a_killed_engine_stage_fails_every_stream_at_once(tiny_model_dir: Path,
                                                           name: str) -> None:
@@ -175,6 +179,7 @@ def test_a_killed_engine_stage_fails_every_stream_at_once(tiny_model_dir: Path,
     assert shm_segments(pipe.cfg.run_id) == []
 
 
+@pytest.mark.live
 def test_a_stage_that_keeps_dying_fails_the_pipeline(pipe: Pipeline) -> None:
     for restart in range(MAX_RESTARTS + 1):
         old = pipe.stage_pids["tokenizer:1"]

@@ -14,7 +14,7 @@ from live import live_config, running
 from ipc.messages import SamplingParams
 from pipeline.runtime.client import CompletionOutput, PipelineClient
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
 
 SEEDED = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, top_p=tp, top_k=tk,
                          min_p=mp, repetition_penalty=rp, ignore_eos=True)

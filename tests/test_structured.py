@@ -18,7 +18,8 @@ from scheduler_driver import make_limits, make_request
 from ipc.config import ModelInfo
 from ipc.messages import FinishReason, SamplingParams, StructuredOutputs
 from ipc.params import RequestError, validate_params
-from stages.grammar import Grammars, SlotGrammars, apply_bitmask, words_per_row
+from stages.executor.grammar_mask import SlotGrammars, apply_bitmask
+from stages.grammar import Grammars, words_per_row
 from stages.inprocess import InProcessEngine
 from stages.scheduler.core import Scheduler
 
@@ -246,6 +247,7 @@ def test_the_scheduler_refuses_a_format_without_its_grammar() -> None:
 # ---------------------------------------------------------------- whole runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [1, 2])
 def test_every_output_validates_with_run_ahead_preemption_and_chunked_prefill(
         tiny_model_dir: Path, depth: int) -> None:

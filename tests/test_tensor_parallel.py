@@ -73,6 +73,7 @@ def generate(cfg: PipelineConfig, max_tokens: int = 12) -> tuple[list[list[int]]
     ("phi3", None),  # fused checkpoint projections, sliced per part
     ("llama", 515),  # a vocabulary the ranks split unevenly: the last one's rows padded
 ])
+@pytest.mark.live
 def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str, vocab: int | None
                                           ) -> None:
     folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2, num_layers=2,
@@ -81,6 +82,7 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str, vocab: int 
     assert two == one_rank(folder)
 
 
+@pytest.mark.live
 def test_two_ranks_through_preemption(tmp_path: Path) -> None:
     folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
     one = one_rank(folder, max_tokens=30)
@@ -126,6 +128,7 @@ def test_a_model_the_ranks_cannot_split_is_refused_before_anything_starts(
     assert pipe.stage_pids == {}
 
 
+@pytest.mark.live
 def test_a_rank_that_dies_ends_the_pipeline_and_every_rank(tmp_path: Path) -> None:
     folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
     with running(tp_config(folder, 2)) as pipe:

@@ -20,6 +20,7 @@ from ipc.messages import StepPlan
 from stages.executor.backends.base import AttentionBackend, ForwardTables
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 from stages.executor.compile import CompileStats, compile_layers
+from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.linear.base import select_linear_method
 from stages.executor.model import PagedLlama, load_model, read_config
@@ -27,7 +28,7 @@ from stages.executor.parallel import TensorParallel
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.staging import StagingLayout
 from stages.executor.step_inputs import HostStep, prepare_host_step
-from stages.grammar import Grammars, SlotGrammars, words_per_row
+from stages.grammar import Grammars, words_per_row
 
 # A step's grammar work, done while its forward runs: (their slots, the sampled rows with a
 # matcher and their bitmask, both staged in host memory for the device).

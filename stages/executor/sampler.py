@@ -22,7 +22,7 @@ import torch
 
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import GREEDY_SLOT, NUM_F, NUM_I, F, I, penalty_rows
-from stages.grammar import apply_bitmask
+from stages.executor.grammar_mask import apply_bitmask
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ class SamplingState:
                grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOutput:
         """logits [X, V] float32 of the sampled rows, their slots [X] and the positions [X]
         of their last input token -> SampleOutput. grammar: (rows [R], bitmask [R, words])
-        of the rows with a structured output (stages/grammar.py), the tokens each allows."""
+        of the rows with a structured output (stages/executor/grammar_mask.py), the tokens each
+        allows."""
         raw = logits
         if grammar is not None:
             logits = apply_bitmask(logits, *grammar)
