@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ipc.config import ConfigError
+from ipc.errors import ConfigError
 
 
 class UnsupportedModel(ConfigError):

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ipc.arch import arch_spec
+from ipc.errors import ConfigError
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
 
 CACHE_ENV = "LLM_PIPELINE_CACHE"
@@ -31,10 +33,6 @@ def cache_dir() -> Path:
     if override:
         return Path(override).expanduser()
     return Path.home() / ".cache" / "llm-pipeline"
-
-
-class ConfigError(ValueError):
-    """A configuration a user can fix; the message says how."""
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
@@ -67,7 +65,6 @@ class ModelInfo:
         if not (path / "config.json").is_file():
             raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
         config = json.loads((path / "config.json").read_text())
-        from ipc.arch import arch_spec  # (it builds on this module)
 
         spec = arch_spec(config, str(path / "config.json"))  # one the engine lacks: refused
         gen_path = path / "generation_config.json"

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ipc.config import (
-    ConfigError,
     ExecutorConfig,
     ModelInfo,
     PipelineConfig,
     SchedulerConfig,
     parse_bytes,
 )
+from ipc.errors import ConfigError
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.params import RequestError, validate_params
 from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ipc.arch import UnsupportedModel
-from ipc.config import ConfigError, EngineLimits
+from ipc.config import EngineLimits
+from ipc.errors import ConfigError
 from stages.executor import kernels
 from stages.executor.backends.base import ForwardTables, StepRows
 from stages.executor.backends.select import ForwardRequest, select_backend
@@ -127,9 +128,10 @@ def test_every_backend_attends_alike_through_the_interface(name: str) -> None:
 
 
 def test_linear_methods_agree_and_refuse_by_name() -> None:
-    from stages.executor.linear.base import Linear, process_weights, select_linear_method
+    from stages.executor.linear.base import Linear, process_weights
     from stages.executor.linear.dense import DenseMethod
     from stages.executor.linear.onednn import OneDnnPackedMethod, can_pack
+    from stages.executor.linear.select import select_linear_method
 
     cpu = torch.device("cpu")
     assert isinstance(select_linear_method(torch.float32, cpu, compiled=True), DenseMethod)

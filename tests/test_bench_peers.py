@@ -21,7 +21,7 @@ from pipeline.tools.bench_peers import (
     run_worker,
     to_result,
 )
-from pipeline.tools.bench_throughput import Workload
+from pipeline.tools.bench_types import Workload
 
 WORK = Workload(prompts=[[5, 6, 7], [8, 9]], output_lens=[3, 2])
 

@@ -121,7 +121,7 @@ def test_compile_default_and_refusals() -> None:
     """Compiled by default on CUDA, eager on the CPU; on CUDA a page size that is not a whole
     number of Triton tiles, or a sliding window, runs eager by default and is a ConfigError
     when --compile asks for it."""
-    from ipc.config import ConfigError
+    from ipc.errors import ConfigError
     from stages.executor.backends.select import ForwardRequest, select_backend
 
     def chosen(device: str, compile: bool | None, window: int | None = None,

@@ -139,7 +139,8 @@ def test_what_the_engine_does_not_implement_is_refused_before_loading(
     import shutil
 
     from ipc.arch import UnsupportedModel
-    from ipc.config import ConfigError, ModelInfo
+    from ipc.config import ModelInfo
+    from ipc.errors import ConfigError
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)

@@ -12,9 +12,9 @@ import pytest
 from ipc.messages import ErrorKind, RequestOutput, SamplingParams, SchedulerStats, TokenLogprob
 from ipc.outputs import SampleResult
 from pipeline.server.app import ServerOptions
+from pipeline.server.errors import ApiError
 from pipeline.server.limits import RateLimiter
 from pipeline.server.openai_api import (
-    ApiError,
     chunk_json,
     output_error,
     parse_chat,

@@ -142,7 +142,7 @@ def test_a_rank_that_dies_ends_the_pipeline_and_every_rank(tmp_path: Path) -> No
 
 
 def test_devices_the_ranks_cannot_have_are_refused() -> None:
-    from ipc.config import ConfigError
+    from ipc.errors import ConfigError
     from stages.executor.preflight import check_devices
 
     check_devices("cpu", 2)

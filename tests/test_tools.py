@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ipc.messages import ChatMessage, FinishReason, ToolCall, ToolSpec
-from pipeline.server.openai_api import ApiError, parse_chat
+from pipeline.server.errors import ApiError
+from pipeline.server.openai_api import parse_chat
 from pipeline.server.tools import ToolRequest, ToolStream, message, parse_tools
 from stages.chat_template import HERMES_TOOLS, parse_tool_calls, render
 

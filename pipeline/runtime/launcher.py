@@ -28,7 +28,8 @@ import zmq
 
 from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
-from ipc.config import ConfigError, PipelineConfig, derive_run_secret, model_fingerprint
+from ipc.config import PipelineConfig, derive_run_secret, model_fingerprint
+from ipc.errors import ConfigError
 from ipc.messages import (
     EngineDown,
     Message,

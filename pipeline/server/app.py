@@ -31,17 +31,15 @@ from starlette.routing import Route
 
 from ipc.params import RequestError
 from pipeline.runtime.client import PipelineClient
+from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
 from pipeline.server.openai_api import (
-    ApiError,
-    bad,
     new_id,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
-    shutting_down,
 )
 
 logger = logging.getLogger(__name__)

@@ -11,29 +11,37 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ipc.messages import WHOLE_REQUEST, ErrorKind, FinishReason, RequestOutput, TokenLogprob
 from ipc.outputs import SampleResult
-from pipeline.runtime.client import PipelineError
+from pipeline.runtime.client import PipelineClient, PipelineError
+from pipeline.server.errors import ApiError, shutting_down
 from pipeline.server.openai_api import (
-    ApiError,
     ParsedRequest,
     PromptPart,
     chunk_json,
     completion_logprobs,
     output_error,
     response_json,
-    shutting_down,
     usage_chunk,
     vllm_prompt_logprobs,
 )
 from pipeline.server.tools import ToolStream
 
-if TYPE_CHECKING:
-    from pipeline.server.app import FrontEnd
-
 logger = logging.getLogger(__name__)
+
+
+class FrontEnd(Protocol):
+    """What a generation needs of the worker's front end (app.FrontEnd is the one; a
+    protocol, so this module does not import the app that imports it)."""
+
+    model: str
+    client: PipelineClient
+    metrics: Any
+    generations: set[Generation]
+
+    async def core(self) -> Any: ...
 
 
 class ServerStopping(Exception):

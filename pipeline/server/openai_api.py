@@ -28,37 +28,14 @@ from ipc.messages import (
 )
 from ipc.outputs import SampleResult
 from ipc.params import MAX_USER_CHARS, RequestError, validate_params
+from pipeline.server.errors import ApiError, bad
+from pipeline.server.tools import message as tool_message
+from pipeline.server.tools import parse_tools
 
 Prompt = str | list[int] | list[ChatMessage]
 # One API request may not queue more than this: its prompts, and prompts times n.
 MAX_PROMPTS = 128
 MAX_SEQUENCES = 256
-
-
-class ApiError(Exception):
-    """An error a client can act on: HTTP status, OpenAI error type, the field at fault."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = (
-            status, message, param, kind, code)
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param)
-
-
-def shutting_down() -> ApiError:
-    """The answer to a request this worker will not finish: it is stopping."""
-    return ApiError(503, "the server is shutting down; retry", None, "service_unavailable",
-                    headers={"Retry-After": "1"})
 
 
 # ---------------------------------------------------------------- field checks
@@ -470,8 +447,6 @@ def _tool_calls(value: Any, where: str) -> list[ToolCall]:
 
 
 def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
-    from pipeline.server.tools import parse_tools  # (it builds on this module)
-
     chat = parse_messages(body)
     params, lp_param, so_param = parse_sampling(body, chat=True)
     tools = parse_tools(body)
@@ -603,9 +578,7 @@ def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
     body: dict[str, Any] = {"index": c.index}
     finish: Any = c.finish_reason
     if chat and tools is not None:
-        from pipeline.server.tools import message
-
-        body["message"], finish = message(tools, c.text, c.finish_reason)
+        body["message"], finish = tool_message(tools, c.text, c.finish_reason)
     elif chat:
         body["message"] = {"role": "assistant", "content": c.text}
     else:

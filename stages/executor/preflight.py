@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from ipc.arch import ArchSpec, UnsupportedModel, arch_spec
-from ipc.config import ConfigError, PipelineConfig
+from ipc.config import PipelineConfig
+from ipc.errors import ConfigError
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 
 

@@ -22,7 +22,7 @@ from stages.executor.backends.select import ForwardRequest, Selection, select_ba
 from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
-from stages.executor.linear.base import select_linear_method
+from stages.executor.linear.select import select_linear_method
 from stages.executor.model import PagedLlama, load_model, read_config
 from stages.executor.parallel import TensorParallel
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ipc.arch import UnsupportedModel
-from ipc.config import ConfigError
+from ipc.errors import ConfigError
 
 if TYPE_CHECKING:
     from stages.executor.backends.base import AttentionBackend

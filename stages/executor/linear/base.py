@@ -56,24 +56,3 @@ def process_weights(model: nn.Module) -> int:
     for layer in layers:
         layer.method.process(layer)
     return len(layers)
-
-
-def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: bool,
-                         pack: bool | None = None) -> LinearMethod:
-    """oneDNN's packed weights for the eager CPU forward where oneDNN can pack the dtype
-    (`pack`: None as that, False plain, True required); plain F.linear otherwise.
-    (TorchInductor lowers packed weights only as frozen constants, which one graph shared by
-    every layer cannot have.)"""
-    from stages.executor.linear.dense import DenseMethod
-    from stages.executor.linear.onednn import OneDnnPackedMethod
-
-    if pack is False:
-        return DenseMethod()
-    why = OneDnnPackedMethod.unsupported(dtype, device)
-    if why is None and compiled:
-        why = "the compiled forward needs plain weights"
-    if why is None:
-        return OneDnnPackedMethod()
-    if pack:
-        raise ValueError(f"packed weights: {why}")
-    return DenseMethod()

@@ -1,0 +1,25 @@
+"""What the throughput benchmark and its peers' runners share: a workload and one engine's
+result (their own module, so that bench_throughput.py and bench_peers.py do not import each
+other)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineResult:
+    name: str
+    seconds: float
+    num_tokens: int
+    token_ids: list[list[int]]
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]

@@ -1,0 +1,28 @@
+"""Which linear method (weight format) a model's projections get: the one place that decides,
+before the model is built."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.executor.linear.base import LinearMethod
+from stages.executor.linear.dense import DenseMethod
+from stages.executor.linear.onednn import OneDnnPackedMethod
+
+
+def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: bool,
+                         pack: bool | None = None) -> LinearMethod:
+    """oneDNN's packed weights for the eager CPU forward where oneDNN can pack the dtype
+    (`pack`: None as that, False plain, True required); plain F.linear otherwise.
+    (TorchInductor lowers packed weights only as frozen constants, which one graph shared by
+    every layer cannot have.)"""
+    if pack is False:
+        return DenseMethod()
+    why = OneDnnPackedMethod.unsupported(dtype, device)
+    if why is None and compiled:
+        why = "the compiled forward needs plain weights"
+    if why is None:
+        return OneDnnPackedMethod()
+    if pack:
+        raise ValueError(f"packed weights: {why}")
+    return DenseMethod()
