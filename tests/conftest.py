@@ -84,7 +84,8 @@ def _ours(args: object) -> bool:
     if argv[0].startswith(str(ROOT / "scripts")):
         return True
     is_python = Path(argv[0]).name.startswith("python")
-    return is_python and len(argv) > 1 and argv[1] != "-c" and argv[1:3] != ["-m", "pip"]
+    pip = argv[1:3] == ["-m", "pip"] or argv[1:2] == ["-mpip"]
+    return is_python and len(argv) > 1 and argv[1] != "-c" and not pip
 
 
 multiprocessing.process.BaseProcess.start = _mp_start  # type: ignore[method-assign]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_server import serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(300)]
 DOCS = [
     {"question": "Paris is the capital of", "choices": ["France", "Spain", "Peru"], "answer": 0},
     {"question": "Two plus two is", "choices": ["four", "five"], "answer": 0},
