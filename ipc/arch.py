@@ -6,7 +6,9 @@ there or not."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from ipc.errors import ConfigError
 
@@ -83,3 +85,12 @@ def arch_spec(cfg: dict, source: str = "config.json") -> ArchSpec:
         o_bias=family == "llama" and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
         sliding_window=window, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def read_config(model_dir: str | Path) -> tuple[dict, ArchSpec]:
+    """A model folder's config.json and what the engine reads of it (the one reader: the
+    launcher's checks, ModelInfo and the executor all come here); refuses what the engine
+    does not implement before any weight loads."""
+    path = Path(model_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    return cfg, arch_spec(cfg, str(path))

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ipc.arch import arch_spec
+from ipc.arch import read_config
 from ipc.errors import ConfigError
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
 
@@ -64,9 +64,7 @@ class ModelInfo:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
-        config = json.loads((path / "config.json").read_text())
-
-        spec = arch_spec(config, str(path / "config.json"))  # one the engine lacks: refused
+        config, spec = read_config(path)  # a model the engine lacks: refused
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         eos = gen.get("eos_token_id", config.get("eos_token_id"))

@@ -52,7 +52,7 @@ def default_model_dir() -> Path:
         pytest.skip(f"default model unavailable: {exc}")
 
 
-# What the running test started, and whether it may (see pytest_runtest_protocol).
+# What the running test started (checked in pytest_runtest_call).
 _started: list[str] = []
 ROOT = Path(__file__).resolve().parents[1]
 _real_mp_start = multiprocessing.process.BaseProcess.start
@@ -109,7 +109,6 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     result = yield  # (raises if the test failed: then that is its report)
     if _started and item.get_closest_marker("live") is None:
         what = sorted(set(_started))
-        _started.clear()
         pytest.fail(f"started {', '.join(what[:3])} but is not marked live "
                     "(pytest.mark.live: the tier of tests that start processes)",
                     pytrace=False)

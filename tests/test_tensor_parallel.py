@@ -101,7 +101,7 @@ def test_each_rank_loads_only_its_slices(tmp_path: Path) -> None:
     full = load_model(folder, torch.float32, cpu, 64, backend, DenseMethod())
     vocab = full.spec.vocab_size
     shards = [load_model(folder, torch.float32, cpu, 64, backend, DenseMethod(),
-                         TensorParallel(r, 2, vocab, -(-vocab // 2))) for r in range(2)]
+                         TensorParallel(r, 2, vocab)) for r in range(2)]
     attn = [s.model.layers[0].self_attn for s in shards]
     d, q, kv = full.spec.head_dim, 2 * full.spec.head_dim, full.spec.head_dim  # per rank
     whole = full.model.layers[0].self_attn.qkv_proj.weight

@@ -20,7 +20,6 @@ before anything loads, by name (`UnsupportedModel`).
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ipc.arch import ArchSpec, arch_spec
+from ipc.arch import ArchSpec, read_config
 from stages.executor.backends.base import TORCH_OPS, AttentionBackend, ForwardOps
 from stages.executor.linear.base import LinearMethod, process_weights
 from stages.executor.loader import load_weights
+from stages.executor.preflight import check_divisible
 from stages.executor.sharding import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -204,14 +204,6 @@ def rope_tables(cfg: dict, head_dim: int, max_len: int) -> tuple[torch.Tensor, t
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def read_config(model_dir: str | Path) -> tuple[dict, ArchSpec]:
-    """config.json and what the engine reads of it; refuses what it does not implement
-    before any weight loads."""
-    path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    return cfg, arch_spec(cfg, str(path))
-
-
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     before = torch.get_default_dtype()
@@ -229,8 +221,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     whole) on `device`, its weights in their linear method's format."""
     cfg, spec = read_config(model_dir)
     if tp is not None:
-        from stages.executor.preflight import check_divisible
-
         check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
     with torch.device("meta"), _default_dtype(dtype):
         model = PagedLlama(cfg, spec, backend, linear, tp)

@@ -35,7 +35,6 @@ class TensorParallel:
     rank: int
     size: int
     vocab_size: int  # the model's, before padding to a multiple of size
-    vocab_per_rank: int
 
     @classmethod
     def init(cls, rank: int, size: int, store_path: str, device: torch.device,
@@ -49,7 +48,7 @@ class TensorParallel:
         # collective, and a follower maps the rings rank 0 made before it joined).
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
         logger.info("tensor-parallel rank %d of %d (%s)", rank, size, backend)
-        return cls(rank, size, vocab_size, -(-vocab_size // size))
+        return cls(rank, size, vocab_size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)

@@ -5,10 +5,7 @@ no torch unless the device is CUDA."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from ipc.arch import ArchSpec, UnsupportedModel, arch_spec
+from ipc.arch import ArchSpec, UnsupportedModel, read_config
 from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
@@ -24,15 +21,10 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         ex.device.split(":")[0], ex.compile, None, cfg.model.sliding_window,
         cfg.limits.block_size, ex.tensor_parallel_size), probe=False)
     if ex.tensor_parallel_size > 1:
-        check_divisible(read_spec(cfg.model.path), ex.tensor_parallel_size)
+        check_divisible(read_config(cfg.model.path)[1], ex.tensor_parallel_size)
     if ex.tensor_parallel_size * cfg.data_parallel_size > 1:
         check_devices(ex.device, ex.tensor_parallel_size * cfg.data_parallel_size)
     return selection
-
-
-def read_spec(model_dir: str | Path) -> ArchSpec:
-    path = Path(model_dir) / "config.json"
-    return arch_spec(json.loads(path.read_text()), str(path))
 
 
 def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> None:

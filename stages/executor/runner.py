@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ipc.arch import read_config
 from ipc.config import EngineLimits
 from ipc.messages import StepPlan
 from stages.executor.backends.base import AttentionBackend, ForwardTables
@@ -23,7 +24,7 @@ from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.linear.select import select_linear_method
-from stages.executor.model import PagedLlama, load_model, read_config
+from stages.executor.model import PagedLlama, load_model
 from stages.executor.parallel import TensorParallel
 from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
 from stages.executor.staging import StagingLayout

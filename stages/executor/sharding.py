@@ -39,16 +39,14 @@ class Shard:
     def local(self, n: int) -> int:
         return n // self.size
 
-    def part(self, n: int) -> tuple[int, int]:
-        """This rank's [start, end) of n split evenly."""
-        local = n // self.size
-        return self.rank * local, (self.rank + 1) * local
+    def vocab_rows(self, vocab: int) -> int:
+        """Rows per rank of a vocabulary padded to a multiple of the size."""
+        return -(-vocab // self.size)
 
     def vocab_part(self, vocab: int) -> tuple[int, int]:
-        """This rank's rows of a vocabulary padded to a multiple of the size."""
-        per_rank = -(-vocab // self.size)
-        start = self.rank * per_rank
-        return start, min(start + per_rank, vocab)
+        """This rank's rows of the vocabulary."""
+        start = self.rank * self.vocab_rows(vocab)
+        return start, min(start + self.vocab_rows(vocab), vocab)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.comm is None else self.comm.all_reduce(x)
@@ -126,8 +124,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, shard: Shard) -> None:
         super().__init__()
         self.vocab_size, self.shard = vocab_size, shard
-        rows = -(-vocab_size // shard.size)
-        self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(shard.vocab_rows(vocab_size), hidden),
+                                   requires_grad=False)
 
     def load_weight(self, name: str, loaded: Loaded, part: int | None) -> None:
         _load_vocab_rows(self.weight, loaded, self.shard, self.vocab_size)
@@ -148,7 +146,7 @@ class ParallelLMHead(Linear):
     def __init__(self, hidden: int, vocab_size: int, method: LinearMethod,
                  shard: Shard) -> None:
         self.vocab_size, self.shard = vocab_size, shard
-        super().__init__(hidden, -(-vocab_size // shard.size), False, method)
+        super().__init__(hidden, shard.vocab_rows(vocab_size), False, method)
 
     def load_weight(self, name: str, loaded: Loaded, part: int | None) -> None:
         _load_vocab_rows(self.weight, loaded, self.shard, self.vocab_size)
