@@ -538,7 +538,8 @@ def run_demo(client: PipelineClient, stage_pids: dict[str, int], startup_s: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.launcher import Pipeline, StartupError
+    from pipeline.runtime.launcher import Pipeline
+    from pipeline.runtime.supervisor import StartupError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # `llm-pipeline bench ...` is scripts/bench

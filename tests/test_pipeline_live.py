@@ -118,7 +118,7 @@ def test_startup_failure_names_the_stage_and_leaves_nothing(tiny_model_dir: Path
                                                            tmp_path: Path) -> None:
     import shutil
 
-    from pipeline.runtime.launcher import StartupError
+    from pipeline.runtime.supervisor import StartupError
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
@@ -131,7 +131,7 @@ def test_startup_failure_names_the_stage_and_leaves_nothing(tiny_model_dir: Path
 
 
 def test_cache_smaller_than_one_sequence_is_refused(tiny_model_dir: Path) -> None:
-    from pipeline.runtime.launcher import StartupError
+    from pipeline.runtime.supervisor import StartupError
 
     pipe = Pipeline(live_config(tiny_model_dir, kv_cache_memory=64 * 1024))
     with pytest.raises(StartupError, match="raise --kv-cache-memory or lower --max-model-len"):

@@ -19,7 +19,8 @@ from live import alive, live_config, running, shm_segments
 
 from ipc.messages import RequestOutput, SamplingParams
 from pipeline.runtime.client import PipelineClient, PipelineError
-from pipeline.runtime.launcher import MAX_RESTARTS, Pipeline
+from pipeline.runtime.launcher import Pipeline
+from pipeline.runtime.restarts import MAX_RESTARTS
 
 pytestmark = pytest.mark.timeout(240)
 LONG = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
@@ -272,7 +273,7 @@ def test_the_tokenizer_forwards_only_a_clients_reconcile_for_its_own_rank() -> N
 
 
 def test_the_restart_policy_backs_off_then_gives_up() -> None:
-    from pipeline.runtime.launcher import RestartPolicy
+    from pipeline.runtime.restarts import RestartPolicy
 
     policy = RestartPolicy()
     delays = [policy.delay("tokenizer:0") for _ in range(MAX_RESTARTS + 1)]

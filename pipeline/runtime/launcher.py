@@ -1,26 +1,22 @@
 """The launcher: starts every stage process, waits for each to report ready, supervises them,
-and stops them all, leaving no process, socket file or shared-memory segment behind.
-Runs in the process that owns the pipeline (the CLI, a server, a user's program)."""
+and stops them all, leaving no process, socket file or shared-memory segment behind (the
+processes through supervisor.py, which a joining host and `serve` use too; what a death means
+is decided here). Runs in the process that owns the pipeline (the CLI, a server, a user's
+program)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hmac
 import logging
-import multiprocessing as mp
 import os
 import queue
 import secrets
 import shutil
 import socket
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +36,18 @@ from ipc.messages import (
     StageReady,
     StageRestarted,
 )
-from ipc.step import StepRings
 from pipeline.runtime.client import PipelineClient
 from pipeline.runtime.engines import Engines
-from pipeline.runtime.restarts import MAX_RESTARTS, RESTARTABLE, RestartPolicy
+from pipeline.runtime.restarts import RESTARTABLE
 from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster, kind_of
-from stages.entry import run_stage
+from pipeline.runtime.supervisor import Supervisor, control_reports
 from stages.executor.preflight import check_executor
 from stages.peers import Peers
 from stages.trace import merge_traces
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_RESTARTS", "Pipeline", "RestartPolicy", "StartupError", "check_device"]
-
-
-class StartupError(RuntimeError):
-    """A stage did not come up; the message names it and says why."""
+__all__ = ["Pipeline", "check_device"]
 
 
 class Pipeline:
@@ -67,8 +58,7 @@ class Pipeline:
         Nothing is created before start()."""
         self.cfg = cfg
         self.trace_path = trace_path
-        self.procs: dict[str, BaseProcess] = {}
-        self.stage_info: dict[str, dict[str, int]] = {}
+        self.supervisor = Supervisor()  # the stage processes (its config set by start())
         self.failure: str | None = None
         self.endpoints_path: Path | None = None  # <run dir>/pipeline.json, once started
         self.address: str | None = None  # with cfg.listen_host: tcp:// for remote clients
@@ -76,17 +66,12 @@ class Pipeline:
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopped = False
-        self._mp = mp.get_context("spawn")
         self._zmq = zmq.Context()
         self.engines = Engines(cfg.data_parallel_size, cfg.executor.tensor_parallel_size)
         self._supervisor: threading.Thread | None = None
         self._control: PullChannel | None = None
         self._clients: list[PipelineClient] = []
         self._started = False
-        self._targets: dict[str, str] = {}  # "stage:rank" -> its entry, to start it again
-        self.restarts = RestartPolicy()  # of tokenizers and detokenizers
-        self._restart_due: dict[str, float] = {}  # dead, to be started again at this time
-        self._sentinels: dict[Any, str] = {}  # of the processes the supervisor watches
         self._failure_message = "no message"  # the latest StageFailed's
         self.num_refused_bootstraps = 0  # requests for the endpoints without the client key
         self.roster: Roster | None = None  # every stage and its address, once started
@@ -108,6 +93,7 @@ class Pipeline:
         self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir), run_id=run_id,
                                        trace_dir=trace_dir, run_secret=secret,
                                        client_key=self.cfg.client_key or secrets.token_urlsafe(24))
+        self.supervisor.cfg = self.cfg
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats, StageAlive]),
                                     bind=True, secret=self.cfg.run_secret)
@@ -117,8 +103,13 @@ class Pipeline:
             self._fingerprint = model_fingerprint(self.cfg.model.path)
 
     def _unlink_rings(self) -> None:
-        if self.cfg.run_id:  # the run was created (the executor may not have made them yet)
-            StepRings.unlink_names(self.cfg)
+        """(The executors may not have made them yet: unlinking none is not an error.)"""
+        self.supervisor.unlink_rings(range(self.cfg.data_parallel_size))
+
+    @property
+    def procs(self) -> dict[str, Any]:
+        """Every local stage process, by name ("executor:0")."""
+        return self.supervisor.procs
 
     @property
     def _ctl(self) -> PullChannel:
@@ -136,26 +127,22 @@ class Pipeline:
         # What the executors cannot do (--compile, the ranks' shapes and devices) is a
         # ConfigError now, not an executor failure.
         check_executor(self.cfg)
-        tp_size, dp_size = self.cfg.executor.tensor_parallel_size, self.cfg.data_parallel_size
+        sup = self.supervisor
         try:
             self._create_run()
-            # Executor r is tensor-parallel rank r % K of engine r // K.
-            for rank in range(tp_size * dp_size):
-                self._spawn("executor", rank, "stages.executor.process:run_executor")
+            reports = control_reports(self._ctl.recv_foreign_safe)
+            # Every process loads at once; each scheduler starts once its cache's size is known.
+            for engine in range(self.cfg.data_parallel_size):
+                sup.spawn_executors(engine)
             for rank in range(self.cfg.num_tokenizers):
-                self._spawn("tokenizer", rank, "stages.tokenizer:run_tokenizer")
+                sup.spawn_stage("tokenizer", rank)
             for rank in range(self.cfg.num_detokenizers):
-                self._spawn("detokenizer", rank, "stages.detokenizer:run_detokenizer")
-            for engine in range(dp_size):
-                head = f"executor:{engine * tp_size}"
-                self._wait_ready([head])
-                num_blocks = self.stage_info[head]["num_kv_blocks"]
-                self._check_cache_holds_a_sequence(num_blocks)
-                self._spawn("scheduler", engine, "stages.scheduler.process:run_scheduler",
-                            num_blocks)
-            self._wait_ready(list(self.procs))
+                sup.spawn_stage("detokenizer", rank)
+            for engine in range(self.cfg.data_parallel_size):
+                sup.start_scheduler(engine, reports)
+            sup.wait_ready(list(self.procs), reports)
             self.roster = Roster(self.cfg, self._public_host)
-            for name, info in self.stage_info.items():
+            for name, info in sup.ready.items():
                 stage, index = name.split(":")
                 if stage != "executor":
                     self.roster.local_ready(kind_of(stage), int(index), info.get("stage_port", 0))
@@ -202,10 +189,10 @@ class Pipeline:
                              key=lambda item: int(item[0].split(":")[1])))
         remote = dataclasses.replace(
             self.cfg.endpoints,
-            tokenizers=tuple(self._tcp(self.stage_info[f"tokenizer:{r}"]["tcp_port"])
+            tokenizers=tuple(self._tcp(self.supervisor.ready[f"tokenizer:{r}"]["tcp_port"])
                              for r in range(self.cfg.num_tokenizers))
             + tuple(a for name, a in joined.items() if name.startswith("tokenizer:")),
-            schedulers=tuple(self._tcp(self.stage_info[f"scheduler:{e}"]["tcp_port"])
+            schedulers=tuple(self._tcp(self.supervisor.ready[f"scheduler:{e}"]["tcp_port"])
                              for e in range(self.cfg.data_parallel_size))
             + tuple(a for name, a in joined.items() if name.startswith("scheduler:")),
             status=self._public["status"], reply="tcp://",
@@ -213,63 +200,20 @@ class Pipeline:
             + tuple(int(name.split(":")[1]) for name in joined if name.startswith("tokenizer:")))
         self._remote_endpoints = remote.to_json().encode()
 
-    def _check_cache_holds_a_sequence(self, num_blocks: int) -> None:
-        capacity = num_blocks * self.cfg.scheduler.block_size
-        if capacity < self.cfg.model.max_model_len:
-            raise StartupError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than one "
-                f"sequence of the context length {self.cfg.model.max_model_len}: raise "
-                f"--kv-cache-memory or lower --max-model-len")
-
-    def _spawn(self, stage: str, rank: int, target: str, *args: Any) -> None:
-        proc = self._mp.Process(target=run_stage, args=(target, self.cfg, rank, os.getpid(), *args),
-                                name=f"llm-pipeline:{stage}:{rank}", daemon=False)
-        with _main_hidden():
-            proc.start()
-        self.procs[f"{stage}:{rank}"] = proc
-        self._targets[f"{stage}:{rank}"] = target
-
-    def _wait_ready(self, names: list[str]) -> None:
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-        missing = [n for n in names if n not in self.stage_info]
-        while missing:
-            for name in missing:
-                if not self.procs[name].is_alive():
-                    cause = self._ctl.recv_foreign_safe(500)  # its StageFailed, if it sent one
-                    why = f": {cause.message}" if isinstance(cause, StageFailed) else ""
-                    raise StartupError(f"stage {name} exited with code "
-                                       f"{self.procs[name].exitcode} before it was ready{why}")
-            if time.monotonic() > deadline:
-                raise StartupError(f"stage(s) {', '.join(missing)} did not report ready within "
-                                   f"{self.cfg.ready_timeout_s:.0f} s")
-            msg = self._ctl.recv_foreign_safe(100)
-            if isinstance(msg, StageFailed):
-                raise StartupError(f"stage {msg.stage}:{msg.rank} failed to start: {msg.message}")
-            if isinstance(msg, StageReady):
-                self.stage_info[f"{msg.stage}:{msg.rank}"] = msg.info
-            missing = [n for n in names if n not in self.stage_info]
-
     # ------------------------------------------------------------ supervise
 
     def _supervise(self, status: zmq.Socket, bootstrap: zmq.Socket | None) -> None:
         """Watch every stage process and the control channel (stats, failure reports),
-        restart a dead tokenizer or detokenizer (see _restart_delay), take down an engine
+        restart a dead tokenizer or detokenizer (see _survive), take down an engine
         whose scheduler or executor died while others serve, publish the status a few times
         a second, answer remote clients' requests for the endpoints. The sockets are this
         thread's from here on."""
-        self._sentinels = {p.sentinel: name for name, p in self.procs.items()}
         next_status = 0.0
         assert self.roster is not None
         links = Peers(self._zmq, self.cfg.run_secret, self.roster.view(False))
         try:
             while not self._stopping.is_set():
-                dead = wait(list(self._sentinels), timeout=0.1)
-                for sentinel in dead:  # closed as it exits: reap it, so its exit code is known
-                    self.procs[self._sentinels[sentinel]].join(1.0)
-                for name, due in list(self._restart_due.items()):
-                    if time.monotonic() >= due and not self._stopping.is_set():
-                        del self._restart_due[name]
-                        self._sentinels[self._respawn(name)] = name
+                dead = self.supervisor.watch(0.1)  # (and starts those due to restart)
                 while bootstrap is not None and bootstrap.poll(0):
                     self._answer_bootstrap(bootstrap)
                 self._drain_control(links)
@@ -277,8 +221,7 @@ class Pipeline:
                     links.to_engines(self._to_engines.get())
                 lost = [m.name for m in self.roster.silent(time.monotonic())
                         if not self._left(m, links)]
-                fatal = [name for name in map(self._sentinels.get, dead)
-                         if name is not None and not self._survive(name, links)]
+                fatal = [name for name in dead if not self._survive(name, links)]
                 if (fatal or lost) and not self._stopping.is_set():
                     names = ", ".join([f"{name} (exit code {self.procs[name].exitcode})"
                                        for name in fatal]
@@ -366,21 +309,22 @@ class Pipeline:
         """Deal with a dead stage process the pipeline survives: start a tokenizer or a
         detokenizer again, or take its engine down while other engines serve. False: the
         pipeline fails."""
-        sentinel = self.procs[name].sentinel
         engine = self.engines.can_lose(name)
         if engine is not None and not self._stopping.is_set():
-            self._sentinels.pop(sentinel, None)
             if self.engines.alive[engine]:
                 self._take_down(engine, name, links)
             return True
-        delay = self._restart_delay(name)
+        # Tokenizers and detokenizers hold nothing that cannot be rebuilt: one that dies is
+        # started again (RestartPolicy), unless it keeps dying; then the pipeline fails, as
+        # it does when the scheduler or the executor of its last engine dies.
+        if self._stopping.is_set() or name.split(":")[0] not in RESTARTABLE:
+            return False
+        delay = self.supervisor.restart_later(name, lambda: self._restart_args(name))
         if delay is None:
             return False
         logger.error("stage %s died (exit code %s: %s); starting it again in %.1f s", name,
                      self.procs[name].exitcode, self._failure_message, delay)
         self._failure_message = "no message"
-        del self._sentinels[sentinel]
-        self._restart_due[name] = time.monotonic() + delay
         if name.startswith("detokenizer:"):  # the schedulers fail its requests now
             links.to_engines(StageRestarted("detokenizer", int(name.split(":")[1])))
         return True
@@ -399,12 +343,8 @@ class Pipeline:
         assert self.roster is not None
         self.roster.leave(self.roster.members[("engine", engine)])
         for other in self.engines.processes(engine):
-            proc = self.procs.get(other)  # (none: an engine on another host)
-            if proc is None:
-                continue
-            self._sentinels.pop(proc.sentinel, None)
-            if proc.is_alive():
-                proc.terminate()
+            if other in self.procs:  # (not: an engine on another host)
+                self.supervisor.terminate(other)
         links.to_detokenizers(EngineDown(engine, message))
         self._tell_members(links)
 
@@ -451,24 +391,15 @@ class Pipeline:
                 self.engines.grow()
         return reply
 
-    def _restart_delay(self, name: str) -> float | None:
-        """Tokenizers and detokenizers hold nothing that cannot be rebuilt: one that dies is
-        started again (RestartPolicy), unless it keeps dying; then the pipeline fails, as it
-        does when the scheduler or the executor dies."""
-        if self._stopping.is_set() or name.split(":")[0] not in RESTARTABLE:
-            return None
-        return self.restarts.delay(name)
-
-    def _respawn(self, name: str) -> Any:
-        """Start a dead stage again under its name and address; returns its sentinel."""
-        stage, rank = name.split(":")
+    def _restart_args(self, name: str) -> tuple[Any, ...]:
+        """What a dead tokenizer or detokenizer is started again with: the ports remote
+        clients and stages know, and the roster as it stands."""
         assert self.roster is not None
-        # The same ports remote clients and stages know, and the roster as it stands.
-        args: list[Any] = [self.roster.view(False), self.stage_info[name].get("stage_port", 0)]
-        if stage == "tokenizer":
-            args.insert(0, self.stage_info[name].get("tcp_port", 0))
-        self._spawn(stage, int(rank), self._targets[name], *args)
-        return self.procs[name].sentinel
+        info = self.supervisor.ready[name]
+        args: tuple[Any, ...] = (self.roster.view(False), info.get("stage_port", 0))
+        if name.startswith("tokenizer:"):
+            args = (info.get("tcp_port", 0), *args)
+        return args
 
     def _next_control(self) -> Message | None:
         """The next message from a stage; a frame that is not one is counted and skipped, so
@@ -500,8 +431,8 @@ class Pipeline:
     def status(self) -> PipelineStatus:
         """A dead tokenizer or detokenizer counts as alive while the pipeline has not failed:
         it is being started again, and the pipeline still serves."""
-        alive = {name: p.is_alive() or (name.split(":")[0] in RESTARTABLE and self.failure is None)
-                 for name, p in self.procs.items()}
+        alive = {name: up or (name.split(":")[0] in RESTARTABLE and self.failure is None)
+                 for name, up in self.supervisor.alive().items()}
         joined: dict[str, str] = {}
         left: list[str] = []
         if self.roster is not None:  # (one that left is not a stage of the pipeline now)
@@ -509,7 +440,7 @@ class Pipeline:
                       if m.joined and not m.gone}
             joined, left = self.roster.joined_addresses(), self.roster.left()
         return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
-                              dict(self.restarts.counts), self.engines.loads(),
+                              dict(self.supervisor.restarts.counts), self.engines.loads(),
                               list(self.engines.alive), joined, left=left)
 
     @property
@@ -518,7 +449,7 @@ class Pipeline:
 
     @property
     def stage_pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self.procs.items() if p.pid is not None}
+        return self.supervisor.pids
 
     def client(self) -> PipelineClient:
         # It knows at once when the pipeline fails, not by status.
@@ -542,16 +473,7 @@ class Pipeline:
             self._supervisor.join(timeout=2)  # it owns the control socket until it sees stop
         for client in self._clients:
             client.close()
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + timeout
-        for name, proc in self.procs.items():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                logger.warning("stage %s did not stop in %.0f s: killing it", name, timeout)
-                proc.kill()
-                proc.join(5)
+        self.supervisor.stop(timeout)
         self._unlink_rings()
         if self._control is not None:
             self._control.close()
@@ -569,28 +491,6 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def _main_hidden() -> Iterator[None]:
-    """While a stage is spawned, the user's script is not named as `__main__`: a spawned child
-    would run it again to rebuild that module (without an `if __name__ == "__main__"` guard,
-    it would start a pipeline of its own). A stage needs nothing of it: its target is a
-    module path, its arguments are our types."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {name: getattr(main, name) for name in ("__file__", "__spec__")
-             if hasattr(main, name)}
-    main.__spec__ = None  # type: ignore[assignment]
-    if hasattr(main, "__file__"):
-        del main.__file__
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(main, name, value)
 
 
 CUDA_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128 "

@@ -14,16 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import multiprocessing as mp
-import os
 import secrets
 import shutil
 import signal
 import threading
 import time
-from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
-from typing import Any
 
 import zmq
 
@@ -48,16 +43,12 @@ from pipeline.runtime.roster import (
     proof,
     stage_of,
 )
-from stages.entry import run_stage
+from pipeline.runtime.supervisor import StartupError, Supervisor, control_reports
 
 logger = logging.getLogger(__name__)
 
 STAGE_KEY_ENV = "LLM_PIPELINE_STAGE_KEY"
 LAUNCHER_SILENCE_S = 2 * REMOTE_SILENCE_S  # no status from the launcher this long: it is gone
-TARGETS = {"executor": "stages.executor.process:run_executor",
-           "scheduler": "stages.scheduler.process:run_scheduler",
-           "tokenizer": "stages.tokenizer:run_tokenizer",
-           "detokenizer": "stages.detokenizer:run_detokenizer"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +107,10 @@ class RemoteStage:
 
     def __init__(self, joined: Joined, kind: str) -> None:
         self.joined, self.kind, self.cfg = joined, kind, joined.cfg
-        self.procs: dict[str, BaseProcess] = {}
-        self.ready: dict[str, StageReady] = {}
+        self.supervisor = Supervisor(self.cfg)
+        self.ready: dict[str, StageReady] = {}  # as the stages reported, to relay
         self.stop_reason = ""
         self._stop = threading.Event()
-        self._mp = mp.get_context("spawn")
         self._zmq = zmq.Context()
         try:
             self._control = PullChannel(self._zmq, self.cfg.control_address,
@@ -149,68 +139,41 @@ class RemoteStage:
             self._relay()
         except KeyboardInterrupt:
             self.stop_reason = "interrupted"
-        except JoinError as exc:
+        except (JoinError, StartupError) as exc:
             self.stop_reason = str(exc)
         finally:
             self._stop_all()
         return 0 if self.stop_reason in ("the pipeline stopped", "interrupted") else 1
 
     def _start(self) -> None:
-        index, members = self.joined.index, self.joined.members
+        index, members, sup = self.joined.index, self.joined.members, self.supervisor
+        reports = control_reports(self._recv_starting)
         if self.kind == "engine":
-            tp = self.cfg.executor.tensor_parallel_size
-            for rank in range(index * tp, (index + 1) * tp):
-                self._spawn("executor", rank)
-            head = self._wait_ready([f"executor:{index * tp}"])[0]
-            num_blocks = head.info["num_kv_blocks"]
-            capacity = num_blocks * self.cfg.scheduler.block_size
-            if capacity < self.cfg.model.max_model_len:
-                raise JoinError(f"the KV cache here holds {capacity} tokens ({num_blocks} "
-                                "blocks), fewer than one sequence of the context length "
-                                f"{self.cfg.model.max_model_len}: give this host more memory "
-                                "or the pipeline a larger --kv-cache-memory")
-            self._spawn("scheduler", index, num_blocks, members)
-            ready = self._wait_ready(list(self.procs))
-            self._unlink_rings()  # both users have them mapped: nothing is left in /dev/shm
+            sup.spawn_executors(index)
+            sup.start_scheduler(index, reports, members)
+            sup.wait_ready(list(sup.procs), reports)
+            sup.unlink_rings([index])  # both users have them mapped: nothing is left in /dev/shm
         elif self.kind == "tokenizer":
-            self._spawn("tokenizer", index, 0, members)
-            ready = self._wait_ready([self.name])
+            sup.spawn_stage("tokenizer", index, 0, members)
+            sup.wait_ready([self.name], reports)
         else:
-            self._spawn("detokenizer", index, members)
-            ready = self._wait_ready([self.name])
+            sup.spawn_stage("detokenizer", index, members)
+            sup.wait_ready([self.name], reports)
         # The launcher learns the ports of the stage that stands for this one.
-        self._launcher.send(next(m for m in ready if f"{m.stage}:{m.rank}" == self.name))
+        self._launcher.send(self.ready[self.name])
 
-    def _spawn(self, stage: str, rank: int, *args: Any) -> None:
-        from pipeline.runtime.launcher import _main_hidden
-
-        proc = self._mp.Process(target=run_stage,
-                                args=(TARGETS[stage], self.cfg, rank, os.getpid(), *args),
-                                name=f"llm-pipeline:{stage}:{rank}", daemon=False)
-        with _main_hidden():
-            proc.start()
-        self.procs[f"{stage}:{rank}"] = proc
-
-    def _wait_ready(self, names: list[str]) -> list[StageReady]:
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-        while missing := [n for n in names if n not in self.ready]:
-            for name in missing:
-                if not self.procs[name].is_alive():
-                    raise JoinError(f"{name} exited with code {self.procs[name].exitcode} "
-                                    "before it was ready")
-            if time.monotonic() > deadline:
-                raise JoinError(f"{', '.join(missing)} did not report ready within "
-                                f"{self.cfg.ready_timeout_s:.0f} s")
-            if self._stop.is_set() or self._launcher_says_stop():
-                raise JoinError(f"stopped while starting: {self.stop_reason or 'interrupted'}")
-            self._beat()  # a long start (a model loading) is not silence
-            msg = self._control.recv_foreign_safe(100)
-            if isinstance(msg, StageFailed):
-                self._launcher.send(msg)
-                raise JoinError(f"{msg.stage}:{msg.rank} failed to start: {msg.message}")
-            if isinstance(msg, StageReady):
-                self.ready[f"{msg.stage}:{msg.rank}"] = msg
-        return [self.ready[name] for name in names]
+    def _recv_starting(self, wait_ms: int) -> Message | None:
+        """The next report of a stage starting here; a failure is relayed to the launcher.
+        JoinError when told to stop meanwhile; a long start (a model loading) is not silence."""
+        if self._stop.is_set() or self._launcher_says_stop():
+            raise JoinError(f"stopped while starting: {self.stop_reason or 'interrupted'}")
+        self._beat()
+        msg = self._control.recv_foreign_safe(wait_ms)
+        if isinstance(msg, StageFailed):
+            self._launcher.send(msg)
+        elif isinstance(msg, StageReady):
+            self.ready[f"{msg.stage}:{msg.rank}"] = msg
+        return msg
 
     def _launcher_says_stop(self) -> bool:
         """Whether the launcher's status says to stop (it stops or failed, or counts this
@@ -228,13 +191,12 @@ class RemoteStage:
         return bool(self.stop_reason)
 
     def _relay(self) -> None:
-        sentinels: dict[Any, str] = {p.sentinel: name for name, p in self.procs.items()}
         while not self._stop.is_set():
-            dead = wait(list(sentinels), timeout=0.1)
+            dead = self.supervisor.watch(0.1)
             while (msg := self._control.recv_foreign_safe(0)) is not None:
                 self._forward(msg)
             if dead:
-                self.stop_reason = f"{sentinels[dead[0]]} died"
+                self.stop_reason = f"{dead[0]} died"
                 return
             if self._launcher_says_stop():
                 return
@@ -253,27 +215,13 @@ class RemoteStage:
     def _stop_all(self, timeout: float = 10.0) -> None:
         if self.stop_reason:
             logger.warning("%s stops: %s", self.name, self.stop_reason)
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        self._unlink_rings()
+        self.supervisor.stop(timeout)
+        if self.kind == "engine":
+            self.supervisor.unlink_rings([self.joined.index])
         for chan in (self._control, self._launcher, self._status):
             chan.close()
         self._zmq.destroy(linger=1000)
         shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
-
-
-    def _unlink_rings(self) -> None:
-        if self.kind == "engine":
-            from ipc.step import StepRings
-
-            StepRings.unlink_names(self.cfg.for_engine(self.joined.index))
 
 
 def run_joined(address: str, kind: str, stage_key: str, model_path: str,

@@ -4,6 +4,7 @@ process again, and when they give up. Runs in the process that owns the pipeline
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 RESTARTABLE = ("tokenizer", "detokenizer")
 MAX_RESTARTS = 5  # of one stage within RESTART_WINDOW_S; one more death fails the pipeline
@@ -15,7 +16,8 @@ class RestartPolicy:
     4 s; one that dies MAX_RESTARTS times within RESTART_WINDOW_S is not (the launcher for
     tokenizers and detokenizers, `serve` for its HTTP workers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self.counts: dict[str, int] = {}  # name -> restarts in all
         self._recent: dict[str, list[float]] = {}  # name -> times within the window
 
@@ -27,7 +29,7 @@ class RestartPolicy:
     def delay(self, name: str) -> float | None:
         """Seconds to wait before starting `name` again (recording the restart), or None:
         it died too often; give up."""
-        now = time.monotonic()
+        now = self._clock()
         recent = self._prune(name, now)
         if len(recent) >= MAX_RESTARTS:
             return None

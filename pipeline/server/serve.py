@@ -6,18 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
-from multiprocessing.connection import wait
+from collections.abc import Callable
 from pathlib import Path
 
 from ipc.config import parse_bytes
 from ipc.errors import ConfigError
 from ipc.messages import ForgetClient, SchedulerStats
-from pipeline.runtime.launcher import Pipeline, StartupError
-from pipeline.runtime.restarts import MAX_RESTARTS, RESTART_WINDOW_S, RestartPolicy
+from pipeline.runtime.launcher import Pipeline
+from pipeline.runtime.restarts import MAX_RESTARTS, RESTART_WINDOW_S
+from pipeline.runtime.supervisor import Report, Supervisor
 from pipeline.server.app import ServerOptions
 from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
@@ -49,48 +49,30 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot listen on {options.host}:{options.port}: {exc}") from None
     options = dataclasses.replace(options, port=sock.getsockname()[1])
-    ctx = mp.get_context("spawn")
-
-    def start_worker(rank: int) -> mp.process.BaseProcess:
-        w = ctx.Process(target=run_api_worker, name=f"llm-pipeline:api:{rank}",
-                        args=(run_dir, options, pipe.cfg.model.vocab_size, rank, os.getpid(),
-                              sock, pipe.cfg.model.path))
-        w.start()
-        return w
-
-    workers = [start_worker(rank) for rank in range(options.api_workers)]
-    restarts = RestartPolicy()
-    due: dict[int, float] = {}  # rank -> when to start the dead worker again
+    workers = Supervisor()  # the HTTP workers, "api:<rank>"
+    names = [f"api:{rank}" for rank in range(options.api_workers)]
+    for rank, name in enumerate(names):
+        workers.start(name, run_api_worker, run_dir, options, pipe.cfg.model.vocab_size, rank,
+                      os.getpid(), sock, pipe.cfg.model.path)
     stats = EngineStatsLog(args.stats_interval)
     try:
-        _wait_ready(workers, run_dir)
+        workers.wait_ready(names, _ready_files(run_dir, len(names)), WORKER_READY_TIMEOUT_S)
         host = f"[{options.host}]" if ":" in options.host else options.host
         print(f"serving {pipe.cfg.model_name} at http://{host}:{options.port}/v1 "
               f"({options.api_workers} API worker(s); pipeline run dir {run_dir})", flush=True)
         while True:  # until a signal (SIGTERM/SIGINT end the CLI), or a stage dies
-            watched = [w.sentinel for rank, w in enumerate(workers) if rank not in due]
-            if watched:
-                wait(watched, timeout=0.25)
-            else:
-                time.sleep(0.25)
-            for rank, w in enumerate(workers):
-                if w.is_alive() or rank in due:
-                    continue
-                delay = restarts.delay(f"api:{rank}")
+            for name in workers.watch(0.25):  # (and starts those due to restart)
+                code = workers.procs[name].exitcode
+                delay = workers.restart_later(name)
                 if delay is None:
-                    print(f"error: API worker {rank} exited {MAX_RESTARTS + 1} times within "
-                          f"{RESTART_WINDOW_S:.0f} s (last code {w.exitcode}); stopping",
+                    print(f"error: API worker {name} exited {MAX_RESTARTS + 1} times within "
+                          f"{RESTART_WINDOW_S:.0f} s (last code {code}); stopping",
                           file=sys.stderr)
                     return 1
-                print(f"warning: API worker {rank} exited (code {w.exitcode}); its open "
+                print(f"warning: API worker {name} exited (code {code}); its open "
                       f"connections are closed, its requests aborted; starting it again in "
                       f"{delay:.1f} s", file=sys.stderr, flush=True)
-                _forget_worker(run_dir, rank, pipe)
-                due[rank] = time.monotonic() + delay
-            for rank, when in list(due.items()):
-                if time.monotonic() >= when:
-                    del due[rank]
-                    workers[rank] = start_worker(rank)
+                _forget_worker(run_dir, int(name.split(":")[1]), pipe)
             stats.maybe_log(pipe.scheduler_stats)
             if pipe.failure is not None:
                 time.sleep(ENGINE_FAILURE_GRACE_S)
@@ -98,14 +80,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
                 return 1
     finally:
         sock.close()
-        for w in workers:
-            if w.is_alive():
-                w.terminate()
-        for w in workers:
-            w.join(10)
-            if w.is_alive():
-                w.kill()
-                w.join(5)
+        workers.stop()
 
 
 class EngineStatsLog:
@@ -155,13 +130,16 @@ def _forget_worker(run_dir: str, rank: int, pipe: Pipeline) -> None:
     pipe.tell_engines(ForgetClient(reply_to))  # every engine serving
 
 
-def _wait_ready(workers: list[mp.process.BaseProcess], run_dir: str) -> None:
-    deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
-    while not all(ready_file(run_dir, r).exists() for r in range(len(workers))):
-        dead = [w for w in workers if not w.is_alive()]
-        if dead:
-            raise StartupError(f"API worker {dead[0].name} exited with code {dead[0].exitcode} "
-                               "before it was ready (is the port free?)")
-        if time.monotonic() > deadline:
-            raise StartupError("the API workers did not start in time")
-        time.sleep(0.05)
+def _ready_files(run_dir: str, num_workers: int) -> Callable[[int], Report | None]:
+    """The supervisor's reports of the HTTP workers: one is ready once its ready file exists
+    (it writes it when it listens, with its reply address)."""
+    seen: set[int] = set()
+
+    def reports(wait_ms: int) -> Report | None:
+        for rank in range(num_workers):
+            if rank not in seen and ready_file(run_dir, rank).exists():
+                seen.add(rank)
+                return Report(f"api:{rank}")
+        time.sleep(wait_ms / 1000)
+        return None
+    return reports
