@@ -40,8 +40,9 @@ def test_the_selector_says_which_forward_and_why() -> None:
     assert backend == "torch" and "sliding_window (4096)" in why
     with pytest.raises(UnsupportedModel, match="sliding_window.*--no-compile"):
         pick("cpu", compile=True, sliding_window=4096)
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        pick("cpu", compile=True, tensor_parallel_size=2)
+    assert pick("cpu", compile=True, tensor_parallel_size=2)[0] == "flex"  # (tested live)
+    with pytest.raises(ConfigError, match="tensor parallelism is tested on the CPU only"):
+        pick("cuda", compile=True, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="CPU kernels serve the eager forward on the CPU only"):
         pick("cuda", cpu_kernels=True)
     with pytest.raises(ConfigError, match="CPU kernels serve the eager forward"):

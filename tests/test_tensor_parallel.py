@@ -6,6 +6,7 @@ starts; every rank ends with the pipeline, also when one of them dies."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -79,6 +80,18 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str, vocab: int 
     folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2, num_layers=2,
                                 vocab_size=vocab)
     two, _ = generate(tp_config(folder, 2))
+    assert two == one_rank(folder)
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_two_compiled_ranks_give_the_tokens_of_one(tmp_path: Path) -> None:
+    """The ranks' all-reduce traced into the compiled layers (gloo): the greedy tokens of
+    one eager rank, through chunked prefill and mixed steps."""
+    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
+    cfg = tp_config(folder, 2)
+    cfg = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, compile=True))
+    two, _ = generate(cfg)
     assert two == one_rank(folder)
 
 
