@@ -13,9 +13,9 @@ import time
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from ipc.config import parse_bytes
 from ipc.errors import ConfigError
 from ipc.messages import ForgetClient, SchedulerStats
+from ipc.units import parse_bytes
 from pipeline.runtime.launcher import Pipeline, StartupError
 from pipeline.runtime.restarts import MAX_RESTARTS, RESTART_WINDOW_S, RestartPolicy
 from pipeline.server.app import ServerOptions
