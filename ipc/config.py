@@ -3,77 +3,25 @@ launcher's user, completed by the launcher (run directory, run id), handed to ev
 
 `EngineLimits` is derived from it in one place (`PipelineConfig.limits`): the sizes that the
 scheduler, the executor and the shared rings must agree on. Values found at run time (the
-number of KV blocks) come back in ready messages; the config is never mutated. (The two
-environment variables are read where they apply: LLM_PIPELINE_CACHE by `cache_dir` here,
-LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
+number of KV blocks) come back in ready messages; the config is never mutated. What a config
+is built from lives beside it: the model (ipc/model_info.py), --device (ipc/device.py); what
+is derived from it too: its addresses (ipc/addresses.py), its endpoints (ipc/endpoints.py).
+(The two environment variables are read where they apply: LLM_PIPELINE_CACHE in
+ipc/cache.py, LLM_PIPELINE_LOG_LEVEL in each stage's logging set-up.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import json
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ipc.arch import read_config
+from ipc.addresses import RunAddresses
+from ipc.device import parse_device
+from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
+from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
-
-CACHE_ENV = "LLM_PIPELINE_CACHE"
-
-
-def cache_dir() -> Path:
-    """Root of the pipeline's cache (the default model, compiled graphs, the benchmarks'
-    peers): ``$LLM_PIPELINE_CACHE`` or ``~/.cache/llm-pipeline``."""
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "llm-pipeline"
-
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
-          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'2GiB', '512MiB', '1000000' -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read a size from {text!r} (use e.g. 2GiB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What every stage needs to know of the model, read from its folder without torch."""
-
-    path: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # (ipc/arch.py) the compiled forward lacks it
-
-    @classmethod
-    def from_dir(cls, path: str | Path, max_model_len: int | None = None) -> ModelInfo:
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
-        config, spec = read_config(path)  # a model the engine lacks: refused
-        gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        eos = gen.get("eos_token_id", config.get("eos_token_id"))
-        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        limit = int(config.get("max_position_embeddings", 2048))
-        if max_model_len is not None and max_model_len > limit:
-            raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
-        return cls(str(path), max_model_len or limit, int(config["vocab_size"]), eos_ids,
-                   spec.sliding_window)
 
 
 @dataclass(frozen=True)
@@ -97,24 +45,6 @@ class SchedulerConfig:
         if not -1000 <= lo <= hi <= 1000:
             raise ConfigError(f"--priority-range must be LOW:HIGH with -1000 <= LOW <= HIGH "
                               f"<= 1000, got {lo}:{hi}")
-
-
-
-def parse_device(text: str) -> tuple[str, tuple[float, float] | None]:
-    """--device: 'cpu', 'cuda[:N]', or 'timed:A,B' (the measuring instrument, which runs on the
-    CPU: A + B * tokens milliseconds a step) -> (torch device, (A, B) or None)."""
-    if text == "cuda":
-        return "cuda:0", None  # the executor sets the current device: it needs an index
-    if not text.startswith("timed:"):
-        return text, None
-    try:
-        a, b = (float(x) for x in text[len("timed:"):].split(","))
-    except ValueError:
-        a = b = -1.0
-    if a < 0 or b < 0:
-        raise ConfigError(f"--device {text!r}: use cpu, cuda[:N] or timed:A,B "
-                          "with A, B >= 0 milliseconds (A + B * tokens per step)")
-    return "cpu", (a, b)
 
 
 @dataclass(frozen=True)
@@ -187,74 +117,12 @@ class EngineLimits:
         return self.max_num_seqs * (MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
 
 
-def derive_run_secret(stage_key: str, run_id: str) -> bytes:
-    """The secret every frame between the stages of run `run_id` starts with, when stages may
-    join from other hosts: each side derives it from the stage key it holds."""
-    mac = hmac.new(stage_key.encode(), f"llm-pipeline run secret {run_id}".encode(),
-                   hashlib.sha256)
-    return mac.digest()[:16]
-
-
-def model_fingerprint(path: str | Path) -> str:
-    """What a joining stage's model folder must share with the launcher's: its config and
-    its tokenizer (a hash of config.json and tokenizer.json; the weights are not read)."""
-    digest = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json"):
-        file = Path(path) / name
-        digest.update(file.read_bytes() if file.is_file() else b"-")
-    return digest.hexdigest()[:16]
-
-
-ENDPOINTS_FILE = "pipeline.json"
-
-
 @dataclass(frozen=True)
-class Endpoints:
-    """Where a running pipeline listens: what a client in another process needs to connect.
-    The launcher writes the local ones (ipc://) to `<run dir>/pipeline.json` once every stage
-    is ready; with `--listen HOST` it also serves tcp:// ones to remote clients (see
-    PipelineClient.connect)."""
+class PipelineConfig(RunAddresses):
+    """One run's configuration, handed to every stage. Its socket addresses and ring names
+    (cfg.scheduler_address, cfg.step_ring_name, ...) come from RunAddresses (ipc/addresses.py);
+    the views over every engine (scheduler_addresses, endpoints) are here, beside for_engine."""
 
-    model_name: str  # the id front ends serve the model under
-    max_model_len: int
-    tokenizers: tuple[str, ...]  # the tokenizer workers' request inboxes
-    schedulers: tuple[str, ...]  # each engine's abort inbox (an abort goes to every one)
-    status: str  # the launcher's status publisher
-    reply: str  # where a client binds its reply socket: an ipc:// prefix, or "tcp://"
-    key: str = ""  # PipelineConfig.client_key: every frame a client sends starts with it
-    # The rank of each of `tokenizers` (empty: 0, 1, ...): stages that joined from other
-    # hosts come after the launcher's own, and one that left leaves a gap.
-    tokenizer_ranks: tuple[int, ...] = ()
-
-    def save(self, run_dir: str) -> Path:
-        path = Path(run_dir) / ENDPOINTS_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)  # readers never see a half-written file
-        return path
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Endpoints:
-        fields = json.loads(text)
-        fields["tokenizers"] = tuple(fields["tokenizers"])
-        fields["schedulers"] = tuple(fields["schedulers"])
-        fields["tokenizer_ranks"] = tuple(fields.get("tokenizer_ranks", ()))
-        return cls(**fields)
-
-    @classmethod
-    def load(cls, run_dir: str | Path) -> Endpoints:
-        path = Path(run_dir) / ENDPOINTS_FILE
-        try:
-            return cls.from_json(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no running pipeline at {run_dir} (no {ENDPOINTS_FILE})") from None
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
     model: ModelInfo
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -339,8 +207,7 @@ class PipelineConfig:
                          tuple(self.tokenizer_address(r) for r in range(self.num_tokenizers)),
                          tuple(self.for_engine(e).abort_address
                                for e in range(self.data_parallel_size)),
-                         self.status_address,
-                         f"ipc://{Path(self.run_dir) / 'client-'}", self.client_key)
+                         self.status_address, self.client_reply_prefix, self.client_key)
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:
@@ -357,71 +224,6 @@ class PipelineConfig:
                             m.max_model_len, m.vocab_size, m.eos_token_ids, s.depth,
                             s.priority_range)
 
-    # ---- addresses: all from the run directory
-    def address(self, name: str) -> str:
-        return f"ipc://{Path(self.run_dir) / name}.sock"
-
-    def engine_address(self, name: str) -> str:
-        """An address of this config's engine (engine 0 keeps the plain names)."""
-        return self.address(f"{name}{self._engine_suffix}")
-
-    @property
-    def _engine_suffix(self) -> str:
-        return f"-e{self.engine}" if self.engine else ""
-
-    def tokenizer_address(self, rank: int) -> str:
-        return self.address(f"tokenizer-{rank}")
-
-    def tokenizer_stage_address(self, rank: int) -> str:
-        """Tokenizer `rank`'s inbox from the other stages (the engines' ReconcileAnswer)."""
-        return self.address(f"tokenizer-{rank}-stages")
-
-    @property
-    def scheduler_address(self) -> str:
-        """The scheduler's inbox from the other stages (secret frames only)."""
-        return self.engine_address("scheduler")
-
     def scheduler_addresses(self) -> list[str]:
         """Every engine's scheduler inbox (what the tokenizers route to, in engine order)."""
         return [self.for_engine(e).scheduler_address for e in range(self.data_parallel_size)]
-
-    @property
-    def abort_address(self) -> str:
-        """The scheduler's inbox from clients: AbortRequest only."""
-        return self.engine_address("abort")
-
-    def is_client_address(self, address: str) -> bool:
-        """Whether outputs may be sent to `address`: a client's reply socket in the run
-        directory, or (with --listen) a remote client's tcp:// one; never a stage's socket."""
-        if address.startswith("tcp://"):
-            return bool(self.listen_host)
-        prefix = self.endpoints.reply
-        return (address.startswith(prefix) and address.endswith(".sock")
-                and "/" not in address[len(prefix):])
-
-    @property
-    def status_address(self) -> str:
-        return self.launcher_status or self.address("status")
-
-    def detokenizer_address(self, rank: int) -> str:
-        return self.address(f"detokenizer-{rank}")
-
-    @property
-    def executor_address(self) -> str:
-        return self.engine_address("executor")
-
-    @property
-    def sampled_address(self) -> str:
-        return self.engine_address("sampled")
-
-    @property
-    def control_address(self) -> str:
-        return self.address("control")
-
-    @property
-    def step_ring_name(self) -> str:
-        return f"llm-pipeline-{self.run_id}{self._engine_suffix}-step"
-
-    @property
-    def sampled_ring_name(self) -> str:
-        return f"llm-pipeline-{self.run_id}{self._engine_suffix}-sampled"

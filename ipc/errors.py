@@ -1,5 +1,6 @@
 """Errors the bottom layer raises and every layer above catches by type (their own module, so
-that ipc/config.py and ipc/arch.py, which both raise them, do not import each other)."""
+that the modules that raise them, ipc/config.py, ipc/arch.py and the small readers beside
+them, need not import one another for it)."""
 
 from __future__ import annotations
 

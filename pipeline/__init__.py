@@ -14,7 +14,7 @@ _EXPORTS = {
     "Pipeline": "pipeline.runtime.launcher",
     "PipelineClient": "pipeline.runtime.client",
     "PipelineConfig": "ipc.config",
-    "ModelInfo": "ipc.config",
+    "ModelInfo": "ipc.model_info",
     "SchedulerConfig": "ipc.config",
     "ExecutorConfig": "ipc.config",
     "LLM": "pipeline.offline",

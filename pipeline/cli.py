@@ -16,16 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipc.config import (
-    ExecutorConfig,
-    ModelInfo,
-    PipelineConfig,
-    SchedulerConfig,
-    parse_bytes,
-)
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.errors import ConfigError
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
+from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
+from ipc.units import parse_bytes
 from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError
 
 DEMO_PROMPTS = [

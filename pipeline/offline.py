@@ -20,8 +20,9 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import ChatMessage, SamplingParams
+from ipc.model_info import ModelInfo
 from pipeline.runtime.client import CompletionOutput
 
 Conversation = Sequence[dict[str, str] | ChatMessage]

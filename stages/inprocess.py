@@ -7,8 +7,9 @@ from collections import deque
 
 import torch
 
-from ipc.config import EngineLimits, ModelInfo
+from ipc.config import EngineLimits
 from ipc.messages import SamplingParams, TokenizedRequest
+from ipc.model_info import ModelInfo
 from ipc.outputs import SampleResult
 from ipc.step import PromptLogprobs, StepLogprobs, local_buffers, step_input_specs
 from stages.executor.runner import ModelRunner

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import psutil
 
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.model_info import ModelInfo
 from pipeline.runtime.launcher import Pipeline
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig  # noqa: E402
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
+from ipc.model_info import ModelInfo  # noqa: E402
 from pipeline.runtime.client import PipelineClient  # noqa: E402
 from pipeline.runtime.launcher import Pipeline  # noqa: E402
 

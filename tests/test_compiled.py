@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tiny_model import hf_greedy
 
-from ipc.config import ModelInfo
 from ipc.messages import SamplingParams
+from ipc.model_info import ModelInfo
 from stages.executor.backends.flex import token_buckets
 from stages.executor.backends.select import compile_unavailable
 from stages.inprocess import InProcessEngine

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ipc.config import EngineLimits, ModelInfo
+from ipc.config import EngineLimits
+from ipc.model_info import ModelInfo
 from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload
 from stages.executor.runner import ModelRunner
 

@@ -61,7 +61,7 @@ def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path) -> None:
 
 
 def _eos(model_dir: Path) -> tuple[int, ...]:
-    from ipc.config import ModelInfo
+    from ipc.model_info import ModelInfo
 
     return ModelInfo.from_dir(model_dir).eos_token_ids
 
@@ -139,8 +139,8 @@ def test_what_the_engine_does_not_implement_is_refused_before_loading(
     import shutil
 
     from ipc.arch import UnsupportedModel
-    from ipc.config import ModelInfo
     from ipc.errors import ConfigError
+    from ipc.model_info import ModelInfo
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
@@ -155,7 +155,8 @@ def test_a_sliding_window_is_refused_compiled(tmp_path: Path) -> None:
     import torch
 
     from ipc.arch import UnsupportedModel
-    from ipc.config import EngineLimits, ModelInfo
+    from ipc.config import EngineLimits
+    from ipc.model_info import ModelInfo
     from pipeline.tools.random_model import build_random_llama
     from stages.executor.runner import ModelRunner
 

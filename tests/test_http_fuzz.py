@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.server.errors import ApiError
-from pipeline.server.openai_api import parse_chat, parse_completion
+from pipeline.server.openai_parse import parse_chat, parse_completion
 
 V = 1000
 JSON = st.recursive(

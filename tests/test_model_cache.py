@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from ipc.cache import CACHE_ENV, cache_dir
 from pipeline.tools import model_cache
 from pipeline.tools.model_cache import (
-    CACHE_ENV,
     COMPLETE_MARKER,
     REQUIRED_FILES,
     ModelSetupError,
-    cache_dir,
     default_model_dir,
     ensure_default_model,
     is_complete,

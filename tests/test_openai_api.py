@@ -14,13 +14,8 @@ from ipc.outputs import SampleResult
 from pipeline.server.app import ServerOptions
 from pipeline.server.errors import ApiError
 from pipeline.server.limits import RateLimiter
-from pipeline.server.openai_api import (
-    chunk_json,
-    output_error,
-    parse_chat,
-    parse_completion,
-    response_json,
-)
+from pipeline.server.openai_parse import parse_chat, parse_completion
+from pipeline.server.openai_render import chunk_json, output_error, response_json
 
 V = 1000
 

@@ -11,8 +11,8 @@ import pytest
 from scheduler_driver import Driver, make_limits, make_request, results, run_all
 from tiny_model import hf_greedy
 
-from ipc.config import ModelInfo
 from ipc.messages import SamplingParams
+from ipc.model_info import ModelInfo
 from stages.inprocess import InProcessEngine
 
 

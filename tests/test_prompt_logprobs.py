@@ -15,8 +15,8 @@ import pytest
 import torch
 from test_server import Server, serve
 
-from ipc.config import ModelInfo
 from ipc.messages import SamplingParams
+from ipc.model_info import ModelInfo
 from stages.inprocess import InProcessEngine
 
 PROMPTS = [[5, 9, 13, 40, 41, 42, 43, 44, 50, 60, 70, 80, 90, 100, 7, 8, 9, 10, 11], [7, 8],

@@ -20,15 +20,10 @@ import pytest
 import zmq
 from live import alive, kill_pids, running, shm_segments
 
-from ipc.config import (
-    ExecutorConfig,
-    ModelInfo,
-    PipelineConfig,
-    SchedulerConfig,
-    derive_run_secret,
-    model_fingerprint,
-)
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.keys import derive_run_secret
 from ipc.messages import ErrorKind, RequestOutput, SamplingParams, TokenizedRequest
+from ipc.model_info import ModelInfo, model_fingerprint
 from pipeline.runtime.client import PipelineClient
 from pipeline.runtime.roster import JoinError, Roster, proof
 from stages.dispatch import Dispatcher

@@ -15,8 +15,8 @@ import pytest
 import torch
 from scheduler_driver import make_limits, make_request
 
-from ipc.config import ModelInfo
 from ipc.messages import FinishReason, SamplingParams, StructuredOutputs
+from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
 from stages.executor.grammar_mask import SlotGrammars, apply_bitmask
 from stages.grammar import Grammars, words_per_row

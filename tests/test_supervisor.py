@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.model_info import ModelInfo
 from pipeline.runtime.restarts import MAX_RESTARTS
 from pipeline.runtime.supervisor import (
     STAGE_TARGETS,

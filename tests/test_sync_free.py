@@ -15,8 +15,8 @@ import pytest
 import torch
 from sync_guard import HostSync, no_host_sync
 
-from ipc.config import ModelInfo
 from ipc.messages import SamplingParams, StructuredOutputs
+from ipc.model_info import ModelInfo
 from ipc.sampling import GREEDY_SLOT
 from stages.executor.backends.flex import build_flex_metadata
 from stages.executor.sampler import SamplingState

@@ -17,8 +17,9 @@ import torch
 from live import alive, running
 
 from ipc.arch import UnsupportedModel
-from ipc.config import EngineLimits, ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import SamplingParams
+from ipc.model_info import ModelInfo
 from pipeline.runtime.launcher import Pipeline
 from pipeline.tools.random_model import build_random_llama
 from stages.executor.backends.torch_sdpa import TorchBackend

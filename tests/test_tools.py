@@ -12,7 +12,7 @@ import pytest
 
 from ipc.messages import ChatMessage, FinishReason, ToolCall, ToolSpec
 from pipeline.server.errors import ApiError
-from pipeline.server.openai_api import parse_chat
+from pipeline.server.openai_parse import parse_chat
 from pipeline.server.tools import ToolRequest, ToolStream, message, parse_tools
 from stages.chat_template import HERMES_TOOLS, parse_tool_calls, render
 

@@ -48,7 +48,7 @@ from ipc.params import MAX_RECONCILE_IDS
 from pipeline.runtime.completion import CompletionOutput
 
 if TYPE_CHECKING:
-    from ipc.config import Endpoints
+    from ipc.endpoints import Endpoints
 
 STATUS_STALE_S = 3.0  # no status for this long: the pipeline is not answering
 ENGINE_STAGES = ("scheduler", "executor")  # the processes of a data-parallel engine
@@ -60,7 +60,7 @@ KEY_ENV = "LLM_PIPELINE_KEY"  # the client key, for PipelineClient.connect over 
 def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
     """Ask a pipeline's bootstrap socket (tcp://host:port) for its tcp:// endpoints, with the
     key the pipeline was started with (it answers nothing useful without it)."""
-    from ipc.config import Endpoints
+    from ipc.endpoints import Endpoints
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
@@ -195,7 +195,7 @@ class PipelineClient:
         """A client of a pipeline running in another process: `where` is its run directory
         (same host: the key is read from there), or the tcp:// address it printed when
         started with --listen, with the key it printed (or $LLM_PIPELINE_KEY)."""
-        from ipc.config import Endpoints
+        from ipc.endpoints import Endpoints
 
         if str(where).startswith("tcp://"):
             key = key or os.environ.get(KEY_ENV)

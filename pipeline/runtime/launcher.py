@@ -24,8 +24,9 @@ import zmq
 
 from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
-from ipc.config import PipelineConfig, derive_run_secret, model_fingerprint
+from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
+from ipc.keys import derive_run_secret
 from ipc.messages import (
     EngineDown,
     Message,
@@ -36,6 +37,7 @@ from ipc.messages import (
     StageReady,
     StageRestarted,
 )
+from ipc.model_info import model_fingerprint
 from pipeline.runtime.client import PipelineClient
 from pipeline.runtime.engines import Engines
 from pipeline.runtime.restarts import RESTARTABLE

@@ -24,7 +24,8 @@ import zmq
 
 from ipc.channels import PullChannel, PushChannel, SubChannel, make_run_dir
 from ipc.codec import Codec
-from ipc.config import PipelineConfig, derive_run_secret, model_fingerprint
+from ipc.config import PipelineConfig
+from ipc.keys import derive_run_secret
 from ipc.messages import (
     Members,
     Message,
@@ -34,6 +35,7 @@ from ipc.messages import (
     StageFailed,
     StageReady,
 )
+from ipc.model_info import model_fingerprint
 from pipeline.runtime.client import reachable_from
 from pipeline.runtime.roster import (
     HEARTBEAT_S,

@@ -10,7 +10,7 @@ the endpoints), with the stage key that the launcher was started with (--stage-k
                                   where to report, proof = HMAC(key, nonce + answer)}
 
 Both sides prove they hold the key; the run's secret is derived from it on each side
-(ipc.config.derive_run_secret), so it never crosses the network in a join. The joined stage
+(ipc.keys.derive_run_secret), so it never crosses the network in a join. The joined stage
 reports ready to the launcher's control socket over tcp://, and from then on a heartbeat
 (StageAlive); one silent for REMOTE_SILENCE_S has left. Every change of the roster reaches
 every stage as a `Members` message.

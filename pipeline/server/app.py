@@ -34,13 +34,13 @@ from pipeline.runtime.client import PipelineClient
 from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
-from pipeline.server.openai_api import (
-    new_id,
+from pipeline.server.openai_parse import (
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
 )
+from pipeline.server.openai_render import new_id
 
 logger = logging.getLogger(__name__)
 

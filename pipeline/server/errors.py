@@ -1,5 +1,6 @@
-"""The front end's errors: what a client is told, as OpenAI's error body (their own module:
-openai_api.py and tools.py both raise them, and neither imports the other for it)."""
+"""The front end's errors: what a client is told, as OpenAI's error body (their own module, so
+that openai_parse.py, openai_render.py and tools.py, which all raise them, need not import
+one another for it)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from ipc.messages import WHOLE_REQUEST, ErrorKind, FinishReason, RequestOutput, 
 from ipc.outputs import SampleResult
 from pipeline.runtime.client import PipelineClient, PipelineError
 from pipeline.server.errors import ApiError, shutting_down
-from pipeline.server.openai_api import (
-    ParsedRequest,
+from pipeline.server.openai_parse import ParsedRequest
+from pipeline.server.openai_render import (
     PromptPart,
     chunk_json,
     completion_logprobs,

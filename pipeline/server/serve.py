@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ipc.config import parse_bytes
 from ipc.errors import ConfigError
 from ipc.messages import ForgetClient, SchedulerStats
+from ipc.units import parse_bytes
 from pipeline.runtime.launcher import Pipeline
 from pipeline.runtime.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 from pipeline.runtime.supervisor import Report, Supervisor

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig, parse_bytes
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import SamplingParams, StructuredOutputs
+from ipc.model_info import ModelInfo
+from ipc.units import parse_bytes
 
 # bench overlap --structured: a JSON document that cannot end before --output-len tokens
 # (1000 records at least), so every request decodes as long as an unconstrained one.

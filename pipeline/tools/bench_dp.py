@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import SamplingParams
+from ipc.model_info import ModelInfo
 
 
 def dp_config(args: argparse.Namespace, num_engines: int, router: str = "prefix"

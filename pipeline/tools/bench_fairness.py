@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import SamplingParams
+from ipc.model_info import ModelInfo
 from pipeline.runtime.client import PipelineClient
 
 HAS_USER = "user" in {f.name for f in dataclasses.fields(SamplingParams)}

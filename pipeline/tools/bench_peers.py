@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ipc.cache import cache_dir
 from pipeline.tools.bench_types import EngineResult, Workload
 from pipeline.tools.model_cache import (
     DEFAULT_MODEL_NAME,
     GGUF_FILENAME,
-    cache_dir,
     default_model_dir,
     find_gguf,
 )

@@ -223,7 +223,8 @@ def _serve_http(args: argparse.Namespace, samples: list[ChatSample],
 
 
 def serve(args: argparse.Namespace) -> int:
-    from ipc.config import ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+    from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+    from ipc.model_info import ModelInfo
     from pipeline.runtime.launcher import Pipeline
 
     samples = synthetic_chat(args.num_prompts, seed=args.seed)

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ipc.config import EngineLimits, ExecutorConfig, ModelInfo, PipelineConfig, SchedulerConfig
+from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import ChatMessage, SamplingParams
+from ipc.model_info import ModelInfo
 from ipc.sampling import GREEDY_SLOT
 from ipc.step import local_buffers, step_input_specs, write_step
 from pipeline.tools.bench_peers import run_llama_cpp, run_vllm_cpu

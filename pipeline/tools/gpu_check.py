@@ -71,7 +71,8 @@ def _runner(model: Path, limits: Any, kv_bytes: int, device: str, compiled: bool
 def small_limits(model: Path) -> Any:
     """4 slots and a 16-token budget (chunked prefill), pages of 16 (compiled CUDA needs a
     multiple of 16); SMALL_CACHE_BLOCKS of them make the overlap workload preempt."""
-    from ipc.config import EngineLimits, ModelInfo
+    from ipc.config import EngineLimits
+    from ipc.model_info import ModelInfo
 
     info = ModelInfo.from_dir(model)
     return EngineLimits(4, 16, 16, 256, info.vocab_size, info.eos_token_ids, 2)
@@ -273,8 +274,9 @@ def part_syncs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_utilisation(args: argparse.Namespace) -> dict[str, Any]:
-    from ipc.config import EngineLimits, ModelInfo
+    from ipc.config import EngineLimits
     from ipc.messages import SamplingParams
+    from ipc.model_info import ModelInfo
     from pipeline.tools.device_run import DeviceRun
 
     model = _model(Path(args.work) / "big", big=True)

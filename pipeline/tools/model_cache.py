@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipc.config import CACHE_ENV, cache_dir  # noqa: F401 (the cache's root, re-exported)
+from ipc.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ipc.config import EngineLimits, cache_dir
+from ipc.cache import cache_dir
+from ipc.config import EngineLimits
 from stages.executor.backends.flex import bucket, token_buckets
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ipc.config import cache_dir
+from ipc.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 

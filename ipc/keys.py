@@ -1,0 +1,15 @@
+"""The run secret that opens every frame between stages, derived from the stage key so that it
+never crosses the network. Used by the launcher and by a stage joining from another host."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+
+def derive_run_secret(stage_key: str, run_id: str) -> bytes:
+    """The secret every frame between the stages of run `run_id` starts with, when stages may
+    join from other hosts: each side derives it from the stage key it holds."""
+    mac = hmac.new(stage_key.encode(), f"llm-pipeline run secret {run_id}".encode(),
+                   hashlib.sha256)
+    return mac.digest()[:16]
