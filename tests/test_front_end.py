@@ -1,7 +1,8 @@
 """The server's options where they act, on the front end (FrontEnd.app(), the ASGI app a
 worker runs) over httpx's ASGI transport, with a fake pipeline client instead of a server
-process: rate limits answer 429 with Retry-After, the access log has a line per request or
-none; and `run_pipeline serve`'s flags reach ServerOptions."""
+process: rate limits answer 429 with Retry-After, a burst past the engine's room is refused
+at once, the access log has a line per request or none; and `run_pipeline serve`'s flags
+reach ServerOptions."""
 
 from __future__ import annotations
 
@@ -37,15 +38,17 @@ class FakePipeline:
     max_model_len = 64
     status = None
 
-    def __init__(self) -> None:
+    def __init__(self, stats: SchedulerStats = IDLE, seconds: float = 0.0) -> None:
+        self.stats, self.seconds = stats, seconds  # what health says; how long a request runs
         self.submitted: list[str] = []
 
     def health(self) -> Health:
-        return Health()
+        return Health(stats=self.stats)
 
     async def stream(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
                      tools: Any = ()) -> AsyncIterator[RequestOutput]:
         self.submitted.append(request_id or "")
+        await asyncio.sleep(self.seconds)
         yield RequestOutput(request_id or "", "ok", [5, 6], True, FinishReason.LENGTH, None,
                             3, 2)
 
@@ -53,11 +56,12 @@ class FakePipeline:
         pass
 
 
-def front_end(tmp_path: Any, monkeypatch: Any, **options: Any) -> tuple[Any, FakePipeline]:
+def front_end(tmp_path: Any, monkeypatch: Any, fake: FakePipeline | None = None,
+              **options: Any) -> tuple[Any, FakePipeline]:
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     from pipeline.server.app import FrontEnd
 
-    fake = FakePipeline()
+    fake = fake or FakePipeline()
     return FrontEnd(fake, ServerOptions(**options), V).app(), fake  # type: ignore[arg-type]
 
 
@@ -84,6 +88,41 @@ def test_rate_limits_answer_429_with_retry_after(tmp_path: Any, monkeypatch: Any
     assert len(fake.submitted) == 3 - len(limited)  # a refused request never reached it
     time.sleep(1.1)
     assert post(app, BODY).status_code == 200
+
+
+def test_a_burst_past_the_engines_room_is_refused_at_once(tmp_path: Any,
+                                                          monkeypatch: Any) -> None:
+    """40 requests at once where the engine has 4 slots and 4 waiting places: the worker
+    counts what it admits as they arrive (the published status, a few times a second, still
+    says nothing waits), so 8 go in and the other 32 get 503 with Retry-After at once, while
+    the 8 run; none is lost."""
+    room = SchedulerStats(num_blocks=64, num_free_blocks=64, num_slots=4, num_free_slots=4,
+                          num_ring_slots=3, num_free_ring_slots=3, num_inflight_steps=0,
+                          num_waiting=0, num_running=0, num_requests=0, num_preemptions=0,
+                          num_steps=0)
+    app, fake = front_end(tmp_path, monkeypatch, FakePipeline(room, seconds=1.0),
+                          max_waiting=4)
+
+    async def burst() -> list[tuple[httpx.Response, float]]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            async def one() -> tuple[httpx.Response, float]:
+                start = time.monotonic()
+                r = await client.post("/v1/completions", json=BODY)
+                return r, time.monotonic() - start
+
+            return list(await asyncio.gather(*(one() for _ in range(40))))
+
+    answers = asyncio.run(burst())
+    codes = [r.status_code for r, _ in answers]
+    assert codes.count(200) == 8 and codes.count(503) == 32, codes
+    for r, seconds in answers:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and seconds < 0.5
+            assert "overloaded" in r.json()["error"]["message"]
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 2 and seconds >= 1.0
+    assert len(fake.submitted) == 8  # the refused never reached the engine
 
 
 def test_an_access_line_per_request_or_none(tmp_path: Any, monkeypatch: Any,
