@@ -53,16 +53,6 @@ def test_compiled_greedy_matches_transformers(tmp_path: Path, arch: str) -> None
     assert engine.runner.compile_stats.num_graphs <= len(token_buckets(engine.limits))
 
 
-def test_compiled_greedy_survives_preemption(tiny_model_dir: Path) -> None:
-    prompts = [p for p in _prompts(tiny_model_dir) if len(p) < 40]  # each fits the cache
-    expected = hf_greedy(tiny_model_dir, prompts, max_new_tokens=16)
-    engine = _engine(tiny_model_dir, block_size=4, kv_cache_memory=25 * 2048)
-    assert engine.runner.num_blocks == 24  # 25 blocks' memory, one of them scratch
-    got = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
-    assert got == expected
-    assert engine.scheduler.num_preemptions > 0
-
-
 def test_compiles_are_bounded_by_the_step_buckets(tiny_model_dir: Path) -> None:
     """A long mixed run (prompts of many lengths, chunked, joining and leaving) compiles once
     per padded step size and kind (decode-only steps attend row by row on the CPU) it meets,
@@ -94,17 +84,23 @@ def test_compiles_are_bounded_by_the_step_buckets(tiny_model_dir: Path) -> None:
     assert stats.num_graphs == len(sizes)
 
 
-def test_decode_graphs_static_buffers_give_the_same_tokens(tiny_model_dir: Path) -> None:
-    """Decode steps through the graphs' static buffers (graphs.py; on the CPU the captured
+def test_compiled_greedy_survives_preemption_and_decode_graphs_agree(tiny_model_dir: Path
+                                                                      ) -> None:
+    """The ordinary compiled path through preemption: greedy tokens equal transformers'.
+    Then decode steps through the graphs' static buffers (graphs.py; on the CPU the captured
     function runs as a plain call): the same tokens as the ordinary compiled path, greedy and
     seeded with penalties, through preemption; one capture per decode bucket, no compile more."""
-    prompts = [p for p in _prompts(tiny_model_dir) if len(p) < 40]
+    prompts = [p for p in _prompts(tiny_model_dir) if len(p) < 40]  # each fits the cache
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=5, repetition_penalty=1.2,
                             ignore_eos=True)
     kwargs = {"block_size": 4, "kv_cache_memory": 25 * 2048, "max_num_seqs": 4}
     plain = _engine(tiny_model_dir, **kwargs)  # (each engine starts dynamo afresh)
-    expected = [plain.generate(prompts, params) for params in (greedy, seeded)]
+    assert plain.runner.num_blocks == 24  # 25 blocks' memory, one of them scratch
+    expected = [plain.generate(prompts, greedy)]
+    assert expected[0] == hf_greedy(tiny_model_dir, prompts, max_new_tokens=24)
+    assert plain.scheduler.num_preemptions > 0
+    expected.append(plain.generate(prompts, seeded))
     graphed = _engine(tiny_model_dir, graphs=True, **kwargs)
     assert plain.runner.graphs is None and graphed.runner.graphs is not None
     assert [graphed.generate(prompts, params) for params in (greedy, seeded)] == expected

@@ -38,12 +38,23 @@ def dp_config(model_dir: Path, router: str = "prefix") -> PipelineConfig:
     return dataclasses.replace(cfg, data_parallel_size=2, router=router)
 
 
-@pytest.fixture()
-def pipe(tiny_model_dir: Path) -> Iterator[Pipeline]:
-    with running(dp_config(tiny_model_dir)) as p:
+def _dp_pipeline(model_dir: Path) -> Iterator[Pipeline]:
+    with running(dp_config(model_dir)) as p:
         yield p
     assert shm_segments(p.cfg.run_id) == []
     assert alive(list(p.stage_pids.values())) == []
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
+    """One pipeline for the tests that kill nothing (each counts from what it finds)."""
+    yield from _dp_pipeline(tiny_model_dir)
+
+
+@pytest.fixture()
+def pipe(tiny_model_dir: Path) -> Iterator[Pipeline]:
+    """A pipeline of the test's own, for one that kills an engine."""
+    yield from _dp_pipeline(tiny_model_dir)
 
 
 def engine_stats(pipe: Pipeline, engine: int, settle: float = 0.6) -> tuple[int, int]:
@@ -55,8 +66,11 @@ def engine_stats(pipe: Pipeline, engine: int, settle: float = 0.6) -> tuple[int,
 
 
 @pytest.mark.live
-def test_requests_spread_over_both_engines_and_are_answered_alike(pipe: Pipeline) -> None:
+def test_requests_spread_over_both_engines_and_are_answered_alike(pipeline: Pipeline) -> None:
+    pipe = pipeline
     client = pipe.client()
+    before = [engine_stats(pipe, e)[0] for e in (0, 1)]
+    total_before = pipe.idle_stats().generation_tokens
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(16)]
     outs = client.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), timeout=60)
     assert [o.error for o in outs] == [None] * 16
@@ -64,16 +78,17 @@ def test_requests_spread_over_both_engines_and_are_answered_alike(pipe: Pipeline
     # The timed device's tokens depend on the sequence alone: the same on either engine.
     alone = client.generate([prompts[3]], SamplingParams(max_tokens=20, ignore_eos=True))
     assert alone[0].token_ids == outs[3].token_ids
-    per_engine = [engine_stats(pipe, e)[0] for e in (0, 1)]
+    per_engine = [engine_stats(pipe, e)[0] - before[e] for e in (0, 1)]
     assert min(per_engine) >= 5 * 20 and sum(per_engine) == 17 * 20, per_engine
     total = pipe.idle_stats()
-    assert total.generation_tokens == 17 * 20 and total.num_blocks == 2 * pipe.engines.stats[
-        0].num_blocks  # type: ignore[union-attr]
+    assert total.generation_tokens == total_before + 17 * 20
+    assert total.num_blocks == 2 * pipe.engines.stats[0].num_blocks  # type: ignore[union-attr]
     assert client.health().ok and client.health().engines_down == []
 
 
 @pytest.mark.live
-def test_an_abort_reaches_the_engine_that_holds_the_request(pipe: Pipeline) -> None:
+def test_an_abort_reaches_the_engine_that_holds_the_request(pipeline: Pipeline) -> None:
+    pipe = pipeline
     client = pipe.client()
 
     async def scenario() -> list[list[RequestOutput]]:
@@ -95,8 +110,8 @@ def test_an_abort_reaches_the_engine_that_holds_the_request(pipe: Pipeline) -> N
 
 
 @pytest.mark.live
-def test_requests_sharing_a_prefix_go_where_its_kv_is(pipe: Pipeline) -> None:
-    client = pipe.client()
+def test_requests_sharing_a_prefix_go_where_its_kv_is(pipeline: Pipeline) -> None:
+    client = pipeline.client()
     shared = list(range(10, 10 + 64))  # four full blocks
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     first = client.generate([shared + [1]], params)[0]

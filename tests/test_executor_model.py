@@ -60,6 +60,55 @@ def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path) -> None:
     assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks
 
 
+def _staggered(engine: InProcessEngine, prompts: list[list[int]], max_tokens: list[int],
+               arrive_at: list[int]) -> tuple[list[list[int]], int]:
+    """InProcessEngine.run with request i added before loop turn arrive_at[i], so requests
+    join and leave at different steps (as over the live pipeline's sockets); returns the
+    tokens and the most steps that were in flight at once."""
+    from collections import deque
+
+    from ipc.messages import TokenizedRequest
+
+    sched, got = engine.scheduler, {str(i): [] for i in range(len(prompts))}
+    waiting = sorted(range(len(prompts)), key=lambda i: arrive_at[i])
+    inflight: deque = deque()
+    turn = most = 0
+    while waiting or sched.requests or inflight:
+        while waiting and arrive_at[waiting[0]] <= turn:
+            i = waiting.pop(0)
+            params = SamplingParams(max_tokens=max_tokens[i], temperature=0.0)
+            sched.add_request(TokenizedRequest(str(i), "", prompts[i], params, 0.0))
+        while (step := sched.schedule()) is not None:
+            ring = engine.rings[step.ring_slot]
+            inflight.append((step.step_id, engine.runner.execute(step.write(ring), ring)))
+        turn, most = turn + 1, max(most, len(inflight))
+        if inflight:
+            step_id, out = inflight.popleft()
+            sched.on_sampled(step_id, out.tokens.tolist(), None, None)
+            for delta in sched.take_outputs().deltas:
+                got[delta.request_id] += delta.token_ids
+    return [got[str(i)] for i in range(len(prompts))], most
+
+
+def test_run_ahead_equals_synchronous_with_staggered_arrivals(tiny_model_dir: Path) -> None:
+    """Overlapped (depth 2) and synchronous (depth 1) steps give the same greedy tokens, and
+    transformers', while requests arrive at different steps and finish after 1 or 2 tokens
+    (at the very step whose successor was already planned); nothing is left held."""
+    prompts = _prompts(tiny_model_dir) * 2
+    max_tokens = [1, 2, 3, 17, 9, 1, 30, 5, 2, 8, 1, 13, 21, 3, 6, 2]
+    arrive_at = [0, 0, 1, 3, 3, 4, 6, 9, 10, 10, 12, 15, 16, 20, 21, 25]
+    runs = {}
+    for depth in (1, 2):
+        engine = InProcessEngine(str(tiny_model_dir), depth=depth, max_num_seqs=4,
+                                 max_num_batched_tokens=16, eos_token_ids=_eos(tiny_model_dir))
+        runs[depth], most = _staggered(engine, prompts, max_tokens, arrive_at)
+        assert most == depth  # depth 2 planned a step before the last one's tokens came
+        assert engine.scheduler.allocator.num_free == engine.scheduler.num_blocks
+    assert runs[2] == runs[1]
+    expected = hf_greedy(tiny_model_dir, prompts[:8], max(max_tokens))
+    assert [e[:n] for e, n in zip(expected * 2, max_tokens, strict=True)] == runs[1]
+
+
 def _eos(model_dir: Path) -> tuple[int, ...]:
     from ipc.model_info import ModelInfo
 

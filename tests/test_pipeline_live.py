@@ -161,31 +161,3 @@ def test_a_request_with_a_bad_reply_address_does_not_kill_the_tokenizer(
                                       SamplingParams(max_tokens=2, ignore_eos=True))
     assert [o.num_output_tokens for o in outs] == [2, 2]
     assert pipeline.is_alive
-
-
-def test_the_scheduler_dying_mid_run_fails_requests_and_stops_everything(
-        tiny_model_dir: Path) -> None:
-    import os
-    import signal
-    import time
-
-    from pipeline.runtime.client import PipelineError
-
-    pipe = Pipeline(live_config(tiny_model_dir, max_num_seqs=4))
-    pids: list[int] = []
-    try:
-        pipe.start()
-        pids = list(pipe.stage_pids.values())
-        client = pipe.client()
-        os.kill(pipe.stage_pids["scheduler:0"], signal.SIGKILL)
-        with pytest.raises(PipelineError):
-            client.generate(["x"] * 4, SamplingParams(max_tokens=400, ignore_eos=True),
-                            timeout=60)
-        assert "scheduler:0" in (pipe.failure or "")
-        deadline = time.monotonic() + 30
-        while alive(pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert alive(pids) == []
-    finally:
-        pipe.stop()
-        kill_pids(pids)

@@ -1,6 +1,7 @@
 """The README's commands and code, pasted as a user would: its Python blocks run as scripts,
-its `run_pipeline` lines run as shell commands, its `serve` block serves and answers its
-curl. A placeholder path (/path/to/...) becomes the tiny model, port 8000 a free port.
+its `run_pipeline` lines run as shell commands, its `serve` block serves the default model
+and answers its curl and the official client it names. A placeholder path (/path/to/...)
+becomes the tiny model, port 8000 a free port.
 Not run: ./scripts/test (this suite) and the benchmark lines (minutes each; their commands are
 tested in tests/test_bench.py)."""
 
@@ -83,13 +84,40 @@ def test_the_serve_block_answers_its_curl(tmp_path: Path) -> None:
         answer = subprocess.run(shell_line(curl.replace("8000", port)), shell=True,
                                 capture_output=True, text=True, timeout=120)
         assert answer.returncode == 0 and '"chat.completion"' in answer.stdout, answer
+        _the_official_client_streams(int(port))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
         deadline = time.monotonic() + 10
         while alive(pids) and time.monotonic() < deadline:
             time.sleep(0.1)
+        left = alive(pids)
         kill_pids(pids)
+    assert left == [], "a process of the server outlived it"
+
+
+def _the_official_client_streams(port: int) -> None:
+    """The line after the block: the official client, streaming, gets the default model's
+    answer (SmolLM2-135M-Instruct knows this one), and /metrics counts its first token."""
+    import httpx
+    from openai import OpenAI
+
+    base = f"http://127.0.0.1:{port}"
+    ttft = 'vllm:time_to_first_token_seconds_count{model_name="SmolLM2-135M-Instruct"}'
+
+    def first_tokens() -> float:
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        return float(next(line for line in metrics.splitlines()
+                          if line.startswith(ttft)).split()[-1])
+
+    before = first_tokens()
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", stream=True, max_tokens=16, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert "Paris" in text
+    assert first_tokens() == before + 1
 
 
 def shell_line(command: str) -> str:

@@ -149,8 +149,9 @@ def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
 def test_a_killed_engine_stage_fails_every_stream_at_once(tiny_model_dir: Path,
                                                           name: str) -> None:
     """The scheduler and the executor hold the engine's state: kill -9 of either ends every
-    one of 32 streams with an error within seconds (none hangs), the pipeline reports which
-    stage died and stops, and nothing of the run is left."""
+    one of 32 streams with an error within seconds (none hangs), and a request sent just
+    after the death fails too; the pipeline reports which stage died and stops, and nothing
+    of the run is left."""
     cfg = live_config(tiny_model_dir, device="timed:10,0", max_num_seqs=64)
     with running(cfg) as pipe:
         client = pipe.client()
@@ -170,10 +171,11 @@ def test_a_killed_engine_stage_fails_every_stream_at_once(tiny_model_dir: Path,
                    or client.status.scheduler.num_running < 32):
                 await asyncio.sleep(0.02)
             os.kill(pipe.stage_pids[name], signal.SIGKILL)
+            tasks.append(asyncio.create_task(one(32)))  # sent after the death: fails too
             return list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
 
         ends = asyncio.run(scenario())
-        assert all(e.startswith("raised") for e in ends), ends
+        assert len(ends) == 33 and all(e.startswith("raised") for e in ends), ends
         assert name in (pipe.failure or "")
         pids = list(pipe.stage_pids.values())
     assert alive(pids) == []

@@ -1,8 +1,10 @@
 """The HTTP front end, started as users start it (`run_pipeline serve`, a real process tree),
 driven by the official `openai` package and plain HTTP: completions and chat, streaming or
 not, n, stop, logprobs, usage; 64 concurrent streams; a disconnect aborts in the engine; the
-400/401/404/413/429 answers; /health going 503 when a stage dies; /metrics that parse and move,
-summed over two API workers."""
+400/401/404/413 answers; /health going 503 when a stage dies; /metrics that parse and move,
+summed over two API workers; the access and engine lines. Tests that need options of their
+own start their own server; the rest share one (rate limits, a burst past the engine's room
+and the other options' effects on the front end alone: test_front_end.py)."""
 
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ def describe(pids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[Server]:
-    with serve(tiny_model_dir, "--api-key", KEY, "--api-workers", "2") as s:
+    with serve(tiny_model_dir, "--api-key", KEY, "--api-workers", "2",
+               "--stats-interval", "0.5") as s:
         yield s
 
 
@@ -267,18 +270,6 @@ def test_errors_a_client_can_act_on(server: Server) -> None:
     r = post(server, "/v1/completions", None, raw=b'{"x": "' + b"a" * (5 << 20) + b'"}')
     assert r.status_code == 413
     assert post(server, "/v1/completions", ok).status_code == 200  # all that left no trace
-
-
-def test_rate_limits_answer_429_with_retry_after(tiny_model_dir: Path) -> None:
-    with serve(tiny_model_dir, "--rate-limit-rps", "1", "--rate-limit-concurrent", "1") as s:
-        body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
-        codes = [post(s, "/v1/completions", body, key=None) for _ in range(3)]
-        assert codes[0].status_code == 200
-        limited = [r for r in codes[1:] if r.status_code == 429]
-        assert limited and int(limited[0].headers["retry-after"]) >= 1
-        assert limited[0].json()["error"]["type"] == "rate_limit_error"
-        time.sleep(1.1)
-        assert post(s, "/v1/completions", body, key=None).status_code == 200
 
 
 # ---------------------------------------------------------------- engine effects
@@ -467,29 +458,6 @@ def test_a_killed_api_worker_comes_back_and_its_requests_are_aborted(
         assert r.status_code == 200, r.text
 
 
-def test_a_burst_past_the_engines_room_is_refused_at_once(tiny_model_dir: Path) -> None:
-    """40 requests at once where 4 slots and 4 waiting places exist: the worker counts what
-    it admits as they arrive (not from the status published a few times a second), so at
-    most 8 go in and the rest get 503 with Retry-After; none is lost."""
-    async def burst(s: Server) -> list[httpx.Response]:
-        body = {"model": s.model, "prompt": "hi", "max_tokens": 50, "ignore_eos": True}
-        async with httpx.AsyncClient(timeout=60) as client:
-            return list(await asyncio.gather(*(client.post(f"{s.url}/v1/completions", json=body)
-                                               for _ in range(40))))
-
-    with serve(tiny_model_dir, "--device", "timed:20,0", "--max-num-seqs", "4",
-               "--max-waiting", "4") as s:
-        responses = asyncio.run(burst(s))
-    codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 503} and 1 <= codes.count(200) <= 8, codes
-    for r in responses:
-        if r.status_code == 503:
-            assert r.headers["retry-after"] == "1", r.json()
-            assert "overloaded" in r.json()["error"]["message"]
-        else:
-            assert r.json()["usage"]["completion_tokens"] == 50
-
-
 def test_sigterm_ends_every_stream_with_a_final_event(tiny_model_dir: Path) -> None:
     """A graceful stop: streams open when serve gets SIGTERM end with a final event and
     [DONE], not a cut connection."""
@@ -575,26 +543,22 @@ def test_fuzzed_requests_get_4xx_never_5xx(server: Server) -> None:
     assert plain.status_code == 200
 
 
+def test_an_access_line_per_request_and_a_periodic_engine_line(server: Server) -> None:
+    """Printed by a live worker and by serve (--stats-interval 0.5 on the shared server);
+    their absence with --no-access-log and --stats-interval 0: test_front_end.py."""
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+    rid = r.headers["x-request-id"]
+    deadline = time.monotonic() + 10
+    while not (any(rid in line for line in server.log)
+               and any("engine: prompt" in line for line in server.log)):
+        assert time.monotonic() < deadline, server.log[-20:]
+        time.sleep(0.1)
+    access = next(line for line in server.log if rid in line)
+    assert '"POST /v1/completions" 200' in access and "127.0.0.1" in access
+    engine = next(line for line in server.log if "engine: prompt" in line)
+    assert "generation" in engine and "KV cache" in engine and "device idle" in engine
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
-
-
-def test_an_access_line_per_request_and_a_periodic_engine_line(tiny_model_dir: Path) -> None:
-    with serve(tiny_model_dir, "--stats-interval", "0.5") as s:
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3},
-                       timeout=30)
-        rid = r.headers["x-request-id"]
-        deadline = time.monotonic() + 10
-        while not (any(rid in line for line in s.log)
-                   and any("engine: prompt" in line for line in s.log)):
-            assert time.monotonic() < deadline, s.log
-            time.sleep(0.1)
-    access = next(line for line in s.log if rid in line)
-    assert '"POST /v1/completions" 200' in access and "127.0.0.1" in access
-    engine = next(line for line in s.log if "engine: prompt" in line)
-    assert "generation" in engine and "KV cache" in engine and "device idle" in engine
-    with serve(tiny_model_dir, "--no-access-log", "--stats-interval", "0") as quiet:
-        httpx.post(f"{quiet.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                   timeout=30)
-        time.sleep(1)
-    assert not any("/v1/completions" in line or "engine:" in line for line in quiet.log)

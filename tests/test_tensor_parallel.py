@@ -70,7 +70,7 @@ def generate(cfg: PipelineConfig, max_tokens: int = 12) -> tuple[list[list[int]]
 
 
 @pytest.mark.parametrize(("arch", "vocab"), [
-    ("llama", None), ("qwen2", None), ("qwen3", None),
+    ("qwen2", None), ("qwen3", None),  # (Llama: test_two_ranks_through_preemption)
     ("llama-bias", None),  # o_proj and down_proj biases: added once
     ("phi3", None),  # fused checkpoint projections, sliced per part
     ("llama", 515),  # a vocabulary the ranks split unevenly: the last one's rows padded
@@ -98,6 +98,7 @@ def test_two_compiled_ranks_give_the_tokens_of_one(tmp_path: Path) -> None:
 
 @pytest.mark.live
 def test_two_ranks_through_preemption(tmp_path: Path) -> None:
+    """Llama's shapes: two ranks give the tokens of one, through preemption."""
     folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
     one = one_rank(folder, max_tokens=30)
     # A cache of 30 blocks of 4 tokens per rank for 4 sequences of up to 78 tokens.
