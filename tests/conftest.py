@@ -27,7 +27,7 @@ def inductor_cache() -> None:
     honest warm: dynamo traces and calls the backend per graph either way (CompileStats
     counts those); only Inductor's code generation is skipped. Another folder, or a cold
     run, by setting TORCHINDUCTOR_CACHE_DIR."""
-    from ipc.config import cache_dir
+    from ipc.cache import cache_dir
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor-tests"))
 
