@@ -8,7 +8,7 @@
     llm.chat([{"role": "user", "content": "Hi!"}])
 
 Works from a plain script without a `__main__` guard (the stages are spawned without
-re-running the script: see Pipeline._spawn) and from a notebook (nothing here needs an event
+re-running the script: see supervisor.main_hidden) and from a notebook (nothing here needs an event
 loop of its own). The pipeline stops when the object is closed, garbage collected, or when
 the interpreter exits.
 """
