@@ -70,12 +70,17 @@ class Grammars:
     def tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
-                from transformers import AutoTokenizer
+                from stages.file_tokenizer import FileTokenizer, load_tokenizer
 
-                hf = self._hf or AutoTokenizer.from_pretrained(self.model_dir)
-                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
-                                                               eos_token=self.eos_token_id)
+                hf = self._hf or load_tokenizer(self.model_dir)
+                if isinstance(hf, FileTokenizer):  # (llguidance.hf would import torch)
+                    self._tokenizer = load_llguidance().LLTokenizer(
+                        hf.backend_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+                else:
+                    import llguidance.hf
+
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        hf, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
             return self._tokenizer
 
     def grammar(self, so: StructuredOutputs) -> str:

@@ -29,6 +29,7 @@ from ipc.messages import (
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
 from stages.chat_template import render
 from stages.dispatch import Dispatcher, error_output
+from stages.file_tokenizer import load_tokenizer
 from stages.grammar import Grammars
 from stages.peers import Peers, local_members
 from stages.process import StageContext, stage_process
@@ -44,14 +45,7 @@ class TokenizerCore:
     def __init__(self, model_dir: str, max_model_len: int, vocab_size: int,
                  priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
-        import transformers
-        from transformers import AutoTokenizer
-
-        if not logger.isEnabledFor(logging.DEBUG):
-            # Its warning that a prompt is longer than the model's context would show for
-            # a prompt this stage refuses anyway, with a clear error.
-            transformers.logging.set_verbosity_error()
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer: Any = load_tokenizer(model_dir)
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.priority_range = priority_range
         self.eos_token_ids = eos_token_ids

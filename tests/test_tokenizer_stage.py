@@ -266,3 +266,108 @@ def test_undecodable_bytes_are_dropped() -> None:
     replies = _FakeReplies()
     _reject_malformed(replies, info.value)  # type: ignore[arg-type]
     assert replies.sent == []
+
+
+# ---------------------------------------------------------------- the tokenizer file, torch-free
+
+
+def test_the_stage_reads_tokenizer_json_itself_and_imports_no_torch(tiny_model_dir: Path
+                                                                    ) -> None:
+    """A generic fast tokenizer is read with `tokenizers` (transformers' package root imports
+    torch: seconds of CPU at every tokenizer start); chats and structured outputs included."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from ipc.messages import AddRequest, ChatMessage, SamplingParams, StructuredOutputs
+from stages.file_tokenizer import FileTokenizer
+from stages.tokenizer import TokenizerCore
+core = TokenizerCore({str(tiny_model_dir)!r}, 512, 444, eos_token_ids=(2,))
+assert isinstance(core.tokenizer, FileTokenizer)
+chat = core.process(AddRequest("a", "r", None, None, [ChatMessage("user", "hi")],
+                               SamplingParams(), 0.0))
+json = core.process(AddRequest("b", "r", "x", None, None, SamplingParams(
+    structured_outputs=StructuredOutputs(json='{{"type": "integer"}}')), 0.0))
+assert chat.prompt_token_ids and json.grammar
+print("torch" in sys.modules, "transformers.modeling_utils" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_model_specific_tokenizer_class_goes_through_transformers(tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from stages.file_tokenizer import FileTokenizer, load_tokenizer
+
+    folder = tmp_path / "gpt2-class"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"  # may rebuild the backend: not ours to read
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    assert not isinstance(tok, FileTokenizer)
+    assert tok(PROMPT)["input_ids"] == AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"]
+    assert isinstance(load_tokenizer(str(tiny_model_dir)), FileTokenizer)
+
+
+def test_added_tokens_of_the_config_and_named_templates_are_kept(tiny_model_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """tokenizer_config.json may list added tokens tokenizer.json lacks, and give named chat
+    templates (transformers picks "tool_use" when there are tools)."""
+    import json
+    import shutil
+
+    from stages.file_tokenizer import load_tokenizer
+
+    folder = tmp_path / "added"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.setdefault("added_tokens_decoder", {})["444"] = {
+        "content": "<tool_call>", "special": True, "lstrip": False, "rstrip": False,
+        "normalized": False, "single_word": False}
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools | length }} tool(s){{ eos_token }}"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink()  # (a template file would take priority)
+    ours, hf = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    text = "call <tool_call> now"
+    assert ours(text)["input_ids"] == hf(text)["input_ids"]
+    assert ours(text)["input_ids"].count(444) == 1
+    chat = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for kw in ({}, {"tools": tools}):
+        assert ours.apply_chat_template(chat, tokenize=False, **kw) == \
+            hf.apply_chat_template(chat, tokenize=False, **kw)
+    assert ours.apply_chat_template(chat, tools=tools) == "1 tool(s)<|im_end|>"
+
+
+@pytest.mark.parametrize("model", ["tiny", "default"])
+@pytest.mark.parametrize("clean_up", ["off", "on (ignored for BPE)", "forced"])
+def test_decode_is_transformers_decode(request: pytest.FixtureRequest, model: str,
+                                       clean_up: str, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from stages.file_tokenizer import FileTokenizer, load_tokenizer
+
+    folder = tmp_path / model
+    shutil.copytree(request.getfixturevalue(f"{model}_model_dir"), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["clean_up_tokenization_spaces"] = clean_up != "off"
+    config["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = \
+        clean_up == "forced"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, FileTokenizer)
+    text = "<|im_start|>user\nIt 's done , isn't it ? " + PROMPT + "<|im_end|>"
+    ids = hf(text)["input_ids"]
+    for skip in (False, True):
+        assert ours.decode(ids, skip_special_tokens=skip) == \
+            hf.decode(ids, skip_special_tokens=skip)
