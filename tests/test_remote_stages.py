@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,23 +144,36 @@ def _config(model_dir: Path, device: str = "timed:3,0") -> PipelineConfig:
 
 
 def _stage(kind: str, address: str, model_dir: Path, key: str = KEY,
-           netns: str | None = None) -> subprocess.Popen[str]:
+            netns: str | None = None) -> subprocess.Popen[str]:
     """`run_pipeline stage KIND` in its own session (so that the test can end it and its
-    children by process group)."""
+    children by process group), its run directory under a folder of its own (so that what a
+    SIGKILL leaves, as a lost host would, is removed by `_end`)."""
     cmd = [sys.executable, "-m", "pipeline.cli", "stage", kind, "--connect", address,
            "--model", str(model_dir)]
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, LLM_PIPELINE_STAGE_KEY=key),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    base = tempfile.mkdtemp(prefix="remote-stage-")
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, start_new_session=True,
+                            env=dict(os.environ, LLM_PIPELINE_STAGE_KEY=key,
+                                     XDG_RUNTIME_DIR=base),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.run_base = base  # type: ignore[attr-defined]
+    return proc
 
 
 def _end(procs: list[subprocess.Popen[str]]) -> None:
+    """Stop each stage as a user would (SIGTERM), SIGKILL its group past 15 s."""
     for proc in procs:
         if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+            proc.wait(10)
+        if base := getattr(proc, "run_base", None):
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def _wait_joined(pipe, name: str, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
@@ -212,7 +226,10 @@ def test_a_stage_without_the_key_or_with_another_model_is_refused(tiny_model_dir
                                 listen_host="127.0.0.1")) as pipe:  # no stage key
         assert pipe.address is not None
         refused = _stage("engine", pipe.address, tiny_model_dir)
-        _, err = refused.communicate(60)
+        try:
+            _, err = refused.communicate(60)
+        finally:
+            _end([refused])
         assert refused.returncode == 1 and "takes no stages from other hosts" in err
 
 
