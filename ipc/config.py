@@ -47,6 +47,12 @@ class SchedulerConfig:
                               f"<= 1000, got {lo}:{hi}")
 
 
+# Weight formats made at load from a float checkpoint (stages/executor/linear/quantized.py):
+# int8 = 8-bit codes with an fp16 scale and minimum per 32 inputs; int4 = 4-bit codes, a scale
+# and a minimum per 32 inputs (Q4_1), the head kept at int8.
+QUANTIZATIONS = ("int8", "int4")
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     device: str = "cpu"  # a torch device: cpu, cuda, cuda:N
@@ -57,10 +63,16 @@ class ExecutorConfig:
     compile: bool | None = None  # torch.compile the model; None: the device's default
     cuda_graphs: bool = True  # on CUDA, compiled: replay decode steps as CUDA graphs
     tensor_parallel_size: int = 1  # executor ranks, each holding 1/K of the model
+    quantization: str | None = None  # QUANTIZATIONS: weights quantized at load (CPU)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                              f"got {self.quantization!r}")
+        if self.quantization is not None and self.timed is not None:
+            raise ConfigError("--quantization needs a model, not the timed device")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda[:N] or timed:A,B, got {self.device!r}")
         if self.kv_cache_memory <= 0:
@@ -73,11 +85,13 @@ class ExecutorConfig:
     @classmethod
     def for_device(cls, device: str, dtype: str = "float32", kv_cache_memory: int = 1 << 30,
                    compile: bool | None = None, cuda_graphs: bool = True,
-                   tensor_parallel_size: int = 1) -> ExecutorConfig:
+                   tensor_parallel_size: int = 1,
+                   quantization: str | None = None) -> ExecutorConfig:
         """From the --device option's text (which may name the timed instrument)."""
         torch_device, timed = parse_device(device)
         return cls(torch_device, dtype, kv_cache_memory, timed=timed, compile=compile,
-                   cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size)
+                   cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
+                   quantization=quantization)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.config import QUANTIZATIONS, ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.errors import ConfigError
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
@@ -49,6 +49,11 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     p.add_argument("--model", default=d(None), help="local Hugging Face folder (Llama family); "
                    "default: SmolLM2-135M-Instruct, converted once into $LLM_PIPELINE_CACHE")
     p.add_argument("--dtype", default=d("float32"), choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=d(None), choices=list(QUANTIZATIONS),
+                   help="quantize the weights at load (CPU, eager forward, AVX512-VNNI): int8 "
+                        "= 8-bit codes with a scale and a minimum per 32 inputs; int4 = 4-bit "
+                        "codes with a scale and a minimum per 32 (llama.cpp's Q4_1), the head "
+                        "at int8. Activations stay in --dtype")
     p.add_argument("--device", default=d("cpu"),
                    help="cpu, cuda[:N], or timed:A,B (a measuring instrument: no model, each "
                         "step waits A + B*tokens ms and emits deterministic tokens)")
@@ -349,7 +354,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
                                   parse_priority_range(args.priority_range)),
         executor=ExecutorConfig.for_device(args.device, args.dtype,
                                            parse_bytes(args.kv_cache_memory), args.compile,
-                                           args.cuda_graphs, args.tensor_parallel_size),
+                                           args.cuda_graphs, args.tensor_parallel_size,
+                                           args.quantization),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         data_parallel_size=args.data_parallel_size, router=args.router,
         served_model_name=getattr(args, "served_model_name", None) or "",

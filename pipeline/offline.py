@@ -37,7 +37,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int = 1 << 30, compile: bool | None = None,
                  tokenizer_workers: int = 1, detokenizer_workers: int = 1,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, quantization: str | None = None) -> None:
         from pipeline.runtime.launcher import Pipeline
 
         if model is None:
@@ -47,7 +47,8 @@ class LLM:
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(model, max_model_len),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile),
+            executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile,
+                                               quantization=quantization),
             num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers,
             data_parallel_size=data_parallel_size)
         self._pipeline = Pipeline(cfg)

@@ -39,13 +39,13 @@ class InProcessEngine:
                  max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  compile: bool = False, graphs: bool | None = None,
-                 cpu_kernels: bool | None = None) -> None:
+                 cpu_kernels: bool | None = None, quantization: str | None = None) -> None:
         vocab_size = ModelInfo.from_dir(model_dir).vocab_size
         self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, block_size,
                                    max_model_len, vocab_size, eos_token_ids, depth)
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
-                                           cpu_kernels=cpu_kernels)
+                                           cpu_kernels=cpu_kernels, quantization=quantization)
         self.scheduler = Scheduler(self.limits, self.runner.num_blocks)
         specs = step_input_specs(self.limits)
         self.rings = [local_buffers(specs) for _ in range(self.limits.num_ring_slots)]

@@ -15,6 +15,7 @@ from tiny_model import build_tiny_llama
 from pipeline.tools import bench
 from pipeline.tools.bench_serve import RequestRecord, arrival_times, summarize
 from pipeline.tools.datasets import random_prompts, synthetic_chat
+from stages.executor.linear.quantized import kernel_missing
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,16 +63,43 @@ def test_throughput_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -
     out = tmp_path / "t.json"
     rc = bench.main(["throughput", "--model", str(tiny_model_dir), "--num-prompts", "6",
                      "--batch-size", "2,3", "--input-len", "5", "--output-len", "7",
-                     "--peers", "hf-static", "--json", str(out), "--plot", str(tmp_path)])
+                     "--peers", "hf-static", "--json", str(out), "--plot", str(tmp_path)]
+                    + (["--quantization", "int8"] if kernel_missing() is None else []))
     report = json.loads(out.read_text())
     assert rc == 0 and {"pipeline", "hf-static", "limit", "ratios", "config"} <= set(report)
     for engine in ("pipeline", "hf-static", "limit"):
         assert report[engine]["output_tokens"] == 6 * 7
         assert report[engine]["identical_to_pipeline"] == 6  # greedy, fp32, the same model
         assert report[engine]["output_tok_s"] > 0 and report[engine]["seconds"] > 0
-    assert set(report["ratios"]) == {"pipeline/hf-static", "pipeline/limit"}
+    quantized = {"pipeline-int8", "limit-int8"} if kernel_missing() is None else set()
+    for engine in quantized:  # the quantized rows: the same work, their own tokens
+        assert report[engine]["output_tokens"] == 6 * 7 and report[engine]["output_tok_s"] > 0
+    if quantized:  # the pipeline and the limit run the same quantized model
+        assert report["pipeline-int8"]["identical_to_pipeline"] == \
+            report["limit-int8"]["identical_to_pipeline"]
+    assert set(report["ratios"]) == {"pipeline/hf-static", "pipeline/limit",
+                                     *(f"pipeline/{e}" for e in quantized)}
     assert sorted(report["by_batch_size"]) == ["2", "3"]
     assert (tmp_path / "throughput_vs_batch.png").stat().st_size > 1000
+
+
+@pytest.mark.live
+def test_quality_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    if kernel_missing() is not None:
+        pytest.skip(f"quantized kernels: {kernel_missing()}")
+    out = tmp_path / "q.json"
+    rc = bench.main(["quality", "--model", str(tiny_model_dir), "--quantization", "int8,int4",
+                     "--output-len", "6", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["config"]["prompts"] == 16 and report["config"]["text_tokens"] > 50
+    for name in ("int8", "int4"):
+        r = report[name]
+        assert 0 < r["mean_abs_dlogprob"] <= r["max_abs_dlogprob"] and r["mean_abs_dlogprob"] < 1
+        assert 0 <= r["greedy_identical"] <= 16 and 0 <= r["mean_shared_prefix"] <= 6
+    # 4-bit codes round the tiny model's random weights more than 8-bit ones
+    assert report["int4"]["mean_abs_dlogprob"] > report["int8"]["mean_abs_dlogprob"]
+    with pytest.raises(SystemExit, match="unknown formats"):
+        bench.main(["quality", "--model", str(tiny_model_dir), "--quantization", "fp8"])
 
 
 @pytest.mark.live

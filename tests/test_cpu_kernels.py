@@ -155,9 +155,9 @@ def test_the_build_is_keyed_by_source_and_cache(tmp_path: Path,
     monkeypatch.setenv("LLM_PIPELINE_CACHE", str(tmp_path))
     moved = kernels.library_path(compiler)
     assert moved.is_relative_to(tmp_path) and moved.parent.name == here.parent.name
-    changed = tmp_path / "cpu_kernels.cpp"
-    changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(kernels, "SOURCE", changed)
+    changed = tmp_path / "quant_kernels.cpp"
+    changed.write_text(kernels.SOURCES[1].read_text() + "\n// changed\n")
+    monkeypatch.setattr(kernels, "SOURCES", (kernels.SOURCES[0], changed))
     assert kernels.library_path(compiler).parent.name != here.parent.name
 
 

@@ -13,8 +13,11 @@ from live import live_config, running
 
 from ipc.messages import SamplingParams
 from pipeline.runtime.client import CompletionOutput, PipelineClient
+from stages.executor.linear.quantized import kernel_missing
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
+needs_quantized = pytest.mark.skipif(kernel_missing() is not None,
+                                     reason=f"quantized kernels: {kernel_missing()}")
 
 SEEDED = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, top_p=tp, top_k=tk,
                          min_p=mp, repetition_penalty=rp, ignore_eos=True)
@@ -52,8 +55,13 @@ def test_seeded_requests_are_reproducible_across_batches_and_overlap(
     assert len({tuple(r) for r in runs[0]}) == 4
 
 
-def test_stop_string_n_logprobs_and_prefix_cache(tiny_model_dir: Path) -> None:
-    cfg = live_config(tiny_model_dir, max_num_seqs=8, max_num_batched_tokens=64)
+@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_quantized)])
+def test_stop_string_n_logprobs_and_prefix_cache(tiny_model_dir: Path,
+                                                 quantization: str | None) -> None:
+    """The request semantics through the live pipeline, with float32 weights and quantized
+    ones (whose kernel also runs one-token decode steps and multi-token prefill chunks)."""
+    cfg = live_config(tiny_model_dir, max_num_seqs=8, max_num_batched_tokens=64,
+                      quantization=quantization)
     with running(cfg) as pipe:
         client = pipe.client()
         system = "You are a helpful assistant. Answer in one short sentence, please. " * 2

@@ -59,7 +59,8 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
         scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048),
         executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
                                            args.compile,
-                                           tensor_parallel_size=args.tensor_parallel_size))
+                                           tensor_parallel_size=args.tensor_parallel_size,
+                                           quantization=args.quantize))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in work.output_lens]
     with Pipeline(cfg) as pipe:
@@ -72,7 +73,11 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     if errors:
         raise RuntimeError(f"pipeline requests failed: {errors[0]}")
     ids = [o.token_ids for o in outs]
-    return EngineResult("pipeline", seconds, sum(len(t) for t in ids), ids)
+    return EngineResult(_named("pipeline", args), seconds, sum(len(t) for t in ids), ids)
+
+
+def _named(name: str, args: argparse.Namespace) -> str:
+    return f"{name}-{args.quantize}" if args.quantize else name
 
 
 # ------------------------------------------------------------------ transformers peers
@@ -147,7 +152,8 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     limits = EngineLimits(args.batch_size, tokens, 16, longest, info.vocab_size, depth=0)
     device = torch.device(args.device)
     runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype), device, limits,
-                                  args.kv_cache_memory, args.compile)
+                                  args.kv_cache_memory, args.compile,
+                                  quantization=args.quantize)
     ring = local_buffers(step_input_specs(limits))
     ids_out: list[list[int]] = []
     start = time.perf_counter()
@@ -156,7 +162,7 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
         lens = work.output_lens[lo:lo + args.batch_size]
         ids_out += _limit_batch(runner, ring, batch, lens, limits.max_blocks_per_seq)
     seconds = time.perf_counter() - start
-    return EngineResult("limit", seconds, sum(len(t) for t in ids_out), ids_out)
+    return EngineResult(_named("limit", args), seconds, sum(len(t) for t in ids_out), ids_out)
 
 
 def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[int]],
@@ -225,7 +231,9 @@ def throughput(args: argparse.Namespace) -> int:
 
 
 def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
-
+    """The pipeline first (the ratios' numerator), each peer, the limit, then the pipeline
+    and the limit again with each of --quantization's formats."""
+    args = argparse.Namespace(**{**vars(args), "quantize": None})
     results = [run_pipeline(args, work)]
     if args.tensor_parallel_size > 1:  # the same pipeline on one rank: the ratio TP buys
         one = run_pipeline(argparse.Namespace(**{**vars(args), "tensor_parallel_size": 1}), work)
@@ -234,6 +242,9 @@ def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
                "llama.cpp": run_llama_cpp}
     results += [runners[name](args, work) for name in args.peers]
     results.append(run_limit(args, work))
+    for name in args.quantization:
+        quantized = argparse.Namespace(**{**vars(args), "quantize": name})
+        results += [run_pipeline(quantized, work), run_limit(quantized, work)]
     return results
 
 
@@ -251,7 +262,8 @@ def build_report(args: argparse.Namespace, work: Workload,
                         "dataset": args.dataset or f"random ids, {args.input_len} tokens",
                         "output_len": args.output_len if not args.dataset else "per prompt",
                         "cpus": os.cpu_count(),
-                        "tensor_parallel_size": args.tensor_parallel_size}
+                        "tensor_parallel_size": args.tensor_parallel_size,
+                        "quantization": args.quantization}
     return report
 
 
@@ -259,12 +271,12 @@ def print_report(report: dict[str, Any]) -> None:
     cfg = report["config"]
     print(f"throughput: {cfg['num_prompts']} prompts ({cfg['dataset']}), batch "
           f"{cfg['batch_size']}, {cfg['dtype']} on {cfg['device']}, {cfg['cpus']} cpus")
-    print(f"{'engine':12}{'output tok/s':>14}{'seconds':>10}{'pipeline ÷':>12}"
+    print(f"{'engine':14}{'output tok/s':>14}{'seconds':>10}{'pipeline ÷':>12}"
           f"{'same greedy output':>22}")
     n = cfg["num_prompts"]
     for name, r in report.items():
         if name in ("ratios", "config"):
             continue
         ratio = report["ratios"].get(f"pipeline/{name}", 1.0)
-        print(f"{name:12}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
+        print(f"{name:14}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
               f"{r['identical_to_pipeline']:>16}/{n} prompts")

@@ -1,9 +1,10 @@
-"""The executor's CPU kernels (csrc/cpu_kernels.cpp), built once per machine and loaded as
+"""The executor's CPU kernels (csrc/cpu_kernels.cpp: attention, norms, rotary, sampling helpers;
+csrc/quant_kernels.cpp: quantized linear layers), built once per machine and loaded as
 torch.ops.llm_cpu. Runs in the executor process.
 
-The source is compiled with the machine's C++ compiler against the installed torch's headers
+The sources are compiled with the machine's C++ compiler against the installed torch's headers
 and libraries, `-march=native`, into `$LLM_PIPELINE_CACHE/kernels/<key>/`, where the key
-hashes the source, the torch version, the compiler and the CPU's flags: a second start, or
+hashes the sources, the torch version, the compiler and the CPU's flags: a second start, or
 another executor, loads it in milliseconds; a change to any of them builds anew (about 10 s on
 the 2-core test machine). Builders take a file lock, so executors starting together compile
 once. Where no compiler works, or `LLM_PIPELINE_CPU_KERNELS=0`, the eager forward keeps its
@@ -28,7 +29,8 @@ from ipc.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_kernels.cpp",
+           Path(__file__).parent / "csrc" / "quant_kernels.cpp")
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
 BUILD_TIMEOUT_S = 120  # well inside an executor's ready timeout (300 s by default)
 
@@ -58,18 +60,19 @@ def _command(compiler: str, out: Path) -> list[str]:
     return [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared",
             "-fPIC", "-fopenmp", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-            f"-I{sysconfig.get_paths()['include']}", str(SOURCE),
+            f"-I{sysconfig.get_paths()['include']}", *map(str, SOURCES),
             f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}",
             "-o", str(out)]
 
 
 def library_path(compiler: str) -> Path:
-    """Where the build for this source, torch, compiler, command and CPU lives."""
+    """Where the build for these sources, torch, compiler, command and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
     command = _command(compiler, Path("out.so"))
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *version,
-                                    *command, _cpu_flags()]).encode()).hexdigest()[:16]
+    sources = [s.read_text() for s in SOURCES]
+    key = hashlib.sha256("\n".join([*sources, torch.__version__, *version, *command,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / key / "llm_cpu_kernels.so"
 
 

@@ -147,7 +147,7 @@ class PagedLlama(nn.Module):
         self.cfg, self.spec, self.backend, self.tp = cfg, spec, backend, tp
         shard = Shard(tp.rank, tp.size, tp) if tp is not None else Shard()
         self.model = Backbone(spec, backend, linear, shard)
-        self.lm_head = ParallelLMHead(spec.hidden, spec.vocab_size, linear, shard)
+        self.lm_head = ParallelLMHead(spec.hidden, spec.vocab_size, linear.for_head(), shard)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]

@@ -242,17 +242,18 @@ class ModelRunner:
                  limits: EngineLimits, kv_cache_memory: int,
                  compile: bool | None = False, pack: bool | None = None,
                  graphs: bool | None = None, tp: TensorParallel | None = None,
-                 cpu_kernels: bool | None = None) -> ModelRunner:
+                 cpu_kernels: bool | None = None,
+                 quantization: str | None = None) -> ModelRunner:
         """The forward is chosen first (select_backend: `compile` and `cpu_kernels` as asked,
-        None for the default), then the weight format (select_linear_method: `pack` None
-        packs for oneDNN where it can), then the model is built with both. tp: this rank's
-        shard of the model (parallel.py); rank 0 samples."""
+        None for the default), then the weight format (select_linear_method: `quantization`
+        as asked, else `pack` None packs for oneDNN where it can), then the model is built
+        with both. tp: this rank's shard of the model (parallel.py); rank 0 samples."""
         _, spec = read_config(model_dir)
         selection = select_backend(ForwardRequest(
             device.type, compile, cpu_kernels, spec.sliding_window, limits.block_size,
             tp.size if tp is not None else 1))
         backend = selection.load()(limits, device, spec.sliding_window)
-        linear = select_linear_method(dtype, device, selection.compiled, pack)
+        linear = select_linear_method(dtype, device, selection.compiled, pack, quantization)
         model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)

@@ -25,6 +25,11 @@ class LinearMethod(ABC):
         (plain weights stay as loaded)."""
         return None
 
+    def for_head(self) -> LinearMethod:
+        """The method of the logits product (the head): this one, unless a format keeps the
+        head at more bits."""
+        return self
+
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""

@@ -8,14 +8,19 @@ import torch
 from stages.executor.linear.base import LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.onednn import OneDnnPackedMethod
+from stages.executor.linear.quantized import METHODS
 
 
 def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: bool,
-                         pack: bool | None = None) -> LinearMethod:
-    """oneDNN's packed weights for the eager CPU forward where oneDNN can pack the dtype
-    (`pack`: None as that, False plain, True required); plain F.linear otherwise.
-    (TorchInductor lowers packed weights only as frozen constants, which one graph shared by
-    every layer cannot have.)"""
+                         pack: bool | None = None,
+                         quantization: str | None = None) -> LinearMethod:
+    """`quantization` (int8, int4): that quantized format, or ValueError saying why it cannot
+    run here. Otherwise oneDNN's packed weights for the eager CPU forward where oneDNN can
+    pack the dtype (`pack`: None as that, False plain, True required); plain F.linear
+    otherwise. (TorchInductor lowers packed weights only as frozen constants, which one graph
+    shared by every layer cannot have.)"""
+    if quantization is not None:
+        return _quantized(quantization, dtype, device, compiled)
     if pack is False:
         return DenseMethod()
     why = OneDnnPackedMethod.unsupported(dtype, device)
@@ -26,3 +31,15 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
     if pack:
         raise ValueError(f"packed weights: {why}")
     return DenseMethod()
+
+
+def _quantized(name: str, dtype: torch.dtype, device: torch.device,
+               compiled: bool) -> LinearMethod:
+    method = METHODS.get(name)
+    if method is None:
+        raise ValueError(f"--quantization {name!r}: the formats are {', '.join(METHODS)}")
+    why = "it runs in the eager forward; leave out --compile" if compiled else None
+    why = why or method.unsupported(dtype, device)
+    if why is not None:
+        raise ValueError(f"--quantization {name}: {why}")
+    return method()

@@ -1,0 +1,164 @@
+"""`scripts/bench quality`: what each weight format costs in accuracy, against float32 weights
+on the same model, in one process (stages/inprocess.py: the scheduler and executor cores):
+
+- |Δ log-prob|: each token of a fixed text scored by the model (prompt logprobs), under the
+  format and under float32; the mean and the largest difference over the text's tokens;
+- greedy agreement: for a set of chat prompts, the greedy continuation of --output-len tokens
+  under each; how many are identical, and the mean length of the part they share before the
+  first difference (one different token sends the rest of the continuation elsewhere, so the
+  shared prefix says more than the count alone).
+
+The activations are in --dtype in every row, so `--dtype bfloat16` measures what a format
+adds to bf16 (against float32 weights, which is what the targets compare with)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+# A fixed English text of a few hundred tokens: explanatory prose, a list, numbers and code.
+TEXT = """The water cycle describes how water moves between the oceans, the air and the land.
+The sun warms the surface of the sea, and some of the water evaporates into vapour. As the warm,
+moist air rises it cools, and the vapour condenses into the tiny droplets that make up clouds.
+When the droplets grow heavy enough they fall as rain or snow. Some of that water runs off into
+rivers and lakes, some soaks into the ground and becomes groundwater, and some is taken up by
+plants, which release it again through their leaves. Over thousands of years a single molecule
+may pass through every part of the cycle many times.
+
+Three things to remember:
+1. Evaporation needs energy, which is why it is faster on hot days.
+2. Condensation releases that energy again, which powers storms.
+3. About 97 percent of the water on Earth is salt water in the oceans.
+
+def mean(values):
+    total = 0.0
+    for v in values:
+        total += v
+    return total / len(values)
+
+print(mean([1.5, 2.5, 3.0]))  # prints 2.3333333333333335
+"""
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three primary colors.",
+    "What is 12 times 7?",
+    "Give me a tip for learning a new language.",
+    "Who wrote Romeo and Juliet?",
+    "Describe a cat to someone who has never seen one.",
+    "What does a CPU do?",
+    "Translate 'good morning' into Spanish.",
+    "Name a planet in the solar system and one fact about it.",
+    "Why is the sky blue?",
+    "Write one sentence about autumn.",
+    "How do I boil an egg?",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery.",
+]
+
+
+def add_quality_parser(sub: Any, add_common: Any) -> None:
+    p = sub.add_parser("quality", help="each --quantization against float32 weights: "
+                                       "|Δ log-prob| of a fixed text, greedy agreement")
+    add_common(p, kv_cache_memory=1 << 28)
+    p.add_argument("--quantization", default="int8,int4",
+                   help="comma list of the formats to measure (ipc.config.QUANTIZATIONS)")
+    p.add_argument("--output-len", type=int, default=32,
+                   help="greedy tokens per prompt for the agreement")
+    p.set_defaults(func=quality)
+
+
+def _engine(args: argparse.Namespace, quantization: str | None) -> Any:
+    import torch
+
+    from stages.inprocess import InProcessEngine
+
+    return InProcessEngine(args.model_dir, max_num_seqs=len(PROMPTS), max_num_batched_tokens=1024,
+                           block_size=16, kv_cache_memory=args.kv_cache_memory, depth=2,
+                           max_model_len=1024, dtype=getattr(torch, args.dtype),
+                           device=args.device, quantization=quantization)
+
+
+def _measure(args: argparse.Namespace, quantization: str | None, text_ids: list[int],
+             prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
+    """The text's token logprobs (the first token has none) and each prompt's greedy
+    continuation, under one weight format."""
+    from ipc.messages import SamplingParams
+
+    engine = _engine(args, quantization)
+    scored = engine.run([("text", text_ids, SamplingParams(max_tokens=1, prompt_logprobs=0))])
+    plp = scored["text", 0].prompt_logprobs
+    assert plp is not None
+    logprobs = [t.logprob for t in plp[1:]]
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=args.output_len,
+                                                     temperature=0.0, ignore_eos=True))
+    return logprobs, greedy
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def quality(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from ipc.config import QUANTIZATIONS
+
+    if args.model_dir is None:
+        from pipeline.tools.model_cache import ensure_default_model
+
+        args.model_dir = str(ensure_default_model())
+    formats = [n for n in args.quantization.split(",") if n]
+    unknown = [n for n in formats if n not in QUANTIZATIONS]
+    if unknown:
+        raise SystemExit(f"bench quality: unknown formats {unknown}; choose from "
+                         f"{list(QUANTIZATIONS)}")
+    tok: Any = AutoTokenizer.from_pretrained(args.model_dir)
+    text_ids = list(tok(TEXT)["input_ids"])
+    prompts = [list(tok(tok.apply_chat_template([{"role": "user", "content": p}],
+                                                tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)["input_ids"]) for p in PROMPTS]
+    ref_lp, ref_greedy = _measure(args, None, text_ids, prompts)
+    report: dict[str, Any] = {
+        "config": {"model": args.model_dir, "dtype": args.dtype, "text_tokens": len(text_ids),
+                   "prompts": len(prompts), "output_len": args.output_len},
+        "float32 weights": {"perplexity": math.exp(-statistics.fmean(ref_lp))}}
+    for name in formats:
+        lp, greedy = _measure(args, name, text_ids, prompts)
+        delta = [abs(a - b) for a, b in zip(lp, ref_lp, strict=True)]
+        report[name] = {
+            "mean_abs_dlogprob": statistics.fmean(delta), "max_abs_dlogprob": max(delta),
+            "perplexity": math.exp(-statistics.fmean(lp)),
+            "greedy_identical": sum(g == r for g, r in zip(greedy, ref_greedy, strict=True)),
+            "mean_shared_prefix": statistics.fmean(
+                _shared_prefix(g, r) for g, r in zip(greedy, ref_greedy, strict=True))}
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def print_report(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(f"quality: {cfg['text_tokens']} text tokens scored; {cfg['prompts']} prompts × "
+          f"{cfg['output_len']} greedy tokens; activations {cfg['dtype']}; against float32 "
+          f"weights (perplexity {report['float32 weights']['perplexity']:.3f})")
+    print(f"{'format':8}{'mean |Δ lp|':>13}{'max |Δ lp|':>12}{'perplexity':>12}"
+          f"{'greedy same':>13}{'shared prefix':>15}")
+    for name, r in report.items():
+        if name in ("config", "float32 weights"):
+            continue
+        print(f"{name:8}{r['mean_abs_dlogprob']:>13.4f}{r['max_abs_dlogprob']:>12.4f}"
+              f"{r['perplexity']:>12.3f}{r['greedy_identical']:>7}/{cfg['prompts']}"
+              f"{r['mean_shared_prefix']:>12.1f}/{cfg['output_len']}")

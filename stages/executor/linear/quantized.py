@@ -1,0 +1,199 @@
+"""Quantized weights on the CPU, in the executor process: `--quantization int8` (8-bit codes
+with an fp16 scale and minimum per block of 32 inputs) and `int4` (4-bit codes, a scale and a
+minimum per block of 32: llama.cpp's Q4_1), made from the loaded float weights.
+
+One format holds them all: per block of 32 along the input, unsigned codes and two fp16
+numbers, w = d * code + mn. The product is csrc/quant_kernels.cpp's `quantized_linear`: the
+activations are quantized per block of 32 as it runs, in two int8 parts (about 16 bits; one
+part, as llama.cpp's Q8_1, cost more accuracy than the weights' rounding), so each block is
+integer dot products (AVX512-VNNI). Decode streams a quarter (int8) or an eighth (int4) of
+fp32's weight bytes.
+
+The input dimension is padded to a multiple of 64 (a pair of blocks) with blocks of d = mn = 0.
+Inside each pair the values are interleaved four at a time (b0[0:4], b1[0:4], b0[4:8], ...),
+so that each int32 lane of the kernel's dot products belongs to one block; int8 codes are one
+byte each in that order, int4 codes two to a byte (positions 0..31 of a pair in the low
+nibbles, 32..63 in the high ones)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from stages.executor import kernels
+from stages.executor.linear.base import Linear, LinearMethod
+
+BLOCK = 32
+PAIR = 64
+QUANTIZATIONS = ("int8", "int4")
+
+
+@dataclass
+class QuantizedWeight:
+    """A [N, K] weight as quantized_linear takes it: codes uint8 [N, Kp] (8 bits) or
+    [N, Kp / 2] (4 bits), d and mn float16 [N, Kp / 32]; Kp is K padded to 64."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    mn: torch.Tensor
+    bits: int
+    in_features: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [N, K] weight these blocks hold (the reference the kernel is tested
+        against)."""
+        n, blocks = self.d.shape
+        codes = self.codes
+        if self.bits == 4:
+            packed = codes.view(n, blocks // 2, 32)
+            codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
+        codes = _block_order(codes)
+        w = (codes.view(n, blocks, BLOCK).float() * self.d.float()[..., None]
+             + self.mn.float()[..., None])
+        return w.reshape(n, -1)[:, : self.in_features]
+
+
+def _pair_order(v: torch.Tensor) -> torch.Tensor:
+    """[N, Kp] from block order to pair order (b0[0:4], b1[0:4], b0[4:8], b1[4:8], ... in
+    each pair of blocks)."""
+    n, kp = v.shape
+    return v.view(n, kp // PAIR, 2, 8, 4).transpose(2, 3).reshape(n, kp).contiguous()
+
+
+def _block_order(v: torch.Tensor) -> torch.Tensor:
+    """[N, Kp] from pair order back to block order."""
+    n, kp = v.shape
+    return v.view(n, kp // PAIR, 8, 2, 4).transpose(2, 3).reshape(n, kp).contiguous()
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] -> [N, Kp / 32, 32], zero-padded to a multiple of 64 inputs."""
+    n, k = w.shape
+    kp = -(-k // PAIR) * PAIR
+    padded = torch.nn.functional.pad(w.float(), (0, kp - k))
+    return padded.view(n, kp // BLOCK, BLOCK)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """8-bit blocks with a minimum: mn = min, d = (max - min) / 255, code = round((w - mn) / d).
+    (llama.cpp's Q8_0 is symmetric, mn = -128 d; a minimum costs nothing in the kernel, uses
+    all 256 codes when a block is lopsided, and holds a Q4_1 grid such as the default model's
+    weights to fp16's rounding of d.)"""
+    return _quantize_min_scale(w, 8)
+
+
+def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
+    """4-bit blocks with a minimum (Q4_1): mn = min, d = (max - min) / 15,
+    code = round((w - mn) / d); the codes packed two to a byte."""
+    q = _quantize_min_scale(w, 4)
+    codes = q.codes.view(len(w), -1, PAIR)
+    q.codes = (codes[..., :32] | (codes[..., 32:] << 4)).reshape(len(w), -1).contiguous()
+    return q
+
+
+def _quantize_min_scale(w: torch.Tensor, bits: int) -> QuantizedWeight:
+    """Codes in pair order, one a byte, rounded against the fp16 d and mn the kernel will
+    use."""
+    blocks = _blocks(w)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    top = 2 ** bits - 1
+    mn, d = lo.half(), ((hi - lo) / top).half()
+    scale = d.float()[..., None]
+    q = torch.where(scale > 0, (blocks - mn.float()[..., None])
+                    / scale.clamp_min(torch.finfo(torch.float32).tiny), 0)
+    codes = q.round().clamp(0, top).to(torch.uint8).view(len(w), -1)
+    return QuantizedWeight(_pair_order(codes), d, mn, bits, w.shape[1])
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What quantized_linear computes, in float32 PyTorch: x quantized per block of 32 as the
+    kernel does (dx = amax / 127; x = dx (hi + lo / 256), both parts int8), times the
+    dequantized weight."""
+    k = weight.in_features
+    kp = weight.d.shape[1] * BLOCK
+    xb = torch.nn.functional.pad(x.float(), (0, kp - k)).view(len(x), -1, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax.clamp_min(torch.finfo(torch.float32).tiny), 0)
+    scaled = xb * inv
+    hi = scaled.round()
+    lo = ((scaled - hi) * 256).round().clamp(-127, 127)
+    xq = (hi + lo / 256) * (amax / 127)
+    y = xq.view(len(x), kp)[:, :k] @ weight.dequantize().T
+    return y if bias is None else y + bias.float()
+
+
+@functools.cache
+def kernel_missing() -> str | None:
+    """Why quantized_linear cannot run on this machine (None: it can)."""
+    why = kernels.load()
+    if why is not None:
+        return f"the CPU kernels are not available ({why})"
+    if not torch.ops.llm_cpu.quantized_linear_available():
+        return "this CPU lacks AVX512-VNNI, which the quantized kernels need"
+    return None
+
+
+class QuantizedMethod(LinearMethod):
+    """Weights quantized at load (`process`) and multiplied by quantized_linear."""
+
+    name: str
+    bits: int
+
+    @classmethod
+    def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return (f"quantized weights run on the CPU only, not {device.type}; "
+                    "leave out --quantization there")
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"quantized weights take float32 or bfloat16 activations, not {dtype}"
+        return kernel_missing()
+
+    def quantize(self, w: torch.Tensor) -> QuantizedWeight:
+        return quantize_int8(w) if self.bits == 8 else quantize_int4(w)
+
+    def process(self, layer: Linear) -> None:
+        """The blocks replace the plain weight (a tied head's plain matrix stays the
+        embedding's); the bias becomes float32, as the kernel adds it."""
+        set_weight(layer, self.quantize(layer.weight.detach()))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.llm_cpu.quantized_linear(
+            x.reshape(-1, shape[-1]).contiguous(), layer.codes, layer.scales, layer.mins,
+            layer.bias_f32, layer.bits)
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+def set_weight(layer: Linear, weight: QuantizedWeight) -> None:
+    """Give `layer` these blocks in place of its plain weight."""
+    if weight.in_features != layer.in_features or len(weight.d) != layer.out_features:
+        raise ValueError(f"a [{len(weight.d)}, {weight.in_features}] quantized weight for a "
+                         f"[{layer.out_features}, {layer.in_features}] layer")
+    if "weight" in layer._parameters:
+        del layer.weight
+    layer.register_buffer("codes", weight.codes)
+    layer.register_buffer("scales", weight.d)
+    layer.register_buffer("mins", weight.mn)
+    layer.bits = weight.bits
+    bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
+    layer.register_buffer("bias_f32", bias)
+
+
+class Int8Method(QuantizedMethod):
+    name, bits = "int8", 8
+
+
+class Int4Method(QuantizedMethod):
+    """4-bit weights; the head (the logits product, where errors are the most visible) gets
+    8 bits, as llama.cpp's Q4 files keep their output matrix at 6 or 8."""
+
+    name, bits = "int4", 4
+
+    def for_head(self) -> LinearMethod:
+        return Int8Method()
+
+
+METHODS: dict[str, type[QuantizedMethod]] = {"int8": Int8Method, "int4": Int4Method}
