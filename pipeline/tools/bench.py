@@ -322,6 +322,7 @@ def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], lis
 
 
 def add_throughput_parser(sub: Any) -> None:
+    from pipeline.tools.bench_quality import quantization_list
     from pipeline.tools.bench_throughput import DEFAULT_PEERS, throughput
 
     p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
@@ -338,7 +339,7 @@ def add_throughput_parser(sub: Any) -> None:
                    help="throughput_vs_batch.png when several batch sizes are given")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="K",
                    help="the pipeline's executor ranks (on the CPU they share the cores)")
-    p.add_argument("--quantization", default=[], type=_quantization_list,
+    p.add_argument("--quantization", default=[], type=quantization_list,
                    help="a comma list of int8,int4: the pipeline and the limit run again with "
                         "each, as rows pipeline-int8, limit-int8, ... (the peers stay float)")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS), type=_peer_list,
@@ -347,17 +348,6 @@ def add_throughput_parser(sub: Any) -> None:
                         "on first use into venvs of their own under the cache folder (several "
                         "minutes); llama.cpp runs only the default model")
     p.set_defaults(func=throughput)
-
-
-def _quantization_list(text: str) -> list[str]:
-    from ipc.config import QUANTIZATIONS
-
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in QUANTIZATIONS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown formats {unknown}; choose from "
-                                         f"{list(QUANTIZATIONS)}")
-    return names
 
 
 def _peer_list(text: str) -> list[str]:

@@ -63,6 +63,19 @@ PROMPTS = [
 ]
 
 
+def quantization_list(text: str) -> list[str]:
+    """A --quantization comma list of ipc.config.QUANTIZATIONS' names (the type of the
+    option here and in `bench throughput`)."""
+    from ipc.config import QUANTIZATIONS
+
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in QUANTIZATIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown formats {unknown}; choose from "
+                                         f"{list(QUANTIZATIONS)}")
+    return names
+
+
 def add_quality_parser(sub: Any, add_common: Any) -> None:
     p = sub.add_parser("quality", help="each --quantization against float32 weights: "
                                        "|Δ log-prob| of a fixed text, greedy agreement")
@@ -113,17 +126,14 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
 def quality(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from ipc.config import QUANTIZATIONS
-
     if args.model_dir is None:
         from pipeline.tools.model_cache import ensure_default_model
 
         args.model_dir = str(ensure_default_model())
-    formats = [n for n in args.quantization.split(",") if n]
-    unknown = [n for n in formats if n not in QUANTIZATIONS]
-    if unknown:
-        raise SystemExit(f"bench quality: unknown formats {unknown}; choose from "
-                         f"{list(QUANTIZATIONS)}")
+    try:
+        formats = quantization_list(args.quantization)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"bench quality: {e}") from None
     tok: Any = AutoTokenizer.from_pretrained(args.model_dir)
     text_ids = list(tok(TEXT)["input_ids"])
     prompts = [list(tok(tok.apply_chat_template([{"role": "user", "content": p}],

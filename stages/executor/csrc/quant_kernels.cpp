@@ -1,9 +1,9 @@
 // Quantized linear layers of the CPU forward: y = x W^T (+ b) with W kept in blocks of 32
 // along K, each block an unsigned code per weight and two fp16 numbers, d and mn:
 //     w = d * code + mn
-// which holds llama.cpp's Q8_0 (code = q + 128, mn = -128 d), Q4_0 (mn = -8 d), Q4_1 (mn = m)
-// and Q4_K (its sub-blocks' d * scale and -dmin * min) exactly, and the int8/int4 weights
-// quantized at load (stages/executor/linear/quantized.py). Registered as
+// which can hold llama.cpp's Q8_0 (code = q + 128, mn = -128 d), Q4_0 (mn = -8 d) and Q4_1
+// (mn = m) exactly (GGUF loading is not built yet), and holds the int8/int4 weights quantized
+// at load (stages/executor/linear/quantized.py). Registered as
 // torch.ops.llm_cpu.quantized_linear; built with cpu_kernels.cpp by kernels.py.
 //
 // The activations are quantized on the fly per block of 32, in two int8 parts with one float
@@ -23,8 +23,8 @@
 // b1[4:8], ... so that the 16 int32 lanes of one pair's dot product (four values each)
 // alternate b0, b1, b0, b1: the pair's two fp16 scales, broadcast, are its lanes' scales.
 // int8 codes are 64 bytes in that order; int4 codes are 32 bytes, positions 0..31 in the low
-// nibbles and 32..63 in the high ones (a mask and a shift unpack them). GGUF's Q4 blocks are
-// repacked into this order at load (stages/executor/linear/quantized.py).
+// nibbles and 32..63 in the high ones (a mask and a shift unpack them). GGUF's Q4 blocks
+// (element j and j + 16 in one byte) would be repacked into this order at load.
 //
 // Work: tiles of 4 output rows by up to 4 tokens; the tiles split across torch's threads. A
 // weight byte is read once per 4 tokens; at one token (decode) the loop streams the weights.
