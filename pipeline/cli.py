@@ -46,8 +46,10 @@ def _version() -> str:
 
 def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
-    p.add_argument("--model", default=d(None), help="local Hugging Face folder (Llama family); "
-                   "default: SmolLM2-135M-Instruct, converted once into $LLM_PIPELINE_CACHE")
+    p.add_argument("--model", default=d(None), help="local Hugging Face folder (Llama family) or GGUF file "
+                   "(llama, qwen2, qwen3; F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, Q4_K-Q6_K: "
+                   "quantized ones stay quantized); default: SmolLM2-135M-Instruct, converted "
+                   "once into $LLM_PIPELINE_CACHE")
     p.add_argument("--dtype", default=d("float32"), choices=["float32", "bfloat16"])
     p.add_argument("--quantization", default=d(None), choices=list(QUANTIZATIONS),
                    help="quantize the weights at load (CPU, eager forward, AVX512-VNNI): int8 "
@@ -326,12 +328,9 @@ def run_stage_command(args: argparse.Namespace) -> int:
     if not args.connect.startswith("tcp://"):
         raise ConfigError(f"--connect {args.connect}: give the tcp://HOST:PORT the pipeline "
                           "printed")
-    if args.model is None:
-        from pipeline.tools.model_cache import ensure_default_model
+    from pipeline.tools.model_source import resolve_model
 
-        model = str(ensure_default_model())
-    else:
-        model = str(ModelInfo.from_dir(args.model).path)
+    model = str(ModelInfo.from_dir(resolve_model(args.model)).path)
     try:
         return run_joined(args.connect, args.kind, key, model, listen_host(args.listen) or None)
     except JoinError as exc:
@@ -340,14 +339,10 @@ def run_stage_command(args: argparse.Namespace) -> int:
 
 
 def build_config(args: argparse.Namespace) -> PipelineConfig:
-    if args.model is None:
-        from pipeline.tools.model_cache import ensure_default_model
+    from pipeline.tools.model_source import resolve_model
 
-        model_dir = ensure_default_model()
-    else:
-        model_dir = Path(args.model)
     return PipelineConfig(
-        model=ModelInfo.from_dir(model_dir, args.max_model_len),
+        model=ModelInfo.from_dir(resolve_model(args.model), args.max_model_len),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.block_size, 1 if args.no_overlap else 2,
                                   getattr(args, "max_waiting", None),

@@ -40,12 +40,10 @@ class LLM:
                  data_parallel_size: int = 1, quantization: str | None = None) -> None:
         from pipeline.runtime.launcher import Pipeline
 
-        if model is None:
-            from pipeline.tools.model_cache import ensure_default_model
+        from pipeline.tools.model_source import resolve_model
 
-            model = str(ensure_default_model())
         cfg = PipelineConfig(
-            model=ModelInfo.from_dir(model, max_model_len),
+            model=ModelInfo.from_dir(resolve_model(model), max_model_len),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile,
                                                quantization=quantization),

@@ -75,14 +75,14 @@ def test_publish_keeps_a_concurrent_winner(tmp_path: Path) -> None:
     dest = _fake_model_dir(tmp_path / "model", complete=True)
     (dest / "winner").write_text("first")
     tmp = _fake_model_dir(tmp_path / ".model.tmp-x", complete=True)
-    model_cache._publish(tmp, dest)
+    model_cache.publish(tmp, dest)
     assert (dest / "winner").read_text() == "first"
 
 
 def test_publish_replaces_an_interrupted_folder(tmp_path: Path) -> None:
     dest = _fake_model_dir(tmp_path / "model", complete=False)
     tmp = _fake_model_dir(tmp_path / ".model.tmp-x", complete=True)
-    model_cache._publish(tmp, dest)
+    model_cache.publish(tmp, dest)
     assert is_complete(dest) and not tmp.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 

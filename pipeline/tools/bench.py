@@ -152,10 +152,9 @@ def print_table(sync: RunResult, fast: RunResult, speedup: float) -> None:
 
 
 def overlap(args: argparse.Namespace) -> int:
-    if args.model_dir is None:
-        from pipeline.tools.model_cache import ensure_default_model
+    from pipeline.tools.model_source import resolve_model
 
-        args.model_dir = str(ensure_default_model())
+    args.model_dir = str(resolve_model(args.model_dir))
     pairs, structured_pairs = [], []
     for _ in range(args.repeat):  # interleaved, so slow drifts of a shared machine cancel out
         pairs.append((run_once(args, depth=1), run_once(args, depth=2)))
@@ -251,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
     """Options every benchmark shares: the model, where and how it runs, the JSON output."""
     p.add_argument("--model", dest="model_dir", default=None,
-                   help="local HF folder; default: the converted SmolLM2")
+                   help="local HF folder or GGUF file; default: the converted SmolLM2")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, or timed:A,B (overlap)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=kv_cache_memory,

@@ -78,10 +78,9 @@ def prefix_once(args: argparse.Namespace, router: str) -> tuple[float, float]:
 
 
 def dp(args: argparse.Namespace) -> int:
-    if args.model_dir is None:
-        from pipeline.tools.model_cache import ensure_default_model
+    from pipeline.tools.model_source import resolve_model
 
-        args.model_dir = str(ensure_default_model())
+    args.model_dir = str(resolve_model(args.model_dir))
     one, many, same = [], [], True
     for _ in range(args.repeat):  # interleaved, so slow drifts of a shared machine cancel out
         a, ids_a = throughput_once(args, 1)

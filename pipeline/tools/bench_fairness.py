@@ -77,9 +77,9 @@ def _hogs(vocab: int) -> dict[str, Callable[[PipelineClient, threading.Event], N
 
 def fairness(args: argparse.Namespace) -> int:
     from pipeline.runtime.launcher import Pipeline
-    from pipeline.tools.model_cache import ensure_default_model
+    from pipeline.tools.model_source import resolve_model
 
-    model = ModelInfo.from_dir(args.model_dir or ensure_default_model(), 4096)
+    model = ModelInfo.from_dir(resolve_model(args.model_dir), 4096)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
     if "priority_range" in {f.name for f in dataclasses.fields(SchedulerConfig)}:
         sched = dataclasses.replace(sched, priority_range=(-10, 10))

@@ -126,10 +126,9 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
 def quality(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    if args.model_dir is None:
-        from pipeline.tools.model_cache import ensure_default_model
+    from pipeline.tools.model_source import resolve_model
 
-        args.model_dir = str(ensure_default_model())
+    args.model_dir = str(resolve_model(args.model_dir))
     try:
         formats = quantization_list(args.quantization)
     except argparse.ArgumentTypeError as e:

@@ -232,10 +232,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.base_url:
         summaries = _serve_http(args, samples, system)
     else:
-        if args.model_dir is None:
-            from pipeline.tools.model_cache import ensure_default_model
+        from pipeline.tools.model_source import resolve_model
 
-            args.model_dir = str(ensure_default_model())
+        args.model_dir = str(resolve_model(args.model_dir))
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),

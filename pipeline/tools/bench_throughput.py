@@ -205,10 +205,9 @@ def same_outputs(a: EngineResult, b: EngineResult) -> int:
 
 
 def throughput(args: argparse.Namespace) -> int:
-    if args.model_dir is None:
-        from pipeline.tools.model_cache import ensure_default_model
+    from pipeline.tools.model_source import resolve_model
 
-        args.model_dir = str(ensure_default_model())
+    args.model_dir = str(resolve_model(args.model_dir))
     work = make_workload(args)
     by_batch: dict[int, dict[str, float]] = {}
     report: dict[str, Any] = {}

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +141,8 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
         _write_hf_folder(gguf, tmp)
         verify_model_dir(tmp)
         (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf.name}\n")
-        _make_readable(tmp)
-        _publish(tmp, dest)
+        make_readable(tmp)
+        publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("default model ready at %s (%.1fs)", dest, time.monotonic() - started)
@@ -163,8 +164,8 @@ def _write_hf_folder(gguf: Path, out: Path) -> None:
     tokenizer.model_max_length = model.config.max_position_embeddings
     # Keep the chat template inside tokenizer_config.json, not a side chat_template.jinja.
     tokenizer.save_pretrained(out, save_jinja_files=False)
-    _strip_keys(out / "config.json", _STRAY_CONFIG_KEYS)
-    _strip_keys(out / "tokenizer_config.json", _STRAY_TOKENIZER_KEYS)
+    strip_keys(out / "config.json", _STRAY_CONFIG_KEYS)
+    strip_keys(out / "tokenizer_config.json", _STRAY_TOKENIZER_KEYS)
 
 
 def _plain_copy(quantized: Any) -> Any:
@@ -187,7 +188,7 @@ def _plain_copy(quantized: Any) -> Any:
     return model.eval()
 
 
-def _strip_keys(path: Path, keys: tuple[str, ...]) -> None:
+def strip_keys(path: Path, keys: tuple[str, ...]) -> None:
     """Remove ``keys`` from a saved JSON file, if present."""
     data = json.loads(path.read_text())
     if any(key in data for key in keys):
@@ -196,21 +197,23 @@ def _strip_keys(path: Path, keys: tuple[str, ...]) -> None:
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _make_readable(folder: Path) -> None:
+def make_readable(folder: Path) -> None:
     """mkdtemp() and the safetensors writer create owner-only entries; open them like a cache."""
     folder.chmod(0o755)
     for path in folder.iterdir():
         path.chmod(0o644)
 
 
-def _publish(tmp: Path, dest: Path) -> None:
-    """Move the finished ``tmp`` folder to ``dest``; tolerate a concurrent winner."""
+def publish(tmp: Path, dest: Path,
+            complete: Callable[[Path], bool] = is_complete) -> None:
+    """Move the finished ``tmp`` folder to ``dest``; tolerate a concurrent winner (a
+    ``dest`` that is ``complete``)."""
     for _ in range(3):
         try:
             os.replace(tmp, dest)
             return
         except OSError:
-            if is_complete(dest):
+            if complete(dest):
                 logger.info("another process finished converting %s first", dest)
                 return
             _discard_stale(dest)

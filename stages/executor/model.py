@@ -148,7 +148,7 @@ class PagedLlama(nn.Module):
         shard = Shard(tp.rank, tp.size, tp) if tp is not None else Shard()
         self.model = Backbone(spec, backend, linear, shard)
         self.lm_head = ParallelLMHead(spec.hidden, spec.vocab_size, linear.for_head(), shard)
-        if spec.tie_word_embeddings:
+        if spec.tie_word_embeddings and not linear.takes_blocks:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
         self.num_layers = cfg["num_hidden_layers"]
@@ -222,10 +222,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     cfg, spec = read_config(model_dir)
     if tp is not None:
         check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
+        if linear.takes_blocks:
+            raise ValueError("a quantized GGUF file runs on one rank: leave out "
+                             "--tensor-parallel-size")
     with torch.device("meta"), _default_dtype(dtype):
         model = PagedLlama(cfg, spec, backend, linear, tp)
     model.to_empty(device="cpu")
-    if spec.tie_word_embeddings:  # (to_empty gave each module its own tensor)
+    if spec.tie_word_embeddings and not linear.takes_blocks:  # (to_empty untied them)
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, model_dir, spec.tie_word_embeddings)
     model.init_rope(max_len)

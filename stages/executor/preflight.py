@@ -10,6 +10,7 @@ from pathlib import Path
 from ipc.arch import ArchSpec, UnsupportedModel, read_config
 from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
+from ipc.gguf_source import GgufSource, gguf_source
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 
 
@@ -22,7 +23,11 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
     selection = select_backend(ForwardRequest(
         ex.device.split(":")[0], ex.compile, None, cfg.model.sliding_window,
         cfg.limits.block_size, ex.tensor_parallel_size), probe=False)
-    if ex.quantization is not None:
+    gguf = gguf_source(cfg.model.path)
+    if gguf is not None and gguf.quantized:
+        check_gguf(gguf, ex.quantization, ex.device, selection.compiled,
+                   ex.tensor_parallel_size)
+    elif ex.quantization is not None:
         check_quantization(ex.quantization, ex.device, selection.compiled)
     if ex.tensor_parallel_size > 1:
         check_divisible(read_config(cfg.model.path)[1], ex.tensor_parallel_size)
@@ -34,16 +39,37 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
 def check_quantization(name: str, device: str, compiled: bool) -> None:
     """What linear/select.py would refuse, said before anything starts: quantized weights run
     in the eager CPU forward, on a CPU with AVX512-VNNI (the kernels' integer dot products)."""
+    _check_quantized(f"--quantization {name}", device, compiled,
+                     "leave out --quantization there", "run it in float32 or --dtype bfloat16")
+
+
+def check_gguf(gguf: GgufSource, quantization: str | None, device: str, compiled: bool,
+               tensor_parallel_size: int) -> None:
+    """The same for a quantized GGUF file's blocks, which also run on one rank and are not
+    quantized again."""
+    subject = gguf.describe()
+    if quantization is not None:
+        raise ConfigError(f"{subject}: the file is quantized already; leave out "
+                          f"--quantization {quantization}")
+    if tensor_parallel_size > 1:
+        raise ConfigError(f"{subject}: a quantized GGUF file runs on one rank; leave out "
+                          "--tensor-parallel-size")
+    _check_quantized(subject, device, compiled, "run it with --device cpu",
+                     "load an F32 or BF16 GGUF, or the Hugging Face folder, instead")
+
+
+def _check_quantized(subject: str, device: str, compiled: bool, on_cuda: str,
+                     without_vnni: str) -> None:
     if not device.startswith("cpu"):
-        raise ConfigError(f"--quantization {name}: quantized weights run on the CPU only, not "
-                          f"{device}; leave out --quantization there")
+        raise ConfigError(f"{subject}: quantized weights run on the CPU only, not {device}; "
+                          f"{on_cuda}")
     if compiled:
-        raise ConfigError(f"--quantization {name}: it runs in the eager forward; leave out "
+        raise ConfigError(f"{subject}: quantized weights run in the eager forward; leave out "
                           "--compile")
     flags = cpu_flags()
     if flags is not None and not {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
-        raise ConfigError(f"--quantization {name}: this CPU lacks AVX-512 with VNNI, which the "
-                          "quantized kernels need; run it in float32 or --dtype bfloat16")
+        raise ConfigError(f"{subject}: this CPU lacks AVX-512 with VNNI, which the quantized "
+                          f"kernels need; {without_vnni}")
 
 
 def cpu_flags() -> set[str] | None:

@@ -17,6 +17,7 @@ import torch
 
 from ipc.arch import read_config
 from ipc.config import EngineLimits
+from ipc.gguf_source import gguf_source
 from ipc.messages import StepPlan
 from stages.executor.backends.base import AttentionBackend, ForwardTables
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
@@ -253,7 +254,8 @@ class ModelRunner:
             device.type, compile, cpu_kernels, spec.sliding_window, limits.block_size,
             tp.size if tp is not None else 1))
         backend = selection.load()(limits, device, spec.sliding_window)
-        linear = select_linear_method(dtype, device, selection.compiled, pack, quantization)
+        linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,
+                                      gguf_source(model_dir))
         model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)

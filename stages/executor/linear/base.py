@@ -15,6 +15,9 @@ class LinearMethod(ABC):
     """One weight format. `unsupported` says why it cannot run here (None: it can)."""
 
     name: str
+    # The layers' weights come already in this format from the checkpoint (a GGUF file's
+    # blocks, set by the loader): the model allocates no float weight for them.
+    takes_blocks = False
 
     @classmethod
     def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -43,7 +46,9 @@ class Linear(nn.Module):
                  method: LinearMethod) -> None:
         super().__init__()
         self.in_features, self.out_features, self.method = in_features, out_features, method
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        if not method.takes_blocks:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features),
+                                       requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
                      else None)
 

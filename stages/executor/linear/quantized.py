@@ -88,9 +88,7 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     """4-bit blocks with a minimum (Q4_1): mn = min, d = (max - min) / 15,
     code = round((w - mn) / d); the codes packed two to a byte."""
     q = _quantize_min_scale(w, 4)
-    codes = q.codes.view(len(w), -1, PAIR)
-    q.codes = (codes[..., :32] | (codes[..., 32:] << 4)).reshape(len(w), -1).contiguous()
-    return q
+    return _pack_nibbles(q)
 
 
 def _quantize_min_scale(w: torch.Tensor, bits: int) -> QuantizedWeight:
@@ -105,6 +103,56 @@ def _quantize_min_scale(w: torch.Tensor, bits: int) -> QuantizedWeight:
                     / scale.clamp_min(torch.finfo(torch.float32).tiny), 0)
     codes = q.round().clamp(0, top).to(torch.uint8).view(len(w), -1)
     return QuantizedWeight(_pair_order(codes), d, mn, bits, w.shape[1])
+
+
+def from_codes(codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor,
+               bits: int) -> QuantizedWeight:
+    """The blocks that hold w = d * code + mn for codes already made (a GGUF file's):
+    `codes` uint8 [N, K] in block order, one a byte (< 2**bits), `d` and `mn` float16
+    [N, K / 32]; K a multiple of 32, padded here to 64 with blocks of d = mn = 0."""
+    n, k = codes.shape
+    if k % BLOCK or d.shape != (n, k // BLOCK) or mn.shape != d.shape:
+        raise ValueError(f"codes {tuple(codes.shape)} with scales {tuple(d.shape)} and minima "
+                         f"{tuple(mn.shape)}: one scale and minimum per {BLOCK} codes")
+    if int(codes.max()) >= 2 ** bits:
+        raise ValueError(f"a code of {int(codes.max())} does not fit in {bits} bits")
+    pad = -k % PAIR
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+        d = torch.nn.functional.pad(d, (0, pad // BLOCK))
+        mn = torch.nn.functional.pad(mn, (0, pad // BLOCK))
+    q = QuantizedWeight(_pair_order(codes), d.contiguous(), mn.contiguous(), 8, k)
+    return q if bits == 8 else _pack_nibbles(q)
+
+
+def widen(weight: QuantizedWeight) -> QuantizedWeight:
+    """4-bit blocks as 8-bit ones holding the same values (to join a layer's 8-bit parts)."""
+    if weight.bits == 8:
+        return weight
+    n = len(weight.d)
+    packed = weight.codes.view(n, -1, 32)
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
+    return QuantizedWeight(codes, weight.d, weight.mn, 8, weight.in_features)
+
+
+def join_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Parts of a fused projection (q, k, v) stacked by rows, at the widest parts' bits."""
+    if len({p.in_features for p in parts}) != 1:
+        raise ValueError(f"parts of {[p.in_features for p in parts]} inputs cannot be joined")
+    bits = max(p.bits for p in parts)
+    if bits == 8:
+        parts = [widen(p) for p in parts]
+    return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
+                           torch.cat([p.mn for p in parts]), bits, parts[0].in_features)
+
+
+def _pack_nibbles(q: QuantizedWeight) -> QuantizedWeight:
+    """8-bit-a-byte codes (< 16) in pair order packed two to a byte: positions 0..31 of each
+    pair in the low nibbles, 32..63 in the high ones."""
+    codes = q.codes.view(len(q.d), -1, PAIR)
+    q.codes = (codes[..., :32] | (codes[..., 32:] << 4)).reshape(len(q.d), -1).contiguous()
+    q.bits = 4
+    return q
 
 
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight,
@@ -194,6 +242,17 @@ class Int4Method(QuantizedMethod):
 
     def for_head(self) -> LinearMethod:
         return Int8Method()
+
+
+class GgufMethod(QuantizedMethod):
+    """A GGUF file's blocks (gguf_blocks.py), set on each layer by the loader: 4 or 8 bits
+    per layer, as the file has them. A float tensor among them is quantized to 8 bits."""
+
+    name, bits, takes_blocks = "gguf", 8, True
+
+    def process(self, layer: Linear) -> None:
+        if not hasattr(layer, "codes"):
+            raise ValueError(f"{layer}: the GGUF file gave this layer no weight")
 
 
 METHODS: dict[str, type[QuantizedMethod]] = {"int8": Int8Method, "int4": Int4Method}

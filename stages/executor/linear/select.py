@@ -8,17 +8,27 @@ import torch
 from stages.executor.linear.base import LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.onednn import OneDnnPackedMethod
-from stages.executor.linear.quantized import METHODS
+from ipc.gguf_source import GgufSource
+from stages.executor.linear.quantized import METHODS, GgufMethod
 
 
 def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: bool,
-                         pack: bool | None = None,
-                         quantization: str | None = None) -> LinearMethod:
-    """`quantization` (int8, int4): that quantized format, or ValueError saying why it cannot
-    run here. Otherwise oneDNN's packed weights for the eager CPU forward where oneDNN can
-    pack the dtype (`pack`: None as that, False plain, True required); plain F.linear
-    otherwise. (TorchInductor lowers packed weights only as frozen constants, which one graph
-    shared by every layer cannot have.)"""
+                         pack: bool | None = None, quantization: str | None = None,
+                         gguf: GgufSource | None = None) -> LinearMethod:
+    """A quantized GGUF file (`gguf`): its own blocks. `quantization` (int8, int4): that
+    quantized format. Either raises ValueError saying why it cannot run here. Otherwise
+    oneDNN's packed weights for the eager CPU forward where oneDNN can pack the dtype
+    (`pack`: None as that, False plain, True required); plain F.linear otherwise.
+    (TorchInductor lowers packed weights only as frozen constants, which one graph shared
+    by every layer cannot have.)"""
+    if gguf is not None and gguf.quantized:
+        subject = gguf.describe()
+        why = (f"the file is quantized already; leave out --quantization {quantization}"
+               if quantization is not None else None)
+        why = why or _why_not_quantized(GgufMethod, dtype, device, compiled)
+        if why is not None:
+            raise ValueError(f"{subject}: {why}")
+        return GgufMethod()
     if quantization is not None:
         return _quantized(quantization, dtype, device, compiled)
     if pack is False:
@@ -38,8 +48,14 @@ def _quantized(name: str, dtype: torch.dtype, device: torch.device,
     method = METHODS.get(name)
     if method is None:
         raise ValueError(f"--quantization {name!r}: the formats are {', '.join(METHODS)}")
-    why = "it runs in the eager forward; leave out --compile" if compiled else None
-    why = why or method.unsupported(dtype, device)
+    why = _why_not_quantized(method, dtype, device, compiled)
     if why is not None:
         raise ValueError(f"--quantization {name}: {why}")
     return method()
+
+
+def _why_not_quantized(method: type[LinearMethod], dtype: torch.dtype, device: torch.device,
+                       compiled: bool) -> str | None:
+    if compiled:
+        return "quantized weights run in the eager forward; leave out --compile"
+    return method.unsupported(dtype, device)

@@ -1,0 +1,106 @@
+"""What `--model` names, as the model folder every stage reads: nothing (the default model,
+model_cache.py), a Hugging Face folder (as it is), or a GGUF file (`--model FILE.gguf`).
+
+A GGUF file gets a folder of its own in the cache, made once in the user's process before
+anything starts: config.json, generation_config.json and the tokenizer from the file's
+metadata (transformers' GGUF reading, as llama.cpp reads them), and gguf.json naming the file
+and its tensors' types (ipc/gguf_source.py). No weight is copied: the executor loads them
+from the file, quantized ones kept in their blocks (stages/executor/gguf_loader.py). The
+folder is keyed by the file's path, size and modification time, and named after the file,
+so the served model name is the file's."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ipc.cache import cache_dir
+from ipc.errors import ConfigError
+from ipc.gguf_source import SOURCE_FILE, GgufSource, check_tensors, is_gguf
+from pipeline.tools.model_cache import (
+    COMPLETE_MARKER,
+    ensure_default_model,
+    make_readable,
+    publish,
+    strip_keys,
+)
+
+logger = logging.getLogger(__name__)
+
+GGUF_FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", SOURCE_FILE)
+_STRAY_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "quantization_config")
+_STRAY_TOKENIZER_KEYS = ("is_local", "local_files_only", "gguf_file", "name_or_path")
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """The model folder for `--model` as given (None: the default model)."""
+    if model is None:
+        return ensure_default_model()
+    path = Path(model)
+    if is_gguf(path):
+        return gguf_model_dir(path)
+    if path.is_file():
+        raise ConfigError(f"--model {model}: a file that is not GGUF; give a Hugging Face "
+                          "model folder or a .gguf file")
+    return path
+
+
+def gguf_model_dir(file: Path) -> Path:
+    """The folder that stands for GGUF `file`, made first if need be (seconds, once)."""
+    file = file.resolve()
+    stat = file.stat()
+    key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    dest = cache_dir() / "gguf" / key[:16] / file.stem
+    if (dest / COMPLETE_MARKER).is_file():
+        return dest
+    source = read_source(file)  # refused here, before the slow part, if it cannot load
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    started = time.monotonic()
+    try:
+        logger.info("reading the config and tokenizer of %s (once)", file)
+        _write_folder(file, source, tmp)
+        (tmp / COMPLETE_MARKER).write_text(f"made from {file}\n")
+        make_readable(tmp)
+        publish(tmp, dest, lambda folder: (folder / COMPLETE_MARKER).is_file())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("%s ready at %s (%.1fs)", file.name, dest, time.monotonic() - started)
+    return dest
+
+
+def read_source(file: Path) -> GgufSource:
+    """The file's architecture and tensor types, or ConfigError naming what cannot load."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(file))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--model {file}: not a readable GGUF file ({exc})") from None
+    field = reader.fields.get("general.architecture")
+    architecture = str(field.contents()) if field is not None else "?"
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    check_tensors(str(file), architecture, types)
+    return GgufSource(str(file), architecture, types)
+
+
+def _write_folder(file: Path, source: GgufSource, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out, save_jinja_files=False)  # (the template in the config)
+    strip_keys(out / "config.json", _STRAY_CONFIG_KEYS)
+    strip_keys(out / "tokenizer_config.json", _STRAY_TOKENIZER_KEYS)
+    (out / SOURCE_FILE).write_text(source.to_json())
+    missing = [name for name in GGUF_FOLDER_FILES if not (out / name).is_file()]
+    if missing:
+        raise ConfigError(f"{file}: its metadata gave no {', '.join(missing)}")

@@ -1,0 +1,69 @@
+"""A GGUF file's tensors as checkpoint entries (loader.py), in the executor process: each
+tensor under its Hugging Face name, read from the memory-mapped file one at a time; quantized
+ones as our blocks (linear/gguf_blocks.py), float ones as tensors. llama.cpp's converter
+permutes the rows of a "llama" file's q and k projections (interleaved rope pairs); they are
+put back in Hugging Face's order here, rows of blocks as rows of floats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from ipc.arch import ArchSpec
+from ipc.gguf_source import FLOATS, PERMUTED_QK, GgufSource, check_tensors, hf_name
+from stages.executor.linear.gguf_blocks import gguf_blocks
+from stages.executor.linear.quantized import QuantizedWeight
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The rows of a llama.cpp-permuted q or k projection ([heads * D, ...]) in Hugging
+    Face's order: row i of the result is row index[i] of the file's."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def _floats(tensor: Any) -> torch.Tensor:
+    data = np.asarray(tensor.data)
+    if tensor.tensor_type.name == "BF16":  # (read as raw bytes: two a value)
+        shape = [int(n) for n in reversed(tensor.shape)]
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).copy())
+        return raw.view(torch.bfloat16).reshape(shape).float()
+    return torch.from_numpy(np.array(data, dtype=np.float32))
+
+
+def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str, Any]]:
+    """(file name, Hugging Face name, float tensor or QuantizedWeight) of every tensor."""
+    reader = GGUFReader(source.file)
+    check_tensors(source.file, source.architecture,
+                  {t.name: t.tensor_type.name for t in reader.tensors})
+    where = Path(source.file).name
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        assert name is not None  # (check_tensors refused the others)
+        kind = tensor.tensor_type.name
+        value: torch.Tensor | QuantizedWeight
+        if kind in FLOATS:
+            value = _floats(tensor)
+        else:
+            value = gguf_blocks(np.asarray(tensor.data), kind, int(tensor.shape[0]))
+        if source.architecture in PERMUTED_QK and name.split(".")[-2] in ("q_proj", "k_proj"):
+            heads = spec.num_heads if name.split(".")[-2] == "q_proj" else spec.num_kv_heads
+            value = _rows(value, unpermute_rows(_num_rows(value), heads))
+        yield where, name, value
+
+
+def _num_rows(value: torch.Tensor | QuantizedWeight) -> int:
+    return len(value.d) if isinstance(value, QuantizedWeight) else value.shape[0]
+
+
+def _rows(value: torch.Tensor | QuantizedWeight,
+          index: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+    if isinstance(value, QuantizedWeight):
+        return QuantizedWeight(value.codes[index].contiguous(), value.d[index].contiguous(),
+                               value.mn[index].contiguous(), value.bits, value.in_features)
+    return value[index].contiguous()
