@@ -47,6 +47,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Path]:
+    """The tiny model as a Q8_0 GGUF file (its v projections Q4_0), as `--model FILE.gguf`
+    makes it a folder; the folder is removed from the cache afterwards."""
+    import shutil
+
+    from pipeline.tools.gguf_export import export
+    from pipeline.tools.model_source import resolve_model
+
+    file = export(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q8_0",
+                  {"attn_v": "Q4_0"})
+    folder = resolve_model(file)
+    yield folder
+    shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from pipeline.tools.model_cache import ModelSetupError, ensure_default_model
 

@@ -55,12 +55,19 @@ def test_seeded_requests_are_reproducible_across_batches_and_overlap(
     assert len({tuple(r) for r in runs[0]}) == 4
 
 
-@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_quantized)])
-def test_stop_string_n_logprobs_and_prefix_cache(tiny_model_dir: Path,
+@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_quantized),
+                                          pytest.param("gguf", marks=needs_quantized)])
+def test_stop_string_n_logprobs_and_prefix_cache(request: pytest.FixtureRequest,
+                                                 tiny_model_dir: Path,
                                                  quantization: str | None) -> None:
-    """The request semantics through the live pipeline, with float32 weights and quantized
-    ones (whose kernel also runs one-token decode steps and multi-token prefill chunks)."""
-    cfg = live_config(tiny_model_dir, max_num_seqs=8, max_num_batched_tokens=64,
+    """The request semantics through the live pipeline, with float32 weights, quantized
+    ones (whose kernel also runs one-token decode steps and multi-token prefill chunks),
+    and a GGUF file's blocks (its tokenizer and config read from the file's metadata)."""
+    if quantization == "gguf":
+        model, quantization = request.getfixturevalue("tiny_gguf_dir"), None
+    else:
+        model = tiny_model_dir
+    cfg = live_config(model, max_num_seqs=8, max_num_batched_tokens=64,
                       quantization=quantization)
     with running(cfg) as pipe:
         client = pipe.client()

@@ -93,6 +93,9 @@ def _write_folder(file: Path, source: GgufSource, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+    head_dim = _field(file, f"{source.architecture}.attention.key_length")
+    if head_dim is not None:  # (transformers reads it for some architectures only: Qwen3's
+        config.head_dim = int(head_dim)  # 128-wide heads of a 1024-wide model need it)
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
@@ -104,3 +107,10 @@ def _write_folder(file: Path, source: GgufSource, out: Path) -> None:
     missing = [name for name in GGUF_FOLDER_FILES if not (out / name).is_file()]
     if missing:
         raise ConfigError(f"{file}: its metadata gave no {', '.join(missing)}")
+
+
+def _field(file: Path, key: str) -> object | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(file)).fields.get(key)
+    return field.contents() if field is not None else None
