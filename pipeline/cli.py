@@ -46,10 +46,11 @@ def _version() -> str:
 
 def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
-    p.add_argument("--model", default=d(None), help="local Hugging Face folder (Llama family) or GGUF file "
-                   "(llama, qwen2, qwen3; F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, Q4_K-Q6_K: "
-                   "quantized ones stay quantized); default: SmolLM2-135M-Instruct, converted "
-                   "once into $LLM_PIPELINE_CACHE")
+    p.add_argument("--model", default=d(None),
+                   help="local Hugging Face folder (Llama family) or GGUF file (llama, qwen2, "
+                   "qwen3; F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, Q4_K-Q6_K: quantized ones "
+                   "stay quantized); default: SmolLM2-135M-Instruct, converted once into "
+                   "$LLM_PIPELINE_CACHE")
     p.add_argument("--dtype", default=d("float32"), choices=["float32", "bfloat16"])
     p.add_argument("--quantization", default=d(None), choices=list(QUANTIZATIONS),
                    help="quantize the weights at load (CPU, eager forward, AVX512-VNNI): int8 "

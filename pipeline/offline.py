@@ -39,7 +39,6 @@ class LLM:
                  tokenizer_workers: int = 1, detokenizer_workers: int = 1,
                  data_parallel_size: int = 1, quantization: str | None = None) -> None:
         from pipeline.runtime.launcher import Pipeline
-
         from pipeline.tools.model_source import resolve_model
 
         cfg = PipelineConfig(

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from ipc.gguf_source import GgufSource
 from stages.executor.linear.base import LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.onednn import OneDnnPackedMethod
-from ipc.gguf_source import GgufSource
 from stages.executor.linear.quantized import METHODS, GgufMethod
 
 
