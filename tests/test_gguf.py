@@ -23,7 +23,7 @@ from pipeline.tools.model_source import resolve_model
 from stages.executor import preflight
 from stages.executor.gguf_loader import unpermute_rows
 from stages.executor.linear.gguf_blocks import gguf_blocks
-from stages.executor.linear.quantized import kernel_missing, reference_linear
+from stages.executor.linear.quantized import kernel_missing, reference_linear, tile_layout
 
 needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
                                   reason=f"quantized kernels: {kernel_missing()}")
@@ -77,7 +77,7 @@ def test_the_kernel_multiplies_converted_blocks(kind: str) -> None:
     data = _file_blocks(kind, 7, 512, seed=3)
     q = gguf_blocks(data, kind, 512)
     x = torch.randn(3, 512)
-    y = torch.ops.llm_cpu.quantized_linear(x, q.codes, q.d, q.mn, None, q.bits)
+    y = torch.ops.llm_cpu.quantized_linear(x, tile_layout(q), None, q.bits, 7)
     want = reference_linear(x, q)
     assert (y - want).abs().max() <= 3e-4 * want.abs().max()
 

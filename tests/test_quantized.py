@@ -22,6 +22,7 @@ from stages.executor.linear.quantized import (
     quantize_int4,
     quantize_int8,
     reference_linear,
+    tile_layout,
 )
 from stages.executor.linear.select import select_linear_method
 
@@ -69,7 +70,7 @@ def test_the_kernel_computes_its_reference(bits: int, dtype: torch.dtype, n: int
     for m in range(1, 10):
         x = torch.randn(m, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen) if m % 2 else None
-        y = torch.ops.llm_cpu.quantized_linear(x, q.codes, q.d, q.mn, bias, bits)
+        y = torch.ops.llm_cpu.quantized_linear(x, tile_layout(q), bias, bits, n)
         assert y.dtype == dtype and y.shape == (m, n)
         want = reference_linear(x, q, bias)
         exact = x.float() @ q.dequantize().T + (0 if bias is None else bias)
@@ -81,16 +82,18 @@ def test_the_kernel_computes_its_reference(bits: int, dtype: torch.dtype, n: int
 
 @needs_kernel
 def test_bad_inputs_are_refused_with_the_reason() -> None:
-    q = quantize_int8(torch.randn(4, 64))
+    q = quantize_int8(torch.randn(6, 64))
+    t = tile_layout(q)  # 2 tiles of 288 bytes (one pair)
     x = torch.randn(2, 64)
     op = torch.ops.llm_cpu.quantized_linear
-    cases = [((x, q.codes, q.d, q.mn, None, 5), "bits must be 8 or 4"),
-             ((x, q.codes, q.d, q.mn, None, 4), "bytes a row"),
-             ((torch.randn(2, 200), q.codes, q.d, q.mn, None, 8), "columns"),
-             ((x.half(), q.codes, q.d, q.mn, None, 8), "float32 or bfloat16"),
-             ((x, q.codes, q.d.float(), q.mn, None, 8), "float16"),
-             ((x, q.codes, q.d, q.mn, torch.randn(3), 8), "bias"),
-             ((x.t(), q.codes, q.d, q.mn, None, 8), "contiguous")]
+    cases = [((x, t, None, 5, 6), "bits must be 8 or 4"),
+             ((x, t, None, 4, 6), "not a whole number of 160-byte pairs"),
+             ((x, t, None, 8, 9), "2 tiles of 4 rows for 9 outputs"),
+             ((torch.randn(2, 200), t, None, 8, 6), "columns"),
+             ((x.half(), t, None, 8, 6), "float32 or bfloat16"),
+             ((x, t.view(torch.int8), None, 8, 6), "uint8"),
+             ((x, t, torch.randn(3), 8, 6), "bias"),
+             ((x.t(), t, None, 8, 6), "contiguous")]
     for args, why in cases:
         with pytest.raises(RuntimeError, match=why):
             op(*args)
@@ -154,7 +157,7 @@ def test_a_quantized_model_is_its_dequantized_weights(tiny_model_dir: Path, tmp_
     requests = [(str(i), p, params) for i, p in enumerate(prompts)]
     quantized = InProcessEngine(str(tiny_model_dir), quantization=name)
     layer = quantized.runner.model.model.layers[0].mlp.down_proj
-    assert not hasattr(layer, "weight") and layer.codes.dtype == torch.uint8
+    assert not hasattr(layer, "weight") and layer.tiles.dtype == torch.uint8
     assert layer.method.name == name and quantized.runner.model.lm_head.method.name == "int8"
     got, want = quantized.run(requests), InProcessEngine(str(floats)).run(requests)
     for key, result in want.items():

@@ -155,6 +155,22 @@ def _pack_nibbles(q: QuantizedWeight) -> QuantizedWeight:
     return q
 
 
+def tile_layout(weight: QuantizedWeight) -> torch.Tensor:
+    """The blocks in the order quantized_linear streams them (csrc/quant_kernels.cpp):
+    uint8 [ceil(N / 4), pairs * chunk], each tile of 4 rows (N padded with zero rows) pair
+    after pair, a pair's chunk the 4 rows' codes, then their d, then their mn (fp16, the
+    pair's two blocks a row)."""
+    n, pairs = len(weight.d), weight.d.shape[1] // 2
+    tiles = -(-n // 4)
+
+    def by_tile(v: torch.Tensor) -> torch.Tensor:  # [N, pairs * X] -> [T, pairs, 4 * X]
+        v = torch.nn.functional.pad(v.view(torch.uint8), (0, 0, 0, 4 * tiles - n))
+        return v.view(tiles, 4, pairs, -1).transpose(1, 2).reshape(tiles, pairs, -1)
+
+    chunks = torch.cat([by_tile(weight.codes), by_tile(weight.d), by_tile(weight.mn)], dim=-1)
+    return chunks.reshape(tiles, -1).contiguous()
+
+
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """What quantized_linear computes, in float32 PyTorch: x quantized per block of 32 as the
@@ -209,9 +225,9 @@ class QuantizedMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.llm_cpu.quantized_linear(
-            x.reshape(-1, shape[-1]).contiguous(), layer.codes, layer.scales, layer.mins,
-            layer.bias_f32, layer.bits)
+        y = torch.ops.llm_cpu.quantized_linear(x.reshape(-1, shape[-1]).contiguous(),
+                                               layer.tiles, layer.bias_f32, layer.bits,
+                                               layer.out_features)
         return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -222,9 +238,7 @@ def set_weight(layer: Linear, weight: QuantizedWeight) -> None:
                          f"[{layer.out_features}, {layer.in_features}] layer")
     if "weight" in layer._parameters:
         del layer.weight
-    layer.register_buffer("codes", weight.codes)
-    layer.register_buffer("scales", weight.d)
-    layer.register_buffer("mins", weight.mn)
+    layer.register_buffer("tiles", tile_layout(weight))
     layer.bits = weight.bits
     bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
     layer.register_buffer("bias_f32", bias)
@@ -251,7 +265,7 @@ class GgufMethod(QuantizedMethod):
     name, bits, takes_blocks = "gguf", 8, True
 
     def process(self, layer: Linear) -> None:
-        if not hasattr(layer, "codes"):
+        if not hasattr(layer, "tiles"):
             raise ValueError(f"{layer}: the GGUF file gave this layer no weight")
 
 
