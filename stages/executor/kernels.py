@@ -1,5 +1,6 @@
 """The executor's CPU kernels (csrc/cpu_kernels.cpp: attention, norms, rotary, sampling helpers;
-csrc/quant_kernels.cpp: quantized linear layers), built once per machine and loaded as
+csrc/quant_kernels.cpp: quantized linear layers; csrc/decoder_layers.cpp: every layer in one
+call), built once per machine and loaded as
 torch.ops.llm_cpu. Runs in the executor process.
 
 The sources are compiled with the machine's C++ compiler against the installed torch's headers
@@ -29,8 +30,8 @@ from ipc.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "cpu_kernels.cpp",
-           Path(__file__).parent / "csrc" / "quant_kernels.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "decoder_layers.cpp"))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
 BUILD_TIMEOUT_S = 120  # well inside an executor's ready timeout (300 s by default)
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from ipc.arch import ArchSpec, read_config
 from stages.executor.backends.base import TORCH_OPS, AttentionBackend, ForwardOps
+from stages.executor.fused import FusedLayers
 from stages.executor.linear.base import LinearMethod, process_weights
 from stages.executor.loader import load_weights
 from stages.executor.preflight import check_divisible
@@ -153,6 +154,7 @@ class PagedLlama(nn.Module):
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
         self.num_layers = cfg["num_hidden_layers"]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.fused_layers: FusedLayers | None = None  # set once loaded (load_model)
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -170,8 +172,11 @@ class PagedLlama(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """The logits; with tensor parallelism, on rank 0 (None on the others)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, kv_cache, meta)
+        if self.fused_layers is not None:  # the same kernels, in one call (fused.py)
+            x = self.fused_layers(x, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # [S, hidden]
         logits = self.lm_head(x).float()  # [S, vocab]
         return logits if self.tp is None else self.tp.gather_logits(logits)
@@ -234,4 +239,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.init_rope(max_len)
     model = model.to(device).eval()
     process_weights(model)
+    model.fused_layers = FusedLayers.build(model)
     return model

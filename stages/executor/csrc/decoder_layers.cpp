@@ -1,0 +1,135 @@
+// Every decoder layer of the eager CPU forward in one call: torch.ops.llm_cpu.decoder_layers
+// runs, layer after layer, the same kernels in the same order as the model's Python layers
+// (stages/executor/model.py on the cpu_kernels backend), so its results are the same bits:
+//     h = rms_norm(x); qkv = h Wqkv; a = paged_attention(q, k, v) (rope, cache write);
+//     h = a Wo; h = add_rms_norm(x += h); h = silu_and_mul(h Wgate_up); x += h Wdown
+// What it saves is the Python between them: ~10 module calls and op dispatches a layer,
+// a third of a one-token decode step of a small model (stages/executor/fused.py says when
+// it runs). Each product is oneDNN's packed one (mkldnn::_linear_pointwise) or
+// llm_cpu::quantized_linear, called through the dispatcher as Python calls them. Built with
+// the other kernels by kernels.py.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// Per layer, the entries of `weights`: the two norms' weights, and a weight and a bias (or
+// None) per projection.
+enum Entry { kNorm1, kQkvW, kQkvB, kOW, kOB, kNorm2, kGateUpW, kGateUpB, kDownW, kDownB,
+             kEntries };
+// Per projection, the entries of `ints` after the 3 shared ones: its kind, bits and outputs.
+enum Kind { kPacked = 0, kQuantized = 1 };
+constexpr int64_t kShared = 3, kPerProjection = 3, kProjections = 4;
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
+      add_rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      double, int64_t)>
+      paged_attention;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t, int64_t)>
+      quantized_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      std::string_view, c10::List<std::optional<c10::Scalar>>,
+                                      std::optional<std::string_view>)>
+      packed_linear;
+};
+
+const Ops& ops() {
+  static const Ops found = [] {
+    auto& d = c10::Dispatcher::singleton();
+    return Ops{
+        d.findSchemaOrThrow("llm_cpu::rms_norm", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
+        d.findSchemaOrThrow("llm_cpu::add_rms_norm", "")
+            .typed<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(),
+        d.findSchemaOrThrow("llm_cpu::silu_and_mul", "").typed<at::Tensor(const at::Tensor&)>(),
+        d.findSchemaOrThrow("llm_cpu::paged_attention", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                              int64_t)>(),
+        d.findSchemaOrThrow("llm_cpu::quantized_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
+                              int64_t)>(),
+        d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                              std::string_view, c10::List<std::optional<c10::Scalar>>,
+                              std::optional<std::string_view>)>()};
+  }();
+  return found;
+}
+
+// y = x W^T + b by projection `p`'s kind (ints: kind, bits, outputs).
+at::Tensor project(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                   const int64_t* spec) {
+  TORCH_CHECK(weight.has_value(), "decoder_layers: a projection without a weight");
+  if (spec[0] == kQuantized) {
+    return ops().quantized_linear.call(x, *weight, bias, spec[1], spec[2]);
+  }
+  return ops().packed_linear.call(x.contiguous(), *weight, bias, "none",
+                                  c10::List<std::optional<c10::Scalar>>(), "");
+}
+
+// x [T, hidden], updated in place (the residual stream, as the Python layers update it) and
+// returned. ints: heads, kv_heads, head_dim, then per layer and projection (qkv, o, gate_up,
+// down) kind, bits, outputs. kv_caches: one per layer.
+at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
+                          c10::IntArrayRef ints, double eps, double scale,
+                          const c10::List<at::Tensor>& kv_caches, const at::Tensor& block_table,
+                          const at::Tensor& token_slots, const at::Tensor& positions,
+                          const at::Tensor& cos_table, const at::Tensor& sin_table,
+                          int64_t window) {
+  const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kEntries,
+              "decoder_layers: ", weights.size(), " weights for ", layers, " layers");
+  TORCH_CHECK(static_cast<int64_t>(ints.size()) ==
+                  kShared + layers * kProjections * kPerProjection,
+              "decoder_layers: ", ints.size(), " ints for ", layers, " layers");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be [T, hidden]");
+  const int64_t tokens = x.size(0), heads = ints[0], kv_heads = ints[1], d = ints[2];
+  const int64_t q_size = heads * d, kv_size = kv_heads * d;
+  const Ops& op = ops();
+  for (int64_t l = 0; l < layers; ++l) {
+    auto w = [&](int64_t entry) -> OptTensor { return weights.get(l * kEntries + entry); };
+    const int64_t* spec = ints.data() + kShared + l * kProjections * kPerProjection;
+    at::Tensor h = op.rms_norm.call(x, *w(kNorm1), eps);
+    const at::Tensor qkv = project(h, w(kQkvW), w(kQkvB), spec);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, d});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, d});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
+    at::Tensor cache = kv_caches.get(l);
+    const at::Tensor a = op.paged_attention.call(q, k, v, cache, block_table, token_slots,
+                                                 positions, cos_table, sin_table, scale, window);
+    h = project(a.view({tokens, q_size}), w(kOW), w(kOB), spec + kPerProjection);
+    h = op.add_rms_norm.call(x, h, *w(kNorm2), eps);  // x += h
+    h = op.silu_and_mul.call(project(h, w(kGateUpW), w(kGateUpB), spec + 2 * kPerProjection));
+    x.add_(project(h, w(kDownW), w(kDownB), spec + 3 * kPerProjection));
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
+  m.def("decoder_layers(Tensor(a!) x, Tensor?[] weights, int[] ints, float eps, float scale, "
+        "Tensor(b!)[] kv_caches, Tensor block_table, Tensor token_slots, Tensor positions, "
+        "Tensor cos, Tensor sin, int window) -> Tensor(a!)");
+}
+
+// (oneDNN's packed weights are MkldnnCPU tensors: the call dispatches on them too.)
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) { m.impl("decoder_layers", TORCH_FN(decoder_layers)); }
+TORCH_LIBRARY_IMPL(llm_cpu, MkldnnCPU, m) { m.impl("decoder_layers", TORCH_FN(decoder_layers)); }

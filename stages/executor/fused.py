@@ -1,0 +1,69 @@
+"""Every decoder layer in one call into the CPU kernels (csrc/decoder_layers.cpp), in the
+executor process: the eager CPU forward's layers without the Python between their kernels.
+
+The call runs the same kernels in the same order as the layers' own forward, so a step's
+results are the same bits either way; what goes is ~10 module calls and op dispatches a
+layer, which were a third of a one-token decode step of the default model (docs/BENCHMARKS.md
+"Single stream"). It runs where the layers are exactly that sequence: the cpu_kernels
+attention backend, one rank, no per-head q/k norms (Qwen3), and every projection
+oneDNN-packed or quantized (plain F.linear weights keep the Python layers). `build` decides;
+the model keeps the result as `fused_layers` (None: the Python layers run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stages.executor.linear.base import Linear
+
+PACKED, QUANTIZED = 0, 1
+QUANTIZED_METHODS = ("int8", "int4", "gguf")
+
+
+def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+    """(weight, bias, [kind, bits, outputs]) as decoder_layers takes a projection; None for a
+    format it does not run."""
+    name = layer.method.name
+    if name == "onednn-packed":
+        return layer.packed_weight, layer.bias, [PACKED, 0, layer.out_features]
+    if name in QUANTIZED_METHODS:
+        return layer.tiles, layer.bias_f32, [QUANTIZED, layer.bits, layer.out_features]
+    return None
+
+
+class FusedLayers:
+    """The arguments of llm_cpu.decoder_layers for one model, gathered once."""
+
+    def __init__(self, weights: list[torch.Tensor | None], ints: list[int], eps: float,
+                 scale: float) -> None:
+        self.weights, self.ints, self.eps, self.scale = weights, ints, eps, scale
+        self.op = torch.ops.llm_cpu.decoder_layers.default
+
+    @classmethod
+    def build(cls, model: Any) -> FusedLayers | None:
+        """The fused call for `model` (a PagedLlama, loaded and processed), or None where its layers are not the kernels' sequence
+        (see the module's docstring)."""
+        if (model.backend.name != "cpu_kernels" or model.tp is not None or model.spec.qk_norm
+                or not hasattr(torch.ops.llm_cpu, "decoder_layers")):
+            return None
+        first = model.model.layers[0].self_attn
+        ints = [first.num_heads, first.num_kv_heads, first.head_dim]
+        weights: list[torch.Tensor | None] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [_projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                               mlp.down_proj)]
+            if any(p is None for p in parts):
+                return None
+            (qkv_w, qkv_b, qkv), (o_w, o_b, o), (gu_w, gu_b, gu), (dn_w, dn_b, dn) = parts
+            weights += [layer.input_layernorm.weight, qkv_w, qkv_b, o_w, o_b,
+                        layer.post_attention_layernorm.weight, gu_w, gu_b, dn_w, dn_b]
+            ints += qkv + o + gu + dn
+        return cls(weights, ints, model.spec.eps, first.scale)
+
+    def __call__(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
+        """x [T, hidden] through every layer (in place); meta: the cpu_kernels backend's."""
+        return self.op(x, self.weights, self.ints, self.eps, self.scale, kv_caches,
+                       meta.block_table, meta.token_slots, meta.positions, meta.rope_cos,
+                       meta.rope_sin, meta.window)

@@ -1,0 +1,62 @@
+"""Every decoder layer in one call (stages/executor/fused.py, csrc/decoder_layers.cpp): the
+same bits as the Python layers (greedy tokens and prompt log-probs, through the scheduler
+and executor cores) for every family and weight format it runs, and the Python layers where
+it does not apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ipc.messages import SamplingParams
+from pipeline.tools.random_model import build_random_llama
+from stages.executor.linear.quantized import kernel_missing
+from stages.inprocess import InProcessEngine
+
+needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
+                                  reason=f"quantized kernels: {kernel_missing()}")
+PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8], [11, 4, 6, 2, 9, 10, 12, 1, 3, 5, 5, 6, 7, 8]]
+
+
+def _run(engine: InProcessEngine) -> dict:
+    """Prefill chunks (a 16-token budget splits the long prompt) and decode steps of 3
+    sequences; seeded sampling and prompt log-probs."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=0,
+                            logprobs=1)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    requests = [(str(i), p, greedy) for i, p in enumerate(PROMPTS)]
+    requests.append(("s", PROMPTS[0], seeded))
+    return {key: (r.token_ids, [lp.logprob for lp in r.prompt_logprobs or []],
+                  [lp.logprob for lp in r.logprobs or []])
+            for key, r in engine.run(requests).items()}
+
+
+@pytest.mark.parametrize("arch,dtype,quantization", [
+    ("llama", torch.float32, None),
+    ("qwen2", torch.bfloat16, None),  # q/k/v biases, a tied head
+    ("llama-bias", torch.float32, None),  # o and MLP biases too
+    ("mistral-window", torch.float32, None),  # a sliding window
+    pytest.param("llama", torch.bfloat16, "int4", marks=needs_kernel),
+    pytest.param("qwen2", torch.float32, "int8", marks=needs_kernel),
+])
+def test_one_call_gives_the_bits_of_the_python_layers(tmp_path: Path, arch: str,
+                                                      dtype: torch.dtype,
+                                                      quantization: str | None) -> None:
+    folder = build_random_llama(tmp_path / arch, arch=arch)
+    engine = InProcessEngine(str(folder), dtype=dtype, quantization=quantization,
+                             max_num_batched_tokens=16)
+    assert engine.runner.model.fused_layers is not None
+    python = InProcessEngine(str(folder), dtype=dtype, quantization=quantization,
+                             max_num_batched_tokens=16)
+    python.runner.model.fused_layers = None
+    assert _run(engine) == _run(python)
+
+
+def test_the_python_layers_run_where_one_call_does_not_apply(tmp_path: Path) -> None:
+    qwen3 = build_random_llama(tmp_path / "qwen3", arch="qwen3")  # per-head q/k norms
+    assert InProcessEngine(str(qwen3)).runner.model.fused_layers is None
+    llama = build_random_llama(tmp_path / "llama")
+    assert InProcessEngine(str(llama), cpu_kernels=False).runner.model.fused_layers is None
+    assert InProcessEngine(str(llama)).runner.model.fused_layers is not None
