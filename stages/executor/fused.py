@@ -42,8 +42,8 @@ class FusedLayers:
 
     @classmethod
     def build(cls, model: Any) -> FusedLayers | None:
-        """The fused call for `model` (a PagedLlama, loaded and processed), or None where its layers are not the kernels' sequence
-        (see the module's docstring)."""
+        """The fused call for `model` (a PagedLlama, loaded and processed), or None where
+        its layers are not the kernels' sequence (see the module's docstring)."""
         if (model.backend.name != "cpu_kernels" or model.tp is not None or model.spec.qk_norm
                 or not hasattr(torch.ops.llm_cpu, "decoder_layers")):
             return None
