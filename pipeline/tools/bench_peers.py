@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc.cache import cache_dir
+from ipc.gguf_source import gguf_source
 from pipeline.tools.bench_types import EngineResult, Workload
 from pipeline.tools.model_cache import (
     DEFAULT_MODEL_NAME,
@@ -170,12 +171,17 @@ GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
 
 
 def llama_gguf(args: argparse.Namespace) -> Path:
-    """The default model as a GGUF of the benchmark's dtype, made once from the bundled Q4_1
-    file: our HF folder is that file dequantized, so both engines run the same weights."""
+    """The GGUF llama.cpp runs: the benchmarked file itself (`--model FILE.gguf`: the same
+    blocks as ours), or the default model as a GGUF of the benchmark's dtype, made once from
+    the bundled Q4_1 file: our HF folder is that file dequantized, so both engines run the
+    same weights."""
+    source = gguf_source(args.model_dir)
+    if source is not None:
+        return Path(source.file)
     if Path(args.model_dir).resolve() != default_model_dir().resolve():
         raise PeerError(f"llama.cpp runs only the default model ({DEFAULT_MODEL_NAME}, from its "
-                        f"bundled {GGUF_FILENAME}), not {args.model_dir}: drop --model, or "
-                        "drop llama.cpp from --peers")
+                        f"bundled {GGUF_FILENAME}) or a GGUF file, not {args.model_dir}: drop "
+                        "--model, give a .gguf, or drop llama.cpp from --peers")
     kind = GGUF_TYPES[args.dtype]
     dest = LLAMA.folder / f"{DEFAULT_MODEL_NAME}.{kind}.gguf"
     if dest.is_file():
