@@ -47,20 +47,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_gguf_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[Path]:
-    """The tiny model as a Q8_0 GGUF file (its v projections Q4_0), as `--model FILE.gguf`
-    makes it a folder; the folder is removed from the cache afterwards."""
+def tiny_gguf_file(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[Path]:
+    """The tiny model as a Q8_0 GGUF file (its v projections Q4_0); the folder that
+    `--model FILE.gguf` makes of it is removed from the cache afterwards."""
     import shutil
 
     from pipeline.tools.gguf_export import export
-    from pipeline.tools.model_source import resolve_model
+    from pipeline.tools.model_source import gguf_folder_path
 
     file = export(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q8_0",
                   {"attn_v": "Q4_0"})
-    folder = resolve_model(file)
-    yield folder
-    shutil.rmtree(folder.parent, ignore_errors=True)
+    yield file
+    shutil.rmtree(gguf_folder_path(file).parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_dir(tiny_gguf_file: Path) -> Path:
+    """The folder `--model FILE.gguf` makes of the tiny GGUF file."""
+    from pipeline.tools.model_source import resolve_model
+
+    return resolve_model(tiny_gguf_file)
 
 
 @pytest.fixture(scope="session")

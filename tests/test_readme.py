@@ -1,7 +1,8 @@
 """The README's commands and code, pasted as a user would: its Python blocks run as scripts,
 its `run_pipeline` lines run as shell commands, its `serve` block serves the default model
 and answers its curl and the official client it names. A placeholder path (/path/to/...)
-becomes the tiny model, port 8000 a free port.
+becomes the tiny model (/path/to/....gguf: the tiny model as a GGUF file), port 8000 a free
+port.
 Not run: ./scripts/test (this suite) and the benchmark lines (minutes each; their commands are
 tested in tests/test_bench.py)."""
 
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, re.DOTALL)
 PLACEHOLDER = re.compile(r"/path/to/[\w-]+")
+GGUF_PLACEHOLDER = re.compile(r"/path/to/[\w.-]+\.gguf")
 pytestmark = [pytest.mark.live, pytest.mark.timeout(400), pytest.mark.slow]
 
 
@@ -33,19 +35,21 @@ def commands(block: str) -> list[str]:
             if line.strip() and not line.lstrip().startswith("#")]
 
 
-def shell(command: str, cwd: Path, model: Path) -> subprocess.CompletedProcess[str]:
+def shell(command: str, cwd: Path, model: Path, gguf: Path) -> subprocess.CompletedProcess[str]:
+    command = GGUF_PLACEHOLDER.sub(str(gguf), command)
     command = PLACEHOLDER.sub(str(model), command).replace("./scripts/", f"{ROOT}/scripts/")
     return subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True,
                           timeout=300)
 
 
-def test_the_run_pipeline_lines(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_the_run_pipeline_lines(tiny_model_dir: Path, tiny_gguf_file: Path, tmp_path: Path
+                                ) -> None:
     (tmp_path / "prompts.txt").write_text("What is 2+2?\nName a color.\n")
     lines = list(dict.fromkeys(c for lang, block in BLOCKS if not lang for c in commands(block)
                                if c.startswith("./scripts/run_pipeline") and " serve" not in c))
     assert len(lines) >= 5, lines  # (a line the README shows twice runs once)
     for command in lines:
-        proc = shell(command, tmp_path, tiny_model_dir)
+        proc = shell(command, tmp_path, tiny_model_dir, tiny_gguf_file)
         assert proc.returncode == 0, (command, proc.stderr[-2000:])
         assert proc.stdout.strip(), command
 

@@ -50,12 +50,19 @@ def resolve_model(model: str | Path | None) -> Path:
     return path
 
 
-def gguf_model_dir(file: Path) -> Path:
-    """The folder that stands for GGUF `file`, made first if need be (seconds, once)."""
+def gguf_folder_path(file: Path) -> Path:
+    """Where the folder for GGUF `file` lies in the cache (made or not): keyed by the file's
+    path, size and modification time, so a rewritten file gets a new folder."""
     file = file.resolve()
     stat = file.stat()
     key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    dest = cache_dir() / "gguf" / key[:16] / file.stem
+    return cache_dir() / "gguf" / key[:16] / file.stem
+
+
+def gguf_model_dir(file: Path) -> Path:
+    """The folder that stands for GGUF `file`, made first if need be (seconds, once)."""
+    file = file.resolve()
+    dest = gguf_folder_path(file)
     if (dest / COMPLETE_MARKER).is_file():
         return dest
     source = read_source(file)  # refused here, before the slow part, if it cannot load
