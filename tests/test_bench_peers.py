@@ -108,8 +108,51 @@ def test_a_complete_venv_is_not_reinstalled(tmp_path: Path,
     assert PeerEnv("fake", ("fake-engine==2.0",)).stamp != peer.stamp
 
 
-def test_llama_cpp_refuses_other_models(tmp_path: Path) -> None:
+def test_llama_cpp_refuses_a_folder_without_weights(tmp_path: Path) -> None:
     args = throughput_args("--model", str(tmp_path), "--peers", "llama.cpp")
-    with pytest.raises(PeerError, match="runs only the default model"):
+    with pytest.raises(PeerError, match="no safetensors weights"):
         llama_gguf(args)
 
+
+def test_llama_cpp_gets_another_folder_as_a_gguf_of_the_dtype_once(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.tools.model_source import read_source
+
+    monkeypatch.setenv("LLM_PIPELINE_CACHE", str(tmp_path))
+    args = throughput_args("--model", str(tiny_model_dir), "--peers", "llama.cpp",
+                           "--dtype", "bfloat16")
+    file = llama_gguf(args)
+    assert file.parent == tmp_path / "peers" / "llama.cpp"
+    types = read_source(file).tensor_types
+    assert {t for name, t in types.items() if not name.endswith("norm.weight")} == {"BF16"}
+    made = file.stat().st_mtime_ns
+    assert llama_gguf(args) == file and file.stat().st_mtime_ns == made  # once
+    assert not [p for p in file.parent.iterdir() if p.name.startswith(".")]
+
+
+
+def test_random_model_of_a_named_shape_on_another_folders_tokenizer(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`random_model --like NAME --tokenizer FOLDER`: the named shape (options on top of it)
+    with that folder's tokenizer, as the mid-size benchmark row builds its model."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from pipeline.tools import random_model
+
+    out = tmp_path / "mid"
+    assert random_model.main([str(out), "--like", "llama-3.2-1b", "--layers", "1",
+                              "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                              "--intermediate", "96", "--vocab-size", "0",
+                              "--tokenizer", str(tiny_model_dir)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
+            config["num_attention_heads"], config["num_key_value_heads"]) == (1, 64, 96, 4, 2)
+    assert config["tie_word_embeddings"] is True  # Llama-3.2-1B's, kept from the shape
+    theirs = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ours = AutoTokenizer.from_pretrained(out)
+    text = "Héllo wörld, the quick brown fox"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert config["vocab_size"] == len(theirs)
+    assert random_model.SHAPES["llama-3.2-1b"]["intermediate"] == 8192

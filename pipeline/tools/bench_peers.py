@@ -11,6 +11,7 @@ load and warm-up stay out of the seconds."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -163,7 +164,7 @@ def run_vllm_cpu(args: argparse.Namespace, work: Workload) -> EngineResult:
 
 
 def run_llama_cpp(args: argparse.Namespace, work: Workload) -> EngineResult:
-    """llama.cpp on the default model's own weights, dequantized to the benchmark's dtype."""
+    """llama.cpp on the same weights as ours (llama_gguf says which file)."""
     return run_peer(LLAMA, "peer_worker_llama.py", args, work, str(llama_gguf(args)))
 
 
@@ -172,16 +173,15 @@ GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
 
 def llama_gguf(args: argparse.Namespace) -> Path:
     """The GGUF llama.cpp runs: the benchmarked file itself (`--model FILE.gguf`: the same
-    blocks as ours), or the default model as a GGUF of the benchmark's dtype, made once from
-    the bundled Q4_1 file: our HF folder is that file dequantized, so both engines run the
-    same weights."""
+    blocks as ours); the default model as a GGUF of the benchmark's dtype, made once from
+    the bundled Q4_1 file (our HF folder is that file dequantized, so both engines run the
+    same weights); any other folder written as a GGUF of the benchmark's dtype, once, by
+    our exporter (llama.cpp's layout, q/k rows permuted as its converter does)."""
     source = gguf_source(args.model_dir)
     if source is not None:
         return Path(source.file)
     if Path(args.model_dir).resolve() != default_model_dir().resolve():
-        raise PeerError(f"llama.cpp runs only the default model ({DEFAULT_MODEL_NAME}, from its "
-                        f"bundled {GGUF_FILENAME}) or a GGUF file, not {args.model_dir}: drop "
-                        "--model, give a .gguf, or drop llama.cpp from --peers")
+        return exported_gguf(Path(args.model_dir), GGUF_TYPES[args.dtype])
     kind = GGUF_TYPES[args.dtype]
     dest = LLAMA.folder / f"{DEFAULT_MODEL_NAME}.{kind}.gguf"
     if dest.is_file():
@@ -195,6 +195,33 @@ def llama_gguf(args: argparse.Namespace) -> Path:
         if proc.returncode != 0:
             raise PeerError(f"dequantizing {GGUF_FILENAME} failed:\n{proc.stderr[-TAIL_CHARS:]}")
         os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def exported_gguf(folder: Path, kind: str) -> Path:
+    """`folder` as a GGUF of `kind` (F32, BF16) in the llama.cpp peer's folder, written once
+    per version of its weights."""
+    from pipeline.tools.gguf_export import export
+
+    folder = folder.resolve()
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise PeerError(f"llama.cpp: {folder} has no safetensors weights to export")
+    stamp = "\0".join(f"{w}\0{w.stat().st_size}\0{w.stat().st_mtime_ns}" for w in weights)
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
+    dest = LLAMA.folder / f"{folder.name}-{key}.{kind}.gguf"
+    if dest.is_file():
+        return dest
+    print(f"writing {dest} ({folder} exported, once)", file=sys.stderr, flush=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        export(folder, tmp, kind)
+        os.replace(tmp, dest)
+    except ValueError as e:
+        raise PeerError(f"llama.cpp: {e}") from e
     finally:
         tmp.unlink(missing_ok=True)
     return dest

@@ -47,13 +47,17 @@ ARCHS = ("llama", "qwen2", "mistral", "llama-bias", "mistral-window", "qwen3", "
 
 def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, heads: int = 4,
                        kv_heads: int = 2, max_len: int = 512, vocab_size: int | None = None,
-                       weight_std: float = 0.2, seed: int = 0, arch: str = "llama") -> Path:
+                       weight_std: float = 0.2, seed: int = 0, arch: str = "llama",
+                       intermediate: int | None = None, tokenizer_from: Path | None = None,
+                       tie: bool | None = None) -> Path:
     """Save a random Llama-family model (GQA) and a tokenizer into folder; returns folder.
     arch: llama (untied head), qwen2 (q/k/v biases, tied embeddings), mistral (no sliding
     window), llama-bias (attention and MLP biases), mistral-window (a sliding window of 6
     positions), qwen3 (q/k norms, a head_dim of its own) or phi3 (fused checkpoint
     projections, a sliding window of 10). vocab_size pads the embedding beyond the
-    tokenizer's (a larger, realistic output layer)."""
+    tokenizer's (a larger, realistic output layer). intermediate: the MLP's width (3 × hidden
+    by default); tokenizer_from: a model folder whose tokenizer the model gets instead of the
+    small trained one; tie: whether the head is the embedding (default: tied for qwen2 only)."""
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -61,7 +65,11 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     folder.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(folder)
+    if tokenizer_from is None:
+        tok = build_tokenizer(folder)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+        tok.save_pretrained(folder)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "llama-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -71,7 +79,7 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
-    extra: dict[str, Any] = {"tie_word_embeddings": arch == "qwen2"}
+    extra: dict[str, Any] = {"tie_word_embeddings": arch == "qwen2" if tie is None else tie}
     extra.update({
         "mistral": {"sliding_window": None},
         "mistral-window": {"sliding_window": 6},
@@ -80,7 +88,7 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
         "phi3": {"sliding_window": 10, "original_max_position_embeddings": max_len},
     }.get(arch, {}))
     cfg = config_cls(vocab_size=max(len(tok), vocab_size or 0), hidden_size=hidden,
-                     intermediate_size=hidden * 3, num_hidden_layers=num_layers,
+                     intermediate_size=intermediate or hidden * 3, num_hidden_layers=num_layers,
                      num_attention_heads=heads, num_key_value_heads=kv_heads,
                      max_position_embeddings=max_len, eos_token_id=tok.eos_token_id,
                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, **extra)
@@ -96,19 +104,45 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
     return folder
 
 
+
+# Shapes of real models, for benchmarks on random weights of their size (`--like`).
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {"num_layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8,
+                     "intermediate": 8192, "tie": True},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="random_model", description=__doc__)
     p.add_argument("folder", type=Path)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--like", choices=sorted(SHAPES),
+                   help="a real model's shape (the shape options below apply on top)")
+    p.add_argument("--layers", type=int, default=None, help="(default 16)")
+    p.add_argument("--hidden", type=int, default=None, help="(default 2048)")
+    p.add_argument("--heads", type=int, default=None, help="(default 16)")
+    p.add_argument("--kv-heads", type=int, default=None, help="(default 8)")
+    p.add_argument("--intermediate", type=int, default=None, help="(default 3 x hidden)")
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="the embedding's rows at least (the tokenizer's size where larger)")
     p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER|default",
+                   help="this model folder's tokenizer (`default`: the default model's, "
+                        "SmolLM2's) instead of a small trained one")
     a = p.parse_args(argv)
-    build_random_llama(a.folder, num_layers=a.layers, hidden=a.hidden, heads=a.heads,
-                       kv_heads=a.kv_heads, max_len=a.max_len, vocab_size=a.vocab_size,
-                       weight_std=0.02)
+    shape: dict[str, Any] = {"num_layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 8}
+    shape.update(SHAPES.get(a.like, {}))
+    given = {"num_layers": a.layers, "hidden": a.hidden, "heads": a.heads,
+             "kv_heads": a.kv_heads, "intermediate": a.intermediate}
+    shape.update({k: v for k, v in given.items() if v is not None})
+    tokenizer_from = None
+    if a.tokenizer == "default":
+        from pipeline.tools.model_cache import ensure_default_model
+
+        tokenizer_from = ensure_default_model()
+    elif a.tokenizer is not None:
+        tokenizer_from = Path(a.tokenizer)
+    build_random_llama(a.folder, max_len=a.max_len, vocab_size=a.vocab_size, weight_std=0.02,
+                       tokenizer_from=tokenizer_from, **shape)
     print(a.folder)
     return 0
 
