@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ipc.cache import cache_dir
 from ipc.errors import ConfigError
@@ -65,13 +66,15 @@ def gguf_model_dir(file: Path) -> Path:
     dest = gguf_folder_path(file)
     if (dest / COMPLETE_MARKER).is_file():
         return dest
-    source = read_source(file)  # refused here, before the slow part, if it cannot load
+    reader = _reader(file)  # (a parse takes seconds for a real vocabulary: once here)
+    source = _source(file, reader)  # refused here, before the slow part, if it cannot load
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     started = time.monotonic()
     try:
         logger.info("reading the config and tokenizer of %s (once)", file)
-        _write_folder(file, source, tmp)
+        head_dim = reader.fields.get(f"{source.architecture}.attention.key_length")
+        _write_folder(file, source, head_dim.contents() if head_dim is not None else None, tmp)
         (tmp / COMPLETE_MARKER).write_text(f"made from {file}\n")
         make_readable(tmp)
         publish(tmp, dest, lambda folder: (folder / COMPLETE_MARKER).is_file())
@@ -83,12 +86,19 @@ def gguf_model_dir(file: Path) -> Path:
 
 def read_source(file: Path) -> GgufSource:
     """The file's architecture and tensor types, or ConfigError naming what cannot load."""
+    return _source(file, _reader(file))
+
+
+def _reader(file: Path) -> Any:
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(file))
+        return GGUFReader(str(file))
     except (ValueError, OSError) as exc:
         raise ConfigError(f"--model {file}: not a readable GGUF file ({exc})") from None
+
+
+def _source(file: Path, reader: Any) -> GgufSource:
     field = reader.fields.get("general.architecture")
     architecture = str(field.contents()) if field is not None else "?"
     types = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -96,11 +106,10 @@ def read_source(file: Path) -> GgufSource:
     return GgufSource(str(file), architecture, types)
 
 
-def _write_folder(file: Path, source: GgufSource, out: Path) -> None:
+def _write_folder(file: Path, source: GgufSource, head_dim: object | None, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
-    head_dim = _field(file, f"{source.architecture}.attention.key_length")
     if head_dim is not None:  # (transformers reads it for some architectures only: Qwen3's
         config.head_dim = int(head_dim)  # 128-wide heads of a 1024-wide model need it)
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
@@ -114,10 +123,3 @@ def _write_folder(file: Path, source: GgufSource, out: Path) -> None:
     missing = [name for name in GGUF_FOLDER_FILES if not (out / name).is_file()]
     if missing:
         raise ConfigError(f"{file}: its metadata gave no {', '.join(missing)}")
-
-
-def _field(file: Path, key: str) -> object | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(file)).fields.get(key)
-    return field.contents() if field is not None else None
