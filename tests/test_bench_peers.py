@@ -130,7 +130,6 @@ def test_llama_cpp_gets_another_folder_as_a_gguf_of_the_dtype_once(
     assert not [p for p in file.parent.iterdir() if p.name.startswith(".")]
 
 
-
 def test_random_model_of_a_named_shape_on_another_folders_tokenizer(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     """`random_model --like NAME --tokenizer FOLDER`: the named shape (options on top of it)

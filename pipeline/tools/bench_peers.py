@@ -11,7 +11,6 @@ load and warm-up stay out of the seconds."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from pipeline.tools.model_cache import (
     default_model_dir,
     find_gguf,
 )
+from pipeline.tools.model_source import files_key
 
 HERE = Path(__file__).resolve().parent
 COMPLETE_MARKER = ".complete"
@@ -180,24 +181,19 @@ def llama_gguf(args: argparse.Namespace) -> Path:
     source = gguf_source(args.model_dir)
     if source is not None:
         return Path(source.file)
-    if Path(args.model_dir).resolve() != default_model_dir().resolve():
-        return exported_gguf(Path(args.model_dir), GGUF_TYPES[args.dtype])
     kind = GGUF_TYPES[args.dtype]
-    dest = LLAMA.folder / f"{DEFAULT_MODEL_NAME}.{kind}.gguf"
-    if dest.is_file():
-        return dest
-    python = ensure_env(LLAMA)
-    print(f"writing {dest} (dequantized {GGUF_FILENAME}, once)", file=sys.stderr, flush=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    cmd = [str(python), str(HERE / "peer_gguf_dequant.py"), str(find_gguf()), str(tmp), kind]
-    try:
+    if Path(args.model_dir).resolve() != default_model_dir().resolve():
+        return exported_gguf(Path(args.model_dir), kind)
+
+    def dequantize(tmp: Path) -> None:
+        cmd = [str(ensure_env(LLAMA)), str(HERE / "peer_gguf_dequant.py"), str(find_gguf()),
+               str(tmp), kind]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise PeerError(f"dequantizing {GGUF_FILENAME} failed:\n{proc.stderr[-TAIL_CHARS:]}")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return dest
+
+    return _written_once(LLAMA.folder / f"{DEFAULT_MODEL_NAME}.{kind}.gguf",
+                         f"dequantized {GGUF_FILENAME}", dequantize)
 
 
 def exported_gguf(folder: Path, kind: str) -> Path:
@@ -209,19 +205,28 @@ def exported_gguf(folder: Path, kind: str) -> Path:
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise PeerError(f"llama.cpp: {folder} has no safetensors weights to export")
-    stamp = "\0".join(f"{w}\0{w.stat().st_size}\0{w.stat().st_mtime_ns}" for w in weights)
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
-    dest = LLAMA.folder / f"{folder.name}-{key}.{kind}.gguf"
+
+    def write(tmp: Path) -> None:
+        try:
+            export(folder, tmp, kind)
+        except ValueError as e:
+            raise PeerError(f"llama.cpp: {e}") from e
+
+    return _written_once(LLAMA.folder / f"{folder.name}-{files_key(weights)[:12]}.{kind}.gguf",
+                         f"{folder} exported", write)
+
+
+def _written_once(dest: Path, what: str, write: Callable[[Path], None]) -> Path:
+    """`dest`, written first by `write(tmp)` unless it is there: a temporary name beside it,
+    renamed into place once whole (an interrupted write leaves no `dest`)."""
     if dest.is_file():
         return dest
-    print(f"writing {dest} ({folder} exported, once)", file=sys.stderr, flush=True)
+    print(f"writing {dest} ({what}, once)", file=sys.stderr, flush=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     try:
-        export(folder, tmp, kind)
+        write(tmp)
         os.replace(tmp, dest)
-    except ValueError as e:
-        raise PeerError(f"llama.cpp: {e}") from e
     finally:
         tmp.unlink(missing_ok=True)
     return dest

@@ -51,13 +51,20 @@ def resolve_model(model: str | Path | None) -> Path:
     return path
 
 
+def files_key(files: list[Path]) -> str:
+    """A hex key of these files' paths, sizes and modification times: what is made from them
+    once is made again when one is rewritten."""
+    parts = []
+    for file in files:
+        stat = file.stat()
+        parts.append(f"{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
 def gguf_folder_path(file: Path) -> Path:
-    """Where the folder for GGUF `file` lies in the cache (made or not): keyed by the file's
-    path, size and modification time, so a rewritten file gets a new folder."""
+    """Where the folder for GGUF `file` lies in the cache (made or not), keyed by files_key."""
     file = file.resolve()
-    stat = file.stat()
-    key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_dir() / "gguf" / key[:16] / file.stem
+    return cache_dir() / "gguf" / files_key([file])[:16] / file.stem
 
 
 def gguf_model_dir(file: Path) -> Path:

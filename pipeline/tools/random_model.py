@@ -104,7 +104,6 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
     return folder
 
 
-
 # Shapes of real models, for benchmarks on random weights of their size (`--like`).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"num_layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8,
