@@ -242,12 +242,14 @@ class ReconcileAnswer(Message):
 
 @dataclass(frozen=True, slots=True)
 class EngineDown(Message):
-    """From the launcher to each detokenizer: data-parallel engine `engine` died (its
-    scheduler or executor); its requests there end with an error."""
+    """From the launcher to each detokenizer: engine `engine` died (its scheduler or
+    executor) in its incarnation `incarnation` (0 first, one more each time it is started
+    again); its requests there end with an error."""
 
     TAG: ClassVar[int] = 18
     engine: int
     message: str
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +365,7 @@ class DetokBatch(Message):
     deltas: list[TokenDelta]
     rejected: list[RequestRejected] = field(default_factory=list)
     engine: int = 0  # the data-parallel engine whose scheduler sent it
+    incarnation: int = 0  # that engine's (see EngineDown)
 
 
 # ---------------------------------------------------------------- detokenizer/tokenizer -> client
@@ -565,7 +568,8 @@ class PipelineStatus(Message):
     scheduler: SchedulerStats | None
     restarts: dict[str, int] = field(default_factory=dict)  # "stage:rank" -> times restarted
     # Data-parallel engines (scheduler is then their sum): each one's load in tokens, and
-    # whether it serves (an engine whose scheduler or executor died does not come back).
+    # whether it serves (an engine whose scheduler or executor died serves again once it
+    # has been started again: engines_restarting names it meanwhile).
     engine_loads: list[int] = field(default_factory=list)
     engines_alive: list[bool] = field(default_factory=list)
     # Stages that joined from other hosts, for remote clients: "tokenizer:R" -> its tcp://
@@ -573,6 +577,7 @@ class PipelineStatus(Message):
     joined: dict[str, str] = field(default_factory=dict)
     stopping: bool = False  # the launcher is stopping the pipeline: stages that joined stop
     left: list[str] = field(default_factory=list)  # joined stages that have left (gone)
+    engines_restarting: list[int] = field(default_factory=list)
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

@@ -89,11 +89,13 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.requests: dict[str, list[_SampleState]] = {}
         self.stopped: list[StopSample] = []
-        self.dead_engines: dict[int, str] = {}  # engine -> why its requests failed
+        # engine -> the incarnation that died last, and why its requests failed
+        self.dead_engines: dict[int, tuple[int, str]] = {}
 
     def feed(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
-        if batch.engine in self.dead_engines:  # sent before it died: its requests failed
-            return self._refuse_late(batch)
+        dead = self.dead_engines.get(batch.engine)
+        if dead is not None and batch.incarnation <= dead[0]:
+            return self._refuse_late(batch)  # sent before it died: its requests failed
         for info in batch.new_requests:
             self.requests[info.request_id] = [
                 _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens),
@@ -128,11 +130,12 @@ class Detokenizer:
 
     def _refuse_late(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
         """A dead engine's batch that came after EngineDown: the requests it announced end
-        with an error too (those it announced before were failed then)."""
+        with an error too (those it announced before were failed then). The engine started
+        again sends a later incarnation's, which are taken."""
         by_client: dict[str, list[RequestOutput]] = {}
         for info in batch.new_requests:
             by_client.setdefault(info.reply_to, []).append(RequestOutput.refusal(
-                info.request_id, ErrorKind.UNAVAILABLE, self.dead_engines[batch.engine], None,
+                info.request_id, ErrorKind.UNAVAILABLE, self.dead_engines[batch.engine][1], None,
                 info.num_prompt_tokens))
         return by_client
 
@@ -141,10 +144,12 @@ class Detokenizer:
         samples = self.requests.get(request_id)
         return samples[0].engine if samples else 0
 
-    def fail_engine(self, engine: int, message: str) -> dict[str, list[RequestOutput]]:
-        """Engine `engine` died: each request it ran ends with an `unavailable` error in place
-        of the rest of its output (a client ignores what follows a sample's final output)."""
-        self.dead_engines[engine] = message
+    def fail_engine(self, engine: int, message: str,
+                    incarnation: int = 0) -> dict[str, list[RequestOutput]]:
+        """Engine `engine` died (in `incarnation`): each request it ran ends with an
+        `unavailable` error in place of the rest of its output (a client ignores what follows
+        a sample's final output)."""
+        self.dead_engines[engine] = (incarnation, message)
         by_client: dict[str, list[RequestOutput]] = {}
         for rid, samples in list(self.requests.items()):
             if samples[0].engine == engine:
@@ -317,7 +322,8 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int,
                 continue
             if isinstance(batch, EngineDown):
                 logger.warning("engine %d is down: failing its requests", batch.engine)
-                for address, outputs in core.fail_engine(batch.engine, batch.message).items():
+                for address, outputs in core.fail_engine(batch.engine, batch.message,
+                                                         batch.incarnation).items():
                     replies.send(address, RequestOutputs(outputs))
                 continue
             assert isinstance(batch, DetokBatch)

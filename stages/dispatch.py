@@ -56,7 +56,7 @@ class Dispatcher:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.router, self.rank = router, rank
         self._send, self._reply, self._clock = send, reply, clock
-        self.alive = [True] * router.num_engines  # as the status says (down for good)
+        self.alive = [True] * router.num_engines  # as the status says
         self.up = [True] * router.num_engines  # the roster names its address
         self.serving = [True] * router.num_engines  # both: it is routed to
         # (time, engine, request id, reply address) of each request sent lately: what an
@@ -75,10 +75,9 @@ class Dispatcher:
                                                    str(exc)))
             return
         now = self._clock()
-        if self.router.num_engines > 1:
-            self._recent.append((now, engine, req.request_id, req.reply_to))
-            while self._recent and now - self._recent[0][0] > RECENT_ROUTE_S:
-                self._recent.popleft()
+        self._recent.append((now, engine, req.request_id, req.reply_to))
+        while self._recent and now - self._recent[0][0] > RECENT_ROUTE_S:
+            self._recent.popleft()
         self._send(engine, req)
 
     def set_engines(self, up: Sequence[bool]) -> None:
@@ -99,8 +98,8 @@ class Dispatcher:
         n = len(self.alive)
         if len(alive) < n or len(loads) < n:
             return  # a stale status, from before an engine joined
-        # (An engine down stays down: engines are not started again.)
-        self.alive = [a and bool(b) for a, b in zip(self.alive, alive[:n], strict=True)]
+        # (An engine started again after its death serves again: the status says when.)
+        self.alive = [bool(b) for b in alive[:n]]
         self._apply(loads[:n])
 
     def _apply(self, loads: Sequence[int]) -> None:

@@ -99,7 +99,10 @@ class EngineRouter:
         """The engine for this request; `cost` (its tokens of work) joins that engine's load."""
         alive = [e for e in range(self.num_engines) if self._alive[e]]
         if not alive:
-            raise NoEngine(f"all {self.num_engines} engines are down")
+            what = "the engine is" if self.num_engines == 1 else \
+                f"all {self.num_engines} engines are"
+            raise NoEngine(f"{what} down (being started again after a death, or gone); "
+                           "send the request again shortly")
         keys: list[int] = []  # only the prefix policy learns blocks
         if self.num_engines == 1:
             chosen = 0

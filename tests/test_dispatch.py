@@ -17,7 +17,7 @@ from ipc.messages import (
     SchedulerStats,
     TokenizedRequest,
 )
-from pipeline.runtime.engines import Engines, combine_stats
+from pipeline.runtime.engines import EngineRestart, Engines, combine_stats
 from stages.dispatch import RECENT_ROUTE_S, RECONCILE_TIMEOUT_S, Dispatcher
 from stages.router import EngineRouter
 
@@ -143,3 +143,36 @@ def test_engines_know_their_processes_and_which_death_they_survive() -> None:
     assert total is not None and engines.loads() == [0, 0]
     assert (total.num_blocks, total.num_running, total.num_steps) == (100, 4, 20)
     assert Engines(1, 1).can_lose("scheduler:0") is None
+
+
+def test_an_engine_that_dies_is_started_again_until_it_keeps_dying() -> None:
+    """The launcher's decisions on a death of a local engine's process (its processes and the
+    restart policy are the live tests'): restart while the policy allows; a death of the new
+    processes while they start restarts again; the old processes' deaths while stopping are
+    ignored; one that keeps dying stays down while another engine serves, else the pipeline
+    fails. An engine back keeps its past counts in the totals."""
+    allow, refuse = (lambda: 0.5), (lambda: None)
+    engines = Engines(2, tensor_parallel_size=1)
+    engines.record(stats(0))
+    engines.record(stats(1))
+    assert engines.after_death(1, allow) == ("restart", 0.5)
+    engines.take_down(1)
+    engines.restarting[1] = EngineRestart("scheduler:1 died", 0.0, 0.5, 1)
+    assert engines.after_death(1, allow) == ("ignore", 0.0)  # its executor, stopped by us
+    engines.restarting[1].phase = "loading"
+    assert engines.after_death(1, allow) == ("restart", 0.5)  # the new executor died
+    engines.restarting[1].phase = "starting"
+    engines.back(1)
+    assert engines.alive == [True, True] and engines.incarnation == [0, 1]
+    assert engines.restarting == {} and engines.combined() is None  # until it reports
+    engines.record(stats(1, num_steps=1))
+    total = engines.combined()
+    assert total is not None and total.num_steps == 10 + 10 + 1  # its first life's stay
+    assert total.num_running == 8  # gauges: the live engines' only
+    assert engines.after_death(1, refuse) == ("down", 0.0)  # keeps dying; engine 0 serves
+    engines.take_down(1)
+    assert engines.after_death(1, allow) == ("ignore", 0.0)  # down for good
+    assert engines.after_death(0, refuse) == ("fail", 0.0)  # the last one keeps dying
+    alone = Engines(1, 1)
+    assert alone.after_death(0, allow) == ("restart", 0.5)
+    assert alone.after_death(0, refuse) == ("fail", 0.0)

@@ -122,9 +122,10 @@ def test_a_worker_routes_to_an_engine_once_the_roster_names_it() -> None:
     ((_, outputs),) = replies
     assert outputs.outputs[0].error_kind == ErrorKind.UNAVAILABLE
     dispatcher.set_status([0, 0], [True, False])  # the launcher's word on it
-    dispatcher.set_status([0, 0], [True, True])  # (a stale one)
-    dispatcher.set_engines([True, True])
-    assert dispatcher.serving == [True, False]  # an engine that left does not come back
+    dispatcher.set_engines([True, True])  # the roster names it again: not yet alive
+    assert dispatcher.serving == [True, False]
+    dispatcher.set_status([0, 0], [True, True])  # started again: both say so
+    assert dispatcher.serving == [True, True]
     assert len(replies) == 1
 
 

@@ -18,7 +18,7 @@ import pytest
 from live import alive, live_config, running, shm_segments
 
 from ipc.messages import RequestOutput, SamplingParams
-from pipeline.runtime.client import PipelineClient, PipelineError
+from pipeline.runtime.client import PipelineClient
 from pipeline.runtime.launcher import Pipeline
 from pipeline.runtime.restarts import MAX_RESTARTS
 
@@ -146,54 +146,60 @@ def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
 
 @pytest.mark.live
 @pytest.mark.parametrize("name", ["scheduler:0", "executor:0"])
-def test_a_killed_engine_stage_fails_every_stream_at_once(tiny_model_dir: Path,
-                                                          name: str) -> None:
-    """The scheduler and the executor hold the engine's state: kill -9 of either ends every
-    one of 32 streams with an error within seconds (none hangs), and a request sent just
-    after the death fails too; the pipeline reports which stage died and stops, and nothing
-    of the run is left."""
+def test_a_killed_engine_stage_comes_back_and_fails_only_what_it_held(tiny_model_dir: Path,
+                                                                      name: str) -> None:
+    """The scheduler and the executor hold the engine's state: kill -9 of either under 32
+    streams ends each of them with one final output, an `unavailable` error naming the death
+    (none hangs, none raises: the pipeline lives), as does a request sent just after it; the
+    engine is started again (new scheduler and executor, model loaded anew) and serves new
+    requests within model-load time + 2 s; health says "restarting" meanwhile; the dead
+    processes are gone and, once the run ends, nothing of it is left."""
     cfg = live_config(tiny_model_dir, device="timed:10,0", max_num_seqs=64)
     with running(cfg) as pipe:
         client = pipe.client()
+        old = dict(pipe.stage_pids)
 
-        async def one(i: int) -> str:
-            try:
-                async for out in client.stream(f"stream {i}", LONG):
-                    if out.finished:
-                        return f"final {out.error}"
-            except PipelineError as exc:
-                return f"raised {exc}"
-            return "ended without a final output"
+        async def one(i: int) -> list[RequestOutput]:
+            return [out async for out in client.stream(f"stream {i}", LONG)]
 
-        async def scenario() -> list[str]:
+        async def scenario() -> tuple[list[list[RequestOutput]], list[str]]:
             tasks = [asyncio.create_task(one(i)) for i in range(32)]
             while (client.status is None or client.status.scheduler is None
                    or client.status.scheduler.num_running < 32):
                 await asyncio.sleep(0.02)
-            os.kill(pipe.stage_pids[name], signal.SIGKILL)
-            tasks.append(asyncio.create_task(one(32)))  # sent after the death: fails too
+            os.kill(old[name], signal.SIGKILL)
+            tasks.append(asyncio.create_task(one(32)))  # sent just after the death
             return list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
 
-        ends = asyncio.run(scenario())
-        assert len(ends) == 33 and all(e.startswith("raised") for e in ends), ends
-        assert name in (pipe.failure or "")
-        pids = list(pipe.stage_pids.values())
+        killed = time.monotonic()
+        results = asyncio.run(scenario())
+        assert pipe.is_alive, pipe.failure
+        for outputs in results:  # exactly one final output each, and it is the last
+            assert len(finals(outputs)) == 1 and outputs[-1].finished, outputs[-3:]
+        errors = [o[-1].error or "" for o in results[:32]]
+        # (the detokenizer's error names the death; the tokenizer's, for a request sent
+        # there lately, may come first)
+        assert all("engine 0 stopped" in e for e in errors) and any(name in e for e in errors)
+        seen = set()
+        while not (health := client.health()).ok or health.stats is None:  # the engine is up
+            seen.add(health.problem)
+            assert time.monotonic() - killed < 60, health.problem
+            time.sleep(0.02)
+        back = time.monotonic() - killed
+        assert any("restarting" in (problem or "") for problem in seen), seen
+        (after,) = client.generate(["after"], SamplingParams(max_tokens=3, ignore_eos=True),
+                                   timeout=30)
+        assert after.error is None and after.num_output_tokens == 3
+        assert pipe.status().restarts == {"engine:0": 1}
+        new = pipe.stage_pids
+        for stage in ("scheduler:0", "executor:0"):
+            assert new[stage] != old[stage]
+        assert alive([old["scheduler:0"], old["executor:0"]]) == []
+        print(f"engine back in {back:.2f} s")
+        assert back < 30, back  # (model-load time + 2 s; the figure is in the docs)
+        pids = list(new.values())
     assert alive(pids) == []
     assert shm_segments(pipe.cfg.run_id) == []
-
-
-@pytest.mark.live
-def test_a_stage_that_keeps_dying_fails_the_pipeline(pipe: Pipeline) -> None:
-    for restart in range(MAX_RESTARTS + 1):
-        old = pipe.stage_pids["tokenizer:1"]
-        os.kill(old, signal.SIGKILL)
-        if restart < MAX_RESTARTS:
-            respawned(pipe, "tokenizer:1", old, 10.0)
-    deadline = time.monotonic() + 10
-    while pipe.failure is None:
-        assert time.monotonic() < deadline, "the pipeline kept restarting it"
-        time.sleep(0.05)
-    assert "tokenizer:1" in pipe.failure
 
 
 # ---------------------------------------------------------------- the cores, directly

@@ -9,6 +9,7 @@ and the other options' effects on the front end alone: test_front_end.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -380,7 +381,10 @@ def test_metrics_parse_and_move_across_two_workers(server: Server) -> None:
     assert len(pids) == 2
 
 
-def test_health_goes_503_naming_a_dead_stage(tiny_model_dir: Path) -> None:
+def test_health_says_restarting_while_a_killed_engine_comes_back(tiny_model_dir: Path) -> None:
+    """kill -9 of the executor: /health answers 503 "restarting" and requests get 503 with
+    Retry-After while the engine is started again; then both are 200 again and serve goes on
+    (a pipeline that fails, a crash loop, still exits 1: tests/test_restarts.py)."""
     with serve(tiny_model_dir) as s:
         assert httpx.get(f"{s.url}/health", timeout=10).json()["status"] == "ok"
         (executor,) = [p for p in s.descendants()
@@ -389,12 +393,51 @@ def test_health_goes_503_naming_a_dead_stage(tiny_model_dir: Path) -> None:
         deadline = time.monotonic() + 15
         while (r := httpx.get(f"{s.url}/health", timeout=10)).status_code == 200:
             assert time.monotonic() < deadline, "health stayed 200"
-            time.sleep(0.1)
-        assert r.status_code == 503 and "executor:0" in r.json()["problem"]
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["status"] == "restarting", r.json()
+        assert r.json()["engines_restarting"] == [0]
         body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
         r = post(s, "/v1/completions", body, key=None)
         assert r.status_code == 503 and "retry-after" in r.headers
-        # Then serve exits non-zero, so that a process supervisor notices.
+        while (r := httpx.get(f"{s.url}/health", timeout=10)).status_code != 200:
+            assert time.monotonic() < deadline + 30, r.json()
+            time.sleep(0.1)
+        r = post(s, "/v1/completions", body, key=None)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert s.proc.poll() is None
+
+
+def test_a_stage_that_keeps_dying_fails_the_pipeline_and_serve_exits_1(
+        tiny_model_dir: Path) -> None:
+    """A tokenizer killed again each time it comes back: after the restart policy's last
+    restart the pipeline fails; /health names the stage (503), requests get 503 with
+    Retry-After, then serve exits 1 so that a process supervisor sees it."""
+    from pipeline.runtime.restarts import MAX_RESTARTS
+
+    def tokenizer(s: Server, killed: set[int]) -> int | None:
+        for p in s.descendants():
+            with contextlib.suppress(psutil.Error):
+                if p.pid not in killed and "llm-pipeline:tokenizer:0" in " ".join(p.cmdline()):
+                    return p.pid
+        return None
+
+    with serve(tiny_model_dir) as s:
+        deadline = time.monotonic() + 60
+        killed: set[int] = set()
+        for _ in range(MAX_RESTARTS + 1):
+            while (pid := tokenizer(s, killed)) is None:  # (started again after the backoff)
+                assert time.monotonic() < deadline, "tokenizer:0 was not started again"
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        while (r := httpx.get(f"{s.url}/health", timeout=10)).status_code == 200 \
+                or "tokenizer:0" not in (r.json()["problem"] or ""):
+            assert time.monotonic() < deadline, r.json()
+            time.sleep(0.02)
+        assert r.status_code == 503 and "died" in r.json()["problem"], r.json()
+        body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
+        r = post(s, "/v1/completions", body, key=None)
+        assert r.status_code == 503 and "retry-after" in r.headers
         assert s.proc.wait(timeout=30) == 1
 
 

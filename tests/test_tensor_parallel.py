@@ -109,6 +109,31 @@ def test_two_ranks_through_preemption(tmp_path: Path) -> None:
     assert preemptions > 0
 
 
+@pytest.mark.live
+def test_a_killed_rank_restarts_its_engine_as_a_group(tmp_path: Path) -> None:
+    """kill -9 of rank 1: both ranks and the scheduler are started again (a new process
+    group, a new store), and the engine gives the tokens of one rank again."""
+    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
+    one = one_rank(folder)
+    with running(tp_config(folder, 2)) as pipe:
+        old = dict(pipe.stage_pids)
+        os.kill(old["executor:1"], signal.SIGKILL)
+        client = pipe.client()
+        deadline = time.monotonic() + 60
+        while pipe.status().restarts != {"engine:0": 1} or not client.health().ok \
+                or pipe.engines.restarting:
+            assert pipe.is_alive and time.monotonic() < deadline, pipe.failure
+            time.sleep(0.05)
+        outs = client.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0,
+                                                       ignore_eos=True))
+        assert [o.token_ids for o in outs] == one
+        new = pipe.stage_pids
+        assert all(new[n] != old[n] for n in ("scheduler:0", "executor:0", "executor:1"))
+        assert alive([old["scheduler:0"], old["executor:0"], old["executor:1"]]) == []
+        pids = list(new.values())
+    assert alive(pids) == []
+
+
 def test_each_rank_loads_only_its_slices(tmp_path: Path) -> None:
     folder = build_random_llama(tmp_path / "qwen2", arch="qwen2", heads=4, kv_heads=2)
     cpu = torch.device("cpu")

@@ -137,6 +137,8 @@ class Health:
     stats: SchedulerStats | None
     # Data-parallel engines down while others serve (the pipeline is ok, with less room).
     engines_down: list[int] = field(default_factory=list)
+    # Engines being started again after a death (down meanwhile).
+    engines_restarting: list[int] = field(default_factory=list)
 
 
 class PipelineClient:
@@ -224,10 +226,14 @@ class PipelineClient:
         if down and len(down) < len(status.engines_alive):  # the others serve
             dead = [name for name in dead if name.split(":")[0] not in ENGINE_STAGES]
         problem = status.failure or (f"stage {', '.join(dead)} is not running" if dead else None)
+        if problem is None and down and len(down) == len(status.engines_alive):
+            problem = ("the engine is restarting after a death; retry shortly"
+                       if len(down) == 1 else
+                       f"engines {down} are down (restarting: {status.engines_restarting})")
         if problem is None and age > STATUS_STALE_S:
             problem = f"the pipeline has not answered for {age:.1f} s"
         return Health(problem is None, dict(status.stages), problem, age, status.scheduler,
-                      down)
+                      down, list(status.engines_restarting))
 
     def _route_outputs(self) -> None:
         poller = zmq.Poller()

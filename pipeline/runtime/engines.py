@@ -5,7 +5,8 @@ their accounting added up into one. Runs in the launcher's process."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ipc.messages import Histogram, SchedulerStats
@@ -52,22 +53,42 @@ def _add(parts: list[Any]) -> Any:
     return sum(parts)
 
 
+@dataclass
+class EngineRestart:
+    """An engine being started again after its scheduler or an executor rank died: its old
+    processes stop ("stopping"), then, once the restart policy's delay is over, its executor
+    ranks load the model anew ("loading"), then its scheduler starts on the new cache
+    ("starting"); it serves once that scheduler is ready."""
+
+    cause: str  # the death that took it down
+    began: float  # monotonic
+    due: float  # when the new processes may start
+    incarnation: int  # the new processes' (one more than the dead ones')
+    phase: str = "stopping"
+
+
 class Engines:
-    """Which stage processes belong to which engine, and which engines still serve. With
-    one engine its death is the pipeline's; with several, an engine whose scheduler or
-    executor dies is taken down alone (its other processes stopped, its requests failed)."""
+    """Which stage processes belong to which engine, and which engines serve. An engine on
+    this host whose scheduler or executor dies is taken down (its other processes stopped,
+    its requests failed) and started again (`restarting`); one that keeps dying stays down,
+    or fails the pipeline if no other engine serves. One that joined from another host and
+    went silent is taken down for good."""
 
     def __init__(self, num_engines: int, tensor_parallel_size: int) -> None:
         self.num_engines, self.tp_size = num_engines, tensor_parallel_size
         self.alive = [True] * num_engines
         self.ready = [True] * num_engines  # one joining from another host is not, at first
         self.stats: list[SchedulerStats | None] = [None] * num_engines
+        self.incarnation = [0] * num_engines  # one more each time an engine is started again
+        self.restarting: dict[int, EngineRestart] = {}
+        self._retired: list[SchedulerStats] = []  # the last stats of engines' past lives
 
     def grow(self) -> int:
         """An engine joins from another host: its index (it counts once ready)."""
         self.alive.append(True)
         self.ready.append(False)
         self.stats.append(None)
+        self.incarnation.append(0)
         self.num_engines += 1
         return self.num_engines - 1
 
@@ -99,6 +120,41 @@ class Engines:
     def take_down(self, engine: int) -> None:
         self.alive[engine] = False  # its last stats stay, for the cumulative counts
 
+    def after_death(self, engine: int,
+                    delay: Callable[[], float | None]) -> tuple[str, float]:
+        """What the death of a process of local engine `engine` means: ("ignore", 0) for a
+        process of an engine already down for good or stopping (stopped by us); ("restart",
+        seconds) to take it down if it serves and start it again after `delay()` (the restart
+        policy's, which records the restart); ("down", 0) when it keeps dying (delay() is None)
+        and another engine serves: it stays down; ("fail", 0) when it keeps dying and no other
+        engine serves: the pipeline fails."""
+        restart = self.restarting.get(engine)
+        if restart is None and not self.alive[engine]:
+            return "ignore", 0.0
+        if restart is not None and restart.phase == "stopping":
+            return "ignore", 0.0
+        wait = delay()
+        if wait is not None:
+            return "restart", wait
+        self.restarting.pop(engine, None)
+        return ("down" if self.serving_besides(engine) else "fail"), 0.0
+
+    def serving_besides(self, engine: int) -> int:
+        """How many engines other than `engine` serve."""
+        return sum(a and r for e, (a, r) in enumerate(zip(self.alive, self.ready, strict=True))
+                   if e != engine)
+
+    def back(self, engine: int) -> None:
+        """Engine `engine` serves again, started anew: its counts so far stay in the totals
+        (combined() adds a down engine's last stats; the new one counts from zero)."""
+        restart = self.restarting.pop(engine)
+        self.incarnation[engine] = restart.incarnation
+        old = self.stats[engine]
+        if old is not None:
+            self._retired.append(old)
+        self.stats[engine] = None
+        self.alive[engine] = True
+
     def record(self, stats: SchedulerStats) -> None:
         if 0 <= stats.engine < self.num_engines and self.alive[stats.engine] \
                 and self.ready[stats.engine]:
@@ -112,7 +168,7 @@ class Engines:
             return None
         total = combine_stats([s for s in live if s is not None])
         gone = [s for s, alive in zip(self.stats, self.alive, strict=True)
-                if not alive and s is not None]
+                if not alive and s is not None] + self._retired
         if not gone:
             return total
         return dataclasses.replace(total, **{f: _add([getattr(s, f) for s in (total, *gone)])

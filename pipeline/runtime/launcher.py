@@ -39,7 +39,7 @@ from ipc.messages import (
 )
 from ipc.model_info import model_fingerprint
 from pipeline.runtime.client import PipelineClient
-from pipeline.runtime.engines import Engines
+from pipeline.runtime.engines import EngineRestart, Engines
 from pipeline.runtime.restarts import RESTARTABLE
 from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster, kind_of
 from pipeline.runtime.supervisor import Supervisor, control_reports
@@ -50,6 +50,10 @@ from stages.trace import merge_traces
 logger = logging.getLogger(__name__)
 
 __all__ = ["Pipeline", "check_device"]
+
+# An engine's old processes get this long to stop after SIGTERM before they are killed (the
+# new ones bind the same addresses and rings).
+ENGINE_STOP_TIMEOUT_S = 5.0
 
 
 class Pipeline:
@@ -219,6 +223,7 @@ class Pipeline:
                 while bootstrap is not None and bootstrap.poll(0):
                     self._answer_bootstrap(bootstrap)
                 self._drain_control(links)
+                self._advance_restarts()
                 while not self._to_engines.empty():
                     links.to_engines(self._to_engines.get())
                 lost = [m.name for m in self.roster.silent(time.monotonic())
@@ -267,7 +272,11 @@ class Pipeline:
         """A stage that joined from another host is ready (or a restarted one is)."""
         assert self.roster is not None
         kind = kind_of(msg.stage)
-        if self.roster.joined_ready(kind, msg.rank, msg.info, time.monotonic()):
+        name = f"{msg.stage}:{msg.rank}"
+        engine = self.engines.engine_of(name)
+        if engine in self.engines.restarting and name in self.procs:
+            self._engine_stage_ready(engine, name, msg.info, links)
+        elif self.roster.joined_ready(kind, msg.rank, msg.info, time.monotonic()):
             logger.warning("%s:%d joined from another host", msg.stage, msg.rank)
             if kind == "engine":
                 self.engines.ready[msg.rank] = True
@@ -309,13 +318,11 @@ class Pipeline:
 
     def _survive(self, name: str, links: Peers) -> bool:
         """Deal with a dead stage process the pipeline survives: start a tokenizer or a
-        detokenizer again, or take its engine down while other engines serve. False: the
-        pipeline fails."""
-        engine = self.engines.can_lose(name)
+        detokenizer again, or take its engine down and start it again. False: the pipeline
+        fails."""
+        engine = self.engines.engine_of(name)
         if engine is not None and not self._stopping.is_set():
-            if self.engines.alive[engine]:
-                self._take_down(engine, name, links)
-            return True
+            return self._engine_died(engine, name, links)
         # Tokenizers and detokenizers hold nothing that cannot be rebuilt: one that dies is
         # started again (RestartPolicy), unless it keeps dying; then the pipeline fails, as
         # it does when the scheduler or the executor of its last engine dies.
@@ -331,24 +338,102 @@ class Pipeline:
             links.to_engines(StageRestarted("detokenizer", int(name.split(":")[1])))
         return True
 
-    def _take_down(self, engine: int, name: str, links: Peers) -> None:
+    def _take_down(self, engine: int, name: str, links: Peers) -> str:
         """Engine `engine` lost `name`: stop its other processes, and have the detokenizers
-        fail its requests (the tokenizers fail those sent to it lately: see the status)."""
+        fail its requests (the tokenizers fail those sent to it lately: see the status).
+        What died, in words."""
         how = (f"exit code {self.procs[name].exitcode}" if name in self.procs
                else "it joined from another host and went silent")
-        message = (f"engine {engine} stopped ({name} died, {how}: {self._failure_message}) "
-                   "while it held this request; send it again")
+        cause = f"{name} died, {how}: {self._failure_message}"
+        message = f"engine {engine} stopped ({cause}) while it held this request; send it again"
         logger.error("stage %s died: engine %d is down; %d engine(s) still serve", name,
-                     engine, sum(self.engines.alive) - 1)
+                     engine, self.engines.serving_besides(engine))
         self._failure_message = "no message"
         self.engines.take_down(engine)
         assert self.roster is not None
         self.roster.leave(self.roster.members[("engine", engine)])
+        self._stop_engine(engine)
+        links.to_detokenizers(EngineDown(engine, message, self.engines.incarnation[engine]))
+        self._tell_members(links)
+        return cause
+
+    def _stop_engine(self, engine: int) -> None:
         for other in self.engines.processes(engine):
             if other in self.procs:  # (not: an engine on another host)
                 self.supervisor.terminate(other)
-        links.to_detokenizers(EngineDown(engine, message))
-        self._tell_members(links)
+
+    # ------------------------------------------------------------ engine restarts
+
+    def _engine_died(self, engine: int, name: str, links: Peers) -> bool:
+        """A process of engine `engine` died: take the engine down (if it served) and start
+        it again after the restart policy's delay; one that keeps dying stays down while
+        another engine serves. False: it was the last, the pipeline fails."""
+        action, delay = self.engines.after_death(
+            engine, lambda: self.supervisor.restarts.delay(f"engine:{engine}"))
+        if action in ("ignore", "fail"):
+            return action == "ignore"
+        if self.engines.alive[engine]:
+            cause = self._take_down(engine, name, links)
+        else:  # a new process died while the engine was starting again
+            cause = (f"{name} died while starting again, exit code "
+                     f"{self.procs[name].exitcode}: {self._failure_message}")
+            self._failure_message = "no message"
+            self._stop_engine(engine)
+        if action == "down":
+            logger.error("engine %d keeps dying (%s): it stays down", engine, cause)
+            return True
+        now = time.monotonic()
+        self.engines.restarting[engine] = EngineRestart(
+            cause, now, now + delay, self.engines.incarnation[engine] + 1)
+        logger.error("engine %d is starting again in %.1f s (%s)", engine, delay, cause)
+        return True
+
+    def _advance_restarts(self) -> None:
+        """Engines whose old processes have stopped and whose delay is over load again: the
+        rings and the tensor-parallel store of the dead ones are removed first (the new ones
+        are made under the same names)."""
+        now = time.monotonic()
+        for engine, restart in self.engines.restarting.items():
+            if restart.phase != "stopping":
+                continue
+            names = [n for n in self.engines.processes(engine) if n in self.procs]
+            running = [n for n in names if self.procs[n].is_alive()]
+            if running:
+                if now - restart.began > ENGINE_STOP_TIMEOUT_S:
+                    for n in running:
+                        logger.warning("%s did not stop in %.0f s: killing it", n,
+                                       ENGINE_STOP_TIMEOUT_S)
+                        self.procs[n].kill()
+                continue
+            if now < restart.due:
+                continue
+            self.supervisor.unlink_rings([engine])
+            Path(self.cfg.run_dir, f"tp-store-{engine}").unlink(missing_ok=True)
+            for n in names:
+                self.supervisor.ready.pop(n, None)
+            self.supervisor.spawn_executors(engine)
+            restart.phase = "loading"
+
+    def _engine_stage_ready(self, engine: int, name: str, info: dict[str, Any],
+                            links: Peers) -> None:
+        """A new process of a restarting engine is ready: once its first executor rank is
+        (its cache allocated), the scheduler starts; once that is, the engine serves."""
+        assert self.roster is not None
+        restart = self.engines.restarting[engine]
+        self.supervisor.ready[name] = info
+        head = f"executor:{engine * self.engines.tp_size}"
+        if name == head and restart.phase == "loading":
+            self.supervisor.spawn_stage("scheduler", engine, info["num_kv_blocks"],
+                                        self.roster.view(False), restart.incarnation)
+            restart.phase = "starting"
+        elif name.startswith("scheduler:") and restart.phase == "starting":
+            self.supervisor.unlink_rings([engine])  # both users have them mapped
+            self.engines.back(engine)
+            self.roster.local_ready("engine", engine, info.get("stage_port", 0))
+            self.roster.back("engine", engine)
+            self._tell_members(links)
+            logger.warning("engine %d serves again, %.1f s after %s", engine,
+                           time.monotonic() - restart.began, restart.cause)
 
     def _answer_bootstrap(self, bootstrap: zmq.Socket) -> None:
         """A remote client that sends the client key gets the tcp:// endpoints; a stage on
@@ -441,9 +526,13 @@ class Pipeline:
             alive |= {m.name: True for m in self.roster.members.values()
                       if m.joined and not m.gone}
             joined, left = self.roster.joined_addresses(), self.roster.left()
+        restarting = sorted(self.engines.restarting)
+        for engine in restarting:  # (it serves again soon: not a dead stage of the pipeline)
+            alive |= {name: True for name in self.engines.processes(engine) if name in alive}
         return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
                               dict(self.supervisor.restarts.counts), self.engines.loads(),
-                              list(self.engines.alive), joined, left=left)
+                              list(self.engines.alive), joined, left=left,
+                              engines_restarting=restarting)
 
     @property
     def is_alive(self) -> bool:

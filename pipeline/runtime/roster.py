@@ -226,6 +226,13 @@ class Roster:
             member.gone = True
             self.epoch += 1
 
+    def back(self, kind: str, index: int) -> None:
+        """A local stage that left (an engine that died) serves again: it was started anew."""
+        member = self.members[(kind, index)]
+        if member.gone:
+            member.gone = False
+            self.epoch += 1
+
     def left(self) -> list[str]:
         """The names of joined stages that have left (or never got ready)."""
         return sorted(m.name for m in self.members.values() if m.joined and m.gone)

@@ -186,8 +186,11 @@ class FrontEnd:
 
     async def health(self, request: Request) -> Response:
         h = self.client.health()
-        body = {"status": "ok" if h.ok else "unavailable", "problem": h.problem,
-                "stages": h.stages}
+        state = "ok" if h.ok else "unavailable"
+        if not h.ok and h.engines_restarting:  # no engine serves meanwhile
+            state = "restarting"
+        body = {"status": state, "problem": h.problem, "stages": h.stages,
+                "engines_restarting": h.engines_restarting}
         return JSONResponse(body, 200 if h.ok else 503)
 
     async def metrics_route(self, request: Request) -> Response:

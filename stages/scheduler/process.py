@@ -40,10 +40,12 @@ class SchedulerShell:
     """Owns the sockets and rings around one Scheduler core (of engine cfg.engine)."""
 
     def __init__(self, cfg: PipelineConfig, zctx: zmq.Context, num_blocks: int,
-                 tracer: Tracer | None = None, members: Members | None = None) -> None:
-        """members: the stages to send to, for an engine that joined from another host
-        (default: the run's own)."""
-        self.cfg = cfg
+                 tracer: Tracer | None = None, members: Members | None = None,
+                 incarnation: int = 0) -> None:
+        """members: the stages to send to, for an engine that joined from another host or
+        one started again (default: the run's own). incarnation: how many times this engine
+        was started again (its detokenizer batches carry it: see EngineDown)."""
+        self.cfg, self.incarnation = cfg, incarnation
         self.tracer = tracer or Tracer(None, "scheduler", cfg.engine)
         self.core = Scheduler(cfg.limits, num_blocks, cfg.scheduler.max_waiting)
         self.rings = StepRings.open(cfg, create=False)
@@ -168,7 +170,8 @@ class SchedulerShell:
 
         def batch(request_id: str, reply_to: str = "") -> DetokBatch:
             rank = self._shard(request_id, reply_to)
-            return batches.setdefault(rank, DetokBatch([], [], [], self.cfg.engine))
+            return batches.setdefault(rank, DetokBatch([], [], [], self.cfg.engine,
+                                                       self.incarnation))
 
         for info in infos:
             batch(info.request_id, info.reply_to).new_requests.append(info)
@@ -207,11 +210,12 @@ class SchedulerShell:
 
 
 def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: int,
-                  members: Members | None = None) -> None:
-    """rank: the data-parallel engine this scheduler plans for. members: see SchedulerShell."""
+                  members: Members | None = None, incarnation: int = 0) -> None:
+    """rank: the data-parallel engine this scheduler plans for. members, incarnation: see
+    SchedulerShell."""
     cfg = cfg.for_engine(rank)
     with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
-        shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer, members)
+        shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer, members, incarnation)
         ports = listen_tcp(shell.remote, cfg.listen_host)
         ctx.ready(**ports, stage_port=shell.stage_port)
         next_stats = 0.0
