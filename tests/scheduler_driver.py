@@ -282,6 +282,7 @@ class Driver:
         assert sorted(core.free_slots) == list(range(self.limits.max_num_seqs))
         assert not core.inflight and not core.requests and not self.pending
         assert not core.waiting and not core.running
+        assert not core._sender_samples  # (the fair queueing's count of live samples)
         assert sorted(core.free_ring_slots) == list(range(self.limits.depth + 1))
 
 

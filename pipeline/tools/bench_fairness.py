@@ -1,5 +1,6 @@
 """`scripts/bench fairness`: the starvation probe on the live pipeline. A short request (the
-probe: 16 prompt tokens, 8 out, its own sender) is timed alone, then behind each hog: one
+probe: 16 prompt tokens, 8 out; its own sender, or with --same-sender the hog's client and
+user, as requests behind one proxy are) is timed alone, then behind each hog: one
 request with n = 128; a flood of long prompts; many requests at once; traffic of a better
 priority. Reports each wait in seconds and as a multiple of the alone time (the bound is 10x;
 `tests/test_fairness.py` checks the same in scheduler steps)."""
@@ -29,10 +30,10 @@ def _params(user: str, **kwargs: Any) -> SamplingParams:
                           **({"user": user} if HAS_USER else {}), **kwargs)
 
 
-def _probe(client: PipelineClient, vocab: int, timeout: float) -> float:
+def _probe(client: PipelineClient, vocab: int, timeout: float, user: str = "probe") -> float:
     start = time.monotonic()
     (out,) = client.generate([[5 + i % (vocab - 5) for i in range(16)]],
-                             _params("probe", max_tokens=8), timeout=timeout)
+                             _params(user, max_tokens=8), timeout=timeout)
     if out.error:
         raise RuntimeError(f"the probe failed: {out.error}")
     return time.monotonic() - start
@@ -85,10 +86,15 @@ def fairness(args: argparse.Namespace) -> int:
         sched = dataclasses.replace(sched, priority_range=(-10, 10))
     cfg = PipelineConfig(model=model, scheduler=sched,
                          executor=ExecutorConfig.for_device(args.device, "float32", 2 << 30))
-    results: dict[str, Any] = {"command": "bench fairness", "device": args.device}
+    results: dict[str, Any] = {"command": "bench fairness", "device": args.device,
+                               "same_sender": args.same_sender}
     with Pipeline(cfg) as pipe:
         probe_client, hog_client = pipe.client(), pipe.client()
-        alone = statistics.median(_probe(probe_client, model.vocab_size, 60) for _ in range(3))
+        user = "probe"
+        if args.same_sender:  # one client and one user: one sender to the scheduler
+            probe_client, user = hog_client, "hog"
+        alone = statistics.median(_probe(probe_client, model.vocab_size, 60, user)
+                                  for _ in range(3))
         results["alone_s"] = alone
         print(f"probe alone: {alone:.3f} s", flush=True)
         for name, hog in _hogs(model.vocab_size).items():
@@ -97,7 +103,7 @@ def fairness(args: argparse.Namespace) -> int:
             thread.start()
             time.sleep(args.hog_lead_s)  # the hog has filled the engine
             try:
-                waited = _probe(probe_client, model.vocab_size, args.timeout_s)
+                waited = _probe(probe_client, model.vocab_size, args.timeout_s, user)
             except TimeoutError:
                 waited = float("inf")
             stop.set()
@@ -117,5 +123,7 @@ def add_fairness_parser(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--hog-lead-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--same-sender", action="store_true",
+                   help="send the probe as the hog's own client and user")
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=fairness)

@@ -3,7 +3,8 @@
 One step reads as: `schedule()` plans the next step (it may run `depth` steps ahead of the
 executor), `on_sampled()` takes a step's sampled ids, `take_outputs()` hands token deltas on.
 Decodes are planned first, then chunks of prompts; waiting requests are admitted in order of
-their fair-queueing tags (`_tag_request`). A request with n samples is n sequences: sample 0 is
+their fair-queueing tags (`_tag_request`: across senders; within one, requests are weighted
+fair queued, `_promote_within_sender`). A request with n samples is n sequences: sample 0 is
 admitted first, the others once its prompt is planned, so they find its full blocks in the
 prefix cache.
 """
@@ -11,6 +12,8 @@ prefix cache.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -81,6 +84,13 @@ class Scheduler:
         self._vtime = 0
         self._sender_end: dict[str, int] = {}
         self._forget_at = MAX_SENDERS
+        # Within a sender, weighted fair queueing over its samples: each sender's virtual
+        # time, its live samples, and a heap of its waiting samples by inner finish (entries
+        # of samples no longer waiting, or re-tagged, are skipped lazily).
+        self._inner_vtime: dict[str, float] = {}
+        self._sender_samples: dict[str, int] = {}
+        self._inner_queue: dict[str, list[tuple[float, int, int, int, Sequence]]] = {}
+        self._heap_ids = itertools.count()
         self._early_aborts: dict[str, float] = {}
         self._forgotten: dict[str, None] = {}  # reply addresses of dead clients, newest last
         # (when, request id, reply_to, prompt length) of the samples that ended lately
@@ -120,11 +130,17 @@ class Scheduler:
         order, self._next_order = self._next_order, self._next_order + 1
         sender = f"{req.reply_to}\0{p.user}"
         start, cost = self._tag_request(req, sender)
+        # Priority within the sender: PRIORITY_STEP_TOKENS of the sender's work a step, which
+        # its virtual time (tokens over its live samples) sees divided by those samples.
+        inner = self._inner_vtime.get(sender, 0) + p.priority * PRIORITY_STEP_TOKENS / max(
+            1, self._sender_samples.get(sender, 0))
         seqs = [Sequence(req.request_id, list(req.prompt_token_ids), p, req.arrival_time,
                          index=i, order=order, tag=start + i * cost, sender=sender,
                          reply_to=req.reply_to, grammar=req.grammar,
+                         inner_start=inner, inner_finish=inner + cost,
                          status=SeqStatus.HELD if i else SeqStatus.WAITING) for i in range(p.n)]
         self.requests[req.request_id] = seqs
+        self._sender_samples[sender] = self._sender_samples.get(sender, 0) + p.n
         self._enqueue(seqs[0])
         if len(seqs) > 1:
             self._held[req.request_id] = seqs[1:]
@@ -135,7 +151,9 @@ class Scheduler:
         outputs) tokens; a sender that was idle starts at the virtual time, so it is served
         next whatever others queued before. Priority moves a request by PRIORITY_STEP_TOKENS
         per step. So one request's n, its prompt length and a flood of requests are counted
-        against their sender, and nobody else waits behind them (see also _share_slots)."""
+        against their sender, and nobody else waits behind them (see also _share_slots).
+        Which of a sender's samples takes its turn is decided among its requests
+        (_promote_within_sender)."""
         p, num_prompt = req.params, len(req.prompt_token_ids)
         cost = num_prompt + min(p.max_tokens or self.max_len, max(self.max_len - num_prompt, 1))
         base = max(self._vtime, self._sender_end.get(sender, 0))
@@ -148,6 +166,8 @@ class Scheduler:
             vtime = self._vtime
             self._sender_end = {k: v for k, v in self._sender_end.items()
                                 if v > vtime and k in live}
+            self._inner_vtime = {k: v for k, v in self._inner_vtime.items() if k in live}
+            self._inner_queue = {k: v for k, v in self._inner_queue.items() if k in live}
             self._forget_at = max(MAX_SENDERS, 2 * len(self._sender_end))
         return base + p.priority * PRIORITY_STEP_TOKENS, cost
 
@@ -265,6 +285,35 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        heapq.heappush(self._inner_queue.setdefault(seq.sender, []),
+                       (seq.inner_finish, seq.order, seq.index, next(self._heap_ids), seq))
+
+    def _promote_within_sender(self) -> None:
+        """The first waiting sequence's sender has the next turn; within the sender, the turn
+        goes to the waiting sample that would finish first in a fluid share of the sender
+        among its samples (weighted fair queueing by cost, arrival the tie-break): the two
+        swap tags. So a short request is not queued behind the remaining samples (or the
+        many requests) of a long one from the same client, while the sender as a whole
+        keeps its place among senders."""
+        first = self.waiting[0]
+        heap = self._inner_queue.get(first.sender)
+        while heap:
+            finish, _, _, _, best = heap[0]
+            if best.status is SeqStatus.WAITING and best.inner_finish == finish:
+                break
+            heapq.heappop(heap)  # admitted, finished, or re-tagged since
+        else:
+            return
+        if best is first:
+            return
+        key = best.sort_key
+        i = bisect.bisect_left(self.waiting, key, key=lambda s: s.sort_key)
+        assert self.waiting[i] is best
+        del self.waiting[i]
+        del self.waiting[0]
+        first.tag, best.tag = best.tag, first.tag
+        self.waiting.insert(0, best)  # (its new tag is the smallest)
+        bisect.insort(self.waiting, first, key=lambda s: s.sort_key)
 
     # ------------------------------------------------------------ planning
 
@@ -274,6 +323,8 @@ class Scheduler:
             return None
         step = PlannedStep(self.next_step_id)
         budget = self.limits.max_num_batched_tokens
+        if self.waiting:
+            self._promote_within_sender()
         if self.waiting and not self.free_slots and not self._victims:
             self._share_slots()
         decodes, prefills = [], []
@@ -290,6 +341,7 @@ class Scheduler:
         if not step.rows:
             return None
         self.next_step_id += 1
+        self._serve_inner_vtime(step)
         step.ring_slot = self.free_ring_slots.pop()
         for row in step.rows:
             row.seq.num_inflight += 1
@@ -404,6 +456,7 @@ class Scheduler:
         num_senders = len(held) + (first.sender not in held)
         share = -(-self.limits.max_num_seqs // num_senders)
         if len(held.get(first.sender, ())) >= share:
+            self._share_within_sender(first, held[first.sender])
             return
         most = max(held.values(), key=len)
         if len(most) > share:
@@ -412,10 +465,35 @@ class Scheduler:
             victim.tag = max(self._vtime, first.tag) + 1
             self._preempt(victim)
 
+    def _serve_inner_vtime(self, step: PlannedStep) -> None:
+        """Each sender's virtual time moves with the tokens a step computes for it, shared
+        over its live samples (the service each would have had from a fluid share). So a
+        request arriving later starts where the others have got to, and a stream of short
+        ones cannot keep a long one waiting for ever: its finish is passed after a bounded
+        amount of their work. (Admission also moves it to the admitted sample's start.)"""
+        served: dict[str, int] = {}
+        for row in step.rows:
+            served[row.seq.sender] = served.get(row.seq.sender, 0) + len(row.token_ids)
+        for sender, tokens in served.items():
+            self._inner_vtime[sender] = self._inner_vtime.get(sender, 0) + tokens / max(
+                1, self._sender_samples.get(sender, 1))
+
+    def _share_within_sender(self, first: Sequence, mine: list[Sequence]) -> None:
+        """first's sender holds its share of the slots: among its own, the running sample
+        that would finish last (weighted fair queueing, _promote_within_sender) gives its
+        slot to first if first would finish strictly sooner. A sample that made room is
+        never preempted for the one it made room for (its finish is later), and equal
+        requests never preempt one another, so this does not thrash."""
+        victim = max(mine, key=lambda s: (s.inner_finish, s.order, s.index))
+        if first.inner_finish < victim.inner_finish:
+            victim.tag = max(self._vtime, first.tag) + 1  # behind first among senders too
+            self._preempt(victim)
+
     def _admit(self, step: PlannedStep, budget: int) -> int:
         bs = self.limits.block_size
         while (self.waiting and budget > 0 and self.free_slots and not step.is_starved
                and not step.has_preempted):
+            self._promote_within_sender()
             seq = self.waiting[0]
             # Reuse cached full blocks, but compute at least the last token (for its logits).
             # Not with penalties: the executor counts a sequence's tokens as they are computed.
@@ -431,6 +509,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self._vtime = max(self._vtime, seq.tag)
+            self._inner_vtime[seq.sender] = max(self._inner_vtime.get(seq.sender, 0),
+                                                seq.inner_start)
             if seq.admitted_at is None:
                 seq.admitted_at = time.time()
             seq.move_to(SeqStatus.RUNNING)
@@ -579,6 +659,9 @@ class Scheduler:
         if seq.status is SeqStatus.FINISHED and seqs is not None and seq in seqs:
             self._release(seq)
             seqs.remove(seq)
+            left = self._sender_samples.pop(seq.sender, 1) - 1
+            if left:
+                self._sender_samples[seq.sender] = left
             if not seqs:
                 del self.requests[seq.request_id]
                 self._held.pop(seq.request_id, None)

@@ -46,6 +46,10 @@ class Sequence:
     index: int = 0  # sample index among the request's n
     order: int = 0  # arrival order in the scheduler: breaks ties between equal tags
     tag: int = 0  # fair-queueing start tag (Scheduler._tag_request): waiting order
+    # Within its sender, requests are weighted fair queued: this sample's start and finish in
+    # the sender's own virtual time (Scheduler._tag_request, _promote_within_sender).
+    inner_start: float = 0.0
+    inner_finish: float = 0.0
     sender: str = ""  # whose share it counts against: the client and the request's user
     reply_to: str = ""  # the client's address
     status: SeqStatus = SeqStatus.WAITING
