@@ -465,6 +465,16 @@ class SampledTokens(Message):
     num_prompt_logprobs: int = 0  # prompt-token logprobs in the ring (StepPlan's count)
 
 
+@dataclass(frozen=True, slots=True)
+class LastStep(Message):
+    """From an engine's first executor rank to its other tensor-parallel ranks as it stops:
+    `step_id` is the last plan it forwarded (-1: none), which it runs too. Each rank runs the
+    plans up to it and then stops, so no rank waits in a collective for one that left."""
+
+    TAG: ClassVar[int] = 21
+    step_id: int
+
+
 # ---------------------------------------------------------------- stages -> launcher
 
 
@@ -595,6 +605,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     DetokBatch,
     RequestOutputs,
     StepPlan,
+    LastStep,
     SampledTokens,
     StageReady,
     StageAlive,

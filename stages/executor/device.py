@@ -149,7 +149,7 @@ class CpuDevice:
         thread = threading.Thread(target=host, name="host", daemon=True)
         thread.start()
         try:
-            self.run(stop)
+            self.run(stop, thread)
         except BaseException:
             stop.set()
             raise
@@ -158,13 +158,17 @@ class CpuDevice:
         if failure:
             raise RuntimeError("the executor's host loop failed") from failure[0]
 
-    def run(self, stop: threading.Event) -> None:
-        """Execute submitted steps until stop is set or close() is called."""
+    def run(self, stop: threading.Event, host: threading.Thread | None = None) -> None:
+        """Execute submitted steps until close() is called, or until stop is set, the host
+        loop (`host`) has ended and every step it submitted has run: a tensor-parallel rank
+        must run each step its peers run, or they wait in a collective for it."""
         try:
-            while not stop.is_set():
+            while True:
                 try:
                     step = self._queue.get(timeout=0.1)
                 except queue.Empty:
+                    if stop.is_set() and (host is None or not host.is_alive()):
+                        return
                     continue
                 if step is None:
                     return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import zmq
 from ipc.channels import PullChannel, PushChannel
 from ipc.codec import Codec
 from ipc.config import PipelineConfig
-from ipc.messages import SampledTokens, StepPlan
+from ipc.messages import LastStep, SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.shm import SharedRing
 from ipc.step import StepRings, sampled_specs
@@ -28,6 +29,10 @@ from stages.process import StageContext, stage_process
 from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
+
+# A tensor-parallel rank beyond the first that is told to stop keeps running the first rank's
+# plans until it announces its last one (LastStep), at most this long (it may be gone).
+DRAIN_TIMEOUT_S = 5.0
 
 
 def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
@@ -128,8 +133,8 @@ def _own_sampled_ring(cfg: PipelineConfig, rank: int) -> SharedRing:
 def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
     """A tensor-parallel rank beyond 0: the same steps as rank 0, in the same order, from
     the plans it forwards; its samples are rank 0's (broadcast inside compute)."""
-    plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), Codec([StepPlan]), bind=True,
-                        secret=cfg.run_secret)
+    plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), Codec([StepPlan, LastStep]),
+                        bind=True, secret=cfg.run_secret)
     runner = build_runner(cfg, rank)  # meets the other ranks: rank 0 made the rings by then
     rings = StepRings.open(cfg, create=False)
     # Rank 0 may forward the next plan of a ring slot as soon as its own step of that slot
@@ -142,11 +147,14 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
         free[step.plan.ring_slot].set()
 
     def take_slot(plan: StepPlan) -> bool:
+        stopped_at = None
         while not free[plan.ring_slot].wait(0.1):
             if device.error is not None:  # its reports stopped: so would the slots
                 raise RuntimeError("the device failed") from device.error
-            if ctx.stop.is_set():
-                return False
+            if ctx.stop.is_set():  # (draining: see host_loop)
+                stopped_at = stopped_at or time.monotonic()
+                if time.monotonic() - stopped_at > DRAIN_TIMEOUT_S:
+                    return False
         free[plan.ring_slot].clear()
         return True
 
@@ -170,25 +178,51 @@ def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: Shar
               device: Device, followers: list[PushChannel] | None = None,
               take_slot: Callable[[StepPlan], bool] | None = None) -> None:
     """Receive plans, prepare each and submit it. followers: the tensor-parallel ranks each
-    plan is forwarded to; take_slot: waits until the plan's ring slot may be prepared
-    (False: stop)."""
-    while not ctx.stop.is_set():
-        if device.error is not None:
-            raise RuntimeError("the device failed") from device.error
-        try:  # a foreign frame is refused; a malformed plan of this run is a bug: it raises
-            plan = plans.recv_foreign_safe(timeout_ms=100)
-        except zmq.ContextTerminated:
-            return
-        if plan is None:
-            continue
-        assert isinstance(plan, StepPlan)
-        for follower in followers or ():  # the same step, on every tensor-parallel rank
-            follower.send(plan)
-        if take_slot is not None and not take_slot(plan):
-            return
-        start = now_ns()
-        step = runner.prepare(plan, steps.slot(plan.ring_slot))
-        prepared = now_ns()
-        device.submit(step)  # on CUDA: launching the step's kernels
-        ctx.tracer.span("prepare", start, prepared, "host", {"step": plan.step_id})
-        ctx.tracer.span("submit", prepared, now_ns(), "host", {"step": plan.step_id})
+    plan is forwarded to (told the last one forwarded, LastStep, when this loop ends);
+    take_slot: waits until the plan's ring slot may be prepared (False: give up). A follower
+    (take_slot given) does not end at its own stop flag: it runs the first rank's plans up to
+    the LastStep it announces (at most DRAIN_TIMEOUT_S past the flag: that rank may be gone),
+    and ends there, setting the flag itself if it was not set."""
+    drain = take_slot is not None
+    last_sent, last_done, last_wanted, deadline = -1, -1, None, None
+    try:
+        while True:
+            if last_wanted is not None and last_done >= last_wanted:
+                ctx.stop.set()  # the first rank stopped; each plan it ran has run here
+                return
+            if ctx.stop.is_set():
+                if not drain:
+                    return
+                deadline = deadline or time.monotonic() + DRAIN_TIMEOUT_S
+                if time.monotonic() > deadline:
+                    logger.warning("the first tensor-parallel rank did not announce its last "
+                                   "step within %.0f s of the stop", DRAIN_TIMEOUT_S)
+                    return
+            if device.error is not None:
+                raise RuntimeError("the device failed") from device.error
+            try:  # a foreign frame is refused; a malformed plan of this run is a bug: it raises
+                msg = plans.recv_foreign_safe(timeout_ms=100)
+            except zmq.ContextTerminated:
+                return
+            if msg is None:
+                continue
+            if isinstance(msg, LastStep):
+                last_wanted = msg.step_id
+                continue
+            assert isinstance(msg, StepPlan)
+            plan = msg
+            for follower in followers or ():  # the same step, on every tensor-parallel rank
+                follower.send(plan)
+                last_sent = plan.step_id
+            if take_slot is not None and not take_slot(plan):
+                return
+            start = now_ns()
+            step = runner.prepare(plan, steps.slot(plan.ring_slot))
+            prepared = now_ns()
+            device.submit(step)  # on CUDA: launching the step's kernels
+            last_done = plan.step_id
+            ctx.tracer.span("prepare", start, prepared, "host", {"step": plan.step_id})
+            ctx.tracer.span("submit", prepared, now_ns(), "host", {"step": plan.step_id})
+    finally:
+        for follower in followers or ():
+            follower.send(LastStep(last_sent))
