@@ -174,13 +174,14 @@ def _describe(pids: list[int]) -> str:
     return "; ".join(out)
 
 
-def test_cli_exits_non_zero_with_one_line_when_the_engine_dies(tmp_path: Path) -> None:
-    """kill -9 of the executor under `generate`: every prompt's request fails at once; the
-    CLI says so in one line (no traceback) and exits 1, leaving nothing behind."""
+def test_cli_fails_the_prompts_a_dead_engine_held_and_exits_1(tmp_path: Path) -> None:
+    """kill -9 of the executor under `generate`: both prompts' requests fail at once with
+    the death named (the engine is started again behind them); the CLI says how many failed
+    in one line (no traceback) and exits 1, leaving nothing behind."""
     before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(_cli("--device", "timed:20,0", "generate", "--prompt", "a",
                                  "--prompt", "b", "--max-tokens", "2000", "--ignore-eos"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     children: list[int] = []
     try:
         children = _wait_for_stages(proc.pid)
@@ -188,10 +189,11 @@ def test_cli_exits_non_zero_with_one_line_when_the_engine_dies(tmp_path: Path) -
         (executor,) = [c for c in children
                        if "executor" in " ".join(psutil.Process(c).cmdline())]
         os.kill(executor, signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
         assert proc.returncode == 1, err
         assert "Traceback" not in err, err
-        assert "error: stage executor:0 (exit code -9) died" in err, err
+        assert "error: 2 of 2 prompts failed" in err, err
+        assert out.count("engine 0 stopped (executor:0 died, exit code -9") == 2, out
         assert [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n] == []
     finally:
         if proc.poll() is None:

@@ -89,7 +89,7 @@ class Scheduler:
         # of samples no longer waiting, or re-tagged, are skipped lazily).
         self._inner_vtime: dict[str, float] = {}
         self._sender_samples: dict[str, int] = {}
-        self._inner_queue: dict[str, list[tuple[float, int, int, int, Sequence]]] = {}
+        self._inner_queue: dict[str, list[tuple[int, float, int, int, int, Sequence]]] = {}
         self._heap_ids = itertools.count()
         self._early_aborts: dict[str, float] = {}
         self._forgotten: dict[str, None] = {}  # reply addresses of dead clients, newest last
@@ -130,10 +130,7 @@ class Scheduler:
         order, self._next_order = self._next_order, self._next_order + 1
         sender = f"{req.reply_to}\0{p.user}"
         start, cost = self._tag_request(req, sender)
-        # Priority within the sender: PRIORITY_STEP_TOKENS of the sender's work a step, which
-        # its virtual time (tokens over its live samples) sees divided by those samples.
-        inner = self._inner_vtime.get(sender, 0) + p.priority * PRIORITY_STEP_TOKENS / max(
-            1, self._sender_samples.get(sender, 0))
+        inner = self._inner_vtime.get(sender, 0)
         seqs = [Sequence(req.request_id, list(req.prompt_token_ids), p, req.arrival_time,
                          index=i, order=order, tag=start + i * cost, sender=sender,
                          reply_to=req.reply_to, grammar=req.grammar,
@@ -286,20 +283,22 @@ class Scheduler:
     def _enqueue(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
         heapq.heappush(self._inner_queue.setdefault(seq.sender, []),
-                       (seq.inner_finish, seq.order, seq.index, next(self._heap_ids), seq))
+                       (*_inner_key(seq), next(self._heap_ids), seq))
 
     def _promote_within_sender(self) -> None:
         """The first waiting sequence's sender has the next turn; within the sender, the turn
-        goes to the waiting sample that would finish first in a fluid share of the sender
-        among its samples (weighted fair queueing by cost, arrival the tie-break): the two
-        swap tags. So a short request is not queued behind the remaining samples (or the
-        many requests) of a long one from the same client, while the sender as a whole
-        keeps its place among senders."""
+        goes to the waiting sample of the best priority that would finish first in a fluid
+        share of the sender among its samples (weighted fair queueing by cost, arrival the
+        tie-break): the two swap tags. So a short request is not queued behind the
+        remaining samples (or the many requests) of a long one from the same client, while
+        the sender as a whole keeps its place among senders. (A sender's priorities order
+        its own requests strictly; among senders a priority is worth PRIORITY_STEP_TOKENS a
+        step.)"""
         first = self.waiting[0]
         heap = self._inner_queue.get(first.sender)
         while heap:
-            finish, _, _, _, best = heap[0]
-            if best.status is SeqStatus.WAITING and best.inner_finish == finish:
+            best = heap[0][-1]
+            if best.status is SeqStatus.WAITING and _inner_key(best) == heap[0][:4]:
                 break
             heapq.heappop(heap)  # admitted, finished, or re-tagged since
         else:
@@ -480,12 +479,12 @@ class Scheduler:
 
     def _share_within_sender(self, first: Sequence, mine: list[Sequence]) -> None:
         """first's sender holds its share of the slots: among its own, the running sample
-        that would finish last (weighted fair queueing, _promote_within_sender) gives its
-        slot to first if first would finish strictly sooner. A sample that made room is
+        that comes last (worst priority, then latest finish: _promote_within_sender) gives
+        its slot to first if first comes strictly sooner. A sample that made room is
         never preempted for the one it made room for (its finish is later), and equal
         requests never preempt one another, so this does not thrash."""
-        victim = max(mine, key=lambda s: (s.inner_finish, s.order, s.index))
-        if first.inner_finish < victim.inner_finish:
+        victim = max(mine, key=_inner_key)
+        if _inner_key(first)[:2] < _inner_key(victim)[:2]:
             victim.tag = max(self._vtime, first.tag) + 1  # behind first among senders too
             self._preempt(victim)
 
@@ -731,3 +730,8 @@ class Scheduler:
 def _scores_prompt(seq: Sequence) -> bool:
     """Whether seq's prompt logprobs are computed (sample 0 of a request that asks)."""
     return seq.params.prompt_logprobs is not None and seq.index == 0
+
+
+def _inner_key(seq: Sequence) -> tuple[int, float, int, int]:
+    """A sample's order within its sender: priority, weighted fair queueing finish, arrival."""
+    return (seq.params.priority, seq.inner_finish, seq.order, seq.index)
