@@ -588,6 +588,7 @@ class PipelineStatus(Message):
     stopping: bool = False  # the launcher is stopping the pipeline: stages that joined stop
     left: list[str] = field(default_factory=list)  # joined stages that have left (gone)
     engines_restarting: list[int] = field(default_factory=list)
+    engines_down_why: dict[str, str] = field(default_factory=dict)  # "E" -> the death, in words
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

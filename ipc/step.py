@@ -94,9 +94,14 @@ class StepRings:
         """Remove both names of every engine of a run without mapping them (the launcher, an
         orphaned stage); safe whether or not they exist."""
         for engine in {*range(cfg.data_parallel_size), cfg.engine}:  # (one that joined)
-            engine_cfg = cfg.for_engine(engine)
-            for name in (engine_cfg.step_ring_name, engine_cfg.sampled_ring_name):
-                unlink_segment(name)
+            StepRings.unlink_engine_names(cfg.for_engine(engine))
+
+    @staticmethod
+    def unlink_engine_names(cfg: PipelineConfig) -> None:
+        """Remove both names of engine cfg.engine alone (one that is started again: the
+        others' rings are in use); safe whether or not they exist."""
+        for name in (cfg.step_ring_name, cfg.sampled_ring_name):
+            unlink_segment(name)
 
 
 def local_buffers(specs: tuple[BufferSpec, ...]) -> dict[str, np.ndarray]:

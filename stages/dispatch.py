@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ipc.messages import (
@@ -59,6 +59,7 @@ class Dispatcher:
         self.alive = [True] * router.num_engines  # as the status says
         self.up = [True] * router.num_engines  # the roster names its address
         self.serving = [True] * router.num_engines  # both: it is routed to
+        self._why: dict[str, str] = {}  # engine -> why it is down, as the status says
         # (time, engine, request id, reply address) of each request sent lately: what an
         # engine that dies may hold before its detokenizer knows of it (EngineDown).
         self._recent: deque[tuple[float, int, str, str]] = deque()
@@ -91,15 +92,18 @@ class Dispatcher:
         self.up = [bool(x) for x in up] + [False] * (len(self.alive) - len(up))
         self._apply(list(self.router.loads))
 
-    def set_status(self, loads: Sequence[int], alive: Sequence[bool]) -> None:
-        """The engines' published loads and liveness; an engine seen dead for the first
-        time fails the requests sent to it lately. (An engine the status names before this
-        worker's roster does waits for the roster: its address comes with it.)"""
+    def set_status(self, loads: Sequence[int], alive: Sequence[bool],
+                   why: Mapping[str, str] | None = None) -> None:
+        """The engines' published loads and liveness (and why those down are: "E" -> the
+        death); an engine seen dead for the first time fails the requests sent to it lately.
+        (An engine the status names before this worker's roster does waits for the roster:
+        its address comes with it.)"""
         n = len(self.alive)
         if len(alive) < n or len(loads) < n:
             return  # a stale status, from before an engine joined
         # (An engine started again after its death serves again: the status says when.)
         self.alive = [bool(b) for b in alive[:n]]
+        self._why = dict(why or {})
         self._apply(loads[:n])
 
     def _apply(self, loads: Sequence[int]) -> None:
@@ -113,11 +117,13 @@ class Dispatcher:
 
     def _engine_down(self, engine: int) -> None:
         logger.warning("engine %d is down: failing the requests sent to it lately", engine)
+        why = self._why.get(str(engine), "its scheduler or executor died")
         for _, e, rid, reply_to in self._recent:
             if e == engine:
                 self._reply(reply_to, error_output(
-                    rid, ErrorKind.UNAVAILABLE, f"engine {engine} stopped (its scheduler or "
-                    "executor died) while it held this request; send it again"))
+                    rid, ErrorKind.UNAVAILABLE,
+                    f"engine {engine} stopped ({why}) while it held this request; send it "
+                    "again"))
         self._recent = deque(r for r in self._recent if r[1] != engine)
         for nonce, pending in list(self._pending.items()):
             pending.waiting.discard(engine)  # its requests fail anyway

@@ -167,7 +167,8 @@ class TokenizerShell:
         if self.status is not None and self.status.socket in events:
             while (status := self.status.recv_valid(0)) is not None:
                 assert isinstance(status, PipelineStatus)
-                self.dispatcher.set_status(status.engine_loads, status.engines_alive)
+                self.dispatcher.set_status(status.engine_loads, status.engines_alive,
+                                           status.engines_down_why)
         if self.answers.socket in events:
             while (answer := self.answers.recv_valid(0)) is not None:
                 if isinstance(answer, Members):

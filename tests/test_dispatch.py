@@ -89,13 +89,17 @@ def test_an_engine_that_dies_fails_what_was_sent_to_it_lately() -> None:
     old = h.forward("old")  # engine 0
     h.now += RECENT_ROUTE_S + 1  # long ago: its detokenizer knows it (EngineDown fails it)
     engines = {rid: h.forward(rid) for rid in ("x", "y", "z")}
-    h.dispatcher.set_status([0, 0], [old == 1, old == 0])  # the engine of "old" dies
+    why = {str(old): f"scheduler:{old} died, exit code -9: no message"}
+    h.dispatcher.set_status([0, 0], [old == 1, old == 0], why)  # the engine of "old" dies
     lost = sorted(r for r, e in engines.items() if e == old)
     assert sorted(r for _, r, _ in h.replies) == lost and lost
-    assert all(f"engine {old} stopped" in why for _, _, why in h.replies)
-    h.dispatcher.set_status([0, 0], [old == 1, old == 0])  # seen again: nothing more
+    assert all(f"engine {old} stopped (scheduler:{old} died, exit code -9" in text
+               for _, _, text in h.replies)
+    h.dispatcher.set_status([0, 0], [old == 1, old == 0], why)  # seen again: nothing more
     assert len(h.replies) == len(lost)
-    assert h.forward("after") != old  # never routed to a dead engine
+    assert h.forward("after") != old  # not routed to a dead engine
+    h.dispatcher.set_status([0, 0], [True, True])  # started again: routed to once more
+    assert old in {h.forward(f"again{i}") for i in range(8)}
 
 
 def test_no_engine_left_is_an_unavailable_error() -> None:

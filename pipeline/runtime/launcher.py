@@ -84,6 +84,7 @@ class Pipeline:
         self._public: dict[str, str] = {}  # with --listen: the tcp:// control and status
         self._fingerprint = ""  # the model's, which a joining stage's must equal
         self._to_engines: queue.SimpleQueue[Message] = queue.SimpleQueue()  # tell_engines
+        self._down_why: dict[str, str] = {}  # engine -> the death that took it down
 
     def _create_run(self) -> None:
         """The run directory (sockets, trace files) and the control socket. (The rings are
@@ -345,6 +346,7 @@ class Pipeline:
         how = (f"exit code {self.procs[name].exitcode}" if name in self.procs
                else "it joined from another host and went silent")
         cause = f"{name} died, {how}: {self._failure_message}"
+        self._down_why[str(engine)] = cause
         message = f"engine {engine} stopped ({cause}) while it held this request; send it again"
         logger.error("stage %s died: engine %d is down; %d engine(s) still serve", name,
                      engine, self.engines.serving_besides(engine))
@@ -378,6 +380,7 @@ class Pipeline:
             cause = (f"{name} died while starting again, exit code "
                      f"{self.procs[name].exitcode}: {self._failure_message}")
             self._failure_message = "no message"
+            self._down_why[str(engine)] = cause
             self._stop_engine(engine)
         if action == "down":
             logger.error("engine %d keeps dying (%s): it stays down", engine, cause)
@@ -429,6 +432,7 @@ class Pipeline:
         elif name.startswith("scheduler:") and restart.phase == "starting":
             self.supervisor.unlink_rings([engine])  # both users have them mapped
             self.engines.back(engine)
+            self._down_why.pop(str(engine), None)
             self.roster.local_ready("engine", engine, info.get("stage_port", 0))
             self.roster.back("engine", engine)
             self._tell_members(links)
@@ -532,7 +536,8 @@ class Pipeline:
         return PipelineStatus(time.time(), alive, self.failure, self.scheduler_stats,
                               dict(self.supervisor.restarts.counts), self.engines.loads(),
                               list(self.engines.alive), joined, left=left,
-                              engines_restarting=restarting)
+                              engines_restarting=restarting,
+                              engines_down_why=dict(self._down_why))
 
     @property
     def is_alive(self) -> bool:

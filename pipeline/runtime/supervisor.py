@@ -187,7 +187,7 @@ class Supervisor:
         mapped, or once the run is over): nothing is left in /dev/shm."""
         if self.cfg is not None and self.cfg.run_id:  # the run exists
             for engine in engines:
-                StepRings.unlink_names(self.cfg.for_engine(engine))
+                StepRings.unlink_engine_names(self.cfg.for_engine(engine))
 
     # ------------------------------------------------------------ watch
 
