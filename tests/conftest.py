@@ -63,6 +63,30 @@ def tiny_gguf_file(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def default_q8_0_file(default_model_dir: Path) -> Path:
+    """The default model (float32 folder) as a Q8_0 GGUF file by our exporter, kept in the
+    cache (`tests/`) per version of its weights and of the exporter: made once (~4 s) and its
+    folder once (~12 s: transformers parses the metadata), not in every run."""
+    import hashlib
+    import os
+
+    import pipeline.tools.gguf_export as gguf_export
+    from ipc.cache import cache_dir
+    from pipeline.tools.model_source import files_key
+
+    weights = sorted(default_model_dir.glob("*.safetensors"))
+    exporter = hashlib.sha256(Path(gguf_export.__file__).read_bytes()).hexdigest()[:12]
+    file = (cache_dir() / "tests" /
+            f"{default_model_dir.name}-{files_key(weights)[:12]}-{exporter}.Q8_0.gguf")
+    if not file.is_file():
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.{os.getpid()}")
+        gguf_export.export(default_model_dir, tmp, "Q8_0")
+        tmp.rename(file)
+    return file
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf_dir(tiny_gguf_file: Path) -> Path:
     """The folder `--model FILE.gguf` makes of the tiny GGUF file."""
     from pipeline.tools.model_source import resolve_model
