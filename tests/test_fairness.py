@@ -79,8 +79,8 @@ def test_the_probe_finishes_within_ten_times_its_alone_time(hog: Hog) -> None:
     assert probe_steps(hog) <= 10 * alone
 
 
-@pytest.mark.parametrize("hog", [many_samples, long_prompts, many_requests, stopped_early],
-                         ids=lambda h: h.__name__)
+@pytest.mark.parametrize("hog", [many_samples, long_prompts, many_requests, stopped_early,
+                                 urgent_traffic], ids=lambda h: h.__name__)
 def test_from_the_hogs_own_sender_the_probe_finishes_within_ten_times(hog: Hog) -> None:
     """The probe sent by the hog's sender (one client, no user: the normal case behind a
     proxy) is not queued behind the rest of the hog: within a sender, requests are weighted
@@ -184,10 +184,8 @@ def test_a_preempted_sample_waits_behind_the_one_it_made_room_for() -> None:
 
 
 def test_within_one_sender_priority_orders_equal_requests() -> None:
-    """Within a sender, priority orders its requests strictly (its own urgent traffic goes
-    first, for as long as it lasts; among senders a priority is worth PRIORITY_STEP_TOKENS a
-    step): a request of a better priority goes first among equal ones, and takes the slot of
-    a running one of a worse priority (one preemption)."""
+    """Within a sender, a request of a better priority goes first among equal ones, and
+    takes the slot of a running one of a worse priority (one preemption)."""
     driver = Driver(make_limits(max_num_seqs=1))
     driver.add(make_request("running", 8, max_tokens=20))
     driver.tick()
@@ -222,3 +220,4 @@ def test_a_stream_of_short_requests_does_not_starve_a_long_one_of_the_same_sende
         raise AssertionError("the long request never finished")
 
     assert run(True) <= 2 * run(False)
+

@@ -44,6 +44,11 @@ from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
 # One step of priority is worth this many tokens of other requests' work: a request of priority
 # p is admitted before requests of priority p + 1 that came up to this much work before it.
 PRIORITY_STEP_TOKENS = 1024
+# Within one sender, in its virtual time (tokens of service per live sample): a request of
+# priority p goes before the sender's requests of priority p + 1 that came up to this much
+# service before it. (Strict priority would let a sender's own urgent traffic starve its
+# other requests for as long as it lasts.)
+INNER_PRIORITY_STEP = 64
 MAX_FORGOTTEN_CLIENTS = 1024
 # A dead detokenizer may have taken the final outputs of requests that ended this recently.
 RECENT_FINAL_S = 10.0
@@ -89,7 +94,7 @@ class Scheduler:
         # of samples no longer waiting, or re-tagged, are skipped lazily).
         self._inner_vtime: dict[str, float] = {}
         self._sender_samples: dict[str, int] = {}
-        self._inner_queue: dict[str, list[tuple[int, float, int, int, int, Sequence]]] = {}
+        self._inner_queue: dict[str, list[tuple[float, int, int, int, Sequence]]] = {}
         self._heap_ids = itertools.count()
         self._early_aborts: dict[str, float] = {}
         self._forgotten: dict[str, None] = {}  # reply addresses of dead clients, newest last
@@ -130,7 +135,7 @@ class Scheduler:
         order, self._next_order = self._next_order, self._next_order + 1
         sender = f"{req.reply_to}\0{p.user}"
         start, cost = self._tag_request(req, sender)
-        inner = self._inner_vtime.get(sender, 0)
+        inner = self._inner_vtime.get(sender, 0) + p.priority * INNER_PRIORITY_STEP
         seqs = [Sequence(req.request_id, list(req.prompt_token_ids), p, req.arrival_time,
                          index=i, order=order, tag=start + i * cost, sender=sender,
                          reply_to=req.reply_to, grammar=req.grammar,
@@ -287,18 +292,16 @@ class Scheduler:
 
     def _promote_within_sender(self) -> None:
         """The first waiting sequence's sender has the next turn; within the sender, the turn
-        goes to the waiting sample of the best priority that would finish first in a fluid
-        share of the sender among its samples (weighted fair queueing by cost, arrival the
+        goes to the waiting sample that would finish first in a fluid share of the sender
+        among its samples (weighted fair queueing by cost, shifted by priority; arrival the
         tie-break): the two swap tags. So a short request is not queued behind the
         remaining samples (or the many requests) of a long one from the same client, while
-        the sender as a whole keeps its place among senders. (A sender's priorities order
-        its own requests strictly; among senders a priority is worth PRIORITY_STEP_TOKENS a
-        step.)"""
+        the sender as a whole keeps its place among senders."""
         first = self.waiting[0]
         heap = self._inner_queue.get(first.sender)
         while heap:
             best = heap[0][-1]
-            if best.status is SeqStatus.WAITING and _inner_key(best) == heap[0][:4]:
+            if best.status is SeqStatus.WAITING and _inner_key(best) == heap[0][:3]:
                 break
             heapq.heappop(heap)  # admitted, finished, or re-tagged since
         else:
@@ -479,12 +482,12 @@ class Scheduler:
 
     def _share_within_sender(self, first: Sequence, mine: list[Sequence]) -> None:
         """first's sender holds its share of the slots: among its own, the running sample
-        that comes last (worst priority, then latest finish: _promote_within_sender) gives
-        its slot to first if first comes strictly sooner. A sample that made room is
+        that would finish last (_promote_within_sender) gives its slot to first if first
+        would finish strictly sooner. A sample that made room is
         never preempted for the one it made room for (its finish is later), and equal
         requests never preempt one another, so this does not thrash."""
         victim = max(mine, key=_inner_key)
-        if _inner_key(first)[:2] < _inner_key(victim)[:2]:
+        if first.inner_finish < victim.inner_finish:
             victim.tag = max(self._vtime, first.tag) + 1  # behind first among senders too
             self._preempt(victim)
 
@@ -732,6 +735,7 @@ def _scores_prompt(seq: Sequence) -> bool:
     return seq.params.prompt_logprobs is not None and seq.index == 0
 
 
-def _inner_key(seq: Sequence) -> tuple[int, float, int, int]:
-    """A sample's order within its sender: priority, weighted fair queueing finish, arrival."""
-    return (seq.params.priority, seq.inner_finish, seq.order, seq.index)
+def _inner_key(seq: Sequence) -> tuple[float, int, int]:
+    """A sample's order within its sender: weighted fair queueing finish (priority shifts
+    it by INNER_PRIORITY_STEP a step), then arrival."""
+    return (seq.inner_finish, seq.order, seq.index)
