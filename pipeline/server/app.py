@@ -326,9 +326,10 @@ class FrontEnd:
         if self.is_stopping:
             return shutting_down()
         h = self.client.health()
-        if not h.ok:
+        if not h.ok:  # (an engine starting again serves within seconds: retry sooner)
             return ApiError(503, f"the engine is unavailable: {h.problem}", None,
-                            "service_unavailable", headers={"Retry-After": "5"})
+                            "service_unavailable",
+                            headers={"Retry-After": "2" if h.engines_restarting else "5"})
         waiting = h.stats.num_waiting if h.stats is not None else 0
         slots = h.stats.num_slots if h.stats is not None else 0  # of every engine serving
         status = self.client.status
