@@ -4,7 +4,7 @@ response and chunk shapes, the rate limiter and the overload answer, without a s
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -140,6 +140,7 @@ class FakeHealth:
     ok: bool
     problem: str | None
     stats: SchedulerStats | None
+    engines_restarting: list[int] = field(default_factory=list)
 
 
 class FakeClient:
@@ -175,6 +176,10 @@ def test_overload_and_outage_answer_503_with_retry_after(tmp_path: Any,
     front.client = FakeClient(FakeHealth(False, "stage executor:0 is not running", None))  # type: ignore[assignment]
     refusal = front._refusal()
     assert refusal is not None and refusal.status == 503 and "executor:0" in refusal.message
+    assert refusal.headers["Retry-After"] == "5"
+    front.client = FakeClient(FakeHealth(False, "the engine is restarting", None, [0]))  # type: ignore[assignment]
+    refusal = front._refusal()
+    assert refusal is not None and refusal.headers["Retry-After"] == "2"  # back in seconds
     assert asyncio.iscoroutinefunction(front.health)
 
 
