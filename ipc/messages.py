@@ -265,6 +265,9 @@ class Members(Message):
     detokenizers: list[str]
     # On the launcher's host: it can reach the ipc:// reply sockets of local clients.
     local_detokenizers: list[bool]
+    # Why an engine no longer served is down ("E" -> the death), as the status says it too: a
+    # tokenizer may hear of the death here first.
+    engines_down_why: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- detokenizer -> scheduler

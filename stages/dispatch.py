@@ -81,9 +81,11 @@ class Dispatcher:
             self._recent.popleft()
         self._send(engine, req)
 
-    def set_engines(self, up: Sequence[bool]) -> None:
+    def set_engines(self, up: Sequence[bool], why: Mapping[str, str] | None = None) -> None:
         """The engines the roster names (Members): one that joined from another host is
-        routed to once its address is known; one that left is down."""
+        routed to once its address is known; one that left is down (why: as set_status's,
+        which the roster may bring first)."""
+        self._why.update(why or {})
         extra = len(up) - len(self.alive)
         if extra > 0:
             self.router.grow(len(up))

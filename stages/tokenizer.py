@@ -173,7 +173,8 @@ class TokenizerShell:
             while (answer := self.answers.recv_valid(0)) is not None:
                 if isinstance(answer, Members):
                     if self.engines.update(answer):
-                        self.dispatcher.set_engines([bool(a) for a in answer.engines])
+                        self.dispatcher.set_engines([bool(a) for a in answer.engines],
+                                                    answer.engines_down_why)
                     continue
                 assert isinstance(answer, ReconcileAnswer)
                 self.dispatcher.on_answer(answer)

@@ -95,6 +95,7 @@ SAMPLES: list[Message] = [
     DetokBatch([], [], [], 1),
     PipelineStatus(3.0, {}, None, None, {}, [10, 0], [True, False]),
     Members(3, ["ipc:///tmp/r/scheduler.sock", "", "tcp://10.0.0.2:7001"], [], [""], [False]),
+    Members(4, ["", "ipc:///s"], [], [], [], {"0": "executor:0 died, exit code -9: x"}),
     StageAlive("scheduler", 2),
     PipelineStatus(4.0, {"scheduler:2": True}, None, None, {}, [0, 0, 5], [True, False, True],
                    {"scheduler:2": "tcp://10.0.0.2:7002"}, True),

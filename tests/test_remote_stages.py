@@ -117,10 +117,12 @@ def test_a_worker_routes_to_an_engine_once_the_roster_names_it() -> None:
     dispatcher.set_status([100, 0], [True, True])
     dispatcher.forward(TokenizedRequest("r", "ipc://c", [1, 2, 3], SamplingParams(), 0.0))
     assert sent[-1][0] == 1  # the less loaded one, which joined
-    dispatcher.set_engines([True, False])  # it left: what it was sent lately fails
-    assert dispatcher.serving == [True, False]
-    ((_, outputs),) = replies
+    dispatcher.set_engines([True, False], {"1": "scheduler:1 died, exit code -9: x"})
+    assert dispatcher.serving == [True, False]  # it left: what it was sent lately fails,
+    ((_, outputs),) = replies  # naming the death (the roster may bring it before the status)
     assert outputs.outputs[0].error_kind == ErrorKind.UNAVAILABLE
+    assert "engine 1 stopped (scheduler:1 died, exit code -9: x)" in (outputs.outputs[0].error
+                                                                      or "")
     dispatcher.set_status([0, 0], [True, False])  # the launcher's word on it
     dispatcher.set_engines([True, True])  # the roster names it again: not yet alive
     assert dispatcher.serving == [True, False]

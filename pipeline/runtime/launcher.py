@@ -312,8 +312,9 @@ class Pipeline:
         links.update(self.roster.view(False))
         send = {"engine": links.to_engine, "tokenizer": links.to_tokenizer,
                 "detokenizer": links.to_detokenizer}
+        why = dict(self._down_why)
         for member, members in self.roster.recipients():
-            send[member.kind](member.index, members)
+            send[member.kind](member.index, dataclasses.replace(members, engines_down_why=why))
         if self.address is not None:
             self._update_remote_endpoints()
 
