@@ -15,6 +15,7 @@ import bisect
 import heapq
 import itertools
 import math
+import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,6 +51,7 @@ PRIORITY_STEP_TOKENS = 1024
 # other requests for as long as it lasts.)
 INNER_PRIORITY_STEP = 64
 MAX_FORGOTTEN_CLIENTS = 1024
+_SORT_KEY = operator.attrgetter("sort_key")  # the waiting queue's order (Sequence.sort_key)
 # A dead detokenizer may have taken the final outputs of requests that ended this recently.
 RECENT_FINAL_S = 10.0
 MAX_RECENT_FINALS = 65536
@@ -286,7 +288,7 @@ class Scheduler:
                 self._finish(seq, FinishReason.STOP)
 
     def _enqueue(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, seq, key=_SORT_KEY)
         heapq.heappush(self._inner_queue.setdefault(seq.sender, []),
                        (*_inner_key(seq), next(self._heap_ids), seq))
 
@@ -309,13 +311,13 @@ class Scheduler:
         if best is first:
             return
         key = best.sort_key
-        i = bisect.bisect_left(self.waiting, key, key=lambda s: s.sort_key)
+        i = bisect.bisect_left(self.waiting, key, key=_SORT_KEY)
         assert self.waiting[i] is best
         del self.waiting[i]
         del self.waiting[0]
         first.tag, best.tag = best.tag, first.tag
         self.waiting.insert(0, best)  # (its new tag is the smallest)
-        bisect.insort(self.waiting, first, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, first, key=_SORT_KEY)
 
     # ------------------------------------------------------------ planning
 
@@ -462,7 +464,7 @@ class Scheduler:
             return
         most = max(held.values(), key=len)
         if len(most) > share:
-            victim = max(most, key=lambda s: s.sort_key)
+            victim = max(most, key=_SORT_KEY)
             # Behind the one it makes room for, so that one takes the slot (not it again).
             victim.tag = max(self._vtime, first.tag) + 1
             self._preempt(victim)
