@@ -9,6 +9,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,17 +128,31 @@ def _argv(args: object) -> list[str]:
             else [str(a) for a in args])  # type: ignore[union-attr]
 
 
+OUR_PACKAGES = {"pipeline", "stages", "ipc", "tests"}
+INSTALLED = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib", "stdlib")}
+
+
 def _ours(args: object) -> bool:
     """A command of this project's (a script, or Python running a file or module of ours),
-    not a tool (a compiler, openssl, pip) or a `python -c` one-liner."""
+    not a tool (a compiler, openssl, pip, Inductor's compile workers) or a `python -c`
+    one-liner."""
     argv = _argv(args)
     if not argv:
         return False
     if argv[0].startswith(str(ROOT / "scripts")):
         return True
-    is_python = Path(argv[0]).name.startswith("python")
-    pip = argv[1:3] == ["-m", "pip"] or argv[1:2] == ["-mpip"]
-    return is_python and len(argv) > 1 and argv[1] != "-c" and not pip
+    if not Path(argv[0]).name.startswith("python") or len(argv) < 2:
+        return False
+    if argv[1] == "-m":
+        return len(argv) > 2 and argv[2].split(".")[0] in OUR_PACKAGES
+    if argv[1].startswith("-m"):
+        return argv[1][2:].split(".")[0] in OUR_PACKAGES
+    if argv[1].startswith("-"):
+        return False
+    # A script of a test's own (README examples, workers) is ours; one of an installed
+    # package (Inductor's compile workers under torch) is a tool's.
+    script = Path(argv[1]).resolve()
+    return not any(script.is_relative_to(p) for p in INSTALLED)
 
 
 multiprocessing.process.BaseProcess.start = _mp_start  # type: ignore[method-assign]

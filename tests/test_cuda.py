@@ -37,6 +37,7 @@ def test_paged_model_on_cuda_matches_transformers(tiny_model_dir: Path) -> None:
     assert [g[:len(e)] for g, e in zip(got, expected, strict=True)] == expected
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("depth", [1, 2])
 def test_live_pipeline_on_cuda_overlapped_equals_synchronous(tiny_model_dir: Path,
                                                               depth: int) -> None:
@@ -48,6 +49,7 @@ def test_live_pipeline_on_cuda_overlapped_equals_synchronous(tiny_model_dir: Pat
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.live
 def test_stream_and_abort_on_cuda(tiny_model_dir: Path) -> None:
     with running(live_config(tiny_model_dir, device="cuda")) as pipe:
         client = pipe.client()

@@ -37,9 +37,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# Seconds each, at most: 10 minutes in all.
-PARTS = {"versions": 45, "models": 90, "overlap": 120, "syncs": 75, "utilisation": 150,
-         "tests": 50, "bench": 60}
+# Seconds each, at most: under 10 minutes in all.
+PARTS = {"versions": 45, "models": 60, "overlap": 60, "syncs": 45, "tests": 150,
+         "utilisation": 120, "bench": 100}
 CUDA_ONLY = {"versions", "syncs", "utilisation", "tests", "bench"}
 BIG_MODEL = {"layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 8, "vocab_size": 32000}
 
@@ -296,10 +296,13 @@ def part_utilisation(args: argparse.Namespace) -> dict[str, Any]:
             return [(f"u{i}", p, params) for i, p in enumerate(prompts)]
 
         run.run(requests(4))  # compiles every bucket this workload meets, captures decode's
+        # Every prompt is prefilled before the window opens, and chunked prefill lets the
+        # first ones decode meanwhile: they must outlive the last prompt's prefill steps.
+        prefill_steps = -(-batch * context // limits.max_num_batched_tokens) + 1
         for mode, sync in (("overlap", False), ("sync", True)):
             window = ProfileWindow(batch, skip=4, active=active)
-            _, stats = run.run(requests(4 + ProfileWindow.WARMUP + active + 4), sync=sync,
-                               before_submit=window.before_submit)
+            _, stats = run.run(requests(prefill_steps + 4 + ProfileWindow.WARMUP + active + 4),
+                               sync=sync, before_submit=window.before_submit)
             window.finish()
             out[f"ctx{context}_{mode}"] = window.report(stats)
     graphs = runner.graphs
@@ -393,20 +396,30 @@ class ProfileWindow:
 
 
 def part_tests(args: argparse.Namespace) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda",
-                           "-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
-                          timeout=PARTS["tests"] - 10)
+    """The tests marked cuda, each named with its time (what ran survives a timeout)."""
+    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda", "-v",
+           "--durations=0", "-p", "no:cacheprovider", "-p", "no:logging", "--timeout", "90"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["tests"] - 10)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        return {"ok": False, "error": f"timed out after {PARTS['tests'] - 10} s",
+                "tail": (out.decode(errors="replace") if isinstance(out, bytes) else out)[-3000:]}
     return {"ok": proc.returncode == 0, "tail": (proc.stdout + proc.stderr)[-3000:]}
 
 
 def part_bench(args: argparse.Namespace) -> dict[str, Any]:
     model = _model(Path(args.work) / "big", big=True)
     out_json = Path(args.work) / "overlap-cuda.json"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.tools.bench", "overlap", "--device",
-                           "cuda", "--dtype", "bfloat16", "--model", str(model), "--batch", "64",
-                           "--output-len", "64", "--repeat", "1", "--kv-cache-memory", "16GiB",
-                           "--json", str(out_json)], capture_output=True, text=True,
-                          timeout=PARTS["bench"] - 10)
+    cmd = [sys.executable, "-m", "pipeline.tools.bench", "overlap", "--device", "cuda",
+           "--dtype", "bfloat16", "--model", str(model), "--batch", "64", "--output-len", "64",
+           "--repeat", "1", "--kv-cache-memory", "16GiB", "--json", str(out_json)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["bench"] - 10)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or "") + (exc.stderr or "")
+        return {"ok": False, "error": f"timed out after {PARTS['bench'] - 10} s",
+                "tail": (out.decode(errors="replace") if isinstance(out, bytes) else out)[-3000:]}
     report = json.loads(out_json.read_text()) if out_json.exists() else None
     return {"ok": proc.returncode == 0, "report": report,
             "tail": (proc.stdout + proc.stderr)[-2000:]}
