@@ -9,7 +9,8 @@ the same way (local clients read it from the private run directory, remote ones 
 
 All addresses of one pipeline come from one run directory (mode 0700), so two pipelines on one
 machine never collide. (Clients on other hosts reach it over `tcp://` with the key: see
---listen; stages on other hosts over `tcp://` too, with the stage key: see --stage-key.)
+--listen; stages on other hosts over `tcp://` too, with the stage key: see --stage-key.
+Every tcp:// endpoint is encrypted and its peer's key checked: ipc/curve.py.)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from ipc import curve
 from ipc.codec import Codec, ProtocolError, encode
 from ipc.messages import Message
 
@@ -58,9 +60,9 @@ class PushChannel:
         self.socket.setsockopt(zmq.LINGER, linger_ms)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on our own stages
         if bind:
-            self.socket.bind(address)
+            curve.bind(self.socket, address, curve.STAGES)
         else:
-            self.socket.connect(address)
+            curve.connect(self.socket, address)  # (tcp:// under CURVE: ipc/curve.py)
 
     def _frame(self, msg: Message) -> bytes:
         return self.secret + encode(msg) if self.secret else encode(msg)
@@ -95,7 +97,10 @@ class PullChannel:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         for addr in [address] if isinstance(address, str) else address:
-            (self.socket.bind if bind else self.socket.connect)(addr)
+            if bind:
+                curve.bind(self.socket, addr, curve.STAGES)
+            else:
+                curve.connect(self.socket, addr)
 
     def recv(self, timeout_ms: int | None = None) -> Message | None:
         """The next message, None on timeout. Raises ProtocolError on a malformed one."""
@@ -153,10 +158,7 @@ def listen_tcp(inbox: PullChannel, host: str, port: int = 0) -> dict[str, int]:
     --listen). A restarted stage binds the port its predecessor had."""
     if not host:
         return {}
-    if port:
-        inbox.socket.bind(f"tcp://{host}:{port}")
-        return {"tcp_port": port}
-    return {"tcp_port": inbox.socket.bind_to_random_port(f"tcp://{host}")}
+    return {"tcp_port": curve.bind(inbox.socket, f"tcp://{host}:{port}", curve.CLIENTS)}
 
 
 def stage_listen(inbox: PullChannel, cfg: PipelineConfig, port: int = 0) -> int:
@@ -165,10 +167,7 @@ def stage_listen(inbox: PullChannel, cfg: PipelineConfig, port: int = 0) -> int:
     stage's predecessor's, or any free one): the port (else 0)."""
     if not cfg.accepts_stages:
         return 0
-    if port:
-        inbox.socket.bind(f"tcp://{cfg.listen_host}:{port}")
-        return port
-    return inbox.socket.bind_to_random_port(f"tcp://{cfg.listen_host}")
+    return curve.bind(inbox.socket, f"tcp://{cfg.listen_host}:{port}", curve.STAGES)
 
 
 class SubChannel(PullChannel):
@@ -180,7 +179,7 @@ class SubChannel(PullChannel):
         self.socket = ctx.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.socket.connect(address)
+        curve.connect(self.socket, address)
 
 
 __all__ = ["ForeignFrame", "ProtocolError", "PullChannel", "PushChannel", "SubChannel",
@@ -226,7 +225,7 @@ class ReplySockets:
         socket.setsockopt(zmq.LINGER, 2000)
         socket.setsockopt(zmq.SNDHWM, 100_000)  # set before connect, or it does not apply
         try:
-            socket.connect(address)
+            curve.connect_as_server(socket, address)  # (a client's tcp:// socket: CURVE)
         except zmq.ZMQError as exc:
             socket.close()
             logger.error("cannot reply to %r: %s", address, exc)

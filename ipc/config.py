@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ipc.addresses import RunAddresses
 from ipc.device import parse_device
@@ -22,6 +23,9 @@ from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
 from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
+
+if TYPE_CHECKING:
+    from ipc.curve import CurveKeys
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,10 @@ class PipelineConfig(RunAddresses):
     stage_key: str = ""
     # In a stage that joined from another host: the launcher's tcp:// status publisher.
     launcher_status: str = ""
+    # The secret half of the run's CURVE server key (ipc/curve.py), with --listen: made by
+    # the launcher (derived from the stage key where stages may join), handed to the stages
+    # at spawn like run_secret; a joined stage derives it.
+    curve_secret: bytes = b""
 
     def for_engine(self, engine: int) -> PipelineConfig:
         """The config a stage of engine `engine` runs with: its addresses and rings."""
@@ -184,7 +192,16 @@ class PipelineConfig(RunAddresses):
     # Fields a joining stage gets from the launcher: not the run's private paths and
     # secrets (its own run directory; the secret it derives), not the launcher's host.
     _LOCAL_FIELDS = ("run_dir", "trace_dir", "run_secret", "stage_key", "listen_host",
-                     "launcher_status")
+                     "launcher_status", "curve_secret")
+
+    def curve_keys(self) -> CurveKeys | None:
+        """The CURVE keys of this run's tcp:// side (None without --listen: no tcp://)."""
+        from ipc.curve import CurveKeys
+
+        if not (self.listen_host and self.curve_secret):
+            return None
+        return CurveKeys.for_stage(self.curve_secret, self.client_key, self.stage_key,
+                                   self.run_id)
 
     def to_wire(self) -> dict[str, object]:
         """This run's config as JSON-able values, for a stage that joins from another host."""
@@ -221,7 +238,16 @@ class PipelineConfig(RunAddresses):
                          tuple(self.tokenizer_address(r) for r in range(self.num_tokenizers)),
                          tuple(self.for_engine(e).abort_address
                                for e in range(self.data_parallel_size)),
-                         self.status_address, self.client_reply_prefix, self.client_key)
+                         self.status_address, self.client_reply_prefix, self.client_key,
+                         server_key=self._server_key())
+
+    def _server_key(self) -> str:
+        """The public half of the run's CURVE server key ("" without --listen): a client
+        dials tcp:// stages with it (a remote one always; a local one an engine that joined
+        from another host)."""
+        import zmq
+
+        return zmq.curve_public(self.curve_secret).decode() if self.curve_secret else ""
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:

@@ -27,6 +27,9 @@ class Endpoints:
     status: str  # the launcher's status publisher
     reply: str  # where a client binds its reply socket: an ipc:// prefix, or "tcp://"
     key: str = ""  # PipelineConfig.client_key: every frame a client sends starts with it
+    # The run's CURVE server key (public half, z85; ipc/curve.py): what a remote client's
+    # tcp:// sockets expect the pipeline to prove (empty for local, ipc:// endpoints).
+    server_key: str = ""
     # The rank of each of `tokenizers` (empty: 0, 1, ...): stages that joined from other
     # hosts come after the launcher's own, and one that left leaves a gap.
     tokenizer_ranks: tuple[int, ...] = ()

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import zmq
 
+from ipc import curve
 from ipc.channels import PushChannel
 from ipc.config import PipelineConfig
 from ipc.messages import Message, StageFailed, StageReady
@@ -57,6 +58,9 @@ class StageContext:
         self.stage, self.rank = stage, rank
         self.stop = threading.Event()
         self.zmq = zmq.Context()
+        keys = cfg.curve_keys()
+        if keys is not None:  # tcp:// endpoints under CURVE (with --listen)
+            curve.install(self.zmq, keys)
         self._control = PushChannel(self.zmq, cfg.control_address, bind=False,
                                     secret=cfg.run_secret)
         trace = os.path.join(cfg.trace_dir, f"{stage}-{rank}.json") if cfg.trace_dir else None
@@ -103,6 +107,7 @@ def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
         raise SystemExit(1) from None
     finally:
         ctx.tracer.dump()
+        curve.uninstall(ctx.zmq)
         ctx.zmq.destroy(linger=1000)
         if ctx.is_orphaned:  # nobody else will remove the run's files now
             shutil.rmtree(ctx.run_dir, ignore_errors=True)

@@ -1,10 +1,11 @@
 """A pipeline that stages on other hosts join (tests/test_remote_stages.py runs it, in a
 network namespace of its own or on this host):
 
-    python tests/remote_driver.py MODEL_DIR LISTEN_HOST STAGE_KEY KIND[,KIND...] [N]
+    python tests/remote_driver.py MODEL_DIR LISTEN_HOST STAGE_KEY KIND[,KIND...] [N] [TEXT]
 
 It prints `address tcp://...`, waits until one stage of each KIND has joined, then sends N
-prompts through a client that reaches it over tcp:// (as a client on another host would),
+prompts through a client that reaches it over tcp:// (as a client on another host would):
+token ids, or with TEXT the texts "i: TEXT" (they differ first, so both engines get some);
 prints one JSON line (what came back, each engine's steps, who served) and stops."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pipeline.runtime.launcher import Pipeline  # noqa: E402
 def main() -> None:
     model_dir, host, key, kinds = sys.argv[1:5]
     num_prompts = int(sys.argv[5]) if len(sys.argv) > 5 else 16
+    text = sys.argv[6] if len(sys.argv) > 6 else ""
     cfg = PipelineConfig(ModelInfo.from_dir(model_dir), SchedulerConfig(16, 256),
                          ExecutorConfig.for_device("timed:3,0", kv_cache_memory=32 << 20),
                          listen_host=host, stage_key=key, ready_timeout_s=120)
@@ -42,8 +44,9 @@ def main() -> None:
         else:
             raise SystemExit(f"not joined within 120 s: {sorted(wanted - joined)}")
         client = PipelineClient.connect(pipe.address, key=pipe.cfg.client_key)
-        outs = client.generate([[3 + i, 4, 5, 6] for i in range(num_prompts)],
-                               SamplingParams(max_tokens=6, ignore_eos=True), timeout=60)
+        prompts = [f"{i}: {text}" if text else [3 + i, 4, 5, 6] for i in range(num_prompts)]
+        outs = client.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True),
+                               timeout=60)
         time.sleep(0.5)  # the engines' last stats
         result = {
             "finish": sorted({str(o.finish_reason) for o in outs}),
@@ -53,6 +56,7 @@ def main() -> None:
             "stages": pipe.status().stages,
             "joined": sorted(m.name for m in pipe.roster.members.values() if m.joined),
             "run_id": pipe.cfg.run_id,
+            "client_key": pipe.cfg.client_key,
         }
         client.close()
         print(json.dumps(result), flush=True)

@@ -17,7 +17,9 @@ import pytest
 import zmq
 from live import live_config, running
 
-from ipc.channels import PushChannel
+from ipc import curve
+from ipc.codec import encode
+from ipc.curve import client_identity
 from ipc.messages import AbortRequest, SamplingParams, TokenizedRequest
 from pipeline.runtime.client import (
     PipelineClient,
@@ -85,36 +87,70 @@ def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
             assert got["ids"] == expected.token_ids
             assert got["abort"] == "abort"
             assert str(got["reply_to"]).startswith("tcp://" if where == address else "ipc://")
-        # Without the key: the bootstrap answers nothing useful, a request to a tokenizer
-        # and an abort to the scheduler are dropped; a request sent straight to the
-        # scheduler's network inbox (which takes aborts only) changes nothing either.
+        # Without the key: the bootstrap answers nothing useful (a frame in the clear gets
+        # no answer at all: CURVE; the old request, the key in a frame, proves nothing).
         with pytest.raises(PipelineError, match="refused the key"):
             fetch_endpoints(address, "not-the-key")
-        ctx = zmq.Context.instance()
-        req = ctx.socket(zmq.REQ)
-        req.setsockopt(zmq.LINGER, 0)
-        req.connect(address)
-        req.send_multipart([key.encode(), b"b"])
-        assert req.poll(5000) and req.recv() == b""
-        req.close()
-        assert pipe.num_refused_bootstraps == 2
+        assert bootstrap_answer(address, [key.encode()], encrypted=False) is None
+        assert bootstrap_answer(address, [key.encode()]) == b""
+        assert bootstrap_answer(address, [b"endpoints", b"00", b"ff"]) == b""
+        assert pipe.num_refused_bootstraps == 3
+        # A request with the client key in its frame reaches no tokenizer in the clear or
+        # from an unknown CURVE key (ZAP); with the client key's identity but not the key
+        # in the frame, or sent to the scheduler's network inbox, it is refused there.
         client = pipe.client()
-        unkeyed = [PushChannel(ctx, a, bind=False) for a in (remote.tokenizers[0],
-                                                             remote.schedulers[0])]
-        unkeyed[0].send(make_add_request("no-key", client.reply_to, [5, 6, 7], SamplingParams()))
-        unkeyed[1].send(AbortRequest("long-tcp"))
-        keyed = PushChannel(ctx, remote.schedulers[0], bind=False, secret=key.encode())
-        keyed.send(TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0))
-        deadline = time.monotonic() + 10  # the sends are asynchronous: wait until both arrived
+        request = make_add_request("no-key", client.reply_to, [5, 6, 7], SamplingParams())
+        c_public, c_secret = client_identity(key)
+        server = remote.server_key.encode()
+        frame = key.encode() + encode(request)
+        senders = [dial(remote.tokenizers[0], None), dial(remote.tokenizers[0],
+                                                          (*zmq.curve_keypair(), server)),
+                   dial(remote.tokenizers[0], (c_public, c_secret, server)),
+                   dial(remote.schedulers[0], (c_public, c_secret, server))]
+        for sock, data in zip(senders, [frame, frame, encode(request), encode(AbortRequest(
+                "long-tcp"))], strict=True):
+            sock.send(data)
+        senders[3].send(key.encode() + encode(
+            TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0)))
+        deadline = time.monotonic() + 10  # the sends are asynchronous: wait for the two
         while (stats := pipe.idle_stats()).num_refused_messages < 2 and (
                 time.monotonic() < deadline):
             time.sleep(0.05)
+        time.sleep(0.5)  # (time for the other two to arrive, were they let in)
         assert pipe.is_alive
+        stats = pipe.idle_stats()
         assert stats.prompt_tokens == 3 * 4 + 2 * 2  # ours only (3 x 4, 2 x 2)
-        assert stats.num_refused_messages >= 2  # the scheduler's: the unkeyed abort, the sneak
+        assert stats.num_refused_messages == 2  # the unkeyed abort and the sneak
         assert fetch_endpoints(address, key) == remote
-        for chan in (*unkeyed, keyed):
-            chan.close()
+        for sock in senders:
+            sock.close()
+
+
+def bootstrap_answer(address: str, frames: list[bytes], encrypted: bool = True
+                     ) -> bytes | None:
+    """What the bootstrap socket answers `frames` (None: nothing within 3 s)."""
+    req = zmq.Context.instance().socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    if encrypted:
+        curve.connect_bootstrap(req, address)
+    else:
+        req.connect(address)
+    try:
+        req.send_multipart(frames)
+        return req.recv() if req.poll(3000) else None
+    finally:
+        req.close()
+
+
+def dial(address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
+    """A raw PUSH socket to `address`: in the clear, or as the CURVE client (public, secret,
+    server key)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+    sock.connect(address)
+    return sock
 
 
 def test_a_remote_client_needs_the_key() -> None:

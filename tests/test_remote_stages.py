@@ -21,6 +21,7 @@ import pytest
 import zmq
 from live import alive, kill_pids, running, shm_segments
 
+from ipc import curve
 from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.keys import derive_run_secret
 from ipc.messages import ErrorKind, RequestOutput, SamplingParams, TokenizedRequest
@@ -208,10 +209,11 @@ def test_a_stage_without_the_key_or_with_another_model_is_refused(tiny_model_dir
         assert wrong.returncode == 1 and "wrong stage key" in wrong_err
         assert differs.returncode == 1 and "model folder differs" in differs_err
         assert not any(m.joined for m in pipe.roster.members.values())
-        # Whatever anyone sends the bootstrap socket, it answers and the launcher supervises on.
+        # Whatever anyone sends the bootstrap socket (under CURVE: in the clear it answers
+        # nothing), it answers and the launcher supervises on.
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(pipe.address)
+        curve.connect_bootstrap(sock, pipe.address)
         try:
             for frames in ([b"join", b"[" * 200_000], [b"hello"],
                            [b"join", json.dumps({"kind": "engine", "host": "h", "nonce": "n",
@@ -310,11 +312,15 @@ def namespaces() -> Iterator[tuple[str, str, str]]:
 
 @pytest.mark.live
 def test_an_engine_a_tokenizer_and_a_detokenizer_join_from_another_network_namespace(
-        namespaces: tuple[str, str, str], tiny_model_dir: Path) -> None:
+        namespaces: tuple[str, str, str], tiny_model_dir: Path, tmp_path: Path) -> None:
+    """... with every frame on both namespaces' wires captured raw: none shows a prompt's
+    text, the client key, the stage key or the run's secret (every tcp:// link is under
+    CURVE), while the capture holds the links' ZeroMQ greetings (it saw them)."""
     ns_a, ns_b, address_a = namespaces
+    sniffers = [capture(ns, tmp_path / f"{ns}.raw") for ns in (ns_a, ns_b)]
     driver = subprocess.Popen(
         ["ip", "netns", "exec", ns_a, sys.executable, str(ROOT / "tests" / "remote_driver.py"),
-         str(tiny_model_dir), address_a, KEY, "engine,tokenizer,detokenizer", "24"],
+         str(tiny_model_dir), address_a, KEY, "engine,tokenizer,detokenizer", "24", PROMPT],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     stages: list[subprocess.Popen[str]] = []
@@ -331,6 +337,9 @@ def test_an_engine_a_tokenizer_and_a_detokenizer_join_from_another_network_names
         outcomes = [stage.communicate(timeout=60) for stage in stages]
     finally:
         _end([driver, *stages])
+        for sniffer in sniffers:
+            sniffer.terminate()
+            sniffer.wait(timeout=10)
     assert result["finish"] == ["length"] and result["tokens"] == [6] * 24
     assert result["joined"] == ["detokenizer:1", "scheduler:1", "tokenizer:1"]
     assert all(result["stages"][name] for name in result["joined"])
@@ -343,6 +352,27 @@ def test_an_engine_a_tokenizer_and_a_detokenizer_join_from_another_network_names
         assert "listening on 10.213.7.2" in stage_out
         assert "the pipeline stopped" in stage_err
     assert shm_segments(result["run_id"]) == []  # the joined engine's rings (-e1) too
+    wire = b"".join((tmp_path / f"{ns}.raw").read_bytes() for ns in (ns_a, ns_b))
+    assert wire.count(b"CURVE") >= 10, len(wire)  # the greetings of the links: it saw them
+    secret = derive_run_secret(KEY, result["run_id"])
+    for what, needle in (("the prompt", PROMPT.encode()), ("the stage key", KEY.encode()),
+                         ("the client key", result["client_key"].encode()),
+                         ("the run secret", secret), ("part of the prompt", b"lantern")):
+        assert needle not in wire, f"{what} crossed a wire in the clear"
+
+
+PROMPT = "the password is zebra lantern"  # what no wire may show
+
+
+def capture(netns: str, out: Path) -> subprocess.Popen[str]:
+    """A raw sniffer on every interface of `netns` (tests/capture.py), once it listens."""
+    proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable,
+                             str(ROOT / "tests" / "capture.py"), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", line + (proc.stderr.read() if proc.stderr else "")
+    return proc
 
 
 @pytest.mark.live

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
+import json
 import logging
 import math
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -28,8 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from ipc import curve
 from ipc.channels import PullChannel, PushChannel, SubChannel
 from ipc.codec import Codec
+from ipc.curve import CurveKeys
+from ipc.keys import proof
 from ipc.messages import (
     WHOLE_REQUEST,
     AbortRequest,
@@ -57,17 +63,42 @@ ENGINE_STAGES = ("scheduler", "executor")  # the processes of a data-parallel en
 KEY_ENV = "LLM_PIPELINE_KEY"  # the client key, for PipelineClient.connect over tcp://
 
 
+ENDPOINTS_REQUEST = b"endpoints"
+
+
+def endpoints_request(key: str) -> list[bytes]:
+    """A remote client's request for the endpoints: a fresh nonce and the proof that it holds
+    the client key (the key itself never crosses the network)."""
+    nonce = secrets.token_hex(16)
+    return [ENDPOINTS_REQUEST, nonce.encode(), proof(key, "endpoints", nonce).encode()]
+
+
+def endpoints_answer(frames: list[bytes], key: str, endpoints_json: str) -> bytes:
+    """The bootstrap socket's answer to endpoints_request: the endpoints with the proof that
+    they come from a holder of the key (so no one in the middle can hand out another server
+    key), or b"" where the request proves nothing."""
+    if len(frames) != 3 or not key:
+        return b""
+    nonce, their_proof = frames[1].decode(errors="replace"), frames[2]
+    if not hmac.compare_digest(their_proof, proof(key, "endpoints", nonce).encode()):
+        return b""
+    return json.dumps({"answer": endpoints_json,
+                       "proof": proof(key, "endpoints answer", nonce, endpoints_json)}).encode()
+
+
 def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
-    """Ask a pipeline's bootstrap socket (tcp://host:port) for its tcp:// endpoints, with the
-    key the pipeline was started with (it answers nothing useful without it)."""
+    """Ask a pipeline's bootstrap socket (tcp://host:port) for its tcp:// endpoints, proving
+    the key the pipeline was started with (it answers nothing useful without it), over
+    CURVE (ipc/curve.py); the answer must prove the key in turn."""
     from ipc.endpoints import Endpoints
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    request = endpoints_request(key)
     try:
-        sock.connect(address)
-        sock.send(key.encode())
+        curve.connect_bootstrap(sock, address)
+        sock.send_multipart(request)
         if not sock.poll(int(timeout * 1000)):
             raise PipelineError(f"no pipeline answered at {address} within {timeout:.0f} s")
         answer = sock.recv()
@@ -76,7 +107,17 @@ def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
     if not answer:
         raise PipelineError(f"the pipeline at {address} refused the key (give the one it "
                             "printed at start-up, or its --listen-key)")
-    remote = Endpoints.from_json(answer.decode())
+    try:
+        reply = json.loads(answer)
+        body, their_proof = reply["answer"], reply["proof"]
+    except (ValueError, KeyError, TypeError):
+        raise PipelineError(f"{address} answered something that is not a pipeline's "
+                            "endpoints") from None
+    nonce = request[1].decode()
+    if not hmac.compare_digest(str(their_proof), proof(key, "endpoints answer", nonce, body)):
+        raise PipelineError(f"the answer from {address} does not prove it holds the key: "
+                            "not the pipeline (or not the key it was started with)")
+    remote = Endpoints.from_json(body)
     # Reach the launcher's host by the name this address reached (the pipeline's own name
     # for itself may be one only it resolves, or localhost); stages that joined from other
     # hosts by theirs.
@@ -86,7 +127,7 @@ def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
         return _with_host(a, host) if _host_of(a) == own else a
 
     return dataclasses.replace(
-        remote, tokenizers=tuple(map(reach, remote.tokenizers)),
+        remote, key=key, tokenizers=tuple(map(reach, remote.tokenizers)),
         schedulers=tuple(map(reach, remote.schedulers)), status=reach(remote.status))
 
 
@@ -149,6 +190,9 @@ class PipelineClient:
         self._is_alive = is_alive
         self.endpoints = endpoints
         self.model_name, self.max_model_len = endpoints.model_name, endpoints.max_model_len
+        if endpoints.server_key:  # (--listen) every tcp:// socket under CURVE
+            curve.install(self._ctx, CurveKeys.for_client(endpoints.key,
+                                                          endpoints.server_key.encode()))
         self._inbox, self.reply_to = self._bind_reply_socket(endpoints)
         self._status_sub = SubChannel(self._ctx, endpoints.status, Codec([PipelineStatus]))
         self.status: PipelineStatus | None = None
@@ -188,7 +232,7 @@ class PipelineClient:
         # A remote client: listen on the interface that reaches the pipeline, any port.
         host = reachable_from(endpoints.schedulers[0])
         chan = PullChannel(self._ctx, [], codec, bind=True)
-        port = chan.socket.bind_to_random_port(f"tcp://{host}")
+        port = curve.bind_as_client(chan.socket, host)
         return chan, f"tcp://{host}:{port}"
 
     @classmethod
@@ -487,4 +531,5 @@ class PipelineClient:
         self._stop.set()
         self._thread.join(timeout=2)
         with self._send_lock:  # no other thread is inside a send on these sockets
+            curve.uninstall(self._ctx)
             self._ctx.destroy(linger=0)

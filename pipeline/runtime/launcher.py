@@ -7,7 +7,6 @@ program)."""
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import os
 import queue
@@ -22,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from ipc import curve
 from ipc.channels import PullChannel, make_run_dir
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
@@ -38,7 +38,7 @@ from ipc.messages import (
     StageRestarted,
 )
 from ipc.model_info import model_fingerprint
-from pipeline.runtime.client import PipelineClient
+from pipeline.runtime.client import ENDPOINTS_REQUEST, PipelineClient, endpoints_answer
 from pipeline.runtime.engines import EngineRestart, Engines
 from pipeline.runtime.restarts import RESTARTABLE
 from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster, kind_of
@@ -97,15 +97,26 @@ class Pipeline:
         run_id = uuid.uuid4().hex[:12]
         secret = (derive_run_secret(self.cfg.stage_key, run_id) if self.cfg.stage_key
                   else secrets.token_bytes(16))
+        # The CURVE server key of the run's tcp:// endpoints (ipc/curve.py): derived where
+        # stages may join (they derive it too), else new.
+        curve_secret = b""
+        if self.cfg.listen_host:
+            curve_secret = (curve.derived_server_secret(self.cfg.stage_key, run_id)
+                            if self.cfg.stage_key else zmq.curve_keypair()[1])
         self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir), run_id=run_id,
                                        trace_dir=trace_dir, run_secret=secret,
-                                       client_key=self.cfg.client_key or secrets.token_urlsafe(24))
+                                       client_key=self.cfg.client_key or secrets.token_urlsafe(24),
+                                       curve_secret=curve_secret)
         self.supervisor.cfg = self.cfg
+        keys = self.cfg.curve_keys()
+        if keys is not None:
+            curve.install(self._zmq, keys)
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats, StageAlive]),
                                     bind=True, secret=self.cfg.run_secret)
         if self.cfg.accepts_stages:  # stages on other hosts report here
-            port = self._control.socket.bind_to_random_port(f"tcp://{self.cfg.listen_host}")
+            port = curve.bind(self._control.socket, f"tcp://{self.cfg.listen_host}:0",
+                              curve.STAGES)
             self._public["control"] = self._tcp(port)
             self._fingerprint = model_fingerprint(self.cfg.model.path)
 
@@ -173,10 +184,10 @@ class Pipeline:
         host = self.cfg.listen_host
         if not host:
             return status, None
-        self._public["status"] = self._tcp(status.bind_to_random_port(f"tcp://{host}"))
+        self._public["status"] = self._tcp(curve.bind(status, f"tcp://{host}:0", curve.ALL))
         bootstrap = self._zmq.socket(zmq.REP)
         bootstrap.setsockopt(zmq.LINGER, 0)
-        self.address = self._tcp(bootstrap.bind_to_random_port(f"tcp://{host}"))
+        self.address = self._tcp(curve.bind(bootstrap, f"tcp://{host}:0", curve.BOOTSTRAP))
         self._update_remote_endpoints()
         return status, bootstrap
 
@@ -202,10 +213,10 @@ class Pipeline:
             schedulers=tuple(self._tcp(self.supervisor.ready[f"scheduler:{e}"]["tcp_port"])
                              for e in range(self.cfg.data_parallel_size))
             + tuple(a for name, a in joined.items() if name.startswith("scheduler:")),
-            status=self._public["status"], reply="tcp://",
+            status=self._public["status"], reply="tcp://", key="",  # (the client has it)
             tokenizer_ranks=tuple(range(self.cfg.num_tokenizers))
             + tuple(int(name.split(":")[1]) for name in joined if name.startswith("tokenizer:")))
-        self._remote_endpoints = remote.to_json().encode()
+        self._remote_endpoints = remote.to_json()
 
     # ------------------------------------------------------------ supervise
 
@@ -441,9 +452,10 @@ class Pipeline:
                            time.monotonic() - restart.began, restart.cause)
 
     def _answer_bootstrap(self, bootstrap: zmq.Socket) -> None:
-        """A remote client that sends the client key gets the tcp:// endpoints; a stage on
-        another host that proves it has the stage key joins (roster.py); any other request
-        gets an empty answer (a REP socket must answer) and is counted."""
+        """A remote client that proves it holds the client key gets the tcp:// endpoints (an
+        answer proven with the key in turn: endpoints_answer); a stage on another host that
+        proves it has the stage key joins (roster.py); any other request gets an empty
+        answer (a REP socket must answer) and is counted."""
         try:
             frames = bootstrap.recv_multipart()
         except zmq.ZMQError as exc:
@@ -451,9 +463,10 @@ class Pipeline:
             return
         reply = b""
         try:
-            key = self.cfg.client_key.encode()
-            if len(frames) == 1 and hmac.compare_digest(frames[0], key):
-                reply = self._remote_endpoints
+            if frames[0] == ENDPOINTS_REQUEST:
+                reply = endpoints_answer(frames, self.cfg.client_key, self._remote_endpoints)
+                if not reply:
+                    self.num_refused_bootstraps += 1
             elif frames[0] in (b"hello", b"join") and self.roster is not None:
                 reply = self._answer_join(frames)
             else:
@@ -574,6 +587,7 @@ class Pipeline:
         self._unlink_rings()
         if self._control is not None:
             self._control.close()
+        curve.uninstall(self._zmq)
         self._zmq.destroy(linger=0)
         if not self.cfg.run_dir:
             return  # the run was never created

@@ -22,6 +22,7 @@ import time
 
 import zmq
 
+from ipc import curve
 from ipc.channels import PullChannel, PushChannel, SubChannel, make_run_dir
 from ipc.codec import Codec
 from ipc.config import PipelineConfig
@@ -73,7 +74,7 @@ def join(address: str, kind: str, stage_key: str, model_path: str, host: str,
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(address)
+        curve.connect_bootstrap(sock, address)  # (encrypted; the frames prove the key)
 
         def ask(*frames: bytes) -> bytes:
             sock.send_multipart(list(frames))
@@ -97,7 +98,8 @@ def join(address: str, kind: str, stage_key: str, model_path: str, host: str,
     answer = json.loads(reply["answer"])
     cfg = PipelineConfig.from_wire(
         answer["config"], model_path, run_secret=derive_run_secret(stage_key, answer["run_id"]),
-        stage_key=stage_key, listen_host=host, launcher_status=answer["status"])
+        stage_key=stage_key, listen_host=host, launcher_status=answer["status"],
+        curve_secret=curve.derived_server_secret(stage_key, answer["run_id"]))
     # One engine here: its threads and GPUs are this host's (stages/executor/process.py).
     cfg = dataclasses.replace(cfg, data_parallel_size=1, run_dir=str(make_run_dir()))
     members = Members(*answer["members"])
@@ -114,6 +116,9 @@ class RemoteStage:
         self.stop_reason = ""
         self._stop = threading.Event()
         self._zmq = zmq.Context()
+        keys = self.cfg.curve_keys()
+        assert keys is not None  # (a joined stage has a host and the stage key)
+        curve.install(self._zmq, keys)
         try:
             self._control = PullChannel(self._zmq, self.cfg.control_address,
                                         Codec([StageReady, StageFailed, SchedulerStats]),
@@ -123,6 +128,7 @@ class RemoteStage:
             self._status = SubChannel(self._zmq, self.cfg.status_address,
                                       Codec([PipelineStatus]))
         except BaseException:
+            curve.uninstall(self._zmq)
             self._zmq.destroy(linger=0)
             shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
             raise
@@ -222,6 +228,7 @@ class RemoteStage:
             self.supervisor.unlink_rings([self.joined.index])
         for chan in (self._control, self._launcher, self._status):
             chan.close()
+        curve.uninstall(self._zmq)
         self._zmq.destroy(linger=1000)
         shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
 

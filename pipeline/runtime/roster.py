@@ -18,7 +18,6 @@ every stage as a `Members` message.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -27,6 +26,7 @@ import secrets
 from dataclasses import dataclass
 
 from ipc.config import PipelineConfig
+from ipc.keys import proof
 from ipc.messages import Members
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,6 @@ CHALLENGE_TTL_S = 30.0  # a challenge not answered by then is void
 JOIN_KINDS = ("engine", "tokenizer", "detokenizer")
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")  # a host name or an IPv4 address
 _HEX = re.compile(r"[0-9a-f]{64}")
-
-
-def proof(key: str, *parts: str) -> str:
-    """HMAC-SHA256 of the parts under the stage key (hex)."""
-    mac = hmac.new(key.encode(), "\n".join(parts).encode(), hashlib.sha256)
-    return mac.hexdigest()
 
 
 class JoinError(RuntimeError):
