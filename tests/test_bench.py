@@ -176,11 +176,67 @@ def test_serve_benchmark_drives_an_http_server(tmp_path: Path) -> None:
         while (metrics := server.metrics())[generated] < tokens:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        # vLLM's random workload: token-id prompts through /v1/completions, EOS ignored
+        rc_random = bench.main(["serve", "--base-url", f"{server.url}/v1", "--model", str(model),
+                                "--dataset", "random", "--input-len", "8", "--output-len", "5",
+                                "--num-prompts", "3", "--json", str(tmp_path / "r.json")])
+        random_report = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and report["completed"] == 4 and report["failed"] == 0
     assert report["ttft_ms"]["p50"] > 0 and tokens > 0
     # the server counted the same requests and tokens the benchmark saw
     assert metrics[f"vllm:e2e_request_latency_seconds_count{{model_name={server.model}}}"] == 4
     assert metrics[generated] == tokens
+    assert rc_random == 0 and random_report["completed"] == 3
+    seconds = random_report["duration_s"]
+    assert round(random_report["output_token_throughput"] * seconds) == 3 * 5
+    assert round(random_report["total_token_throughput"] * seconds) == 3 * (8 + 5)
+
+
+def test_random_samples_are_vllms_random_workload() -> None:
+    from pipeline.tools.bench_serve import random_samples
+
+    samples = random_samples(5, 16, 7, vocab_size=1000, seed=3)
+    assert samples == random_samples(5, 16, 7, vocab_size=1000, seed=3)
+    assert [len(s.prompt_ids) for s in samples] == [16] * 5
+    assert all(s.output_tokens == 7 and 0 <= min(s.prompt_ids) for s in samples)
+    assert max(max(s.prompt_ids) for s in samples) < 1000
+    with pytest.raises(SystemExit):
+        bench.main(["serve", "--peers", "sglang"])  # known: vllm-serve
+
+
+@pytest.mark.live
+def test_serve_against_peers_starts_drives_and_stops_each_server(tiny_model_dir: Path,
+                                                                 capsys: pytest.CaptureFixture[str]
+                                                                 ) -> None:
+    """The --peers machinery with our own server alone (no peer venv in CI): started on a free
+    port, warmed, driven, stopped with its whole session; the table printed."""
+    import argparse
+
+    import psutil
+
+    from pipeline.tools import bench_serve
+
+    started: list[int] = []
+    real_start = bench_serve.start_server
+
+    def start(name: str, args: argparse.Namespace, log_dir: Path) -> bench_serve.Server:
+        server = real_start(name, args, log_dir)
+        started.append(server.proc.pid)
+        return server
+
+    args = bench.build_parser().parse_args(
+        ["serve", "--model", str(tiny_model_dir), "--dataset", "random", "--input-len", "6",
+         "--output-len", "4", "--num-prompts", "4", "--repeat", "2",
+         "--kv-cache-memory", "64MiB"])
+    samples = bench_serve.random_samples(4, 6, 4, 256, 0)
+    bench_serve.start_server = start  # type: ignore[assignment]
+    try:
+        assert bench_serve.serve_against_peers(args, samples, samples[:1], "") == 0
+    finally:
+        bench_serve.start_server = real_start  # type: ignore[assignment]
+    assert len(started) == 2 and not any(psutil.pid_exists(p) for p in started)
+    table = capsys.readouterr().out
+    assert "2 round(s) (medians)" in table and "output tok/s" in table
 
 
 @pytest.mark.live

