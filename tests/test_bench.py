@@ -237,6 +237,16 @@ def test_serve_against_peers_starts_drives_and_stops_each_server(tiny_model_dir:
     assert len(started) == 2 and not any(psutil.pid_exists(p) for p in started)
     table = capsys.readouterr().out
     assert "2 round(s) (medians)" in table and "output tok/s" in table
+    # each stage's CPU while the load ran, per output token (the serving profile)
+    assert "CPU s per 1,000 output tokens: " in table and "llm-pipeline:executor:0" in table
+
+
+def test_cpu_delta_sums_each_label_over_processes_alive_at_both_ends() -> None:
+    from pipeline.tools.bench_serve import cpu_delta
+
+    before = {1: ("llm-pipeline:api:0", 1.0), 2: ("llm-pipeline:api:1", 2.0), 3: ("x", 5.0)}
+    after = {1: ("llm-pipeline:api:0", 1.5), 2: ("llm-pipeline:api:1", 2.25), 4: ("x", 9.0)}
+    assert cpu_delta(before, after) == {"llm-pipeline:api:0": 0.5, "llm-pipeline:api:1": 0.25}
 
 
 @pytest.mark.live

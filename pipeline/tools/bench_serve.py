@@ -409,6 +409,43 @@ def stop_server(server: Server) -> None:
             continue
 
 
+def cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of a server's process tree and of this load generator,
+    by pid, each with a label: its title (our stages name themselves llm-pipeline:KIND:R,
+    vLLM's VLLM::...), else its name."""
+    import os
+
+    import psutil
+
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        procs = [psutil.Process(root)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        procs = []
+    for proc in [*procs, psutil.Process(os.getpid())]:
+        try:
+            title = (proc.cmdline() or [proc.name()])[0]
+            label = ("load generator" if proc.pid == os.getpid()
+                     else title if title.startswith(("llm-pipeline:", "VLLM::"))
+                     else "server main" if proc.pid == root else proc.name())
+            times = proc.cpu_times()
+            out[proc.pid] = (label, times.user + times.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+              ) -> dict[str, float]:
+    """Seconds each label's processes spent between two cpu_seconds (those alive at both)."""
+    total: dict[str, float] = {}
+    for pid, (label, seconds) in after.items():
+        if pid in before:
+            total[label] = total.get(label, 0.0) + seconds - before[pid][1]
+    return total
+
+
 COMPARED = (("output tok/s", lambda s: s["output_token_throughput"]),
             ("TTFT p50 ms", lambda s: s["ttft_ms"]["p50"]),
             ("TPOT p50 ms", lambda s: s["tpot_ms"]["p50"]),
@@ -432,23 +469,33 @@ def serve_against_peers(args: argparse.Namespace, samples: Sequence[Sample],
             for name in names:
                 server = start_server(name, args, Path(tmp))
                 try:
-                    async def run(url: str = server.base_url) -> tuple[list[RequestRecord],
-                                                                       float]:
+                    cpu: dict[str, float] = {}
+
+                    async def run(url: str = server.base_url, pid: int = server.proc.pid,
+                                  cpu: dict[str, float] = cpu
+                                  ) -> tuple[list[RequestRecord], float]:
                         async with http_session() as http:
                             send = via_http(http, url, SERVED_NAME)
                             await drive(send, warm, math.inf, None, args.seed, system)
-                            return await drive(send, samples, args.request_rate[0],
-                                               args.max_concurrency, args.seed, system)
+                            before = cpu_seconds(pid)
+                            result = await drive(send, samples, args.request_rate[0],
+                                                 args.max_concurrency, args.seed, system)
+                            cpu.update(cpu_delta(before, cpu_seconds(pid)))
+                            return result
 
                     records, seconds = asyncio.run(run())
                 finally:
                     stop_server(server)
                 summary = summarize(records, seconds, argparse.Namespace(
                     **{**vars(args), "request_rate": args.request_rate[0]}))
-                summary["server"] = name
+                summary["server"], summary["cpu_s"] = name, cpu
                 runs[name].append(summary)
                 print(f"[{name}]", end=" ")
                 print_summary(summary)
+                tokens = summary["output_token_throughput"] * summary["duration_s"]
+                print("  CPU s per 1,000 output tokens: " + ", ".join(
+                    f"{label} {sec * 1000 / max(tokens, 1):.2f}"
+                    for label, sec in sorted(cpu.items(), key=lambda kv: -kv[1])))
     medians = {n: {label: statistics.median(get(s) for s in runs[n]) for label, get in COMPARED}
                for n in names}
     print(f"\nserve: {args.num_prompts} requests, {args.dataset}, rate "
