@@ -31,6 +31,8 @@ import hashlib
 import hmac
 import logging
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import zmq
@@ -128,11 +130,13 @@ def install(ctx: zmq.Context, keys: CurveKeys) -> None:
     _installed[ctx] = (keys, auth)
 
 
-def uninstall(ctx: zmq.Context) -> None:
-    """Stop `ctx`'s ZAP handler (before the context is destroyed: its socket is one of it)."""
+def destroy(ctx: zmq.Context, linger: int) -> None:
+    """Destroy `ctx`, its ZAP handler (if `install` started one) stopped first: the handler's
+    socket is one of the context's."""
     entry = _installed.pop(ctx, None)
     if entry is not None and entry[1] is not None:
         entry[1].stop()  # type: ignore[attr-defined]
+    ctx.destroy(linger=linger)
 
 
 def keys_of(ctx: zmq.Context) -> CurveKeys | None:
@@ -153,10 +157,15 @@ def _client_options(socket: zmq.Socket, public: bytes, secret: bytes, server: by
     socket.setsockopt(zmq.CURVE_SERVERKEY, server)
 
 
-def _clear(socket: zmq.Socket) -> None:
-    """Back to the NULL mechanism for the socket's next endpoints (ipc://)."""
-    socket.setsockopt(zmq.CURVE_SERVER, 0)
-    socket.setsockopt(zmq.ZAP_DOMAIN, _CLEAR)
+@contextmanager
+def _one_endpoint(socket: zmq.Socket) -> Iterator[None]:
+    """The CURVE options set inside apply to the endpoint made inside only: the socket is back
+    to the NULL mechanism for its next ones (ipc://)."""
+    try:
+        yield
+    finally:
+        socket.setsockopt(zmq.CURVE_SERVER, 0)
+        socket.setsockopt(zmq.ZAP_DOMAIN, _CLEAR)
 
 
 def _required(socket: zmq.Socket, address: str) -> CurveKeys:
@@ -168,22 +177,20 @@ def _required(socket: zmq.Socket, address: str) -> CurveKeys:
 
 
 def bind(socket: zmq.Socket, address: str, domain: bytes) -> int:
-    """Bind `address` (a port of 0 or none: any free one); tcp:// ones as the CURVE server,
-    letting in the keys `domain` admits. The port bound (0 for ipc://)."""
+    """Bind `address` (tcp://HOST:PORT, a port of 0: any free one; or ipc://); tcp:// ones as
+    the CURVE server, letting in the keys `domain` admits. The port bound (0 for ipc://)."""
     if not address.startswith("tcp://"):
         socket.bind(address)
         return 0
     keys = _required(socket, address)
-    _server_options(socket, keys, domain,
-                    BOOTSTRAP_KEYS[1] if domain == BOOTSTRAP else None)
-    try:
-        host, _, port = address.removeprefix("tcp://").rpartition(":")
-        if port.isdigit() and int(port):
+    host, _, port = address.rpartition(":")
+    with _one_endpoint(socket):
+        _server_options(socket, keys, domain,
+                        BOOTSTRAP_KEYS[1] if domain == BOOTSTRAP else None)
+        if int(port):
             socket.bind(address)
             return int(port)
-        return socket.bind_to_random_port(f"tcp://{host or address.removeprefix('tcp://')}")
-    finally:
-        _clear(socket)
+        return socket.bind_to_random_port(host)
 
 
 def connect(socket: zmq.Socket, address: str) -> None:
@@ -193,11 +200,9 @@ def connect(socket: zmq.Socket, address: str) -> None:
         socket.connect(address)
         return
     keys = _required(socket, address)
-    _client_options(socket, keys.public, keys.secret, keys.server_public)
-    try:
+    with _one_endpoint(socket):
+        _client_options(socket, keys.public, keys.secret, keys.server_public)
         socket.connect(address)
-    finally:
-        _clear(socket)
 
 
 def connect_as_server(socket: zmq.Socket, address: str, domain: bytes = CLIENTS) -> None:
@@ -207,22 +212,18 @@ def connect_as_server(socket: zmq.Socket, address: str, domain: bytes = CLIENTS)
         socket.connect(address)
         return
     keys = _required(socket, address)
-    _server_options(socket, keys, domain)
-    try:
+    with _one_endpoint(socket):
+        _server_options(socket, keys, domain)
         socket.connect(address)
-    finally:
-        _clear(socket)
 
 
 def bind_as_client(socket: zmq.Socket, host: str) -> int:
     """A client's reply socket on any free tcp:// port of `host`, as the CURVE client: only a
     holder of the run's server key can send into it. The port."""
     keys = _required(socket, f"tcp://{host}")
-    _client_options(socket, keys.public, keys.secret, keys.server_public)
-    try:
+    with _one_endpoint(socket):
+        _client_options(socket, keys.public, keys.secret, keys.server_public)
         return socket.bind_to_random_port(f"tcp://{host}")
-    finally:
-        _clear(socket)
 
 
 def connect_bootstrap(socket: zmq.Socket, address: str) -> None:

@@ -107,8 +107,7 @@ def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
         raise SystemExit(1) from None
     finally:
         ctx.tracer.dump()
-        curve.uninstall(ctx.zmq)
-        ctx.zmq.destroy(linger=1000)
+        curve.destroy(ctx.zmq, linger=1000)
         if ctx.is_orphaned:  # nobody else will remove the run's files now
             shutil.rmtree(ctx.run_dir, ignore_errors=True)
             from ipc.step import StepRings  # (numpy: not for every importer of this module)

@@ -44,8 +44,7 @@ def server(tmp_path: Path) -> Iterator[tuple[zmq.Socket, str, str, CurveKeys]]:
     try:
         yield sock, ipc, f"tcp://127.0.0.1:{port}", keys
     finally:
-        curve.uninstall(ctx)
-        ctx.destroy(linger=0)
+        curve.destroy(ctx, linger=0)
 
 
 Server = tuple[zmq.Socket, str, str, CurveKeys]
@@ -98,8 +97,7 @@ def test_a_client_dials_through_its_installed_keys(server: Server) -> None:
         with pytest.raises(RuntimeError, match="without CURVE keys"):
             curve.connect(zmq.Context.instance().socket(zmq.PUSH), tcp)
     finally:
-        curve.uninstall(ctx)
-        ctx.destroy(linger=0)
+        curve.destroy(ctx, linger=0)
 
 
 def test_the_endpoints_exchange_proves_the_key_both_ways() -> None:

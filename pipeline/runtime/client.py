@@ -531,5 +531,4 @@ class PipelineClient:
         self._stop.set()
         self._thread.join(timeout=2)
         with self._send_lock:  # no other thread is inside a send on these sockets
-            curve.uninstall(self._ctx)
-            self._ctx.destroy(linger=0)
+            curve.destroy(self._ctx, linger=0)

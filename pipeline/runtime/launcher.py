@@ -587,8 +587,7 @@ class Pipeline:
         self._unlink_rings()
         if self._control is not None:
             self._control.close()
-        curve.uninstall(self._zmq)
-        self._zmq.destroy(linger=0)
+        curve.destroy(self._zmq, linger=0)
         if not self.cfg.run_dir:
             return  # the run was never created
         if self.trace_path is not None:

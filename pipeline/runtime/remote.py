@@ -128,8 +128,7 @@ class RemoteStage:
             self._status = SubChannel(self._zmq, self.cfg.status_address,
                                       Codec([PipelineStatus]))
         except BaseException:
-            curve.uninstall(self._zmq)
-            self._zmq.destroy(linger=0)
+            curve.destroy(self._zmq, linger=0)
             shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
             raise
         self._status_at = time.monotonic()
@@ -228,8 +227,7 @@ class RemoteStage:
             self.supervisor.unlink_rings([self.joined.index])
         for chan in (self._control, self._launcher, self._status):
             chan.close()
-        curve.uninstall(self._zmq)
-        self._zmq.destroy(linger=1000)
+        curve.destroy(self._zmq, linger=1000)
         shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
 
 

