@@ -202,6 +202,8 @@ def test_random_samples_are_vllms_random_workload() -> None:
     assert max(max(s.prompt_ids) for s in samples) < 1000
     with pytest.raises(SystemExit):
         bench.main(["serve", "--peers", "sglang"])  # known: vllm-serve
+    with pytest.raises(SystemExit, match="one --request-rate"):
+        bench.main(["serve", "--peers", "vllm-serve", "--request-rate", "1,4"])
 
 
 @pytest.mark.live

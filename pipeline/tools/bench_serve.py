@@ -279,6 +279,9 @@ def serve(args: argparse.Namespace) -> int:
         def make(num: int, seed: int) -> Sequence[Sample]:
             return synthetic_chat(num, seed=seed)
     samples = make(args.num_prompts, args.seed)
+    if args.peers and len(args.request_rate) > 1:
+        raise SystemExit("bench serve --peers runs one --request-rate (each rate restarts "
+                         "both servers every round): run it once per rate")
     if args.peers:  # warmed with other prompts: none of the measured ones is in a cache
         return serve_against_peers(args, samples, make(4, args.seed + 1), system)
     if args.base_url:
