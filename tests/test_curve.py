@@ -50,14 +50,20 @@ def server(tmp_path: Path) -> Iterator[tuple[zmq.Socket, str, str, CurveKeys]]:
 Server = tuple[zmq.Socket, str, str, CurveKeys]
 
 
+def dial(address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
+    """A raw PUSH socket to `address`: in the clear, or as the CURVE client (public, secret,
+    server key)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+    sock.connect(address)
+    return sock
+
+
 def _delivered(sock: zmq.Socket, address: str, keys: tuple[bytes, bytes, bytes] | None,
                text: bytes, wait_ms: int = 3000) -> bool:
-    ctx = zmq.Context.instance()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        push.curve_publickey, push.curve_secretkey, push.curve_serverkey = keys
-    push.connect(address)
+    push = dial(address, keys)
     push.send(text)
     try:
         return bool(sock.poll(wait_ms)) and sock.recv() == text

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 from live import live_config, running
+from test_curve import dial
 
 from ipc import curve
 from ipc.codec import encode
@@ -140,17 +141,6 @@ def bootstrap_answer(address: str, frames: list[bytes], encrypted: bool = True
         return req.recv() if req.poll(3000) else None
     finally:
         req.close()
-
-
-def dial(address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
-    """A raw PUSH socket to `address`: in the clear, or as the CURVE client (public, secret,
-    server key)."""
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
-    sock.connect(address)
-    return sock
 
 
 def test_a_remote_client_needs_the_key() -> None:
