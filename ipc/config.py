@@ -23,6 +23,7 @@ from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
 from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
+from ipc.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from ipc.curve import CurveKeys
@@ -36,6 +37,7 @@ class SchedulerConfig:
     depth: int = 2  # steps in flight; 1 = synchronous batching
     max_waiting: int | None = None  # sequences that may wait; past it a request is refused
     priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE  # (most, least) urgent allowed
+    speculative: SpeculativeConfig | None = None  # n-gram drafts verified in the forward
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "depth"):
@@ -111,6 +113,12 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...] = ()
     depth: int = 2  # steps in flight
     priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE
+    num_speculative_tokens: int = 0  # K: drafts a row may carry (0: no speculation)
+
+    @property
+    def max_sampled(self) -> int:
+        """Positions one step may sample: one per row, and each draft of a row."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -222,6 +230,8 @@ class PipelineConfig(RunAddresses):
             model["eos_token_ids"] = tuple(model["eos_token_ids"])
             sched = dict(values.pop("scheduler"))  # type: ignore[call-overload]
             sched["priority_range"] = tuple(sched["priority_range"])
+            if sched.get("speculative") is not None:
+                sched["speculative"] = SpeculativeConfig(**sched["speculative"])
             execu = dict(values.pop("executor"))  # type: ignore[call-overload]
             if execu.get("timed") is not None:
                 execu["timed"] = tuple(execu["timed"])
@@ -262,7 +272,8 @@ class PipelineConfig(RunAddresses):
         s, m = self.scheduler, self.model
         return EngineLimits(s.max_num_seqs, s.max_num_batched_tokens, s.block_size,
                             m.max_model_len, m.vocab_size, m.eos_token_ids, s.depth,
-                            s.priority_range)
+                            s.priority_range,
+                            s.speculative.num_tokens if s.speculative is not None else 0)
 
     def scheduler_addresses(self) -> list[str]:
         """Every engine's scheduler inbox (what the tokenizers route to, in engine order)."""

@@ -125,6 +125,9 @@ class SamplingParams(Struct):
     user: str = ""
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
+    # With speculative decoding on (--speculative), False keeps this request out of it: one
+    # token a step, as without. Its outputs are the same either way.
+    speculate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,6 +561,12 @@ class SchedulerStats(Message):
     # Tokens of work its unfinished sequences hold (prompt and output, waiting or running):
     # the load the tokenizers' router balances (stages/router.py).
     load_tokens: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): rows planned with drafts, their
+    # draft tokens, the drafts accepted, and accepted drafts by position in the row.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).

@@ -30,6 +30,9 @@ def step_input_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
         BufferSpec("query_len", "int32", (s,)),  # tokens computed this step
         BufferSpec("context_len", "int32", (s,)),  # KV length after this step
         BufferSpec("do_sample", "bool", (s,)),  # sample after the row's last token
+        # speculative decoding: the row's last num_draft tokens are proposed, not known; the
+        # executor samples after each of its last num_draft + 1 tokens and accepts a prefix
+        BufferSpec("num_draft", "int32", (s,)),
         BufferSpec("bt_slot", "int32", (u,)),  # block_table[slot, index] = block
         BufferSpec("bt_index", "int32", (u,)),
         BufferSpec("bt_block", "int32", (u,)),
@@ -46,13 +49,17 @@ def step_input_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
 
 
 def sampled_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
-    s, t = limits.max_num_seqs, limits.max_num_batched_tokens
+    s, t, x = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_sampled
     return (
-        BufferSpec("token_ids", "int64", (s,)),
+        # one per sampled position: a row's, and one per draft of a row that has drafts
+        BufferSpec("token_ids", "int64", (x,)),
         # only in steps whose SampledTokens has num_top_logprobs >= 0:
-        BufferSpec("logprob", "float32", (s,)),  # of the sampled token
-        BufferSpec("top_ids", "int64", (s, MAX_TOP_LOGPROBS)),  # most likely first
-        BufferSpec("top_logprobs", "float32", (s, MAX_TOP_LOGPROBS)),
+        BufferSpec("logprob", "float32", (x,)),  # of the sampled token
+        BufferSpec("top_ids", "int64", (x, MAX_TOP_LOGPROBS)),  # most likely first
+        BufferSpec("top_logprobs", "float32", (x, MAX_TOP_LOGPROBS)),
+        # one per row with drafts, in row order: how many of its sampled positions stand
+        # (the drafts the sampler agreed with, and its own token after them)
+        BufferSpec("num_accepted", "int32", (s,)),
         # only in steps whose SampledTokens has num_prompt_logprobs > 0, one per StepPlan pair:
         BufferSpec("plp_logprob", "float32", (t,)),  # of the target prompt token
         BufferSpec("plp_rank", "int32", (t,)),  # its rank under the model (1: most likely)
@@ -133,7 +140,8 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
                block_updates: list[tuple[int, int, int]], new_slots: list[NewSlot],
                stop_ids: list[tuple[int, int]],
                grammars: list[SlotGrammar] | None = None,
-               prompt_logprobs: list[tuple[int, int]] | None = None) -> StepPlan:
+               prompt_logprobs: list[tuple[int, int]] | None = None,
+               num_drafts: list[int] | None = None) -> StepPlan:
     """Lay a step's bulk inputs into ring slot `buf`; returns the plan that names them. The
     stamp brackets the write, so a reader can tell a slot that is being rewritten."""
     buf["stamp"][0] = step_id
@@ -143,6 +151,7 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
     buf["query_len"][:num_seqs] = query_lens
     buf["context_len"][:num_seqs] = context_lens
     buf["do_sample"][:num_seqs] = do_sample
+    buf["num_draft"][:num_seqs] = num_drafts if num_drafts is not None else 0
     if block_updates:
         updates = np.asarray(block_updates, dtype=np.int32)  # [n, 3]: slot, index, block
         n = len(updates)
@@ -171,6 +180,7 @@ class StepInputs:
     query_lens: np.ndarray  # [S]
     context_lens: np.ndarray  # [S]
     do_sample: np.ndarray  # [S] bool
+    num_draft: np.ndarray  # [S] proposed tokens at the end of each row
     bt_slot: np.ndarray  # [U]
     bt_index: np.ndarray  # [U]
     bt_block: np.ndarray  # [U]
@@ -194,7 +204,8 @@ def read_step(buf: dict[str, np.ndarray], plan: StepPlan) -> StepInputs:
 
     inputs = StepInputs(
         ints("input_ids", plan.num_tokens), ints("seq_slot", s), ints("query_len", s),
-        ints("context_len", s), buf["do_sample"][:s].copy(), ints("bt_slot", u),
+        ints("context_len", s), buf["do_sample"][:s].copy(), ints("num_draft", s),
+        ints("bt_slot", u),
         ints("bt_index", u), ints("bt_block", u), ints("new_slot", n),
         buf["new_fparams"][:n].copy(), ints("new_iparams", n), ints("stop_slot", m),
         ints("stop_id", m), ints("plp_index", plan.num_prompt_logprobs),
@@ -219,10 +230,16 @@ def read_prompt_logprobs(buf: dict[str, np.ndarray], count: int) -> PromptLogpro
 
 def read_sampled(buf: dict[str, np.ndarray], num_sampled: int, num_top_logprobs: int
                  ) -> tuple[list[int], StepLogprobs | None]:
-    """A step's sampled ids (and, if it computed them, logprobs with k alternatives)."""
+    """A step's sampled ids, one per sampled position (and, if it computed them, logprobs
+    with k alternatives)."""
     n, k = num_sampled, num_top_logprobs
     ids = buf["token_ids"][:n].tolist()
     if k < 0:
         return ids, None
     return ids, (buf["logprob"][:n].tolist(), buf["top_ids"][:n, :k].tolist(),
                  buf["top_logprobs"][:n, :k].tolist())
+
+
+def read_accepted(buf: dict[str, np.ndarray], num_rows: int) -> list[int]:
+    """How many sampled positions stand in each of a step's `num_rows` rows with drafts."""
+    return buf["num_accepted"][:num_rows].tolist()

@@ -21,6 +21,7 @@ from ipc.errors import ConfigError
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
+from ipc.speculative import parse_speculative
 from ipc.units import parse_bytes
 from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError
 
@@ -92,6 +93,15 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="the priorities callers may ask for (lower is served first); the "
                         "default lets a caller make its own work less urgent, never jump "
                         "ahead of others")
+    p.add_argument("--speculative", "--speculative-config", default=d(None),
+                   metavar="ngram:K[:N[:M]]",
+                   help="speculative decoding by n-gram prompt lookup: each step a decoding "
+                        "sequence's last N tokens (down to M; default 4 and 2) are looked up "
+                        "in its prompt and output, the K tokens that followed are proposed "
+                        "and verified in the same forward; outputs are the same as without "
+                        "(greedy and seeded alike). Also vLLM's JSON, e.g. '{\"method\": "
+                        "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
+                        "4}'")
     p.add_argument("--no-overlap", action="store_true", default=d(False),
                    help="synchronous batching (one step in flight), the baseline")
     p.add_argument("--listen", default=d(None), metavar="HOST",
@@ -225,6 +235,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority", type=int, default=0,
                    help="lower is served first, within --priority-range")
     g.add_argument("--user", default="", help="who the requests are for (fair sharing)")
+    g.add_argument("--no-speculate", dest="speculate", action="store_false",
+                   help="with --speculative on: these requests take one token a step")
     s = p.add_argument_group("structured output (at most one; TEXT or @FILE)")
     s.add_argument("--json-schema", metavar="SCHEMA", default=None,
                    help="the output is JSON valid under this JSON Schema")
@@ -347,7 +359,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.block_size, 1 if args.no_overlap else 2,
                                   getattr(args, "max_waiting", None),
-                                  parse_priority_range(args.priority_range)),
+                                  parse_priority_range(args.priority_range),
+                                  parse_speculative(args.speculative)),
         executor=ExecutorConfig.for_device(args.device, args.dtype,
                                            parse_bytes(args.kv_cache_memory), args.compile,
                                            args.cuda_graphs, args.tensor_parallel_size,

@@ -11,6 +11,7 @@ from ipc.config import EngineLimits
 from ipc.messages import SamplingParams, TokenizedRequest
 from ipc.model_info import ModelInfo
 from ipc.outputs import SampleResult
+from ipc.speculative import SpeculativeConfig
 from ipc.step import PromptLogprobs, StepLogprobs, local_buffers, step_input_specs
 from stages.executor.runner import ModelRunner
 from stages.executor.sampler import SampleOutput
@@ -39,14 +40,18 @@ class InProcessEngine:
                  max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  compile: bool = False, graphs: bool | None = None,
-                 cpu_kernels: bool | None = None, quantization: str | None = None) -> None:
+                 cpu_kernels: bool | None = None, quantization: str | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         vocab_size = ModelInfo.from_dir(model_dir).vocab_size
         self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, block_size,
-                                   max_model_len, vocab_size, eos_token_ids, depth)
+                                   max_model_len, vocab_size, eos_token_ids, depth,
+                                   num_speculative_tokens=speculative.num_tokens
+                                   if speculative is not None else 0)
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
                                            cpu_kernels=cpu_kernels, quantization=quantization)
-        self.scheduler = Scheduler(self.limits, self.runner.num_blocks)
+        self.scheduler = Scheduler(self.limits, self.runner.num_blocks,
+                                   speculative=speculative)
         specs = step_input_specs(self.limits)
         self.rings = [local_buffers(specs) for _ in range(self.limits.num_ring_slots)]
 
@@ -80,7 +85,8 @@ class InProcessEngine:
                 raise RuntimeError("the scheduler has requests but planned no step")
             step_id, out = inflight.popleft()
             self.scheduler.on_sampled(step_id, out.tokens.tolist(), logprobs_lists(out),
-                                      prompt_lists(out))
+                                      prompt_lists(out),
+                                      out.accepted.tolist() if out.accepted is not None else None)
             for delta in self.scheduler.take_outputs().deltas:
                 results[delta.request_id, delta.index].add(delta)
         return results

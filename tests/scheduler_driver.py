@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ipc.config import EngineLimits
 from ipc.messages import RequestRejected, SamplingParams, TokenDelta, TokenizedRequest
+from ipc.speculative import SpeculativeConfig
 from stages.scheduler.core import Scheduler
 from stages.scheduler.planned import PlannedStep
 from stages.scheduler.sequence import SeqStatus, Sequence
@@ -55,12 +56,14 @@ class DriverLimits:
     eos_token_ids: tuple[int, ...] = (EOS,)
     depth: int = 2
     priority_range: tuple[int, int] = (-100, 100)
+    speculative: SpeculativeConfig | None = None  # n-gram drafts, verified by the executor
 
     @property
     def engine(self) -> EngineLimits:
         return EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
                             self.max_model_len, 1000, self.eos_token_ids, self.depth,
-                            self.priority_range)
+                            self.priority_range,
+                            self.speculative.num_tokens if self.speculative else 0)
 
 
 def make_limits(**overrides: object) -> DriverLimits:
@@ -90,6 +93,7 @@ class Row:
     token_ids: tuple[int, ...]
     context_len: int
     do_sample: bool
+    num_draft: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ class Step:
 
 def freeze(step: PlannedStep) -> Step:
     rows = tuple(Row(sample_key(r.seq.request_id, r.seq.index), tuple(r.seq.prompt_ids),
-                     r.seq.slot, tuple(r.token_ids), r.context_len, r.do_sample)  # type: ignore[arg-type]
+                     r.seq.slot, tuple(r.token_ids), r.context_len, r.do_sample,  # type: ignore[arg-type]
+                     r.num_draft)
                  for r in step.rows)
     return Step(step.step_id, rows, tuple(step.block_updates),
                 tuple(slot for slot, _ in step.new_slots))
@@ -110,7 +115,9 @@ def freeze(step: PlannedStep) -> Step:
 
 class FakeExecutor:
     """Writes each row's tokens into paged KV through the block table, resolves -1 to the
-    slot's last sample, and checks the whole context read back before it samples."""
+    slot's last sample, and checks the whole context read back before it samples. A row
+    with drafts is sampled after each of its last num_draft + 1 tokens and keeps its drafts
+    up to the first that differs from the token sampled before it, as the real one does."""
 
     def __init__(self, block_size: int, token_fn: TokenFn) -> None:
         self.block_size, self.token_fn = block_size, token_fn
@@ -119,30 +126,46 @@ class FakeExecutor:
         self.last: dict[int, int] = {}  # slot -> last sampled token
         self.owner: dict[int, str] = {}  # slot -> request id, set when a sequence takes it
 
-    def execute(self, step: Step) -> list[int]:
+    def execute(self, step: Step) -> tuple[list[int], list[int]]:
+        """(sampled ids, one per sampled position; positions that stand per drafted row)"""
         for slot in step.new_slots:
             self.last.pop(slot, None)
             self.owner[slot] = ""
         for slot, index, block in step.block_updates:
             self.tables.setdefault(slot, {})[index] = block
-        return [t for row in step.rows for t in self._run(row)]
+        ids, accepted = [], []
+        for row in step.rows:
+            tokens, stand = self._run(row)
+            ids += tokens
+            if row.num_draft:
+                accepted.append(stand)
+        return ids, accepted
 
     def _where(self, slot: int, pos: int) -> tuple[int, int]:
         return self.tables[slot][pos // self.block_size], pos % self.block_size
 
-    def _run(self, row: Row) -> list[int]:
+    def _run(self, row: Row) -> tuple[list[int], int]:
         assert self.owner.get(row.slot) in ("", row.request_id), "slot used before it was taken"
         self.owner[row.slot] = row.request_id
         start = row.context_len - len(row.token_ids)
         for i, tok in enumerate(row.token_ids):
             self.kv[self._where(row.slot, start + i)] = self.last[row.slot] if tok == -1 else tok
         if not row.do_sample:
-            return []
-        context = [self.kv[self._where(row.slot, p)] for p in range(row.context_len)]
-        num_out = row.context_len - len(row.prompt)
-        assert context == [*row.prompt, *(self.token_fn(row.request_id, j) for j in range(num_out))]
-        self.last[row.slot] = self.token_fn(row.request_id, num_out)
-        return [self.last[row.slot]]
+            return [], 0
+        first = row.context_len - row.num_draft  # the context of the first sampled position
+        num_out = first - len(row.prompt)
+        tokens = [self.token_fn(row.request_id, num_out + j) for j in range(row.num_draft + 1)]
+        drafts = row.token_ids[len(row.token_ids) - row.num_draft:]
+        stand = 1
+        while stand <= row.num_draft and drafts[stand - 1] == tokens[stand - 1]:
+            stand += 1
+        # what the last standing sample saw: the prompt and the outputs before it
+        seen = first + stand - 1
+        context = [self.kv[self._where(row.slot, p)] for p in range(seen)]
+        assert context == [*row.prompt, *(self.token_fn(row.request_id, j)
+                                          for j in range(seen - len(row.prompt)))]
+        self.last[row.slot] = tokens[stand - 1]
+        return tokens, stand
 
 
 # ---------------------------------------------------------------- driver
@@ -153,7 +176,8 @@ class Driver:
     collects outputs, and checks the core's invariants after every move."""
 
     def __init__(self, limits: DriverLimits, token_fn: TokenFn = plain_token) -> None:
-        self.core = Scheduler(limits.engine, limits.num_blocks)
+        self.core = Scheduler(limits.engine, limits.num_blocks,
+                              speculative=limits.speculative)
         self.limits = limits
         self.executor = FakeExecutor(limits.block_size, token_fn)
         self.pending: deque[Step] = deque()
@@ -188,10 +212,13 @@ class Driver:
         if not self.pending:
             return False
         step = self.pending.popleft()
-        ids = self.executor.execute(step)
+        ids, accepted = self.executor.execute(step)
+        stands = iter(accepted)
         for row in (r for r in step.rows if r.do_sample):
-            self.known[row.request_id] = row.context_len - len(row.prompt) + 1
-        self.core.on_sampled(step.step_id, ids)
+            stand = next(stands) if row.num_draft else 1
+            self.known[row.request_id] = (row.context_len - row.num_draft - len(row.prompt)
+                                          + stand)
+        self.core.on_sampled(step.step_id, ids, accepted=accepted or None)
         self.check()
         return True
 
@@ -238,7 +265,9 @@ class Driver:
         for row in step.rows:
             seq = row.seq
             start = row.context_len - len(row.token_ids)
-            for i, tok in enumerate(row.token_ids):
+            known = row.token_ids[:len(row.token_ids) - row.num_draft]
+            assert all(t >= 0 for t in row.token_ids[len(known):]), "a draft must be an id"
+            for i, tok in enumerate(known):
                 pos = start + i
                 key = sample_key(seq.request_id, seq.index)
                 is_pending = pos >= len(seq.prompt_ids) + self.known[key]
@@ -247,7 +276,7 @@ class Driver:
                     num_out = pos - len(seq.prompt_ids)
                     want = seq.prompt_ids[pos] if num_out < 0 else seq.output_ids[num_out]
                     assert tok == want
-            assert -1 not in row.token_ids[:-1]
+            assert -1 not in known[:-1]
 
     def check(self) -> None:
         core, limits = self.core, self.limits

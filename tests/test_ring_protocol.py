@@ -145,7 +145,7 @@ def test_scheduler_never_reuses_a_ring_slot_still_in_flight() -> None:
         if not core.inflight:
             break
         done = core.inflight[0]
-        core.on_sampled(done.step_id, [11] * len(done.sampled_seqs))
+        core.on_sampled(done.step_id, [11] * len(done.sampled_rows))
         seen_in_flight.discard(done.ring_slot)
     assert sorted(core.free_ring_slots) == [0, 1, 2]
     check_stamp({"stamp": np.array([4, 4])}, 4)

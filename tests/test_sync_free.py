@@ -66,6 +66,21 @@ def workloads(eos: int) -> dict[str, list[tuple[str, list[int], SamplingParams]]
     }
 
 
+def test_no_host_sync_when_verifying_drafts(tiny_model_dir: Path) -> None:
+    """Rows with drafts (speculative decoding): sampled at every drafted position, the
+    accepted prefix and each slot's last sample found on the device."""
+    from ipc.speculative import SpeculativeConfig
+
+    engine = InProcessEngine(str(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=32,
+                             block_size=4, kv_cache_memory=40 * 2048,
+                             speculative=SpeculativeConfig("ngram", 3, 2, 1))
+    seen = guarded(engine)
+    work = workloads(0)
+    _, prompt, params = work["logprobs and prompt logprobs"][1]
+    engine.run([*work["greedy"][:3], *work["top-k, top-p, min-p"][3:], ("lp", prompt, params)])
+    assert seen[0] > 10 and engine.scheduler.spec_num_drafts > 0
+
+
 @pytest.mark.parametrize("name", list(workloads(0)))
 def test_no_host_sync_in_compute(tiny_model_dir: Path, name: str) -> None:
     eos = ModelInfo.from_dir(tiny_model_dir).eos_token_ids

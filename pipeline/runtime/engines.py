@@ -18,7 +18,9 @@ MAX_FIELDS = ("uptime_s",)
 CUMULATIVE_FIELDS = ("num_preemptions", "num_steps", "prefix_cache_queries",
                      "prefix_cache_hits", "finished", "prompt_tokens", "generation_tokens",
                      "step_seconds_buckets", "step_seconds_sum", "step_tokens_buckets",
-                     "step_tokens_sum", "num_refused_messages", "request_phases")
+                     "step_tokens_sum", "num_refused_messages", "request_phases",
+                     "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                     "spec_accepted_per_pos")
 
 
 def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:

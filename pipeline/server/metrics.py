@@ -169,6 +169,19 @@ class StatusCollector:
         yield counter(V + "prefix_cache_hits", "Prompt tokens found in the prefix cache",
                       s.prefix_cache_hits)
         yield counter(V + "num_preemptions", "Sequences preempted", s.num_preemptions)
+        if s.spec_accepted_per_pos:  # speculative decoding is on (--speculative)
+            yield counter(V + "spec_decode_num_drafts", "Rows planned with draft tokens",
+                          s.spec_num_drafts)
+            yield counter(V + "spec_decode_num_draft_tokens", "Draft tokens proposed",
+                          s.spec_num_draft_tokens)
+            yield counter(V + "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                          s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily(V + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the row",
+                                          labels=[*MODEL, "position"])
+            for pos, count in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([self.model, str(pos)], count)
+            yield per_pos
         if s.step_tokens_buckets:
             yield _histogram(V + "iteration_tokens_total", "Tokens computed in each step",
                              STEP_TOKENS_BOUNDS, s.step_tokens_buckets, s.step_tokens_sum, m)

@@ -370,8 +370,13 @@ def add_throughput_parser(sub: Any) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dataset", choices=["synthetic-chat"], default=None,
-                   help="instead of random prompts of --input-len (see pipeline/tools/datasets.py)")
+    p.add_argument("--dataset", choices=["synthetic-chat", "copy"], default=None,
+                   help="instead of random prompts of --input-len (see pipeline/tools/datasets.py"
+                        "): copy asks for a piece of this project's source to be written out "
+                        "again (an input-grounded workload for --speculative)")
+    p.add_argument("--speculative", default=None, type=_speculative, metavar="ngram:K[:N[:M]]",
+                   help="also run the pipeline with speculative decoding (row pipeline-spec, "
+                        "right after the pipeline's), and print its acceptance")
     p.add_argument("--batch-size", type=_comma_list(int, "batch sizes"), default=[32],
                    help="the pipeline's max_num_seqs, and the batch of hf-static and limit; "
                         "a comma list runs each (for the plot; the last is the headline)")
@@ -389,6 +394,16 @@ def add_throughput_parser(sub: Any) -> None:
                         "minutes); llama.cpp runs a GGUF of the same weights (a --model "
                         ".gguf as it is, a folder exported once)")
     p.set_defaults(func=throughput)
+
+
+def _speculative(text: str) -> Any:
+    from ipc.errors import ConfigError
+    from ipc.speculative import parse_speculative
+
+    try:
+        return parse_speculative(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _peer_list(text: str) -> list[str]:

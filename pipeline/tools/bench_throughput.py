@@ -23,7 +23,7 @@ from ipc.sampling import GREEDY_SLOT
 from ipc.step import local_buffers, step_input_specs, write_step
 from pipeline.tools.bench_peers import run_llama_cpp, run_vllm_cpu
 from pipeline.tools.bench_types import EngineResult, Workload
-from pipeline.tools.datasets import random_prompts, synthetic_chat
+from pipeline.tools.datasets import copy_prompts, random_prompts, synthetic_chat
 
 PEERS = ("hf-batch", "hf-static", "vllm-cpu", "llama.cpp")
 DEFAULT_PEERS = ("hf-batch", "hf-static")  # the others install into venvs of their own first
@@ -31,6 +31,13 @@ DEFAULT_PEERS = ("hf-batch", "hf-static")  # the others install into venvs of th
 
 def make_workload(args: argparse.Namespace) -> Workload:
     info = ModelInfo.from_dir(args.model_dir)
+    if args.dataset == "copy":
+        from transformers import AutoTokenizer
+
+        tok: Any = AutoTokenizer.from_pretrained(args.model_dir)
+        texts = copy_prompts(args.num_prompts, seed=1)
+        return Workload([list(tok(t)["input_ids"]) for t in texts],
+                        [args.output_len] * args.num_prompts)
     if args.dataset != "synthetic-chat":
         prompts = random_prompts(args.num_prompts, args.input_len, info.vocab_size, seed=1)
         return Workload(prompts, [args.output_len] * args.num_prompts)
@@ -56,7 +63,8 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     limit = ModelInfo.from_dir(args.model_dir).max_model_len
     cfg = PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
-        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048),
+        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048,
+                                  speculative=args.speculate),
         executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
                                            args.compile,
                                            tensor_parallel_size=args.tensor_parallel_size,
@@ -69,6 +77,13 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
         start = time.perf_counter()
         outs = client.generate(work.prompts, params)  # type: ignore[arg-type]
         seconds = time.perf_counter() - start
+        stats = pipe.idle_stats() if args.speculate is not None else None
+    if args.speculate is not None and stats is not None:
+        drafts, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        print(f"  speculative {args.speculate.describe()}: {stats.spec_num_drafts} rows with "
+              f"drafts, {drafts} draft tokens, {accepted} accepted "
+              f"({accepted / max(drafts, 1):.0%}; {accepted / max(stats.spec_num_drafts, 1):.2f}"
+              f" a drafted row), by position {stats.spec_accepted_per_pos}")
     errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"pipeline requests failed: {errors[0]}")
@@ -77,7 +92,8 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
 
 
 def _named(name: str, args: argparse.Namespace) -> str:
-    return f"{name}-{args.quantize}" if args.quantize else name
+    name = f"{name}-{args.quantize}" if args.quantize else name
+    return f"{name}-spec" if args.speculate is not None else name
 
 
 # ------------------------------------------------------------------ transformers peers
@@ -232,8 +248,11 @@ def throughput(args: argparse.Namespace) -> int:
 def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
     """The pipeline first (the ratios' numerator), each peer, the limit, then the pipeline
     and the limit again with each of --quantization's formats."""
-    args = argparse.Namespace(**{**vars(args), "quantize": None})
+    args = argparse.Namespace(**{**vars(args), "quantize": None, "speculate": None})
     results = [run_pipeline(args, work)]
+    if args.speculative is not None:  # the same pipeline proposing drafts, right after
+        results.append(run_pipeline(argparse.Namespace(**{**vars(args),
+                                                          "speculate": args.speculative}), work))
     if args.tensor_parallel_size > 1:  # the same pipeline on one rank: the ratio TP buys
         one = run_pipeline(argparse.Namespace(**{**vars(args), "tensor_parallel_size": 1}), work)
         results.append(dataclasses.replace(one, name="pipeline-tp1"))
@@ -262,7 +281,9 @@ def build_report(args: argparse.Namespace, work: Workload,
                         "output_len": args.output_len if not args.dataset else "per prompt",
                         "cpus": os.cpu_count(),
                         "tensor_parallel_size": args.tensor_parallel_size,
-                        "quantization": args.quantization}
+                        "quantization": args.quantization,
+                        "speculative": (args.speculative.describe()
+                                        if args.speculative is not None else None)}
     return report
 
 

@@ -52,3 +52,29 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> lis
     rng = random.Random(seed)
     low = min(100, vocab_size // 2)
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+# The project's own source: a text every checkout has, that a model can be asked to copy.
+COPY_SOURCES = ("stages/scheduler/stopping.py", "stages/scheduler/block_allocator.py",
+                "stages/executor/staging.py", "ipc/codec.py", "stages/detokenizer.py")
+COPY_CHARS = 900
+
+
+def copy_prompts(num: int, seed: int = 0) -> list[str]:
+    """Input-grounded prompts (the kind speculative decoding is for): a piece of this
+    project's source, ~300 tokens, then a request to write it out again. Completion
+    prompts (no chat template): a small model copies from them most faithfully."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    texts = [(root / f).read_text(encoding="utf-8") for f in COPY_SOURCES]
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(num):
+        text = texts[i % len(texts)]
+        start = rng.randrange(0, max(1, len(text) - COPY_CHARS))
+        start = text.rfind("\n", 0, start) + 1  # from the start of a line
+        piece = text[start:start + COPY_CHARS]
+        prompts.append("Here is a piece of a Python file, and then the same piece copied out "
+                       f"again.\n\nPiece:\n{piece}\n\nThe same piece, copied:\n")
+    return prompts

@@ -64,17 +64,27 @@ def make_device(runner: Runner, sampled: SharedRing, on_done: OnDone) -> Device:
 
 def _row_groups(out: SampleOutput) -> list[list[tuple[str, torch.Tensor]]]:
     """The (ring field, tensor) pairs a step's result fills in the sampled-token ring, in
-    groups of one row count: the sampled rows, then the scored prompt positions if any."""
+    groups of one row count: the sampled positions, the rows with drafts if any (how many of
+    their positions stand), then the scored prompt positions if any."""
     sampled = [("token_ids", out.tokens)]
     if out.logprob is not None and out.top_ids is not None and out.top_logprobs is not None:
         sampled += [("logprob", out.logprob), ("top_ids", out.top_ids),
                     ("top_logprobs", out.top_logprobs)]
     groups = [sampled]
+    if out.accepted is not None:
+        groups.append([("num_accepted", out.accepted)])
     if out.prompt is not None:
         groups.append([("plp_logprob", out.prompt.logprob), ("plp_rank", out.prompt.rank),
                        ("plp_top_ids", out.prompt.top_ids),
                        ("plp_top_logprobs", out.prompt.top_logprobs)])
     return groups
+
+
+def _group_of(field: str) -> str:
+    """Which packed group a sampled-ring field travels in (named by the group's first)."""
+    if field.startswith("plp_"):
+        return "plp_logprob"
+    return field if field == "num_accepted" else "token_ids"
 
 
 def _with_logprobs(out: SampleOutput) -> list[tuple[str, torch.Tensor]]:
@@ -269,14 +279,17 @@ class CudaDevice:
         register_host_memory(sampled)
         sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
         # Per ring slot, page-locked bytes for each packed group of a step's result.
-        limits = runner.slots.limits
-        self._bounce = [[torch.empty(rows * sum(np.dtype(spec.dtype).itemsize
-                                                * int(np.prod(spec.shape[1:], dtype=np.int64))
-                                                for spec in sampled.specs
-                                                if spec.name.startswith("plp_") == prompt),
-                                     dtype=torch.uint8, pin_memory=True)
-                         for prompt, rows in ((False, limits.max_num_seqs),
-                                              (True, limits.max_num_batched_tokens))]
+        # (Keyed by each group's first field: the sampled positions, the rows with drafts,
+        # the scored prompt positions.)
+        specs = {spec.name: spec for spec in sampled.specs}
+
+        def row_bytes(kind: str) -> int:
+            return sum(np.dtype(spec.dtype).itemsize * int(np.prod(spec.shape[1:], dtype=np.int64))
+                       for name, spec in specs.items() if _group_of(name) == kind)
+
+        self._bounce = [{kind: torch.empty(specs[kind].shape[0] * row_bytes(kind),
+                                           dtype=torch.uint8, pin_memory=True)
+                         for kind in ("token_ids", "num_accepted", "plp_logprob")}
                         for _ in range(sampled.num_slots)]
         self.copy_stream, self.compute_stream, self.d2h_stream = (
             torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream())
@@ -318,7 +331,7 @@ class CudaDevice:
             copies = []
             for data, fields in groups:
                 data.record_stream(self.d2h_stream)
-                bounce = self._bounce[step.plan.ring_slot][fields[0][0].startswith("plp_")]
+                bounce = self._bounce[step.plan.ring_slot][fields[0][0]]
                 host = bounce[:data.numel()].view(data.shape)
                 host.copy_(data, non_blocking=True)
                 copies.append((host, fields))

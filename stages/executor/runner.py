@@ -27,7 +27,13 @@ from stages.executor.graphs import DecodeGraphs
 from stages.executor.linear.select import select_linear_method
 from stages.executor.model import PagedLlama, load_model
 from stages.executor.parallel import TensorParallel
-from stages.executor.sampler import HostSlotParams, SampleOutput, SamplingState, score_prompt
+from stages.executor.sampler import (
+    HostSlotParams,
+    SampleOutput,
+    SamplingState,
+    accept_drafts,
+    score_prompt,
+)
 from stages.executor.staging import StagingLayout
 from stages.executor.step_inputs import HostStep, prepare_host_step
 from stages.grammar import Grammars, words_per_row
@@ -160,6 +166,15 @@ class SlotState:
         staged.numpy()[:] = rows
         return slots, staged, m.fill(slots, self._bitmasks[step.plan.ring_slot])
 
+    def keep_last(self, step: HostStep, v: dict[str, torch.Tensor], out: SampleOutput) -> None:
+        """Each sampled slot's last sample (the next step's placeholder); for a row with
+        drafts, the sample after the drafts it accepts (out.accepted says how many stand)."""
+        self.last_sampled[v["sample_slots"]] = out.tokens  # (a row with drafts: fixed below)
+        if step.spec_width:
+            out.accepted, last = accept_drafts(out.tokens, v["spec_sampled"], v["spec_draft"],
+                                               step.spec_width)
+            self.last_sampled[v["spec_slots"]] = last
+
     def sample(self, step: HostStep, v: dict[str, torch.Tensor], logits: torch.Tensor,
                grammar_work: Future[GrammarMask] | None = None) -> SampleOutput:
         """Sample the step's rows; grammar_work: from start_grammar, awaited here (the
@@ -180,7 +195,7 @@ class SlotState:
                     bitmask.to(self.device, non_blocking=True))
         out = self.sampling.sample(logits, slots, v["positions"][v["logits_indices"]],
                                    step.sampling, mask)
-        self.last_sampled[slots] = out.tokens
+        self.keep_last(step, v, out)
         if work is not None and mask is not None:
             host = self._mask_tokens[step.plan.ring_slot][:len(mask[0])]
             host.copy_(out.tokens.index_select(0, mask[0]), non_blocking=True)
@@ -339,8 +354,9 @@ class TimedRunner:
         assert ids is not None
         idx = v["logits_indices"]
         tokens = (ids[idx] * 1103515245 + v["positions"][idx] + 12345) % self.vocab_size
-        self.slots.last_sampled[v["sample_slots"]] = tokens
+        out = SampleOutput(tokens)
+        self.slots.keep_last(step, v, out)
         time.sleep((self.a_ms + self.b_ms * step.num_tokens) / 1000)
-        return SampleOutput(tokens)
+        return out
 
     execute = ModelRunner.execute

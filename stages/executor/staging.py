@@ -36,6 +36,10 @@ def per_seq(lim: EngineLimits) -> int:
     return lim.max_num_seqs
 
 
+def per_sampled(lim: EngineLimits) -> int:
+    return lim.max_sampled
+
+
 def _updates(lim: EngineLimits) -> int:
     return lim.max_block_updates
 
@@ -50,11 +54,17 @@ FORWARD_FIELDS = (
     PackedField("positions", "int64", per_token),
     PackedField("token_slots", "int64", per_token),
 )
-# What every step carries after the backend's fields (X sampled rows, U block-table updates,
-# N new slots, M suppressed ids, P prompt-logprob positions).
+# What every step carries after the backend's fields (X sampled positions, R rows with
+# drafts, U block-table updates, N new slots, M suppressed ids, P prompt-logprob positions).
 COMMON_FIELDS = (
-    PackedField("logits_indices", "int64", per_seq),  # X
-    PackedField("sample_slots", "int64", per_seq),  # X
+    PackedField("logits_indices", "int64", per_sampled),  # X
+    PackedField("sample_slots", "int64", per_sampled),  # X
+    # speculative rows (R, drafts padded to the step's widest, K): their slots, their sampled
+    # positions [R, K + 1] (indices into X, the last repeated) and their drafts [R, K] (-1
+    # past a row's own)
+    PackedField("spec_slots", "int64", per_seq),
+    PackedField("spec_sampled", "int64", per_sampled),
+    PackedField("spec_draft", "int64", per_sampled),
     PackedField("bt_slot", "int64", _updates),
     PackedField("bt_index", "int64", _updates),
     PackedField("bt_block", "int64", _updates),

@@ -30,8 +30,9 @@ class HostStep:
     attn_plan: Any  # the backend's host-side plan (HostInputs.plan)
     sampling: StepSampling
     decode_only: bool  # every row has one query token
-    sample_slots: np.ndarray  # [X] the slot of each sampled row, on the host
+    sample_slots: np.ndarray  # [X] the slot of each sampled position, on the host
     new_slots: np.ndarray  # [N] slots taken by a new sequence this step
+    spec_width: int = 0  # the most drafts a row of this step carries (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +51,10 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     ends = np.cumsum(q)
     starts = ends - q
     sampled = np.flatnonzero(step.do_sample)
+    # A row samples after its last token, and after each of its drafts' predecessors.
+    width = 1 + step.num_draft[sampled]
+    first = np.cumsum(width) - width  # each sampled row's first position among the X
+    logits_indices = np.repeat(ends[sampled] - width - first, width) + np.arange(width.sum())
     host_params.update(step.new_slots, step.new_fparams, step.new_iparams)
     forward = {
         "input_ids": step.input_ids,
@@ -61,8 +66,9 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     arrays = {
         **forward,
         **attn.arrays,
-        "logits_indices": ends[sampled] - 1,
-        "sample_slots": slots[sampled],
+        "logits_indices": logits_indices,
+        "sample_slots": np.repeat(slots[sampled], width),
+        **_speculative_rows(step.input_ids, slots[sampled], ends[sampled], width, first),
         "bt_slot": step.bt_slot, "bt_index": step.bt_index, "bt_block": step.bt_block,
         "new_slots": step.new_slots,
         "new_fparams": step.new_fparams,
@@ -75,4 +81,23 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     counts, nbytes = layout.pack(arrays, staging.numpy())
     sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_ids) > 0)
     return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling,
-                    bool((q == 1).all()), slots[sampled], step.new_slots)
+                    bool((q == 1).all()), arrays["sample_slots"], step.new_slots,
+                    int(width.max(initial=1)) - 1)
+
+
+def _speculative_rows(input_ids: np.ndarray, slots: np.ndarray, ends: np.ndarray,
+                      width: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:
+    """The verification arrays of the sampled rows that carry drafts (staging.py): which
+    sampled positions are each row's, and the drafts their samples must match."""
+    spec = width > 1
+    num_drafts = width[spec] - 1
+    k = int(num_drafts.max(initial=0))
+    j = np.arange(k + 1)
+    own = j[:k] < num_drafts[:, None]  # [R, K]: a real draft, not padding
+    # draft j of a row is its token at index end - num_drafts + j
+    at = np.where(own, (ends[spec] - num_drafts)[:, None] + j[:k], 0)
+    return {
+        "spec_slots": slots[spec],
+        "spec_sampled": first[spec][:, None] + np.minimum(j, num_drafts[:, None]),
+        "spec_draft": np.where(own, input_ids[at], -1),
+    }

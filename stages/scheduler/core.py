@@ -35,11 +35,13 @@ from ipc.messages import (
 )
 from ipc.params import MAX_RECONCILE_IDS, RequestError, validate_params
 from ipc.sampling import encode_slot, uses_penalties
+from ipc.speculative import SpeculativeConfig
 from ipc.step import PromptLogprobs, StepLogprobs
 from stages.scheduler.block_allocator import BlockAllocator
 from stages.scheduler.metrics import RequestPhases, StepMetrics
 from stages.scheduler.planned import PlannedStep, StepRow
 from stages.scheduler.sequence import SeqStatus, Sequence
+from stages.scheduler.speculative import NgramProposer, NgramState
 from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
 
 # One step of priority is worth this many tokens of other requests' work: a request of priority
@@ -66,10 +68,21 @@ class StepOutputs(NamedTuple):
 
 class Scheduler:
     def __init__(self, limits: EngineLimits, num_blocks: int,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         """max_waiting: sequences that may wait (queued or held); a request that would pass
-        it is refused as unavailable, counted here where it happens."""
+        it is refused as unavailable, counted here where it happens. speculative: propose
+        drafts for decoding sequences (n-gram prompt lookup); its K must be the limits'."""
         self.limits, self.num_blocks, self.max_waiting = limits, num_blocks, max_waiting
+        if speculative is not None and speculative.num_tokens > limits.num_speculative_tokens:
+            raise ValueError(f"speculative K {speculative.num_tokens} exceeds the rings' "
+                             f"{limits.num_speculative_tokens}")
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.num_speculative_tokens = speculative.num_tokens if speculative is not None else 0
+        self.spec_num_drafts = 0  # rows planned with drafts
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * self.num_speculative_tokens
         # A sequence may not outgrow the whole cache: past it, it could only preempt itself.
         self.max_len = min(limits.max_model_len, num_blocks * limits.block_size)
         self.allocator = BlockAllocator(num_blocks, limits.block_size)
@@ -356,7 +369,7 @@ class Scheduler:
         return step
 
     def _wants_step(self, seq: Sequence) -> bool:
-        if seq.status is not SeqStatus.RUNNING:
+        if seq.status is not SeqStatus.RUNNING or seq.num_drafted_inflight:
             return False
         num_tokens = seq.num_tokens
         if seq.num_computed >= num_tokens:
@@ -374,14 +387,54 @@ class Scheduler:
         step.members.add(seq)
         if _scores_prompt(seq):
             self._plan_prompt_logprobs(step, seq, start, start + num_new)
-        seq.num_computed = start + num_new
-        do_sample = seq.num_computed == num_tokens
-        step.rows.append(StepRow(seq, seq.tokens(start, start + num_new), seq.num_computed,
-                                 do_sample))
-        step.num_tokens += num_new
+        tokens = seq.tokens(start, start + num_new)
+        drafts = (self._drafts(step, seq, budget - num_new)
+                  if self.proposer is not None and num_tokens - start == 1 else [])
+        seq.num_computed = start + num_new + len(drafts)
+        do_sample = seq.num_computed >= num_tokens
+        step.rows.append(StepRow(seq, tokens + drafts, seq.num_computed, do_sample,
+                                 len(drafts)))
+        step.num_tokens += num_new + len(drafts)
         if do_sample:
-            seq.num_pending += 1
-        return num_new
+            seq.num_pending += 1 + len(drafts)
+        if drafts:
+            seq.num_drafted_inflight += 1
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += len(drafts)
+        return num_new + len(drafts)
+
+    def _drafts(self, step: PlannedStep, seq: Sequence, room: int) -> list[int]:
+        """The tokens proposed to follow decoding sequence seq this step (none for a request
+        that opts out, has penalties (the executor counts tokens as they are computed) or a
+        structured output (its matcher advances one sampled token at a time)). Never more
+        than its max_tokens, the context, the step's token budget (`room`) or the KV blocks
+        it holds and the free ones allow: a draft never preempts anything."""
+        assert self.proposer is not None
+        p = seq.params
+        if not p.speculate or seq.grammar or uses_penalties(p):
+            return []
+        most = min(self.num_speculative_tokens, room, self.max_len - seq.num_tokens - 1)
+        if p.max_tokens is not None:
+            most = min(most, p.max_tokens - seq.num_outputs - 1)
+        if most <= 0:
+            return []
+        if seq.ngram is None:
+            seq.ngram = NgramState()
+        drafts = self.proposer.propose(seq.ngram, seq.prompt_ids, seq.output_ids,
+                                       seq.num_pending, most)
+        if not drafts:
+            return []
+        # KV room: the blocks it holds, and free ones (never a preemption)
+        end = seq.num_tokens + len(drafts)
+        extra = self.allocator.blocks_for(end) - len(seq.blocks)
+        if extra > 0:
+            can = min(extra, self.allocator.num_free,
+                      self.limits.max_block_updates - len(step.block_updates))
+            for block in self.allocator.allocate(max(can, 0)) or []:
+                self._map_block(step, seq, block)
+            drafts = drafts[:max(0, len(seq.blocks) * self.limits.block_size
+                                 - seq.num_tokens)]
+        return drafts
 
     def _plan_prompt_logprobs(self, step: PlannedStep, seq: Sequence, start: int,
                               end: int) -> None:
@@ -573,47 +626,88 @@ class Scheduler:
 
     def on_sampled(self, step_id: int, token_ids: list[int],
                    logprobs: StepLogprobs | None = None,
-                   prompt_logprobs: PromptLogprobs | None = None) -> None:
-        """Step `step_id` finished; token_ids has one id per sampling row, in row order, and
-        logprobs (if the step computed them) one entry per row as well; prompt_logprobs one
-        per pair of the step's prompt_logprobs."""
+                   prompt_logprobs: PromptLogprobs | None = None,
+                   accepted: list[int] | None = None) -> None:
+        """Step `step_id` finished; token_ids has one id per sampled position, in row order
+        (a row's, and one more per draft of a row with drafts), and logprobs (if the step
+        computed them) one entry per position as well; accepted how many positions stand in
+        each row with drafts; prompt_logprobs one per pair of the step's prompt_logprobs."""
         step = self.inflight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"executor reported step {step_id}, expected {step.step_id}")
         if prompt_logprobs is not None:
             self._take_prompt_logprobs(step, prompt_logprobs)
         self.free_ring_slots.append(step.ring_slot)
-        sampled = step.sampled_seqs
-        if len(sampled) != len(token_ids):
-            raise RuntimeError(f"step {step_id}: {len(token_ids)} ids for {len(sampled)} rows")
-        eos, max_len = self.limits.eos_token_ids, self.max_len
-        for j, (seq, token) in enumerate(zip(sampled, token_ids, strict=True)):
-            seq.num_pending -= 1
+        rows = step.sampled_rows
+        num_positions = sum(1 + r.num_draft for r in rows)
+        if len(token_ids) != num_positions:
+            raise RuntimeError(f"step {step_id}: {len(token_ids)} ids for {num_positions} "
+                               "sampled positions")
+        stands = iter(accepted or ())
+        first = 0  # the row's first position among token_ids
+        for row in rows:
+            seq, width = row.seq, 1 + row.num_draft
+            base, first = first, first + width
+            seq.num_pending -= width
+            num_stand = 1
+            if row.num_draft:
+                num_stand = next(stands, 0)
+                if not 1 <= num_stand <= width:
+                    raise RuntimeError(f"step {step_id}: {num_stand} positions stand in a row "
+                                       f"of {width}")
+                seq.num_drafted_inflight -= 1
+                self._drop_rejected(seq, width - num_stand)
+                self._count_drafts(seq, row.num_draft, num_stand - 1)
             if seq.status is SeqStatus.FINISHED:
-                continue  # a finished one's extra token is dropped
-            if token < 0:  # the executor could not sample it (its grammar failed)
-                seq.error = "the structured output's grammar failed in the executor"
-                self._finish(seq, FinishReason.ERROR)
-                continue
-            seq.output_ids.append(token)
-            if seq.first_token_at is None:
-                seq.first_token_at = time.time()
-            self.generation_tokens += 1
-            k = seq.params.logprobs
-            if k is not None and logprobs is not None:
-                lp, top_ids, top_lps = logprobs
-                seq.output_logprobs.append(TokenLogprob(token, lp[j], top_ids[j][:k],
-                                                        top_lps[j][:k]))
-            self._touched[seq] = None
-            finish = check_stop(seq.params, eos, token, len(seq.output_ids), seq.num_known,
-                                max_len)
-            if finish is not None:
-                seq.stop_token = finish.stop_token
-                self._finish(seq, finish.reason)
+                continue  # a finished one's extra tokens are dropped
+            for j in range(base, base + num_stand):
+                if not self._take_token(seq, token_ids[j], logprobs, j):
+                    break
             self._register_blocks(seq)
         for row in step.rows:
             row.seq.num_inflight -= 1
             self._maybe_release(row.seq)
+
+    def _take_token(self, seq: Sequence, token: int, logprobs: StepLogprobs | None,
+                    j: int) -> bool:
+        """Append seq's next sampled token (position j of its step); False if it finished."""
+        if token < 0:  # the executor could not sample it (its grammar failed)
+            seq.error = "the structured output's grammar failed in the executor"
+            self._finish(seq, FinishReason.ERROR)
+            return False
+        seq.output_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.time()
+        self.generation_tokens += 1
+        k = seq.params.logprobs
+        if k is not None and logprobs is not None:
+            lp, top_ids, top_lps = logprobs
+            seq.output_logprobs.append(TokenLogprob(token, lp[j], top_ids[j][:k],
+                                                    top_lps[j][:k]))
+        self._touched[seq] = None
+        finish = check_stop(seq.params, self.limits.eos_token_ids, token, len(seq.output_ids),
+                            seq.num_known, self.max_len)
+        if finish is not None:
+            seq.stop_token = finish.stop_token
+            self._finish(seq, finish.reason)
+            return False
+        return True
+
+    def _drop_rejected(self, seq: Sequence, num_rejected: int) -> None:
+        """Forget the KV of a row's rejected drafts, and give back the blocks only they
+        filled: nothing else in flight writes them (the sequence was not planned again)."""
+        seq.num_computed -= num_rejected
+        keep = self.allocator.blocks_for(seq.num_computed)
+        if len(seq.blocks) > keep and seq.status is not SeqStatus.FINISHED:
+            self.allocator.free(seq.blocks[keep:][::-1])
+            del seq.blocks[keep:]
+
+    def _count_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        if seq.ngram is not None:
+            NgramProposer.record(seq.ngram, num_drafts, num_accepted)
 
     def _take_prompt_logprobs(self, step: PlannedStep, scored: PromptLogprobs) -> None:
         lps, ranks, top_ids, top_lps = scored
@@ -708,7 +802,11 @@ class Scheduler:
             list(m.seconds), m.seconds_sum, list(m.tokens), m.tokens_sum, m.idle_fraction,
             time.monotonic() - self._started,
             request_phases=self.request_phases.snapshot(),
-            load_tokens=sum(s.num_known for seqs in self.requests.values() for s in seqs))
+            load_tokens=sum(s.num_known for seqs in self.requests.values() for s in seqs),
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos))
 
     # ------------------------------------------------------------ outputs
 

@@ -18,6 +18,7 @@ class StepRow:
     token_ids: list[int]  # -1 for a placeholder
     context_len: int  # KV length after this step
     do_sample: bool
+    num_draft: int = 0  # its last tokens that are proposed, to be verified (speculation)
 
 
 @dataclass
@@ -38,8 +39,8 @@ class PlannedStep:
     num_tokens: int = 0
 
     @property
-    def sampled_seqs(self) -> list[Sequence]:
-        return [r.seq for r in self.rows if r.do_sample]
+    def sampled_rows(self) -> list[StepRow]:
+        return [r for r in self.rows if r.do_sample]
 
     def write(self, buf: dict[str, np.ndarray]) -> StepPlan:
         """Lay this step into its step-input ring slot; returns the plan to send."""
@@ -51,4 +52,5 @@ class PlannedStep:
             query_lens=[len(r.token_ids) for r in rows],
             context_lens=[r.context_len for r in rows], do_sample=[r.do_sample for r in rows],
             block_updates=self.block_updates, new_slots=self.new_slots, stop_ids=self.stop_ids,
-            grammars=self.grammars, prompt_logprobs=self.prompt_logprobs)
+            grammars=self.grammars, prompt_logprobs=self.prompt_logprobs,
+            num_drafts=[r.num_draft for r in rows])

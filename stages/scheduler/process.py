@@ -27,7 +27,7 @@ from ipc.messages import (
     StopSample,
     TokenizedRequest,
 )
-from ipc.step import StepRings, read_prompt_logprobs, read_sampled
+from ipc.step import StepRings, read_accepted, read_prompt_logprobs, read_sampled
 from stages.peers import Peers, local_members
 from stages.process import stage_process
 from stages.scheduler.core import RECENT_FINAL_S, Scheduler
@@ -47,7 +47,8 @@ class SchedulerShell:
         was started again (its detokenizer batches carry it: see EngineDown)."""
         self.cfg, self.incarnation = cfg, incarnation
         self.tracer = tracer or Tracer(None, "scheduler", cfg.engine)
-        self.core = Scheduler(cfg.limits, num_blocks, cfg.scheduler.max_waiting)
+        self.core = Scheduler(cfg.limits, num_blocks, cfg.scheduler.max_waiting,
+                              cfg.scheduler.speculative)
         self.rings = StepRings.open(cfg, create=False)
         secret = cfg.run_secret
         # From the other stages: tokenized requests, samples stopped by a stop string.
@@ -102,8 +103,10 @@ class SchedulerShell:
             ring = self.rings.sampled.slot(msg.ring_slot)
             ids, logprobs = read_sampled(ring, msg.num_sampled, msg.num_top_logprobs)
             step = self.core.inflight[0]
+            num_drafted = sum(1 for r in step.rows if r.num_draft)
             self.core.on_sampled(msg.step_id, ids, logprobs,
-                                 read_prompt_logprobs(ring, msg.num_prompt_logprobs))
+                                 read_prompt_logprobs(ring, msg.num_prompt_logprobs),
+                                 read_accepted(ring, num_drafted) if num_drafted else None)
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
             self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 

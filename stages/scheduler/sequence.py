@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ipc.messages import FinishReason, SamplingParams, TokenLogprob
 from stages.scheduler.block_allocator import BlockKey
+from stages.scheduler.speculative import NgramState
 
 
 class SeqStatus(enum.Enum):
@@ -76,6 +77,11 @@ class Sequence:
     num_plp_planned: int = 0
     plp_sent: bool = False
     error: str | None = None  # why it finished with an error, if it did
+    # Speculative decoding: its n-gram index and back-off (made on its first proposal), and
+    # its steps in flight that carry drafts (while one is, it is not planned again: how many
+    # tokens stand is not known yet, so neither is where the next one goes)
+    ngram: NgramState | None = None
+    num_drafted_inflight: int = 0
 
     def move_to(self, status: SeqStatus) -> None:
         if status not in _TRANSITIONS[self.status]:

@@ -1,0 +1,82 @@
+"""n-gram prompt lookup, the scheduler's proposer for speculative decoding (in the scheduler
+process, which holds every sequence's tokens): a decoding sequence's last N tokens (down to M)
+are looked up among its earlier tokens, prompt and output, and the tokens that followed their
+latest occurrence are proposed. Proposals cost no model: what the executor verifies is what
+was proposed; the sampler decides what stands (docs/ARCHITECTURE.md, "Speculative decoding").
+
+Each sequence keeps an index of its n-grams (n = M..N -> where the latest one ends), extended
+as its tokens become known, so a proposal is a few dictionary lookups whatever the length.
+A sequence whose drafts keep missing backs off: after each further all-rejected row it skips
+twice as many steps before proposing again (at most MAX_SKIP), so free-form text costs little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ipc.speculative import SpeculativeConfig
+
+MAX_SKIP = 64
+
+
+@dataclass
+class NgramState:
+    """One sequence's n-gram index and back-off."""
+
+    tokens: list[int] = field(default_factory=list)  # its known tokens, as indexed
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> latest end
+    num_indexed: int = 0  # n-grams ending before this position are in `ends`
+    misses: int = 0  # drafted rows in a row with nothing accepted
+    skip: int = 0  # planned steps left without proposing
+
+
+class NgramProposer:
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+
+    def propose(self, state: NgramState, prompt: list[int], outputs: list[int],
+                num_pending: int, max_drafts: int) -> list[int]:
+        """Up to max_drafts tokens to follow a sequence whose known tokens are its prompt and
+        the outputs seen so far (new ones since the last call join the index) and which has
+        num_pending tokens still being sampled: the continuation of the longest matching
+        n-gram, past the pending tokens it presumably predicts."""
+        if max_drafts <= 0:
+            return []
+        if state.skip:
+            state.skip -= 1
+            return []
+        self._extend(state, prompt, outputs)
+        tokens, cfg = state.tokens, self.cfg
+        n_known = len(tokens)
+        for n in range(min(cfg.ngram_max, n_known - 1), cfg.ngram_min - 1, -1):
+            end = state.ends.get(tuple(tokens[n_known - n:]))
+            if end is None:
+                continue
+            start = end + 1 + num_pending
+            drafts = tokens[start:start + max_drafts]
+            if drafts:
+                return drafts
+        return []
+
+    def _extend(self, state: NgramState, prompt: list[int], outputs: list[int]) -> None:
+        """Index the n-grams ending before the last known token (the last one is what a
+        lookup matches; its own occurrence must not answer it)."""
+        tokens = state.tokens
+        if len(tokens) < len(prompt):
+            tokens += prompt[len(tokens):]
+        tokens += outputs[len(tokens) - len(prompt):]
+        lo, hi = self.cfg.ngram_min, self.cfg.ngram_max
+        ends = state.ends
+        for i in range(state.num_indexed, len(tokens) - 1):
+            for n in range(lo, min(hi, i + 1) + 1):
+                ends[tuple(tokens[i + 1 - n:i + 1])] = i
+        state.num_indexed = max(state.num_indexed, len(tokens) - 1)
+
+    @staticmethod
+    def record(state: NgramState, num_drafts: int, num_accepted: int) -> None:
+        """A drafted row's result: back off after misses, start over after a hit."""
+        if num_accepted:
+            state.misses = 0
+            return
+        state.misses += 1
+        state.skip = min(MAX_SKIP, (1 << (state.misses - 1)) - 1)

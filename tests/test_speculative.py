@@ -1,0 +1,332 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer, the configuration, the
+executor's verification rule, and the scheduler planning drafts under run-ahead with outputs
+identical to no speculation (greedy and seeded) through preemption, chunked prefill, prefix
+hits, stops, n > 1 and aborts; the KV of rejected drafts rolled back."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from scheduler_driver import (
+    Driver,
+    TokenFn,
+    make_limits,
+    make_request,
+    plain_token,
+    results,
+    run_all,
+)
+
+from ipc.errors import ConfigError
+from ipc.messages import SamplingParams
+from ipc.sampling import F
+from ipc.speculative import SpeculativeConfig, parse_speculative
+from stages.executor.sampler import StepSampling, accept_drafts
+from stages.scheduler.speculative import MAX_SKIP, NgramProposer, NgramState
+
+NGRAM = SpeculativeConfig("ngram", 4, 3, 2)
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_the_option_reads_k_n_m_and_vllms_json() -> None:
+    assert parse_speculative("ngram:5") == SpeculativeConfig("ngram", 5, 4, 2)
+    assert parse_speculative("ngram:3:6") == SpeculativeConfig("ngram", 3, 6, 2)
+    assert parse_speculative("ngram:3:6:1") == SpeculativeConfig("ngram", 3, 6, 1)
+    assert parse_speculative('{"method": "ngram", "num_speculative_tokens": 7, '
+                             '"prompt_lookup_max": 5, "prompt_lookup_min": 3}'
+                             ) == SpeculativeConfig("ngram", 7, 5, 3)
+    assert parse_speculative(None) is None and parse_speculative("") is None
+
+
+@pytest.mark.parametrize("text, says", [
+    ("ngram", "cannot read"), ("ngram:x", "cannot read"), ("ngram:0", "K must be 1-16"),
+    ("ngram:17", "K must be 1-16"), ("ngram:4:2:3", "M <= N"),
+    ("draft:/m:4", "'draft' is not supported"), ('{"method": "eagle", '
+                                                 '"num_speculative_tokens": 2}', "'eagle'"),
+    ('{"num_speculative_tokens": 2, "model": "x"}', "unsupported key(s) model"),
+    ('{"method": "ngram"}', "needs num_speculative_tokens"), ("{", "not JSON"),
+])
+def test_a_bad_option_is_refused_by_name(text: str, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_speculative(text)
+    assert says in str(err.value) and "ngram:K" in str(err.value)
+
+
+# ---------------------------------------------------------------- the proposer
+
+
+def test_the_latest_earlier_occurrence_of_the_longest_suffix_is_continued() -> None:
+    proposer = NgramProposer(NGRAM)
+    state = NgramState()
+    prompt = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8]
+    # the suffix (2, 3) ends at 2 and at 7; its latest occurrence (7) is continued: 7, 8
+    assert proposer.propose(state, prompt + [2, 3], [], 0, 4) == [7, 8, 2, 3]
+    # with outputs 1, 2, 3 the longest suffix (1, 2, 3) matches at the start
+    state = NgramState()
+    assert proposer.propose(state, prompt, [1, 2, 3], 0, 2) == [4, 5]
+
+
+def test_a_pending_token_is_skipped_as_predicted() -> None:
+    """With one token still being sampled, the drafts start after the token the match
+    predicts for it (the placeholder precedes them in the row)."""
+    state = NgramState()
+    assert NgramProposer(NGRAM).propose(state, [5, 6, 7, 8, 9, 5, 6], [], 1, 2) == [8, 9]
+
+
+def test_no_match_or_no_room_proposes_nothing_and_outputs_extend_the_index() -> None:
+    proposer, state = NgramProposer(NGRAM), NgramState()
+    assert proposer.propose(state, [1, 2, 3, 4], [], 0, 4) == []  # no earlier (3, 4)
+    assert proposer.propose(state, [1, 2, 3, 4], [9, 1, 2], 0, 4) == [3, 4, 9, 1]
+    assert state.num_indexed == 6
+    assert proposer.propose(state, [1, 2, 3, 4], [9, 1, 2], 0, 0) == []
+
+
+def test_a_sequence_whose_drafts_miss_backs_off_exponentially() -> None:
+    proposer, state = NgramProposer(NGRAM), NgramState()
+    tokens = [1, 2, 3, 1, 2]
+    assert proposer.propose(state, tokens, [], 0, 2) == [3, 1]
+    skips = []
+    for _ in range(8):
+        proposer.record(state, 2, 0)  # the last proposal's row: every draft rejected
+        skipped = 0
+        while not proposer.propose(state, tokens, [], 0, 2):
+            skipped += 1
+        skips.append(skipped)
+    assert skips == [0, 1, 3, 7, 15, 31, 63, MAX_SKIP]
+    proposer.record(state, 2, 1)  # one accepted: back to proposing every step
+    proposer.record(state, 2, 0)
+    assert proposer.propose(state, tokens, [], 0, 2) == [3, 1]
+
+
+# ---------------------------------------------------------------- the verification rule
+
+
+def test_a_row_keeps_its_drafts_up_to_the_first_miss_then_the_sampled_token() -> None:
+    # rows: drafts [5, 6, 7] (sampled 5, 6, 9, 4: two stand, then 9), [8] (sampled 1, 2: a
+    # miss, 1 stands), [3, 4] padded to 3 (sampled 3, 4, 0: both stand, then 0)
+    tokens = torch.tensor([5, 6, 9, 4, 1, 2, 3, 4, 0])
+    sampled = torch.tensor([0, 1, 2, 3, 4, 5, 5, 5, 6, 7, 8, 8])
+    drafts = torch.tensor([5, 6, 7, 8, -1, -1, 3, 4, -1])
+    stand, last = accept_drafts(tokens, sampled, drafts, 3)
+    assert stand.tolist() == [3, 1, 3] and last.tolist() == [9, 1, 0]
+
+
+def test_unseeded_verification_samples_from_the_models_distribution() -> None:
+    """Rejection sampling with a deterministic draft reduces to: draw at each position from
+    the target, keep the draft while it equals the draw. Over many rows, the first emitted
+    token follows p0 and, given the draft stood, the second follows p1 (a chi-square test:
+    a sampler reusing one noise for both positions, or an off-by-one in acceptance, fails)."""
+    from stages.executor.sampler import SamplingState
+
+    torch.manual_seed(0)
+    vocab, rows = 6, 40_000
+    p0 = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.1, 0.05])
+    p1 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
+    state = SamplingState(rows, vocab, torch.device("cpu"))
+    state.f[:, F.TEMPERATURE] = 1.0
+    logits = torch.stack([p0.log(), p1.log()] * rows)  # rows x (draft position, next)
+    slots = torch.arange(rows).repeat_interleave(2)
+    positions = torch.tensor([10, 11] * rows)
+    out = state.sample(logits, slots, positions, StepSampling(all_greedy=False))
+    sampled = torch.arange(2 * rows)
+    drafts = torch.zeros(rows, dtype=torch.int64)  # every row proposes token 0
+    stand, last = accept_drafts(out.tokens, sampled, drafts, 1)
+    first = out.tokens[0::2]
+    assert torch.equal(stand == 2, first == 0)
+    _chi_square_fits(first, p0)
+    _chi_square_fits(last[stand == 2], p1)
+    assert abs((stand == 2).float().mean().item() - p0[0].item()) < 0.02
+
+
+def _chi_square_fits(draws: torch.Tensor, p: torch.Tensor) -> None:
+    counts = torch.bincount(draws, minlength=len(p)).double()
+    expected = p.double() * len(draws)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (counts.tolist(), expected.tolist())  # p = 0.001 at 5 dof
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+def looping_token(rid: str, index: int) -> int:
+    """Outputs that repeat a period of 3-6 tokens (what n-gram lookup finds), with a
+    one-token change every 11: drafts are accepted, and sometimes missed."""
+    seed = zlib.crc32(rid.encode())
+    period = 3 + seed % 4
+    if index % 11 == 10:
+        return 500 + (seed + index) % 97
+    return 1000 + (seed + 7 * (index % period)) % 300
+
+
+def stopping_looper(table: dict[str, tuple[int, int]]) -> TokenFn:
+    def token(rid: str, index: int) -> int:
+        if rid in table and table[rid][0] == index:
+            return table[rid][1]
+        return looping_token(rid, index)
+    return token
+
+
+SPEC = make_limits(speculative=NGRAM, max_num_batched_tokens=64, max_model_len=96)
+
+
+def both(limits: object, arrivals: dict, token_fn: TokenFn = looping_token,
+         **overrides: object) -> tuple[Driver, Driver]:
+    spec = dataclasses.replace(limits, **overrides)  # type: ignore[type-var]
+    plain = dataclasses.replace(spec, speculative=None)
+    return run_all(plain, arrivals, token_fn), run_all(spec, arrivals, token_fn)
+
+
+def wave(count: int = 8, max_tokens: int = 40, **params: object) -> dict[int, list]:
+    """Two requests arriving at each tick."""
+    return {t: [make_request(f"r{i}", 3 + 5 * (i % 3), max_tokens=max_tokens, **params)
+                for i in (2 * t, 2 * t + 1) if i < count] for t in range(-(-count // 2))}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_drafts_change_no_output_and_take_fewer_steps(depth: int) -> None:
+    plain, spec = both(SPEC, wave(), depth=depth)
+    assert results(spec) == results(plain)
+    core = spec.core
+    assert core.spec_num_accepted_tokens > 0.3 * core.spec_num_draft_tokens > 0
+    assert core.spec_num_accepted_tokens < core.spec_num_draft_tokens  # some were missed
+    assert sum(core.spec_accepted_per_pos) == core.spec_num_accepted_tokens
+    assert core.next_step_id < 0.9 * plain.core.next_step_id
+
+
+def test_without_repetition_drafts_are_seldom_proposed_and_outputs_stand() -> None:
+    plain, spec = both(SPEC, wave(), plain_token)
+    assert results(spec) == results(plain)
+    assert spec.core.spec_num_draft_tokens < 0.05 * plain.core.generation_tokens
+
+
+@pytest.mark.parametrize("num_blocks", [11, 14])
+def test_preemption_under_drafts_keeps_outputs(num_blocks: int) -> None:
+    plain, spec = both(SPEC, wave(10), num_blocks=num_blocks, block_size=4)
+    assert spec.core.num_preemptions > 0
+    assert spec.core.spec_num_accepted_tokens > 0
+    assert results(spec) == results(plain)
+
+
+def test_chunked_prefill_prefix_hits_and_n_samples_under_drafts() -> None:
+    shared = {i: [make_request(f"p{i % 2}x{i}", 30, max_tokens=30, n=1 + i % 3)]
+              for i in range(6)}
+    for reqs in shared.values():  # the same long prompt for several requests: prefix hits
+        reqs[0] = dataclasses.replace(reqs[0], prompt_token_ids=list(range(10, 40)))
+    plain, spec = both(SPEC, shared, max_num_batched_tokens=16, max_num_seqs=6)
+    assert spec.core.prefix_cache_hits > 0 and spec.core.spec_num_accepted_tokens > 0
+    assert results(spec) == results(plain)
+
+
+def test_a_stop_inside_accepted_drafts_ends_the_sample_there() -> None:
+    """EOS and a stop token id sampled where drafts were accepted: the tokens after it in
+    the same row are dropped, and the finish is the same as without drafts."""
+    table = {"r0": (20, 2), "r1": (17, 3), "r3": (25, 2)}
+    arrivals = wave(6, stop_token_ids=[3])
+    plain, spec = both(SPEC, arrivals, stopping_looper(table))
+    assert results(spec) == results(plain)
+    assert {rid: d.finish_reason for rid, d in spec.finished.items() if rid in table} == {
+        "r0": "stop", "r1": "stop", "r3": "stop"}
+    assert len(spec.outputs["r1"]) == 18
+
+
+def test_drafts_never_pass_max_tokens_or_the_context() -> None:
+    arrivals = {0: [make_request("a", 5, max_tokens=13), make_request("b", 20)]}
+    plain, spec = both(SPEC, arrivals, max_model_len=48)
+    assert results(spec) == results(plain)
+    assert len(spec.outputs["a"]) == 13 and len(spec.outputs["b"]) == 48 - 20
+    for step in spec.history:
+        for row in step.rows:
+            assert row.context_len <= 48
+
+
+def test_requests_that_opt_out_or_have_penalties_or_grammars_are_not_drafted() -> None:
+    arrivals = {0: [make_request("off", 6, max_tokens=30, speculate=False),
+                    make_request("pen", 6, max_tokens=30, presence_penalty=0.5)]}
+    plain, spec = both(SPEC, arrivals)
+    assert results(spec) == results(plain)
+    assert spec.core.spec_num_drafts == 0
+    assert all(row.num_draft == 0 for step in spec.history for row in step.rows)
+
+
+def test_an_abort_while_drafts_are_in_flight_frees_everything() -> None:
+    driver = Driver(SPEC, looping_token)
+    for i in range(4):
+        driver.add(make_request(f"r{i}", 6, max_tokens=60))
+    while not any(r.num_draft for step in driver.pending for r in step.rows):
+        driver.tick()
+    drafted = next(r.request_id for step in driver.pending for r in step.rows if r.num_draft)
+    driver.abort(drafted)
+    driver.run()
+    driver.check_idle()
+    assert driver.finished[drafted].finish_reason == "abort"
+
+
+def test_rejected_drafts_give_back_the_blocks_only_they_filled() -> None:
+    """Drafts that cross into a new block take it; when they are rejected the sequence holds
+    the blocks of its computed tokens again (Driver.check asserts it after every move), so
+    its block count falls while it runs."""
+    miss: TokenFn = lambda rid, i: 1000 + i % 5 if i < 12 else 7 + i  # noqa: E731
+    driver = Driver(dataclasses.replace(SPEC, block_size=4, depth=1), miss)
+    driver.add(make_request("a", 4, max_tokens=30))
+    seq = driver.core.seq("a")
+    shrank = False
+    while driver.core.requests:
+        driver.plan()
+        planned = len(seq.blocks)
+        driver.report()
+        driver.collect()
+        shrank |= seq.status.value == "running" and len(seq.blocks) < planned
+    assert shrank and driver.core.spec_num_accepted_tokens > 0
+    driver.check_idle()
+
+
+# ---------------------------------------------------------------- the model, in process
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_dir: Path) -> tuple[object, object, list[list[int]]]:
+    """The default model in process without and with drafts, and input-grounded prompts
+    (a piece of source to copy, a counting list) that it continues from its input."""
+    from transformers import AutoTokenizer
+
+    from pipeline.tools.datasets import copy_prompts
+    from stages.inprocess import InProcessEngine
+
+    def engine(speculative: SpeculativeConfig | None) -> object:
+        return InProcessEngine(str(default_model_dir), max_num_seqs=4,
+                               max_num_batched_tokens=512, block_size=16, max_model_len=512,
+                               kv_cache_memory=64 << 20, speculative=speculative)
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = [*copy_prompts(2, seed=3), "The list: 1, 2, 3, 4, 5, 6, 7,"]
+    return engine(None), engine(SpeculativeConfig("ngram", 5, 3, 2)), [
+        tok(t)["input_ids"] for t in texts]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, temperature=0),
+    SamplingParams(max_tokens=40, temperature=0.5, top_k=20, seed=7),
+    SamplingParams(max_tokens=40, temperature=0, logprobs=3, min_tokens=5),
+], ids=["greedy", "seeded", "logprobs"])
+def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, params: SamplingParams
+                                                     ) -> None:
+    """Greedy and seeded requests are token for token the same with and without
+    speculation (a seeded draw depends only on the logits, the seed and the position), and
+    logprobs of the accepted tokens are the model's."""
+    plain_engine, spec_engine, prompts = engines
+    requests = [(str(i), p, params) for i, p in enumerate(prompts)]
+    before = spec_engine.scheduler.spec_num_accepted_tokens
+    plain, spec = plain_engine.run(requests), spec_engine.run(requests)
+    assert spec_engine.scheduler.spec_num_accepted_tokens - before > 3  # drafts stood
+    for key, want in plain.items():
+        got = spec[key]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        if params.logprobs is not None:
+            assert [e.token_id for e in got.logprobs] == [e.token_id for e in want.logprobs]
+            for a, b in zip(got.logprobs, want.logprobs, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
