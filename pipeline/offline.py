@@ -23,6 +23,7 @@ from typing import Any
 from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import ChatMessage, SamplingParams
 from ipc.model_info import ModelInfo
+from ipc.speculative import parse_speculative
 from pipeline.runtime.client import CompletionOutput
 
 Conversation = Sequence[dict[str, str] | ChatMessage]
@@ -37,13 +38,15 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int = 1 << 30, compile: bool | None = None,
                  tokenizer_workers: int = 1, detokenizer_workers: int = 1,
-                 data_parallel_size: int = 1, quantization: str | None = None) -> None:
+                 data_parallel_size: int = 1, quantization: str | None = None,
+                 speculative: str | None = None) -> None:
         from pipeline.runtime.launcher import Pipeline
         from pipeline.tools.model_source import resolve_model
 
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(resolve_model(model), max_model_len),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                      speculative=parse_speculative(speculative)),
             executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile,
                                                quantization=quantization),
             num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers,

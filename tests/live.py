@@ -13,6 +13,7 @@ import psutil
 
 from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.model_info import ModelInfo
+from ipc.speculative import SpeculativeConfig
 from pipeline.runtime.launcher import Pipeline
 
 
@@ -20,11 +21,12 @@ def live_config(model_dir: Path, *, num_tokenizers: int = 1, num_detokenizers: i
                 depth: int = 2, kv_cache_memory: int = 64 << 20, max_num_seqs: int = 16,
                 max_num_batched_tokens: int = 256, block_size: int = 16,
                 max_model_len: int | None = None, device: str = "cpu",
-                compile: bool | None = None,
-                quantization: str | None = None) -> PipelineConfig:
+                compile: bool | None = None, quantization: str | None = None,
+                speculative: SpeculativeConfig | None = None) -> PipelineConfig:
     return PipelineConfig(
         model=ModelInfo.from_dir(model_dir, max_model_len),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, depth),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, depth,
+                                  speculative=speculative),
         executor=ExecutorConfig.for_device(device, "float32", kv_cache_memory, compile,
                                            quantization=quantization),
         num_tokenizers=num_tokenizers, num_detokenizers=num_detokenizers, ready_timeout_s=120)

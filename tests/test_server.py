@@ -115,8 +115,11 @@ def describe(pids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[Server]:
+    # With speculative decoding on (1-gram lookup: the tiny model's outputs repeat tokens
+    # often enough to propose, seldom to accept), so every test here also runs rows with
+    # drafts through the served path and must see what it would see without them.
     with serve(tiny_model_dir, "--api-key", KEY, "--api-workers", "2",
-               "--stats-interval", "0.5") as s:
+               "--stats-interval", "0.5", "--speculative", "ngram:3:2:1") as s:
         yield s
 
 
@@ -372,6 +375,18 @@ def test_metrics_parse_and_move_across_two_workers(server: Server) -> None:
     assert f"vllm:gpu_cache_usage_perc{{{model}}}" in after
     assert "llm_pipeline_device_idle_fraction{}" in after
     assert "llm_pipeline_steps_in_flight{}" in after
+    # speculative decoding's counters, under vLLM's names (the server runs with drafts: a
+    # long output repeats enough of its tokens to be drafted)
+    client.completions.create(model=server.model, prompt=FOX, max_tokens=120, temperature=0,
+                              extra_body={"ignore_eos": True})
+    time.sleep(0.6)
+    after = server.metrics()
+    drafts = moved(f"vllm:spec_decode_num_draft_tokens_total{{{model}}}")
+    assert drafts > 0 and moved(f"vllm:spec_decode_num_drafts_total{{{model}}}") > 0
+    assert 0 <= moved(f"vllm:spec_decode_num_accepted_tokens_total{{{model}}}") <= drafts
+    per_pos = [k for k in after
+               if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert len(per_pos) == 3 and all("position=" in k for k in per_pos)  # K = 3
     # every series the stock vLLM Grafana dashboard (examples/online_serving/
     # prometheus_grafana/grafana.json) queries, with its model_name label
     for name in GRAFANA_SERIES:

@@ -330,3 +330,29 @@ def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, params: Sam
             assert [e.token_id for e in got.logprobs] == [e.token_id for e in want.logprobs]
             for a, b in zip(got.logprobs, want.logprobs, strict=True):
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+
+
+@pytest.mark.live
+def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple,
+                                                        default_model_dir: Path) -> None:
+    """The real processes with --speculative: the copy prompts' greedy outputs are those of
+    the engine without drafts, several requests share steps, the counters come back in the
+    status, and a request that opts out is never drafted."""
+    from live import live_config, running
+
+    plain_engine, _, prompts = engines
+    params = SamplingParams(max_tokens=48, temperature=0)
+    want = plain_engine.generate(prompts, params)
+    cfg = live_config(default_model_dir, max_num_batched_tokens=512, max_model_len=512,
+                      speculative=SpeculativeConfig("ngram", 5, 3, 2))
+    with running(cfg) as pipe:
+        client = pipe.client()
+        outs = client.generate(prompts, params)  # type: ignore[arg-type]
+        assert [o.token_ids for o in outs] == want
+        stats = pipe.idle_stats()
+        assert stats.spec_num_accepted_tokens > 20
+        assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+        off = dataclasses.replace(params, speculate=False)
+        (alone,) = client.generate(prompts[:1], off)  # type: ignore[arg-type]
+        assert alone.token_ids == want[0]
+        assert pipe.idle_stats().spec_num_drafts == stats.spec_num_drafts

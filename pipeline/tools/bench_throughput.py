@@ -77,8 +77,10 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
         start = time.perf_counter()
         outs = client.generate(work.prompts, params)  # type: ignore[arg-type]
         seconds = time.perf_counter() - start
-        stats = pipe.idle_stats() if args.speculate is not None else None
-    if args.speculate is not None and stats is not None:
+        stats = pipe.idle_stats()
+    print(f"  {_named('pipeline', args)}: device idle {stats.device_idle_fraction:.1%} of the "
+          "last seconds of steps")
+    if args.speculate is not None:
         drafts, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
         print(f"  speculative {args.speculate.describe()}: {stats.spec_num_drafts} rows with "
               f"drafts, {drafts} draft tokens, {accepted} accepted "
@@ -163,7 +165,8 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     from stages.executor.runner import ModelRunner
 
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
-    tokens = max(2048, sum(len(p) for p in work.prompts[:args.batch_size]))
+    tokens = max(2048, *(sum(len(p) for p in work.prompts[lo:lo + args.batch_size])
+                         for lo in range(0, len(work.prompts), args.batch_size)))
     info = ModelInfo.from_dir(args.model_dir)
     limits = EngineLimits(args.batch_size, tokens, 16, longest, info.vocab_size, depth=0)
     device = torch.device(args.device)
@@ -176,16 +179,17 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     for lo in range(0, len(work.prompts), args.batch_size):
         batch = work.prompts[lo:lo + args.batch_size]
         lens = work.output_lens[lo:lo + args.batch_size]
-        ids_out += _limit_batch(runner, ring, batch, lens, limits.max_blocks_per_seq)
+        ids_out += _limit_batch(runner, ring, batch, lens)
     seconds = time.perf_counter() - start
     return EngineResult(_named("limit", args), seconds, sum(len(t) for t in ids_out), ids_out)
 
 
 def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[int]],
-                 out_lens: list[int], max_blocks: int) -> list[list[int]]:
+                 out_lens: list[int]) -> list[list[int]]:
     n, block_size = len(prompts), runner.limits.block_size
     ctx = [len(p) for p in prompts]
-    mapped = [0] * n  # blocks of each slot's table written so far (slot s owns a fixed range)
+    mapped = [0] * n  # blocks of each slot's table written so far
+    taken = 0  # blocks handed out, in order (a batch's whole contexts must fit the cache)
     greedy = [(s, GREEDY_SLOT) for s in range(n)]
     outs: list[list[int]] = [[] for _ in range(n)]
     step = 0
@@ -202,8 +206,12 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
         updates = []
         for i in rows:  # blocks as the contexts grow, as the scheduler would hand them out
             needed = -(-ctx[i] // block_size)
-            updates += [(i, b, i * max_blocks + b) for b in range(mapped[i], needed)]
+            updates += [(i, b, taken + b - mapped[i]) for b in range(mapped[i], needed)]
+            taken += needed - mapped[i]
             mapped[i] = needed
+        if taken > runner.num_blocks:
+            raise RuntimeError(f"the limit's batch needs {taken} KV blocks, the cache holds "
+                               f"{runner.num_blocks}: raise --kv-cache-memory")
         plan = write_step(ring, step, 0, input_ids=ids, seq_slots=rows, query_lens=q,
                           context_lens=[ctx[i] for i in rows], do_sample=[True] * len(rows),
                           block_updates=updates, new_slots=greedy if step == 0 else [],
