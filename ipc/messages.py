@@ -459,7 +459,8 @@ class SlotGrammar(Struct):
 @dataclass(frozen=True, slots=True)
 class SampledTokens(Message):
     """Step `step_id` is done; its sampled ids lie in `ring_slot` of the sampled-token ring,
-    one per sampling sequence, in the order of the step's sequence rows."""
+    one per sampled position, in the order of the step's sequence rows (a row's, and one
+    per draft of a row with drafts; then how many stand per drafted row)."""
 
     TAG: ClassVar[int] = 7
     step_id: int
