@@ -6,6 +6,7 @@ hits, stops, n > 1 and aborts; the KV of rejected drafts rolled back."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from scheduler_driver import (
 
 from ipc.errors import ConfigError
 from ipc.messages import SamplingParams
+from ipc.model_info import ModelInfo
 from ipc.sampling import F
 from ipc.speculative import SpeculativeConfig, parse_speculative
 from stages.executor.sampler import StepSampling, accept_drafts
@@ -55,6 +57,22 @@ def test_a_bad_option_is_refused_by_name(text: str, says: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_speculative(text)
     assert says in str(err.value) and "ngram:K" in str(err.value)
+
+
+def test_the_setting_reaches_a_stage_that_joins_from_another_host(tiny_model_dir: Path
+                                                                  ) -> None:
+    """A joined engine gets the run's config as JSON-able values (to_wire): the speculative
+    setting comes back as itself, and sizes its rings as the launcher's do."""
+    import json
+
+    from ipc.config import PipelineConfig, SchedulerConfig
+
+    cfg = PipelineConfig(ModelInfo.from_dir(tiny_model_dir),
+                         SchedulerConfig(speculative=SpeculativeConfig("ngram", 6, 5, 3)))
+    joined = PipelineConfig.from_wire(json.loads(json.dumps(cfg.to_wire())),
+                                      str(tiny_model_dir))
+    assert joined.scheduler.speculative == cfg.scheduler.speculative
+    assert joined.limits == cfg.limits and joined.limits.max_sampled == 64 * (1 + 6)
 
 
 # ---------------------------------------------------------------- the proposer
@@ -289,7 +307,7 @@ def test_rejected_drafts_give_back_the_blocks_only_they_filled() -> None:
 
 
 @pytest.fixture(scope="module")
-def engines(default_model_dir: Path) -> tuple[object, object, list[list[int]]]:
+def engines(default_model_dir: Path) -> tuple[object, object, list[list[int]], object]:
     """The default model in process without and with drafts, and input-grounded prompts
     (a piece of source to copy, a counting list) that it continues from its input."""
     from transformers import AutoTokenizer
@@ -300,12 +318,13 @@ def engines(default_model_dir: Path) -> tuple[object, object, list[list[int]]]:
     def engine(speculative: SpeculativeConfig | None) -> object:
         return InProcessEngine(str(default_model_dir), max_num_seqs=4,
                                max_num_batched_tokens=512, block_size=16, max_model_len=512,
-                               kv_cache_memory=64 << 20, speculative=speculative)
+                               kv_cache_memory=64 << 20, speculative=speculative,
+                               eos_token_ids=ModelInfo.from_dir(default_model_dir).eos_token_ids)
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     texts = [*copy_prompts(2, seed=3), "The list: 1, 2, 3, 4, 5, 6, 7,"]
     return engine(None), engine(SpeculativeConfig("ngram", 5, 3, 2)), [
-        tok(t)["input_ids"] for t in texts]
+        tok(t)["input_ids"] for t in texts], tok
 
 
 @pytest.mark.parametrize("params", [
@@ -318,7 +337,7 @@ def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, params: Sam
     """Greedy and seeded requests are token for token the same with and without
     speculation (a seeded draw depends only on the logits, the seed and the position), and
     logprobs of the accepted tokens are the model's."""
-    plain_engine, spec_engine, prompts = engines
+    plain_engine, spec_engine, prompts, tok = engines
     requests = [(str(i), p, params) for i, p in enumerate(prompts)]
     before = spec_engine.scheduler.spec_num_accepted_tokens
     plain, spec = plain_engine.run(requests), spec_engine.run(requests)
@@ -332,6 +351,25 @@ def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, params: Sam
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
 
 
+def test_a_structured_output_beside_drafted_rows_stays_valid(engines: tuple) -> None:
+    """A structured request is never drafted (its matcher takes one sampled token at a
+    time), while the copy prompts in the same steps are: its output still matches, and
+    equals the one without speculation."""
+    from ipc.messages import StructuredOutputs
+
+    plain_engine, spec_engine, prompts, tok = engines
+    regex = SamplingParams(max_tokens=30, temperature=0,
+                           structured_outputs=StructuredOutputs(regex=r"(ab|cd){3,6}x"))
+    copy = SamplingParams(max_tokens=40, temperature=0)
+    requests = [("s", prompts[0], regex), *((f"c{i}", p, copy) for i, p in enumerate(prompts))]
+    before = spec_engine.scheduler.spec_num_accepted_tokens
+    plain, spec = plain_engine.run(requests), spec_engine.run(requests)
+    assert spec_engine.scheduler.spec_num_accepted_tokens > before
+    assert spec["s", 0].token_ids == plain["s", 0].token_ids
+    assert re.fullmatch(r"(ab|cd){3,6}x", tok.decode(spec["s", 0].token_ids,
+                                                     skip_special_tokens=True))
+
+
 @pytest.mark.live
 def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple,
                                                         default_model_dir: Path) -> None:
@@ -340,7 +378,7 @@ def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple,
     status, and a request that opts out is never drafted."""
     from live import live_config, running
 
-    plain_engine, _, prompts = engines
+    plain_engine, _, prompts, _ = engines
     params = SamplingParams(max_tokens=48, temperature=0)
     want = plain_engine.generate(prompts, params)
     cfg = live_config(default_model_dir, max_num_batched_tokens=512, max_model_len=512,
