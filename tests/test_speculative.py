@@ -130,8 +130,9 @@ def test_a_row_keeps_its_drafts_up_to_the_first_miss_then_the_sampled_token() ->
     tokens = torch.tensor([5, 6, 9, 4, 1, 2, 3, 4, 0])
     sampled = torch.tensor([0, 1, 2, 3, 4, 5, 5, 5, 6, 7, 8, 8])
     drafts = torch.tensor([5, 6, 7, 8, -1, -1, 3, 4, -1])
-    stand, last = accept_drafts(tokens, sampled, drafts, 3)
+    stand, last, stands = accept_drafts(tokens, sampled, drafts, 3)
     assert stand.tolist() == [3, 1, 3] and last.tolist() == [9, 1, 0]
+    assert stands.tolist() == [True, True, True, False, True, False, True, True, True]
 
 
 def test_unseeded_verification_samples_from_the_models_distribution() -> None:
@@ -153,7 +154,7 @@ def test_unseeded_verification_samples_from_the_models_distribution() -> None:
     out = state.sample(logits, slots, positions, StepSampling(all_greedy=False))
     sampled = torch.arange(2 * rows)
     drafts = torch.zeros(rows, dtype=torch.int64)  # every row proposes token 0
-    stand, last = accept_drafts(out.tokens, sampled, drafts, 1)
+    stand, last, _ = accept_drafts(out.tokens, sampled, drafts, 1)
     first = out.tokens[0::2]
     assert torch.equal(stand == 2, first == 0)
     _chi_square_fits(first, p0)
@@ -262,7 +263,7 @@ def test_drafts_never_pass_max_tokens_or_the_context() -> None:
             assert row.context_len <= 48
 
 
-def test_requests_that_opt_out_or_have_penalties_or_grammars_are_not_drafted() -> None:
+def test_requests_that_opt_out_or_have_penalties_are_not_drafted() -> None:
     arrivals = {0: [make_request("off", 6, max_tokens=30, speculate=False),
                     make_request("pen", 6, max_tokens=30, presence_penalty=0.5)]}
     plain, spec = both(SPEC, arrivals)
@@ -351,21 +352,40 @@ def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, params: Sam
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
 
 
-def test_a_structured_output_beside_drafted_rows_stays_valid(engines: tuple) -> None:
-    """A structured request is never drafted (its matcher takes one sampled token at a
-    time), while the copy prompts in the same steps are: its output still matches, and
-    equals the one without speculation."""
+def test_structured_outputs_are_drafted_masked_at_each_position_and_stay_valid(
+        engines: tuple) -> None:
+    """A JSON array of objects repeats its own keys: drafts are proposed and accepted; the
+    matcher masks each drafted position (taking the drafts before it, then rolling them
+    back) and then takes what stood. The output is valid and the same as without drafts,
+    beside a regex output and copy prompts in the same steps."""
+    import json
+
     from ipc.messages import StructuredOutputs
 
     plain_engine, spec_engine, prompts, tok = engines
+    schema = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False}}
+    people = tok("People: Ann is 31, Bob is 42, Cid is 23, Dee is 54, Eve is 35, Fay is 26. "
+                 "As JSON:")["input_ids"]
+    as_json = SamplingParams(max_tokens=120, temperature=0,
+                             structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+    before = spec_engine.scheduler.spec_num_accepted_tokens
+    alone = spec_engine.run([("j", people, as_json)])
+    assert spec_engine.scheduler.spec_num_accepted_tokens - before > 20
     regex = SamplingParams(max_tokens=30, temperature=0,
                            structured_outputs=StructuredOutputs(regex=r"(ab|cd){3,6}x"))
     copy = SamplingParams(max_tokens=40, temperature=0)
-    requests = [("s", prompts[0], regex), *((f"c{i}", p, copy) for i, p in enumerate(prompts))]
-    before = spec_engine.scheduler.spec_num_accepted_tokens
+    requests = [("j", people, as_json), ("s", prompts[0], regex),
+                *((f"c{i}", p, copy) for i, p in enumerate(prompts))]
     plain, spec = plain_engine.run(requests), spec_engine.run(requests)
-    assert spec_engine.scheduler.spec_num_accepted_tokens > before
-    assert spec["s", 0].token_ids == plain["s", 0].token_ids
+    def tokens(results: dict) -> dict:
+        return {k: (r.token_ids, r.finish_reason) for k, r in results.items()}
+
+    assert tokens(spec) == tokens(plain) and tokens(alone)["j", 0] == tokens(plain)["j", 0]
+    answer = json.loads(tok.decode(spec["j", 0].token_ids, skip_special_tokens=True))
+    assert len(answer) == 6 and all(set(a) == {"name", "age"} for a in answer)
     assert re.fullmatch(r"(ab|cd){3,6}x", tok.decode(spec["s", 0].token_ids,
                                                      skip_special_tokens=True))
 

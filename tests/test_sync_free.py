@@ -5,6 +5,7 @@ catches what it must."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -71,13 +72,16 @@ def test_no_host_sync_when_verifying_drafts(tiny_model_dir: Path) -> None:
     accepted prefix and each slot's last sample found on the device."""
     from ipc.speculative import SpeculativeConfig
 
+    eos = ModelInfo.from_dir(tiny_model_dir).eos_token_ids
     engine = InProcessEngine(str(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=32,
-                             block_size=4, kv_cache_memory=40 * 2048,
+                             block_size=4, kv_cache_memory=40 * 2048, eos_token_ids=eos,
                              speculative=SpeculativeConfig("ngram", 3, 2, 1))
     seen = guarded(engine)
     work = workloads(0)
     _, prompt, params = work["logprobs and prompt logprobs"][1]
-    engine.run([*work["greedy"][:3], *work["top-k, top-p, min-p"][3:], ("lp", prompt, params)])
+    _, j_prompt, j_params = work["structured"][0]
+    engine.run([*work["greedy"][:3], *work["top-k, top-p, min-p"][3:], ("lp", prompt, params),
+                ("json", j_prompt, dataclasses.replace(j_params, max_tokens=40))])
     assert seen[0] > 10 and engine.scheduler.spec_num_drafts > 0
 
 

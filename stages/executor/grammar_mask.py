@@ -84,11 +84,15 @@ class SlotGrammars:
         for token in output_ids:
             self._consume(slot, matcher, int(token))
 
-    def consume(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """Each slot in `slots` sampled the token beside it."""
-        for slot, token in zip(slots.tolist(), tokens.tolist(), strict=True):
+    def consume(self, slots: np.ndarray, tokens: np.ndarray,
+                stands: np.ndarray | None = None) -> None:
+        """Each slot in `slots` sampled the token beside it, in order (a row with drafts
+        has one per sampled position); stands: whether each of them stood (those after a
+        rejected draft did not)."""
+        keep = stands.tolist() if stands is not None else [True] * len(slots)
+        for slot, token, stood in zip(slots.tolist(), tokens.tolist(), keep, strict=True):
             matcher = self.matchers.get(slot)  # (gone once its EOS was sampled)
-            if matcher is not None:
+            if matcher is not None and stood:
                 self._consume(slot, matcher, token)
 
     def _consume(self, slot: int, matcher: Any, token: int) -> None:
@@ -119,23 +123,33 @@ class SlotGrammars:
         rows = np.flatnonzero(has)
         return rows, sample_slots[rows]
 
-    def fill(self, slots: np.ndarray, buffer: torch.Tensor) -> torch.Tensor:
+    def fill(self, slots: np.ndarray, buffer: torch.Tensor,
+             drafts: dict[int, list[int]] | None = None) -> torch.Tensor:
         """The bitmask [len(slots), words] of the next token of each slot, in the first rows
         of buffer (host memory). A stopped or failed matcher allows EOS only (its row is
-        dropped anyway)."""
+        dropped anyway). A slot whose row carries drafts (`drafts`) has one row per sampled
+        position, in order: the mask after its matcher took the drafts before it."""
         if self._executor is None:
             self._executor = load_llguidance().LLExecutor(1)
         mask = buffer[:len(slots)]
         assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
         live = []
-        for i, slot in enumerate(slots.tolist()):
+        order = slots.tolist()
+        i = 0
+        while i < len(order):
+            slot = order[i]
+            width = 1
+            while i + width < len(order) and order[i + width] == slot:
+                width += 1
             matcher = self.matchers[slot]
             if slot in self.failed or matcher.is_stopped() or matcher.is_error():
-                mask[i] = 0
-                eos = self.grammars.eos_token_id
-                mask[i, eos // 32] = _bit(eos % 32)
-            else:
+                for row in range(i, i + width):
+                    self._only_eos(mask, row)
+            elif width == 1:
                 live.append((matcher, i))
+            else:
+                self._fill_drafted(matcher, mask, i, (drafts or {}).get(slot, [])[:width - 1])
+            i += width
         if live:  # (not llguidance.torch's wrapper of this: importing it takes 1.4 s)
             self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), mask.shape[1] * 4,
                                                    len(slots))
@@ -144,6 +158,33 @@ class SlotGrammars:
             ends_here = (mask[:, eos // 32] >> (eos % 32)) & 1
             mask[:, end // 32] |= ends_here << (end % 32)
         return mask
+
+    def _only_eos(self, mask: torch.Tensor, row: int) -> None:
+        mask[row] = 0
+        eos = self.grammars.eos_token_id
+        mask[row, eos // 32] = _bit(eos % 32)
+
+    def _fill_drafted(self, matcher: Any, mask: torch.Tensor, first: int,
+                      drafts: list[int]) -> None:
+        """Rows first .. first + len(drafts) of mask: a drafted row's positions. The
+        matcher takes the drafts the grammar allows, the mask of each position is computed
+        on the way back (rolling them back one by one), so the matcher ends where it began:
+        what it takes for good is what stands, after sampling (consume). Positions past a
+        draft the grammar refuses cannot stand (the sample before it cannot be that
+        draft): they get the last reachable position's mask."""
+        eos, ends = self.grammars.eos_token_id, self.grammars.end_token_ids
+        taken = matcher.try_consume_tokens([eos if t in ends else t for t in drafts])
+        for j in range(taken, -1, -1):
+            row = first + j
+            if matcher.is_stopped() or matcher.is_error():
+                self._only_eos(mask, row)
+            else:
+                self._executor.unsafe_compute_mask_ptr([(matcher, row)], mask.data_ptr(),
+                                                       mask.shape[1] * 4, mask.shape[0])
+            if j:
+                matcher.rollback(1)
+        for j in range(taken + 1, len(drafts) + 1):
+            mask[first + j] = mask[first + taken]
 
     def fail_all(self, why: str) -> None:
         """Every slot with a matcher fails (the grammar work itself raised)."""

@@ -41,6 +41,9 @@ from stages.grammar import Grammars, words_per_row
 # A step's grammar work, done while its forward runs: (their slots, the sampled rows with a
 # matcher and their bitmask, both staged in host memory for the device).
 GrammarMask = tuple[np.ndarray, torch.Tensor, torch.Tensor] | None
+# The structured rows' samples on their way to the matchers: (slots, tokens, whether each
+# stood (None: all did), the event that says they arrived (CUDA), all in host memory).
+PendingTokens = tuple[np.ndarray, torch.Tensor, torch.Tensor | None, Any]
 
 logger = logging.getLogger(__name__)
 
@@ -87,19 +90,26 @@ class SlotState:
         # Structured outputs: the matchers, and a bitmask buffer per ring slot (on CUDA, a
         # step's mask may still be copying while the next step fills its own).
         self.matchers = SlotGrammars(grammars) if grammars is not None else None
-        self._bitmasks = ([torch.zeros(n, words_per_row(limits.vocab_size), dtype=torch.int32,
+        self._bitmasks = ([torch.zeros(limits.max_sampled, words_per_row(limits.vocab_size),
+                                       dtype=torch.int32,
                                        pin_memory=pin) for _ in range(limits.num_ring_slots)]
                           if grammars is not None else [])
         # ... the sampled rows they apply to (a copy from pageable memory would wait for the
         # whole queued forward on CUDA), and the tokens those rows sampled, on their way back
-        self._mask_rows = ([torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._mask_rows = ([torch.zeros(limits.max_sampled, dtype=torch.int64, pin_memory=pin)
                             for _ in range(limits.num_ring_slots)] if grammars is not None else [])
-        self._mask_tokens = ([torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        x = limits.max_sampled
+        self._mask_tokens = ([torch.zeros(x, dtype=torch.int64, pin_memory=pin)
                               for _ in range(limits.num_ring_slots)]
                              if grammars is not None else [])
-        # (slots, their tokens in host memory, the event that says they arrived (CUDA)):
-        # sampled by the last step, not yet consumed by the matchers
-        self._pending: tuple[np.ndarray, torch.Tensor, Any] | None = None
+        # ... and whether each stood (rows with drafts)
+        self._mask_stands = ([torch.zeros(x, dtype=torch.bool, pin_memory=pin)
+                              for _ in range(limits.num_ring_slots)]
+                             if grammars is not None and limits.num_speculative_tokens else [])
+        # (slots, their tokens in host memory, whether each stood (None: all did), the event
+        # that says they arrived (CUDA)): sampled by the last step, not yet consumed by the
+        # matchers
+        self._pending: PendingTokens | None = None
         self._grammar_thread: ThreadPoolExecutor | None = None
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
@@ -144,17 +154,17 @@ class SlotState:
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The host memory a step's device work copies from or to (page-locked on CUDA)."""
-        return [*self.staging, *self._bitmasks, *self._mask_rows, *self._mask_tokens]
+        return [*self.staging, *self._bitmasks, *self._mask_rows, *self._mask_tokens,
+                *self._mask_stands]
 
-    def _grammar_work(self, step: HostStep,
-                      pending: tuple[np.ndarray, torch.Tensor, Any] | None) -> GrammarMask:
+    def _grammar_work(self, step: HostStep, pending: PendingTokens | None) -> GrammarMask:
         m = self.matchers
         assert m is not None
         if pending is not None:
-            slots, tokens, arrived = pending
+            slots, tokens, stands, arrived = pending
             if arrived is not None:  # CUDA: this thread waits for the copy, nothing else does
                 arrived.synchronize()
-            m.consume(slots, tokens.numpy())
+            m.consume(slots, tokens.numpy(), stands.numpy() if stands is not None else None)
         given = {g.slot: g for g in step.plan.grammars}
         for slot in step.new_slots.tolist():
             g = given.get(slot)
@@ -164,15 +174,15 @@ class SlotState:
             return None
         staged = self._mask_rows[step.plan.ring_slot][:len(rows)]
         staged.numpy()[:] = rows
-        return slots, staged, m.fill(slots, self._bitmasks[step.plan.ring_slot])
+        return slots, staged, m.fill(slots, self._bitmasks[step.plan.ring_slot], step.drafts)
 
     def keep_last(self, step: HostStep, v: dict[str, torch.Tensor], out: SampleOutput) -> None:
         """Each sampled slot's last sample (the next step's placeholder); for a row with
         drafts, the sample after the drafts it accepts (out.accepted says how many stand)."""
         self.last_sampled[v["sample_slots"]] = out.tokens  # (a row with drafts: fixed below)
         if step.spec_width:
-            out.accepted, last = accept_drafts(out.tokens, v["spec_sampled"], v["spec_draft"],
-                                               step.spec_width)
+            out.accepted, last, out.stands = accept_drafts(
+                out.tokens, v["spec_sampled"], v["spec_draft"], step.spec_width)
             self.last_sampled[v["spec_slots"]] = last
 
     def sample(self, step: HostStep, v: dict[str, torch.Tensor], logits: torch.Tensor,
@@ -197,13 +207,18 @@ class SlotState:
                                    step.sampling, mask)
         self.keep_last(step, v, out)
         if work is not None and mask is not None:
-            host = self._mask_tokens[step.plan.ring_slot][:len(mask[0])]
+            ring_slot, num_rows = step.plan.ring_slot, len(mask[0])
+            host = self._mask_tokens[ring_slot][:num_rows]
             host.copy_(out.tokens.index_select(0, mask[0]), non_blocking=True)
+            stands = None
+            if out.stands is not None:
+                stands = self._mask_stands[ring_slot][:num_rows]
+                stands.copy_(out.stands.index_select(0, mask[0]), non_blocking=True)
             arrived = None
             if self.device.type == "cuda":  # the grammar thread sleeps on it, not spins
                 arrived = torch.cuda.Event(blocking=True)
                 arrived.record()
-            self._pending = (work[0], host, arrived)
+            self._pending = (work[0], host, stands, arrived)
         if self.matchers is not None:
             self.matchers.mark_failed(step.sample_slots, out.tokens)
         return out

@@ -84,6 +84,7 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None  # [X, MAX_TOP_LOGPROBS] float32
     prompt: PromptScores | None = None  # the step's prompt logprobs, if its plan asks
     accepted: torch.Tensor | None = None  # [R] int32: positions that stand, per row with drafts
+    stands: torch.Tensor | None = None  # [X] bool: whether each sampled position stands
 
 
 class SamplingState:
@@ -174,18 +175,27 @@ class SamplingState:
 
 
 def accept_drafts(tokens: torch.Tensor, sampled: torch.Tensor, drafts: torch.Tensor,
-                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify the drafts of R rows: tokens [X] sampled at every position; sampled [R *
     (width + 1)] each row's positions among them (its last repeated past its own drafts);
     drafts [R * width] (-1 past a row's own). A row keeps its drafts up to the first that
     differs from the token sampled before it, then the token sampled there: so it emits
     exactly what sampling one token a step would have (the sampler's draw at a position
     depends only on the logits and the position). Returns (positions that stand [R] int32,
-    the last of them [R]), all on the device."""
-    rows = tokens[sampled.view(-1, width + 1)]  # [R, width + 1]
-    agree = (rows[:, :width] == drafts.view(-1, width)).to(torch.int64)
+    the last of them [R], whether each of the X positions stands [X] bool), all on the
+    device."""
+    where = sampled.view(-1, width + 1)
+    rows = tokens[where]  # [R, width + 1]
+    drafts = drafts.view(-1, width)
+    agree = (rows[:, :width] == drafts).to(torch.int64)
     run = agree.cumprod(dim=1).sum(dim=1)  # drafts accepted, before the first miss
-    return (run + 1).to(torch.int32), rows.gather(1, run.unsqueeze(1)).squeeze(1)
+    # position j of a row stands if j <= run; a padding entry (past the row's own drafts)
+    # repeats the row's last position, and says what that one says
+    own = (drafts >= 0).sum(dim=1, keepdim=True)  # [R, 1] the row's drafts
+    j = torch.arange(width + 1, device=tokens.device).unsqueeze(0)
+    stands = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
+    stands[where] = torch.minimum(j, own) <= run.unsqueeze(1)
+    return (run + 1).to(torch.int32), rows.gather(1, run.unsqueeze(1)).squeeze(1), stands
 
 
 def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor,

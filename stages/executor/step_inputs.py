@@ -33,6 +33,7 @@ class HostStep:
     sample_slots: np.ndarray  # [X] the slot of each sampled position, on the host
     new_slots: np.ndarray  # [N] slots taken by a new sequence this step
     spec_width: int = 0  # the most drafts a row of this step carries (0: none)
+    drafts: dict[int, list[int]] | None = None  # slot -> its row's drafts, if any
 
     @property
     def num_tokens(self) -> int:
@@ -80,9 +81,14 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     }
     counts, nbytes = layout.pack(arrays, staging.numpy())
     sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_ids) > 0)
+    spec_width = int(width.max(initial=1)) - 1
+    drafts = None
+    if spec_width:  # (host ints, for the structured rows' masks)
+        drafts = {slot: [t for t in row if t >= 0] for slot, row in zip(
+            arrays["spec_slots"].tolist(), arrays["spec_draft"].tolist(), strict=True)}
     return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling,
                     bool((q == 1).all()), arrays["sample_slots"], step.new_slots,
-                    int(width.max(initial=1)) - 1)
+                    spec_width, drafts)
 
 
 def _speculative_rows(input_ids: np.ndarray, slots: np.ndarray, ends: np.ndarray,

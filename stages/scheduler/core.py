@@ -405,13 +405,13 @@ class Scheduler:
 
     def _drafts(self, step: PlannedStep, seq: Sequence, room: int) -> list[int]:
         """The tokens proposed to follow decoding sequence seq this step (none for a request
-        that opts out, has penalties (the executor counts tokens as they are computed) or a
-        structured output (its matcher advances one sampled token at a time)). Never more
+        that opts out or has penalties: the executor counts tokens as they are computed; a
+        structured output's matcher masks each proposed position). Never more
         than its max_tokens, the context, the step's token budget (`room`) or the KV blocks
         it holds and the free ones allow: a draft never preempts anything."""
         assert self.proposer is not None
         p = seq.params
-        if not p.speculate or seq.grammar or uses_penalties(p):
+        if not p.speculate or uses_penalties(p):
             return []
         most = min(self.num_speculative_tokens, room, self.max_len - seq.num_tokens - 1)
         if p.max_tokens is not None:
