@@ -63,11 +63,13 @@ def test_throughput_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -
     out = tmp_path / "t.json"
     rc = bench.main(["throughput", "--model", str(tiny_model_dir), "--num-prompts", "6",
                      "--batch-size", "2,3", "--input-len", "5", "--output-len", "7",
-                     "--peers", "hf-static", "--json", str(out), "--plot", str(tmp_path)]
+                     "--peers", "hf-static", "--json", str(out), "--plot", str(tmp_path),
+                     "--speculative", "ngram:2:2:1"]
                     + (["--quantization", "int8"] if kernel_missing() is None else []))
     report = json.loads(out.read_text())
     assert rc == 0 and {"pipeline", "hf-static", "limit", "ratios", "config"} <= set(report)
-    for engine in ("pipeline", "hf-static", "limit"):
+    assert report["config"]["speculative"] == "ngram:2:2:1"
+    for engine in ("pipeline", "pipeline-spec", "hf-static", "limit"):
         assert report[engine]["output_tokens"] == 6 * 7
         assert report[engine]["identical_to_pipeline"] == 6  # greedy, fp32, the same model
         assert report[engine]["output_tok_s"] > 0 and report[engine]["seconds"] > 0
@@ -78,6 +80,7 @@ def test_throughput_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -
         assert report["pipeline-int8"]["identical_to_pipeline"] == \
             report["limit-int8"]["identical_to_pipeline"]
     assert set(report["ratios"]) == {"pipeline/hf-static", "pipeline/limit",
+                                     "pipeline/pipeline-spec",
                                      *(f"pipeline/{e}" for e in quantized)}
     assert sorted(report["by_batch_size"]) == ["2", "3"]
     assert (tmp_path / "throughput_vs_batch.png").stat().st_size > 1000

@@ -414,3 +414,23 @@ def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple,
         (alone,) = client.generate(prompts[:1], off)  # type: ignore[arg-type]
         assert alone.token_ids == want[0]
         assert pipe.idle_stats().spec_num_drafts == stats.spec_num_drafts
+
+
+def test_the_copy_workload_asks_to_copy_a_piece_of_this_projects_source(
+        tiny_model_dir: Path) -> None:
+    import argparse
+
+    from pipeline.tools.bench_throughput import make_workload
+    from pipeline.tools.datasets import COPY_SOURCES, copy_prompts
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [(root / f).read_text(encoding="utf-8") for f in COPY_SOURCES]
+    prompts = copy_prompts(7, seed=2)
+    assert prompts == copy_prompts(7, seed=2) and len(set(prompts)) == 7
+    for p in prompts:
+        piece = p.split("Piece:\n", 1)[1].split("\n\nThe same piece, copied:\n")[0]
+        assert len(piece) > 200 and any(piece in t for t in texts)
+    work = make_workload(argparse.Namespace(model_dir=str(tiny_model_dir), dataset="copy",
+                                            num_prompts=3, output_len=9))
+    assert len(work.prompts) == 3 and work.output_lens == [9, 9, 9]
+    assert all(len(ids) > 50 for ids in work.prompts)
