@@ -12,7 +12,8 @@ import torch
 
 from ipc.config import EngineLimits
 from ipc.model_info import ModelInfo
-from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload
+from ipc.speculative import SpeculativeConfig
+from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload, same_tokens
 from stages.executor.runner import ModelRunner
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(300)]
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.live, pytest.mark.timeout(300)]
 def test_overlapped_equals_synchronised_bit_for_bit(tiny_model_dir: Path) -> None:
     info = ModelInfo.from_dir(tiny_model_dir)
     # 4 slots, a 16-token budget (chunked prefill) and a cache of 20 blocks (preemption).
-    limits = EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, 2)
+    limits = EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, 2,
+                          num_speculative_tokens=3)
     runner = ModelRunner.from_dir(str(tiny_model_dir), torch.float32, torch.device("cpu"),
                                   limits, 20 * 2048)
     before = set(os.listdir("/dev/shm"))
@@ -36,6 +38,9 @@ def test_overlapped_equals_synchronised_bit_for_bit(tiny_model_dir: Path) -> Non
                                                                    for r in ahead.values())
     assert stats.steps == len(stats.device) == len(stats.submit_ns) > 20
     assert stats.preemptions > 0
+    # with drafts (1-gram lookup), through the same device and rings: the same tokens
+    drafted, drafted_stats = run.run(requests, speculative=SpeculativeConfig("ngram", 3, 2, 1))
+    assert same_tokens(drafted, synced) and drafted_stats.draft_tokens > 0
 
 
 def test_gpu_check_driver_writes_each_part_and_skips_what_needs_cuda(tmp_path: Path) -> None:
@@ -53,6 +58,7 @@ def test_gpu_check_driver_writes_each_part_and_skips_what_needs_cuda(tmp_path: P
     report = json.loads(out.read_text())
     assert report["versions"] == {"skipped": "needs CUDA"}
     assert report["overlap"]["ok"] is True and report["overlap"]["eager"]["equal"] is True
+    assert report["overlap"]["eager"]["equal_with_drafts"] is True
     assert report["overlap"]["eager"]["preemptions"] > 0  # (the GPU check's small cache)
 
 

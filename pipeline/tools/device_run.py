@@ -27,7 +27,14 @@ from ipc.messages import SamplingParams, TokenizedRequest
 from ipc.outputs import SampleResult
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.shm import SharedRing
-from ipc.step import read_prompt_logprobs, read_sampled, sampled_specs, step_input_specs
+from ipc.speculative import SpeculativeConfig
+from ipc.step import (
+    read_accepted,
+    read_prompt_logprobs,
+    read_sampled,
+    sampled_specs,
+    step_input_specs,
+)
 from stages.executor.device import Device, make_device
 from stages.executor.runner import Runner
 from stages.executor.step_inputs import HostStep
@@ -43,6 +50,8 @@ class RunStats:
     submit_ns: list[int] = field(default_factory=list)  # host time in device.submit per step
     device: list[tuple[int, int, int]] = field(default_factory=list)  # (tokens, t0, t1)
     preemptions: int = 0
+    draft_tokens: int = 0  # proposed (with speculative=)
+    accepted_tokens: int = 0
 
 
 class DeviceRun:
@@ -64,11 +73,13 @@ class DeviceRun:
         self._done.put((step, num_sampled, has_logprobs, num_prompt_logprobs, t0, t1))
 
     def run(self, requests: Requests, *, sync: bool = False, slow_cycles: int = 0,
-            before_submit: Callable[[HostStep], None] | None = None
+            before_submit: Callable[[HostStep], None] | None = None,
+            speculative: SpeculativeConfig | None = None
             ) -> tuple[dict[tuple[str, int], SampleResult], RunStats]:
         """Run requests to the end; results by (request id, sample index). before_submit:
-        called with each step before it is submitted (a profiler's window, say)."""
-        scheduler = Scheduler(self.limits, self.runner.num_blocks)
+        called with each step before it is submitted (a profiler's window, say).
+        speculative: the scheduler proposes drafts (its K at most the limits')."""
+        scheduler = Scheduler(self.limits, self.runner.num_blocks, speculative=speculative)
         results: dict[tuple[str, int], SampleResult] = {}
         for rid, ids, params in requests:
             scheduler.add_request(TokenizedRequest(rid, "", ids, params, 0.0))
@@ -93,6 +104,8 @@ class DeviceRun:
         if failure:
             raise failure[0]
         stats.preemptions = scheduler.num_preemptions
+        stats.draft_tokens = scheduler.spec_num_draft_tokens
+        stats.accepted_tokens = scheduler.spec_num_accepted_tokens
         return results, stats
 
     def _drive(self, scheduler: Scheduler, results: dict[tuple[str, int], SampleResult],
@@ -120,8 +133,10 @@ class DeviceRun:
             ring = self.sampled.slot(step.plan.ring_slot)
             ids, logprobs = read_sampled(ring, num_sampled,
                                          MAX_TOP_LOGPROBS if has_logprobs else -1)
+            drafted = sum(1 for r in scheduler.inflight[0].rows if r.num_draft)
             scheduler.on_sampled(step.plan.step_id, ids, logprobs,
-                                 read_prompt_logprobs(ring, num_prompt))
+                                 read_prompt_logprobs(ring, num_prompt),
+                                 read_accepted(ring, drafted) if drafted else None)
             stats.steps += 1
             stats.device.append((step.num_tokens, t0, t1))
             inflight -= 1
@@ -154,6 +169,13 @@ def comparable(results: dict[tuple[str, int], SampleResult]) -> dict[tuple[str, 
 
     return {key: (r.token_ids, lps(r.logprobs), r.finish_reason, r.stop_reason,
                   lps(r.prompt_logprobs)) for key, r in results.items()}
+
+
+def same_tokens(a: dict[tuple[str, int], SampleResult],
+                b: dict[tuple[str, int], SampleResult]) -> bool:
+    """Whether two runs gave every sample the same tokens and finish."""
+    return {k: (r.token_ids, r.finish_reason) for k, r in a.items()} == {
+        k: (r.token_ids, r.finish_reason) for k, r in b.items()}
 
 
 def overlap_workload(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
