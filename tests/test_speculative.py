@@ -110,14 +110,14 @@ def test_a_sequence_whose_drafts_miss_backs_off_exponentially() -> None:
     assert proposer.propose(state, tokens, [], 0, 2) == [3, 1]
     skips = []
     for _ in range(8):
-        proposer.record(state, 2, 0)  # the last proposal's row: every draft rejected
+        proposer.record(state, 0)  # the last proposal's row: every draft rejected
         skipped = 0
         while not proposer.propose(state, tokens, [], 0, 2):
             skipped += 1
         skips.append(skipped)
     assert skips == [0, 1, 3, 7, 15, 31, 63, MAX_SKIP]
-    proposer.record(state, 2, 1)  # one accepted: back to proposing every step
-    proposer.record(state, 2, 0)
+    proposer.record(state, 1)  # one accepted: back to proposing every step
+    proposer.record(state, 0)
     assert proposer.propose(state, tokens, [], 0, 2) == [3, 1]
 
 

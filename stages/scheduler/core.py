@@ -657,7 +657,7 @@ class Scheduler:
                                        f"of {width}")
                 seq.num_drafted_inflight -= 1
                 self._drop_rejected(seq, width - num_stand)
-                self._count_drafts(seq, row.num_draft, num_stand - 1)
+                self._count_drafts(seq, num_stand - 1)
             if seq.status is SeqStatus.FINISHED:
                 continue  # a finished one's extra tokens are dropped
             for j in range(base, base + num_stand):
@@ -702,12 +702,12 @@ class Scheduler:
             self.allocator.free(seq.blocks[keep:][::-1])
             del seq.blocks[keep:]
 
-    def _count_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    def _count_drafts(self, seq: Sequence, num_accepted: int) -> None:
         self.spec_num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.spec_accepted_per_pos[pos] += 1
         if seq.ngram is not None:
-            NgramProposer.record(seq.ngram, num_drafts, num_accepted)
+            NgramProposer.record(seq.ngram, num_accepted)
 
     def _take_prompt_logprobs(self, step: PlannedStep, scored: PromptLogprobs) -> None:
         lps, ranks, top_ids, top_lps = scored

@@ -73,7 +73,7 @@ class NgramProposer:
         state.num_indexed = max(state.num_indexed, len(tokens) - 1)
 
     @staticmethod
-    def record(state: NgramState, num_drafts: int, num_accepted: int) -> None:
+    def record(state: NgramState, num_accepted: int) -> None:
         """A drafted row's result: back off after misses, start over after a hit."""
         if num_accepted:
             state.misses = 0
