@@ -104,6 +104,17 @@ def test_no_match_or_no_room_proposes_nothing_and_outputs_extend_the_index() -> 
     assert proposer.propose(state, [1, 2, 3, 4], [9, 1, 2], 0, 0) == []
 
 
+def test_a_continuation_that_runs_out_is_looked_up_again() -> None:
+    """The latest occurrence of (5, 6) has only 7, 5, 6 after it: a repeating pattern is
+    followed past its last repetition by looking up what those would be followed by."""
+    state = NgramState()
+    assert NgramProposer(NGRAM).propose(state, [5, 6, 7, 5, 6, 7, 5, 6], [], 0, 6) == [
+        7, 5, 6, 7, 5, 6]
+    state = NgramState()  # with one token pending: it is the 7, and the drafts follow it
+    assert NgramProposer(NGRAM).propose(state, [5, 6, 7, 5, 6, 7, 5, 6], [], 1, 4) == [
+        5, 6, 7, 5]
+
+
 def test_a_sequence_whose_drafts_miss_backs_off_exponentially() -> None:
     proposer, state = NgramProposer(NGRAM), NgramState()
     tokens = [1, 2, 3, 1, 2]

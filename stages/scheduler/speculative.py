@@ -39,23 +39,36 @@ class NgramProposer:
         """Up to max_drafts tokens to follow a sequence whose known tokens are its prompt and
         the outputs seen so far (new ones since the last call join the index) and which has
         num_pending tokens still being sampled: the continuation of the longest matching
-        n-gram, past the pending tokens it presumably predicts."""
+        n-gram, past the pending tokens it presumably predicts. A continuation that runs out
+        (its occurrence was near the end) is continued by looking up again, as if what it
+        predicted were known: a repeating pattern is followed past its last repetition."""
         if max_drafts <= 0:
             return []
         if state.skip:
             state.skip -= 1
             return []
         self._extend(state, prompt, outputs)
+        want = num_pending + max_drafts
+        ahead: list[int] = []  # predicted past the known tokens: the pending, then drafts
+        while len(ahead) < want:
+            more = self._continuation(state, ahead, want - len(ahead))
+            if not more:
+                break
+            ahead += more
+        return ahead[num_pending:]
+
+    def _continuation(self, state: NgramState, ahead: list[int], most: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest suffix (N down to M
+        tokens) of the known tokens followed by `ahead`; at most `most` tokens."""
         tokens, cfg = state.tokens, self.cfg
-        n_known = len(tokens)
-        for n in range(min(cfg.ngram_max, n_known - 1), cfg.ngram_min - 1, -1):
-            end = state.ends.get(tuple(tokens[n_known - n:]))
-            if end is None:
-                continue
-            start = end + 1 + num_pending
-            drafts = tokens[start:start + max_drafts]
-            if drafts:
-                return drafts
+        for n in range(min(cfg.ngram_max, len(tokens) + len(ahead) - 1), cfg.ngram_min - 1, -1):
+            suffix = (ahead[-n:] if len(ahead) >= n
+                      else tokens[len(tokens) - (n - len(ahead)):] + ahead)
+            end = state.ends.get(tuple(suffix))
+            if end is not None:
+                more = tokens[end + 1:end + 1 + most]
+                if more:
+                    return more
         return []
 
     def _extend(self, state: NgramState, prompt: list[int], outputs: list[int]) -> None:
