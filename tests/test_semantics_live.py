@@ -83,9 +83,11 @@ def test_stop_string_n_logprobs_and_prefix_cache(request: pytest.FixtureRequest,
         assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
         assert stopped.text == free_run.text[:free_run.text.index(stop)]
         assert stopped.num_cached_tokens > 0  # the same prompt ran just before
-        # The scheduler was told: it stopped within a few steps of the match, not at 60.
+        # The scheduler was told: it stopped soon after the match, not at 60. (The tiny
+        # model's steps take about a millisecond, so the detokenizer's round trip on two
+        # busy cores spans several: CI once saw 7 steps past 36 tokens.)
         steps = pipe.idle_stats().num_steps - steps_before
-        assert steps <= len(stopped.token_ids) + 4 < 60
+        assert steps < 60 and steps <= len(stopped.token_ids) + 16
 
         outs = client.generate([system + "Question two?"], SamplingParams(
             max_tokens=8, temperature=1.0, n=3, seed=5, logprobs=2, ignore_eos=True))
