@@ -27,13 +27,14 @@ def plain_token(rid: str, index: int) -> int:
     return 1000 + (zlib.crc32(rid.encode()) + 31 * index) % 500
 
 
-def stops_at(table: dict[str, tuple[int, int]]) -> TokenFn:
-    """plain_token, except that request rid emits token t at output index i for table[rid]."""
+def stops_at(table: dict[str, tuple[int, int]], base: TokenFn = plain_token) -> TokenFn:
+    """base (plain_token), except that request rid emits token t at output index i for
+    table[rid]."""
 
     def token(rid: str, index: int) -> int:
         if rid in table and table[rid][0] == index:
             return table[rid][1]
-        return plain_token(rid, index)
+        return base(rid, index)
 
     return token
 

@@ -20,6 +20,7 @@ from scheduler_driver import (
     plain_token,
     results,
     run_all,
+    stops_at,
 )
 
 from ipc.errors import ConfigError
@@ -193,14 +194,6 @@ def looping_token(rid: str, index: int) -> int:
     return 1000 + (seed + 7 * (index % period)) % 300
 
 
-def stopping_looper(table: dict[str, tuple[int, int]]) -> TokenFn:
-    def token(rid: str, index: int) -> int:
-        if rid in table and table[rid][0] == index:
-            return table[rid][1]
-        return looping_token(rid, index)
-    return token
-
-
 SPEC = make_limits(speculative=NGRAM, max_num_batched_tokens=64, max_model_len=96)
 
 
@@ -257,7 +250,7 @@ def test_a_stop_inside_accepted_drafts_ends_the_sample_there() -> None:
     the same row are dropped, and the finish is the same as without drafts."""
     table = {"r0": (20, 2), "r1": (17, 3), "r3": (25, 2)}
     arrivals = wave(6, stop_token_ids=[3])
-    plain, spec = both(SPEC, arrivals, stopping_looper(table))
+    plain, spec = both(SPEC, arrivals, stops_at(table, looping_token))
     assert results(spec) == results(plain)
     assert {rid: d.finish_reason for rid, d in spec.finished.items() if rid in table} == {
         "r0": "stop", "r1": "stop", "r3": "stop"}

@@ -133,7 +133,7 @@ class DeviceRun:
             ring = self.sampled.slot(step.plan.ring_slot)
             ids, logprobs = read_sampled(ring, num_sampled,
                                          MAX_TOP_LOGPROBS if has_logprobs else -1)
-            drafted = sum(1 for r in scheduler.inflight[0].rows if r.num_draft)
+            drafted = scheduler.inflight[0].num_drafted_rows
             scheduler.on_sampled(step.plan.step_id, ids, logprobs,
                                  read_prompt_logprobs(ring, num_prompt),
                                  read_accepted(ring, drafted) if drafted else None)

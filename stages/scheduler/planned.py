@@ -42,6 +42,11 @@ class PlannedStep:
     def sampled_rows(self) -> list[StepRow]:
         return [r for r in self.rows if r.do_sample]
 
+    @property
+    def num_drafted_rows(self) -> int:
+        """Rows carrying drafts: how many accepted counts its result holds."""
+        return sum(1 for r in self.rows if r.num_draft)
+
     def write(self, buf: dict[str, np.ndarray]) -> StepPlan:
         """Lay this step into its step-input ring slot; returns the plan to send."""
         rows = self.rows

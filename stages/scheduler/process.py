@@ -103,7 +103,7 @@ class SchedulerShell:
             ring = self.rings.sampled.slot(msg.ring_slot)
             ids, logprobs = read_sampled(ring, msg.num_sampled, msg.num_top_logprobs)
             step = self.core.inflight[0]
-            num_drafted = sum(1 for r in step.rows if r.num_draft)
+            num_drafted = step.num_drafted_rows
             self.core.on_sampled(msg.step_id, ids, logprobs,
                                  read_prompt_logprobs(ring, msg.num_prompt_logprobs),
                                  read_accepted(ring, num_drafted) if num_drafted else None)
