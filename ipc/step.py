@@ -21,11 +21,17 @@ from ipc.shm import BufferSpec, SharedRing, unlink_segment
 # ---------------------------------------------------------------- the two rings
 
 
+# A row's drafted position whose token the executor's draft model proposes (speculative
+# decoding with a draft model): the scheduler plans the position, the device fills it.
+DRAFT_TOKEN = -2
+
+
 def step_input_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
     s, t, u = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_block_updates
     return (
         BufferSpec("stamp", "int64", (2,)),  # step id before / after the writer's writes
-        BufferSpec("input_ids", "int64", (t,)),  # -1: this slot's last sample
+        # -1: this slot's last sample; DRAFT_TOKEN: a draft the executor's draft model makes
+        BufferSpec("input_ids", "int64", (t,)),
         BufferSpec("seq_slot", "int32", (s,)),  # executor slot of each row
         BufferSpec("query_len", "int32", (s,)),  # tokens computed this step
         BufferSpec("context_len", "int32", (s,)),  # KV length after this step

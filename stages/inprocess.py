@@ -49,7 +49,8 @@ class InProcessEngine:
                                    if speculative is not None else 0)
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
-                                           cpu_kernels=cpu_kernels, quantization=quantization)
+                                           cpu_kernels=cpu_kernels, quantization=quantization,
+                                           speculative=speculative)
         self.scheduler = Scheduler(self.limits, self.runner.num_blocks,
                                    speculative=speculative)
         specs = step_input_specs(self.limits)

@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup): the proposer, the configuration, the
-executor's verification rule, and the scheduler planning drafts under run-ahead with outputs
-identical to no speculation (greedy and seeded) through preemption, chunked prefill, prefix
-hits, stops, n > 1 and aborts; the KV of rejected drafts rolled back."""
+"""Speculative decoding (n-gram prompt lookup and a draft model): the proposers, the
+configuration, the executor's verification rule, and the scheduler planning drafts under
+run-ahead with outputs identical to no speculation (greedy and seeded) through preemption,
+chunked prefill, prefix hits, stops, n > 1 and aborts; the KV of rejected drafts rolled
+back; a draft model's own KV kept in step with the model's."""
 
 from __future__ import annotations
 
@@ -46,18 +47,89 @@ def test_the_option_reads_k_n_m_and_vllms_json() -> None:
     assert parse_speculative(None) is None and parse_speculative("") is None
 
 
+def test_a_draft_model_is_named_by_folder_k_and_quantization() -> None:
+    """draft:PATH:K[:QUANT] (a folder may hold colons: K and QUANT are read from the end)
+    and vLLM's draft_model JSON; describe() gives the option back."""
+    assert parse_speculative("draft:/m/x:3") == SpeculativeConfig("draft", 3, model="/m/x")
+    one = parse_speculative("draft:/m:a:5:int4")
+    assert one == SpeculativeConfig("draft", 5, model="/m:a", quantization="int4")
+    assert parse_speculative(one.describe()) == one
+    assert parse_speculative('{"method": "draft_model", "model": "/m", '
+                             '"num_speculative_tokens": 2, "quantization": "int8"}'
+                             ) == SpeculativeConfig("draft", 2, model="/m", quantization="int8")
+    assert parse_speculative('{"model": "/m", "num_speculative_tokens": 2}').is_draft_model
+
+
 @pytest.mark.parametrize("text, says", [
     ("ngram", "cannot read"), ("ngram:x", "cannot read"), ("ngram:0", "K must be 1-16"),
     ("ngram:17", "K must be 1-16"), ("ngram:4:2:3", "M <= N"),
-    ("draft:/m:4", "'draft' is not supported"), ('{"method": "eagle", '
+    ("eagle:/m:4", "'eagle' is not supported"), ('{"method": "eagle", '
                                                  '"num_speculative_tokens": 2}', "'eagle'"),
-    ('{"num_speculative_tokens": 2, "model": "x"}', "unsupported key(s) model"),
+    ('{"num_speculative_tokens": 2, "hf_token": "x"}', "unsupported key(s) hf_token"),
+    ("draft:4", "cannot read"), ("draft:/m", "cannot read"), ("draft:/m:4:int3", "cannot read"),
+    ('{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}', "only there"),
+    ('{"method": "draft", "num_speculative_tokens": 2}', "only there"),
+    ('{"model": "/m", "num_speculative_tokens": 2, "quantization": "fp8"}', "int8, int4"),
     ('{"method": "ngram"}', "needs num_speculative_tokens"), ("{", "not JSON"),
 ])
 def test_a_bad_option_is_refused_by_name(text: str, says: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_speculative(text)
     assert says in str(err.value) and "ngram:K" in str(err.value)
+
+
+def test_a_draft_model_the_executor_cannot_run_is_refused_before_anything_starts(
+        tiny_model_dir: Path, default_model_dir: Path, tmp_path: Path) -> None:
+    """preflight.check_draft (the launcher's check, and the executor's at load): a folder
+    without config.json, another vocabulary, several ranks, another forward, the timed
+    device; each says what to do instead."""
+    from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+    from stages.executor.backends.select import Selection
+    from stages.executor.preflight import check_draft, check_executor
+
+    vocab = ModelInfo.from_dir(default_model_dir).vocab_size
+    kernels = Selection("cpu_kernels", "the CPU's default")
+
+    def refusal(draft: SpeculativeConfig, target: Selection = kernels, tp: int = 1) -> str:
+        with pytest.raises(ConfigError) as err:
+            check_draft(draft, vocab, target, tp, "cpu")
+        return str(err.value)
+
+    assert "no config.json" in refusal(SpeculativeConfig("draft", 3, model=str(tmp_path)))
+    own = SpeculativeConfig("draft", 3, model=str(default_model_dir))
+    assert "must share the model's tokenizer" in refusal(dataclasses.replace(
+        own, model=str(tiny_model_dir)))
+    assert "one rank" in refusal(own, tp=2)
+    assert "ngram:K there" in refusal(own, Selection("flex", "asked for"))
+    assert check_draft(own, vocab, kernels, 1, "cpu").vocab_size == vocab
+    timed = PipelineConfig(ModelInfo.from_dir(default_model_dir),
+                           SchedulerConfig(speculative=own), ExecutorConfig(timed=(1.0, 0.0)))
+    with pytest.raises(ConfigError, match="not the timed device"):
+        check_executor(timed)
+
+
+def test_a_draft_models_first_pass_leads_each_decode_row_with_the_token_before() -> None:
+    """Pass 1 of the draft model: a prefill chunk as it is; a decode row (drafts or not)
+    led by the token before its last (PREV_TOKEN) where its slot has sampled; a fresh
+    slot's one-token chunk not led; each drafted row's last known token located."""
+    import numpy as np
+
+    from stages.executor.backends.base import StepRows
+    from stages.executor.drafter import PREV_TOKEN, first_pass
+
+    # rows: a prefill chunk (slot 0, positions 0-3), a drafted decode (slot 1, its last
+    # sample at 10 then 2 drafts), a plain decode (slot 2, at 7), a fresh one-token chunk
+    # (slot 3, at 5)
+    q, ctx = np.array([4, 3, 1, 1]), np.array([4, 13, 8, 6])
+    ids = np.array([5, 6, 7, 8, -1, -2, -2, -1, 9])
+    starts = np.cumsum(q) - q
+    rows = StepRows(q, ctx, np.array([0, 1, 2, 3]), starts, {"input_ids": ids})
+    out = first_pass(rows, np.array([0, 2, 0, 0]), np.array([True, True, True, True]),
+                     np.array([False, True, True, False, False]))
+    assert out["draft_ids"].tolist() == [5, 6, 7, 8, PREV_TOKEN, -1, PREV_TOKEN, -1, 9]
+    assert out["draft_positions"].tolist() == [0, 1, 2, 3, 9, 10, 6, 7, 5]
+    assert out["draft_slots"].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3]
+    assert out["draft_last"].tolist() == [5]  # the drafted row's last sample, at 10
 
 
 def test_the_setting_reaches_a_stage_that_joins_from_another_host(tiny_model_dir: Path
@@ -332,17 +404,44 @@ def engines(default_model_dir: Path) -> tuple[object, object, list[list[int]], o
         tok(t)["input_ids"] for t in texts], tok
 
 
+def draft_engine(model_dir: Path, num_blocks: int, quantization: str | None = None,
+                 **kw: object) -> object:
+    """The model in process with itself as its draft model (quantized as asked), its cache
+    of num_blocks blocks (each holds the model's KV and the draft's)."""
+    from stages.inprocess import InProcessEngine
+
+    info = ModelInfo.from_dir(model_dir)
+    draft = SpeculativeConfig("draft", 4, model=str(model_dir), quantization=quantization)
+    return InProcessEngine(str(model_dir), max_num_seqs=4, block_size=16, max_model_len=512,
+                           kv_cache_memory=2 * num_blocks * KV_BLOCK_BYTES,
+                           speculative=draft, eos_token_ids=info.eos_token_ids,
+                           **kw)  # type: ignore[arg-type]
+
+
+# SmolLM2-135M's KV per block of 16 tokens in float32: 30 layers, 3 KV heads of 64
+KV_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def drafted(default_model_dir: Path) -> object:
+    return draft_engine(default_model_dir, 80, max_num_batched_tokens=512)
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=40, temperature=0),
     SamplingParams(max_tokens=40, temperature=0.5, top_k=20, seed=7),
     SamplingParams(max_tokens=40, temperature=0, logprobs=3, min_tokens=5),
 ], ids=["greedy", "seeded", "logprobs"])
-def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, params: SamplingParams
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, drafted: object,
+                                                     params: SamplingParams, proposer: str
                                                      ) -> None:
     """Greedy and seeded requests are token for token the same with and without
-    speculation (a seeded draw depends only on the logits, the seed and the position), and
-    logprobs of the accepted tokens are the model's."""
+    speculation, by n-gram or by a draft model (a seeded draw depends only on the logits,
+    the seed and the position), and logprobs of the accepted tokens are the model's."""
     plain_engine, spec_engine, prompts, tok = engines
+    if proposer == "draft":
+        spec_engine = drafted
     requests = [(str(i), p, params) for i, p in enumerate(prompts)]
     before = spec_engine.scheduler.spec_num_accepted_tokens
     plain, spec = plain_engine.run(requests), spec_engine.run(requests)
@@ -394,19 +493,85 @@ def test_structured_outputs_are_drafted_masked_at_each_position_and_stay_valid(
                                                      skip_special_tokens=True))
 
 
-@pytest.mark.live
-def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple,
+def test_a_draft_models_cache_keeps_step_with_the_models(engines: tuple,
                                                         default_model_dir: Path) -> None:
-    """The real processes with --speculative: the copy prompts' greedy outputs are those of
-    the engine without drafts, several requests share steps, the counters come back in the
-    status, and a request that opts out is never drafted."""
+    """The model drafting for itself proposes exactly what it then samples, greedy, only
+    if its own KV cache holds what the model's holds at every position: through chunked
+    prefill (64-token budget), prefix hits, preemption (12 blocks) and rows whose drafts
+    all stood (whose last draft's KV the next row's lead writes). So all but a rare tie
+    stand, and outputs are the model's."""
+    from stages.inprocess import InProcessEngine
+
+    tok = engines[3]
+    preamble = "Here is a long shared preamble about the history of computing machines and " \
+        "their makers. "
+    texts = [preamble + "Tell me about Ada.", preamble + "Tell me about Babbage.",
+             "Count: 1, 2, 3,", preamble + "And Turing?", "Write a poem about rain."]
+    asks = [tok(t)["input_ids"] for t in texts]
+    greedy = SamplingParams(max_tokens=60, temperature=0)
+    requests = [(str(i), ids, greedy) for i, ids in enumerate(asks)]
+    info = ModelInfo.from_dir(default_model_dir)
+    plain = InProcessEngine(str(default_model_dir), max_num_seqs=4, block_size=16,
+                            max_model_len=512, kv_cache_memory=12 * KV_BLOCK_BYTES,
+                            max_num_batched_tokens=64, eos_token_ids=info.eos_token_ids)
+    spec = draft_engine(default_model_dir, 12, max_num_batched_tokens=64)
+    assert spec.runner.num_blocks == plain.runner.num_blocks == 12
+    want, got = plain.run(requests), spec.run(requests)
+    assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in want.items()}
+    s = spec.scheduler
+    assert s.num_preemptions > 0 and s.spec_num_draft_tokens > 100
+    assert s.spec_num_accepted_tokens >= 0.97 * s.spec_num_draft_tokens
+
+
+def test_a_draft_model_leaves_structured_outputs_undrafted(drafted: object, engines: tuple
+                                                          ) -> None:
+    """The host never sees a draft model's drafts, so a structured output's matcher could
+    not mask their positions: such a request is not drafted, and stays valid."""
+    from ipc.messages import StructuredOutputs
+
+    _, _, prompts, tok = engines
+    before = drafted.scheduler.spec_num_drafts
+    regex = SamplingParams(max_tokens=30, temperature=0,
+                           structured_outputs=StructuredOutputs(regex=r"(ab|cd){3,6}x"))
+    out = drafted.run([("s", prompts[0], regex)])
+    assert drafted.scheduler.spec_num_drafts == before
+    assert re.fullmatch(r"(ab|cd){3,6}x", tok.decode(out["s", 0].token_ids,
+                                                     skip_special_tokens=True))
+
+
+def test_a_quantized_draft_model_proposes_what_the_model_mostly_takes(
+        engines: tuple, default_model_dir: Path) -> None:
+    """The model's own weights quantized to int4 as its draft: the outputs are the float
+    model's, and most drafts stand (the quantized copy seldom disagrees)."""
+    from stages.executor.preflight import cpu_flags
+
+    if not {"avx512f", "avx512bw", "avx512_vnni"} <= (cpu_flags() or set()):
+        pytest.skip("the int4 kernels need AVX-512 with VNNI")
+    plain_engine, _, prompts, _ = engines
+    spec = draft_engine(default_model_dir, 80, "int4", max_num_batched_tokens=512)
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    assert spec.generate(prompts, greedy) == plain_engine.generate(prompts, greedy)
+    s = spec.scheduler
+    assert s.spec_num_accepted_tokens > 0.6 * s.spec_num_draft_tokens > 30
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple, default_model_dir: Path,
+                                                        proposer: str) -> None:
+    """The real processes with --speculative (n-gram, or the model drafting for itself in
+    the executor, run-ahead on): the copy prompts' greedy outputs are those of the engine
+    without drafts, several requests share steps, the counters come back in the status,
+    and a request that opts out is never drafted."""
     from live import live_config, running
 
     plain_engine, _, prompts, _ = engines
     params = SamplingParams(max_tokens=48, temperature=0)
     want = plain_engine.generate(prompts, params)
+    speculative = (SpeculativeConfig("ngram", 5, 3, 2) if proposer == "ngram" else
+                   SpeculativeConfig("draft", 4, model=str(default_model_dir)))
     cfg = live_config(default_model_dir, max_num_batched_tokens=512, max_model_len=512,
-                      speculative=SpeculativeConfig("ngram", 5, 3, 2))
+                      speculative=speculative)
     with running(cfg) as pipe:
         client = pipe.client()
         outs = client.generate(prompts, params)  # type: ignore[arg-type]

@@ -374,7 +374,8 @@ def add_throughput_parser(sub: Any) -> None:
                    help="instead of random prompts of --input-len (see pipeline/tools/datasets.py"
                         "): copy asks for a piece of this project's source to be written out "
                         "again (an input-grounded workload for --speculative)")
-    p.add_argument("--speculative", default=None, type=_speculative, metavar="ngram:K[:N[:M]]",
+    p.add_argument("--speculative", default=None, type=_speculative,
+                   metavar="ngram:K[:N[:M]] | draft:PATH:K[:int8|int4]",
                    help="also run the pipeline with speculative decoding (row pipeline-spec, "
                         "right after the pipeline's), and print its acceptance")
     p.add_argument("--batch-size", type=_comma_list(int, "batch sizes"), default=[32],

@@ -78,7 +78,10 @@ class DeviceRun:
             ) -> tuple[dict[tuple[str, int], SampleResult], RunStats]:
         """Run requests to the end; results by (request id, sample index). before_submit:
         called with each step before it is submitted (a profiler's window, say).
-        speculative: the scheduler proposes drafts (its K at most the limits')."""
+        speculative: the scheduler proposes drafts (its K at most the limits'; n-gram: the
+        runner here has no draft model)."""
+        if speculative is not None and speculative.is_draft_model:
+            raise ValueError("the device-run harness drafts by n-gram only")
         scheduler = Scheduler(self.limits, self.runner.num_blocks, speculative=speculative)
         results: dict[tuple[str, int], SampleResult] = {}
         for rid, ids, params in requests:

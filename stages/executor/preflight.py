@@ -11,6 +11,7 @@ from ipc.arch import ArchSpec, UnsupportedModel, read_config
 from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
 from ipc.gguf_source import GgufSource, gguf_source
+from ipc.speculative import SpeculativeConfig
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 
 
@@ -18,7 +19,13 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
     """The forward the run's executors will choose, or the ConfigError (or UnsupportedModel)
     that one would fail with; None for the timed instrument (no model)."""
     ex = cfg.executor
+    draft = cfg.scheduler.speculative
+    if draft is not None and not draft.is_draft_model:
+        draft = None
     if ex.timed is not None:
+        if draft is not None:
+            raise ConfigError("a draft model (--speculative draft:...) needs a model, not the "
+                              "timed device")
         return None
     selection = select_backend(ForwardRequest(
         ex.device.split(":")[0], ex.compile, None, cfg.model.sliding_window,
@@ -33,7 +40,36 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         check_divisible(read_config(cfg.model.path)[1], ex.tensor_parallel_size)
     if ex.tensor_parallel_size * cfg.data_parallel_size > 1:
         check_devices(ex.device, ex.tensor_parallel_size * cfg.data_parallel_size)
+    if draft is not None:
+        check_draft(draft, cfg.model.vocab_size, selection, ex.tensor_parallel_size, ex.device)
     return selection
+
+
+def check_draft(draft: SpeculativeConfig, vocab_size: int, target: Selection,
+                tensor_parallel_size: int, device: str) -> ArchSpec:
+    """A draft model the executor can run beside the model, or ConfigError saying why not:
+    its folder (config.json, the same vocabulary), one rank, the CPU kernels' forward (the
+    draft passes build their metadata on the device from positions alone, which only that
+    forward takes), its quantization where the CPU has the instructions. Its spec."""
+    assert draft.model is not None
+    subject = f"--speculative {draft.describe()}"
+    if tensor_parallel_size > 1:
+        raise ConfigError(f"{subject}: a draft model runs on one rank; leave out "
+                          "--tensor-parallel-size or use --speculative ngram:K")
+    if target.backend != "cpu_kernels":
+        raise ConfigError(f"{subject}: a draft model runs beside the CPU kernels' forward only, "
+                          f"and this run's is {target.backend} ({target.reason}); use "
+                          "--speculative ngram:K there")
+    if not (Path(draft.model) / "config.json").is_file():
+        raise ConfigError(f"{subject}: {draft.model} is not a model folder (no config.json)")
+    spec = read_config(draft.model)[1]
+    if spec.vocab_size != vocab_size:
+        raise ConfigError(f"{subject}: the draft model's vocabulary has {spec.vocab_size} "
+                          f"tokens, the model's {vocab_size}; a draft model must share the "
+                          "model's tokenizer")
+    if draft.quantization is not None:
+        check_quantization(draft.quantization, device, False)
+    return spec
 
 
 def check_quantization(name: str, device: str, compiled: bool) -> None:

@@ -61,7 +61,8 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
                                 ex.kv_cache_memory, ex.compile,
                                 graphs=ex.cuda_graphs and device.type == "cuda", tp=tp,
-                                quantization=ex.quantization)
+                                quantization=ex.quantization,
+                                speculative=cfg.scheduler.speculative)
 
 
 class Reporter:

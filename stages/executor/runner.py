@@ -19,14 +19,17 @@ from ipc.arch import read_config
 from ipc.config import EngineLimits
 from ipc.gguf_source import gguf_source
 from ipc.messages import StepPlan
+from ipc.speculative import SpeculativeConfig
 from stages.executor.backends.base import AttentionBackend, ForwardTables
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 from stages.executor.compile import CompileStats, compile_layers
+from stages.executor.drafter import DRAFT_FIELDS, Drafter
 from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.linear.select import select_linear_method
 from stages.executor.model import PagedLlama, load_model
 from stages.executor.parallel import TensorParallel
+from stages.executor.preflight import check_draft
 from stages.executor.sampler import (
     HostSlotParams,
     SampleOutput,
@@ -68,15 +71,17 @@ def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -
 class SlotState:
     """Per-slot device state shared by every runner: block table, last sample, sampling
     parameters and penalty counts, and the matchers of structured outputs; the staging
-    buffers that steps are packed into, with `backend`'s fields (None: the common ones).
-    Slot max_num_seqs is the padding tokens' (a compiled backend's): its block table row
-    points at `pad_block`."""
+    buffers that steps are packed into, with `backend`'s fields (None: the common ones) and,
+    `drafting` (a draft model proposes), its passes'. Slot max_num_seqs is the padding
+    tokens' (a compiled backend's): its block table row points at `pad_block`."""
 
     def __init__(self, limits: EngineLimits, device: torch.device, pin: bool,
                  backend: AttentionBackend | None = None, pad_block: int = 0,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, drafting: bool = False) -> None:
         self.device, self.limits, self.backend = device, limits, backend
-        self.layout = StagingLayout(backend.staging_fields if backend is not None else ())
+        self.layout = StagingLayout(backend.staging_fields if backend is not None else (),
+                                    DRAFT_FIELDS if drafting else ())
+        self.drafter: Drafter | None = None  # set by a runner with a draft model
         n = limits.max_num_seqs
         self.block_table = torch.zeros(n + 1, limits.max_blocks_per_seq, dtype=torch.int32,
                                        device=device)
@@ -114,7 +119,7 @@ class SlotState:
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return prepare_host_step(plan, ring, self.staging[plan.ring_slot], self.host_params,
-                                 self.layout, self.backend)
+                                 self.layout, self.backend, self.drafter)
 
     def resolve_ids(self, v: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's input ids [T], placeholders resolved from each slot's last sample."""
@@ -232,12 +237,17 @@ class ModelRunner:
 
     def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
                  device: torch.device, grammars: Grammars | None = None,
-                 graphs: bool | None = None, selection: Selection | None = None) -> None:
+                 graphs: bool | None = None, selection: Selection | None = None,
+                 draft: PagedLlama | None = None) -> None:
+        """draft: a draft model (speculative decoding), whose KV cache shares the memory:
+        each block id holds the target's KV and the draft's."""
         self.model, self.limits, self.device = model, limits, device
         self.backend = backend = model.backend
         self.selection = selection
         self.tp: TensorParallel | None = None
         per_block = kv_bytes_per_block(model, limits.block_size, model.dtype)
+        if draft is not None:
+            per_block += kv_bytes_per_block(draft, limits.block_size, draft.dtype)
         scratch = backend.scratch_blocks  # where padding tokens write
         self.num_blocks = kv_cache_memory // per_block - scratch
         if self.num_blocks < 1:
@@ -250,9 +260,13 @@ class ModelRunner:
                                       device=device) for _ in range(model.num_layers)]
         self.compiled = backend.compiled
         self.slots = SlotState(limits, device, device.type == "cuda", backend,
-                               pad_block=self.num_blocks if scratch else 0, grammars=grammars)
+                               pad_block=self.num_blocks if scratch else 0, grammars=grammars,
+                               drafting=draft is not None)
         backend.bind(ForwardTables(self.slots.block_table, model.rope_cos, model.rope_sin,
                                    self.num_blocks + scratch))
+        self.drafter = self.slots.drafter = (
+            Drafter(draft, limits, self.num_blocks + scratch, self.slots.block_table, device)
+            if draft is not None else None)
         self.compile_stats = (compile_layers(model.model.layers, limits, device)
                               if self.compiled else CompileStats())
         if graphs is None:
@@ -274,11 +288,13 @@ class ModelRunner:
                  compile: bool | None = False, pack: bool | None = None,
                  graphs: bool | None = None, tp: TensorParallel | None = None,
                  cpu_kernels: bool | None = None,
-                 quantization: str | None = None) -> ModelRunner:
+                 quantization: str | None = None,
+                 speculative: SpeculativeConfig | None = None) -> ModelRunner:
         """The forward is chosen first (select_backend: `compile` and `cpu_kernels` as asked,
         None for the default), then the weight format (select_linear_method: `quantization`
         as asked, else `pack` None packs for oneDNN where it can), then the model is built
-        with both. tp: this rank's shard of the model (parallel.py); rank 0 samples."""
+        with both. tp: this rank's shard of the model (parallel.py); rank 0 samples.
+        speculative: with a draft model, that model is loaded too (load_draft)."""
         _, spec = read_config(model_dir)
         selection = select_backend(ForwardRequest(
             device.type, compile, cpu_kernels, spec.sliding_window, limits.block_size,
@@ -290,7 +306,12 @@ class ModelRunner:
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
                     if limits.eos_token_ids and (tp is None or tp.rank == 0) else None)
-        runner = cls(model, limits, kv_cache_memory, device, grammars, graphs, selection)
+        draft = None
+        if speculative is not None and speculative.is_draft_model:
+            draft = load_draft(speculative, limits.vocab_size, dtype, device, limits,
+                               selection, tp is not None)
+        runner = cls(model, limits, kv_cache_memory, device, grammars, graphs, selection,
+                     draft)
         runner.tp = tp
         return runner
 
@@ -302,8 +323,12 @@ class ModelRunner:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = self.slots.layout.unpack(packed, step.counts)
         graph = self.graphs is not None and self.graphs.eligible(step)
-        ids = self.slots.apply(step, v, resolve=not graph)
+        ids = self.slots.apply(step, v, resolve=not graph or self.drafter is not None)
         grammar_work = self.slots.start_grammar(step)
+        if self.drafter is not None:  # (a draft model's forward is never a graph)
+            assert ids is not None
+            ids = self.drafter.propose(v, ids, self.slots.last_sampled, step.spec_width)
+            graph = False
         if graph:
             assert self.graphs is not None
             logits = self.graphs.run(step, packed, v["logits_indices"])
@@ -320,6 +345,8 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: its samples come from 0
             return self._follow(v)
         out = self.slots.sample(step, v, logits[:num_sampled], grammar_work)
+        if self.drafter is not None:
+            self.drafter.keep_prev(v, ids, out, step.spec_width)
         if self.tp is not None:  # what the other ranks keep as these slots' last samples
             self.tp.broadcast(self.slots.last_sampled[v["sample_slots"]])
         if num_scored:
@@ -345,6 +372,20 @@ class ModelRunner:
         """prepare + compute, synchronously (tests, the in-process engine)."""
         step = self.prepare(plan, ring)
         return self.compute(step, step.packed.to(self.device))
+
+
+def load_draft(cfg: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
+               device: torch.device, limits: EngineLimits, target: Selection,
+               tensor_parallel: bool) -> PagedLlama:
+    """The draft model of `cfg` (its folder, its weights quantized as it says), on the
+    target's device in its dtype, with a forward of its own; what preflight.check_draft
+    refuses is refused here too."""
+    assert cfg.model is not None
+    spec = check_draft(cfg, vocab_size, target, 2 if tensor_parallel else 1, device.type)
+    backend = target.load()(limits, device, spec.sliding_window)
+    linear = select_linear_method(dtype, device, False, None, cfg.quantization,
+                                  gguf_source(cfg.model))
+    return load_model(cfg.model, dtype, device, limits.max_model_len, backend, linear)
 
 
 class TimedRunner:

@@ -87,8 +87,10 @@ def _aligned(nbytes: int) -> int:
 class StagingLayout:
     """The fields of one backend's steps, in packing order."""
 
-    def __init__(self, backend_fields: Iterable[PackedField] = ()) -> None:
-        self.fields = (*FORWARD_FIELDS, *backend_fields, *COMMON_FIELDS)
+    def __init__(self, backend_fields: Iterable[PackedField] = (),
+                 tail_fields: Iterable[PackedField] = ()) -> None:
+        """tail_fields: after the common ones (a draft model's, drafter.py)."""
+        self.fields = (*FORWARD_FIELDS, *backend_fields, *COMMON_FIELDS, *tail_fields)
         names = [f.name for f in self.fields]
         assert len(set(names)) == len(names), f"a staging field twice: {names}"
 

@@ -7,7 +7,7 @@ The arrays every forward needs are made here; the attention backend adds its own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ from ipc.step import read_step
 from stages.executor.backends.base import AttentionBackend, HostInputs, StepRows
 from stages.executor.sampler import HostSlotParams, StepSampling
 from stages.executor.staging import StagingLayout
+
+if TYPE_CHECKING:
+    from stages.executor.drafter import Drafter
 
 
 @dataclass
@@ -42,10 +45,11 @@ class HostStep:
 
 def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torch.Tensor,
                       host_params: HostSlotParams, layout: StagingLayout,
-                      backend: AttentionBackend | None) -> HostStep:
+                      backend: AttentionBackend | None,
+                      drafter: Drafter | None = None) -> HostStep:
     """Read ring slot `ring` (stamps checked) and fill `staging` (uint8, at least
     layout.nbytes) for step `plan`; `backend` adds its own fields (None: only the common
-    ones, as the timed instrument needs)."""
+    ones, as the timed instrument needs), and `drafter` (a draft model) its passes'."""
     step = read_step(ring, plan)
     q, ctx, slots = step.query_lens, step.context_lens, step.seq_slots
     t = len(step.input_ids)
@@ -62,8 +66,10 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
         "positions": np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q)),
         "token_slots": np.repeat(slots, q),
     }
-    attn = (HostInputs({}) if backend is None
-            else backend.host_inputs(StepRows(q, ctx, slots, starts, forward)))
+    rows = StepRows(q, ctx, slots, starts, forward)
+    attn = HostInputs({}) if backend is None else backend.host_inputs(rows)
+    draft_passes = ({} if drafter is None
+                    else drafter.host_arrays(rows, step.num_draft, step.do_sample, step.new_slots))
     arrays = {
         **forward,
         **attn.arrays,
@@ -78,6 +84,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
         "stop_ids": step.stop_ids,
         "plp_indices": step.plp_index,
         "plp_targets": step.plp_target,
+        **draft_passes,
     }
     counts, nbytes = layout.pack(arrays, staging.numpy())
     sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_ids) > 0)
@@ -94,7 +101,9 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
 def _speculative_rows(input_ids: np.ndarray, slots: np.ndarray, ends: np.ndarray,
                       width: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:
     """The verification arrays of the sampled rows that carry drafts (staging.py): which
-    sampled positions are each row's, and the drafts their samples must match."""
+    sampled positions are each row's, the drafts their samples must match, and where each
+    draft is among the step's input ids (a draft model's are written there on the device;
+    0 past a row's own)."""
     spec = width > 1
     num_drafts = width[spec] - 1
     k = int(num_drafts.max(initial=0))
@@ -106,4 +115,5 @@ def _speculative_rows(input_ids: np.ndarray, slots: np.ndarray, ends: np.ndarray
         "spec_slots": slots[spec],
         "spec_sampled": first[spec][:, None] + np.minimum(j, num_drafts[:, None]),
         "spec_draft": np.where(own, input_ids[at], -1),
+        "spec_at": at,
     }

@@ -41,7 +41,7 @@ from stages.scheduler.block_allocator import BlockAllocator
 from stages.scheduler.metrics import RequestPhases, StepMetrics
 from stages.scheduler.planned import PlannedStep, StepRow
 from stages.scheduler.sequence import SeqStatus, Sequence
-from stages.scheduler.speculative import NgramProposer, NgramState
+from stages.scheduler.speculative import NgramState, Proposer, make_proposer
 from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
 
 # One step of priority is worth this many tokens of other requests' work: a request of priority
@@ -72,12 +72,13 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         """max_waiting: sequences that may wait (queued or held); a request that would pass
         it is refused as unavailable, counted here where it happens. speculative: propose
-        drafts for decoding sequences (n-gram prompt lookup); its K must be the limits'."""
+        drafts for decoding sequences (n-gram prompt lookup, or a draft model's placeholders);
+        its K must be the limits'."""
         self.limits, self.num_blocks, self.max_waiting = limits, num_blocks, max_waiting
         if speculative is not None and speculative.num_tokens > limits.num_speculative_tokens:
             raise ValueError(f"speculative K {speculative.num_tokens} exceeds the rings' "
                              f"{limits.num_speculative_tokens}")
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.proposer = make_proposer(speculative) if speculative is not None else None
         self.num_speculative_tokens = speculative.num_tokens if speculative is not None else 0
         self.spec_num_drafts = 0  # rows planned with drafts
         self.spec_num_draft_tokens = 0
@@ -406,12 +407,15 @@ class Scheduler:
     def _drafts(self, step: PlannedStep, seq: Sequence, room: int) -> list[int]:
         """The tokens proposed to follow decoding sequence seq this step (none for a request
         that opts out or has penalties: the executor counts tokens as they are computed; a
-        structured output's matcher masks each proposed position). Never more
-        than its max_tokens, the context, the step's token budget (`room`) or the KV blocks
-        it holds and the free ones allow: a draft never preempts anything."""
+        structured output's matcher masks each proposed position, so a draft model, whose
+        drafts the host never sees, drafts none for one). Never more than its max_tokens,
+        the context, the step's token budget (`room`) or the KV blocks it holds and the free
+        ones allow: a draft never preempts anything."""
         assert self.proposer is not None
         p = seq.params
         if not p.speculate or uses_penalties(p):
+            return []
+        if seq.grammar and self.proposer.cfg.is_draft_model:
             return []
         most = min(self.num_speculative_tokens, room, self.max_len - seq.num_tokens - 1)
         if p.max_tokens is not None:
@@ -707,7 +711,7 @@ class Scheduler:
         for pos in range(num_accepted):
             self.spec_accepted_per_pos[pos] += 1
         if seq.ngram is not None:
-            NgramProposer.record(seq.ngram, num_accepted)
+            Proposer.record(seq.ngram, num_accepted)
 
     def _take_prompt_logprobs(self, step: PlannedStep, scored: PromptLogprobs) -> None:
         lps, ranks, top_ids, top_lps = scored

@@ -1,8 +1,13 @@
-"""n-gram prompt lookup, the scheduler's proposer for speculative decoding (in the scheduler
-process, which holds every sequence's tokens): a decoding sequence's last N tokens (down to M)
-are looked up among its earlier tokens, prompt and output, and the tokens that followed their
-latest occurrence are proposed. Proposals cost no model: what the executor verifies is what
-was proposed; the sampler decides what stands (docs/ARCHITECTURE.md, "Speculative decoding").
+"""The scheduler's proposers for speculative decoding (in the scheduler process, which holds
+every sequence's tokens; docs/ARCHITECTURE.md, "Speculative decoding").
+
+n-gram prompt lookup: a decoding sequence's last N tokens (down to M) are looked up among its
+earlier tokens, prompt and output, and the tokens that followed their latest occurrence are
+proposed. Proposals cost no model: what the executor verifies is what was proposed; the
+sampler decides what stands.
+
+A draft model: the executor runs it, so the scheduler plans only how many positions a row
+drafts, each a DRAFT_TOKEN placeholder that the device fills before the forward.
 
 Each sequence keeps an index of its n-grams (n = M..N -> where the latest one ends), extended
 as its tokens become known, so a proposal is a few dictionary lookups whatever the length.
@@ -15,13 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ipc.speculative import SpeculativeConfig
+from ipc.step import DRAFT_TOKEN
 
 MAX_SKIP = 64
 
 
 @dataclass
 class NgramState:
-    """One sequence's n-gram index and back-off."""
+    """One sequence's n-gram index (n-gram proposals) and back-off (either proposer)."""
 
     tokens: list[int] = field(default_factory=list)  # its known tokens, as indexed
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> latest end
@@ -30,7 +36,45 @@ class NgramState:
     skip: int = 0  # planned steps left without proposing
 
 
-class NgramProposer:
+class Proposer:
+    """What the scheduler asks of a proposer: `propose` drafts for a sequence, `record` a
+    drafted row's result (a sequence whose drafts keep missing backs off)."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+
+    def propose(self, state: NgramState, prompt: list[int], outputs: list[int],
+                num_pending: int, max_drafts: int) -> list[int]:
+        raise NotImplementedError
+
+    @staticmethod
+    def record(state: NgramState, num_accepted: int) -> None:
+        """A drafted row's result: back off after misses, start over after a hit."""
+        if num_accepted:
+            state.misses = 0
+            return
+        state.misses += 1
+        state.skip = min(MAX_SKIP, (1 << (state.misses - 1)) - 1)
+
+
+def make_proposer(cfg: SpeculativeConfig) -> Proposer:
+    return DraftModelProposer(cfg) if cfg.is_draft_model else NgramProposer(cfg)
+
+
+class DraftModelProposer(Proposer):
+    """max_drafts placeholders, which the executor's draft model fills (unless backing off)."""
+
+    def propose(self, state: NgramState, prompt: list[int], outputs: list[int],
+                num_pending: int, max_drafts: int) -> list[int]:
+        if max_drafts <= 0:
+            return []
+        if state.skip:
+            state.skip -= 1
+            return []
+        return [DRAFT_TOKEN] * max_drafts
+
+
+class NgramProposer(Proposer):
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
 
@@ -84,12 +128,3 @@ class NgramProposer:
             for n in range(lo, min(hi, i + 1) + 1):
                 ends[tuple(tokens[i + 1 - n:i + 1])] = i
         state.num_indexed = max(state.num_indexed, len(tokens) - 1)
-
-    @staticmethod
-    def record(state: NgramState, num_accepted: int) -> None:
-        """A drafted row's result: back off after misses, start over after a hit."""
-        if num_accepted:
-            state.misses = 0
-            return
-        state.misses += 1
-        state.skip = min(MAX_SKIP, (1 << (state.misses - 1)) - 1)

@@ -1,0 +1,149 @@
+"""A draft model for speculative decoding, in the executor process (docs/ARCHITECTURE.md,
+"Speculative decoding"). The scheduler plans a drafted row as its last known token followed
+by K DRAFT_TOKEN placeholders; here, before the step's forward, the draft model proposes them
+greedily on the device and they are written into the step's input ids, where the target
+verifies them as it verifies n-gram drafts. Nothing goes back to the host: run-ahead holds.
+
+The draft model keeps its own KV cache, in the same block ids as the target's (the slot's
+block table serves both), so the scheduler's blocks, prefix cache and roll-back cover it:
+- pass 1 runs the draft over every row of the step (prefill chunks too), so its cache holds
+  whatever the target's holds; a drafted row's pass-1 logits give its first draft;
+- passes 2..K run the drafted rows one token each (the previous draft) for the next drafts;
+- a decode row is led in pass 1 by the token before its last (kept per slot on the device,
+  PREV_TOKEN): when every draft of the row before stood, the last draft's KV was never
+  written (no pass ran on it), and this writes it; otherwise it rewrites what is there.
+Positions past a row's stood tokens hold stale draft KV, as the target's do; each is written
+again before anything reads it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ipc.config import EngineLimits
+from ipc.step import DRAFT_TOKEN
+from stages.executor.backends.base import ForwardTables, StepRows
+from stages.executor.model import PagedLlama
+from stages.executor.sampler import SampleOutput
+from stages.executor.staging import PackedField, per_sampled, per_seq
+
+PREV_TOKEN = -3  # in pass 1's ids: the token before the slot's last sample
+
+
+def _per_draft_token(lim: EngineLimits) -> int:
+    return lim.max_num_batched_tokens + lim.max_num_seqs  # each row's tokens, and a lead
+
+
+DRAFT_FIELDS = (
+    # pass 1: every row's known tokens (-1: the slot's last sample), a decode row's led by
+    # the one before (PREV_TOKEN), with their positions and slots
+    PackedField("draft_ids", "int64", _per_draft_token),
+    PackedField("draft_positions", "int64", _per_draft_token),
+    PackedField("draft_slots", "int64", _per_draft_token),
+    PackedField("draft_last", "int64", per_seq),  # [R] each drafted row's last, in pass 1
+    PackedField("spec_at", "int64", per_sampled),  # [R, K] each draft's index in input_ids
+)
+
+
+class Drafter:
+    """The draft model of one runner: its weights, its KV cache (as many blocks as the
+    target's, in the same ids), each slot's token before its last, and the host's record of
+    which slots have one."""
+
+    def __init__(self, model: PagedLlama, limits: EngineLimits, num_cache_blocks: int,
+                 block_table: torch.Tensor, device: torch.device) -> None:
+        self.model, self.limits, self.device = model, limits, device
+        self.backend = model.backend
+        self.kv_caches = [torch.zeros(2, num_cache_blocks, limits.block_size,
+                                      model.num_kv_heads, model.head_dim, dtype=model.dtype,
+                                      device=device) for _ in range(model.num_layers)]
+        self.backend.bind(ForwardTables(block_table, model.rope_cos, model.rope_sin,
+                                        num_cache_blocks))
+        n = limits.max_num_seqs
+        self.prev = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        # Host: whether a slot sampled since it was taken (prev holds its token), as of the
+        # step last prepared; the device runs steps in the order they are prepared.
+        self._has_prev = np.zeros(n + 1, dtype=bool)
+
+    # ------------------------------------------------------------ host
+
+    def host_arrays(self, rows: StepRows, num_draft: np.ndarray, do_sample: np.ndarray,
+                    new_slots: np.ndarray) -> dict[str, np.ndarray]:
+        """Pass 1's arrays for a step (first_pass); call once per step, in step order."""
+        self._has_prev[new_slots] = False
+        arrays = first_pass(rows, num_draft, do_sample, self._has_prev)
+        self._has_prev[rows.slots[do_sample]] = True
+        return arrays
+
+    # ------------------------------------------------------------ device
+
+    def propose(self, v: dict[str, torch.Tensor], ids: torch.Tensor, last_sampled: torch.Tensor,
+                width: int) -> torch.Tensor:
+        """Run the draft passes of a step whose drafted rows carry up to `width` placeholders;
+        returns the step's input ids with the drafts written in, and sets v["spec_draft"] to
+        them (-1 past a row's own), as the verification reads it."""
+        slots, d_ids = v["draft_slots"], v["draft_ids"]
+        resolved = torch.where(d_ids == -1, last_sampled[slots],
+                               torch.where(d_ids == PREV_TOKEN, self.prev[slots], d_ids))
+        positions, last = v["draft_positions"], v["draft_last"]
+        logits = self._forward(resolved, slots, positions, last)
+        if not width:
+            return ids
+        own = v["spec_draft"].view(-1, width) == DRAFT_TOKEN  # [R, K]
+        num_own = own.sum(dim=1)
+        rows = torch.arange(len(last), device=ids.device)
+        start, row_slots = positions[last], v["spec_slots"]
+        token = logits.argmax(dim=-1)
+        drafts = [token]
+        for i in range(1, width):
+            # draft i at its position; past a row's own drafts, the last one's again (a
+            # position that is written once more before it is read: see the module's doc)
+            token = self._forward(token, row_slots, start + torch.clamp(num_own, max=i),
+                                  rows).argmax(dim=-1)
+            drafts.append(token)
+        proposed = torch.where(own, torch.stack(drafts, dim=1), -1)
+        v["spec_draft"] = proposed.view(-1)
+        at = v["spec_at"].view(-1, width)
+        ids = ids.clone()
+        ids[at] = torch.where(own, proposed, ids[at])
+        return ids
+
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 wanted: torch.Tensor) -> torch.Tensor:
+        meta = self.backend.metadata({"token_slots": slots, "positions": positions}, None)
+        return self.model(ids, self.kv_caches, meta, wanted)
+
+    def keep_prev(self, v: dict[str, torch.Tensor], ids: torch.Tensor, out: SampleOutput,
+                  width: int) -> None:
+        """Each sampled slot's token before its new last sample: the input whose logits
+        sampled it (a drafted row: the input at its last standing position)."""
+        inputs = v["logits_indices"]
+        self.prev[v["sample_slots"]] = ids[inputs]
+        if width and out.accepted is not None:
+            where = v["spec_sampled"].view(-1, width + 1)
+            last = where.gather(1, (out.accepted.long() - 1).unsqueeze(1)).squeeze(1)
+            self.prev[v["spec_slots"]] = ids[inputs[last]]
+
+
+def first_pass(rows: StepRows, num_draft: np.ndarray, do_sample: np.ndarray,
+               has_prev: np.ndarray) -> dict[str, np.ndarray]:
+    """The draft model's first pass over a step whose rows end in num_draft placeholders
+    each (numpy only): each row's known tokens, a decode row's led by the token before it
+    where its slot has one (has_prev, per slot), and where each drafted row's last known
+    token is among them."""
+    q, ctx, slots, starts = rows.query_lens, rows.context_lens, rows.slots, rows.starts
+    known = q - num_draft
+    lead = ((known == 1) & has_prev[slots] & (ctx - q >= 1)).astype(np.int64)
+    dq = known + lead
+    dstarts = np.cumsum(dq) - dq
+    within = np.arange(int(dq.sum())) - np.repeat(dstarts, dq)
+    is_lead = np.repeat(lead.astype(bool), dq) & (within == 0)
+    src = np.repeat(starts - lead, dq) + within
+    ids = np.where(is_lead, PREV_TOKEN, rows.forward["input_ids"][np.where(is_lead, 0, src)])
+    return {
+        "draft_ids": ids,
+        "draft_positions": np.repeat(ctx - q - lead, dq) + within,
+        "draft_slots": np.repeat(slots, dq),
+        "draft_last": (dstarts + dq - 1)[do_sample & (num_draft > 0)],
+    }
