@@ -14,12 +14,18 @@ from ipc.errors import ConfigError
 MAX_SPECULATIVE_TOKENS = 16  # drafts a row may carry; more is verified work seldom accepted
 METHODS = ("ngram", "draft")
 DRAFT_QUANTIZATIONS = ("int8", "int4")  # a draft model's weights quantized at load
+# A draft model's passes cost about as much per row as the model's own forward at a small
+# batch, and grow with the rows where the model's does not: past this many running
+# sequences, drafting lost to plain steps (docs/BENCHMARKS.md, "Speculative decoding").
+DRAFT_MAX_BATCH = 4
 _HELP = ("--speculative takes ngram:K[:N[:M]] (K draft tokens per step, 1-16; matched "
          "n-grams of N down to M tokens, default 4 and 2), draft:PATH:K[:int8|int4] (a draft "
          "model's folder, with the target's vocabulary, optionally quantized at load), or "
          'vLLM\'s JSON {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": '
          'N, "prompt_lookup_min": M} / {"method": "draft_model", "model": PATH, '
-         '"num_speculative_tokens": K, "quantization": "int4"}')
+         '"num_speculative_tokens": K, "quantization": "int4"}, either with '
+         '"disable_by_batch_size": B (no drafts while more than B sequences run; 0: drafts '
+         f'at any batch; default: {DRAFT_MAX_BATCH} with a draft model, none with ngram)')
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class SpeculativeConfig:
     ngram_min: int = 2  # M
     model: str | None = None  # draft: the draft model's folder
     quantization: str | None = None  # draft: DRAFT_QUANTIZATIONS, or None (as stored)
+    disable_by_batch_size: int | None = None  # None: the method's default (max_batch)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,6 +60,9 @@ class SpeculativeConfig:
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"speculative K must be 1-{MAX_SPECULATIVE_TOKENS}, got "
                               f"{self.num_tokens}. {_HELP}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 0:
+            raise ConfigError(f"disable_by_batch_size must be 0 or more, got "
+                              f"{self.disable_by_batch_size}. {_HELP}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
             raise ConfigError(f"speculative n-gram sizes must satisfy 1 <= M <= N <= 64, got "
                               f"N={self.ngram_max} M={self.ngram_min}. {_HELP}")
@@ -60,6 +70,13 @@ class SpeculativeConfig:
     @property
     def is_draft_model(self) -> bool:
         return self.method == "draft"
+
+    @property
+    def max_batch(self) -> int | None:
+        """Drafts only while at most this many sequences run (None: at any batch)."""
+        if self.disable_by_batch_size is None:
+            return DRAFT_MAX_BATCH if self.is_draft_model else None
+        return self.disable_by_batch_size or None
 
     def describe(self) -> str:
         if self.is_draft_model:
@@ -113,14 +130,15 @@ def _from_json(text: str) -> SpeculativeConfig:
     if not isinstance(obj, dict):
         raise ConfigError(f"--speculative-config must be a JSON object. {_HELP}")
     known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-             "model", "quantization"}
+             "model", "quantization", "disable_by_batch_size"}
     unknown = sorted(set(obj) - known)
     if unknown:
         raise ConfigError(f"--speculative-config: unsupported key(s) {', '.join(unknown)}. "
                           f"{_HELP}")
     if "num_speculative_tokens" not in obj:
         raise ConfigError(f"--speculative-config needs num_speculative_tokens. {_HELP}")
-    sizes = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    sizes = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+             "disable_by_batch_size"}
     values = {k: obj[k] for k in sizes if k in obj}
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
         raise ConfigError(f"--speculative-config: the sizes must be integers. {_HELP}")
@@ -132,4 +150,5 @@ def _from_json(text: str) -> SpeculativeConfig:
     method = "draft" if method == "draft_model" else method
     n = obj.get("prompt_lookup_max", 4)
     return SpeculativeConfig(method, obj["num_speculative_tokens"], n,
-                             obj.get("prompt_lookup_min", min(2, n)), model, quantization)
+                             obj.get("prompt_lookup_min", min(2, n)), model, quantization,
+                             obj.get("disable_by_batch_size"))

@@ -124,12 +124,17 @@ def test_a_draft_models_first_pass_leads_each_decode_row_with_the_token_before()
     ids = np.array([5, 6, 7, 8, -1, -2, -2, -1, 9])
     starts = np.cumsum(q) - q
     rows = StepRows(q, ctx, np.array([0, 1, 2, 3]), starts, {"input_ids": ids})
-    out = first_pass(rows, np.array([0, 2, 0, 0]), np.array([True, True, True, True]),
-                     np.array([False, True, True, False, False]))
+    args = (rows, np.array([0, 2, 0, 0]), np.array([True, True, True, True]),
+            np.array([False, True, True, False, False]))
+    out = first_pass(*args, np.array([True, True, True, True]))
     assert out["draft_ids"].tolist() == [5, 6, 7, 8, PREV_TOKEN, -1, PREV_TOKEN, -1, 9]
     assert out["draft_positions"].tolist() == [0, 1, 2, 3, 9, 10, 6, 7, 5]
     assert out["draft_slots"].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3]
     assert out["draft_last"].tolist() == [5]  # the drafted row's last sample, at 10
+    # rows whose KV the draft model does not keep are left out
+    out = first_pass(*args, np.array([False, True, False, True]))
+    assert out["draft_ids"].tolist() == [PREV_TOKEN, -1, 9]
+    assert out["draft_slots"].tolist() == [1, 1, 3] and out["draft_last"].tolist() == [1]
 
 
 def test_the_setting_reaches_a_stage_that_joins_from_another_host(tiny_model_dir: Path
@@ -405,13 +410,14 @@ def engines(default_model_dir: Path) -> tuple[object, object, list[list[int]], o
 
 
 def draft_engine(model_dir: Path, num_blocks: int, quantization: str | None = None,
-                 **kw: object) -> object:
+                 max_batch: int | None = None, **kw: object) -> object:
     """The model in process with itself as its draft model (quantized as asked), its cache
     of num_blocks blocks (each holds the model's KV and the draft's)."""
     from stages.inprocess import InProcessEngine
 
     info = ModelInfo.from_dir(model_dir)
-    draft = SpeculativeConfig("draft", 4, model=str(model_dir), quantization=quantization)
+    draft = SpeculativeConfig("draft", 4, model=str(model_dir), quantization=quantization,
+                              disable_by_batch_size=max_batch)
     return InProcessEngine(str(model_dir), max_num_seqs=4, block_size=16, max_model_len=512,
                            kv_cache_memory=2 * num_blocks * KV_BLOCK_BYTES,
                            speculative=draft, eos_token_ids=info.eos_token_ids,
@@ -537,6 +543,30 @@ def test_a_draft_model_leaves_structured_outputs_undrafted(drafted: object, engi
     assert drafted.scheduler.spec_num_drafts == before
     assert re.fullmatch(r"(ab|cd){3,6}x", tok.decode(out["s", 0].token_ids,
                                                      skip_special_tokens=True))
+
+
+def test_a_draft_model_drafts_only_while_few_sequences_run(engines: tuple,
+                                                           default_model_dir: Path) -> None:
+    """Past disable_by_batch_size running sequences the draft model's passes would cost
+    each step more than drafts win back: such sequences are not drafted and the draft
+    model stops keeping their KV for good (a row says so to the executor); outputs stand."""
+    plain_engine, _, prompts, tok = engines
+    spec = draft_engine(default_model_dir, 80, max_batch=2, max_num_batched_tokens=512)
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    asks = [*prompts, tok("Write a poem about rain.")["input_ids"]]
+    kept = []
+    schedule = spec.scheduler.schedule
+
+    def planned() -> object:
+        step = schedule()
+        kept.extend(row.draft_kv for row in step.rows) if step is not None else None
+        return step
+
+    spec.scheduler.schedule = planned
+    assert spec.generate(asks, greedy) == plain_engine.generate(asks, greedy)
+    assert spec.scheduler.spec_num_drafts == 0 and not any(kept[len(asks):])
+    assert spec.generate(asks[:2], greedy) == plain_engine.generate(asks[:2], greedy)
+    assert spec.scheduler.spec_num_drafts > 0 and any(kept)
 
 
 def test_a_quantized_draft_model_proposes_what_the_model_mostly_takes(

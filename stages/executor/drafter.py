@@ -69,10 +69,10 @@ class Drafter:
     # ------------------------------------------------------------ host
 
     def host_arrays(self, rows: StepRows, num_draft: np.ndarray, do_sample: np.ndarray,
-                    new_slots: np.ndarray) -> dict[str, np.ndarray]:
+                    new_slots: np.ndarray, kept: np.ndarray) -> dict[str, np.ndarray]:
         """Pass 1's arrays for a step (first_pass); call once per step, in step order."""
         self._has_prev[new_slots] = False
-        arrays = first_pass(rows, num_draft, do_sample, self._has_prev)
+        arrays = first_pass(rows, num_draft, do_sample, self._has_prev, kept)
         self._has_prev[rows.slots[do_sample]] = True
         return arrays
 
@@ -84,6 +84,8 @@ class Drafter:
         returns the step's input ids with the drafts written in, and sets v["spec_draft"] to
         them (-1 past a row's own), as the verification reads it."""
         slots, d_ids = v["draft_slots"], v["draft_ids"]
+        if not len(d_ids):  # (no row's KV is the draft model's)
+            return ids
         resolved = torch.where(d_ids == -1, last_sampled[slots],
                                torch.where(d_ids == PREV_TOKEN, self.prev[slots], d_ids))
         positions, last = v["draft_positions"], v["draft_last"]
@@ -127,15 +129,16 @@ class Drafter:
 
 
 def first_pass(rows: StepRows, num_draft: np.ndarray, do_sample: np.ndarray,
-               has_prev: np.ndarray) -> dict[str, np.ndarray]:
+               has_prev: np.ndarray, kept: np.ndarray) -> dict[str, np.ndarray]:
     """The draft model's first pass over a step whose rows end in num_draft placeholders
-    each (numpy only): each row's known tokens, a decode row's led by the token before it
-    where its slot has one (has_prev, per slot), and where each drafted row's last known
-    token is among them."""
+    each (numpy only): the known tokens of each row whose KV the draft model keeps (`kept`,
+    per row, as the scheduler says), a decode row's led by the token before it where its
+    slot has one (has_prev, per slot), and where each drafted row's last known token is
+    among them."""
     q, ctx, slots, starts = rows.query_lens, rows.context_lens, rows.slots, rows.starts
     known = q - num_draft
     lead = ((known == 1) & has_prev[slots] & (ctx - q >= 1)).astype(np.int64)
-    dq = known + lead
+    dq = (known + lead) * kept
     dstarts = np.cumsum(dq) - dq
     within = np.arange(int(dq.sum())) - np.repeat(dstarts, dq)
     is_lead = np.repeat(lead.astype(bool), dq) & (within == 0)

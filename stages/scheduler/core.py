@@ -389,12 +389,14 @@ class Scheduler:
         if _scores_prompt(seq):
             self._plan_prompt_logprobs(step, seq, start, start + num_new)
         tokens = seq.tokens(start, start + num_new)
+        if seq.draft_model_kv and self._over_draft_batch():
+            seq.draft_model_kv = False  # (for good: its draft KV would have holes)
         drafts = (self._drafts(step, seq, budget - num_new)
                   if self.proposer is not None and num_tokens - start == 1 else [])
         seq.num_computed = start + num_new + len(drafts)
         do_sample = seq.num_computed >= num_tokens
         step.rows.append(StepRow(seq, tokens + drafts, seq.num_computed, do_sample,
-                                 len(drafts)))
+                                 len(drafts), seq.draft_model_kv))
         step.num_tokens += num_new + len(drafts)
         if do_sample:
             seq.num_pending += 1 + len(drafts)
@@ -404,19 +406,44 @@ class Scheduler:
             self.spec_num_draft_tokens += len(drafts)
         return num_new + len(drafts)
 
+    def _draft_model_kv(self, seq: Sequence) -> bool:
+        """Whether the draft model keeps the KV of seq, which takes its slot now: one that
+        may draft (not opted out, no penalties, no structured output), joining a batch of
+        at most max_batch sequences. It stops for good once more run (_plan_row): the draft
+        model's passes over every row would cost each step more than drafts win back."""
+        cfg = self.proposer.cfg if self.proposer is not None else None
+        if cfg is None or not cfg.is_draft_model:
+            return False
+        p = seq.params
+        if not p.speculate or uses_penalties(p) or seq.grammar:
+            return False
+        limit = cfg.max_batch
+        # (the batch it joins: a burst that will fill the slots counts already)
+        soon = min(len(self.running) + len(self.waiting), self.limits.max_num_seqs)
+        return limit is None or soon <= limit
+
+    def _over_draft_batch(self) -> bool:
+        """More sequences run than drafting pays for (the configuration's max_batch)."""
+        limit = self.proposer.cfg.max_batch if self.proposer is not None else None
+        return limit is not None and len(self.running) > limit
+
     def _drafts(self, step: PlannedStep, seq: Sequence, room: int) -> list[int]:
         """The tokens proposed to follow decoding sequence seq this step (none for a request
         that opts out or has penalties: the executor counts tokens as they are computed; a
         structured output's matcher masks each proposed position, so a draft model, whose
-        drafts the host never sees, drafts none for one). Never more than its max_tokens,
-        the context, the step's token budget (`room`) or the KV blocks it holds and the free
-        ones allow: a draft never preempts anything."""
+        drafts the host never sees, drafts none for one: _draft_model_kv). Never more than
+        its max_tokens, the context, the step's token budget (`room`) or the KV blocks it
+        holds and the free ones allow: a draft never preempts anything. None while more
+        sequences run than the configuration's max_batch."""
         assert self.proposer is not None
         p = seq.params
         if not p.speculate or uses_penalties(p):
             return []
-        if seq.grammar and self.proposer.cfg.is_draft_model:
+        cfg = self.proposer.cfg
+        if cfg.is_draft_model and not seq.draft_model_kv:
             return []
+        if self._over_draft_batch():
+            return []  # (drafting stopped paying: ipc/speculative.py DRAFT_MAX_BATCH)
         most = min(self.num_speculative_tokens, room, self.max_len - seq.num_tokens - 1)
         if p.max_tokens is not None:
             most = min(most, p.max_tokens - seq.num_outputs - 1)
@@ -595,6 +622,7 @@ class Scheduler:
         """seq takes its executor slot: its encoded parameters and the ids min_tokens masks."""
         slot = seq.slot
         assert slot is not None
+        seq.draft_model_kv = self._draft_model_kv(seq)
         step.new_slots.append((slot, encode_slot(seq.params, len(seq.prompt_ids), seq.index)))
         step.stop_ids += [(slot, t) for t in suppressed_ids(
             seq.params, self.limits.eos_token_ids, len(seq.output_ids))]

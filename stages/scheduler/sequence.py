@@ -82,6 +82,9 @@ class Sequence:
     # tokens stand is not known yet, so neither is where the next one goes)
     ngram: NgramState | None = None
     num_drafted_inflight: int = 0
+    # With a draft model: whether the executor's draft model keeps its KV, so that it may
+    # draft (decided as it takes its slot)
+    draft_model_kv: bool = False
 
     def move_to(self, status: SeqStatus) -> None:
         if status not in _TRANSITIONS[self.status]:
