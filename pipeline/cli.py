@@ -94,14 +94,17 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "default lets a caller make its own work less urgent, never jump "
                         "ahead of others")
     p.add_argument("--speculative", "--speculative-config", default=d(None),
-                   metavar="ngram:K[:N[:M]]",
-                   help="speculative decoding by n-gram prompt lookup: each step a decoding "
-                        "sequence's last N tokens (down to M; default 4 and 2) are looked up "
-                        "in its prompt and output, the K tokens that followed are proposed "
+                   metavar="ngram:K[:N[:M]] | draft:PATH:K[:int8|int4]",
+                   help="speculative decoding: K tokens proposed for each decoding sequence "
                         "and verified in the same forward; outputs are the same as without "
-                        "(greedy and seeded alike). Also vLLM's JSON, e.g. '{\"method\": "
+                        "(greedy and seeded alike). ngram: its last N tokens (down to M; "
+                        "default 4 and 2) looked up in its prompt and output, what followed "
+                        "proposed. draft: a smaller model of the same vocabulary (or the "
+                        "model's own folder quantized, e.g. draft:MODEL:4:int4) proposes, "
+                        "while at most 4 sequences run. Also vLLM's JSON, e.g. '{\"method\": "
                         "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
-                        "4}'")
+                        "4}' or '{\"method\": \"draft_model\", \"model\": PATH, "
+                        "\"num_speculative_tokens\": 4, \"disable_by_batch_size\": 4}'")
     p.add_argument("--no-overlap", action="store_true", default=d(False),
                    help="synchronous batching (one step in flight), the baseline")
     p.add_argument("--listen", default=d(None), metavar="HOST",
