@@ -43,8 +43,6 @@ DRAFT_FIELDS = (
     PackedField("draft_slots", "int64", _per_draft_token),
     PackedField("draft_last", "int64", per_seq),  # [R] each drafted row's last, in pass 1
     PackedField("spec_at", "int64", per_sampled),  # [R, K] each draft's index in input_ids
-    # rows planned before their sequence's drafted row's result: moved back on the device
-    PackedField("shift_slots", "int64", per_seq),
 )
 
 
@@ -64,8 +62,6 @@ class Drafter:
                                         num_cache_blocks))
         n = limits.max_num_seqs
         self.prev = torch.zeros(n + 1, dtype=torch.int64, device=device)
-        # each slot's drafts that did not stand in its last drafted row
-        self.rejected = torch.zeros(n + 1, dtype=torch.int64, device=device)
         # Host: whether a slot sampled since it was taken (prev holds its token), as of the
         # step last prepared; the device runs steps in the order they are prepared.
         self._has_prev = np.zeros(n + 1, dtype=bool)
@@ -73,27 +69,14 @@ class Drafter:
     # ------------------------------------------------------------ host
 
     def host_arrays(self, rows: StepRows, num_draft: np.ndarray, do_sample: np.ndarray,
-                    new_slots: np.ndarray, kept: np.ndarray, after_draft: np.ndarray
-                    ) -> dict[str, np.ndarray]:
+                    new_slots: np.ndarray, kept: np.ndarray) -> dict[str, np.ndarray]:
         """Pass 1's arrays for a step (first_pass); call once per step, in step order."""
         self._has_prev[new_slots] = False
         arrays = first_pass(rows, num_draft, do_sample, self._has_prev, kept)
         self._has_prev[rows.slots[do_sample]] = True
-        arrays["shift_slots"] = rows.slots[after_draft]
         return arrays
 
     # ------------------------------------------------------------ device
-
-    def shift(self, v: dict[str, torch.Tensor]) -> None:
-        """Move the rows planned as if their sequence's last drafted row had stood whole
-        back by the drafts that did not (that row ran before this step): their positions,
-        in the model's inputs and the draft passes'. First thing in a step."""
-        if not len(v["shift_slots"]):
-            return
-        back = torch.zeros_like(self.rejected)
-        back[v["shift_slots"]] = self.rejected[v["shift_slots"]]
-        v["positions"] = v["positions"] - back[v["token_slots"]]
-        v["draft_positions"] = v["draft_positions"] - back[v["draft_slots"]]
 
     def propose(self, v: dict[str, torch.Tensor], ids: torch.Tensor, last_sampled: torch.Tensor,
                 width: int) -> torch.Tensor:
@@ -143,8 +126,6 @@ class Drafter:
             where = v["spec_sampled"].view(-1, width + 1)
             last = where.gather(1, (out.accepted.long() - 1).unsqueeze(1)).squeeze(1)
             self.prev[v["spec_slots"]] = ids[inputs[last]]
-            drafted = (v["spec_draft"].view(-1, width) >= 0).sum(dim=1)
-            self.rejected[v["spec_slots"]] = drafted + 1 - out.accepted.long()
 
 
 def first_pass(rows: StepRows, num_draft: np.ndarray, do_sample: np.ndarray,

@@ -322,8 +322,6 @@ class ModelRunner:
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = self.slots.layout.unpack(packed, step.counts)
-        if self.drafter is not None:
-            self.drafter.shift(v)
         graph = self.graphs is not None and self.graphs.eligible(step)
         ids = self.slots.apply(step, v, resolve=not graph or self.drafter is not None)
         grammar_work = self.slots.start_grammar(step)

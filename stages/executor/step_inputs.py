@@ -69,7 +69,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     rows = StepRows(q, ctx, slots, starts, forward)
     attn = HostInputs({}) if backend is None else backend.host_inputs(rows)
     draft_passes = ({} if drafter is None else drafter.host_arrays(
-        rows, step.num_draft, step.do_sample, step.new_slots, step.draft_kv, step.after_draft))
+        rows, step.num_draft, step.do_sample, step.new_slots, step.draft_kv))
     arrays = {
         **forward,
         **attn.arrays,

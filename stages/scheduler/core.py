@@ -370,11 +370,7 @@ class Scheduler:
         return step
 
     def _wants_step(self, seq: Sequence) -> bool:
-        if seq.status is not SeqStatus.RUNNING:
-            return False
-        if seq.num_drafted_inflight and not (seq.draft_model_kv and seq.num_inflight == 1):
-            # Where its next token goes is not known until the drafted row's result is in;
-            # a draft model's row may still follow it (shifted on the device: _plan_row).
+        if seq.status is not SeqStatus.RUNNING or seq.num_drafted_inflight:
             return False
         num_tokens = seq.num_tokens
         if seq.num_computed >= num_tokens:
@@ -393,9 +389,6 @@ class Scheduler:
         if _scores_prompt(seq):
             self._plan_prompt_logprobs(step, seq, start, start + num_new)
         tokens = seq.tokens(start, start + num_new)
-        # After a draft model's row still in flight: planned as if all its drafts stood,
-        # the executor moves the row back by those that did not (before anything reads it)
-        after_draft = seq.num_drafted_inflight > 0
         if seq.draft_model_kv and self._over_draft_batch():
             seq.draft_model_kv = False  # (for good: its draft KV would have holes)
         drafts = (self._drafts(step, seq, budget - num_new)
@@ -403,7 +396,7 @@ class Scheduler:
         seq.num_computed = start + num_new + len(drafts)
         do_sample = seq.num_computed >= num_tokens
         step.rows.append(StepRow(seq, tokens + drafts, seq.num_computed, do_sample,
-                                 len(drafts), seq.draft_model_kv, after_draft))
+                                 len(drafts), seq.draft_model_kv))
         step.num_tokens += num_new + len(drafts)
         if do_sample:
             seq.num_pending += 1 + len(drafts)
@@ -734,9 +727,7 @@ class Scheduler:
 
     def _drop_rejected(self, seq: Sequence, num_rejected: int) -> None:
         """Forget the KV of a row's rejected drafts, and give back the blocks only they
-        filled: nothing else in flight writes them (the sequence was not planned again, or
-        its next row, planned after a draft model's, is moved back by as many on the
-        device, and so are num_computed's tokens here)."""
+        filled: nothing else in flight writes them (the sequence was not planned again)."""
         seq.num_computed -= num_rejected
         keep = self.allocator.blocks_for(seq.num_computed)
         if len(seq.blocks) > keep and seq.status is not SeqStatus.FINISHED:
