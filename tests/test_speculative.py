@@ -529,6 +529,36 @@ def test_a_draft_models_cache_keeps_step_with_the_models(engines: tuple,
     assert s.spec_num_accepted_tokens >= 0.97 * s.spec_num_draft_tokens
 
 
+def test_a_draft_model_that_mostly_misses_changes_no_output(
+        engines: tuple, default_model_dir: Path, tmp_path: Path) -> None:
+    """Random weights with the model's tokenizer as the draft model: most drafts are
+    rejected (their KV rolled back in both caches) and back-off thins them; the outputs
+    stay the model's, greedy and seeded, through chunked prefill and preemption."""
+    from pipeline.tools.random_model import build_random_llama
+    from stages.inprocess import InProcessEngine
+
+    tok = engines[3]
+    info = ModelInfo.from_dir(default_model_dir)
+    draft_dir = build_random_llama(tmp_path / "draft", vocab_size=info.vocab_size,
+                                   tokenizer_from=default_model_dir)
+    kw = dict(max_num_seqs=4, block_size=16, max_model_len=512, max_num_batched_tokens=64,
+              eos_token_ids=info.eos_token_ids)
+    asks = [tok(t)["input_ids"] for t in ("Count: 1, 2, 3,", "Once upon a time,",
+                                          "The list: a, b, c,", "Tell me about Ada.")]
+    requests = [(str(i), ids, SamplingParams(max_tokens=40, temperature=0.7 * (i % 2), seed=i))
+                for i, ids in enumerate(asks)]
+    plain = InProcessEngine(str(default_model_dir), kv_cache_memory=6 * KV_BLOCK_BYTES, **kw)
+    draft = SpeculativeConfig("draft", 3, model=str(draft_dir))
+    spec = InProcessEngine(str(default_model_dir), speculative=draft,
+                           kv_cache_memory=6 * (KV_BLOCK_BYTES + 8192), **kw)  # (8 KiB its own)
+    assert spec.runner.num_blocks == plain.runner.num_blocks
+    want, got = plain.run(requests), spec.run(requests)
+    assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in want.items()}
+    s = spec.scheduler
+    assert s.num_preemptions > 0 and s.spec_num_draft_tokens > 10
+    assert s.spec_num_accepted_tokens < 0.5 * s.spec_num_draft_tokens
+
+
 def test_a_draft_model_leaves_structured_outputs_undrafted(drafted: object, engines: tuple
                                                           ) -> None:
     """The host never sees a draft model's drafts, so a structured output's matcher could
