@@ -6,8 +6,9 @@ verifies them as it verifies n-gram drafts. Nothing goes back to the host: run-a
 
 The draft model keeps its own KV cache, in the same block ids as the target's (the slot's
 block table serves both), so the scheduler's blocks, prefix cache and roll-back cover it:
-- pass 1 runs the draft over every row of the step (prefill chunks too), so its cache holds
-  whatever the target's holds; a drafted row's pass-1 logits give its first draft;
+- pass 1 runs the draft over every row whose KV it keeps (the scheduler says which: a row's
+  `draft_kv`; prefill chunks too), so its cache holds whatever the target's holds for those
+  sequences; a drafted row's pass-1 logits give its first draft;
 - passes 2..K run the drafted rows one token each (the previous draft) for the next drafts;
 - a decode row is led in pass 1 by the token before its last (kept per slot on the device,
   PREV_TOKEN): when every draft of the row before stood, the last draft's KV was never
@@ -99,8 +100,8 @@ class Drafter:
         token = logits.argmax(dim=-1)
         drafts = [token]
         for i in range(1, width):
-            # draft i at its position; past a row's own drafts, the last one's again (a
-            # position that is written once more before it is read: see the module's doc)
+            # draft i at its position; past a row's own drafts, at its last draft's (a
+            # position written once more before anything reads it: see the module's doc)
             token = self._forward(token, row_slots, start + torch.clamp(num_own, max=i),
                                   rows).argmax(dim=-1)
             drafts.append(token)
