@@ -30,7 +30,7 @@ from ipc.model_info import ModelInfo
 from ipc.sampling import F
 from ipc.speculative import SpeculativeConfig, parse_speculative
 from stages.executor.sampler import StepSampling, accept_drafts
-from stages.scheduler.speculative import MAX_SKIP, NgramProposer, NgramState
+from stages.scheduler.speculative import MAX_SKIP, NgramProposer, ProposalState
 
 NGRAM = SpeculativeConfig("ngram", 4, 3, 2)
 
@@ -158,24 +158,24 @@ def test_the_setting_reaches_a_stage_that_joins_from_another_host(tiny_model_dir
 
 def test_the_latest_earlier_occurrence_of_the_longest_suffix_is_continued() -> None:
     proposer = NgramProposer(NGRAM)
-    state = NgramState()
+    state = ProposalState()
     prompt = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8]
     # the suffix (2, 3) ends at 2 and at 7; its latest occurrence (7) is continued: 7, 8
     assert proposer.propose(state, prompt + [2, 3], [], 0, 4) == [7, 8, 2, 3]
     # with outputs 1, 2, 3 the longest suffix (1, 2, 3) matches at the start
-    state = NgramState()
+    state = ProposalState()
     assert proposer.propose(state, prompt, [1, 2, 3], 0, 2) == [4, 5]
 
 
 def test_a_pending_token_is_skipped_as_predicted() -> None:
     """With one token still being sampled, the drafts start after the token the match
     predicts for it (the placeholder precedes them in the row)."""
-    state = NgramState()
+    state = ProposalState()
     assert NgramProposer(NGRAM).propose(state, [5, 6, 7, 8, 9, 5, 6], [], 1, 2) == [8, 9]
 
 
 def test_no_match_or_no_room_proposes_nothing_and_outputs_extend_the_index() -> None:
-    proposer, state = NgramProposer(NGRAM), NgramState()
+    proposer, state = NgramProposer(NGRAM), ProposalState()
     assert proposer.propose(state, [1, 2, 3, 4], [], 0, 4) == []  # no earlier (3, 4)
     assert proposer.propose(state, [1, 2, 3, 4], [9, 1, 2], 0, 4) == [3, 4, 9, 1]
     assert state.num_indexed == 6
@@ -185,16 +185,16 @@ def test_no_match_or_no_room_proposes_nothing_and_outputs_extend_the_index() -> 
 def test_a_continuation_that_runs_out_is_looked_up_again() -> None:
     """The latest occurrence of (5, 6) has only 7, 5, 6 after it: a repeating pattern is
     followed past its last repetition by looking up what those would be followed by."""
-    state = NgramState()
+    state = ProposalState()
     assert NgramProposer(NGRAM).propose(state, [5, 6, 7, 5, 6, 7, 5, 6], [], 0, 6) == [
         7, 5, 6, 7, 5, 6]
-    state = NgramState()  # with one token pending: it is the 7, and the drafts follow it
+    state = ProposalState()  # with one token pending: it is the 7, and the drafts follow it
     assert NgramProposer(NGRAM).propose(state, [5, 6, 7, 5, 6, 7, 5, 6], [], 1, 4) == [
         5, 6, 7, 5]
 
 
 def test_a_sequence_whose_drafts_miss_backs_off_exponentially() -> None:
-    proposer, state = NgramProposer(NGRAM), NgramState()
+    proposer, state = NgramProposer(NGRAM), ProposalState()
     tokens = [1, 2, 3, 1, 2]
     assert proposer.propose(state, tokens, [], 0, 2) == [3, 1]
     skips = []

@@ -274,6 +274,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self._graph_forward, backend, self.slots.layout, device,
                                     device.type == "cuda")
                        if graphs and backend.graph_fields else None)
+        assert self.graphs is None or self.drafter is None, "graphs beside a draft model"
         logger.info("forward: %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB)",
                     backend.name, selection.reason if selection else "given",
                     self.num_blocks, limits.block_size, self.num_blocks * per_block / 2**20)
@@ -323,12 +324,11 @@ class ModelRunner:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = self.slots.layout.unpack(packed, step.counts)
         graph = self.graphs is not None and self.graphs.eligible(step)
-        ids = self.slots.apply(step, v, resolve=not graph or self.drafter is not None)
+        ids = self.slots.apply(step, v, resolve=not graph)
         grammar_work = self.slots.start_grammar(step)
-        if self.drafter is not None:  # (a draft model's forward is never a graph)
+        if self.drafter is not None:  # (beside the CPU kernels: never a graph, ids resolved)
             assert ids is not None
             ids = self.drafter.propose(v, ids, self.slots.last_sampled, step.spec_width)
-            graph = False
         if graph:
             assert self.graphs is not None
             logits = self.graphs.run(step, packed, v["logits_indices"])

@@ -41,7 +41,7 @@ from stages.scheduler.block_allocator import BlockAllocator
 from stages.scheduler.metrics import RequestPhases, StepMetrics
 from stages.scheduler.planned import PlannedStep, StepRow
 from stages.scheduler.sequence import SeqStatus, Sequence
-from stages.scheduler.speculative import NgramState, Proposer, make_proposer
+from stages.scheduler.speculative import ProposalState, Proposer, make_proposer
 from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
 
 # One step of priority is worth this many tokens of other requests' work: a request of priority
@@ -449,9 +449,9 @@ class Scheduler:
             most = min(most, p.max_tokens - seq.num_outputs - 1)
         if most <= 0:
             return []
-        if seq.ngram is None:
-            seq.ngram = NgramState()
-        drafts = self.proposer.propose(seq.ngram, seq.prompt_ids, seq.output_ids,
+        if seq.proposal is None:
+            seq.proposal = ProposalState()
+        drafts = self.proposer.propose(seq.proposal, seq.prompt_ids, seq.output_ids,
                                        seq.num_pending, most)
         if not drafts:
             return []
@@ -738,8 +738,8 @@ class Scheduler:
         self.spec_num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.spec_accepted_per_pos[pos] += 1
-        if seq.ngram is not None:
-            Proposer.record(seq.ngram, num_accepted)
+        if seq.proposal is not None:
+            Proposer.record(seq.proposal, num_accepted)
 
     def _take_prompt_logprobs(self, step: PlannedStep, scored: PromptLogprobs) -> None:
         lps, ranks, top_ids, top_lps = scored

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ipc.messages import FinishReason, SamplingParams, TokenLogprob
 from stages.scheduler.block_allocator import BlockKey
-from stages.scheduler.speculative import NgramState
+from stages.scheduler.speculative import ProposalState
 
 
 class SeqStatus(enum.Enum):
@@ -77,10 +77,10 @@ class Sequence:
     num_plp_planned: int = 0
     plp_sent: bool = False
     error: str | None = None  # why it finished with an error, if it did
-    # Speculative decoding: its n-gram index and back-off (made on its first proposal), and
+    # Speculative decoding: its back-off and n-gram index (made on its first proposal), and
     # its steps in flight that carry drafts (while one is, it is not planned again: how many
     # tokens stand is not known yet, so neither is where the next one goes)
-    ngram: NgramState | None = None
+    proposal: ProposalState | None = None
     num_drafted_inflight: int = 0
     # With a draft model: whether the executor's draft model keeps its KV, so that it may
     # draft (decided as it takes its slot)

@@ -26,8 +26,8 @@ MAX_SKIP = 64
 
 
 @dataclass
-class NgramState:
-    """One sequence's n-gram index (n-gram proposals) and back-off (either proposer)."""
+class ProposalState:
+    """One sequence's back-off (either proposer) and n-gram index (n-gram proposals)."""
 
     tokens: list[int] = field(default_factory=list)  # its known tokens, as indexed
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> latest end
@@ -38,17 +38,30 @@ class NgramState:
 
 class Proposer:
     """What the scheduler asks of a proposer: `propose` drafts for a sequence, `record` a
-    drafted row's result (a sequence whose drafts keep missing backs off)."""
+    drafted row's result (a sequence whose drafts keep missing backs off: both proposers
+    share it; each says what it proposes in `_drafts`)."""
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
 
-    def propose(self, state: NgramState, prompt: list[int], outputs: list[int],
+    def propose(self, state: ProposalState, prompt: list[int], outputs: list[int],
+                num_pending: int, max_drafts: int) -> list[int]:
+        """Up to max_drafts tokens to follow a sequence whose known tokens are its prompt
+        and the outputs seen so far, with num_pending tokens still being sampled; none
+        while it backs off."""
+        if max_drafts <= 0:
+            return []
+        if state.skip:
+            state.skip -= 1
+            return []
+        return self._drafts(state, prompt, outputs, num_pending, max_drafts)
+
+    def _drafts(self, state: ProposalState, prompt: list[int], outputs: list[int],
                 num_pending: int, max_drafts: int) -> list[int]:
         raise NotImplementedError
 
     @staticmethod
-    def record(state: NgramState, num_accepted: int) -> None:
+    def record(state: ProposalState, num_accepted: int) -> None:
         """A drafted row's result: back off after misses, start over after a hit."""
         if num_accepted:
             state.misses = 0
@@ -62,35 +75,21 @@ def make_proposer(cfg: SpeculativeConfig) -> Proposer:
 
 
 class DraftModelProposer(Proposer):
-    """max_drafts placeholders, which the executor's draft model fills (unless backing off)."""
+    """max_drafts placeholders, which the executor's draft model fills."""
 
-    def propose(self, state: NgramState, prompt: list[int], outputs: list[int],
+    def _drafts(self, state: ProposalState, prompt: list[int], outputs: list[int],
                 num_pending: int, max_drafts: int) -> list[int]:
-        if max_drafts <= 0:
-            return []
-        if state.skip:
-            state.skip -= 1
-            return []
         return [DRAFT_TOKEN] * max_drafts
 
 
 class NgramProposer(Proposer):
-    def __init__(self, cfg: SpeculativeConfig) -> None:
-        self.cfg = cfg
-
-    def propose(self, state: NgramState, prompt: list[int], outputs: list[int],
+    def _drafts(self, state: ProposalState, prompt: list[int], outputs: list[int],
                 num_pending: int, max_drafts: int) -> list[int]:
-        """Up to max_drafts tokens to follow a sequence whose known tokens are its prompt and
-        the outputs seen so far (new ones since the last call join the index) and which has
-        num_pending tokens still being sampled: the continuation of the longest matching
-        n-gram, past the pending tokens it presumably predicts. A continuation that runs out
-        (its occurrence was near the end) is continued by looking up again, as if what it
-        predicted were known: a repeating pattern is followed past its last repetition."""
-        if max_drafts <= 0:
-            return []
-        if state.skip:
-            state.skip -= 1
-            return []
+        """The outputs seen so far (new ones since the last call join the index) and the
+        continuation of the longest matching n-gram, past the pending tokens it presumably
+        predicts. A continuation that runs out (its occurrence was near the end) is
+        continued by looking up again, as if what it predicted were known: a repeating
+        pattern is followed past its last repetition."""
         self._extend(state, prompt, outputs)
         want = num_pending + max_drafts
         ahead: list[int] = []  # predicted past the known tokens: the pending, then drafts
@@ -101,7 +100,7 @@ class NgramProposer(Proposer):
             ahead += more
         return ahead[num_pending:]
 
-    def _continuation(self, state: NgramState, ahead: list[int], most: int) -> list[int]:
+    def _continuation(self, state: ProposalState, ahead: list[int], most: int) -> list[int]:
         """What followed the latest earlier occurrence of the longest suffix (N down to M
         tokens) of the known tokens followed by `ahead`; at most `most` tokens."""
         tokens, cfg = state.tokens, self.cfg
@@ -115,7 +114,7 @@ class NgramProposer(Proposer):
                     return more
         return []
 
-    def _extend(self, state: NgramState, prompt: list[int], outputs: list[int]) -> None:
+    def _extend(self, state: ProposalState, prompt: list[int], outputs: list[int]) -> None:
         """Index the n-grams ending before the last known token (the last one is what a
         lookup matches; its own occurrence must not answer it)."""
         tokens = state.tokens
