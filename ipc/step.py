@@ -41,6 +41,7 @@ def step_input_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
         BufferSpec("num_draft", "int32", (s,)),
         # ... with a draft model: the draft model keeps the row's KV (runs its tokens too)
         BufferSpec("draft_kv", "bool", (s,)),
+        BufferSpec("last_drafts", "bool", (s,)),
         BufferSpec("bt_slot", "int32", (u,)),  # block_table[slot, index] = block
         BufferSpec("bt_index", "int32", (u,)),
         BufferSpec("bt_block", "int32", (u,)),
@@ -150,7 +151,8 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
                grammars: list[SlotGrammar] | None = None,
                prompt_logprobs: list[tuple[int, int]] | None = None,
                num_drafts: list[int] | None = None,
-               draft_kv: list[bool] | None = None) -> StepPlan:
+               draft_kv: list[bool] | None = None,
+               last_drafts: list[bool] | None = None) -> StepPlan:
     """Lay a step's bulk inputs into ring slot `buf`; returns the plan that names them. The
     stamp brackets the write, so a reader can tell a slot that is being rewritten."""
     buf["stamp"][0] = step_id
@@ -162,6 +164,7 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
     buf["do_sample"][:num_seqs] = do_sample
     buf["num_draft"][:num_seqs] = num_drafts if num_drafts is not None else 0
     buf["draft_kv"][:num_seqs] = draft_kv if draft_kv is not None else False
+    buf["last_drafts"][:num_seqs] = last_drafts if last_drafts is not None else False
     if block_updates:
         updates = np.asarray(block_updates, dtype=np.int32)  # [n, 3]: slot, index, block
         n = len(updates)
@@ -192,6 +195,7 @@ class StepInputs:
     do_sample: np.ndarray  # [S] bool
     num_draft: np.ndarray  # [S] proposed tokens at the end of each row
     draft_kv: np.ndarray  # [S] bool: the draft model keeps the row's KV
+    last_drafts: np.ndarray  # [S] bool: if all stand, the row's sequence may draft no more
     bt_slot: np.ndarray  # [U]
     bt_index: np.ndarray  # [U]
     bt_block: np.ndarray  # [U]
@@ -216,7 +220,7 @@ def read_step(buf: dict[str, np.ndarray], plan: StepPlan) -> StepInputs:
     inputs = StepInputs(
         ints("input_ids", plan.num_tokens), ints("seq_slot", s), ints("query_len", s),
         ints("context_len", s), buf["do_sample"][:s].copy(), ints("num_draft", s),
-        buf["draft_kv"][:s].copy(), ints("bt_slot", u),
+        buf["draft_kv"][:s].copy(), buf["last_drafts"][:s].copy(), ints("bt_slot", u),
         ints("bt_index", u), ints("bt_block", u), ints("new_slot", n),
         buf["new_fparams"][:n].copy(), ints("new_iparams", n), ints("stop_slot", m),
         ints("stop_id", m), ints("plp_index", plan.num_prompt_logprobs),

@@ -84,6 +84,7 @@ class InProcessEngine:
                 inflight.append((step.step_id, out))
             if not inflight:
                 raise RuntimeError("the scheduler has requests but planned no step")
+            self.runner.work_ahead(lambda: False)  # (as a device does while no plan came)
             step_id, out = inflight.popleft()
             self.scheduler.on_sampled(step_id, out.tokens.tolist(), logprobs_lists(out),
                                       prompt_lists(out),

@@ -385,6 +385,36 @@ def test_rejected_drafts_give_back_the_blocks_only_they_filled() -> None:
     driver.check_idle()
 
 
+def test_a_draft_models_row_holds_the_block_its_last_sample_lands_in() -> None:
+    """A draft model's row also holds the position after its drafts, and a roll-back keeps
+    the block of the position where the row's last sample lands: the executor's draft
+    passes run ahead of the next plan in that block (drafter.work_ahead). A row whose
+    drafts, if all stand, reach max_tokens says so (no passes run ahead after it)."""
+    from ipc.config import EngineLimits
+    from ipc.messages import TokenizedRequest
+    from stages.scheduler.core import Scheduler
+
+    limits = EngineLimits(4, 64, 4, 64, 1000, (), 2, num_speculative_tokens=3)
+    core = Scheduler(limits, 16, speculative=SpeculativeConfig("draft", 3, model="draft"))
+    core.add_request(TokenizedRequest("a", "", [11, 12, 13, 14],
+                                      SamplingParams(max_tokens=10, temperature=0), 0.0))
+    prefill = core.schedule()  # positions 0-3 (blocks of 4)
+    decode = core.schedule()  # its sample at 4 (a placeholder), 3 drafts at 5-7
+    assert prefill is not None and decode is not None and core.schedule() is None
+    (row,) = decode.rows
+    seq = row.seq
+    assert row.num_draft == 3 and row.draft_kv and not row.last_drafts
+    assert len(seq.blocks) == 3  # and position 8, where the last sample lands if all stand
+    core.on_sampled(prefill.step_id, [20])
+    core.on_sampled(decode.step_id, [21, 22, 23, 24], accepted=[4])  # all stand
+    assert seq.num_computed == 8 and seq.output_ids == [20, 21, 22, 23, 24]
+    assert len(seq.blocks) == 3  # position 8's block is kept (KV up to 7 is in)
+    nxt = core.schedule()
+    assert nxt is not None
+    (row,) = nxt.rows
+    assert row.num_draft == 3 and row.last_drafts  # 5 + 4 outputs: the 10th undrafted
+
+
 # ---------------------------------------------------------------- the model, in process
 
 
@@ -527,6 +557,28 @@ def test_a_draft_models_cache_keeps_step_with_the_models(engines: tuple,
     s = spec.scheduler
     assert s.num_preemptions > 0 and s.spec_num_draft_tokens > 100
     assert s.spec_num_accepted_tokens >= 0.97 * s.spec_num_draft_tokens
+
+
+def test_draft_passes_run_ahead_of_the_plan_and_change_no_output(
+        engines: tuple, default_model_dir: Path) -> None:
+    """While the scheduler waits for a drafted row's verification (the device would idle),
+    the executor runs the next step's draft passes already (drafter.work_ahead), and that
+    step takes them when its first pass is the one run ahead. One request at a time, the
+    model drafting for itself in float32: outputs are the model's and drafts stand but for
+    ties (what the passes run ahead wrote kept the caches in step); the drafted steps after
+    each request's first take passes run ahead (the scheduler holds the block where a row's
+    last sample lands, so none stops at a block's end); none are run after a row that ends
+    its sequence (an end token, or max_tokens)."""
+    plain_engine, _, prompts, tok = engines
+    spec = draft_engine(default_model_dir, 80, max_num_batched_tokens=512)
+    asks = [*prompts, tok("Write a poem about rain.")["input_ids"]]
+    for ask, n in zip(asks, (50, 37, 61, 45), strict=True):
+        greedy = SamplingParams(max_tokens=n, temperature=0)
+        assert spec.generate([ask], greedy) == plain_engine.generate([ask], greedy)
+    s, drafter = spec.scheduler, spec.runner.drafter
+    assert s.spec_num_accepted_tokens >= 0.97 * s.spec_num_draft_tokens
+    assert drafter.num_ahead_taken >= s.spec_num_drafts - len(asks)
+    assert drafter.num_ahead == drafter.num_ahead_taken
 
 
 def test_a_draft_model_that_mostly_misses_changes_no_output(

@@ -184,7 +184,9 @@ class CpuDevice:
                     return
                 start = now_ns()
                 out = self.runner.compute(step, step.packed)
-                self._done.put((step, out, start, now_ns()))
+                self._done.put((step, out, out.began_ns or start, now_ns()))
+                if self._queue.empty():  # no step to run next yet: run what it will want
+                    self.runner.work_ahead(lambda: not self._queue.empty())
         finally:
             self._done.put(None)
 

@@ -15,9 +15,23 @@ block table serves both), so the scheduler's blocks, prefix cache and roll-back 
   written (no pass ran on it), and this writes it; otherwise it rewrites what is there.
 Positions past a row's stood tokens hold stale draft KV, as the target's do; each is written
 again before anything reads it.
+
+Ahead of a plan (`work_ahead`): after a step with drafted rows, while the scheduler learns
+what stood and plans the next step (the device would idle: it cannot plan a drafted
+sequence before its drafts are verified), the passes that step will want are run already,
+from what the device holds: each drafted row's last sample at its known position, led by
+the token before it. Only positions in the block that holds the row's last computed position
+are written (that block is the sequence's for as long as it lives, and its table entry stays
+as it is), so the passes stop at that block's end. The next step takes them when its pass 1
+is exactly the one run ahead (the same rows, slots and positions: a decode row each, with
+drafts) and resumes the passes where they stopped; otherwise they are dropped, and what they
+wrote is rewritten before it is read, as above.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,6 +42,7 @@ from stages.executor.backends.base import ForwardTables, StepRows
 from stages.executor.model import PagedLlama
 from stages.executor.sampler import SampleOutput
 from stages.executor.staging import PackedField, per_sampled, per_seq
+from stages.trace import now_ns
 
 PREV_TOKEN = -3  # in pass 1's ids: the token before the slot's last sample
 
@@ -45,6 +60,16 @@ DRAFT_FIELDS = (
     PackedField("draft_last", "int64", per_seq),  # [R] each drafted row's last, in pass 1
     PackedField("spec_at", "int64", per_sampled),  # [R, K] each draft's index in input_ids
 )
+
+
+@dataclass
+class Ahead:
+    """Draft passes run before their step's plan came (Drafter.work_ahead): the pass 1 they
+    ran, the drafts [R] of each pass after it, and when they began."""
+
+    pass1: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # ids, pos, slots, last
+    drafts: list[torch.Tensor]
+    began_ns: int
 
 
 class Drafter:
@@ -66,6 +91,16 @@ class Drafter:
         # Host: whether a slot sampled since it was taken (prev holds its token), as of the
         # step last prepared; the device runs steps in the order they are prepared.
         self._has_prev = np.zeros(n + 1, dtype=bool)
+        # The drafted rows of the step computed last (slots, position of each row's last
+        # known token, positions that stood), and the passes run ahead of the next step.
+        self._drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._accepted: torch.Tensor | None = None
+        self._ahead: Ahead | None = None
+        self._eos = (torch.tensor(limits.eos_token_ids, device=device)
+                     if limits.eos_token_ids else None)
+        self._ended = False  # an end token among the last step's samples or inputs
+        self.began_ns: int | None = None  # the step last proposed for began ahead, then
+        self.num_ahead = self.num_ahead_taken = 0  # passes run ahead of a step; taken by it
 
     # ------------------------------------------------------------ host
 
@@ -80,26 +115,37 @@ class Drafter:
     # ------------------------------------------------------------ device
 
     def propose(self, v: dict[str, torch.Tensor], ids: torch.Tensor, last_sampled: torch.Tensor,
-                width: int) -> torch.Tensor:
+                width: int, last_drafts: bool = False) -> torch.Tensor:
         """Run the draft passes of a step whose drafted rows carry up to `width` placeholders;
         returns the step's input ids with the drafts written in, and sets v["spec_draft"] to
-        them (-1 past a row's own), as the verification reads it."""
+        them (-1 past a row's own), as the verification reads it. last_drafts: if a row's drafts
+        all stand, its sequence may draft no more (no passes are run ahead of the next step)."""
+        ahead, self._ahead, self._drafted = self._ahead, None, None
+        self.began_ns = None
         slots, d_ids = v["draft_slots"], v["draft_ids"]
         if not len(d_ids):  # (no row's KV is the draft model's)
             return ids
+        positions, last = v["draft_positions"], v["draft_last"]
         resolved = torch.where(d_ids == -1, last_sampled[slots],
                                torch.where(d_ids == PREV_TOKEN, self.prev[slots], d_ids))
-        positions, last = v["draft_positions"], v["draft_last"]
-        logits = self._forward(resolved, slots, positions, last)
-        if not width:
-            return ids
+        if ahead is not None and width and _same_pass(ahead.pass1, (resolved, positions, slots,
+                                                                    last)):
+            drafts = ahead.drafts[:width]
+            self.began_ns = ahead.began_ns
+            self.num_ahead_taken += 1
+        else:
+            logits = self._forward(resolved, slots, positions, last)
+            if not width:
+                return ids
+            drafts = [logits.argmax(dim=-1)]
         own = v["spec_draft"].view(-1, width) == DRAFT_TOKEN  # [R, K]
         num_own = own.sum(dim=1)
         rows = torch.arange(len(last), device=ids.device)
         start, row_slots = positions[last], v["spec_slots"]
-        token = logits.argmax(dim=-1)
-        drafts = [token]
-        for i in range(1, width):
+        if not last_drafts:  # (else the next step most likely runs none of these rows)
+            self._drafted = (row_slots.clone(), start.clone(), num_own)  # (staging views)
+        token = drafts[-1]
+        for i in range(len(drafts), width):
             # draft i at its position; past a row's own drafts, at its last draft's (a
             # position written once more before anything reads it: see the module's doc)
             token = self._forward(token, row_slots, start + torch.clamp(num_own, max=i),
@@ -112,6 +158,45 @@ class Drafter:
         ids[at] = torch.where(own, proposed, ids[at])
         return ids
 
+    def work_ahead(self, last_sampled: torch.Tensor, came: Callable[[], bool]) -> bool:
+        """Run the draft passes of the next step before its plan comes (see the module's
+        doc), for the rows that drafted in the step computed last, until `came()` says a
+        step came (that step resumes them, or drops them if it is another). False when
+        there is nothing to run: no drafted rows, or a row's last sample starts a block."""
+        drafted, self._drafted = self._drafted, None
+        accepted, self._accepted = self._accepted, None
+        if drafted is None or accepted is None or self._ahead is not None:
+            return False
+        began = now_ns()
+        slots, start, _ = drafted
+        if self._ended:
+            return False  # (a row that sampled an end token most likely ended)
+        at = start + accepted.long()  # each row's last sample's position
+        bs = self.limits.block_size
+        # positions at and after it left in its block (the scheduler holds that block for
+        # a draft model's row: core.py _drafts), and in the model's context
+        most = min(int((bs - at % bs).min()),
+                   int((self.limits.max_model_len - at).min()),
+                   self.limits.num_speculative_tokens)
+        if most < 1:
+            return False
+        r = len(slots)
+        ids = torch.stack([self.prev[slots], last_sampled[slots]], dim=1).view(-1)
+        positions = torch.stack([at - 1, at], dim=1).view(-1)
+        pass_slots = slots.repeat_interleave(2)
+        last = torch.arange(1, 2 * r, 2, device=at.device)
+        token = self._forward(ids, pass_slots, positions, last).argmax(dim=-1)
+        drafts = [token]
+        rows = torch.arange(r, device=at.device)
+        for i in range(1, most):
+            if came():
+                break
+            token = self._forward(token, slots, at + i, rows).argmax(dim=-1)
+            drafts.append(token)
+        self._ahead = Ahead((ids, positions, pass_slots, last), drafts, began)
+        self.num_ahead += 1
+        return True
+
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  wanted: torch.Tensor) -> torch.Tensor:
         meta = self.backend.metadata({"token_slots": slots, "positions": positions}, None)
@@ -123,10 +208,19 @@ class Drafter:
         sampled it (a drafted row: the input at its last standing position)."""
         inputs = v["logits_indices"]
         self.prev[v["sample_slots"]] = ids[inputs]
+        self._accepted = out.accepted
+        if self._eos is not None:  # (an end token sampled, or one fed in: a row planned
+            # before the sample it follows was known, which ended the sequence)
+            stood = out.tokens if out.stands is None else out.tokens[out.stands]
+            self._ended = bool(torch.isin(torch.cat([stood, ids[inputs]]), self._eos).any())
         if width and out.accepted is not None:
             where = v["spec_sampled"].view(-1, width + 1)
             last = where.gather(1, (out.accepted.long() - 1).unsqueeze(1)).squeeze(1)
             self.prev[v["spec_slots"]] = ids[inputs[last]]
+
+
+def _same_pass(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def first_pass(rows: StepRows, num_draft: np.ndarray, do_sample: np.ndarray,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -61,6 +62,8 @@ class Runner(Protocol):
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep: ...
 
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput: ...
+
+    def work_ahead(self, came: Callable[[], bool]) -> None: ...
 
 
 def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -> int:
@@ -328,7 +331,8 @@ class ModelRunner:
         grammar_work = self.slots.start_grammar(step)
         if self.drafter is not None:  # (beside the CPU kernels: never a graph, ids resolved)
             assert ids is not None
-            ids = self.drafter.propose(v, ids, self.slots.last_sampled, step.spec_width)
+            ids = self.drafter.propose(v, ids, self.slots.last_sampled, step.spec_width,
+                                       step.last_drafts)
         if graph:
             assert self.graphs is not None
             logits = self.graphs.run(step, packed, v["logits_indices"])
@@ -347,11 +351,20 @@ class ModelRunner:
         out = self.slots.sample(step, v, logits[:num_sampled], grammar_work)
         if self.drafter is not None:
             self.drafter.keep_prev(v, ids, out, step.spec_width)
+            out.began_ns = self.drafter.began_ns
         if self.tp is not None:  # what the other ranks keep as these slots' last samples
             self.tp.broadcast(self.slots.last_sampled[v["sample_slots"]])
         if num_scored:
             out.prompt = score_prompt(logits[num_sampled:], v["plp_targets"])
         return out
+
+    @torch.inference_mode()
+    def work_ahead(self, came: Callable[[], bool]) -> None:
+        """Device work the next step will want, done before its plan comes (the device has
+        nothing else to run), until `came()` says a step came: the draft model's passes
+        of rows that drafted last step."""
+        if self.drafter is not None:
+            self.drafter.work_ahead(self.slots.last_sampled, came)
 
     def _follow(self, v: dict[str, torch.Tensor]) -> SampleOutput:
         assert self.tp is not None
@@ -414,5 +427,8 @@ class TimedRunner:
         self.slots.keep_last(step, v, out)
         time.sleep((self.a_ms + self.b_ms * step.num_tokens) / 1000)
         return out
+
+    def work_ahead(self, came: Callable[[], bool]) -> None:
+        """(Nothing: an instrument's steps have no work to run ahead.)"""
 
     execute = ModelRunner.execute

@@ -85,6 +85,7 @@ class SampleOutput:
     prompt: PromptScores | None = None  # the step's prompt logprobs, if its plan asks
     accepted: torch.Tensor | None = None  # [R] int32: positions that stand, per row with drafts
     stands: torch.Tensor | None = None  # [X] bool: whether each sampled position stands
+    began_ns: int | None = None  # its device work began before it came (drafts run ahead)
 
 
 class SamplingState:

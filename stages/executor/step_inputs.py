@@ -37,6 +37,7 @@ class HostStep:
     new_slots: np.ndarray  # [N] slots taken by a new sequence this step
     spec_width: int = 0  # the most drafts a row of this step carries (0: none)
     drafts: dict[int, list[int]] | None = None  # slot -> its row's drafts, if any
+    last_drafts: bool = False  # a drafted row's sequence, if all stand, may draft no more
 
     @property
     def num_tokens(self) -> int:
@@ -95,7 +96,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
             arrays["spec_slots"].tolist(), arrays["spec_draft"].tolist(), strict=True)}
     return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling,
                     bool((q == 1).all()), arrays["sample_slots"], step.new_slots,
-                    spec_width, drafts)
+                    spec_width, drafts, bool((step.last_drafts & (step.num_draft > 0)).any()))
 
 
 def _speculative_rows(input_ids: np.ndarray, slots: np.ndarray, ends: np.ndarray,

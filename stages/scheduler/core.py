@@ -396,7 +396,8 @@ class Scheduler:
         seq.num_computed = start + num_new + len(drafts)
         do_sample = seq.num_computed >= num_tokens
         step.rows.append(StepRow(seq, tokens + drafts, seq.num_computed, do_sample,
-                                 len(drafts), seq.draft_model_kv))
+                                 len(drafts), seq.draft_model_kv,
+                                 bool(drafts) and self._last_drafts(seq, len(drafts))))
         step.num_tokens += num_new + len(drafts)
         if do_sample:
             seq.num_pending += 1 + len(drafts)
@@ -405,6 +406,15 @@ class Scheduler:
             self.spec_num_drafts += 1
             self.spec_num_draft_tokens += len(drafts)
         return num_new + len(drafts)
+
+    def _last_drafts(self, seq: Sequence, num_drafts: int) -> bool:
+        """Whether, if a row's drafts all stand, seq has no room to draft again (its
+        max_tokens or the context; _drafts): the executor then runs no draft passes ahead
+        of the next step (drafter.py)."""
+        after = 1 + num_drafts + 1  # the row's samples, and the next row's one
+        max_tokens = seq.params.max_tokens
+        return (seq.num_tokens + after >= self.max_len
+                or (max_tokens is not None and seq.num_outputs + after >= max_tokens))
 
     def _draft_model_kv(self, seq: Sequence) -> bool:
         """Whether the draft model keeps the KV of seq, which takes its slot now: one that
@@ -455,8 +465,11 @@ class Scheduler:
                                        seq.num_pending, most)
         if not drafts:
             return []
-        # KV room: the blocks it holds, and free ones (never a preemption)
-        end = seq.num_tokens + len(drafts)
+        # KV room: the blocks it holds, and free ones (never a preemption). A draft model's
+        # row holds the position after its drafts too (where its last sample lands if all
+        # stand), whose block the executor's draft passes run ahead in (drafter.py).
+        bonus = int(cfg.is_draft_model)
+        end = seq.num_tokens + len(drafts) + bonus
         extra = self.allocator.blocks_for(end) - len(seq.blocks)
         if extra > 0:
             can = min(extra, self.allocator.num_free,
@@ -464,7 +477,7 @@ class Scheduler:
             for block in self.allocator.allocate(max(can, 0)) or []:
                 self._map_block(step, seq, block)
             drafts = drafts[:max(0, len(seq.blocks) * self.limits.block_size
-                                 - seq.num_tokens)]
+                                 - seq.num_tokens - bonus)]
         return drafts
 
     def _plan_prompt_logprobs(self, step: PlannedStep, seq: Sequence, start: int,
@@ -729,7 +742,8 @@ class Scheduler:
         """Forget the KV of a row's rejected drafts, and give back the blocks only they
         filled: nothing else in flight writes them (the sequence was not planned again)."""
         seq.num_computed -= num_rejected
-        keep = self.allocator.blocks_for(seq.num_computed)
+        # (a draft model's row: the block its last sample lands in too, see _drafts)
+        keep = self.allocator.blocks_for(seq.num_computed + int(seq.draft_model_kv))
         if len(seq.blocks) > keep and seq.status is not SeqStatus.FINISHED:
             self.allocator.free(seq.blocks[keep:][::-1])
             del seq.blocks[keep:]

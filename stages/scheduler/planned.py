@@ -20,6 +20,7 @@ class StepRow:
     do_sample: bool
     num_draft: int = 0  # its last tokens that are proposed, to be verified (speculation)
     draft_kv: bool = False  # the executor's draft model keeps the row's KV
+    last_drafts: bool = False  # if its drafts all stand, the sequence may draft no more
 
 
 @dataclass
@@ -59,4 +60,5 @@ class PlannedStep:
             context_lens=[r.context_len for r in rows], do_sample=[r.do_sample for r in rows],
             block_updates=self.block_updates, new_slots=self.new_slots, stop_ids=self.stop_ids,
             grammars=self.grammars, prompt_logprobs=self.prompt_logprobs,
-            num_drafts=[r.num_draft for r in rows], draft_kv=[r.draft_kv for r in rows])
+            num_drafts=[r.num_draft for r in rows], draft_kv=[r.draft_kv for r in rows],
+            last_drafts=[r.last_drafts for r in rows])
