@@ -507,6 +507,17 @@ class StageAlive(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class StageLeaving(Message):
+    """From a stage on another host that stops of its own accord (a signal, a death on its
+    host): gone now, rather than after REMOTE_SILENCE_S of silence; reason says why."""
+
+    TAG: ClassVar[int] = 22
+    stage: str
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class StageFailed(Message):
     """A stage is about to die; message says why."""
 
@@ -623,6 +634,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     SampledTokens,
     StageReady,
     StageAlive,
+    StageLeaving,
     StageFailed,
     SchedulerStats,
     PipelineStatus,

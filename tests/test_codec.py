@@ -37,6 +37,7 @@ from ipc.messages import (
     SchedulerStats,
     StageAlive,
     StageFailed,
+    StageLeaving,
     StageReady,
     StageRestarted,
     StepPlan,
@@ -97,6 +98,7 @@ SAMPLES: list[Message] = [
     Members(3, ["ipc:///tmp/r/scheduler.sock", "", "tcp://10.0.0.2:7001"], [], [""], [False]),
     Members(4, ["", "ipc:///s"], [], [], [], {"0": "executor:0 died, exit code -9: x"}),
     StageAlive("scheduler", 2),
+    StageLeaving("detokenizer", 1, "interrupted"),
     PipelineStatus(4.0, {"scheduler:2": True}, None, None, {}, [0, 0, 5], [True, False, True],
                    {"scheduler:2": "tcp://10.0.0.2:7002"}, True),
 ]

@@ -104,6 +104,11 @@ def test_each_stage_sees_the_others_where_it_can_reach_them(tmp_path: Path,
     _join(roster, "tokenizer")  # one whose report lacks its ports is not taken
     assert not roster.joined_ready("tokenizer", 1, {"tcp_port": 7200}, 3.0)
     assert roster.left() == ["detokenizer:2", "tokenizer:1"]
+    _join(roster, "detokenizer")  # one that says it stops is gone at once, not when silent
+    assert roster.joined_ready("detokenizer", 3, {"stage_port": 7101}, 4.0)
+    roster.said_leaving("detokenizer", 3, "interrupted")
+    (gone,) = roster.silent(4.1)
+    assert gone.name == "detokenizer:3" and gone.leaving == "interrupted"
 
 
 def test_a_worker_routes_to_an_engine_once_the_roster_names_it() -> None:
@@ -378,7 +383,7 @@ def capture(netns: str, out: Path) -> subprocess.Popen[str]:
 @pytest.mark.live
 def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
     """Stopping a joined stage (SIGTERM, as Ctrl-C or a service manager does) ends its
-    processes and the pipeline learns it is gone."""
+    processes and the pipeline learns it is gone, from the stage itself (StageLeaving)."""
     import psutil
 
     with running(_config(tiny_model_dir)) as pipe:
@@ -399,6 +404,8 @@ def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
             while time.monotonic() < deadline and "detokenizer:1" in pipe.status().stages:
                 time.sleep(0.2)
             assert pipe.status().left == ["detokenizer:1"]
+            # (it said so as it stopped: gone at once, not after REMOTE_SILENCE_S)
+            assert pipe.roster.members["detokenizer", 1].leaving == "interrupted"
             client = PipelineClient.connect(pipe.address, key=pipe.cfg.client_key)
             assert client.wait_for_status().ok  # healthy without it
             (out,) = client.generate([[3, 4, 5]], SamplingParams(max_tokens=3), timeout=30)

@@ -34,6 +34,7 @@ from ipc.messages import (
     SchedulerStats,
     StageAlive,
     StageFailed,
+    StageLeaving,
     StageReady,
     StageRestarted,
 )
@@ -112,7 +113,8 @@ class Pipeline:
         if keys is not None:
             curve.install(self._zmq, keys)
         self._control = PullChannel(self._zmq, self.cfg.control_address,
-                                    Codec([StageReady, StageFailed, SchedulerStats, StageAlive]),
+                                    Codec([StageReady, StageFailed, SchedulerStats, StageAlive,
+                                           StageLeaving]),
                                     bind=True, secret=self.cfg.run_secret)
         if self.cfg.accepts_stages:  # stages on other hosts report here
             port = curve.bind(self._control.socket, f"tcp://{self.cfg.listen_host}:0",
@@ -238,14 +240,14 @@ class Pipeline:
                 self._advance_restarts()
                 while not self._to_engines.empty():
                     links.to_engines(self._to_engines.get())
-                lost = [m.name for m in self.roster.silent(time.monotonic())
+                lost = [(m.name, m.leaving) for m in self.roster.silent(time.monotonic())
                         if not self._left(m, links)]
                 fatal = [name for name in dead if not self._survive(name, links)]
                 if (fatal or lost) and not self._stopping.is_set():
                     names = ", ".join([f"{name} (exit code {self.procs[name].exitcode})"
                                        for name in fatal]
-                                      + [f"{name} (joined from another host, gone silent)"
-                                         for name in lost])
+                                      + [f"{name} (joined from another host, "
+                                         f"{why or 'gone silent'})" for name, why in lost])
                     self.failure = f"stage {names} died: {self._failure_message}"
                     logger.error("%s; stopping the pipeline", self.failure)
                     status.send(Codec.encode(self.status()))
@@ -271,6 +273,8 @@ class Pipeline:
                 self.roster.seen("engine", msg.engine, now)
             elif isinstance(msg, StageAlive):
                 self.roster.seen(kind_of(msg.stage), msg.rank, now)
+            elif isinstance(msg, StageLeaving):
+                self.roster.said_leaving(kind_of(msg.stage), msg.rank, msg.reason)
             elif isinstance(msg, StageReady):
                 try:
                     self._ready(msg, links)
@@ -303,8 +307,12 @@ class Pipeline:
         """A stage that had joined from another host went silent (it stopped, or its host
         or the network failed): an engine is taken down; the roster no longer names it.
         False: it was the last engine serving (the pipeline fails, as when a local one is)."""
-        logger.error("%s (joined from another host) has not been heard from for %.0f s: it "
-                     "is gone", member.name, REMOTE_SILENCE_S)
+        if member.leaving:
+            logger.error("%s (joined from another host) stopped: %s", member.name,
+                         member.leaving)
+        else:
+            logger.error("%s (joined from another host) has not been heard from for %.0f s: "
+                         "it is gone", member.name, REMOTE_SILENCE_S)
         if member.kind != "engine" or not self.engines.alive[member.index]:
             self._tell_members(links)
             return True

@@ -34,6 +34,7 @@ from ipc.messages import (
     SchedulerStats,
     StageAlive,
     StageFailed,
+    StageLeaving,
     StageReady,
 )
 from ipc.model_info import model_fingerprint
@@ -114,6 +115,7 @@ class RemoteStage:
         self.supervisor = Supervisor(self.cfg)
         self.ready: dict[str, StageReady] = {}  # as the stages reported, to relay
         self.stop_reason = ""
+        self._launcher_said = False  # the stop came from the launcher (or its silence)
         self._stop = threading.Event()
         self._zmq = zmq.Context()
         keys = self.cfg.curve_keys()
@@ -195,7 +197,8 @@ class RemoteStage:
                 self.stop_reason = "the launcher counts this stage as gone"
         if not self.stop_reason and time.monotonic() - self._status_at > LAUNCHER_SILENCE_S:
             self.stop_reason = f"no word from the launcher for {LAUNCHER_SILENCE_S:.0f} s"
-        return bool(self.stop_reason)
+        self._launcher_said = bool(self.stop_reason)  # (it stops this stage, or is gone)
+        return self._launcher_said
 
     def _relay(self) -> None:
         while not self._stop.is_set():
@@ -222,6 +225,9 @@ class RemoteStage:
     def _stop_all(self, timeout: float = 10.0) -> None:
         if self.stop_reason:
             logger.warning("%s stops: %s", self.name, self.stop_reason)
+        if not self._launcher_said:  # it stops of its own accord: the pipeline learns it now
+            self._launcher.send(StageLeaving(stage_of(self.kind), self.joined.index,
+                                             self.stop_reason or "interrupted"))
         self.supervisor.stop(timeout)
         if self.kind == "engine":
             self.supervisor.unlink_rings([self.joined.index])

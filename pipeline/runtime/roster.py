@@ -66,6 +66,7 @@ class Member:
     ready: bool = False
     gone: bool = False
     last_seen: float = 0.0
+    leaving: str = ""  # a joined one said it stops, and why (StageLeaving)
 
     @property
     def name(self) -> str:
@@ -206,11 +207,17 @@ class Roster:
         if member is not None and member.joined:
             member.last_seen = max(member.last_seen, now)
 
+    def said_leaving(self, kind: str, index: int, why: str) -> None:
+        """A joined stage said it stops: the next `silent` counts it gone."""
+        member = self.members.get((kind, index))
+        if member is not None and member.joined and not member.gone:
+            member.leaving = why or "it stopped"
+
     def silent(self, now: float) -> list[Member]:
         """Joined members not heard from for REMOTE_SILENCE_S (or, before ready, within the
-        ready timeout): each is marked gone and the epoch moves on."""
+        ready timeout), or that said they stop: each is marked gone and the epoch moves on."""
         lost = [m for m in self.members.values() if m.joined and not m.gone
-                and now - m.last_seen > REMOTE_SILENCE_S]
+                and (m.leaving or now - m.last_seen > REMOTE_SILENCE_S)]
         for member in lost:
             self.leave(member)
         return lost
