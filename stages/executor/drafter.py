@@ -20,12 +20,13 @@ Ahead of a plan (`work_ahead`): after a step with drafted rows, while the schedu
 what stood and plans the next step (the device would idle: it cannot plan a drafted
 sequence before its drafts are verified), the passes that step will want are run already,
 from what the device holds: each drafted row's last sample at its known position, led by
-the token before it. Only positions in the block that holds the row's last computed position
-are written (that block is the sequence's for as long as it lives, and its table entry stays
-as it is), so the passes stop at that block's end. The next step takes them when its pass 1
-is exactly the one run ahead (the same rows, slots and positions: a decode row each, with
-drafts) and resumes the passes where they stopped; otherwise they are dropped, and what they
-wrote is rewritten before it is read, as above.
+the token before it. Only positions in the block where the row's last sample lands are
+written (the scheduler allocates a draft model's row up to there and keeps that block through
+roll-back; its table entry stays as it is), so the passes stop at that block's end. The next
+step takes them when its pass 1 is exactly the one run ahead (the same rows, slots, positions
+and tokens: a decode row each, with drafts) and resumes the passes where they stopped;
+otherwise they are dropped, and what they wrote is rewritten before it is read, as above. None
+are run after a row that ended its sequence or may draft no more (`last_drafts`).
 """
 
 from __future__ import annotations
@@ -92,14 +93,15 @@ class Drafter:
         # step last prepared; the device runs steps in the order they are prepared.
         self._has_prev = np.zeros(n + 1, dtype=bool)
         # The drafted rows of the step computed last (slots, position of each row's last
-        # known token, positions that stood), and the passes run ahead of the next step.
-        self._drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # known token) and how many of each row's positions stood; the passes run ahead of
+        # the next step.
+        self._drafted: tuple[torch.Tensor, torch.Tensor] | None = None
         self._accepted: torch.Tensor | None = None
         self._ahead: Ahead | None = None
         self._eos = (torch.tensor(limits.eos_token_ids, device=device)
                      if limits.eos_token_ids else None)
         self._ended = False  # an end token among the last step's samples or inputs
-        self.began_ns: int | None = None  # the step last proposed for began ahead, then
+        self.began_ns: int | None = None  # when the last step's passes began, if run ahead
         self.num_ahead = self.num_ahead_taken = 0  # passes run ahead of a step; taken by it
 
     # ------------------------------------------------------------ host
@@ -143,7 +145,7 @@ class Drafter:
         rows = torch.arange(len(last), device=ids.device)
         start, row_slots = positions[last], v["spec_slots"]
         if not last_drafts:  # (else the next step most likely runs none of these rows)
-            self._drafted = (row_slots.clone(), start.clone(), num_own)  # (staging views)
+            self._drafted = (row_slots.clone(), start.clone())  # (staging views)
         token = drafts[-1]
         for i in range(len(drafts), width):
             # draft i at its position; past a row's own drafts, at its last draft's (a
@@ -162,13 +164,13 @@ class Drafter:
         """Run the draft passes of the next step before its plan comes (see the module's
         doc), for the rows that drafted in the step computed last, until `came()` says a
         step came (that step resumes them, or drops them if it is another). False when
-        there is nothing to run: no drafted rows, or a row's last sample starts a block."""
+        there is nothing to run: no drafted rows, or one that ended (an end token)."""
         drafted, self._drafted = self._drafted, None
         accepted, self._accepted = self._accepted, None
         if drafted is None or accepted is None or self._ahead is not None:
             return False
         began = now_ns()
-        slots, start, _ = drafted
+        slots, start = drafted
         if self._ended:
             return False  # (a row that sampled an end token most likely ended)
         at = start + accepted.long()  # each row's last sample's position
