@@ -304,7 +304,7 @@ class Pipeline:
             self.engines.take_down(msg.rank)
 
     def _left(self, member: Member, links: Peers) -> bool:
-        """A stage that had joined from another host went silent (it stopped, or its host
+        """A stage that had joined from another host said it stops, or went silent (its host
         or the network failed): an engine is taken down; the roster no longer names it.
         False: it was the last engine serving (the pipeline fails, as when a local one is)."""
         if member.leaving:

@@ -92,15 +92,14 @@ class Drafter:
         # Host: whether a slot sampled since it was taken (prev holds its token), as of the
         # step last prepared; the device runs steps in the order they are prepared.
         self._has_prev = np.zeros(n + 1, dtype=bool)
-        # The drafted rows of the step computed last (slots, position of each row's last
-        # known token) and how many of each row's positions stood; the passes run ahead of
-        # the next step.
+        # The drafted rows of the step being computed (slots, position of each row's last
+        # known token); once verified, where the next step's passes start (slots, position
+        # of each row's last sample), unless a row ended; the passes run ahead of it.
         self._drafted: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._accepted: torch.Tensor | None = None
+        self._next: tuple[torch.Tensor, torch.Tensor] | None = None
         self._ahead: Ahead | None = None
         self._eos = (torch.tensor(limits.eos_token_ids, device=device)
                      if limits.eos_token_ids else None)
-        self._ended = False  # an end token among the last step's samples or inputs
         self.began_ns: int | None = None  # when the last step's passes began, if run ahead
         self.num_ahead = self.num_ahead_taken = 0  # passes run ahead of a step; taken by it
 
@@ -122,7 +121,7 @@ class Drafter:
         returns the step's input ids with the drafts written in, and sets v["spec_draft"] to
         them (-1 past a row's own), as the verification reads it. last_drafts: if a row's drafts
         all stand, its sequence may draft no more (no passes are run ahead of the next step)."""
-        ahead, self._ahead, self._drafted = self._ahead, None, None
+        ahead, self._ahead, self._drafted, self._next = self._ahead, None, None, None
         self.began_ns = None
         slots, d_ids = v["draft_slots"], v["draft_ids"]
         if not len(d_ids):  # (no row's KV is the draft model's)
@@ -165,15 +164,11 @@ class Drafter:
         doc), for the rows that drafted in the step computed last, until `came()` says a
         step came (that step resumes them, or drops them if it is another). False when
         there is nothing to run: no drafted rows, or one that ended (an end token)."""
-        drafted, self._drafted = self._drafted, None
-        accepted, self._accepted = self._accepted, None
-        if drafted is None or accepted is None or self._ahead is not None:
+        nxt, self._next = self._next, None
+        if nxt is None or self._ahead is not None:
             return False
         began = now_ns()
-        slots, start = drafted
-        if self._ended:
-            return False  # (a row that sampled an end token most likely ended)
-        at = start + accepted.long()  # each row's last sample's position
+        slots, at = nxt
         bs = self.limits.block_size
         # positions at and after it left in its block (the scheduler holds that block for
         # a draft model's row: core.py _drafts), and in the model's context
@@ -199,6 +194,15 @@ class Drafter:
         self.num_ahead += 1
         return True
 
+    def _ended(self, out: SampleOutput, fed: torch.Tensor) -> bool:
+        """Whether an end token stands among a step's samples, or was fed in (a row planned
+        before the sample it follows was known, which ended its sequence): a row most
+        likely ended, and no passes are run ahead of the next step."""
+        if self._eos is None:
+            return False
+        stood = out.tokens if out.stands is None else out.tokens[out.stands]
+        return bool(torch.isin(torch.cat([stood, fed]), self._eos).any())
+
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  wanted: torch.Tensor) -> torch.Tensor:
         meta = self.backend.metadata({"token_slots": slots, "positions": positions}, None)
@@ -210,11 +214,10 @@ class Drafter:
         sampled it (a drafted row: the input at its last standing position)."""
         inputs = v["logits_indices"]
         self.prev[v["sample_slots"]] = ids[inputs]
-        self._accepted = out.accepted
-        if self._eos is not None:  # (an end token sampled, or one fed in: a row planned
-            # before the sample it follows was known, which ended the sequence)
-            stood = out.tokens if out.stands is None else out.tokens[out.stands]
-            self._ended = bool(torch.isin(torch.cat([stood, ids[inputs]]), self._eos).any())
+        drafted, self._drafted = self._drafted, None
+        if drafted is not None and out.accepted is not None and not self._ended(out,
+                                                                                 ids[inputs]):
+            self._next = (drafted[0], drafted[1] + out.accepted.long())
         if width and out.accepted is not None:
             where = v["spec_sampled"].view(-1, width + 1)
             last = where.gather(1, (out.accepted.long() - 1).unsqueeze(1)).squeeze(1)

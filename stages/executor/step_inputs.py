@@ -96,7 +96,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
             arrays["spec_slots"].tolist(), arrays["spec_draft"].tolist(), strict=True)}
     return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling,
                     bool((q == 1).all()), arrays["sample_slots"], step.new_slots,
-                    spec_width, drafts, bool((step.last_drafts & (step.num_draft > 0)).any()))
+                    spec_width, drafts, bool(step.last_drafts.any()))
 
 
 def _speculative_rows(input_ids: np.ndarray, slots: np.ndarray, ends: np.ndarray,

@@ -408,13 +408,17 @@ class Scheduler:
         return num_new + len(drafts)
 
     def _last_drafts(self, seq: Sequence, num_drafts: int) -> bool:
-        """Whether, if a row's drafts all stand, seq has no room to draft again (its
-        max_tokens or the context; _drafts): the executor then runs no draft passes ahead
-        of the next step (drafter.py)."""
-        after = 1 + num_drafts + 1  # the row's samples, and the next row's one
-        max_tokens = seq.params.max_tokens
-        return (seq.num_tokens + after >= self.max_len
-                or (max_tokens is not None and seq.num_outputs + after >= max_tokens))
+        """Whether, if a row's drafts all stand, seq has no room to draft again: the
+        executor then runs no draft passes ahead of the next step (drafter.py)."""
+        return self._draft_room(seq, 1 + num_drafts) <= 0
+
+    def _draft_room(self, seq: Sequence, more: int = 0) -> int:
+        """The drafts seq's max_tokens and the context leave it room for (with `more` of
+        its tokens beyond those planned so far): each row also samples one token."""
+        room = self.max_len - (seq.num_tokens + more) - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - (seq.num_outputs + more) - 1)
+        return room
 
     def _draft_model_kv(self, seq: Sequence) -> bool:
         """Whether the draft model keeps the KV of seq, which takes its slot now: one that
@@ -454,9 +458,7 @@ class Scheduler:
             return []
         if self._over_draft_batch():
             return []  # (drafting stopped paying: ipc/speculative.py DRAFT_MAX_BATCH)
-        most = min(self.num_speculative_tokens, room, self.max_len - seq.num_tokens - 1)
-        if p.max_tokens is not None:
-            most = min(most, p.max_tokens - seq.num_outputs - 1)
+        most = min(self.num_speculative_tokens, room, self._draft_room(seq))
         if most <= 0:
             return []
         if seq.proposal is None:
