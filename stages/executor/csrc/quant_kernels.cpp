@@ -34,7 +34,9 @@
 // same pass.
 //
 // Work: tiles of 4 output rows by up to 4 tokens; the tiles split across torch's threads. A
-// weight byte is read once per 4 tokens; at one token (decode) the loop streams the weights.
+// weight byte is read once per 4 tokens; at one token (decode) the loop streams the weights,
+// and is bound by the memory's bandwidth (see tile: the prefetch distance, and int4's two
+// rows a vector).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -125,25 +127,18 @@ Activations quantize_activations(const T* x, int64_t m_rows, int64_t k, int64_t 
 // Bytes of one pair's chunk of a tile: the 4 rows' codes, then their d and mn (fp16 x 2 x 4).
 constexpr int64_t chunk_bytes(int bits) { return kRows * (bits == 8 ? kPair : kPair / 2) + 32; }
 
-// The 64 codes of one row of a chunk, in pair order, as unsigned bytes.
+// Where a chunk's scales go in a vector of the kernel's: d of the chunk's 4 rows (r0 b0, r0 b1,
+// r1 b0, ..., fp16) widened once to 8 floats, then each vector's lanes take their row's pair
+// b0, b1, b0, b1, ...: int8 has one row a vector; int4 rows 2v and 2v + 1 in the low and high
+// 8 lanes of vector v (see tile).
 template <int kBits>
-inline __m512i load_codes(const uint8_t* codes) {
-  if constexpr (kBits == 8) {
-    return _mm512_loadu_si512(codes);
-  } else {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(packed, low);                         // positions 0..31
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);   // 32..63
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+inline __m512i scale_lanes(int64_t vector) {
+  alignas(64) int32_t index[16];
+  for (int lane = 0; lane < 16; ++lane) {
+    const int64_t row = kBits == 8 ? vector : 2 * vector + lane / 8;
+    index[lane] = static_cast<int32_t>(2 * row + (lane & 1));
   }
-}
-
-// A row's two fp16 scales of the pair as its dot product's lanes: b0, b1, b0, b1, ...
-inline __m512 spread_scales(const uint8_t* d) {
-  int32_t bits;
-  std::memcpy(&bits, d, sizeof bits);
-  return _mm512_cvtph_ps(_mm256_set1_epi32(bits));
+  return _mm512_load_si512(index);
 }
 
 struct Weights {
@@ -151,42 +146,86 @@ struct Weights {
   int64_t n, pairs;
 };
 
+// Sum of lanes [8 half, 8 half + 8) of v.
+inline float reduce_half(__m512 v, int half) {
+  const __m256 h = half == 0 ? _mm512_castps512_ps256(v) : _mm512_extractf32x8_ps(v, 1);
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 s = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 // out[t][r] = y[m0 + t, 4 tile + r] without the bias, for T tokens.
+//
+// int8: a row's 64 codes of a pair are one vector, dotted with the pair's 64 activations.
+// int4: the 64 bytes of rows 2v and 2v + 1 are one load; their low nibbles are both rows'
+// positions 0..31 (row 2v in the low 32 bytes), their high nibbles positions 32..63. Dotted
+// with the activations' positions 0..31 and 32..63 each broadcast to both halves, the two
+// products sum into one vector whose low 8 lanes are row 2v's and high 8 lanes row 2v + 1's:
+// no shuffle to unpack, and one float rescale for two rows (the 30 layers and head at one
+// token: 4.0 -> 3.6 ms against a row a vector).
 template <int kBits, int T>
 void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0, float* out) {
   constexpr int64_t kChunk = chunk_bytes(kBits);
   constexpr int64_t kCodes = kBits == 8 ? kPair : kPair / 2;
-  constexpr int64_t kAhead = 6;  // chunks prefetched ahead (the stream runs past a tile's end)
+  constexpr int64_t kVectors = kBits == 8 ? kRows : kRows / 2;
+  // Bytes prefetched ahead into L2 on a tile's first pass over its tokens (the stream runs on
+  // past the tile's end; later passes find the tile in cache). Six chunks ahead into L1 (1.0 KB
+  // at 4 bits) was too near for DRAM's latency: at one token, 8 KB into L2 took int4's 30
+  // layers and head from 5.2 to 4.0 ms and int8's by ~10%, a stream then within ~10% of a
+  // loop that only loads the same bytes.
+  constexpr int64_t kAhead = 8192;
   const uint8_t* chunk = w.tiles + tile_index * w.pairs * kChunk;
-  __m512 acc[T][kRows];
+  __m512 acc[T][kVectors];
   __m256 offset[T];
   for (int t = 0; t < T; ++t) {
-    for (int64_t r = 0; r < kRows; ++r) acc[t][r] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < kVectors; ++v) acc[t][v] = _mm512_setzero_ps();
     offset[t] = _mm256_setzero_ps();
   }
+  __m512i lanes[kVectors];
+  for (int64_t v = 0; v < kVectors; ++v) lanes[v] = scale_lanes<kBits>(v);
   const __m512i zero = _mm512_setzero_si512();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t p = 0; p < a.pairs; ++p, chunk += kChunk) {
-    for (int64_t line = 0; line < kChunk; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * kChunk + line), _MM_HINT_T0);
-    __m512i codes[kRows];
-    __m512 scales[kRows];
-    for (int64_t r = 0; r < kRows; ++r) {
-      codes[r] = load_codes<kBits>(chunk + r * kCodes);
-      scales[r] = spread_scales(chunk + kRows * kCodes + 4 * r);
+    for (int64_t line = 0; m0 == 0 && line < kChunk; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead + line), _MM_HINT_T1);
+    const __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kRows * kCodes))));
+    __m512i low[kVectors], high[kVectors];  // int4: positions 0..31 and 32..63; int8: low
+    __m512 scales[kVectors];
+    for (int64_t v = 0; v < kVectors; ++v) {
+      const __m512i codes = _mm512_loadu_si512(chunk + 64 * v);
+      if constexpr (kBits == 8) {
+        low[v] = codes;
+      } else {
+        low[v] = _mm512_and_si512(codes, nibble);
+        high[v] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+      }
+      scales[v] = _mm512_permutexvar_ps(lanes[v], d);
     }
     // mn of the 4 rows (r0 b0, r0 b1, r1 b0, ...) times the blocks' sums of x
     const __m256 mins = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kRows * kCodes + 16)));
     for (int t = 0; t < T; ++t) {
       const int64_t at = (m0 + t) * a.kp + p * kPair;
-      const __m512i xh = _mm512_loadu_si512(a.hi.data() + at);
-      const __m512i xl = _mm512_loadu_si512(a.lo.data() + at);
+      const int8_t* xh = a.hi.data() + at;
+      const int8_t* xl = a.lo.data() + at;
       const __m512 xs = _mm512_loadu_ps(a.lanes.data() + ((m0 + t) * a.pairs + p) * 16);
-      for (int64_t r = 0; r < kRows; ++r) {
-        const __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, codes[r], xh), 8);
-        const __m512i dot = _mm512_dpbusd_epi32(high, codes[r], xl);
-        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales[r], xs),
-                                    acc[t][r]);
+      for (int64_t v = 0; v < kVectors; ++v) {
+        __m512i dot;
+        if constexpr (kBits == 8) {
+          const __m512i h = _mm512_dpbusd_epi32(zero, low[v], _mm512_loadu_si512(xh));
+          dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), low[v], _mm512_loadu_si512(xl));
+        } else {
+          const auto half = [](const int8_t* x) {
+            return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+          };
+          __m512i h = _mm512_dpbusd_epi32(zero, low[v], half(xh));
+          h = _mm512_dpbusd_epi32(h, high[v], half(xh + 32));
+          dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), low[v], half(xl));
+          dot = _mm512_dpbusd_epi32(dot, high[v], half(xl + 32));
+        }
+        acc[t][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales[v], xs),
+                                    acc[t][v]);
       }
       const float* sx = a.sx.data() + (m0 + t) * a.pairs * 2 + 2 * p;
       const __m256 sums = _mm256_castpd_ps(_mm256_set1_pd(*reinterpret_cast<const double*>(sx)));
@@ -196,8 +235,11 @@ void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0
   for (int t = 0; t < T; ++t) {
     alignas(32) float off[8];
     _mm256_store_ps(off, offset[t]);
-    for (int64_t r = 0; r < kRows; ++r)
-      out[t * kRows + r] = _mm512_reduce_add_ps(acc[t][r]) + off[2 * r] + off[2 * r + 1];
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float dot = kBits == 8 ? _mm512_reduce_add_ps(acc[t][r])
+                                   : reduce_half(acc[t][r / 2], static_cast<int>(r & 1));
+      out[t * kRows + r] = dot + off[2 * r] + off[2 * r + 1];
+    }
   }
 }
 
