@@ -16,14 +16,15 @@ from ipc.errors import ConfigError
 
 SOURCE_FILE = "gguf.json"
 # llama.cpp's block formats, by what they become (stages/executor/linear/gguf_blocks.py):
-# 4-bit blocks exactly, 8-bit blocks exactly (a K-quant's sub-block scale d·sc rounded to
-# fp16), or 8-bit blocks requantized from the values (Q6_K's 16-wide sub-blocks do not fit
-# one scale per 32).
+# 4-bit, 5-bit or 8-bit blocks exactly (a K-quant's sub-block scale d·sc rounded to fp16),
+# or 8-bit blocks requantized from the values (Q6_K's 16-wide sub-blocks do not fit one
+# scale per 32).
 AS_INT4 = ("Q4_0", "Q4_1", "Q4_K")
-AS_INT8 = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")
+AS_INT5 = ("Q5_0", "Q5_1", "Q5_K")
+AS_INT8 = ("Q8_0",)
 REQUANTIZED = ("Q6_K",)
 FLOATS = ("F32", "F16", "BF16")
-LOADED_TYPES = AS_INT4 + AS_INT8 + REQUANTIZED + FLOATS
+LOADED_TYPES = AS_INT4 + AS_INT5 + AS_INT8 + REQUANTIZED + FLOATS
 # Files of these architectures load; llama.cpp's converter permutes the q and k rows of
 # "llama" (Llama, Mistral, SmolLM) for its rope, which loading undoes.
 ARCHITECTURES = ("llama", "qwen2", "qwen3")

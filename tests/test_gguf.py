@@ -16,7 +16,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ipc.errors import ConfigError
-from ipc.gguf_source import AS_INT4, AS_INT8, REQUANTIZED, check_tensors, hf_name
+from ipc.gguf_source import AS_INT4, AS_INT5, AS_INT8, REQUANTIZED, check_tensors, hf_name
 from ipc.messages import SamplingParams
 from pipeline.tools.gguf_export import export, permute_rows
 from pipeline.tools.model_source import resolve_model
@@ -49,9 +49,9 @@ def _file_blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", AS_INT4 + AS_INT8 + REQUANTIZED)
+@pytest.mark.parametrize("kind", AS_INT4 + AS_INT5 + AS_INT8 + REQUANTIZED)
 def test_blocks_hold_what_the_reference_dequantizes(kind: str) -> None:
-    """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 exactly; Q4_K/Q5_K up to one fp16 rounding of each sub-block's
+    """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 exactly (in 4, 8 and 5 bits); Q4_K/Q5_K up to one fp16 rounding of each sub-block's
     scale and minimum; Q6_K within half a step of the 8-bit blocks it is requantized to.
     K = 576 is not a multiple of 64 (a padding block) for the 32-wide types."""
     k = 512 if kind.endswith("_K") else 576
@@ -60,7 +60,8 @@ def test_blocks_hold_what_the_reference_dequantizes(kind: str) -> None:
         np.float32))
     q = gguf_blocks(data, kind, k)
     got = q.dequantize()
-    assert q.bits == (4 if kind in AS_INT4 else 8) and got.shape == want.shape == (6, k)
+    bits = 4 if kind in AS_INT4 else 5 if kind in AS_INT5 else 8
+    assert q.bits == bits and got.shape == want.shape == (6, k)
     mn = q.mn.float().repeat_interleave(32, dim=1)[:, :k].abs()
     if kind in ("Q4_K", "Q5_K"):
         assert ((got - want).abs() <= 2 ** -11 * (want.abs() + 2 * mn) + 1e-9).all()
@@ -72,7 +73,7 @@ def test_blocks_hold_what_the_reference_dequantizes(kind: str) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_0", "Q5_K"])
 def test_the_kernel_multiplies_converted_blocks(kind: str) -> None:
     data = _file_blocks(kind, 7, 512, seed=3)
     q = gguf_blocks(data, kind, 512)

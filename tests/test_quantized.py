@@ -18,29 +18,33 @@ from stages.executor import preflight
 from stages.executor.linear.quantized import (
     BLOCK,
     METHODS,
+    join_rows,
     kernel_missing,
+    quantize_blocks,
     quantize_int4,
     quantize_int8,
     reference_linear,
     tile_layout,
+    widen,
 )
 from stages.executor.linear.select import select_linear_method
 
 needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
                                   reason=f"quantized kernels: {kernel_missing()}")
-QUANTIZE = {8: quantize_int8, 4: quantize_int4}
+QUANTIZE = {8: quantize_int8, 5: lambda w: quantize_blocks(w, 5), 4: quantize_int4}
 
 
 def test_the_formats_are_the_configs() -> None:
     assert tuple(METHODS) == QUANTIZATIONS
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 5, 4])
 def test_blocks_round_each_weight_to_within_half_a_step(bits: int) -> None:
     w = torch.randn(5, 100) * torch.logspace(-3, 1, 100)  # blocks of very different scales
     q = QUANTIZE[bits](w)
     kp = 128  # 100 padded to a pair of blocks
-    assert q.codes.shape == (5, kp if bits == 8 else kp // 2) and q.d.shape == (5, kp // BLOCK)
+    per_pair = {8: 64, 5: 40, 4: 32}[bits]
+    assert q.codes.shape == (5, kp // 64 * per_pair) and q.d.shape == (5, kp // BLOCK)
     step = q.d.float().repeat_interleave(BLOCK, dim=1)[:, :100]
     # half a step, plus fp16's rounding of the block's scale times the code and of its minimum
     slack = (step * 2 ** bits + q.mn.float().abs().repeat_interleave(BLOCK, 1)[:, :100]) * 2 ** -11
@@ -50,13 +54,31 @@ def test_blocks_round_each_weight_to_within_half_a_step(bits: int) -> None:
 def test_a_zero_block_and_exact_int4_grids_are_exact() -> None:
     w = torch.zeros(2, 64)
     w[1, 32:] = torch.arange(32).remainder(16).float() * 0.5 - 1.0  # a Q4_1 grid: min -1, d 0.5
-    for bits in (8, 4):
+    for bits in (8, 5, 4):
         assert torch.equal(QUANTIZE[bits](w).dequantize()[0], w[0])
     assert torch.equal(quantize_int4(w).dequantize(), w)
 
 
+def test_parts_of_other_bits_join_at_the_widest_holding_the_same_values() -> None:
+    """q, k and v of a GGUF file may come in 4, 5 and 8 bits: each part widens exactly."""
+    gen = torch.Generator().manual_seed(3)
+    parts = {bits: QUANTIZE[bits](torch.randn(3 + bits, 100, generator=gen))
+             for bits in (4, 5, 8)}
+    for bits, narrow in parts.items():
+        for wider in (b for b in (4, 5, 8) if b >= bits):
+            assert torch.equal(widen(narrow, wider).dequantize(), narrow.dequantize())
+        if bits > 4:
+            with pytest.raises(ValueError, match="do not fit"):
+                widen(narrow, 4)
+    for group, want in (((4, 5), 5), ((4, 4), 4), ((5, 8, 4), 8)):
+        joined = join_rows([parts[b] for b in group])
+        assert joined.bits == want
+        assert torch.equal(joined.dequantize(),
+                           torch.cat([parts[b].dequantize() for b in group]))
+
+
 @needs_kernel
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 5, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(7, 576), (13, 1536), (5, 960), (33, 100)])
 def test_the_kernel_computes_its_reference(bits: int, dtype: torch.dtype, n: int,
@@ -86,7 +108,7 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
     t = tile_layout(q)  # 2 tiles of 288 bytes (one pair)
     x = torch.randn(2, 64)
     op = torch.ops.llm_cpu.quantized_linear
-    cases = [((x, t, None, 5, 6), "bits must be 8 or 4"),
+    cases = [((x, t, None, 6, 6), "bits must be 8, 5 or 4"),
              ((x, t, None, 4, 6), "not a whole number of 160-byte pairs"),
              ((x, t, None, 8, 9), "2 tiles of 4 rows for 9 outputs"),
              ((torch.randn(2, 200), t, None, 8, 6), "columns"),

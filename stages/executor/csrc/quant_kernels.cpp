@@ -1,9 +1,10 @@
 // Quantized linear layers of the CPU forward: y = x W^T (+ b) with W kept in blocks of 32
 // along K, each block an unsigned code per weight and two fp16 numbers, d and mn:
 //     w = d * code + mn
-// which holds llama.cpp's Q8_0 (code = q + 128, mn = -128 d), Q4_0 (mn = -8 d), Q4_1 (mn = m)
-// and, a sub-block each, Q4_K/Q5_K exactly (stages/executor/linear/gguf_blocks.py), and the
-// int8/int4 weights quantized at load (stages/executor/linear/quantized.py). Registered as
+// with codes of 8, 5 or 4 bits, which holds llama.cpp's Q8_0 (code = q + 128, mn = -128 d),
+// Q5_0 (mn = -16 d), Q5_1 and Q4_1 (mn = m), Q4_0 (mn = -8 d) and, a sub-block each, Q4_K and
+// Q5_K exactly (stages/executor/linear/gguf_blocks.py), and the int8/int4 weights quantized at
+// load (stages/executor/linear/quantized.py). Registered as
 // torch.ops.llm_cpu.quantized_linear; built with cpu_kernels.cpp by kernels.py.
 //
 // The activations are quantized on the fly per block of 32, in two int8 parts with one float
@@ -23,12 +24,15 @@
 // b1[4:8], ... so that the 16 int32 lanes of one pair's dot product (four values each)
 // alternate b0, b1, b0, b1: the pair's two fp16 scales, broadcast, are its lanes' scales.
 // int8 codes are 64 bytes in that order; int4 codes are 32 bytes, positions 0..31 in the low
-// nibbles and 32..63 in the high ones (a mask and a shift unpack them).
+// nibbles and 32..63 in the high ones (a mask and a shift unpack them); 5-bit codes are int4's
+// low four bits plus their fifth bits, a bit a position (a mask register adds 16 where set).
 //
 // The weight is one buffer in the order the kernel reads it ("tile-major"): tiles of 4 output
 // rows (N padded to a multiple of 4 with zero rows), and in each tile, pair after pair, a
-// chunk of the 4 rows' codes (4 x 64 or 4 x 32 bytes), their d (4 rows x 2 blocks, fp16) and
-// their mn (the same): 288 bytes a pair in int8, 160 in int4. A thread's tiles are then one
+// chunk of the 4 rows' codes (4 x 64 or 4 x 32 bytes), at 5 bits their fifth bits (per pair
+// of rows 2v, 2v + 1: a 64-bit mask of positions 0..31 of both rows, row 2v in the low 32
+// bits, then one of positions 32..63), their d (4 rows x 2 blocks, fp16) and their mn (the
+// same): 288 bytes a pair in int8, 192 at 5 bits, 160 in int4. A thread's tiles are then one
 // contiguous stream (the rows' separate streams of a row-major layout measured ~13 GB/s at one
 // token, against oneDNN's ~20 on its own packed layout), and the offset term is summed in the
 // same pass.
@@ -124,8 +128,15 @@ Activations quantize_activations(const T* x, int64_t m_rows, int64_t k, int64_t 
   return a;
 }
 
-// Bytes of one pair's chunk of a tile: the 4 rows' codes, then their d and mn (fp16 x 2 x 4).
-constexpr int64_t chunk_bytes(int bits) { return kRows * (bits == 8 ? kPair : kPair / 2) + 32; }
+// Bytes of one row's codes in a pair's chunk: 64 at 8 bits, 32 (the low four bits) at 4 and 5.
+constexpr int64_t code_bytes(int bits) { return bits == 8 ? kPair : kPair / 2; }
+// Bytes of 5-bit codes' fifth bits in a chunk: per pair of rows, two 64-bit masks.
+constexpr int64_t fifth_bytes(int bits) { return bits == 5 ? 32 : 0; }
+// Bytes of one pair's chunk of a tile: the 4 rows' codes, at 5 bits their fifth bits, then
+// their d and mn (fp16 x 2 x 4).
+constexpr int64_t chunk_bytes(int bits) {
+  return kRows * code_bytes(bits) + fifth_bytes(bits) + 32;
+}
 
 // Where a chunk's scales go in a vector of the kernel's: d of the chunk's 4 rows (r0 b0, r0 b1,
 // r1 b0, ..., fp16) widened once to 8 floats, then each vector's lanes take their row's pair
@@ -157,7 +168,7 @@ inline float reduce_half(__m512 v, int half) {
 // out[t][r] = y[m0 + t, 4 tile + r] without the bias, for T tokens.
 //
 // int8: a row's 64 codes of a pair are one vector, dotted with the pair's 64 activations.
-// int4: the 64 bytes of rows 2v and 2v + 1 are one load; their low nibbles are both rows'
+// int4 and 5 bits: the 64 bytes of rows 2v and 2v + 1 are one load; their low nibbles are both rows'
 // positions 0..31 (row 2v in the low 32 bytes), their high nibbles positions 32..63. Dotted
 // with the activations' positions 0..31 and 32..63 each broadcast to both halves, the two
 // products sum into one vector whose low 8 lanes are row 2v's and high 8 lanes row 2v + 1's:
@@ -166,7 +177,8 @@ inline float reduce_half(__m512 v, int half) {
 template <int kBits, int T>
 void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0, float* out) {
   constexpr int64_t kChunk = chunk_bytes(kBits);
-  constexpr int64_t kCodes = kBits == 8 ? kPair : kPair / 2;
+  constexpr int64_t kCodes = code_bytes(kBits);
+  constexpr int64_t kScales = kRows * kCodes + fifth_bytes(kBits);  // where d and mn start
   constexpr int64_t kVectors = kBits == 8 ? kRows : kRows / 2;
   // Bytes prefetched ahead into L2 on a tile's first pass over its tokens (the stream runs on
   // past the tile's end; later passes find the tile in cache). Six chunks ahead into L1 (1.0 KB
@@ -185,12 +197,13 @@ void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0
   for (int64_t v = 0; v < kVectors; ++v) lanes[v] = scale_lanes<kBits>(v);
   const __m512i zero = _mm512_setzero_si512();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi8(0x10);
   for (int64_t p = 0; p < a.pairs; ++p, chunk += kChunk) {
     for (int64_t line = 0; m0 == 0 && line < kChunk; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead + line), _MM_HINT_T1);
     const __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kRows * kCodes))));
-    __m512i low[kVectors], high[kVectors];  // int4: positions 0..31 and 32..63; int8: low
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kScales))));
+    __m512i low[kVectors], high[kVectors];  // 4, 5 bits: positions 0..31 and 32..63; 8: low
     __m512 scales[kVectors];
     for (int64_t v = 0; v < kVectors; ++v) {
       const __m512i codes = _mm512_loadu_si512(chunk + 64 * v);
@@ -199,12 +212,18 @@ void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0
       } else {
         low[v] = _mm512_and_si512(codes, nibble);
         high[v] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+        if constexpr (kBits == 5) {  // + 16 where the fifth bit is set
+          uint64_t fifth[2];
+          std::memcpy(fifth, chunk + kRows * kCodes + 16 * v, sizeof fifth);
+          low[v] = _mm512_mask_add_epi8(low[v], _cvtu64_mask64(fifth[0]), low[v], sixteen);
+          high[v] = _mm512_mask_add_epi8(high[v], _cvtu64_mask64(fifth[1]), high[v], sixteen);
+        }
       }
       scales[v] = _mm512_permutexvar_ps(lanes[v], d);
     }
     // mn of the 4 rows (r0 b0, r0 b1, r1 b0, ...) times the blocks' sums of x
     const __m256 mins = _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kRows * kCodes + 16)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kScales + 16)));
     for (int t = 0; t < T; ++t) {
       const int64_t at = (m0 + t) * a.kp + p * kPair;
       const int8_t* xh = a.hi.data() + at;
@@ -286,13 +305,14 @@ void quantized_linear_kernel(const at::Tensor& x, const Weights& w, int64_t kp,
 // above; bits 8 or 4); bias float32 [N] or none. Returns y [M, N] in x's dtype.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& tiles,
                             const c10::optional<at::Tensor>& bias, int64_t bits, int64_t n) {
-  TORCH_CHECK(bits == 8 || bits == 4, "quantized_linear: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(bits == 8 || bits == 5 || bits == 4,
+              "quantized_linear: bits must be 8, 5 or 4, got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantized_linear: x must be 2-D, contiguous");
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 2 && tiles.is_contiguous(),
               "quantized_linear: the weight tiles must be a contiguous uint8 matrix");
   TORCH_CHECK(n > 0 && tiles.size(0) == (n + 3) / 4, "quantized_linear: ", tiles.size(0),
               " tiles of 4 rows for ", n, " outputs");
-  const int64_t chunk = bits == 8 ? 4 * kPair + 32 : 4 * kPair / 2 + 32;
+  const int64_t chunk = 4 * (bits == 8 ? kPair : kPair / 2) + (bits == 5 ? 32 : 0) + 32;
   TORCH_CHECK(tiles.size(1) % chunk == 0, "quantized_linear: a tile of ", tiles.size(1),
               " bytes is not a whole number of ", chunk, "-byte pairs");
   const int64_t pairs = tiles.size(1) / chunk, kp = pairs * kPair;
@@ -306,11 +326,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& tiles,
   const Weights w{tiles.const_data_ptr<uint8_t>(), n, pairs};
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.scalar_type() == at::kFloat) {
-    bits == 8 ? quantized_linear_kernel<float, 8>(x, w, kp, bias, y)
-              : quantized_linear_kernel<float, 4>(x, w, kp, bias, y);
+    if (bits == 8) quantized_linear_kernel<float, 8>(x, w, kp, bias, y);
+    if (bits == 5) quantized_linear_kernel<float, 5>(x, w, kp, bias, y);
+    if (bits == 4) quantized_linear_kernel<float, 4>(x, w, kp, bias, y);
   } else if (x.scalar_type() == at::kBFloat16) {
-    bits == 8 ? quantized_linear_kernel<c10::BFloat16, 8>(x, w, kp, bias, y)
-              : quantized_linear_kernel<c10::BFloat16, 4>(x, w, kp, bias, y);
+    if (bits == 8) quantized_linear_kernel<c10::BFloat16, 8>(x, w, kp, bias, y);
+    if (bits == 5) quantized_linear_kernel<c10::BFloat16, 5>(x, w, kp, bias, y);
+    if (bits == 4) quantized_linear_kernel<c10::BFloat16, 4>(x, w, kp, bias, y);
   } else {
     TORCH_CHECK(false, "quantized_linear: x must be float32 or bfloat16, got ", x.scalar_type());
   }

@@ -3,9 +3,9 @@ unsigned codes, w = d * code + mn, fp16 d and mn), in the executor process, at l
 tensor at a time, never widened to floats whole:
 
 - Q4_0, Q4_1: 4-bit blocks of 32, exactly (Q4_0: mn = -8 d);
-- Q8_0, Q5_0, Q5_1: 8-bit blocks holding the same codes, exactly (Q8_0: code = q + 128,
-  mn = -128 d; Q5_0: mn = -16 d);
-- Q4_K (4-bit), Q5_K (8-bit): super-blocks of 256 with a 6-bit scale and minimum per
+- Q5_0, Q5_1: 5-bit blocks, exactly (Q5_0: mn = -16 d);
+- Q8_0: 8-bit blocks, exactly (code = q + 128, mn = -128 d);
+- Q4_K (4-bit), Q5_K (5-bit): super-blocks of 256 with a 6-bit scale and minimum per
   sub-block of 32, w = (d sc) q - (dmin m): each sub-block is one of our blocks with
   d' = d sc and mn' = -dmin m, each rounded once to fp16 (relative 2^-11, far below the
   codes' step);
@@ -69,7 +69,7 @@ def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
         at = 2 if kind == "Q5_0" else 4
         codes = _nibbles(blocks[..., at + 4:at + 20]) | (_high_bits(blocks[..., at:at + 4], 32)
                                                          << 4)
-        return codes, d, mn, 8
+        return codes, d, mn, 5
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _halves(blocks[..., 0:2])[..., None], _halves(blocks[..., 2:4])[..., None]
         sc, m = _k_scales(blocks[..., 4:16])
@@ -80,7 +80,7 @@ def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
             shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
             codes = codes | (((qh >> shifts) & 1) << 4)
         codes = codes.reshape(*blocks.shape[:-1], 256)
-        return codes, d * sc, -(dmin * m), 4 if kind == "Q4_K" else 8
+        return codes, d * sc, -(dmin * m), 4 if kind == "Q4_K" else 5
     raise ValueError(f"no direct conversion of {kind} blocks")
 
 

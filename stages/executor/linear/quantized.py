@@ -13,7 +13,9 @@ The input dimension is padded to a multiple of 64 (a pair of blocks) with blocks
 Inside each pair the values are interleaved four at a time (b0[0:4], b1[0:4], b0[4:8], ...),
 so that each int32 lane of the kernel's dot products belongs to one block; int8 codes are one
 byte each in that order, int4 codes two to a byte (positions 0..31 of a pair in the low
-nibbles, 32..63 in the high ones)."""
+nibbles, 32..63 in the high ones). 5-bit codes (GGUF's Q5 types, gguf_blocks.py) are int4's
+bytes of their low four bits followed, per pair, by 8 bytes (a little-endian 64-bit word)
+whose bit i is the fifth bit of position i."""
 
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ QUANTIZATIONS = ("int8", "int4")
 
 @dataclass
 class QuantizedWeight:
-    """A [N, K] weight as quantized_linear takes it: codes uint8 [N, Kp] (8 bits) or
-    [N, Kp / 2] (4 bits), d and mn float16 [N, Kp / 32]; Kp is K padded to 64."""
+    """A [N, K] weight as quantized_linear takes it: codes uint8 [N, Kp] (8 bits),
+    [N, Kp / 2] (4 bits) or [N, Kp / 64 * 40] (5 bits), d and mn float16 [N, Kp / 32]; Kp is
+    K padded to 64."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -45,11 +48,7 @@ class QuantizedWeight:
         """The float32 [N, K] weight these blocks hold (the reference the kernel is tested
         against)."""
         n, blocks = self.d.shape
-        codes = self.codes
-        if self.bits == 4:
-            packed = codes.view(n, blocks // 2, 32)
-            codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
-        codes = _block_order(codes)
+        codes = _block_order(_unpack(self))
         w = (codes.view(n, blocks, BLOCK).float() * self.d.float()[..., None]
              + self.mn.float()[..., None])
         return w.reshape(n, -1)[:, : self.in_features]
@@ -81,14 +80,22 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     (llama.cpp's Q8_0 is symmetric, mn = -128 d; a minimum costs nothing in the kernel, uses
     all 256 codes when a block is lopsided, and holds a Q4_1 grid such as the default model's
     weights to fp16's rounding of d.)"""
-    return _quantize_min_scale(w, 8)
+    return quantize_blocks(w, 8)
 
 
 def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     """4-bit blocks with a minimum (Q4_1): mn = min, d = (max - min) / 15,
     code = round((w - mn) / d); the codes packed two to a byte."""
-    q = _quantize_min_scale(w, 4)
-    return _pack_nibbles(q)
+    return quantize_blocks(w, 4)
+
+
+def quantize_blocks(w: torch.Tensor, bits: int) -> QuantizedWeight:
+    """Blocks of codes of `bits` (8, 5 or 4) with a minimum: mn = min,
+    d = (max - min) / (2**bits - 1), code = round((w - mn) / d)."""
+    if bits not in (8, 5, 4):
+        raise ValueError(f"codes of 8, 5 or 4 bits, not {bits}")
+    q = _quantize_min_scale(w, bits)
+    return q if bits == 8 else _pack(q, bits)
 
 
 def _quantize_min_scale(w: torch.Tensor, bits: int) -> QuantizedWeight:
@@ -122,17 +129,17 @@ def from_codes(codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor,
         d = torch.nn.functional.pad(d, (0, pad // BLOCK))
         mn = torch.nn.functional.pad(mn, (0, pad // BLOCK))
     q = QuantizedWeight(_pair_order(codes), d.contiguous(), mn.contiguous(), 8, k)
-    return q if bits == 8 else _pack_nibbles(q)
+    return q if bits == 8 else _pack(q, bits)
 
 
-def widen(weight: QuantizedWeight) -> QuantizedWeight:
-    """4-bit blocks as 8-bit ones holding the same values (to join a layer's 8-bit parts)."""
-    if weight.bits == 8:
+def widen(weight: QuantizedWeight, bits: int) -> QuantizedWeight:
+    """The same values in codes of `bits` (no fewer than the weight's own)."""
+    if bits < weight.bits:
+        raise ValueError(f"{weight.bits}-bit codes do not fit in {bits} bits")
+    if bits == weight.bits:
         return weight
-    n = len(weight.d)
-    packed = weight.codes.view(n, -1, 32)
-    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
-    return QuantizedWeight(codes, weight.d, weight.mn, 8, weight.in_features)
+    codes = QuantizedWeight(_unpack(weight), weight.d, weight.mn, 8, weight.in_features)
+    return codes if bits == 8 else _pack(codes, bits)
 
 
 def join_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -140,34 +147,64 @@ def join_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if len({p.in_features for p in parts}) != 1:
         raise ValueError(f"parts of {[p.in_features for p in parts]} inputs cannot be joined")
     bits = max(p.bits for p in parts)
-    if bits == 8:
-        parts = [widen(p) for p in parts]
+    parts = [widen(p, bits) for p in parts]
     return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
                            torch.cat([p.mn for p in parts]), bits, parts[0].in_features)
 
 
-def _pack_nibbles(q: QuantizedWeight) -> QuantizedWeight:
-    """8-bit-a-byte codes (< 16) in pair order packed two to a byte: positions 0..31 of each
-    pair in the low nibbles, 32..63 in the high ones."""
-    codes = q.codes.view(len(q.d), -1, PAIR)
-    q.codes = (codes[..., :32] | (codes[..., 32:] << 4)).reshape(len(q.d), -1).contiguous()
-    q.bits = 4
-    return q
+def _pack(q: QuantizedWeight, bits: int) -> QuantizedWeight:
+    """8-bit-a-byte codes (< 2**bits) in pair order as 4 or 5 bits: the low four bits two to
+    a byte (positions 0..31 of each pair in the low nibbles, 32..63 in the high ones); at 5
+    bits, each pair's 32 bytes followed by its fifth bits, bit i of a little-endian 64-bit
+    word for position i."""
+    n = len(q.d)
+    codes = q.codes.view(n, -1, PAIR)
+    low = codes & 0x0F
+    packed = low[..., :32] | (low[..., 32:] << 4)
+    if bits == 5:
+        weights = 1 << torch.arange(8, dtype=torch.uint8)  # bit j of byte b: position 8 b + j
+        fifth = ((codes >> 4) & 1).view(n, -1, 8, 8) * weights
+        packed = torch.cat([packed, fifth.sum(-1, dtype=torch.uint8)], dim=-1)
+    return QuantizedWeight(packed.reshape(n, -1).contiguous(), q.d, q.mn, bits, q.in_features)
+
+
+def _unpack(q: QuantizedWeight) -> torch.Tensor:
+    """A weight's codes one a byte, uint8 [N, Kp] in pair order."""
+    if q.bits == 8:
+        return q.codes
+    n = len(q.d)
+    per_pair = 32 if q.bits == 4 else 40
+    pairs = q.codes.view(n, -1, per_pair)
+    packed = pairs[..., :32]
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    if q.bits == 5:
+        bits = (pairs[..., 32:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+        codes |= bits.reshape(n, -1, PAIR) << 4
+    return codes.reshape(n, -1)
 
 
 def tile_layout(weight: QuantizedWeight) -> torch.Tensor:
     """The blocks in the order quantized_linear streams them (csrc/quant_kernels.cpp):
     uint8 [ceil(N / 4), pairs * chunk], each tile of 4 rows (N padded with zero rows) pair
-    after pair, a pair's chunk the 4 rows' codes, then their d, then their mn (fp16, the
-    pair's two blocks a row)."""
+    after pair, a pair's chunk the 4 rows' codes, at 5 bits their fifth bits (per two rows,
+    a 64-bit mask of both rows' positions 0..31, then one of 32..63), then their d, then their
+    mn (fp16, the pair's two blocks a row)."""
     n, pairs = len(weight.d), weight.d.shape[1] // 2
     tiles = -(-n // 4)
 
-    def by_tile(v: torch.Tensor) -> torch.Tensor:  # [N, pairs * X] -> [T, pairs, 4 * X]
+    def rows(v: torch.Tensor) -> torch.Tensor:  # [N, pairs * X] -> [T, 4, pairs, X]
         v = torch.nn.functional.pad(v.view(torch.uint8), (0, 0, 0, 4 * tiles - n))
-        return v.view(tiles, 4, pairs, -1).transpose(1, 2).reshape(tiles, pairs, -1)
+        return v.view(tiles, 4, pairs, -1)
 
-    chunks = torch.cat([by_tile(weight.codes), by_tile(weight.d), by_tile(weight.mn)], dim=-1)
+    def by_tile(v: torch.Tensor) -> torch.Tensor:  # [T, 4, pairs, X] -> [T, pairs, 4 * X]
+        return v.transpose(1, 2).reshape(tiles, pairs, -1)
+
+    codes = rows(weight.codes)
+    parts = [by_tile(codes[..., :32] if weight.bits == 5 else codes)]
+    if weight.bits == 5:  # [T, 2 (row pair), 2 (row), pairs, 2 (half), 4 bytes]
+        fifth = codes[..., 32:].reshape(tiles, 2, 2, pairs, 2, 4)
+        parts.append(fifth.permute(0, 3, 1, 4, 2, 5).reshape(tiles, pairs, 32))
+    chunks = torch.cat([*parts, by_tile(rows(weight.d)), by_tile(rows(weight.mn))], dim=-1)
     return chunks.reshape(tiles, -1).contiguous()
 
 
