@@ -159,7 +159,8 @@ struct Weights {
 
 // Sum of lanes [8 half, 8 half + 8) of v.
 inline float reduce_half(__m512 v, int half) {
-  const __m256 h = half == 0 ? _mm512_castps512_ps256(v) : _mm512_extractf32x8_ps(v, 1);
+  const __m256 h = half == 0 ? _mm512_castps512_ps256(v)
+                              : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
   const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   const __m128 s = _mm_add_ps(q, _mm_movehl_ps(q, q));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
