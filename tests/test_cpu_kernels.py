@@ -31,29 +31,30 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 16, 4, 64
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 
-def _rope_tables(max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(max_len: int, dtype: torch.dtype,
+                 head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
     """As PagedLlama.init_rope: float32 angles, then rounded to the model's dtype."""
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(max_len).float()[:, None] * inv_freq[None]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _step(dtype: torch.dtype, window: int | None):
+def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM):
     """A mixed step: decodes (one across a page boundary), a prompt chunk with past, a
     prompt without past longer than the window; the cache holds each sequence's past."""
     gen = torch.Generator().manual_seed(7)
     rows = [(21, 1), (5, 1), (30, 9), (12, 12), (17, 1)]  # (context after the step, queries)
     table = torch.randperm(NUM_BLOCKS, generator=gen)[:len(rows) * 8].view(len(rows), 8).int()
-    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, head_dim, generator=gen).to(dtype)
     positions = torch.cat([torch.arange(c - q, c) for c, q in rows])
     slots = torch.cat([torch.full((q,), s) for s, (_, q) in enumerate(rows)])
     total = len(positions)
-    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
-    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    q = q.view(total, HEADS, HEAD_DIM)  # strided views of one matrix, as the model has them
-    k = k.view(total, KV_HEADS, HEAD_DIM)
-    v = v.view(total, KV_HEADS, HEAD_DIM)
+    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], dim=-1)
+    q = q.view(total, HEADS, head_dim)  # strided views of one matrix, as the model has them
+    k = k.view(total, KV_HEADS, head_dim)
+    v = v.view(total, KV_HEADS, head_dim)
     starts = torch.tensor([0, *torch.cumsum(torch.tensor([q for _, q in rows]), 0).tolist()])
     decode = [i for i, (_, q) in enumerate(rows) if q == 1]
     decode.sort(key=lambda i: rows[i][0])
@@ -67,18 +68,21 @@ def _step(dtype: torch.dtype, window: int | None):
     return q, k, v, kv_cache, table, slots, positions, meta
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # (64: the kernel's unrolled head size)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dtype,
-                                                                window: int | None) -> None:
-    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window)
-    cos, sin = _rope_tables(64, dtype)
+                                                                window: int | None,
+                                                                head_dim: int) -> None:
+    """Grouped query heads (3 a KV head): reduced-precision pages are widened once a group."""
+    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim)
+    cos, sin = _rope_tables(64, dtype, head_dim)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     expected_cache = kv_cache.clone()
     expected = paged_attention(q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v,
-                               expected_cache, meta, HEAD_DIM ** -0.5)
+                               expected_cache, meta, head_dim ** -0.5)
     kernel_meta = KernelMetadata(table, slots, positions, cos.float(), sin.float(), window or 0)
-    got = kernel_paged_attention(q, k, v, kv_cache, kernel_meta, HEAD_DIM ** -0.5)
+    got = kernel_paged_attention(q, k, v, kv_cache, kernel_meta, head_dim ** -0.5)
     assert got.dtype == dtype and got.shape == q.shape
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
