@@ -230,8 +230,8 @@ inline void prefetch_page(const T* k_cache, const T* v_cache, int64_t block, int
   const char* k = reinterpret_cast<const char*>(k_cache + block * block_size * kv_stride);
   const char* v = reinterpret_cast<const char*>(v_cache + block * block_size * kv_stride);
   for (int64_t line = 0; line < bytes; line += 64) {
-    _mm_prefetch(k + line, _MM_HINT_T1);
-    _mm_prefetch(v + line, _MM_HINT_T1);
+    __builtin_prefetch(k + line, 0, 2);  // (locality 2: L2, as _MM_HINT_T1)
+    __builtin_prefetch(v + line, 0, 2);
   }
 }
 
