@@ -66,9 +66,19 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPair = 64;
+constexpr int64_t kRows = 4;  // output rows per tile
+
+// Bytes of one row's codes in a pair's chunk: 64 at 8 bits, 32 (the low four bits) at 4 and 5.
+constexpr int64_t code_bytes(int bits) { return bits == 8 ? kPair : kPair / 2; }
+// Bytes of 5-bit codes' fifth bits in a chunk: per pair of rows, two 64-bit masks.
+constexpr int64_t fifth_bytes(int bits) { return bits == 5 ? 32 : 0; }
+// Bytes of one pair's chunk of a tile: the 4 rows' codes, at 5 bits their fifth bits, then
+// their d and mn (fp16 x 2 x 4).
+constexpr int64_t chunk_bytes(int bits) {
+  return kRows * code_bytes(bits) + fifth_bytes(bits) + 32;
+}
 
 #if LLM_CPU_QUANT
-constexpr int64_t kRows = 4;    // output rows per tile
 constexpr int64_t kTokens = 4;  // tokens per tile
 
 inline float load_float(float x) { return x; }
@@ -126,16 +136,6 @@ Activations quantize_activations(const T* x, int64_t m_rows, int64_t k, int64_t 
     }
   });
   return a;
-}
-
-// Bytes of one row's codes in a pair's chunk: 64 at 8 bits, 32 (the low four bits) at 4 and 5.
-constexpr int64_t code_bytes(int bits) { return bits == 8 ? kPair : kPair / 2; }
-// Bytes of 5-bit codes' fifth bits in a chunk: per pair of rows, two 64-bit masks.
-constexpr int64_t fifth_bytes(int bits) { return bits == 5 ? 32 : 0; }
-// Bytes of one pair's chunk of a tile: the 4 rows' codes, at 5 bits their fifth bits, then
-// their d and mn (fp16 x 2 x 4).
-constexpr int64_t chunk_bytes(int bits) {
-  return kRows * code_bytes(bits) + fifth_bytes(bits) + 32;
 }
 
 // Where a chunk's scales go in a vector of the kernel's: d of the chunk's 4 rows (r0 b0, r0 b1,
@@ -303,7 +303,7 @@ void quantized_linear_kernel(const at::Tensor& x, const Weights& w, int64_t kp,
 #endif  // LLM_CPU_QUANT
 
 // x [M, K] float32 or bfloat16; tiles uint8 [ceil(N / 4), pairs * chunk bytes] (the layout
-// above; bits 8 or 4); bias float32 [N] or none. Returns y [M, N] in x's dtype.
+// above; bits 8, 5 or 4); bias float32 [N] or none. Returns y [M, N] in x's dtype.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& tiles,
                             const c10::optional<at::Tensor>& bias, int64_t bits, int64_t n) {
   TORCH_CHECK(bits == 8 || bits == 5 || bits == 4,
@@ -313,7 +313,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& tiles,
               "quantized_linear: the weight tiles must be a contiguous uint8 matrix");
   TORCH_CHECK(n > 0 && tiles.size(0) == (n + 3) / 4, "quantized_linear: ", tiles.size(0),
               " tiles of 4 rows for ", n, " outputs");
-  const int64_t chunk = 4 * (bits == 8 ? kPair : kPair / 2) + (bits == 5 ? 32 : 0) + 32;
+  const int64_t chunk = chunk_bytes(static_cast<int>(bits));
   TORCH_CHECK(tiles.size(1) % chunk == 0, "quantized_linear: a tile of ", tiles.size(1),
               " bytes is not a whole number of ", chunk, "-byte pairs");
   const int64_t pairs = tiles.size(1) / chunk, kp = pairs * kPair;
