@@ -27,7 +27,7 @@ from stages.executor.model import RMSNorm
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 16, 4, 64
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 16, 4, 96
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 
@@ -40,13 +40,16 @@ def _rope_tables(max_len: int, dtype: torch.dtype,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM):
+def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
+          block: int = BLOCK):
     """A mixed step: decodes (one across a page boundary), a prompt chunk with past, a
-    prompt without past longer than the window; the cache holds each sequence's past."""
+    prompt without past longer than the window, and one of 40 tokens (three tiles of the
+    kernel, each over several pages); the cache holds each sequence's past."""
     gen = torch.Generator().manual_seed(7)
-    rows = [(21, 1), (5, 1), (30, 9), (12, 12), (17, 1)]  # (context after the step, queries)
-    table = torch.randperm(NUM_BLOCKS, generator=gen)[:len(rows) * 8].view(len(rows), 8).int()
-    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, head_dim, generator=gen).to(dtype)
+    # (context after the step, queries)
+    rows = [(21, 1), (5, 1), (30, 9), (12, 12), (17, 1), (45, 40)]
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[:len(rows) * 12].view(len(rows), 12).int()
+    kv_cache = torch.randn(2, NUM_BLOCKS, block, KV_HEADS, head_dim, generator=gen).to(dtype)
     positions = torch.cat([torch.arange(c - q, c) for c, q in rows])
     slots = torch.cat([torch.full((q,), s) for s, (_, q) in enumerate(rows)])
     total = len(positions)
@@ -64,18 +67,22 @@ def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM):
     groups = [DecodeGroup(0, len(decode), max(rows[i][0] for i in decode))]
     prefills = [PrefillRow(int(starts[i]), int(starts[i + 1]), i, c)
                 for i, (c, q) in enumerate(rows) if q > 1]
-    meta = build_attention_metadata(views, groups, prefills, table, BLOCK, window)
+    meta = build_attention_metadata(views, groups, prefills, table, block, window)
     return q, k, v, kv_cache, table, slots, positions, meta
 
 
+@pytest.mark.parametrize("block", [BLOCK, 16])  # (16: a page is one chunk of the matrix form)
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # (64: the kernel's unrolled head size)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dtype,
                                                                 window: int | None,
-                                                                head_dim: int) -> None:
-    """Grouped query heads (3 a KV head): reduced-precision pages are widened once a group."""
-    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim)
+                                                                head_dim: int,
+                                                                block: int) -> None:
+    """Grouped query heads (3 a KV head): decodes and tiles of two tokens take the vector
+    loop (reduced-precision pages widened once a group), tiles of three or more the matrix
+    form; a page of 4 keys is a short chunk of it, one of 16 a whole one."""
+    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block)
     cos, sin = _rope_tables(64, dtype, head_dim)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     expected_cache = kv_cache.clone()
@@ -137,11 +144,11 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
         with pytest.raises(RuntimeError, match=match):
             torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table, slots, bad, cos, sin,
                                               0.25, 0)
-    with pytest.raises(RuntimeError, match="outside the block table's 5 rows"):
-        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table, slots + 5, positions, cos,
+    with pytest.raises(RuntimeError, match="outside the block table's 6 rows"):
+        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table, slots + 6, positions, cos,
                                           sin, 0.25, 0)
-    with pytest.raises(RuntimeError, match="outside the cache's 64"):
-        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table + 64, slots, positions, cos,
+    with pytest.raises(RuntimeError, match="outside the cache's 96"):
+        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table + 96, slots, positions, cos,
                                           sin, 0.25, 0)
     assert torch.equal(kv_cache, before)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
