@@ -82,9 +82,7 @@ class Drafter:
                  block_table: torch.Tensor, device: torch.device) -> None:
         self.model, self.limits, self.device = model, limits, device
         self.backend = model.backend
-        self.kv_caches = [torch.zeros(2, num_cache_blocks, limits.block_size,
-                                      model.num_kv_heads, model.head_dim, dtype=model.dtype,
-                                      device=device) for _ in range(model.num_layers)]
+        self.kv_caches = model.new_kv_caches(num_cache_blocks, limits.block_size, device)
         self.backend.bind(ForwardTables(block_table, model.rope_cos, model.rope_sin,
                                         num_cache_blocks))
         n = limits.max_num_seqs

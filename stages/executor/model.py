@@ -20,10 +20,12 @@ before anything loads, by name (`UnsupportedModel`).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -162,6 +164,22 @@ class PagedLlama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def new_kv_caches(self, num_blocks: int, block_size: int,
+                      device: torch.device) -> list[torch.Tensor]:
+        """Zeroed KV caches, per layer [2, num_blocks, block_size, kv_heads, head_dim], each
+        its own tensor (so that every layer's cache looks alike to the compiled layer). On
+        the CPU the memory comes from calloc (numpy's zeros): pages the kernel hands out
+        zeroed and backs only once a block is first written. torch.zeros wrote every page at
+        the start: 0.2 s of each executor's start, and the whole cache (1 GiB by default)
+        resident whatever the load."""
+        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        if device.type != "cpu":
+            return [torch.zeros(shape, dtype=self.dtype, device=device)
+                    for _ in range(self.num_layers)]
+        size = math.prod(shape) * self.dtype.itemsize
+        return [torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(self.dtype).view(shape)
+                for _ in range(self.num_layers)]
+
     def init_rope(self, max_len: int) -> None:
         """The rope tables of every position (rope_tables), in the model's dtype."""
         cos, sin = rope_tables(self.cfg, self.head_dim, max_len)
@@ -232,8 +250,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                              "--tensor-parallel-size")
     with torch.device("meta"), _default_dtype(dtype):
         model = PagedLlama(cfg, spec, backend, linear, tp)
-    model.to_empty(device="cpu")
-    if spec.tie_word_embeddings and not linear.takes_blocks:  # (to_empty untied them)
+    # Memory for every parameter and buffer, as model.to_empty(device="cpu") would give but
+    # by torch.empty: to_empty's empty_like of a meta tensor goes through torch._refs, which
+    # imports sympy (0.4 s of every executor's start).
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+    if spec.tie_word_embeddings and not linear.takes_blocks:  # (that untied them)
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, model_dir, spec.tie_word_embeddings)
     model.init_rope(max_len)

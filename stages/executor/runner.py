@@ -256,11 +256,8 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no KV block "
                              f"({per_block} bytes each{', and one of scratch' * scratch})")
-        # Per layer [2, blocks, block_size, kv_heads, head_dim], each its own tensor (so that
-        # every layer's cache looks alike to the compiled layer).
-        self.kv_caches = [torch.zeros(2, self.num_blocks + scratch, limits.block_size,
-                                      model.num_kv_heads, model.head_dim, dtype=model.dtype,
-                                      device=device) for _ in range(model.num_layers)]
+        self.kv_caches = model.new_kv_caches(self.num_blocks + scratch, limits.block_size,
+                                             device)
         self.compiled = backend.compiled
         self.slots = SlotState(limits, device, device.type == "cuda", backend,
                                pad_block=self.num_blocks if scratch else 0, grammars=grammars,
