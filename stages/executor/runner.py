@@ -27,6 +27,7 @@ from stages.executor.compile import CompileStats, compile_layers
 from stages.executor.drafter import DRAFT_FIELDS, Drafter
 from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
+from stages.executor.host_memory import keep_freed_memory
 from stages.executor.linear.select import select_linear_method
 from stages.executor.model import PagedLlama, load_model
 from stages.executor.parallel import TensorParallel
@@ -296,6 +297,8 @@ class ModelRunner:
         as asked, else `pack` None packs for oneDNN where it can), then the model is built
         with both. tp: this rank's shard of the model (parallel.py); rank 0 samples.
         speculative: with a draft model, that model is loaded too (load_draft)."""
+        if device.type == "cpu":  # (the forward's activations: reused, not faulted in again)
+            keep_freed_memory()
         _, spec = read_config(model_dir)
         selection = select_backend(ForwardRequest(
             device.type, compile, cpu_kernels, spec.sliding_window, limits.block_size,
