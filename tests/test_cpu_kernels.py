@@ -98,14 +98,15 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
     assert torch.equal(kv_cache[1], expected_cache[1])
 
 
+@pytest.mark.parametrize("width", [96, 100])  # 16 lanes at a time, and a remainder of 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype) -> None:
+def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int) -> None:
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(37, 96, generator=gen).to(dtype)
-    residual = torch.randn(37, 96, generator=gen).to(dtype)
-    norm = RMSNorm(96, 1e-5, TORCH_OPS)
-    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
-    fused = RMSNorm(96, 1e-5, KernelOps())
+    x = torch.randn(37, width, generator=gen).to(dtype)
+    residual = torch.randn(37, width, generator=gen).to(dtype)
+    norm = RMSNorm(width, 1e-5, TORCH_OPS)
+    norm.weight.data = torch.randn(width, generator=gen).to(dtype)
+    fused = RMSNorm(width, 1e-5, KernelOps())
     fused.weight.data = norm.weight.data
     one_ulp = {torch.float32: {"atol": 1e-6, "rtol": 1e-6},
                torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
@@ -118,10 +119,11 @@ def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype) -> None:
         assert same is summed
         assert torch.equal(summed, x + residual)  # x updated in place, rounded as x + y
         torch.testing.assert_close(got, norm(x + residual), **one_ulp)
-        gate_up = (torch.randn(9, 2 * 40, generator=gen) * 6).to(dtype)
-        gate, up = gate_up.split(40, dim=-1)
+        gate_up = (torch.randn(9, 2 * (width - 56), generator=gen) * 6).to(dtype)
+        gate_up[0, :3] = torch.tensor([float("nan"), 100.0, -100.0])  # (NaN stays NaN)
+        gate, up = gate_up.split(width - 56, dim=-1)
         torch.testing.assert_close(torch.ops.llm_cpu.silu_and_mul(gate_up), F.silu(gate) * up,
-                                   **one_ulp)
+                                   equal_nan=True, **one_ulp)
 
 
 def test_bad_inputs_are_refused_with_the_reason() -> None:

@@ -225,6 +225,54 @@ inline v16f load16(const float* p) {
 }
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16f load16(const c10::BFloat16* p) {
+  v16u16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const v16u32 bits = __builtin_convertvector(raw, v16u32) << 16;
+  v16f v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline v16f load16(const c10::Half* p) {
+  v16f v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+// bf16's bits of 16 floats, rounded to nearest even with NaN made 0x7FC0: c10::BFloat16(float)
+// lane by lane.
+inline v16u32 bf16_bits(v16f v) {
+  v16u32 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const v16u32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return v != v ? v16u32{} + 0x7FC0u : rounded;
+}
+inline void store16(c10::BFloat16* p, v16f v) {
+  const v16u16 out = __builtin_convertvector(bf16_bits(v), v16u16);
+  std::memcpy(p, &out, sizeof out);
+}
+inline void store16(c10::Half* p, v16f v) {
+  for (int i = 0; i < 16; ++i) p[i] = c10::Half(v[i]);
+}
+
+// v rounded to T and widened back: to_float(from_float<T>(x)) lane by lane.
+template <typename T> inline v16f round16(v16f v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const v16u32 bits = bf16_bits(v) << 16;
+    v16f out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+  } else {
+    for (int i = 0; i < 16; ++i) v[i] = to_float(from_float<T>(v[i]));
+    return v;
+  }
+}
+
 // exp on 16 lanes: exp8's polynomial.
 inline v16f exp16(v16f x) {
   x = x < -87.0f ? v16f{} - 87.0f : x;
@@ -705,25 +753,41 @@ void rms_norm_kernel(T* x, const T* residual, const T* weight, T* out, int64_t r
                      int64_t width, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
+    const int64_t whole = width / 16 * 16;  // 16 lanes at a time (the rounding too), then one
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * width;
-      float squares = 0.0f;
+      v16f squares16 = {};
       if (residual != nullptr) {
         const T* rr = residual + r * width;
-        for (int64_t e = 0; e < width; ++e) {
-          const T sum = from_float<T>(to_float(xr[e]) + to_float(rr[e]));  // rounded as x + y
+        for (int64_t e = 0; e < whole; e += 16) {
+          const v16f sum = round16<T>(load16(xr + e) + load16(rr + e));  // rounded as x + y
+          store16(xr + e, sum);
+          store16(row.data() + e, sum);
+          squares16 += sum * sum;
+        }
+        for (int64_t e = whole; e < width; ++e) {
+          const T sum = from_float<T>(to_float(xr[e]) + to_float(rr[e]));
           xr[e] = sum;
           row[e] = to_float(sum);
         }
       } else {
-        for (int64_t e = 0; e < width; ++e) row[e] = to_float(xr[e]);
+        for (int64_t e = 0; e < whole; e += 16) {
+          const v16f v = load16(xr + e);
+          store16(row.data() + e, v);
+          squares16 += v * v;
+        }
+        for (int64_t e = whole; e < width; ++e) row[e] = to_float(xr[e]);
       }
-#pragma omp simd reduction(+ : squares)
-      for (int64_t e = 0; e < width; ++e) squares += row[e] * row[e];
+      float squares = 0.0f;
+      for (int l = 0; l < 16; ++l) squares += squares16[l];
+      for (int64_t e = whole; e < width; ++e) squares += row[e] * row[e];
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
       T* o = out + r * width;
-      for (int64_t e = 0; e < width; ++e) {
-        // x.to(dtype) first, then the product in the dtype, as Hugging Face rounds
+      // x.to(dtype) first, then the product in the dtype, as Hugging Face rounds
+      for (int64_t e = 0; e < whole; e += 16) {
+        store16(o + e, load16(weight + e) * round16<T>(load16(row.data() + e) * inv));
+      }
+      for (int64_t e = whole; e < width; ++e) {
         o[e] = from_float<T>(to_float(weight[e]) * to_float(from_float<T>(row[e] * inv)));
       }
     }
@@ -775,18 +839,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const T* in = x.data_ptr<T>();
     T* o = out.data_ptr<T>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(width + 8);
       for (int64_t r = begin; r < end; ++r) {
         const T* g = in + r * 2 * width;
         const T* u = g + width;
+        T* orow = o + r * width;
         int64_t e = 0;
-        for (; e + 8 <= width; e += 8) {  // exp on 8 lanes
-          const v8f x = load8(g + e);
-          store8(gate.data() + e, x / (1.0f + exp8(v8f{} - x)));
+        for (; e + 16 <= width; e += 16) {  // exp and both roundings on 16 lanes
+          const v16f x = load16(g + e);
+          store16(orow + e, round16<T>(x / (1.0f + exp16(v16f{} - x))) * load16(u + e));
         }
-        for (; e < width; ++e) gate[e] = to_float(g[e]) / (1.0f + exp_clamped(-to_float(g[e])));
-        for (e = 0; e < width; ++e) {
-          o[r * width + e] = from_float<T>(to_float(from_float<T>(gate[e])) * to_float(u[e]));
+        for (; e < width; ++e) {
+          const float gate = to_float(g[e]) / (1.0f + exp_clamped(-to_float(g[e])));
+          orow[e] = from_float<T>(to_float(from_float<T>(gate)) * to_float(u[e]));
         }
       }
     });
