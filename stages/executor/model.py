@@ -20,12 +20,10 @@ before anything loads, by name (`UnsupportedModel`).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -167,17 +165,13 @@ class PagedLlama(nn.Module):
     def new_kv_caches(self, num_blocks: int, block_size: int,
                       device: torch.device) -> list[torch.Tensor]:
         """Zeroed KV caches, per layer [2, num_blocks, block_size, kv_heads, head_dim], each
-        its own tensor (so that every layer's cache looks alike to the compiled layer). On
-        the CPU the memory comes from calloc (numpy's zeros): pages the kernel hands out
-        zeroed and backs only once a block is first written. torch.zeros wrote every page at
-        the start: 0.2 s of each executor's start, and the whole cache (1 GiB by default)
-        resident whatever the load."""
+        its own tensor (so that every layer's cache looks alike to the compiled layer).
+        Written whole now, at the start: memory from calloc (pages the kernel zeroes when a
+        block is first written) started 0.2 s sooner for 1 GiB but moved those page faults
+        into the first steps that reach each block: a fresh engine's 64 x 128 tokens in bf16
+        ran at 811-864 tok/s against 891-944 (in process, interleaved)."""
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        if device.type != "cpu":
-            return [torch.zeros(shape, dtype=self.dtype, device=device)
-                    for _ in range(self.num_layers)]
-        size = math.prod(shape) * self.dtype.itemsize
-        return [torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(self.dtype).view(shape)
+        return [torch.zeros(shape, dtype=self.dtype, device=device)
                 for _ in range(self.num_layers)]
 
     def init_rope(self, max_len: int) -> None:
