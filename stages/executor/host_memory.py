@@ -16,7 +16,6 @@ CPU, so the executor, the in-process engine and the benchmarks' own forward all 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 logger = logging.getLogger(__name__)
@@ -37,9 +36,8 @@ def keep_freed_memory() -> int:
     if _kept is not None:
         return _kept
     _kept = 0
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+    try:  # (the process's own symbols: find_library would run `ldconfig -p` at every start)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt; macOS's libc neither)
         return _kept
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
