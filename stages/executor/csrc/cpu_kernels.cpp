@@ -546,8 +546,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
   // 3b. A tile of a prompt (kMatrixRows or more rows a KV head) in matrix form, one KV head g
   // at a time: its rows r = i * group + (h - g * group), token i and query head h, in vectors
-  // of 16 lanes (see chunk_scores). The page's keys and values of head g are read (in bf16 or
-  // fp16 widened) once for all its row vectors, 16 keys at a time.
+  // of 16 lanes (see chunk_scores). The page's keys and values of head g are copied (float32)
+  // or widened (bf16, fp16) to contiguous float rows once for all its row vectors, 16 keys at
+  // a time.
   const int64_t max_vectors = (tile_len * group + 15) / 16;
   struct RowBuffers {
     std::vector<float> qt, ot, keys, values;  // [vector][d][16] x2, [16][d] x2
