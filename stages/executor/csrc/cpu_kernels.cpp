@@ -71,19 +71,27 @@ inline v8f load8(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v8f load8(const c10::BFloat16* p) {
-  v8u16 raw;
+// N bf16 or fp16 values widened to a vector of N floats (VF; VU16, VU32: N lanes of 16 and
+// 32 bits): bf16's bits shifted into place, fp16 lane by lane.
+template <typename VF, typename VU16, typename VU32>
+inline VF widen_lanes(const c10::BFloat16* p) {
+  VU16 raw;
   std::memcpy(&raw, p, sizeof raw);
-  const v8u32 bits = __builtin_convertvector(raw, v8u32) << 16;
-  v8f v;
+  const VU32 bits = __builtin_convertvector(raw, VU32) << 16;
+  VF v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
-inline v8f load8(const c10::Half* p) {
-  v8f v;
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+template <typename VF, typename VU16, typename VU32>
+inline VF widen_lanes(const c10::Half* p) {
+  VF v;
+  for (int i = 0; i < static_cast<int>(sizeof(VF) / sizeof(float)); ++i) {
+    v[i] = static_cast<float>(p[i]);
+  }
   return v;
 }
+template <typename T>
+inline v8f load8(const T* p) { return widen_lanes<v8f, v8u16, v8u32>(p); }
 
 const v8i kLanes = {0, 1, 2, 3, 4, 5, 6, 7};
 
@@ -231,19 +239,8 @@ inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
 
-inline v16f load16(const c10::BFloat16* p) {
-  v16u16 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const v16u32 bits = __builtin_convertvector(raw, v16u32) << 16;
-  v16f v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-inline v16f load16(const c10::Half* p) {
-  v16f v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
+template <typename T>
+inline v16f load16(const T* p) { return widen_lanes<v16f, v16u16, v16u32>(p); }
 
 // bf16's bits of 16 floats, rounded to nearest even with NaN made 0x7FC0: c10::BFloat16(float)
 // lane by lane.
