@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,29 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tiny_model.py
 
-from tiny_model import build_tiny_llama
+from tiny_model import build_tiny_llama  # (imports torch only when called)
+
+
+def _set_up_worker() -> None:
+    """Under pytest-xdist (./scripts/test runs a worker per core), a worker and every process
+    it starts share one core of their own: a stage sizes its threads by its affinity, so two
+    workers' torch threads never contend for the same cores (unpinned, each would run as many
+    threads as the machine has cores, and the pair ran up to 10x slower). Before torch is
+    imported: OpenMP counts its threads once, from the affinity it starts with. Its runs'
+    directories go to a temporary folder of its own, so that a test that checks what its run
+    left behind sees no other worker's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+    own = Path(tempfile.gettempdir()) / f"pipeline-tests-{os.getuid()}-{worker}"
+    own.mkdir(mode=0o700, exist_ok=True)
+    os.environ["TMPDIR"] = os.environ["XDG_RUNTIME_DIR"] = str(own)
+    tempfile.tempdir = None  # (gettempdir() reads TMPDIR again)
+
+
+_set_up_worker()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +52,38 @@ def kill_pids(pids: list[int]) -> None:
 
 def shm_segments(run_id: str) -> list[str]:
     return [p.name for p in Path("/dev/shm").iterdir() if run_id in p.name]
+
+
+def our_segments() -> set[str]:
+    """This project's shared-memory segments in /dev/shm (every run's)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("llm-pipeline-")}
+
+
+def leaked_segments(before: set[str], settle_s: float = 10.0) -> list[str]:
+    """This project's segments made since `before` that are still there `settle_s` s later:
+    leaks. Under pytest-xdist another worker's pipeline has its rings for a moment while it
+    starts (the launcher unlinks them once both users have them mapped): those go, a leaked
+    one stays."""
+    new = our_segments() - before
+    deadline = time.monotonic() + settle_s
+    while new and time.monotonic() < deadline:
+        time.sleep(0.2)
+        new &= our_segments()
+    return sorted(new)
+
+
+def mapped_segments(pids: list[int]) -> set[str]:
+    """The project's segments these processes have mapped (named in their /proc maps, also
+    once unlinked): a test's own rings, whatever other runs have in /dev/shm."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # (gone)
+            continue
+        names.update(line.split("/dev/shm/")[1].split()[0] for line in maps.splitlines()
+                     if "/dev/shm/llm-pipeline-" in line)
+    return names
 
 
 @contextmanager

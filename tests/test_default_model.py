@@ -12,7 +12,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from live import alive, kill_pids, live_config, running
+from live import (
+    alive,
+    kill_pids,
+    leaked_segments,
+    live_config,
+    mapped_segments,
+    our_segments,
+    running,
+)
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
@@ -178,7 +186,7 @@ def test_cli_fails_the_prompts_a_dead_engine_held_and_exits_1(tmp_path: Path) ->
     """kill -9 of the executor under `generate`: both prompts' requests fail at once with
     the death named (the engine is started again behind them); the CLI says how many failed
     in one line (no traceback) and exits 1, leaving nothing behind."""
-    before = set(os.listdir("/dev/shm"))
+    before = our_segments()
     proc = subprocess.Popen(_cli("--device", "timed:20,0", "generate", "--prompt", "a",
                                  "--prompt", "b", "--max-tokens", "2000", "--ignore-eos"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -194,7 +202,7 @@ def test_cli_fails_the_prompts_a_dead_engine_held_and_exits_1(tmp_path: Path) ->
         assert "Traceback" not in err, err
         assert "error: 2 of 2 prompts failed" in err, err
         assert out.count("engine 0 stopped (executor:0 died, exit code -9") == 2, out
-        assert [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n] == []
+        assert leaked_segments(before) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -204,7 +212,7 @@ def test_cli_fails_the_prompts_a_dead_engine_held_and_exits_1(tmp_path: Path) ->
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C, SIGTERM or the parent's death: no stage process and nothing in /dev/shm remains."""
-    before = set(os.listdir("/dev/shm"))
+    before = our_segments()
     runs_before = set(_run_dirs())
     log = (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen(_cli("generate", "--prompt", "Count to one thousand: 1, 2, 3,",
@@ -222,8 +230,7 @@ def test_cli_stops_every_stage_on_signal(sig: signal.Signals, tmp_path: Path) ->
             time.sleep(0.2)
         assert alive(children) == [], (_describe(alive(children)),
                                        (tmp_path / "stderr.txt").read_text()[-3000:])
-        leaked = [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
-        assert leaked == []
+        assert leaked_segments(before) == []
         assert set(_run_dirs()) - runs_before == set()  # nor its run directory
     finally:
         if proc.poll() is None:
@@ -235,24 +242,19 @@ def test_launcher_killed_during_start_up_leaves_nothing(tmp_path: Path) -> None:
     """kill -9 of the CLI while its stages are still starting (the executor has created the
     rings, the launcher has not unlinked them yet): the orphaned stages stop and remove the
     run directory and both segments."""
-    before = set(os.listdir("/dev/shm"))
     runs_before = set(_run_dirs())
-
-    def rings() -> list[str]:
-        return [n for n in set(os.listdir("/dev/shm")) - before if "llm-pipeline" in n]
-
     proc = subprocess.Popen(_cli("generate", "--prompt", "Hi", "--max-tokens", "4"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: list[int] = []
+    rings: set[str] = set()  # this run's, named in /dev/shm and mapped by its stages
     try:
         deadline = time.monotonic() + 120
-        while not children and time.monotonic() < deadline:
-            time.sleep(0.05)
-            children = _stage_children(proc.pid)
-        assert children, "no stage started"
-        while not rings() and time.monotonic() < deadline:
+        while not rings and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert rings(), "the rings should exist while the stages start"
+            children = _stage_children(proc.pid)
+            rings = mapped_segments(children) & our_segments()
+        assert children, "no stage started"
+        assert rings, "the rings should exist while the stages start"
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 60
@@ -260,9 +262,10 @@ def test_launcher_killed_during_start_up_leaves_nothing(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert alive(children) == [], _describe(alive(children))
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (rings() or set(_run_dirs()) - runs_before):
+        while time.monotonic() < deadline and (rings & our_segments()
+                                               or set(_run_dirs()) - runs_before):
             time.sleep(0.2)
-        assert rings() == []
+        assert rings & our_segments() == set()
         assert set(_run_dirs()) - runs_before == set()
     finally:
         if proc.poll() is None:

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from live import alive, kill_pids
+from live import alive, kill_pids, leaked_segments, our_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
@@ -27,12 +27,8 @@ def run_script(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           timeout=200, env=env, cwd=tmp_path)
 
 
-def shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if "llm-pipeline" in n}
-
-
 def test_a_plain_script_without_a_main_guard(tiny_model_dir: Path, tmp_path: Path) -> None:
-    before = shm()
+    before = our_segments()
     proc = run_script(f"""
         import json
         from pipeline import LLM, SamplingParams
@@ -55,7 +51,7 @@ def test_a_plain_script_without_a_main_guard(tiny_model_dir: Path, tmp_path: Pat
     assert result["tokens"] == [[5, 5]] * 3
     assert result["chat"][0] == [{"role": "user", "content": "Hi!"}] and not result["chat"][2]
     assert "3/3" in proc.stderr and "tok/s" in proc.stderr  # the progress bar
-    assert alive(result["pids"]) == [] and not shm() - before
+    assert alive(result["pids"]) == [] and not leaked_segments(before)
     kill_pids(result["pids"])
 
 
@@ -65,16 +61,16 @@ def test_close_and_garbage_collection_end_the_processes(tiny_model_dir: Path) ->
     from ipc.messages import SamplingParams
     from pipeline import LLM
 
-    before = shm()
+    before = our_segments()
     with LLM(model=str(tiny_model_dir)) as llm:
         pids = list(llm._pipeline.stage_pids.values())
         assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].error is None
-    assert alive(pids) == [] and not shm() - before
+    assert alive(pids) == [] and not leaked_segments(before)
     llm = LLM(model=str(tiny_model_dir))
     pids = list(llm._pipeline.stage_pids.values())
     del llm
     gc.collect()
-    assert alive(pids) == [] and not shm() - before
+    assert alive(pids) == [] and not leaked_segments(before)
     kill_pids(pids)
 
 
