@@ -126,6 +126,25 @@ def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int
                                    equal_nan=True, **one_ulp)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torchs_argmax_ties_and_nans_included(dtype: torch.dtype) -> None:
+    """The first of equal maxima, a NaN before any number (the first NaN), -inf rows: the
+    index torch.argmax gives, for rows of every length around the 16 lanes and the parts a
+    row is split in (one row, 49,152 wide), and for rows with a stride."""
+    gen = torch.Generator().manual_seed(2)
+    for n in (1, 5, 16, 17, 31, 32, 33, 100, 4099, 49152, 49155):
+        x = torch.randn(6, n, generator=gen).to(dtype)
+        x[1] = x[1].round()  # many ties
+        x[2] = float("-inf")
+        x[3, n // 2:] = float("nan")  # the first NaN, not the largest number
+        x[4, n - 1] = float("nan")  # a NaN in the remainder
+        x[5] = 0.0  # all equal: index 0
+        x[5, n // 3] = 0.5 if n > 1 else 0.0
+        for rows in (x, x[:1], x[1:2], x[3:4], x[:, : max(1, n - 3)]):  # strided rows too
+            assert torch.equal(torch.ops.llm_cpu.argmax_rows(rows), rows.argmax(dim=-1)), n
+    assert torch.ops.llm_cpu.argmax_rows(torch.ones(0, 8, dtype=dtype)).shape == (0,)
+
+
 def test_bad_inputs_are_refused_with_the_reason() -> None:
     q, k, v, kv_cache, table, slots, positions, _ = _step(torch.float32, None)
     cos, sin = _rope_tables(64, torch.float32)
@@ -155,6 +174,8 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
     assert torch.equal(kv_cache, before)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         torch.ops.llm_cpu.silu_and_mul(torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.llm_cpu.argmax_rows(torch.ones(4, 3).t())
     with pytest.raises(RuntimeError, match="weight \\[width\\]"):
         torch.ops.llm_cpu.rms_norm(torch.ones(2, 4), torch.ones(3), 1e-5)
 

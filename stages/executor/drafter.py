@@ -41,7 +41,7 @@ from ipc.config import EngineLimits
 from ipc.step import DRAFT_TOKEN
 from stages.executor.backends.base import ForwardTables, StepRows
 from stages.executor.model import PagedLlama
-from stages.executor.sampler import SampleOutput
+from stages.executor.sampler import SampleOutput, greedy_tokens
 from stages.executor.staging import PackedField, per_sampled, per_seq
 from stages.trace import now_ns
 
@@ -133,10 +133,10 @@ class Drafter:
             self.began_ns = ahead.began_ns
             self.num_ahead_taken += 1
         else:
-            logits = self._forward(resolved, slots, positions, last)
+            token = self._forward(resolved, slots, positions, last)
             if not width:
                 return ids
-            drafts = [logits.argmax(dim=-1)]
+            drafts = [token]
         own = v["spec_draft"].view(-1, width) == DRAFT_TOKEN  # [R, K]
         num_own = own.sum(dim=1)
         rows = torch.arange(len(last), device=ids.device)
@@ -148,7 +148,7 @@ class Drafter:
             # draft i at its position; past a row's own drafts, at its last draft's (a
             # position written once more before anything reads it: see the module's doc)
             token = self._forward(token, row_slots, start + torch.clamp(num_own, max=i),
-                                  rows).argmax(dim=-1)
+                                  rows)
             drafts.append(token)
         proposed = torch.where(own, torch.stack(drafts, dim=1), -1)
         v["spec_draft"] = proposed.view(-1)
@@ -180,13 +180,13 @@ class Drafter:
         positions = torch.stack([at - 1, at], dim=1).view(-1)
         pass_slots = slots.repeat_interleave(2)
         last = torch.arange(1, 2 * r, 2, device=at.device)
-        token = self._forward(ids, pass_slots, positions, last).argmax(dim=-1)
+        token = self._forward(ids, pass_slots, positions, last)
         drafts = [token]
         rows = torch.arange(r, device=at.device)
         for i in range(1, most):
             if came():
                 break
-            token = self._forward(token, slots, at + i, rows).argmax(dim=-1)
+            token = self._forward(token, slots, at + i, rows)
             drafts.append(token)
         self._ahead = Ahead((ids, positions, pass_slots, last), drafts, began)
         self.num_ahead += 1
@@ -203,8 +203,9 @@ class Drafter:
 
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  wanted: torch.Tensor) -> torch.Tensor:
+        """A draft pass: the draft model's greedy token [len(wanted)] at the wanted rows."""
         meta = self.backend.metadata({"token_slots": slots, "positions": positions}, None)
-        return self.model(ids, self.kv_caches, meta, wanted)
+        return greedy_tokens(self.model(ids, self.kv_caches, meta, wanted))
 
     def keep_prev(self, v: dict[str, torch.Tensor], ids: torch.Tensor, out: SampleOutput,
                   width: int) -> None:

@@ -38,7 +38,7 @@ from stages.executor.step_inputs import HostStep
 
 logger = logging.getLogger(__name__)
 
-# forward(static input views, static wanted rows) -> logits [bucket, V] float32
+# forward(static input views, static wanted rows) -> logits [bucket, V] (the model's dtype)
 GraphForward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 

@@ -146,3 +146,8 @@ def _openmp_runtimes() -> list[str]:
 
 def available() -> bool:
     return load() is None
+
+
+def loaded() -> bool:
+    """Whether the kernels are in this process already (this never builds or loads them)."""
+    return _loaded is not None

@@ -182,7 +182,8 @@ class PagedLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """The logits; with tensor parallelism, on rank 0 (None on the others)."""
+        """The logits [S, vocab] of the rows `logits_indices`, in the model's dtype (float32
+        with tensor parallelism, on rank 0; None on the others)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.fused_layers is not None:  # the same kernels, in one call (fused.py)
             x = self.fused_layers(x, kv_caches, meta)
@@ -190,8 +191,8 @@ class PagedLlama(nn.Module):
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 x = layer(x, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # [S, hidden]
-        logits = self.lm_head(x).float()  # [S, vocab]
-        return logits if self.tp is None else self.tp.gather_logits(logits)
+        logits = self.lm_head(x)  # [S, vocab], in the model's dtype (the sampler widens)
+        return logits if self.tp is None else self.tp.gather_logits(logits.float())
 
 
 def rope_tables(cfg: dict, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import GREEDY_SLOT, NUM_F, NUM_I, F, I, penalty_rows
+from stages.executor import kernels
 from stages.executor.grammar_mask import apply_bitmask
 
 
@@ -137,27 +138,28 @@ class SamplingState:
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                flags: StepSampling,
                grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOutput:
-        """logits [X, V] float32 of the sampled rows, their slots [X] and the positions [X]
-        of their last input token -> SampleOutput. grammar: (rows [R], bitmask [R, words])
-        of the rows with a structured output (stages/executor/grammar_mask.py), the tokens each
-        allows."""
+        """logits [X, V] of the sampled rows in the model's dtype, their slots [X] and the
+        positions [X] of their last input token -> SampleOutput. grammar: (rows [R], bitmask
+        [R, words]) of the rows with a structured output (stages/executor/grammar_mask.py),
+        the tokens each allows. Masks and the argmax read the logits as they are (exact);
+        penalties and draws work on a float32 copy (as exact: widening rounds nothing)."""
         raw = logits
         if grammar is not None:
             logits = apply_bitmask(logits, *grammar)
         f, i = self.f[slots], self.i[slots]
         if flags.use_penalties:
             assert self.output_counts is not None and self.prompt_counts is not None
-            logits = apply_penalties(logits, self.output_counts[slots],
+            logits = apply_penalties(logits.float(), self.output_counts[slots],
                                      self.prompt_counts[slots], f[:, F.REPETITION],
                                      f[:, F.PRESENCE], f[:, F.FREQUENCY])
         if flags.use_min_tokens and self.stop_mask is not None:
             num_out = positions + 1 - i[:, I.PROMPT_LEN]
             suppress = (num_out < i[:, I.MIN_TOKENS]).unsqueeze(1) & self.stop_mask[slots]
             logits = logits.masked_fill(suppress, float("-inf"))
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         if not flags.all_greedy:
             temperature = f[:, F.TEMPERATURE]
-            scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+            scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)
             if flags.use_top_k_p:
                 scaled = apply_top_k_top_p(scaled, i[:, I.TOP_K], f[:, F.TOP_P])
             if flags.use_min_p:
@@ -173,6 +175,16 @@ class SamplingState:
         if flags.use_logprobs:
             out.logprob, out.top_ids, out.top_logprobs = compute_logprobs(raw, tokens)
         return out
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [X] int64 (the first of equal maxima), read in the logits' own dtype:
+    on the CPU by the kernels' argmax_rows where they are loaded (64 rows of 49,152 bf16
+    logits: ~0.3 ms, against ~5 ms for torch's float32 copy and argmax)."""
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1
+            and kernels.loaded()):
+        return torch.ops.llm_cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def accept_drafts(tokens: torch.Tensor, sampled: torch.Tensor, drafts: torch.Tensor,

@@ -839,6 +839,90 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+
+// ---------------------------------------------------------------- greedy sampling
+
+// The index of each row's largest value, as torch.argmax gives it (the first of equal
+// maxima; a NaN counts as larger than any number, the first NaN wins), read from bf16 or
+// fp16 rows as they are: a greedy step needs no float32 copy of its logits.
+struct Best {
+  float value;
+  int64_t index;
+  bool nan;
+};
+
+// The best of x[begin, end) (begin < end): 16 lanes keep their running maximum and where it
+// was first seen; the lanes' winner is the largest, the first of equal ones.
+template <typename T>
+Best best_of(const T* x, int64_t begin, int64_t end) {
+  const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Best best{to_float(x[begin]), begin, false};
+  int64_t e = begin + 1;
+  if (end - begin >= 32) {
+    v16f top = load16(x + begin);
+    v16i at = lanes + static_cast<int32_t>(begin);
+    v16i nan = top != top;
+    for (e = begin + 16; e + 16 <= end; e += 16) {
+      const v16f v = load16(x + e);
+      const v16i larger = v > top;
+      top = larger ? v : top;
+      at = larger ? lanes + static_cast<int32_t>(e) : at;
+      nan |= v != v;
+    }
+    bool any_nan = false;
+    for (int l = 0; l < 16; ++l) any_nan |= nan[l] != 0;
+    if (any_nan) e = begin;  // the scalar loop below finds the first
+    best = {top[0], at[0], false};
+    for (int l = 1; l < 16; ++l) {
+      if (top[l] > best.value || (top[l] == best.value && at[l] < best.index)) {
+        best = {top[l], at[l], false};
+      }
+    }
+  }
+  if (best.value != best.value) return {best.value, best.index, true};  // (x[begin])
+  for (; e < end; ++e) {
+    const float f = to_float(x[e]);
+    if (f != f) return {f, e, true};
+    if (f > best.value) best = {f, e, false};
+  }
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: [rows, n > 0] with contiguous rows");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "argmax_rows: rows of fewer than 2^31 values");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  if (rows == 0) return out;
+  // A row in parts (multiples of 16 values) when there are fewer rows than threads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = rows >= threads ? 1 : std::min((threads + rows - 1) / rows,
+                                                       std::max<int64_t>(1, n / 4096));
+  const int64_t span = (n / parts + 15) / 16 * 16;
+  std::vector<Best> found(rows * parts, Best{0.0f, -1, false});
+  dispatch_float_types(x.scalar_type(), "argmax_rows", [&](auto tag) {
+    using T = decltype(tag);
+    const T* data = x.data_ptr<T>();
+    at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t r = t / parts, lo = (t % parts) * span, hi = std::min(n, lo + span);
+        if (lo < hi) found[t] = best_of(data + r * stride, lo, hi);
+      }
+    });
+  });
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    Best best = found[r * parts];
+    for (int64_t p = 1; p < parts && !best.nan; ++p) {
+      const Best& b = found[r * parts + p];
+      if (b.index >= 0 && (b.nan || b.value > best.value)) best = b;
+    }
+    o[r] = best.index;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llm_cpu, m) {
@@ -848,6 +932,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
@@ -855,4 +940,5 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
+  m.impl("argmax_rows", TORCH_FN(argmax_rows));
 }
