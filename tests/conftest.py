@@ -190,6 +190,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.live)
+    # The files with the most slow or live tests first (stable otherwise): pytest-xdist hands
+    # out whole files in this order, so the longest are not left to run alone at the end.
+    heavy: dict[str, int] = {}
+    for item in items:
+        weight = bool(item.get_closest_marker("slow")) + bool(item.get_closest_marker("live"))
+        heavy[item.nodeid.split("::")[0]] = heavy.get(item.nodeid.split("::")[0], 0) + weight
+    items.sort(key=lambda item: -heavy[item.nodeid.split("::")[0]])
 
 
 @pytest.hookimpl(wrapper=True)

@@ -463,6 +463,7 @@ def drafted(default_model_dir: Path) -> object:
     return draft_engine(default_model_dir, 80, max_num_batched_tokens=512)
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=40, temperature=0),
     SamplingParams(max_tokens=40, temperature=0.5, top_k=20, seed=7),
@@ -491,6 +492,7 @@ def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, drafted: ob
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 def test_structured_outputs_are_drafted_masked_at_each_position_and_stay_valid(
         engines: tuple) -> None:
     """A JSON array of objects repeats its own keys: drafts are proposed and accepted; the
@@ -529,6 +531,7 @@ def test_structured_outputs_are_drafted_masked_at_each_position_and_stay_valid(
                                                      skip_special_tokens=True))
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 def test_a_draft_models_cache_keeps_step_with_the_models(engines: tuple,
                                                         default_model_dir: Path) -> None:
     """The model drafting for itself proposes exactly what it then samples, greedy, only
@@ -559,6 +562,7 @@ def test_a_draft_models_cache_keeps_step_with_the_models(engines: tuple,
     assert s.spec_num_accepted_tokens >= 0.97 * s.spec_num_draft_tokens
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 def test_draft_passes_run_ahead_of_the_plan_and_change_no_output(
         engines: tuple, default_model_dir: Path) -> None:
     """While the scheduler waits for a drafted row's verification (the device would idle),
@@ -581,6 +585,7 @@ def test_draft_passes_run_ahead_of_the_plan_and_change_no_output(
     assert drafter.num_ahead == drafter.num_ahead_taken
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 def test_a_draft_model_that_mostly_misses_changes_no_output(
         engines: tuple, default_model_dir: Path, tmp_path: Path) -> None:
     """Random weights with the model's tokenizer as the draft model: most drafts are
@@ -611,6 +616,7 @@ def test_a_draft_model_that_mostly_misses_changes_no_output(
     assert s.spec_num_accepted_tokens < 0.5 * s.spec_num_draft_tokens
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 def test_a_draft_model_leaves_structured_outputs_undrafted(drafted: object, engines: tuple
                                                           ) -> None:
     """The host never sees a draft model's drafts, so a structured output's matcher could
@@ -627,6 +633,7 @@ def test_a_draft_model_leaves_structured_outputs_undrafted(drafted: object, engi
                                                      skip_special_tokens=True))
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 def test_a_draft_model_drafts_only_while_few_sequences_run(engines: tuple,
                                                            default_model_dir: Path) -> None:
     """Past disable_by_batch_size running sequences the draft model's passes would cost
@@ -651,6 +658,7 @@ def test_a_draft_model_drafts_only_while_few_sequences_run(engines: tuple,
     assert spec.scheduler.spec_num_drafts > 0 and any(kept)
 
 
+@pytest.mark.slow  # (the default model in process, tens of seconds)
 def test_a_quantized_draft_model_proposes_what_the_model_mostly_takes(
         engines: tuple, default_model_dir: Path) -> None:
     """The model's own weights quantized to int4 as its draft: the outputs are the float
@@ -667,6 +675,7 @@ def test_a_quantized_draft_model_proposes_what_the_model_mostly_takes(
     assert s.spec_num_accepted_tokens > 0.6 * s.spec_num_draft_tokens > 30
 
 
+@pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple, default_model_dir: Path,
