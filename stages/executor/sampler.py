@@ -180,7 +180,7 @@ class SamplingState:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax [X] int64 (the first of equal maxima), read in the logits' own dtype:
     on the CPU by the kernels' argmax_rows where they are loaded (64 rows of 49,152 bf16
-    logits: ~0.3 ms, against ~5 ms for torch's float32 copy and argmax)."""
+    logits: 0.31 ms, against 3.6 ms for a float32 copy and torch's argmax)."""
     if (logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1
             and kernels.loaded()):
         return torch.ops.llm_cpu.argmax_rows(logits)
