@@ -5,8 +5,10 @@ trusted: a test without `live` that starts a stage, a server or a script fails, 
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -38,6 +40,14 @@ def _set_up_worker() -> None:
     own.mkdir(mode=0o700, exist_ok=True)
     os.environ["TMPDIR"] = os.environ["XDG_RUNTIME_DIR"] = str(own)
     tempfile.tempdir = None  # (gettempdir() reads TMPDIR again)
+    atexit.register(_remove_unless_a_run_is_left, own)
+
+
+def _remove_unless_a_run_is_left(folder: Path) -> None:
+    """The worker's temporary folder goes at its exit (Inductor's scratch files included);
+    one that still holds a run directory stays, to be seen."""
+    if not any(folder.glob("llm-pipeline-*")):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 _set_up_worker()
