@@ -41,7 +41,7 @@ def _rope_tables(max_len: int, dtype: torch.dtype,
 
 
 def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
-          block: int = BLOCK):
+          block: int = BLOCK, heads: int = HEADS):
     """A mixed step: decodes (one across a page boundary), a prompt chunk with past, a
     prompt without past longer than the window, and one of 40 tokens (three tiles of the
     kernel, each over several pages); the cache holds each sequence's past."""
@@ -53,9 +53,9 @@ def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
     positions = torch.cat([torch.arange(c - q, c) for c, q in rows])
     slots = torch.cat([torch.full((q,), s) for s, (_, q) in enumerate(rows)])
     total = len(positions)
-    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * head_dim, generator=gen).to(dtype)
-    q, k, v = qkv.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], dim=-1)
-    q = q.view(total, HEADS, head_dim)  # strided views of one matrix, as the model has them
+    qkv = torch.randn(total, (heads + 2 * KV_HEADS) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], dim=-1)
+    q = q.view(total, heads, head_dim)  # strided views of one matrix, as the model has them
     k = k.view(total, KV_HEADS, head_dim)
     v = v.view(total, KV_HEADS, head_dim)
     starts = torch.tensor([0, *torch.cumsum(torch.tensor([q for _, q in rows]), 0).tolist()])
@@ -71,6 +71,7 @@ def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
     return q, k, v, kv_cache, table, slots, positions, meta
 
 
+@pytest.mark.parametrize("heads", [4, HEADS, 8])  # 2, 3 or 4 query heads a KV head
 @pytest.mark.parametrize("block", [BLOCK, 16])  # (16: a page is one chunk of the matrix form)
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # (64: the kernel's unrolled head size)
 @pytest.mark.parametrize("window", [None, 5])
@@ -78,11 +79,13 @@ def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
 def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dtype,
                                                                 window: int | None,
                                                                 head_dim: int,
-                                                                block: int) -> None:
-    """Grouped query heads (3 a KV head): decodes and tiles of two tokens take the vector
-    loop (reduced-precision pages widened once a group), tiles of three or more the matrix
-    form; a page of 4 keys is a short chunk of it, one of 16 a whole one."""
-    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block)
+                                                                block: int, heads: int) -> None:
+    """Grouped query heads (2-4 a KV head): decodes take a group's heads together over each
+    key (at head size 64), tiles of two tokens the vector loop (reduced-precision pages
+    widened once a group), tiles of three or more the matrix form; a page of 4 keys is a
+    short chunk of it, one of 16 a whole one."""
+    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block,
+                                                             heads)
     cos, sin = _rope_tables(64, dtype, head_dim)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     expected_cache = kv_cache.clone()

@@ -345,6 +345,82 @@ inline void prefetch_page(const T* k_cache, const T* v_cache, int64_t block, int
   }
 }
 
+// A decode's kG query heads of one KV head over keys [j_lo, j_hi) of a page, together: each
+// key's and value's vectors are loaded (bf16 and fp16 widened in registers) once for all kG
+// heads, not once per head or through a widened copy of the page. q: the heads' rotated,
+// scaled queries [kG][kD]; acc, row_max, row_sum: theirs; scores: kG rows of score_stride
+// floats (8 spare past a page). The same online softmax as the loop of one head at a time.
+template <int64_t kD, int kG, typename T>
+inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, int64_t j_lo,
+                       int64_t j_hi, float* row_max, float* row_sum, float* acc, float* scores,
+                       int64_t score_stride) {
+  static_assert(kD % 32 == 0);
+  v8f best[kG];
+  for (int r = 0; r < kG; ++r) best[r] = v8f{} + row_max[r];
+  for (int64_t j0 = j_lo; j0 < j_hi; j0 += 8) {  // 8 keys, then one transposed reduction
+    v8f parts[kG][8];
+    for (int64_t l = 0; l < 8; ++l) {
+      if (j0 + l >= j_hi) {
+        for (int r = 0; r < kG; ++r) parts[r][l] = v8f{};
+        continue;
+      }
+      const T* kj = k + (j0 + l) * stride;
+      v16f kk[kD / 16];
+      for (int64_t c = 0; c < kD / 16; ++c) kk[c] = load16(kj + 16 * c);
+      for (int r = 0; r < kG; ++r) {
+        const float* qr = q + r * kD;
+        v16f a0 = {}, a1 = {};
+        for (int64_t c = 0; c < kD / 16; c += 2) {
+          a0 += load16(qr + 16 * c) * kk[c];
+          a1 += load16(qr + 16 * (c + 1)) * kk[c + 1];
+        }
+        const v16f a = a0 + a1;
+        parts[r][l] = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+      }
+    }
+    const auto valid = (kLanes + static_cast<int32_t>(j0)) < static_cast<int32_t>(j_hi);
+    for (int r = 0; r < kG; ++r) {
+      const v8f sums = sum8x8(parts[r]);
+      store8(scores + r * score_stride + j0, sums);
+      best[r] = (valid & (sums > best[r])) ? sums : best[r];
+    }
+  }
+  float correction[kG];
+  for (int r = 0; r < kG; ++r) {
+    float top = row_max[r];
+    for (int l = 0; l < 8; ++l) top = std::max(top, best[r][l]);
+    correction[r] = row_max[r] == -INFINITY ? 0.0f : exp_clamped(row_max[r] - top);
+    float* sr = scores + r * score_stride;
+    v8f sums = {};
+    for (int64_t j = j_lo; j < j_hi; j += 8) {  // exp(score - top), 8 keys at a time
+      const v8f e = exp8(load8(sr + j) - top);
+      const v8f kept =
+          (kLanes + static_cast<int32_t>(j)) < static_cast<int32_t>(j_hi) ? e : v8f{};
+      store8(sr + j, kept);
+      sums += kept;
+    }
+    row_max[r] = top;
+    row_sum[r] = row_sum[r] * correction[r] + sum8(sums);
+  }
+  v16f a[kG][kD / 16];
+  for (int r = 0; r < kG; ++r) {
+    for (int64_t c = 0; c < kD / 16; ++c) a[r][c] = load16(acc + r * kD + 16 * c) * correction[r];
+  }
+  for (int64_t j = j_lo; j < j_hi; ++j) {
+    const T* vj = v + j * stride;
+    v16f vv[kD / 16];
+    for (int64_t c = 0; c < kD / 16; ++c) vv[c] = load16(vj + 16 * c);
+    for (int r = 0; r < kG; ++r) {
+      const v16f w = v16f{} + scores[r * score_stride + j];
+      for (int64_t c = 0; c < kD / 16; ++c) a[r][c] += w * vv[c];
+    }
+  }
+  for (int r = 0; r < kG; ++r) {
+    for (int64_t c = 0; c < kD / 16; ++c) store16(acc + r * kD + 16 * c, a[r][c]);
+  }
+}
+
 constexpr int64_t kMaxTileRows = 256;  // query rows (tokens x heads) per tile
 // Tiles with this many rows a KV head (tokens x its query heads) or more take the matrix
 // form (3b below); fewer, the vector loop (3). Measured at 64 sequences of 256 tokens in bf16:
@@ -522,6 +598,26 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             }
           }
         };
+        if constexpr (kVectorHead<kD>) {
+          if (tile.len == 1 && group >= 2 && group <= 4) {  // a decode: its heads together
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+            const int64_t j_lo = std::max(lo, page_start) - page_start;
+            const int64_t j_hi = std::min(first, page_start + block_size - 1) - page_start + 1;
+            if (j_hi > j_lo) {
+              const int64_t h0 = g * group;
+              const float* qg = qf_ptr + (tile.start * heads + h0) * d;
+              auto run = [&](auto heads_of_group) {
+                group_keys<kD, decltype(heads_of_group)::value>(
+                    qg, kp, vp, kv_stride, j_lo, j_hi, row_max + h0, row_sum + h0, acc + h0 * d,
+                    scores, block_size + 8);
+              };
+              if (group == 2) run(std::integral_constant<int, 2>{});
+              if (group == 3) run(std::integral_constant<int, 3>{});
+              if (group == 4) run(std::integral_constant<int, 4>{});
+            }
+            continue;
+          }
+        }
         if constexpr (!std::is_same_v<T, float>) {
           if (group > 1) {  // widened once for the group's query heads, not once per head
             const int64_t used = std::min(block_size, last - page_start + 1);
@@ -646,7 +742,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 #pragma omp parallel if (num_tiles > 1)
   {
     const int64_t rows = tile_len * heads;
-    std::vector<float> acc(rows * d), row_max(rows), row_sum(rows), scores(block_size + 8);
+    std::vector<float> acc(rows * d), row_max(rows), row_sum(rows);
+    std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + 8));
     std::vector<float> page_kv(std::is_same_v<T, float> ? 0 : 2 * block_size * d);
     RowBuffers buf{std::vector<float>(max_vectors * d * 16), std::vector<float>(max_vectors * d * 16),
                    std::vector<float>(kChunk * d), std::vector<float>(kChunk * d),
