@@ -6,6 +6,7 @@ trusted: a test without `live` that starts a stage, a server or a script fails, 
 from __future__ import annotations
 
 import atexit
+import collections
 import multiprocessing.process
 import os
 import shutil
@@ -202,11 +203,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.live)
     # The files with the most slow or live tests first (stable otherwise): pytest-xdist hands
     # out whole files in this order, so the longest are not left to run alone at the end.
-    heavy: dict[str, int] = {}
+    heavy: collections.Counter[str] = collections.Counter()
     for item in items:
-        weight = bool(item.get_closest_marker("slow")) + bool(item.get_closest_marker("live"))
-        heavy[item.nodeid.split("::")[0]] = heavy.get(item.nodeid.split("::")[0], 0) + weight
-    items.sort(key=lambda item: -heavy[item.nodeid.split("::")[0]])
+        heavy[item.path] += (bool(item.get_closest_marker("slow"))
+                             + bool(item.get_closest_marker("live")))
+    items.sort(key=lambda item: -heavy[item.path])
 
 
 @pytest.hookimpl(wrapper=True)

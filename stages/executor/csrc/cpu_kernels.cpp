@@ -220,6 +220,25 @@ inline void page_values(float* acc, float correction, const T* v, int64_t stride
   }
 }
 
+// One row's online-softmax step over a page's scores [j_lo, j_hi) whose maximum with the
+// row's running one is `top`: scores become exp(score - top), 8 keys at a time (scores has 8
+// spare entries past a page), the running max and sum move on; returns the correction that
+// rescales what the row accumulated before this page.
+inline float softmax_page(float* scores, int64_t j_lo, int64_t j_hi, float top, float& row_max,
+                          float& row_sum) {
+  const float correction = row_max == -INFINITY ? 0.0f : exp_clamped(row_max - top);
+  v8f sums = {};
+  for (int64_t j = j_lo; j < j_hi; j += 8) {
+    const v8f e = exp8(load8(scores + j) - top);
+    const v8f kept = (kLanes + static_cast<int32_t>(j)) < static_cast<int32_t>(j_hi) ? e : v8f{};
+    store8(scores + j, kept);
+    sums += kept;
+  }
+  row_max = top;
+  row_sum = row_sum * correction + sum8(sums);
+  return correction;
+}
+
 // ---------------------------------------------------------------- vectors of 16 floats
 
 // A prompt tile's rows (its tokens x a KV head's query heads) lie along the 16 lanes: scores,
@@ -390,18 +409,8 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
   for (int r = 0; r < kG; ++r) {
     float top = row_max[r];
     for (int l = 0; l < 8; ++l) top = std::max(top, best[r][l]);
-    correction[r] = row_max[r] == -INFINITY ? 0.0f : exp_clamped(row_max[r] - top);
-    float* sr = scores + r * score_stride;
-    v8f sums = {};
-    for (int64_t j = j_lo; j < j_hi; j += 8) {  // exp(score - top), 8 keys at a time
-      const v8f e = exp8(load8(sr + j) - top);
-      const v8f kept =
-          (kLanes + static_cast<int32_t>(j)) < static_cast<int32_t>(j_hi) ? e : v8f{};
-      store8(sr + j, kept);
-      sums += kept;
-    }
-    row_max[r] = top;
-    row_sum[r] = row_sum[r] * correction[r] + sum8(sums);
+    correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top, row_max[r],
+                                 row_sum[r]);
   }
   v16f a[kG][kD / 16];
   for (int r = 0; r < kG; ++r) {
@@ -581,19 +590,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               const float* qr = qf_ptr + ((tile.start + i) * heads + h) * d;
               const float top = page_scores<kD>(qr, keys, stride, d, j_lo, j_hi, row_max[r],
                                                 scores);
-              const float correction = row_max[r] == -INFINITY
-                                           ? 0.0f : exp_clamped(row_max[r] - top);
-              // exp(score - top), 8 keys at a time (scores has 8 spare entries past a page)
-              v8f sums = {};
-              for (int64_t j = j_lo; j < j_hi; j += 8) {
-                const v8f e = exp8(load8(scores + j) - top);
-                const v8f kept =
-                    (kLanes + static_cast<int32_t>(j)) < static_cast<int32_t>(j_hi) ? e : v8f{};
-                store8(scores + j, kept);
-                sums += kept;
-              }
-              row_max[r] = top;
-              row_sum[r] = row_sum[r] * correction + sum8(sums);
+              const float correction =
+                  softmax_page(scores, j_lo, j_hi, top, row_max[r], row_sum[r]);
               page_values<kD>(acc + r * d, correction, values, stride, d, j_lo, j_hi, scores);
             }
           }
