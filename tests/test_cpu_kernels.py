@@ -73,7 +73,7 @@ def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
 
 @pytest.mark.parametrize("heads", [4, HEADS, 8])  # 2, 3 or 4 query heads a KV head
 @pytest.mark.parametrize("block", [BLOCK, 16])  # (16: a page is one chunk of the matrix form)
-@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # (64: the kernel's unrolled head size)
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])  # (64, 128: unrolled head sizes)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dtype,

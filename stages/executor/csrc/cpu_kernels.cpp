@@ -364,26 +364,55 @@ inline void prefetch_page(const T* k_cache, const T* v_cache, int64_t block, int
   }
 }
 
-// A decode's kG query heads of one KV head over keys [j_lo, j_hi) of a page, together: each
-// key's and value's vectors are loaded (bf16 and fp16 widened in registers) once for all kG
-// heads, not once per head or through a widened copy of the page. q: the heads' rotated,
-// scaled queries [kG][kD]; acc, row_max, row_sum: theirs; scores: kG rows of score_stride
-// floats (8 spare past a page). The same online softmax as the loop of one head at a time.
+// bf16 in pairs: 32 bf16 values read as 16 lanes of 32 bits hold the even elements in their
+// low halves and the odd ones in their high halves, so a shift and a mask make them two
+// vectors of floats (elements 0, 2, .., 30 and 1, 3, .., 31) with no shuffle, where widening
+// 16 values at a time costs a lane-crossing shuffle each (one port) and twice the loads.
+inline void split_pairs(const c10::BFloat16* p, v16f& even, v16f& odd) {
+  v16u32 bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const v16u32 low = bits << 16, high = bits & 0xFFFF0000u;
+  std::memcpy(&even, &low, sizeof even);
+  std::memcpy(&odd, &high, sizeof odd);
+}
+// 32 floats as the same two vectors, and back.
+inline void split_floats(const float* p, v16f& even, v16f& odd) {
+  const v16f a = load16(p), b = load16(p + 16);
+  even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline void join_floats(v16f even, v16f odd, float* p) {
+  store16(p, __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22,
+                                     7, 23));
+  store16(p + 16, __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
+                                          14, 30, 15, 31));
+}
+
+// The dot products of the group's queries with keys [j0, j0 + 8) (fewer at the page's end),
+// each head's 8 sums in parts[r][l] as 8 partial sums.
 template <int64_t kD, int kG, typename T>
-inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, int64_t j_lo,
-                       int64_t j_hi, float* row_max, float* row_sum, float* acc, float* scores,
-                       int64_t score_stride) {
-  static_assert(kD % 32 == 0);
-  v8f best[kG];
-  for (int r = 0; r < kG; ++r) best[r] = v8f{} + row_max[r];
-  for (int64_t j0 = j_lo; j0 < j_hi; j0 += 8) {  // 8 keys, then one transposed reduction
-    v8f parts[kG][8];
-    for (int64_t l = 0; l < 8; ++l) {
-      if (j0 + l >= j_hi) {
-        for (int r = 0; r < kG; ++r) parts[r][l] = v8f{};
-        continue;
+inline void group_scores(const float* q, const T* k, int64_t stride, int64_t j0, int64_t j_hi,
+                         v8f (&parts)[kG][8]) {
+  for (int64_t l = 0; l < 8; ++l) {
+    if (j0 + l >= j_hi) {
+      for (int r = 0; r < kG; ++r) parts[r][l] = v8f{};
+      continue;
+    }
+    const T* kj = k + (j0 + l) * stride;
+    v16f a[kG];
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {  // q: split in pairs (split_floats)
+      v16f ke[kD / 32], ko[kD / 32];
+      for (int64_t c = 0; c < kD / 32; ++c) split_pairs(kj + 32 * c, ke[c], ko[c]);
+      for (int r = 0; r < kG; ++r) {
+        const float* qr = q + r * kD;
+        v16f a0 = {}, a1 = {};
+        for (int64_t c = 0; c < kD / 32; ++c) {
+          a0 += load16(qr + 32 * c) * ke[c];
+          a1 += load16(qr + 32 * c + 16) * ko[c];
+        }
+        a[r] = a0 + a1;
       }
-      const T* kj = k + (j0 + l) * stride;
+    } else {
       v16f kk[kD / 16];
       for (int64_t c = 0; c < kD / 16; ++c) kk[c] = load16(kj + 16 * c);
       for (int r = 0; r < kG; ++r) {
@@ -393,11 +422,75 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
           a0 += load16(qr + 16 * c) * kk[c];
           a1 += load16(qr + 16 * (c + 1)) * kk[c + 1];
         }
-        const v16f a = a0 + a1;
-        parts[r][l] = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+        a[r] = a0 + a1;
       }
     }
+    for (int r = 0; r < kG; ++r) {
+      parts[r][l] = __builtin_shufflevector(a[r], a[r], 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(a[r], a[r], 8, 9, 10, 11, 12, 13, 14, 15);
+    }
+  }
+}
+
+// acc[r] = acc[r] * correction[r] + sum over j of scores[r][j] * v_j, for the group's heads.
+template <int64_t kD, int kG, typename T>
+inline void group_values(float* acc, const float* correction, const T* v, int64_t stride,
+                         int64_t j_lo, int64_t j_hi, const float* scores, int64_t score_stride) {
+  constexpr int64_t kParts = kD / 16;
+  v16f a[kG][kParts];
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // a[r][2c], a[r][2c + 1]: even, odd
+    for (int r = 0; r < kG; ++r) {
+      for (int64_t c = 0; c < kD / 32; ++c) {
+        split_floats(acc + r * kD + 32 * c, a[r][2 * c], a[r][2 * c + 1]);
+        a[r][2 * c] *= correction[r];
+        a[r][2 * c + 1] *= correction[r];
+      }
+    }
+  } else {
+    for (int r = 0; r < kG; ++r) {
+      for (int64_t c = 0; c < kParts; ++c) a[r][c] = load16(acc + r * kD + 16 * c) * correction[r];
+    }
+  }
+  for (int64_t j = j_lo; j < j_hi; ++j) {
+    const T* vj = v + j * stride;
+    v16f vv[kParts];
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      for (int64_t c = 0; c < kD / 32; ++c) split_pairs(vj + 32 * c, vv[2 * c], vv[2 * c + 1]);
+    } else {
+      for (int64_t c = 0; c < kParts; ++c) vv[c] = load16(vj + 16 * c);
+    }
+    for (int r = 0; r < kG; ++r) {
+      const v16f w = v16f{} + scores[r * score_stride + j];
+      for (int64_t c = 0; c < kParts; ++c) a[r][c] += w * vv[c];
+    }
+  }
+  for (int r = 0; r < kG; ++r) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      for (int64_t c = 0; c < kD / 32; ++c) {
+        join_floats(a[r][2 * c], a[r][2 * c + 1], acc + r * kD + 32 * c);
+      }
+    } else {
+      for (int64_t c = 0; c < kParts; ++c) store16(acc + r * kD + 16 * c, a[r][c]);
+    }
+  }
+}
+
+// A decode's kG query heads of one KV head over keys [j_lo, j_hi) of a page, together: each
+// key's and value's vectors are loaded (bf16 and fp16 widened in registers) once for all kG
+// heads, not once per head or through a widened copy of the page. q: the heads' rotated,
+// scaled queries [kG][kD] (bf16 keys: each 32 split in pairs, split_floats); acc, row_max,
+// row_sum: theirs; scores: kG rows of score_stride floats (8 spare past a page). The same
+// online softmax as the loop of one head at a time.
+template <int64_t kD, int kG, typename T>
+inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, int64_t j_lo,
+                       int64_t j_hi, float* row_max, float* row_sum, float* acc, float* scores,
+                       int64_t score_stride) {
+  static_assert(kD % 32 == 0);
+  v8f best[kG];
+  for (int r = 0; r < kG; ++r) best[r] = v8f{} + row_max[r];
+  for (int64_t j0 = j_lo; j0 < j_hi; j0 += 8) {  // 8 keys, then one transposed reduction
+    v8f parts[kG][8];
+    group_scores<kD, kG>(q, k, stride, j0, j_hi, parts);
     const auto valid = (kLanes + static_cast<int32_t>(j0)) < static_cast<int32_t>(j_hi);
     for (int r = 0; r < kG; ++r) {
       const v8f sums = sum8x8(parts[r]);
@@ -412,22 +505,7 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
     correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top, row_max[r],
                                  row_sum[r]);
   }
-  v16f a[kG][kD / 16];
-  for (int r = 0; r < kG; ++r) {
-    for (int64_t c = 0; c < kD / 16; ++c) a[r][c] = load16(acc + r * kD + 16 * c) * correction[r];
-  }
-  for (int64_t j = j_lo; j < j_hi; ++j) {
-    const T* vj = v + j * stride;
-    v16f vv[kD / 16];
-    for (int64_t c = 0; c < kD / 16; ++c) vv[c] = load16(vj + 16 * c);
-    for (int r = 0; r < kG; ++r) {
-      const v16f w = v16f{} + scores[r * score_stride + j];
-      for (int64_t c = 0; c < kD / 16; ++c) a[r][c] += w * vv[c];
-    }
-  }
-  for (int r = 0; r < kG; ++r) {
-    for (int64_t c = 0; c < kD / 16; ++c) store16(acc + r * kD + 16 * c, a[r][c]);
-  }
+  group_values<kD, kG>(acc, correction, v, stride, j_lo, j_hi, scores, score_stride);
 }
 
 constexpr int64_t kMaxTileRows = 256;  // query rows (tokens x heads) per tile
@@ -567,6 +645,17 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::fill(row_sum, row_sum + rows, 0.0f);
     const int64_t lo_first = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
     const int64_t last_page = last / block_size;
+    if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
+      if (tile.len == 1 && group >= 2 && group <= 4) {  // group_keys reads them split in pairs
+        float* qt = qf_ptr + tile.start * heads * d;
+        for (int64_t e = 0; e < heads * d; e += 32) {
+          v16f even, odd;
+          split_floats(qt + e, even, odd);
+          store16(qt + e, even);
+          store16(qt + e + 16, odd);
+        }
+      }
+    }
     for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
       const int64_t page_start = page * block_size;
       const int64_t block = table[slot * table_stride + page];
