@@ -6,7 +6,7 @@ results are the same bits either way; what goes is ~10 module calls and op dispa
 layer, which were a third of a one-token decode step of the default model (docs/BENCHMARKS.md
 "Single stream"). It runs where the layers are exactly that sequence: the cpu_kernels
 attention backend, one rank, no per-head q/k norms (Qwen3), and every projection
-oneDNN-packed or quantized (plain F.linear weights keep the Python layers). `build` decides;
+oneDNN-packed, AMX-packed or quantized (plain F.linear weights keep the Python layers). `build` decides;
 the model keeps the result as `fused_layers` (None: the Python layers run)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from stages.executor.linear.base import Linear
 
-PACKED, QUANTIZED = 0, 1
+PACKED, QUANTIZED, AMX = 0, 1, 2
 QUANTIZED_METHODS = ("int8", "int4", "gguf")
 
 
@@ -29,6 +29,8 @@ def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[
         return layer.packed_weight, layer.bias, [PACKED, 0, layer.out_features]
     if name in QUANTIZED_METHODS:
         return layer.tiles, layer.bias_f32, [QUANTIZED, layer.bits, layer.out_features]
+    if name == "amx-bf16":
+        return layer.amx_weight, layer.bias_f32, [AMX, 0, layer.out_features]
     return None
 
 

@@ -305,7 +305,7 @@ class ModelRunner:
             tp.size if tp is not None else 1))
         backend = selection.load()(limits, device, spec.sliding_window)
         linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,
-                                      gguf_source(model_dir))
+                                      gguf_source(model_dir), selection.backend == "cpu_kernels")
         model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
@@ -397,7 +397,7 @@ def load_draft(cfg: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
     spec = check_draft(cfg, vocab_size, target, 2 if tensor_parallel else 1, device.type)
     backend = target.load()(limits, device, spec.sliding_window)
     linear = select_linear_method(dtype, device, False, None, cfg.quantization,
-                                  gguf_source(cfg.model))
+                                  gguf_source(cfg.model), target.backend == "cpu_kernels")
     return load_model(cfg.model, dtype, device, limits.max_model_len, backend, linear)
 
 

@@ -5,9 +5,9 @@
 //     h = a Wo; h = add_rms_norm(x += h); h = silu_and_mul(h Wgate_up); x += h Wdown
 // What it saves is the Python between them: ~10 module calls and op dispatches a layer,
 // a third of a one-token decode step of a small model (stages/executor/fused.py says when
-// it runs). Each product is oneDNN's packed one (mkldnn::_linear_pointwise) or
-// llm_cpu::quantized_linear, called through the dispatcher as Python calls them. Built with
-// the other kernels by kernels.py.
+// it runs). Each product is oneDNN's packed one (mkldnn::_linear_pointwise),
+// llm_cpu::amx_linear or llm_cpu::quantized_linear, called through the dispatcher as Python
+// calls them. Built with the other kernels by kernels.py.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -26,7 +26,7 @@ using OptTensor = std::optional<at::Tensor>;
 enum Entry { kNorm1, kQkvW, kQkvB, kOW, kOB, kNorm2, kGateUpW, kGateUpB, kDownW, kDownB,
              kEntries };
 // Per projection, the entries of `ints` after the 3 shared ones: its kind, bits and outputs.
-enum Kind { kPacked = 0, kQuantized = 1 };
+enum Kind { kPacked = 0, kQuantized = 1, kAmx = 2 };
 constexpr int64_t kShared = 3, kPerProjection = 3, kProjections = 4;
 
 struct Ops {
@@ -42,6 +42,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, int64_t)>
       quantized_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t)>
+      amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       std::string_view, c10::List<std::optional<c10::Scalar>>,
                                       std::optional<std::string_view>)>
@@ -65,6 +68,9 @@ const Ops& ops() {
         d.findSchemaOrThrow("llm_cpu::quantized_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               int64_t)>(),
+        d.findSchemaOrThrow("llm_cpu::amx_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                              int64_t)>(),
         d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                               std::string_view, c10::List<std::optional<c10::Scalar>>,
@@ -80,6 +86,7 @@ at::Tensor project(const at::Tensor& x, const OptTensor& weight, const OptTensor
   if (spec[0] == kQuantized) {
     return ops().quantized_linear.call(x, *weight, bias, spec[1], spec[2]);
   }
+  if (spec[0] == kAmx) return ops().amx_linear.call(x.contiguous(), *weight, bias, spec[2]);
   return ops().packed_linear.call(x.contiguous(), *weight, bias, "none",
                                   c10::List<std::optional<c10::Scalar>>(), "");
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ipc.gguf_source import GgufSource
+from stages.executor.linear.amx import AmxMethod
 from stages.executor.linear.base import LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.onednn import OneDnnPackedMethod
@@ -14,11 +15,13 @@ from stages.executor.linear.quantized import METHODS, GgufMethod
 
 def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: bool,
                          pack: bool | None = None, quantization: str | None = None,
-                         gguf: GgufSource | None = None) -> LinearMethod:
+                         gguf: GgufSource | None = None, kernels: bool = False) -> LinearMethod:
     """A quantized GGUF file (`gguf`): its own blocks. `quantization` (int8, int4): that
-    quantized format. Either raises ValueError saying why it cannot run here. Otherwise
-    oneDNN's packed weights for the eager CPU forward where oneDNN can pack the dtype
-    (`pack`: None as that, False plain, True required); plain F.linear otherwise.
+    quantized format. Either raises ValueError saying why it cannot run here. Otherwise, for
+    the eager CPU forward, packed weights (`pack`: None as that, False plain, True required):
+    bf16 on AMX tiles where the forward runs on the CPU kernels (`kernels`) and the CPU has
+    AMX-BF16, else oneDNN's packed layout where oneDNN can pack the dtype; plain F.linear
+    otherwise.
     (TorchInductor lowers packed weights only as frozen constants, which one graph shared
     by every layer cannot have.)"""
     if gguf is not None and gguf.quantized:
@@ -33,6 +36,8 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
         return _quantized(quantization, dtype, device, compiled)
     if pack is False:
         return DenseMethod()
+    if kernels and not compiled and AmxMethod.unsupported(dtype, device) is None:
+        return AmxMethod()
     why = OneDnnPackedMethod.unsupported(dtype, device)
     if why is None and compiled:
         why = "the compiled forward needs plain weights"

@@ -1,0 +1,348 @@
+// bf16 linear layers on AMX tiles: y = x W^T (+ b), x bf16 [M, K], W in the tile-major layout
+// below, products in float32 (TDPBF16PS), y rounded to bf16 once. Registered as
+// torch.ops.llm_cpu.amx_linear; built with cpu_kernels.cpp by kernels.py.
+//
+// Why not oneDNN's packed product (stages/executor/linear/onednn.py), which runs on the same
+// tiles: a decode step's products stream every weight from memory once, and at 1-64 tokens
+// oneDNN's reads its weights at 8-16 GB/s on the 2-core test machine (a sweep over the
+// default model's 121 products: 19 ms a step at one token, 27 ms at 64) where the memory
+// gives ~20. Here each thread streams one contiguous run of the weights, with the next panel
+// prefetched into L2 while a panel's tiles are computed, so the products run near the
+// memory's speed at any token count a decode step has.
+//
+// Layout: K a multiple of 32, N padded to one (zero columns, never stored). Panels of 32 output columns, n0..n0+31;
+// a panel is K / 32 chunks of 2 KB, one per 32 values of K, and a chunk is two B tiles (the
+// panel's columns n0..n0+15, then n0+16..n0+31), each 16 rows of K-pairs x 16 columns x 2
+// bf16 (AMX's pair layout: row p holds W[n][k0 + 2p], W[n][k0 + 2p + 1] for its 16 n):
+//     packed[panel][chunk][half][pair][column][2]
+// (stages/executor/linear/amx.py makes it with one permute). A thread's panels are then one
+// contiguous stream.
+//
+// Work: each thread takes a run of panels; per panel, rows of x in pairs of 16-row tiles
+// (2 x 2 result tiles, 4 products per 4 tile loads), K chunk by chunk. Prompts (many rows)
+// go in slabs of rows whose x fits in L2, so a slab's x is read from there for every panel.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define LLM_CPU_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define LLM_CPU_AMX 0
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+
+namespace {
+
+constexpr int64_t kPanel = 32;          // output columns a panel
+constexpr int64_t kChunkK = 32;         // K values a chunk
+constexpr int64_t kChunkBytes = 2048;   // two 1 KB B tiles
+constexpr int64_t kSlabBytes = 1 << 19; // x rows of one slab (prompts): 512 KB, inside L2
+constexpr int64_t kGroupBytes = 1 << 19; // panels a prompt's row pair runs over from L2
+
+#if LLM_CPU_AMX
+
+// The kernel's tile palette: tiles 0-3 results (rows block 0: columns lo, hi; block 1: lo,
+// hi), 4 and 5 x's two row blocks, 6 and 7 the chunk's two B tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure(int64_t rows0, int64_t rows1) {
+  TileConfig config;
+  const uint8_t r0 = static_cast<uint8_t>(rows0), r1 = static_cast<uint8_t>(std::max<int64_t>(rows1, 1));
+  const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = rows[t];
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Results of rows [m0, m0 + rows) and the panel's 16 columns from n0, float, into y (bf16),
+// bias added.
+inline void store_rows(const float* tile, int64_t rows, int64_t m0, int64_t n0, int64_t n,
+                       const float* bias, c10::BFloat16* y) {
+  const int64_t cols = std::min<int64_t>(16, n - n0);
+  if (cols <= 0) return;
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(tile + r * 16), b);
+    _mm256_mask_storeu_epi16(y + (m0 + r) * n + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// The results of one row pair by one panel, stored from their tiles and written to y (bias
+// added, rounded to bf16) during the next block's products: a tile's store waits for its
+// products, but the writes need only AVX-512 ports, which the tiles leave free; written at
+// once, they cost ~20% of a prompt's products at K = 576. Two sets of tiles alternate.
+struct Results {
+  alignas(64) float tiles[2][1024];
+  int set = 0;
+  bool pending = false;
+  int64_t rows0 = 0, rows1 = 0, m0 = 0, n0 = 0;
+
+  template <bool kTwo>
+  void store(int64_t block_rows0, int64_t block_rows1, int64_t block_m0, int64_t block_n0) {
+    float* t = tiles[set];
+    _tile_stored(0, t, 64);
+    _tile_stored(1, t + 256, 64);
+    if constexpr (kTwo) {
+      _tile_stored(2, t + 512, 64);
+      _tile_stored(3, t + 768, 64);
+    }
+    rows0 = block_rows0;
+    rows1 = kTwo ? block_rows1 : 0;
+    m0 = block_m0;
+    n0 = block_n0;
+    pending = true;
+    set ^= 1;
+  }
+
+  // The stored set not yet written, if any.
+  void write(int64_t n, const float* bias, c10::BFloat16* y) {
+    if (!pending) return;
+    const float* t = tiles[set ^ 1];
+    store_rows(t, rows0, m0, n0, n, bias, y);
+    store_rows(t + 256, rows0, m0, n0 + 16, n, bias, y);
+    store_rows(t + 512, rows1, m0 + 16, n0, n, bias, y);
+    store_rows(t + 768, rows1, m0 + 16, n0 + 16, n, bias, y);
+    pending = false;
+  }
+};
+
+// One panel over rows [m0, m0 + rows0 + rows1) (rows0 = 16 unless it is all there is; rows1 =
+// 0 for a lone block): 2 (or 1) x 2 result tiles over every chunk of K; the previous block's
+// results are written once this one's first products are under way.
+// a0, a1: the two row blocks' first tiles, `a_step` bf16 values from one chunk's tile to the
+// next, `a_stride` bytes between rows (x itself: 32 and 2K; tile-major: 512 and 64).
+template <bool kTwo, bool kStream>
+inline void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_step,
+                       int64_t a_stride, const uint8_t* panel, int64_t chunks,
+                       const uint8_t* next_panel, int64_t m0, int64_t rows0, int64_t rows1,
+                       int64_t n0, int64_t n, const float* bias, c10::BFloat16* y,
+                       Results& results) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* chunk = panel + c * kChunkBytes;
+    if (next_panel != nullptr) {  // the next panel's chunk into L2 while this one computes
+      const uint8_t* ahead = next_panel + c * kChunkBytes;
+      for (int64_t line = 0; line < kChunkBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    }
+    if constexpr (kStream) {  // (a hint: kept in L2, not L1, where x's tiles are)
+      _tile_stream_loadd(6, chunk, 64);
+      _tile_stream_loadd(7, chunk + 1024, 64);
+    } else {
+      _tile_loadd(6, chunk, 64);
+      _tile_loadd(7, chunk + 1024, 64);
+    }
+    _tile_loadd(4, a0 + c * a_step, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, a1 + c * a_step, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (c == 0) results.write(n, bias, y);
+  }
+  results.store<kTwo>(rows0, rows1, m0, n0);
+}
+
+#ifndef DIRECT_STREAM
+#define DIRECT_STREAM false
+#endif
+constexpr bool kDirectStream = DIRECT_STREAM;
+// Rows [m_begin, m_end) of x over panels [p_begin, p_end): panel by panel, the rows in pairs
+// of tiles (a decode step's few rows find x in L1 for every panel).
+void run_panels(const c10::BFloat16* x, int64_t k, const uint8_t* w, int64_t chunks,
+                int64_t panels, int64_t p_begin, int64_t p_end, int64_t m_begin, int64_t m_end,
+                int64_t n, const float* bias, c10::BFloat16* y) {
+  Results results;
+  int64_t configured0 = -1, configured1 = -1;
+  const int64_t panel_bytes = chunks * kChunkBytes;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const uint8_t* panel = w + p * panel_bytes;
+    const uint8_t* next = p + 1 < panels ? panel + panel_bytes : nullptr;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+      const int64_t rows = std::min<int64_t>(32, m_end - m0);
+      const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
+      if (rows0 != configured0 || rows1 != configured1) {
+        configure(rows0, rows1);
+        configured0 = rows0;
+        configured1 = rows1;
+      }
+      const uint8_t* ahead = m0 == m_begin ? next : nullptr;  // later row pairs find it in L2
+      const c10::BFloat16* a0 = x + m0 * k;
+      if (rows1 > 0) {
+        panel_rows<true, kDirectStream>(a0, a0 + 16 * k, kChunkK, k * 2, panel, chunks, ahead, m0, rows0,
+                         rows1, p * kPanel, n, bias, y, results);
+      } else {
+        panel_rows<false, kDirectStream>(a0, a0, kChunkK, k * 2, panel, chunks, ahead, m0, rows0, 0,
+                          p * kPanel, n, bias, y, results);
+      }
+    }
+  }
+  results.write(n, bias, y);
+  _tile_release();  // leave the tiles as found for oneDNN and torch's own AMX code
+}
+
+// A slab's rows of x as tiles, one after another: xt[block][chunk][16 rows][32] (rows past
+// the end zero), so that a tile is 1 KB in one piece.
+void tile_rows(const c10::BFloat16* x, int64_t k, int64_t m_begin, int64_t m_end,
+               c10::BFloat16* xt) {
+  const int64_t chunks = k / kChunkK, blocks = (m_end - m_begin + 15) / 16;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t m = m_begin + b * 16 + r;
+        for (int64_t c = 0; c < chunks; ++c) {
+          c10::BFloat16* to = xt + ((b * chunks + c) * 16 + r) * kChunkK;
+          if (m < m_end) {
+            std::memcpy(to, x + m * k + c * kChunkK, kChunkK * 2);
+          } else {
+            std::memset(to, 0, kChunkK * 2);
+          }
+        }
+      }
+    }
+  });
+}
+
+// A prompt's slab (tile-major rows xt): row pairs outer, each over a group of panels that
+// fits L2, so a row pair's tiles stay in L1 while the panels stream from L2.
+void run_slab(const c10::BFloat16* xt, int64_t k, const uint8_t* w, int64_t chunks,
+              int64_t p_begin, int64_t p_end, int64_t m_begin, int64_t m_end, int64_t n,
+              const float* bias, c10::BFloat16* y) {
+  Results results;
+  int64_t configured0 = -1, configured1 = -1;
+  const int64_t panel_bytes = chunks * kChunkBytes;
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / panel_bytes);
+  for (int64_t g0 = p_begin; g0 < p_end; g0 += group) {
+    const int64_t g1 = std::min(p_end, g0 + group);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+      const int64_t rows = std::min<int64_t>(32, m_end - m0);
+      const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
+      if (rows0 != configured0 || rows1 != configured1) {
+        configure(rows0, rows1);
+        configured0 = rows0;
+        configured1 = rows1;
+      }
+      const c10::BFloat16* a0 = xt + (m0 - m_begin) / 16 * chunks * 16 * kChunkK;
+      const c10::BFloat16* a1 = a0 + chunks * 16 * kChunkK;
+      for (int64_t p = g0; p < g1; ++p) {
+        const uint8_t* panel = w + p * panel_bytes;
+        // The group's next panel while this one computes, on the first row pair only.
+        const uint8_t* ahead = m0 == m_begin && p + 1 < g1 ? panel + panel_bytes : nullptr;
+        if (rows1 > 0) {
+          panel_rows<true, true>(a0, a1, 16 * kChunkK, 64, panel, chunks, ahead, m0, rows0, rows1,
+                           p * kPanel, n, bias, y, results);
+        } else {
+          panel_rows<false, true>(a0, a0, 16 * kChunkK, 64, panel, chunks, ahead, m0, rows0, 0,
+                            p * kPanel, n, bias, y, results);
+        }
+      }
+    }
+  }
+  results.write(n, bias, y);
+  _tile_release();
+}
+
+bool request_tiles() {
+  // Linux hands a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM,
+  // XFEATURE_XTILEDATA); asking again is harmless.
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+#endif  // LLM_CPU_AMX
+
+bool amx_linear_available() {
+#if LLM_CPU_AMX
+  return request_tiles();
+#else
+  return false;
+#endif
+}
+
+// x bf16 [M, K], K a multiple of 32; packed uint8 [panels, K / 32 * 2048] (the layout above);
+// bias float32 [N] or none; n the outputs. Returns y bf16 [M, N].
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "amx_linear: x must be a contiguous bf16 matrix");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "amx_linear: the packed weight must be a contiguous uint8 matrix");
+  const int64_t k = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(k > 0 && k % kChunkK == 0, "amx_linear: x has ", k,
+              " columns, not a multiple of ", kChunkK);
+  TORCH_CHECK(packed.size(1) == (k / kChunkK) * kChunkBytes, "amx_linear: a panel of ",
+              packed.size(1), " bytes for ", k, " inputs");
+  TORCH_CHECK(n > 0 && panels == (n + kPanel - 1) / kPanel, "amx_linear: ", panels,
+              " panels of 32 for ", n, " outputs");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                "amx_linear: bias must be float32 [N]");
+  }
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+#if LLM_CPU_AMX
+  TORCH_CHECK(request_tiles(), "amx_linear: the kernel did not grant this process AMX tiles");
+  const int64_t m = x.size(0), chunks = k / kChunkK;
+  if (m == 0) return y;
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  const auto* wp = packed.const_data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  auto* yp = y.mutable_data_ptr<c10::BFloat16>();
+  static const int64_t kDirect = getenv("AMX_DIRECT") ? atoi(getenv("AMX_DIRECT")) : 32;
+  if (m <= kDirect) {  // a decode step: x in L1 throughout
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      run_panels(xp, k, wp, chunks, panels, begin, end, 0, m, n, bp, yp);
+    });
+    return y;
+  }
+  // Slabs of rows whose x stays in L2 (whole multiples of 32 rows), tile-major.
+  const int64_t slab = std::max<int64_t>(32, kSlabBytes / (k * 2) / 32 * 32);
+  at::Tensor tiles = at::empty({(std::min(m, slab) + 15) / 16 * 16 * k}, x.options());
+  auto* xt = tiles.mutable_data_ptr<c10::BFloat16>();
+  for (int64_t m_begin = 0; m_begin < m; m_begin += slab) {
+    const int64_t m_end = std::min(m, m_begin + slab);
+    tile_rows(xp, k, m_begin, m_end, xt);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      run_slab(xt, k, wp, chunks, begin, end, m_begin, m_end, n, bp, yp);
+    });
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "amx_linear: these kernels were built for a CPU without AMX-BF16");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
+  m.def("amx_linear_available() -> bool", &amx_linear_available);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) { m.impl("amx_linear", TORCH_FN(amx_linear)); }

@@ -1,0 +1,90 @@
+"""bf16 weights for AMX tiles (csrc/amx_linear.cpp), in the executor process: the bf16
+forward's products on a CPU with AMX-BF16, in place of oneDNN's packed ones.
+
+Both run on the same tiles; the difference is how the weights stream. A decode step reads
+every weight once, and oneDNN's packed product does so at 14-16 GB/s at one token and 8-10
+GB/s at 64 on the 2-core test machine (whose memory gives ~20); here each thread reads one
+contiguous run of 2 KB chunks, the next panel prefetched as it goes, which keeps the products
+near the memory's speed from 1 to 64 tokens (docs/BENCHMARKS.md, "AMX products").
+
+The layout (the kernel's header says it whole): panels of 32 output columns, each K / 32
+chunks of two 1 KB B tiles in AMX's pair layout. N is padded to a panel with zero columns,
+which the kernel never writes out; K must be a multiple of 32 (every model we load has
+that), and a layer whose K is not gets oneDNN's packed weights instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages.executor import kernels
+from stages.executor.linear.base import Linear, LinearMethod
+from stages.executor.linear.onednn import OneDnnPackedMethod
+
+PANEL = 32  # output columns a panel
+CHUNK = 32  # inputs a chunk
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (K a multiple of 32) -> uint8 [ceil(N / 32), K / 32 * 2048]: per panel,
+    per chunk of 32 inputs, the two 16-column halves, each 16 pairs of inputs x 16 columns
+    x 2."""
+    n, k = w.shape
+    if k % CHUNK:
+        raise ValueError(f"amx pack: {k} inputs, not a multiple of {CHUNK}")
+    padded = -(-n // PANEL) * PANEL
+    w = torch.nn.functional.pad(w.to(torch.bfloat16), (0, 0, 0, padded - n))
+    # [panel, half, column, chunk, pair, 2] -> [panel, chunk, half, pair, column, 2]
+    tiles = w.view(padded // PANEL, 2, 16, k // CHUNK, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    return tiles.contiguous().view(torch.uint8).view(padded // PANEL, -1)
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The bf16 [N, K] weight `pack` made `packed` from (tests)."""
+    panels = packed.shape[0]
+    k = packed.shape[1] // 64
+    tiles = packed.view(torch.bfloat16).view(panels, k // CHUNK, 2, 16, 16, 2)
+    return tiles.permute(0, 2, 4, 1, 3, 5).reshape(panels * PANEL, k)[:n]
+
+
+def kernel_missing() -> str | None:
+    """Why amx_linear cannot run here (None: it can)."""
+    why = kernels.load()
+    if why is not None:
+        return f"the CPU kernels are not available ({why})"
+    if not torch.ops.llm_cpu.amx_linear_available():
+        return "this CPU (or its kernel) gives no AMX-BF16 tiles"
+    return None
+
+
+class AmxMethod(LinearMethod):
+    name = "amx-bf16"
+
+    @classmethod
+    def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return f"AMX tiles are a CPU's, not {device.type}'s"
+        if dtype != torch.bfloat16:
+            return f"AMX-BF16 multiplies bfloat16, not {dtype}"
+        return kernel_missing()
+
+    def process(self, layer: Linear) -> None:
+        """The packed copy replaces the plain weight (a tied head's plain matrix stays the
+        embedding's); the bias becomes float32, as the kernel adds it. A layer whose inputs
+        are not a multiple of 32 takes oneDNN's packed weights."""
+        if layer.in_features % CHUNK:
+            layer.method = OneDnnPackedMethod()
+            layer.method.process(layer)
+            return
+        packed = pack(layer.weight.detach())
+        del layer.weight
+        layer.register_buffer("amx_weight", packed)
+        bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
+        layer.register_buffer("bias_f32", bias)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.llm_cpu.amx_linear(x.reshape(-1, shape[-1]).contiguous(),
+                                         layer.amx_weight, layer.bias_f32,
+                                         layer.out_features)
+        return y.view(*shape[:-1], y.shape[-1])
