@@ -6,8 +6,9 @@ results are the same bits either way; what goes is ~10 module calls and op dispa
 layer, which were a third of a one-token decode step of the default model (docs/BENCHMARKS.md
 "Single stream"). It runs where the layers are exactly that sequence: the cpu_kernels
 attention backend, one rank, no per-head q/k norms (Qwen3), and every projection
-oneDNN-packed, AMX-packed or quantized (plain F.linear weights keep the Python layers). `build` decides;
-the model keeps the result as `fused_layers` (None: the Python layers run)."""
+oneDNN-packed, AMX-packed or quantized (plain F.linear weights keep the Python layers).
+`build` decides; the model keeps the result as `fused_layers` (None: the Python layers
+run)."""
 
 from __future__ import annotations
 

@@ -5,22 +5,32 @@
 // Why not oneDNN's packed product (stages/executor/linear/onednn.py), which runs on the same
 // tiles: a decode step's products stream every weight from memory once, and at 1-64 tokens
 // oneDNN's reads its weights at 8-16 GB/s on the 2-core test machine (a sweep over the
-// default model's 121 products: 19 ms a step at one token, 27 ms at 64) where the memory
-// gives ~20. Here each thread streams one contiguous run of the weights, with the next panel
-// prefetched into L2 while a panel's tiles are computed, so the products run near the
-// memory's speed at any token count a decode step has.
+// default model's 121 products: 19-20 ms a step at one token, 25-29 ms at 64) where the
+// memory gives ~19. Here each thread streams one contiguous run of the weights, the next
+// panel prefetched into L2 while a panel's tiles are computed: 14-15 ms at one token (the
+// memory's speed), 22-24 ms at 64.
 //
-// Layout: K a multiple of 32, N padded to one (zero columns, never stored). Panels of 32 output columns, n0..n0+31;
-// a panel is K / 32 chunks of 2 KB, one per 32 values of K, and a chunk is two B tiles (the
-// panel's columns n0..n0+15, then n0+16..n0+31), each 16 rows of K-pairs x 16 columns x 2
-// bf16 (AMX's pair layout: row p holds W[n][k0 + 2p], W[n][k0 + 2p + 1] for its 16 n):
+// What bounds it beyond one row pair: on that machine a tile load (1 KB) takes ~16 ns even
+// from L1, three times a product (~5.6 ns), and a 2 x 2 block of result tiles (the most that
+// 8 tiles allow with two x and two W tiles) needs one load per product. 64 rows are two row
+// pairs, 8 loads a chunk; those and the stream from memory do not fully overlap. Prompts
+// (thousands of rows) reach 1.6-2.4 TFLOP/s, about oneDNN's at 512 rows and 10-20% below it
+// at 2048.
+//
+// Layout: K a multiple of 32; N padded to a multiple of 32 (zero columns, never stored).
+// Panels of 32 output columns, n0..n0+31; a panel is K / 32 chunks of 2 KB, one per 32 values
+// of K, and a chunk is two B tiles (the panel's columns n0..n0+15, then n0+16..n0+31), each
+// 16 rows of K-pairs x 16 columns x 2 bf16 (AMX's pair layout: row p holds W[n][k0 + 2p],
+// W[n][k0 + 2p + 1] for its 16 n):
 //     packed[panel][chunk][half][pair][column][2]
 // (stages/executor/linear/amx.py makes it with one permute). A thread's panels are then one
 // contiguous stream.
 //
-// Work: each thread takes a run of panels; per panel, rows of x in pairs of 16-row tiles
-// (2 x 2 result tiles, 4 products per 4 tile loads), K chunk by chunk. Prompts (many rows)
-// go in slabs of rows whose x fits in L2, so a slab's x is read from there for every panel.
+// Work: each thread takes a run of panels. A decode step (at most 32 rows: one row pair)
+// goes panel by panel, K chunk by chunk, x from L1. More rows go in slabs whose x fits in L2,
+// copied tile-major (a tile 1 KB in one piece); a slab's row pairs each run over a group of
+// panels that fits L2, their W tiles loaded with the hint that keeps them out of L1 (where
+// the row pair's x tiles stay).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,7 +51,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 
 namespace {
 
@@ -170,10 +179,6 @@ inline void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t
   results.store<kTwo>(rows0, rows1, m0, n0);
 }
 
-#ifndef DIRECT_STREAM
-#define DIRECT_STREAM false
-#endif
-constexpr bool kDirectStream = DIRECT_STREAM;
 // Rows [m_begin, m_end) of x over panels [p_begin, p_end): panel by panel, the rows in pairs
 // of tiles (a decode step's few rows find x in L1 for every panel).
 void run_panels(const c10::BFloat16* x, int64_t k, const uint8_t* w, int64_t chunks,
@@ -196,10 +201,10 @@ void run_panels(const c10::BFloat16* x, int64_t k, const uint8_t* w, int64_t chu
       const uint8_t* ahead = m0 == m_begin ? next : nullptr;  // later row pairs find it in L2
       const c10::BFloat16* a0 = x + m0 * k;
       if (rows1 > 0) {
-        panel_rows<true, kDirectStream>(a0, a0 + 16 * k, kChunkK, k * 2, panel, chunks, ahead, m0, rows0,
+        panel_rows<true, false>(a0, a0 + 16 * k, kChunkK, k * 2, panel, chunks, ahead, m0, rows0,
                          rows1, p * kPanel, n, bias, y, results);
       } else {
-        panel_rows<false, kDirectStream>(a0, a0, kChunkK, k * 2, panel, chunks, ahead, m0, rows0, 0,
+        panel_rows<false, false>(a0, a0, kChunkK, k * 2, panel, chunks, ahead, m0, rows0, 0,
                           p * kPanel, n, bias, y, results);
       }
     }
@@ -314,8 +319,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   const auto* wp = packed.const_data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   auto* yp = y.mutable_data_ptr<c10::BFloat16>();
-  static const int64_t kDirect = getenv("AMX_DIRECT") ? atoi(getenv("AMX_DIRECT")) : 32;
-  if (m <= kDirect) {  // a decode step: x in L1 throughout
+  if (m <= 32) {  // a decode step: one row pair, x in L1 throughout
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       run_panels(xp, k, wp, chunks, panels, begin, end, 0, m, n, bp, yp);
     });

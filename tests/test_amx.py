@@ -1,0 +1,160 @@
+"""bf16 products on AMX tiles (stages/executor/linear/amx.py, csrc/amx_linear.cpp): the packed
+layout holds the weight, the kernel computes x W^T + b to within bf16's rounding for every
+row count a step has (one row pair, several, slabs of a long prompt, ragged ends) and odd
+output counts, bad inputs are refused by name, oneDNN's own AMX products still compute right
+beside it, and a model whose layers mix it with oneDNN's packing gives the same bits in one
+call as in the Python layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ipc.messages import SamplingParams
+from pipeline.tools.random_model import build_random_llama
+from stages.executor.linear.amx import AmxMethod, kernel_missing, pack, unpack
+from stages.executor.linear.base import Linear
+from stages.executor.linear.onednn import OneDnnPackedMethod, can_pack
+from stages.executor.linear.select import select_linear_method
+from stages.inprocess import InProcessEngine
+
+needs_amx = pytest.mark.skipif(kernel_missing() is not None, reason=f"AMX: {kernel_missing()}")
+CPU = torch.device("cpu")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return y + bias.double() if bias is not None else y
+
+
+def _assert_rounded(y: torch.Tensor, exact: torch.Tensor, x: torch.Tensor,
+                    w: torch.Tensor) -> None:
+    """y is bf16 of the exact product: within half a bf16 step of it (2^-9 relative), plus
+    float32 accumulation's error over K (a few ulps of the sum of |x| |w|)."""
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    magnitude = x.double().abs() @ w.double().abs().t()
+    slack = exact.abs() * 2.0 ** -8 + magnitude * 2.0 ** -20 + 1e-30
+    assert ((y.double() - exact).abs() <= slack).all()
+
+
+def test_the_layout_holds_the_weight_and_refuses_a_ragged_k() -> None:
+    w = torch.randn(50, 96).to(torch.bfloat16)  # 50 outputs: a panel and a partial one
+    packed = pack(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 96 // 32 * 2048)
+    assert torch.equal(unpack(packed, 50), w)
+    assert torch.equal(unpack(packed, 64)[50:], torch.zeros(14, 96, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        pack(torch.randn(8, 40))
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(50, 32), (96, 576), (960, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernel_is_the_product_rounded_once(n: int, k: int, rows: int,
+                                                with_bias: bool) -> None:
+    # (1000 rows at K = 576: three slabs of 448 and a ragged last one; at K = 1536 seven)
+    g = torch.Generator().manual_seed(n * 7 + rows)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    y = torch.ops.llm_cpu.amx_linear(x, pack(w), bias, n)
+    _assert_rounded(y, _reference(x, w, bias), x, w)
+
+
+@needs_amx
+def test_no_rows_give_an_empty_result() -> None:
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    y = torch.ops.llm_cpu.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), pack(w), None, 64)
+    assert y.shape == (0, 64)
+
+
+@needs_amx
+def test_bad_inputs_are_refused_with_the_reason() -> None:
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    packed, x = pack(w), torch.randn(3, 64).to(torch.bfloat16)
+    amx = torch.ops.llm_cpu.amx_linear
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        amx(x.float(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        amx(torch.randn(3, 40).to(torch.bfloat16), packed, None, 64)
+    with pytest.raises(RuntimeError, match="bytes for 96 inputs"):
+        amx(torch.randn(3, 96).to(torch.bfloat16), packed, None, 64)
+    with pytest.raises(RuntimeError, match="panels of 32 for 100 outputs"):
+        amx(x, packed, None, 100)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        amx(x, packed, torch.randn(64).to(torch.bfloat16), 64)
+
+
+@needs_amx
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_onednns_products_stay_right_beside_it() -> None:
+    """oneDNN's bf16 products use the same tiles with palettes of their own: either kernel
+    after the other (same threads) still computes its product."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 576, generator=g) * 0.05).to(torch.bfloat16)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    packed = pack(w)
+    for rows in (1, 40, 300):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        exact = _reference(x, w, None)
+        for _ in range(2):
+            _assert_rounded(torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+                            exact, x, w)
+            _assert_rounded(torch.ops.llm_cpu.amx_linear(x, packed, None, 96), exact, x, w)
+
+
+@needs_amx
+def test_bf16_on_the_cpu_kernels_takes_it_and_other_setups_do_not() -> None:
+    assert isinstance(select_linear_method(torch.bfloat16, CPU, False, kernels=True), AmxMethod)
+    assert not isinstance(select_linear_method(torch.bfloat16, CPU, False, kernels=False),
+                          AmxMethod)
+    assert not isinstance(select_linear_method(torch.float32, CPU, False, kernels=True),
+                          AmxMethod)
+    assert not isinstance(select_linear_method(torch.bfloat16, CPU, True, kernels=True),
+                          AmxMethod)  # (the compiled forward keeps plain weights)
+    assert "bfloat16, not torch.float32" in AmxMethod.unsupported(torch.float32, CPU)
+
+
+@needs_amx
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_a_layer_with_ragged_inputs_takes_onednns_packing() -> None:
+    layers = [Linear(k, 40, True, AmxMethod()) for k in (64, 24)]
+    for layer in layers:
+        layer.weight = torch.nn.Parameter(torch.randn(40, layer.in_features).to(torch.bfloat16),
+                                          requires_grad=False)
+        layer.bias = torch.nn.Parameter(torch.randn(40).to(torch.bfloat16), requires_grad=False)
+    expected = [torch.nn.functional.linear(torch.ones(3, lay.in_features, dtype=torch.bfloat16),
+                                           lay.weight, lay.bias) for lay in layers]
+    for layer in layers:
+        layer.method.process(layer)
+    assert layers[0].method.name == "amx-bf16" and not hasattr(layers[0], "weight")
+    assert isinstance(layers[1].method, OneDnnPackedMethod)
+    for layer, want in zip(layers, expected, strict=True):
+        got = layer(torch.ones(3, layer.in_features, dtype=torch.bfloat16))
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+
+
+@needs_amx
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_a_model_mixing_both_gives_the_same_bits_in_one_call(tmp_path: Path) -> None:
+    """An MLP 100 wide: its down projection (100 inputs) is oneDNN's, the rest AMX's; the
+    fused layers and the Python layers agree to the bit (greedy tokens, prompt log-probs)."""
+    folder = build_random_llama(tmp_path / "m", intermediate=100)
+    engines = [InProcessEngine(str(folder), dtype=torch.bfloat16, max_num_batched_tokens=16)
+               for _ in range(2)]
+    mlp = engines[0].runner.model.model.layers[0].mlp
+    assert (mlp.gate_up_proj.method.name, mlp.down_proj.method.name) == ("amx-bf16",
+                                                                           "onednn-packed")
+    assert engines[0].runner.model.fused_layers is not None
+    engines[1].runner.model.fused_layers = None
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    prompts = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8, 4, 4, 1, 9, 9, 3, 2, 6, 7, 7, 1, 2, 3, 4, 5]]
+    results = []
+    for engine in engines:
+        out = engine.run([(str(i), p, params) for i, p in enumerate(prompts)])
+        results.append({key: (r.token_ids, [lp.logprob for lp in r.prompt_logprobs or []])
+                        for key, r in out.items()})
+    assert results[0] == results[1]
