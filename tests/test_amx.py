@@ -14,7 +14,13 @@ import torch
 
 from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_llama
-from stages.executor.linear.amx import AmxMethod, kernel_missing, pack, unpack
+from stages.executor.linear.amx import (
+    AmxMethod,
+    interleave_gate_up,
+    kernel_missing,
+    pack,
+    unpack,
+)
 from stages.executor.linear.base import Linear
 from stages.executor.linear.onednn import OneDnnPackedMethod, can_pack
 from stages.executor.linear.select import select_linear_method
@@ -62,6 +68,36 @@ def test_the_kernel_is_the_product_rounded_once(n: int, k: int, rows: int,
     bias = torch.randn(n, generator=g) if with_bias else None
     y = torch.ops.llm_cpu.amx_linear(x, pack(w), bias, n)
     _assert_rounded(y, _reference(x, w, bias), x, w)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 64, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_it_is_silu_of_gate_times_up_rounded_once(rows: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    inter, k = 48, 576  # three blocks of 16 gate and 16 up columns
+    w = (torch.randn(2 * inter, k, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(2 * inter, generator=g) if with_bias else None
+    packed = pack(interleave_gate_up(w))
+    b = interleave_gate_up(bias) if bias is not None else None
+    y = torch.ops.llm_cpu.amx_linear(x, packed, b, 2 * inter, True)
+    gate_up = _reference(x, w, bias)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    exact = torch.nn.functional.silu(gate) * up
+    assert y.shape == (rows, inter) and y.dtype == torch.bfloat16
+    magnitude = (x.double().abs() @ w.double().abs().t())
+    slack = exact.abs() * 2.0 ** -8 + (magnitude[:, :inter] * up.abs()
+                                       + magnitude[:, inter:] * gate.abs()) * 2.0 ** -19 + 1e-6
+    assert ((y.double() - exact).abs() <= slack).all()
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        torch.ops.llm_cpu.amx_linear(x, pack(w[:80]), None, 80 - 8, True)
+
+
+def test_interleaving_puts_a_block_of_each_in_a_panel() -> None:
+    w = torch.arange(64).float()[:, None].expand(64, 4)  # row i holds i: gate 0-31, up 32-63
+    rows = interleave_gate_up(w)[:, 0].long().tolist()
+    assert rows == [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
 
 
 @needs_amx
@@ -148,6 +184,7 @@ def test_a_model_mixing_both_gives_the_same_bits_in_one_call(tmp_path: Path) -> 
     mlp = engines[0].runner.model.model.layers[0].mlp
     assert (mlp.gate_up_proj.method.name, mlp.down_proj.method.name) == ("amx-bf16",
                                                                            "onednn-packed")
+    assert not mlp.gate_up_proj.fused_gate  # (100 gate rows: not whole blocks of 16)
     assert engines[0].runner.model.fused_layers is not None
     engines[1].runner.model.fused_layers = None
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
@@ -158,3 +195,36 @@ def test_a_model_mixing_both_gives_the_same_bits_in_one_call(tmp_path: Path) -> 
         results.append({key: (r.token_ids, [lp.logprob for lp in r.prompt_logprobs or []])
                         for key, r in out.items()})
     assert results[0] == results[1]
+
+
+@needs_amx
+def test_a_fused_gate_model_gives_the_same_bits_in_one_call_and_answers_as_unfused(
+        tmp_path: Path) -> None:
+    """gate/up with silu in the product's pass (an MLP 96 wide): the fused layers and the
+    Python layers agree to the bit, and greedy tokens agree with the separate silu pass."""
+    folder = build_random_llama(tmp_path / "m", intermediate=96, weight_std=0.05)
+    engines = [InProcessEngine(str(folder), dtype=torch.bfloat16, max_num_batched_tokens=16)
+               for _ in range(3)]
+    gate_up = engines[0].runner.model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.fused_gate
+    with pytest.raises(RuntimeError, match="call gated_forward"):
+        gate_up(torch.ones(1, 64, dtype=torch.bfloat16))
+    engines[1].runner.model.fused_layers = None
+    for layer in engines[2].runner.model.model.layers:  # the separate pass, same weights
+        mlp = layer.mlp.gate_up_proj
+        mlp.fused_gate = False
+        interleaved = unpack(mlp.amx_weight, mlp.out_features)  # back to gate rows, up rows
+        mlp.amx_weight = pack(interleaved.view(-1, 2, 16, 64).transpose(0, 1).reshape(-1, 64))
+    engines[2].runner.model.fused_layers = None
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    prompts = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8, 4, 4, 1, 9, 9, 3, 2, 6, 7, 7, 1, 2, 3, 4, 5]]
+    results = []
+    for engine in engines:
+        out = engine.run([(str(i), p, params) for i, p in enumerate(prompts)])
+        results.append({key: (r.token_ids, [lp.logprob for lp in r.prompt_logprobs or []])
+                        for key, r in out.items()})
+    assert results[0] == results[1]
+    for key, (tokens, logprobs) in results[2].items():
+        assert tokens == results[0][key][0]
+        fused = results[0][key][1]  # (the first prompt token has no log-prob)
+        assert max(abs(a - b) for a, b in zip(logprobs[1:], fused[1:], strict=True)) < 0.1

@@ -18,7 +18,7 @@ import torch
 
 from stages.executor.linear.base import Linear
 
-PACKED, QUANTIZED, AMX = 0, 1, 2
+PACKED, QUANTIZED, AMX, AMX_GATED = 0, 1, 2, 3
 QUANTIZED_METHODS = ("int8", "int4", "gguf")
 
 
@@ -31,7 +31,8 @@ def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[
     if name in QUANTIZED_METHODS:
         return layer.tiles, layer.bias_f32, [QUANTIZED, layer.bits, layer.out_features]
     if name == "amx-bf16":
-        return layer.amx_weight, layer.bias_f32, [AMX, 0, layer.out_features]
+        kind = AMX_GATED if layer.fused_gate else AMX
+        return layer.amx_weight, layer.bias_f32, [kind, 0, layer.out_features]
     return None
 
 

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "amx_linear.cpp",
                               "decoder_layers.cpp"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vector_math.h",))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
 BUILD_TIMEOUT_S = 120  # well inside an executor's ready timeout (300 s by default)
 
@@ -72,7 +73,7 @@ def library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
     command = _command(compiler, Path("out.so"))
-    sources = [s.read_text() for s in SOURCES]
+    sources = [s.read_text() for s in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\n".join([*sources, torch.__version__, *version, *command,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / key / "llm_cpu_kernels.so"

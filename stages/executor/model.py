@@ -99,10 +99,11 @@ class MLP(nn.Module):
         inter = spec.intermediate
         self.gate_up_proj = ColumnParallelLinear(spec.hidden, (inter, inter), spec.mlp_bias,
                                                  linear, shard)
+        self.gate_up_proj.gated = True
         self.down_proj = RowParallelLinear(inter, spec.hidden, spec.mlp_bias, linear, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.gated_forward(x, self.ops.silu_and_mul))
 
 
 class DecoderLayer(nn.Module):

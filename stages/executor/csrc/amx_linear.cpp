@@ -52,6 +52,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_math.h"
+
 namespace {
 
 constexpr int64_t kPanel = 32;          // output columns a panel
@@ -97,6 +99,31 @@ inline void store_rows(const float* tile, int64_t rows, int64_t m0, int64_t n0, 
   }
 }
 
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// Gated results (an MLP's gate/up product packed with gate and up columns interleaved 16 by
+// 16, see amx.py): rows [m0, m0 + rows) of a panel's gate tile and up tile, biases added, as
+// silu(gate) * up, into the 16 columns from c0 of y (the MLP's activations, width wide): the
+// gate/up product never goes to memory, nor does the separate silu_and_mul pass read it.
+inline void store_gated(const float* gate, const float* up, int64_t rows, int64_t m0,
+                        int64_t c0, int64_t width, const float* bias_gate, const float* bias_up,
+                        c10::BFloat16* y) {
+  const __m512 bg = bias_gate ? _mm512_loadu_ps(bias_gate) : _mm512_setzero_ps();
+  const __m512 bu = bias_up ? _mm512_loadu_ps(bias_up) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 g = _mm512_add_ps(_mm512_loadu_ps(gate + r * 16), bg);
+    const __m512 u = _mm512_add_ps(_mm512_loadu_ps(up + r * 16), bu);
+    v16f gv;
+    std::memcpy(&gv, &g, sizeof gv);
+    const v16f silu = gv / (1.0f + llm_cpu_vec::exp_lanes<v16f, v16i>(v16f{} - gv));
+    __m512 h;
+    std::memcpy(&h, &silu, sizeof h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * width + c0),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(h, u)));
+  }
+}
+
 // The results of one row pair by one panel, stored from their tiles and written to y (bias
 // added, rounded to bf16) during the next block's products: a tile's store waits for its
 // products, but the writes need only AVX-512 ports, which the tiles leave free; written at
@@ -124,14 +151,21 @@ struct Results {
     set ^= 1;
   }
 
-  // The stored set not yet written, if any.
-  void write(int64_t n, const float* bias, c10::BFloat16* y) {
+  // The stored set not yet written, if any: y [M, n], or gated, y [M, n / 2].
+  void write(int64_t n, const float* bias, bool gated, c10::BFloat16* y) {
     if (!pending) return;
     const float* t = tiles[set ^ 1];
-    store_rows(t, rows0, m0, n0, n, bias, y);
-    store_rows(t + 256, rows0, m0, n0 + 16, n, bias, y);
-    store_rows(t + 512, rows1, m0 + 16, n0, n, bias, y);
-    store_rows(t + 768, rows1, m0 + 16, n0 + 16, n, bias, y);
+    if (gated) {
+      const float* bg = bias ? bias + n0 : nullptr;
+      const float* bu = bias ? bias + n0 + 16 : nullptr;
+      store_gated(t, t + 256, rows0, m0, n0 / 2, n / 2, bg, bu, y);
+      store_gated(t + 512, t + 768, rows1, m0 + 16, n0 / 2, n / 2, bg, bu, y);
+    } else {
+      store_rows(t, rows0, m0, n0, n, bias, y);
+      store_rows(t + 256, rows0, m0, n0 + 16, n, bias, y);
+      store_rows(t + 512, rows1, m0 + 16, n0, n, bias, y);
+      store_rows(t + 768, rows1, m0 + 16, n0 + 16, n, bias, y);
+    }
     pending = false;
   }
 };
@@ -145,8 +179,8 @@ template <bool kTwo, bool kStream>
 inline void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_step,
                        int64_t a_stride, const uint8_t* panel, int64_t chunks,
                        const uint8_t* next_panel, int64_t m0, int64_t rows0, int64_t rows1,
-                       int64_t n0, int64_t n, const float* bias, c10::BFloat16* y,
-                       Results& results) {
+                       int64_t n0, int64_t n, const float* bias, bool gated,
+                       c10::BFloat16* y, Results& results) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (kTwo) {
@@ -174,7 +208,7 @@ inline void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    if (c == 0) results.write(n, bias, y);
+    if (c == 0) results.write(n, bias, gated, y);
   }
   results.store<kTwo>(rows0, rows1, m0, n0);
 }
@@ -183,7 +217,7 @@ inline void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t
 // of tiles (a decode step's few rows find x in L1 for every panel).
 void run_panels(const c10::BFloat16* x, int64_t k, const uint8_t* w, int64_t chunks,
                 int64_t panels, int64_t p_begin, int64_t p_end, int64_t m_begin, int64_t m_end,
-                int64_t n, const float* bias, c10::BFloat16* y) {
+                int64_t n, const float* bias, bool gated, c10::BFloat16* y) {
   Results results;
   int64_t configured0 = -1, configured1 = -1;
   const int64_t panel_bytes = chunks * kChunkBytes;
@@ -202,14 +236,14 @@ void run_panels(const c10::BFloat16* x, int64_t k, const uint8_t* w, int64_t chu
       const c10::BFloat16* a0 = x + m0 * k;
       if (rows1 > 0) {
         panel_rows<true, false>(a0, a0 + 16 * k, kChunkK, k * 2, panel, chunks, ahead, m0, rows0,
-                         rows1, p * kPanel, n, bias, y, results);
+                         rows1, p * kPanel, n, bias, gated, y, results);
       } else {
         panel_rows<false, false>(a0, a0, kChunkK, k * 2, panel, chunks, ahead, m0, rows0, 0,
-                          p * kPanel, n, bias, y, results);
+                          p * kPanel, n, bias, gated, y, results);
       }
     }
   }
-  results.write(n, bias, y);
+  results.write(n, bias, gated, y);
   _tile_release();  // leave the tiles as found for oneDNN and torch's own AMX code
 }
 
@@ -239,7 +273,7 @@ void tile_rows(const c10::BFloat16* x, int64_t k, int64_t m_begin, int64_t m_end
 // fits L2, so a row pair's tiles stay in L1 while the panels stream from L2.
 void run_slab(const c10::BFloat16* xt, int64_t k, const uint8_t* w, int64_t chunks,
               int64_t p_begin, int64_t p_end, int64_t m_begin, int64_t m_end, int64_t n,
-              const float* bias, c10::BFloat16* y) {
+              const float* bias, bool gated, c10::BFloat16* y) {
   Results results;
   int64_t configured0 = -1, configured1 = -1;
   const int64_t panel_bytes = chunks * kChunkBytes;
@@ -262,15 +296,15 @@ void run_slab(const c10::BFloat16* xt, int64_t k, const uint8_t* w, int64_t chun
         const uint8_t* ahead = m0 == m_begin && p + 1 < g1 ? panel + panel_bytes : nullptr;
         if (rows1 > 0) {
           panel_rows<true, true>(a0, a1, 16 * kChunkK, 64, panel, chunks, ahead, m0, rows0, rows1,
-                           p * kPanel, n, bias, y, results);
+                           p * kPanel, n, bias, gated, y, results);
         } else {
           panel_rows<false, true>(a0, a0, 16 * kChunkK, 64, panel, chunks, ahead, m0, rows0, 0,
-                            p * kPanel, n, bias, y, results);
+                            p * kPanel, n, bias, gated, y, results);
         }
       }
     }
   }
-  results.write(n, bias, y);
+  results.write(n, bias, gated, y);
   _tile_release();
 }
 
@@ -292,9 +326,10 @@ bool amx_linear_available() {
 }
 
 // x bf16 [M, K], K a multiple of 32; packed uint8 [panels, K / 32 * 2048] (the layout above);
-// bias float32 [N] or none; n the outputs. Returns y bf16 [M, N].
+// bias float32 [N] or none; n the outputs. Returns y bf16 [M, N]; gated (a gate/up weight
+// whose panels are 16 gate then 16 up columns): silu(gate) * up, bf16 [M, N / 2].
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
-                      const c10::optional<at::Tensor>& bias, int64_t n) {
+                      const c10::optional<at::Tensor>& bias, int64_t n, bool gated) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "amx_linear: x must be a contiguous bf16 matrix");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
@@ -310,7 +345,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
                 "amx_linear: bias must be float32 [N]");
   }
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  TORCH_CHECK(!gated || n % kPanel == 0, "amx_linear: gated outputs come in panels of 16 gate "
+              "and 16 up columns; ", n, " is not a multiple of 32");
+  at::Tensor y = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if LLM_CPU_AMX
   TORCH_CHECK(request_tiles(), "amx_linear: the kernel did not grant this process AMX tiles");
   const int64_t m = x.size(0), chunks = k / kChunkK;
@@ -321,7 +358,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   auto* yp = y.mutable_data_ptr<c10::BFloat16>();
   if (m <= 32) {  // a decode step: one row pair, x in L1 throughout
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      run_panels(xp, k, wp, chunks, panels, begin, end, 0, m, n, bp, yp);
+      run_panels(xp, k, wp, chunks, panels, begin, end, 0, m, n, bp, gated, yp);
     });
     return y;
   }
@@ -333,7 +370,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
     const int64_t m_end = std::min(m, m_begin + slab);
     tile_rows(xp, k, m_begin, m_end, xt);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      run_slab(xt, k, wp, chunks, begin, end, m_begin, m_end, n, bp, yp);
+      run_slab(xt, k, wp, chunks, begin, end, m_begin, m_end, n, bp, gated, yp);
     });
   }
   return y;
@@ -346,7 +383,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("amx_linear_available() -> bool", &amx_linear_available);
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) { m.impl("amx_linear", TORCH_FN(amx_linear)); }

@@ -3,6 +3,7 @@
 // (stages/executor/model.py on the cpu_kernels backend), so its results are the same bits:
 //     h = rms_norm(x); qkv = h Wqkv; a = paged_attention(q, k, v) (rope, cache write);
 //     h = a Wo; h = add_rms_norm(x += h); h = silu_and_mul(h Wgate_up); x += h Wdown
+// (silu_and_mul inside the product where amx_linear runs it gated).
 // What it saves is the Python between them: ~10 module calls and op dispatches a layer,
 // a third of a one-token decode step of a small model (stages/executor/fused.py says when
 // it runs). Each product is oneDNN's packed one (mkldnn::_linear_pointwise),
@@ -26,7 +27,8 @@ using OptTensor = std::optional<at::Tensor>;
 enum Entry { kNorm1, kQkvW, kQkvB, kOW, kOB, kNorm2, kGateUpW, kGateUpB, kDownW, kDownB,
              kEntries };
 // Per projection, the entries of `ints` after the 3 shared ones: its kind, bits and outputs.
-enum Kind { kPacked = 0, kQuantized = 1, kAmx = 2 };
+// kAmxGated: a gate/up product whose amx_linear writes silu(gate) * up itself.
+enum Kind { kPacked = 0, kQuantized = 1, kAmx = 2, kAmxGated = 3 };
 constexpr int64_t kShared = 3, kPerProjection = 3, kProjections = 4;
 
 struct Ops {
@@ -43,7 +45,7 @@ struct Ops {
                                       int64_t, int64_t)>
       quantized_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                      int64_t)>
+                                      int64_t, bool)>
       amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       std::string_view, c10::List<std::optional<c10::Scalar>>,
@@ -69,8 +71,8 @@ const Ops& ops() {
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               int64_t)>(),
         d.findSchemaOrThrow("llm_cpu::amx_linear", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                              int64_t)>(),
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
+                              bool)>(),
         d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                               std::string_view, c10::List<std::optional<c10::Scalar>>,
@@ -86,7 +88,9 @@ at::Tensor project(const at::Tensor& x, const OptTensor& weight, const OptTensor
   if (spec[0] == kQuantized) {
     return ops().quantized_linear.call(x, *weight, bias, spec[1], spec[2]);
   }
-  if (spec[0] == kAmx) return ops().amx_linear.call(x.contiguous(), *weight, bias, spec[2]);
+  if (spec[0] == kAmx || spec[0] == kAmxGated) {
+    return ops().amx_linear.call(x.contiguous(), *weight, bias, spec[2], spec[0] == kAmxGated);
+  }
   return ops().packed_linear.call(x.contiguous(), *weight, bias, "none",
                                   c10::List<std::optional<c10::Scalar>>(), "");
 }
@@ -123,7 +127,9 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
                                                  positions, cos_table, sin_table, scale, window);
     h = project(a.view({tokens, q_size}), w(kOW), w(kOB), spec + kPerProjection);
     h = op.add_rms_norm.call(x, h, *w(kNorm2), eps);  // x += h
-    h = op.silu_and_mul.call(project(h, w(kGateUpW), w(kGateUpB), spec + 2 * kPerProjection));
+    const int64_t* gate_up = spec + 2 * kPerProjection;
+    h = project(h, w(kGateUpW), w(kGateUpB), gate_up);
+    if (gate_up[0] != kAmxGated) h = op.silu_and_mul.call(h);
     x.add_(project(h, w(kDownW), w(kDownB), spec + 3 * kPerProjection));
   }
   return x;

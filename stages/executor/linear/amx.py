@@ -11,9 +11,16 @@ The layout (the kernel's header says it whole): panels of 32 output columns, eac
 chunks of two 1 KB B tiles in AMX's pair layout. N is padded to a panel with zero columns,
 which the kernel never writes out; K must be a multiple of 32 (every model we load has
 that), and a layer whose K is not gets oneDNN's packed weights instead.
+
+An MLP's gate/up layer has its rows interleaved 16 by 16 (gate, up, gate, ...) so that each
+panel holds 16 gate and the matching 16 up columns: the kernel then writes silu(gate) * up
+straight from its float32 tiles (`gated_forward`), and neither the [T, 2I] product nor a
+separate silu_and_mul pass goes through memory.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +30,15 @@ from stages.executor.linear.onednn import OneDnnPackedMethod
 
 PANEL = 32  # output columns a panel
 CHUNK = 32  # inputs a chunk
+GATE_BLOCK = 16  # gate (then up) columns a panel of a fused gate/up product
+
+
+def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """[2I, ...] rows gate 0..I-1 then up 0..I-1 -> blocks of 16: gate 0..15, up 0..15,
+    gate 16..31, ... (I a multiple of 16), so a panel holds one block of each."""
+    half = w.shape[0] // 2
+    blocks = w.view(2, half // GATE_BLOCK, GATE_BLOCK, *w.shape[1:]).transpose(0, 1)
+    return blocks.reshape(w.shape)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -76,15 +92,33 @@ class AmxMethod(LinearMethod):
             layer.method = OneDnnPackedMethod()
             layer.method.process(layer)
             return
-        packed = pack(layer.weight.detach())
+        weight = layer.weight.detach()
+        bias = layer.bias.detach().float() if layer.bias is not None else None
+        layer.fused_gate = layer.gated and layer.out_features % (2 * GATE_BLOCK) == 0
+        if layer.fused_gate:  # panels of 16 gate and 16 up columns: silu in the product's pass
+            weight = interleave_gate_up(weight)
+            bias = interleave_gate_up(bias) if bias is not None else None
+        packed = pack(weight)
         del layer.weight
         layer.register_buffer("amx_weight", packed)
-        bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
-        layer.register_buffer("bias_f32", bias)
+        layer.register_buffer("bias_f32", bias.contiguous() if bias is not None else None)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.fused_gate:
+            raise RuntimeError(f"{layer}: its gate and up columns are interleaved; "
+                               "call gated_forward")
+        return self._run(layer, x, False)
+
+    def apply_gated(self, layer: Linear, x: torch.Tensor,
+                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if not layer.fused_gate:
+            return silu_and_mul(self._run(layer, x, False))
+        return self._run(layer, x, True)
+
+    @staticmethod
+    def _run(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.llm_cpu.amx_linear(x.reshape(-1, shape[-1]).contiguous(),
                                          layer.amx_weight, layer.bias_f32,
-                                         layer.out_features)
+                                         layer.out_features, gated)
         return y.view(*shape[:-1], y.shape[-1])

@@ -6,6 +6,7 @@ method turns them into its format once they are loaded (`process`) and runs the 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +38,12 @@ class LinearMethod(ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
 
+    def apply_gated(self, layer: Linear, x: torch.Tensor,
+                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """An MLP's gate/up layer (`layer.gated`): silu(gate) * up of x [T, in] -> [T, out / 2];
+        a format may compute it in the product's own pass (amx.py)."""
+        return silu_and_mul(self.apply(layer, x))
+
 
 class Linear(nn.Module):
     """y = x W^T + b through `method`. Parameters as nn.Linear's (so checkpoints load by
@@ -46,6 +53,7 @@ class Linear(nn.Module):
                  method: LinearMethod) -> None:
         super().__init__()
         self.in_features, self.out_features, self.method = in_features, out_features, method
+        self.gated = False  # an MLP's gate/up product: its output goes through silu_and_mul
         if not method.takes_blocks:
             self.weight = nn.Parameter(torch.empty(out_features, in_features),
                                        requires_grad=False)
@@ -54,6 +62,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def gated_forward(self, x: torch.Tensor,
+                      silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """silu(gate) * up of a gate/up layer (gate outputs first, then up)."""
+        return self.method.apply_gated(self, x, silu_and_mul)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
