@@ -76,7 +76,8 @@ struct alignas(64) TileConfig {
 
 void configure(int64_t rows0, int64_t rows1) {
   TileConfig config;
-  const uint8_t r0 = static_cast<uint8_t>(rows0), r1 = static_cast<uint8_t>(std::max<int64_t>(rows1, 1));
+  const uint8_t r0 = static_cast<uint8_t>(rows0);
+  const uint8_t r1 = static_cast<uint8_t>(std::max<int64_t>(rows1, 1));  // (1: tiles unused)
   const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = rows[t];
@@ -126,8 +127,10 @@ inline void store_gated(const float* gate, const float* up, int64_t rows, int64_
 
 // The results of one row pair by one panel, stored from their tiles and written to y (bias
 // added, rounded to bf16) during the next block's products: a tile's store waits for its
-// products, but the writes need only AVX-512 ports, which the tiles leave free; written at
-// once, they cost ~20% of a prompt's products at K = 576. Two sets of tiles alternate.
+// products, but the writes need only AVX-512 ports, which the tiles leave free. (Without the
+// writes a prompt's products at K = 576 ran 10-25% faster; deferred, the largest, gate/up
+// at 2048 tokens, ran at 1.03-1.04x oneDNN's time against 1.16x written at once, on a noisy
+// host.) Two sets of tiles alternate.
 struct Results {
   alignas(64) float tiles[2][1024];
   int set = 0;
@@ -170,81 +173,106 @@ struct Results {
   }
 };
 
-// One panel over rows [m0, m0 + rows0 + rows1) (rows0 = 16 unless it is all there is; rows1 =
-// 0 for a lone block): 2 (or 1) x 2 result tiles over every chunk of K; the previous block's
-// results are written once this one's first products are under way.
-// a0, a1: the two row blocks' first tiles, `a_step` bf16 values from one chunk's tile to the
-// next, `a_stride` bytes between rows (x itself: 32 and 2K; tile-major: 512 and 64).
-template <bool kTwo, bool kStream>
-inline void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_step,
-                       int64_t a_stride, const uint8_t* panel, int64_t chunks,
-                       const uint8_t* next_panel, int64_t m0, int64_t rows0, int64_t rows1,
-                       int64_t n0, int64_t n, const float* bias, bool gated,
-                       c10::BFloat16* y, Results& results) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (kTwo) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t c = 0; c < chunks; ++c) {
-    const uint8_t* chunk = panel + c * kChunkBytes;
-    if (next_panel != nullptr) {  // the next panel's chunk into L2 while this one computes
-      const uint8_t* ahead = next_panel + c * kChunkBytes;
-      for (int64_t line = 0; line < kChunkBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-    }
-    if constexpr (kStream) {  // (a hint: kept in L2, not L1, where x's tiles are)
-      _tile_stream_loadd(6, chunk, 64);
-      _tile_stream_loadd(7, chunk + 1024, 64);
-    } else {
-      _tile_loadd(6, chunk, 64);
-      _tile_loadd(7, chunk + 1024, 64);
-    }
-    _tile_loadd(4, a0 + c * a_step, a_stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if constexpr (kTwo) {
-      _tile_loadd(5, a1 + c * a_step, a_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    if (c == 0) results.write(n, bias, gated, y);
-  }
-  results.store<kTwo>(rows0, rows1, m0, n0);
-}
+// One product's operands, as the threads share them.
+struct Product {
+  const uint8_t* w;  // the packed weight
+  int64_t chunks;    // K / 32
+  int64_t panels;
+  int64_t n;
+  const float* bias;
+  bool gated;
+  c10::BFloat16* y;
+};
 
-// Rows [m_begin, m_end) of x over panels [p_begin, p_end): panel by panel, the rows in pairs
-// of tiles (a decode step's few rows find x in L1 for every panel).
-void run_panels(const c10::BFloat16* x, int64_t k, const uint8_t* w, int64_t chunks,
-                int64_t panels, int64_t p_begin, int64_t p_end, int64_t m_begin, int64_t m_end,
-                int64_t n, const float* bias, bool gated, c10::BFloat16* y) {
-  Results results;
-  int64_t configured0 = -1, configured1 = -1;
-  const int64_t panel_bytes = chunks * kChunkBytes;
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const uint8_t* panel = w + p * panel_bytes;
-    const uint8_t* next = p + 1 < panels ? panel + panel_bytes : nullptr;
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
-      const int64_t rows = std::min<int64_t>(32, m_end - m0);
-      const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
-      if (rows0 != configured0 || rows1 != configured1) {
-        configure(rows0, rows1);
-        configured0 = rows0;
-        configured1 = rows1;
-      }
-      const uint8_t* ahead = m0 == m_begin ? next : nullptr;  // later row pairs find it in L2
-      const c10::BFloat16* a0 = x + m0 * k;
-      if (rows1 > 0) {
-        panel_rows<true, false>(a0, a0 + 16 * k, kChunkK, k * 2, panel, chunks, ahead, m0, rows0,
-                         rows1, p * kPanel, n, bias, gated, y, results);
-      } else {
-        panel_rows<false, false>(a0, a0, kChunkK, k * 2, panel, chunks, ahead, m0, rows0, 0,
-                          p * kPanel, n, bias, gated, y, results);
-      }
+// A thread's part: its tiles configured for the current row pair's rows (reloaded only when
+// they change) and its results not yet written.
+class Worker {
+ public:
+  explicit Worker(const Product& product) : p_(product) {}
+
+  ~Worker() {
+    results_.write(p_.n, p_.bias, p_.gated, p_.y);
+    _tile_release();  // leave the tiles as found for oneDNN and torch's own AMX code
+  }
+
+  // Rows [m0, m0 + rows) (at most 32) by panel `panel`; a0, a1 their two row blocks' first
+  // tiles, `a_step` bf16 values from one chunk's tile to the next, `a_stride` bytes between
+  // rows (x itself: 32 and 2K; tile-major: 512 and 64); `ahead`: a panel to prefetch.
+  template <bool kStream>
+  void row_pair(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_step,
+                int64_t a_stride, int64_t m0, int64_t rows, int64_t panel,
+                const uint8_t* ahead) {
+    const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
+    if (rows0 != rows0_ || rows1 != rows1_) {
+      configure(rows0, rows1);
+      rows0_ = rows0;
+      rows1_ = rows1;
+    }
+    if (rows1 > 0) {
+      panel_rows<true, kStream>(a0, a1, a_step, a_stride, m0, panel, ahead);
+    } else {
+      panel_rows<false, kStream>(a0, a1, a_step, a_stride, m0, panel, ahead);
     }
   }
-  results.write(n, bias, gated, y);
-  _tile_release();  // leave the tiles as found for oneDNN and torch's own AMX code
+
+  const uint8_t* panel_at(int64_t panel) const {
+    return p_.w + panel * p_.chunks * kChunkBytes;
+  }
+
+ private:
+  // The row pair over every chunk of K: 2 (or, kTwo false, 1) x 2 result tiles; the previous
+  // block's results are written once this one's first products are under way.
+  template <bool kTwo, bool kStream>
+  void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_step,
+                  int64_t a_stride, int64_t m0, int64_t panel, const uint8_t* ahead) {
+    const uint8_t* w = panel_at(panel);
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTwo) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t c = 0; c < p_.chunks; ++c) {
+      const uint8_t* chunk = w + c * kChunkBytes;
+      if (ahead != nullptr) {  // the next panel's chunk into L2 while this one computes
+        for (int64_t line = 0; line < kChunkBytes; line += 64) {
+          _mm_prefetch(ahead + c * kChunkBytes + line, _MM_HINT_T1);
+        }
+      }
+      if constexpr (kStream) {  // (a hint: kept in L2, not L1, where x's tiles are)
+        _tile_stream_loadd(6, chunk, 64);
+        _tile_stream_loadd(7, chunk + 1024, 64);
+      } else {
+        _tile_loadd(6, chunk, 64);
+        _tile_loadd(7, chunk + 1024, 64);
+      }
+      _tile_loadd(4, a0 + c * a_step, a_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (kTwo) {
+        _tile_loadd(5, a1 + c * a_step, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      if (c == 0) results_.write(p_.n, p_.bias, p_.gated, p_.y);
+    }
+    results_.store<kTwo>(rows0_, rows1_, m0, panel * kPanel);
+  }
+
+  const Product& p_;
+  Results results_;
+  int64_t rows0_ = -1, rows1_ = -1;
+};
+
+// A decode step (m <= 32 rows: one row pair) over panels [begin, end), panel by panel, x in
+// L1 throughout.
+void run_panels(const Product& p, const c10::BFloat16* x, int64_t k, int64_t m, int64_t begin,
+                int64_t end) {
+  Worker worker(p);
+  for (int64_t panel = begin; panel < end; ++panel) {
+    const uint8_t* next = panel + 1 < p.panels ? worker.panel_at(panel + 1) : nullptr;
+    worker.row_pair<false>(x, x + 16 * k, kChunkK, k * 2, 0, m, panel, next);
+  }
 }
 
 // A slab's rows of x as tiles, one after another: xt[block][chunk][16 rows][32] (rows past
@@ -269,43 +297,27 @@ void tile_rows(const c10::BFloat16* x, int64_t k, int64_t m_begin, int64_t m_end
   });
 }
 
-// A prompt's slab (tile-major rows xt): row pairs outer, each over a group of panels that
-// fits L2, so a row pair's tiles stay in L1 while the panels stream from L2.
-void run_slab(const c10::BFloat16* xt, int64_t k, const uint8_t* w, int64_t chunks,
-              int64_t p_begin, int64_t p_end, int64_t m_begin, int64_t m_end, int64_t n,
-              const float* bias, bool gated, c10::BFloat16* y) {
-  Results results;
-  int64_t configured0 = -1, configured1 = -1;
-  const int64_t panel_bytes = chunks * kChunkBytes;
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / panel_bytes);
-  for (int64_t g0 = p_begin; g0 < p_end; g0 += group) {
-    const int64_t g1 = std::min(p_end, g0 + group);
+// A prompt's slab (tile-major rows xt, rows [m_begin, m_end)) over panels [begin, end): row
+// pairs outer, each over a group of panels that fits L2, so a row pair's tiles stay in L1
+// while the panels stream from L2.
+void run_slab(const Product& p, const c10::BFloat16* xt, int64_t m_begin, int64_t m_end,
+              int64_t begin, int64_t end) {
+  Worker worker(p);
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (p.chunks * kChunkBytes));
+  const int64_t tile = 16 * kChunkK;  // bf16 values of one tile
+  for (int64_t g0 = begin; g0 < end; g0 += group) {
+    const int64_t g1 = std::min(end, g0 + group);
     for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
-      const int64_t rows = std::min<int64_t>(32, m_end - m0);
-      const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
-      if (rows0 != configured0 || rows1 != configured1) {
-        configure(rows0, rows1);
-        configured0 = rows0;
-        configured1 = rows1;
-      }
-      const c10::BFloat16* a0 = xt + (m0 - m_begin) / 16 * chunks * 16 * kChunkK;
-      const c10::BFloat16* a1 = a0 + chunks * 16 * kChunkK;
-      for (int64_t p = g0; p < g1; ++p) {
-        const uint8_t* panel = w + p * panel_bytes;
+      const c10::BFloat16* a0 = xt + (m0 - m_begin) / 16 * p.chunks * tile;
+      for (int64_t panel = g0; panel < g1; ++panel) {
         // The group's next panel while this one computes, on the first row pair only.
-        const uint8_t* ahead = m0 == m_begin && p + 1 < g1 ? panel + panel_bytes : nullptr;
-        if (rows1 > 0) {
-          panel_rows<true, true>(a0, a1, 16 * kChunkK, 64, panel, chunks, ahead, m0, rows0, rows1,
-                           p * kPanel, n, bias, gated, y, results);
-        } else {
-          panel_rows<false, true>(a0, a0, 16 * kChunkK, 64, panel, chunks, ahead, m0, rows0, 0,
-                            p * kPanel, n, bias, gated, y, results);
-        }
+        const uint8_t* ahead =
+            m0 == m_begin && panel + 1 < g1 ? worker.panel_at(panel + 1) : nullptr;
+        worker.row_pair<true>(a0, a0 + p.chunks * tile, tile, 64, m0,
+                              std::min<int64_t>(32, m_end - m0), panel, ahead);
       }
     }
   }
-  results.write(n, bias, gated, y);
-  _tile_release();
 }
 
 bool request_tiles() {
@@ -353,12 +365,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t m = x.size(0), chunks = k / kChunkK;
   if (m == 0) return y;
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
-  const auto* wp = packed.const_data_ptr<uint8_t>();
-  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
-  auto* yp = y.mutable_data_ptr<c10::BFloat16>();
-  if (m <= 32) {  // a decode step: one row pair, x in L1 throughout
+  const Product p{packed.const_data_ptr<uint8_t>(), chunks, panels, n,
+                  bias.has_value() ? bias->const_data_ptr<float>() : nullptr, gated,
+                  y.mutable_data_ptr<c10::BFloat16>()};
+  if (m <= 32) {  // a decode step
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      run_panels(xp, k, wp, chunks, panels, begin, end, 0, m, n, bp, gated, yp);
+      run_panels(p, xp, k, m, begin, end);
     });
     return y;
   }
@@ -370,7 +382,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
     const int64_t m_end = std::min(m, m_begin + slab);
     tile_rows(xp, k, m_begin, m_end, xt);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      run_slab(xt, k, wp, chunks, begin, end, m_begin, m_end, n, bp, gated, yp);
+      run_slab(p, xt, m_begin, m_end, begin, end);
     });
   }
   return y;
