@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vector_math.h"
@@ -274,6 +275,35 @@ template <typename T> inline v16f round16(v16f v) {
 }
 
 inline v16f exp16(v16f x) { return exp_lanes<v16f, v16i>(x); }
+
+// A 16 x 16 block of floats transposed in registers (r[i][c] -> r[c][i]): four stages, each
+// swapping the off-diagonal h x h blocks of every 2h x 2h block (h = 8, 4, 2, 1), one
+// two-source shuffle a row each. (Scalar loops that moved the prompt tiles' queries into
+// lanes and their outputs back were a quarter of a bf16 prompt's attention.)
+template <int kHalf, int... I>
+inline v16f keep_low(v16f a, v16f b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, ((I & kHalf) ? I - kHalf + 16 : I)...);
+}
+template <int kHalf, int... I>
+inline v16f keep_high(v16f a, v16f b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, ((I & kHalf) ? I + 16 : I + kHalf)...);
+}
+template <int kHalf>
+inline void transpose_stage(v16f* r) {
+  constexpr auto lanes = std::make_integer_sequence<int, 16>{};
+  for (int i = 0; i < 16; ++i) {
+    if (i & kHalf) continue;
+    const v16f a = r[i], b = r[i + kHalf];
+    r[i] = keep_low<kHalf>(a, b, lanes);
+    r[i + kHalf] = keep_high<kHalf>(a, b, lanes);
+  }
+}
+inline void transpose16(v16f* r) {
+  transpose_stage<8>(r);
+  transpose_stage<4>(r);
+  transpose_stage<2>(r);
+  transpose_stage<1>(r);
+}
 
 constexpr int64_t kChunk = 16;  // keys scored at once (a page of the default block size)
 
@@ -728,16 +758,23 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       for (int64_t b = 0; b < vectors; ++b) {  // the rows' queries transposed, fresh statistics
         float* qt = buf.qt.data() + b * d * 16;
         v16i row_pos = v16i{} - 1;
+        const float* q_rows[16] = {};  // (none: a lane past the tile's rows, zeros)
         for (int64_t l = 0; l < 16; ++l) {
           const int64_t r = b * 16 + l;
-          if (r >= rows) {
-            for (int64_t e = 0; e < d; ++e) qt[e * 16 + l] = 0.0f;
-            continue;
-          }
+          if (r >= rows) continue;
           const int64_t i = r / group, h = g * group + r % group;
-          const float* qr = qf_ptr + ((tile.start + i) * heads + h) * d;
-          for (int64_t e = 0; e < d; ++e) qt[e * 16 + l] = qr[e];
+          q_rows[l] = qf_ptr + ((tile.start + i) * heads + h) * d;
           row_pos[l] = static_cast<int32_t>(first + i);
+        }
+        int64_t e0 = 0;
+        for (; e0 + 16 <= d; e0 += 16) {  // 16 dims of the 16 rows at a time
+          v16f block[16];
+          for (int l = 0; l < 16; ++l) block[l] = q_rows[l] ? load16(q_rows[l] + e0) : v16f{};
+          transpose16(block);
+          for (int k = 0; k < 16; ++k) store16(qt + (e0 + k) * 16, block[k]);
+        }
+        for (int64_t e = e0; e < d; ++e) {
+          for (int l = 0; l < 16; ++l) qt[e * 16 + l] = q_rows[l] ? q_rows[l][e] : 0.0f;
         }
         buf.row_pos[b] = row_pos;
         buf.row_lo[b] = window > 0 ? row_pos - static_cast<int32_t>(window - 1) : v16i{};
@@ -795,13 +832,28 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t b = r / 16, l = r % 16;
-        const float inv = 1.0f / buf.row_sum[b][l];
-        const float* ot = buf.ot.data() + b * d * 16 + l;
-        const int64_t i = r / group, h = g * group + r % group;
-        T* o = out_ptr + ((tile.start + i) * heads + h) * d;
-        for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(ot[e * 16] * inv);
+      for (int64_t b = 0; b < vectors; ++b) {  // each row's output, 16 dims at a time
+        const v16f inv = 1.0f / buf.row_sum[b];
+        const float* ot = buf.ot.data() + b * d * 16;
+        T* o_rows[16] = {};
+        for (int64_t l = 0; l < 16 && b * 16 + l < rows; ++l) {
+          const int64_t r = b * 16 + l, i = r / group, h = g * group + r % group;
+          o_rows[l] = out_ptr + ((tile.start + i) * heads + h) * d;
+        }
+        int64_t e0 = 0;
+        for (; e0 + 16 <= d; e0 += 16) {
+          v16f block[16];
+          for (int k = 0; k < 16; ++k) block[k] = load16(ot + (e0 + k) * 16) * inv;
+          transpose16(block);
+          for (int l = 0; l < 16; ++l) {
+            if (o_rows[l]) store16(o_rows[l] + e0, block[l]);
+          }
+        }
+        for (int64_t e = e0; e < d; ++e) {
+          for (int l = 0; l < 16; ++l) {
+            if (o_rows[l]) o_rows[l][e] = from_float<T>(ot[e * 16 + l] * inv[l]);
+          }
+        }
       }
     }
   };
