@@ -276,6 +276,14 @@ template <typename T> inline v16f round16(v16f v) {
 
 inline v16f exp16(v16f x) { return exp_lanes<v16f, v16i>(x); }
 
+// to[e] = T(from[e] * scale) for e < d, 16 at a time (store16 rounds as from_float<T>).
+template <typename T>
+inline void store_row(const float* from, float scale, int64_t d, T* to) {
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16) store16(to + e, load16(from + e) * scale);
+  for (; e < d; ++e) to[e] = from_float<T>(from[e] * scale);
+}
+
 // A 16 x 16 block of floats transposed in registers (r[i][c] -> r[c][i]): four stages, each
 // swapping the off-diagonal h x h blocks of every 2h x 2h block (h = 8, 4, 2, 1), one
 // two-source shuffle a row each. (Scalar loops that moved the prompt tiles' queries into
@@ -626,10 +634,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         T* kd = k_cache + at + h * d;
         T* vd = v_cache + at + h * d;
         const T* vs = v_ptr + t * v_row + h * d;
-        for (int64_t i = 0; i < d; ++i) {
-          kd[i] = from_float<T>(rotated[i]);
-          vd[i] = vs[i];
-        }
+        store_row(rotated.data(), 1.0f, d, kd);
+        std::memcpy(vd, vs, d * sizeof(T));
       }
       for (int64_t h = 0; h < heads; ++h) {
         float* qd = qf_ptr + (t * heads + h) * d;
@@ -731,7 +737,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.0f / row_sum[r];
       T* o = out_ptr + (tile.start * heads + r) * d;  // rows of a tile are contiguous in out
-      for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(acc[r * d + e] * inv);
+      store_row(acc + r * d, inv, d, o);
     }
   };
 
