@@ -14,7 +14,7 @@
 // from L1, three times a product (~5.6 ns), and a 2 x 2 block of result tiles (the most that
 // 8 tiles allow with two x and two W tiles) needs one load per product. 64 rows are two row
 // pairs, 8 loads a chunk; those and the stream from memory do not fully overlap. Prompts
-// (thousands of rows) reach 1.6-2.4 TFLOP/s, about oneDNN's at 512 rows and 10-20% below it
+// (thousands of rows) reach 1.5-2.4 TFLOP/s, about oneDNN's at 512 rows and 10-20% below it
 // at 2048.
 //
 // Layout: K a multiple of 32; N padded to a multiple of 32 (zero columns, never stored).
@@ -31,6 +31,10 @@
 // copied tile-major (a tile 1 KB in one piece); a slab's row pairs each run over a group of
 // panels that fits L2, their W tiles loaded with the hint that keeps them out of L1 (where
 // the row pair's x tiles stay).
+//
+// Gated (an MLP's gate/up weight, its rows interleaved 16 gate then 16 up by amx.py): a
+// panel's two result tiles are a block of gate and the matching block of up, and the kernel
+// writes silu(gate) * up from them, half the columns, in place of the product.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
