@@ -28,6 +28,15 @@ from stages.inprocess import InProcessEngine
 
 needs_amx = pytest.mark.skipif(kernel_missing() is not None, reason=f"AMX: {kernel_missing()}")
 CPU = torch.device("cpu")
+PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8, 4, 4, 1, 9, 9, 3, 2, 6, 7, 7, 1, 2, 3, 4, 5]]
+
+
+def _answers(engine: InProcessEngine) -> dict:
+    """Greedy tokens and prompt log-probs of PROMPTS (a 16-token budget: prefill chunks)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    out = engine.run([(str(i), p, params) for i, p in enumerate(PROMPTS)])
+    return {key: (r.token_ids, [lp.logprob for lp in r.prompt_logprobs or []])
+            for key, r in out.items()}
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -187,13 +196,7 @@ def test_a_model_mixing_both_gives_the_same_bits_in_one_call(tmp_path: Path) -> 
     assert not mlp.gate_up_proj.fused_gate  # (100 gate rows: not whole blocks of 16)
     assert engines[0].runner.model.fused_layers is not None
     engines[1].runner.model.fused_layers = None
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    prompts = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8, 4, 4, 1, 9, 9, 3, 2, 6, 7, 7, 1, 2, 3, 4, 5]]
-    results = []
-    for engine in engines:
-        out = engine.run([(str(i), p, params) for i, p in enumerate(prompts)])
-        results.append({key: (r.token_ids, [lp.logprob for lp in r.prompt_logprobs or []])
-                        for key, r in out.items()})
+    results = [_answers(engine) for engine in engines]
     assert results[0] == results[1]
 
 
@@ -216,13 +219,7 @@ def test_a_fused_gate_model_gives_the_same_bits_in_one_call_and_answers_as_unfus
         interleaved = unpack(mlp.amx_weight, mlp.out_features)  # back to gate rows, up rows
         mlp.amx_weight = pack(interleaved.view(-1, 2, 16, 64).transpose(0, 1).reshape(-1, 64))
     engines[2].runner.model.fused_layers = None
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    prompts = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8, 4, 4, 1, 9, 9, 3, 2, 6, 7, 7, 1, 2, 3, 4, 5]]
-    results = []
-    for engine in engines:
-        out = engine.run([(str(i), p, params) for i, p in enumerate(prompts)])
-        results.append({key: (r.token_ids, [lp.logprob for lp in r.prompt_logprobs or []])
-                        for key, r in out.items()})
+    results = [_answers(engine) for engine in engines]
     assert results[0] == results[1]
     for key, (tokens, logprobs) in results[2].items():
         assert tokens == results[0][key][0]

@@ -150,6 +150,18 @@ def available() -> bool:
     return load() is None
 
 
+def op_missing(probe: str, lacking: str) -> str | None:
+    """Why a kernel that depends on the CPU cannot run here (None: it can): the kernels are
+    not loaded, or torch.ops.llm_cpu.<probe>() says this CPU lacks what it needs (`lacking`
+    says what)."""
+    why = load()
+    if why is not None:
+        return f"the CPU kernels are not available ({why})"
+    if not getattr(torch.ops.llm_cpu, probe)():
+        return lacking
+    return None
+
+
 def loaded() -> bool:
     """Whether the kernels are in this process already (this never builds or loads them)."""
     return _loaded is not None

@@ -65,12 +65,8 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def kernel_missing() -> str | None:
     """Why amx_linear cannot run here (None: it can)."""
-    why = kernels.load()
-    if why is not None:
-        return f"the CPU kernels are not available ({why})"
-    if not torch.ops.llm_cpu.amx_linear_available():
-        return "this CPU (or its kernel) gives no AMX-BF16 tiles"
-    return None
+    return kernels.op_missing("amx_linear_available",
+                              "this CPU (or its kernel) gives no AMX-BF16 tiles")
 
 
 class AmxMethod(LinearMethod):
@@ -112,7 +108,7 @@ class AmxMethod(LinearMethod):
     def apply_gated(self, layer: Linear, x: torch.Tensor,
                     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if not layer.fused_gate:
-            return silu_and_mul(self._run(layer, x, False))
+            return super().apply_gated(layer, x, silu_and_mul)
         return self._run(layer, x, True)
 
     @staticmethod

@@ -229,12 +229,8 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight,
 @functools.cache
 def kernel_missing() -> str | None:
     """Why quantized_linear cannot run on this machine (None: it can)."""
-    why = kernels.load()
-    if why is not None:
-        return f"the CPU kernels are not available ({why})"
-    if not torch.ops.llm_cpu.quantized_linear_available():
-        return "this CPU lacks AVX512-VNNI, which the quantized kernels need"
-    return None
+    return kernels.op_missing("quantized_linear_available",
+                              "this CPU lacks AVX512-VNNI, which the quantized kernels need")
 
 
 class QuantizedMethod(LinearMethod):
