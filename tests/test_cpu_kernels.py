@@ -72,7 +72,9 @@ def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
 
 
 @pytest.mark.parametrize("heads", [4, HEADS, 8])  # 2, 3 or 4 query heads a KV head
-@pytest.mark.parametrize("block", [BLOCK, 16])  # (16: a page is one chunk of the matrix form)
+# (16: a page is one chunk of the matrix form, and one tile of keys for a bf16 decode's scores
+# on AMX; 32: two of each)
+@pytest.mark.parametrize("block", [BLOCK, 16, 32])
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])  # (64, 128: unrolled head sizes)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -81,9 +83,9 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
                                                                 head_dim: int,
                                                                 block: int, heads: int) -> None:
     """Grouped query heads (2-4 a KV head): decodes take a group's heads together over each
-    key (at head size 64), tiles of two tokens the vector loop (reduced-precision pages
-    widened once a group), tiles of three or more the matrix form; a page of 4 keys is a
-    short chunk of it, one of 16 a whole one."""
+    key (at head size 64; in bf16 on a CPU with AMX, scores as tile products), tiles of two
+    tokens the vector loop (reduced-precision pages widened once a group), tiles of three or
+    more the matrix form; a page of 4 keys is a short chunk of it, one of 16 a whole one."""
     q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block,
                                                              heads)
     cos, sin = _rope_tables(64, dtype, head_dim)

@@ -42,20 +42,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
-#define LLM_CPU_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define LLM_CPU_AMX 0
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "vector_math.h"
 
 namespace {
@@ -70,13 +61,8 @@ constexpr int64_t kGroupBytes = 1 << 19; // panels a prompt's row pair runs over
 
 // The kernel's tile palette: tiles 0-3 results (rows block 0: columns lo, hi; block 1: lo,
 // hi), 4 and 5 x's two row blocks, 6 and 7 the chunk's two B tiles.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using llm_cpu_amx::request_tiles;
+using llm_cpu_amx::TileConfig;
 
 void configure(int64_t rows0, int64_t rows1) {
   TileConfig config;
@@ -322,13 +308,6 @@ void run_slab(const Product& p, const c10::BFloat16* xt, int64_t m_begin, int64_
       }
     }
   }
-}
-
-bool request_tiles() {
-  // Linux hands a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM,
-  // XFEATURE_XTILEDATA); asking again is harmless.
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
 }
 
 #endif  // LLM_CPU_AMX

@@ -18,7 +18,9 @@
 // rows lie along 16 vector lanes and every product is a sum of outer products (a vector of
 // rows times a broadcast key or value element), where a decode's few rows take the vector
 // loop, one row's dot products at a time. The prefill of 16 prompts of 128 tokens (the
-// default model's heads): 4.4 -> 3.0 ms a layer in bf16, 4.4 -> 2.5 in float32.
+// default model's heads): 4.4 -> 3.0 ms a layer in bf16, 4.4 -> 2.5 in float32. A bf16
+// decode on a CPU with AMX scores its group's heads against 16 keys at a time as one tile
+// product (tile_keys), the keys read in place.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "vector_math.h"
 
 namespace {
@@ -383,6 +386,23 @@ inline void prefetch_page(const T* k_cache, const T* v_cache, int64_t block, int
   }
 }
 
+// One KV head's keys and values of a page into L2 (offset: the head's first element in a key).
+template <typename T>
+inline void prefetch_head(const T* k_cache, const T* v_cache, int64_t block, int64_t block_size,
+                          int64_t kv_stride, int64_t offset, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < block_size; ++j) {
+    const char* k = reinterpret_cast<const char*>(k_cache + (block * block_size + j) * kv_stride +
+                                                  offset);
+    const char* v = reinterpret_cast<const char*>(v_cache + (block * block_size + j) * kv_stride +
+                                                  offset);
+    for (int64_t line = 0; line < bytes; line += 64) {
+      __builtin_prefetch(k + line, 0, 2);
+      __builtin_prefetch(v + line, 0, 2);
+    }
+  }
+}
+
 // bf16 in pairs: 32 bf16 values read as 16 lanes of 32 bits hold the even elements in their
 // low halves and the odd ones in their high halves, so a shift and a mask make them two
 // vectors of floats (elements 0, 2, .., 30 and 1, 3, .., 31) with no shuffle, where widening
@@ -527,6 +547,102 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
   group_values<kD, kG>(acc, correction, v, stride, j_lo, j_hi, scores, score_stride);
 }
 
+#if LLM_CPU_AMX
+// ---------------------------------------------------------------- a decode's scores on AMX
+//
+// A decode's kG query heads of one KV head against up to 16 keys of a page as one tile
+// product: the keys, read in place (a row of the cache, the cache's stride between them), are
+// the A tile; the heads' queries rounded to bf16 (as the model's own attention has them) the
+// B tile, in AMX's pair layout with the heads as columns and the other columns zero; the
+// result, [keys][16] floats, holds each head's scores in a column. The float dot products of
+// group_scores took ~40 vector instructions a key and a transposed reduction every 8; the tile
+// product takes a 1 KB load per 32 elements of 16 keys. Values stay on vectors (group_values):
+// AMX would need them in pairs of keys, which the cache does not keep.
+//
+// Tiles: 0 the scores, 1 to kD / 32 the queries (32 elements each), 5 and 6 the keys.
+inline void configure_decode_tiles(int64_t rows) {
+  llm_cpu_amx::TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = static_cast<uint8_t>(t >= 1 && t <= 4 ? 16 : rows);
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The group's queries q [kG][kD] (float) as kD / 32 B tiles in qb (1 KB each: row p holds
+// elements 2p, 2p + 1 of the tile's 32 for each head's column), loaded into tiles 1...
+template <int64_t kD, int kG>
+inline void load_query_tiles(const float* q, uint32_t* qb) {
+  std::memset(qb, 0, kD / 32 * 1024);
+  for (int c = 0; c < kG; ++c) {
+    for (int64_t e = 0; e < kD / 2; ++e) {
+      const uint32_t lo = from_float<c10::BFloat16>(q[c * kD + 2 * e]).x;
+      const uint32_t hi = from_float<c10::BFloat16>(q[c * kD + 2 * e + 1]).x;
+      qb[(e / 16) * 256 + (e % 16) * 16 + c] = lo | (hi << 16);
+    }
+  }
+  _tile_loadd(1, qb, 64);
+  if constexpr (kD >= 64) _tile_loadd(2, qb + 256, 64);
+  if constexpr (kD >= 96) _tile_loadd(3, qb + 512, 64);
+  if constexpr (kD >= 128) _tile_loadd(4, qb + 768, 64);
+}
+
+// Scores of the configured rows of keys from k (stride elements apart) against the query
+// tiles, into c [rows][16].
+template <int64_t kD>
+inline void tile_scores(const c10::BFloat16* k, int64_t stride, float* c) {
+  const int64_t bytes = stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+  _tile_zero(0);
+  _tile_loadd(5, k, bytes);
+  _tile_dpbf16ps(0, 5, 1);
+  if constexpr (kD >= 64) {
+    _tile_loadd(6, k + 32, bytes);
+    _tile_dpbf16ps(0, 6, 2);
+  }
+  if constexpr (kD >= 96) {
+    _tile_loadd(5, k + 64, bytes);
+    _tile_dpbf16ps(0, 5, 3);
+  }
+  if constexpr (kD >= 128) {
+    _tile_loadd(6, k + 96, bytes);
+    _tile_dpbf16ps(0, 6, 4);
+  }
+  _tile_stored(0, c, 64);
+}
+
+// One decode over keys [j_lo, j_hi) of a page of KV head g (k, v: the page's first key and
+// value of the head; stride between keys): the group's scores by tile products, `rows` keys
+// at a time (the configured rows, dividing the page), then the same online softmax and value
+// sums as group_keys. The query tiles are loaded. c: a [16][16] float buffer.
+template <int64_t kD, int kG>
+inline void tile_keys(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride,
+                      int64_t rows, int64_t j_lo, int64_t j_hi, float* row_max, float* row_sum,
+                      float* acc, float* scores, int64_t score_stride, float* c) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  float top[kG];
+  for (int r = 0; r < kG; ++r) top[r] = row_max[r];
+  for (int64_t j0 = j_lo / rows * rows; j0 < j_hi; j0 += rows) {
+    tile_scores<kD>(k + j0 * stride, stride, c);
+    const __m512i j = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(j0)));
+    const __mmask16 valid =
+        _mm512_cmpge_epi32_mask(j, _mm512_set1_epi32(static_cast<int32_t>(j_lo))) &
+        _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(static_cast<int32_t>(j_hi)));
+    for (int r = 0; r < kG; ++r) {  // column r: head r's scores of these keys
+      const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(lanes, 4), _mm512_set1_epi32(r));
+      const __m512 col = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, c, 4);
+      _mm512_mask_storeu_ps(scores + r * score_stride + j0, valid, col);
+      top[r] = std::max(top[r], _mm512_mask_reduce_max_ps(valid, col));
+    }
+  }
+  float correction[kG];
+  for (int r = 0; r < kG; ++r) {
+    correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top[r], row_max[r],
+                                 row_sum[r]);
+  }
+  group_values<kD, kG>(acc, correction, v, stride, j_lo, j_hi, scores, score_stride);
+}
+#endif  // LLM_CPU_AMX
+
 constexpr int64_t kMaxTileRows = 256;  // query rows (tokens x heads) per tile
 // Tiles with this many rows a KV head (tokens x its query heads) or more take the matrix
 // form (3b below); fewer, the vector loop (3). Measured at 64 sequences of 256 tokens in bf16:
@@ -648,11 +764,19 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t kv_stride = kv_heads * d;  // between keys of one head in a page
+  // Decodes' scores on AMX tiles (tile_keys) where the build, the CPU and the kernel allow,
+  // a page being whole tiles of keys.
+  const int64_t tile_rows = std::min<int64_t>(16, block_size);
+#if LLM_CPU_AMX
+  const bool amx_decode = std::is_same_v<T, c10::BFloat16> && kVectorHead<kD> && group >= 2 &&
+                          group <= 4 && block_size % tile_rows == 0 &&
+                          llm_cpu_amx::request_tiles();
+#endif
 
   // 3. Attention per tile, every head: a page is read whole, once (its KV heads are
   // interleaved in memory). Row r = i * heads + h holds query i's head h.
   auto work = [&](const Tile& tile, float* acc, float* row_max, float* row_sum,
-                  float* scores, float* page_kv) {
+                  float* scores, float* page_kv, bool& tiles_ready) {
     const int64_t slot = slots[tile.start];
     const int64_t first = pos[tile.start];
     const int64_t last = first + tile.len - 1;
@@ -662,76 +786,119 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::fill(row_sum, row_sum + rows, 0.0f);
     const int64_t lo_first = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
     const int64_t last_page = last / block_size;
+    bool decoded = false;  // by tile_keys
+#if LLM_CPU_AMX
     if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
-      if (tile.len == 1 && group >= 2 && group <= 4) {  // group_keys reads them split in pairs
-        float* qt = qf_ptr + tile.start * heads * d;
-        for (int64_t e = 0; e < heads * d; e += 32) {
-          v16f even, odd;
-          split_floats(qt + e, even, odd);
-          store16(qt + e, even);
-          store16(qt + e + 16, odd);
+      if (tile.len == 1 && amx_decode) {
+        if (!tiles_ready) {
+          configure_decode_tiles(tile_rows);
+          tiles_ready = true;
         }
+        alignas(64) float c[256];
+        alignas(64) uint32_t qb[kD / 32 * 256];
+        for (int64_t g = 0; g < kv_heads; ++g) {  // a head's query tiles stay over its pages
+          const int64_t h0 = g * group;
+          auto run = [&](auto heads_of_group) {
+            constexpr int kG = decltype(heads_of_group)::value;
+            load_query_tiles<kD, kG>(qf_ptr + (tile.start * heads + h0) * d, qb);
+            for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
+              const int64_t page_start = page * block_size;
+              const int64_t block = table[slot * table_stride + page];
+              if (page < last_page) {  // the next page is elsewhere: fetch it meanwhile
+                prefetch_head(k_cache, v_cache, table[slot * table_stride + page + 1],
+                              block_size, kv_stride, g * d, d);
+              } else if (g + 1 < kv_heads) {  // the next head's first page
+                prefetch_head(k_cache, v_cache, table[slot * table_stride + lo_first / block_size],
+                              block_size, kv_stride, (g + 1) * d, d);
+              }
+              const int64_t j_lo = std::max(lo_first, page_start) - page_start;
+              const int64_t j_hi = std::min(first, page_start + block_size - 1) - page_start + 1;
+              const int64_t at = block * block_size * kv_stride + g * d;
+              tile_keys<kD, kG>(k_cache + at, v_cache + at, kv_stride, tile_rows, j_lo, j_hi,
+                                row_max + h0, row_sum + h0, acc + h0 * d, scores,
+                                block_size + 8, c);
+            }
+          };
+          if (group == 2) run(std::integral_constant<int, 2>{});
+          if (group == 3) run(std::integral_constant<int, 3>{});
+          if (group == 4) run(std::integral_constant<int, 4>{});
+        }
+        decoded = true;
       }
     }
-    for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
-      const int64_t page_start = page * block_size;
-      const int64_t block = table[slot * table_stride + page];
-      if (page < last_page) {  // the next page is elsewhere: fetch it while this one runs
-        prefetch_page(k_cache, v_cache, table[slot * table_stride + page + 1], block_size,
-                      kv_stride);
+#endif
+    if (!decoded) {
+      if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
+        if (tile.len == 1 && group >= 2 && group <= 4) {  // group_keys reads them split in pairs
+          float* qt = qf_ptr + tile.start * heads * d;
+          for (int64_t e = 0; e < heads * d; e += 32) {
+            v16f even, odd;
+            split_floats(qt + e, even, odd);
+            store16(qt + e, even);
+            store16(qt + e + 16, odd);
+          }
+        }
       }
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const T* kp = k_cache + block * block_size * kv_stride + g * d;
-        const T* vp = v_cache + block * block_size * kv_stride + g * d;
-        // The tile's rows over this page's keys and values of head g (T, or float widened).
-        auto attend = [&](const auto* keys, const auto* values, int64_t stride) {
-          for (int64_t i = 0; i < tile.len; ++i) {
-            const int64_t p = first + i;
-            const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-            const int64_t j_lo = std::max(lo, page_start) - page_start;
-            const int64_t j_hi = std::min(p, page_start + block_size - 1) - page_start + 1;
-            if (j_hi <= j_lo) continue;
-            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-              const int64_t r = i * heads + h;
-              const float* qr = qf_ptr + ((tile.start + i) * heads + h) * d;
-              const float top = page_scores<kD>(qr, keys, stride, d, j_lo, j_hi, row_max[r],
-                                                scores);
-              const float correction =
-                  softmax_page(scores, j_lo, j_hi, top, row_max[r], row_sum[r]);
-              page_values<kD>(acc + r * d, correction, values, stride, d, j_lo, j_hi, scores);
+      for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
+        const int64_t page_start = page * block_size;
+        const int64_t block = table[slot * table_stride + page];
+        if (page < last_page) {  // the next page is elsewhere: fetch it while this one runs
+          prefetch_page(k_cache, v_cache, table[slot * table_stride + page + 1], block_size,
+                        kv_stride);
+        }
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const T* kp = k_cache + block * block_size * kv_stride + g * d;
+          const T* vp = v_cache + block * block_size * kv_stride + g * d;
+          // The tile's rows over this page's keys and values of head g (T, or float widened).
+          auto attend = [&](const auto* keys, const auto* values, int64_t stride) {
+            for (int64_t i = 0; i < tile.len; ++i) {
+              const int64_t p = first + i;
+              const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+              const int64_t j_lo = std::max(lo, page_start) - page_start;
+              const int64_t j_hi = std::min(p, page_start + block_size - 1) - page_start + 1;
+              if (j_hi <= j_lo) continue;
+              for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                const int64_t r = i * heads + h;
+                const float* qr = qf_ptr + ((tile.start + i) * heads + h) * d;
+                const float top = page_scores<kD>(qr, keys, stride, d, j_lo, j_hi, row_max[r],
+                                                  scores);
+                const float correction =
+                    softmax_page(scores, j_lo, j_hi, top, row_max[r], row_sum[r]);
+                page_values<kD>(acc + r * d, correction, values, stride, d, j_lo, j_hi, scores);
+              }
+            }
+          };
+          if constexpr (kVectorHead<kD>) {
+            if (tile.len == 1 && group >= 2 && group <= 4) {  // a decode: its heads together
+              const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+              const int64_t j_lo = std::max(lo, page_start) - page_start;
+              const int64_t j_hi = std::min(first, page_start + block_size - 1) - page_start + 1;
+              if (j_hi > j_lo) {
+                const int64_t h0 = g * group;
+                const float* qg = qf_ptr + (tile.start * heads + h0) * d;
+                auto run = [&](auto heads_of_group) {
+                  group_keys<kD, decltype(heads_of_group)::value>(
+                      qg, kp, vp, kv_stride, j_lo, j_hi, row_max + h0, row_sum + h0, acc + h0 * d,
+                      scores, block_size + 8);
+                };
+                if (group == 2) run(std::integral_constant<int, 2>{});
+                if (group == 3) run(std::integral_constant<int, 3>{});
+                if (group == 4) run(std::integral_constant<int, 4>{});
+              }
+              continue;
             }
           }
-        };
-        if constexpr (kVectorHead<kD>) {
-          if (tile.len == 1 && group >= 2 && group <= 4) {  // a decode: its heads together
-            const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-            const int64_t j_lo = std::max(lo, page_start) - page_start;
-            const int64_t j_hi = std::min(first, page_start + block_size - 1) - page_start + 1;
-            if (j_hi > j_lo) {
-              const int64_t h0 = g * group;
-              const float* qg = qf_ptr + (tile.start * heads + h0) * d;
-              auto run = [&](auto heads_of_group) {
-                group_keys<kD, decltype(heads_of_group)::value>(
-                    qg, kp, vp, kv_stride, j_lo, j_hi, row_max + h0, row_sum + h0, acc + h0 * d,
-                    scores, block_size + 8);
-              };
-              if (group == 2) run(std::integral_constant<int, 2>{});
-              if (group == 3) run(std::integral_constant<int, 3>{});
-              if (group == 4) run(std::integral_constant<int, 4>{});
+          if constexpr (!std::is_same_v<T, float>) {
+            if (group > 1) {  // widened once for the group's query heads, not once per head
+              const int64_t used = std::min(block_size, last - page_start + 1);
+              widen_rows(kp, kv_stride, d, used, page_kv);
+              widen_rows(vp, kv_stride, d, used, page_kv + block_size * d);
+              attend(page_kv, page_kv + block_size * d, d);
+              continue;
             }
-            continue;
           }
+          attend(kp, vp, kv_stride);
         }
-        if constexpr (!std::is_same_v<T, float>) {
-          if (group > 1) {  // widened once for the group's query heads, not once per head
-            const int64_t used = std::min(block_size, last - page_start + 1);
-            widen_rows(kp, kv_stride, d, used, page_kv);
-            widen_rows(vp, kv_stride, d, used, page_kv + block_size * d);
-            attend(page_kv, page_kv + block_size * d, d);
-            continue;
-          }
-        }
-        attend(kp, vp, kv_stride);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -871,6 +1038,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::vector<float> acc(rows * d), row_max(rows), row_sum(rows);
     std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + 8));
     std::vector<float> page_kv(std::is_same_v<T, float> ? 0 : 2 * block_size * d);
+    bool tiles_configured = false;  // this thread's tiles, by the first decode on them
     RowBuffers buf{std::vector<float>(max_vectors * d * 16), std::vector<float>(max_vectors * d * 16),
                    std::vector<float>(kChunk * d), std::vector<float>(kChunk * d),
                    std::vector<v16f>(max_vectors), std::vector<v16f>(max_vectors),
@@ -881,9 +1049,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         work_rows(tiles[t], buf);
       } else {
         work(tiles[t], acc.data(), row_max.data(), row_sum.data(), scores.data(),
-             page_kv.data());
+             page_kv.data(), tiles_configured);
       }
     }
+#if LLM_CPU_AMX
+    if (tiles_configured) _tile_release();  // as found, for oneDNN's and our products
+#endif
   }
 }
 
