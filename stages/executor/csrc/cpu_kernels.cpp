@@ -18,9 +18,10 @@
 // rows lie along 16 vector lanes and every product is a sum of outer products (a vector of
 // rows times a broadcast key or value element), where a decode's few rows take the vector
 // loop, one row's dot products at a time. The prefill of 16 prompts of 128 tokens (the
-// default model's heads): 4.4 -> 3.0 ms a layer in bf16, 4.4 -> 2.5 in float32. A bf16
-// decode on a CPU with AMX scores its group's heads against 16 keys at a time as one tile
-// product (tile_keys), the keys read in place.
+// default model's heads): 4.4 -> 3.0 ms a layer in bf16, 4.4 -> 2.5 in float32. In bf16 on
+// a CPU with AMX, a decode scores its group's heads against 16 keys at a time as one tile
+// product (tile_keys), and the matrix form's two products are tile products (3c), keys and
+// values read from the cache in place; queries and weights go into them rounded to bf16.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -356,6 +357,33 @@ inline void chunk_values(float* ot, v16f correction, const v16f* p, const float*
   }
 }
 
+// The online-softmax step of 16 rows (lanes) over a chunk's scores s[j] (key key0 + j; the
+// first n exist): keys a row does not see (past its position, before its window's start,
+// missing) weigh nothing; s[j] become exp(s[j] - the new running max), the running max and
+// sum move on; returns the correction that rescales what the rows accumulated before.
+inline v16f chunk_softmax(v16f* s, int64_t n, int64_t key0, v16i row_pos, v16i row_lo,
+                          v16f& row_max, v16f& row_sum) {
+  const v16f minus_inf = v16f{} - INFINITY;
+  v16f top = row_max;
+  for (int64_t j = 0; j < kChunk; ++j) {
+    const v16i key = v16i{} + static_cast<int32_t>(key0 + j);
+    const v16i seen = (key <= row_pos) & (key >= row_lo) & (v16i{} + (j < n ? -1 : 0));
+    s[j] = seen ? s[j] : minus_inf;
+    top = top > s[j] ? top : s[j];
+  }
+  const v16f base = top == minus_inf ? v16f{} : top;  // lanes with no key yet: 0
+  // (where row_max is -inf its state is all zeros: any correction keeps it so)
+  const v16f correction = exp16(row_max - base);
+  v16f total = {};
+  for (int64_t j = 0; j < kChunk; ++j) {
+    s[j] = s[j] == minus_inf ? v16f{} : exp16(s[j] - base);
+    total += s[j];
+  }
+  row_max = top;
+  row_sum = row_sum * correction + total;
+  return correction;
+}
+
 // ---------------------------------------------------------------- attention
 
 // rows x d values at `stride` apart, as contiguous float rows.
@@ -641,7 +669,130 @@ inline void tile_keys(const c10::BFloat16* k, const c10::BFloat16* v, int64_t st
   }
   group_values<kD, kG>(acc, correction, v, stride, j_lo, j_hi, scores, score_stride);
 }
+
+// ---------------------------------------------------------------- a prompt's rows on AMX
+//
+// The matrix form's products as tile products: a chunk's 16 keys (in place, as for a decode)
+// times 16 rows' queries (a B tile of bf16 pairs, the rows as columns) give s[j] for the 16
+// keys with the rows in lanes, as chunk_scores does; after the same softmax, the weights
+// transposed to [rows][keys] in bf16 (an A tile of 16 keys) times the chunk's values in pairs
+// of keys (B tiles of 16 dims, made from the cache's rows) give the rows' [16][16 dims]
+// sums, added to float accumulators [row][d] under the rows' corrections.
+//
+// Tiles: 0 the scores, then each 16 dims' sums; 1 to kD / 32 the keys (32 elements each);
+// 5 a row vector's queries (one 32 elements at a time); 6 the weights; 7 16 dims' values.
+inline void configure_row_tiles() {
+  llm_cpu_amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  config.colsb[6] = 32;  // 16 rows x 16 keys
+  config.rows[7] = 8;    // 8 pairs of keys x 16 dims
+  _tile_loadconfig(&config);
+}
+
+// Rows' queries (rows[l]: kD floats, or none: zeros) as B tiles in qb, 1 KB a 32 elements:
+// row p of tile t holds elements 32t + 2p, 32t + 2p + 1 of each row's column.
+template <int64_t kD>
+inline void row_query_tiles(const float* const* rows, uint32_t* qb) {
+  for (int64_t t = 0; t < kD / 32; ++t) {
+    v16f pairs[16];  // [row l][pair p] -> transposed to [p][l]
+    for (int l = 0; l < 16; ++l) {
+      if (!rows[l]) {
+        pairs[l] = v16f{};
+        continue;
+      }
+      const __m512 a = _mm512_loadu_ps(rows[l] + 32 * t);
+      const __m512 b = _mm512_loadu_ps(rows[l] + 32 * t + 16);
+      // (bf16 of 32 floats, in order: cvtne2ps_pbh puts b's in the high half)
+      const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+      std::memcpy(&pairs[l], &bits, sizeof bits);
+    }
+    transpose16(pairs);
+    for (int p = 0; p < 16; ++p) std::memcpy(qb + t * 256 + p * 16, &pairs[p], 64);
+  }
+}
+
+// The chunk's values (16 keys from v, stride apart; the first n exist, the rest count as
+// zeros) as kD / 16 B tiles in vb (512 bytes each): row p of tile c pairs keys 2p and 2p + 1
+// for each of dims 16c..16c + 15.
+template <int64_t kD>
+inline void value_tiles(const c10::BFloat16* v, int64_t stride, int64_t n, uint32_t* vb) {
+  for (int64_t p = 0; p < 8; ++p) {
+    const c10::BFloat16* v0 = v + 2 * p * stride;
+    const c10::BFloat16* v1 = v0 + stride;
+    for (int64_t c = 0; c < kD / 16; ++c) {
+      const __m512i lo = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(v0 + 16 * c)))
+                                   : _mm512_setzero_si512();
+      const __m512i hi = 2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(v1 + 16 * c)))
+                                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(vb + (c * 8 + p) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// The chunk's 16 keys (k, stride apart) into tiles 1...
+template <int64_t kD>
+inline void load_key_tiles(const c10::BFloat16* k, int64_t stride) {
+  const int64_t bytes = stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+  _tile_loadd(1, k, bytes);
+  if constexpr (kD >= 64) _tile_loadd(2, k + 32, bytes);
+  if constexpr (kD >= 96) _tile_loadd(3, k + 64, bytes);
+  if constexpr (kD >= 128) _tile_loadd(4, k + 96, bytes);
+}
+
+// s[j] = the 16 rows' queries (qb) . key j of the loaded key tiles; c: [16][16] floats.
+template <int64_t kD>
+inline void tile_chunk_scores(const uint32_t* qb, float* c, v16f* s) {
+  _tile_zero(0);
+  _tile_loadd(5, qb, 64);
+  _tile_dpbf16ps(0, 1, 5);
+  if constexpr (kD >= 64) {
+    _tile_loadd(5, qb + 256, 64);
+    _tile_dpbf16ps(0, 2, 5);
+  }
+  if constexpr (kD >= 96) {
+    _tile_loadd(5, qb + 512, 64);
+    _tile_dpbf16ps(0, 3, 5);
+  }
+  if constexpr (kD >= 128) {
+    _tile_loadd(5, qb + 768, 64);
+    _tile_dpbf16ps(0, 4, 5);
+  }
+  _tile_stored(0, c, 64);
+  for (int j = 0; j < 16; ++j) s[j] = load16(c + j * 16);
+}
+
+// acc[l] = acc[l] * correction[l] + sum over j of p[j][l] * v_j, for the 16 rows l (acc:
+// [16][kD]); p: the chunk's weights with the rows in lanes (transposed here); vb: value_tiles;
+// pt, c: scratch of 16 x 16 bf16 and floats.
+template <int64_t kD>
+inline void tile_chunk_values(float* acc, v16f correction, v16f* p, const uint32_t* vb,
+                              c10::BFloat16* pt, float* c) {
+  transpose16(p);
+  for (int l = 0; l < 16; ++l) {
+    const __m256i bits = (__m256i)_mm512_cvtneps_pbh(p[l]);
+    std::memcpy(pt + l * 16, &bits, sizeof bits);
+  }
+  _tile_loadd(6, pt, 32);
+  for (int64_t e = 0; e < kD / 16; ++e) {
+    _tile_loadd(7, vb + e * 128, 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_stored(0, c, 64);
+    for (int l = 0; l < 16; ++l) {
+      float* a = acc + l * kD + 16 * e;
+      store16(a, load16(a) * correction[l] + load16(c + l * 16));
+    }
+  }
+}
 #endif  // LLM_CPU_AMX
+
+// How a thread's AMX tiles are configured (none, tile_keys', or the tile form of a prompt's rows).
+constexpr int kNoTiles = 0, kDecodeTiles = 1, kRowTiles = 2;
 
 constexpr int64_t kMaxTileRows = 256;  // query rows (tokens x heads) per tile
 // Tiles with this many rows a KV head (tokens x its query heads) or more take the matrix
@@ -776,7 +927,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // 3. Attention per tile, every head: a page is read whole, once (its KV heads are
   // interleaved in memory). Row r = i * heads + h holds query i's head h.
   auto work = [&](const Tile& tile, float* acc, float* row_max, float* row_sum,
-                  float* scores, float* page_kv, bool& tiles_ready) {
+                  float* scores, float* page_kv, int& tiles_config) {
     const int64_t slot = slots[tile.start];
     const int64_t first = pos[tile.start];
     const int64_t last = first + tile.len - 1;
@@ -790,9 +941,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 #if LLM_CPU_AMX
     if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
       if (tile.len == 1 && amx_decode) {
-        if (!tiles_ready) {
+        if (tiles_config != kDecodeTiles) {
           configure_decode_tiles(tile_rows);
-          tiles_ready = true;
+          tiles_config = kDecodeTiles;
         }
         alignas(64) float c[256];
         alignas(64) uint32_t qb[kD / 32 * 256];
@@ -982,25 +1133,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             if (key0 > b_last || (window > 0 && key0 + n - 1 < b_first - window + 1)) continue;
             v16f s[kChunk];
             chunk_scores<kD>(buf.qt.data() + b * d * 16, keys, d, s);
-            const v16f minus_inf = v16f{} - INFINITY;
-            v16f top = buf.row_max[b];
-            for (int64_t j = 0; j < kChunk; ++j) {
-              const v16i key = v16i{} + static_cast<int32_t>(key0 + j);
-              const v16i seen = (key <= buf.row_pos[b]) & (key >= buf.row_lo[b]) &
-                                (v16i{} + (j < n ? -1 : 0));
-              s[j] = seen ? s[j] : minus_inf;
-              top = top > s[j] ? top : s[j];
-            }
-            const v16f base = top == minus_inf ? v16f{} : top;  // lanes with no key yet: 0
-            // (where row_max is -inf its state is all zeros: any correction keeps it so)
-            const v16f correction = exp16(buf.row_max[b] - base);
-            v16f total = {};
-            for (int64_t j = 0; j < kChunk; ++j) {
-              s[j] = s[j] == minus_inf ? v16f{} : exp16(s[j] - base);
-              total += s[j];
-            }
-            buf.row_max[b] = top;
-            buf.row_sum[b] = buf.row_sum[b] * correction + total;
+            const v16f correction = chunk_softmax(s, n, key0, buf.row_pos[b], buf.row_lo[b],
+                                                  buf.row_max[b], buf.row_sum[b]);
             chunk_values<kD>(buf.ot.data() + b * d * 16, correction, s, values, d, n);
           }
         }
@@ -1031,6 +1165,97 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
   };
 
+#if LLM_CPU_AMX
+  // 3c. A bf16 prompt tile on AMX tiles (tile_chunk_scores, tile_chunk_values): the matrix
+  // form's loop and softmax, its two products as tile products, keys and values read from
+  // the cache in place; pages of whole chunks.
+  const bool amx_rows = std::is_same_v<T, c10::BFloat16> && kVectorHead<kD> &&
+                        block_size % kChunk == 0 && llm_cpu_amx::request_tiles();
+  struct TileRows {
+    std::vector<uint32_t> qb;    // [vector][d / 32][256]: row_query_tiles
+    std::vector<float> acc;      // [vector][16][d]
+    std::vector<uint32_t> vb;    // [d / 16][128]: value_tiles
+    std::vector<float> c;        // [16][16]
+    std::vector<c10::BFloat16> pt;  // [16][16]
+    std::vector<v16f> row_max, row_sum;
+    std::vector<v16i> row_pos, row_lo;
+  };
+  auto work_rows_amx = [&](const Tile& tile, TileRows& buf, int& tiles_config) {
+    if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
+      if (tiles_config != kRowTiles) {
+        configure_row_tiles();
+        tiles_config = kRowTiles;
+      }
+      const int64_t slot = slots[tile.start];
+      const int64_t first = pos[tile.start];
+      const int64_t last = first + tile.len - 1;
+      const int64_t rows = tile.len * group;
+      const int64_t vectors = (rows + 15) / 16;
+      const int64_t lo_first = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+      const int64_t last_page = last / block_size;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        for (int64_t b = 0; b < vectors; ++b) {  // the rows' query tiles, fresh statistics
+          v16i row_pos = v16i{} - 1;
+          const float* q_rows[16] = {};  // (none: a lane past the tile's rows, zeros)
+          for (int64_t l = 0; l < 16; ++l) {
+            const int64_t r = b * 16 + l;
+            if (r >= rows) continue;
+            const int64_t i = r / group, h = g * group + r % group;
+            q_rows[l] = qf_ptr + ((tile.start + i) * heads + h) * d;
+            row_pos[l] = static_cast<int32_t>(first + i);
+          }
+          row_query_tiles<kD>(q_rows, buf.qb.data() + b * kD / 32 * 256);
+          buf.row_pos[b] = row_pos;
+          buf.row_lo[b] = window > 0 ? row_pos - static_cast<int32_t>(window - 1) : v16i{};
+          buf.row_max[b] = v16f{} - INFINITY;
+          buf.row_sum[b] = v16f{};
+          std::fill(buf.acc.begin() + b * 16 * kD, buf.acc.begin() + (b + 1) * 16 * kD, 0.0f);
+        }
+        for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
+          const int64_t page_start = page * block_size;
+          const int64_t block = table[slot * table_stride + page];
+          if (g == 0 && page < last_page) {
+            prefetch_page(k_cache, v_cache, table[slot * table_stride + page + 1], block_size,
+                          kv_stride);
+          }
+          const T* kp = k_cache + block * block_size * kv_stride + g * d;
+          const T* vp = v_cache + block * block_size * kv_stride + g * d;
+          const int64_t used = std::min(block_size, last - page_start + 1);
+          for (int64_t j0 = 0; j0 < used; j0 += kChunk) {
+            const int64_t n = std::min(kChunk, used - j0);
+            const int64_t key0 = page_start + j0;
+            bool loaded = false;  // the chunk's key tiles and value tiles
+            for (int64_t b = 0; b < vectors; ++b) {
+              const int64_t b_first = first + b * 16 / group;
+              const int64_t b_last = first + std::min(rows - 1, b * 16 + 15) / group;
+              if (key0 > b_last || (window > 0 && key0 + n - 1 < b_first - window + 1)) continue;
+              if (!loaded) {
+                load_key_tiles<kD>(kp + j0 * kv_stride, kv_stride);
+                value_tiles<kD>(vp + j0 * kv_stride, kv_stride, n, buf.vb.data());
+                loaded = true;
+              }
+              v16f s[kChunk];
+              tile_chunk_scores<kD>(buf.qb.data() + b * kD / 32 * 256, buf.c.data(), s);
+              const v16f correction = chunk_softmax(s, n, key0, buf.row_pos[b], buf.row_lo[b],
+                                                    buf.row_max[b], buf.row_sum[b]);
+              tile_chunk_values<kD>(buf.acc.data() + b * 16 * kD, correction, s,
+                                    buf.vb.data(), buf.pt.data(), buf.c.data());
+            }
+          }
+        }
+        for (int64_t b = 0; b < vectors; ++b) {  // each row's output
+          const v16f inv = 1.0f / buf.row_sum[b];
+          for (int64_t l = 0; l < 16 && b * 16 + l < rows; ++l) {
+            const int64_t r = b * 16 + l, i = r / group, h = g * group + r % group;
+            store_row(buf.acc.data() + (b * 16 + l) * kD, inv[l], kD,
+                      out_ptr + ((tile.start + i) * heads + h) * d);
+          }
+        }
+      }
+    }
+  };
+#endif
+
   // Dynamic scheduling: a prompt's last tiles read many more keys than its first.
 #pragma omp parallel if (num_tiles > 1)
   {
@@ -1038,22 +1263,40 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::vector<float> acc(rows * d), row_max(rows), row_sum(rows);
     std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + 8));
     std::vector<float> page_kv(std::is_same_v<T, float> ? 0 : 2 * block_size * d);
-    bool tiles_configured = false;  // this thread's tiles, by the first decode on them
+    int tiles_config = kNoTiles;  // how this thread's tiles are configured
     RowBuffers buf{std::vector<float>(max_vectors * d * 16), std::vector<float>(max_vectors * d * 16),
                    std::vector<float>(kChunk * d), std::vector<float>(kChunk * d),
                    std::vector<v16f>(max_vectors), std::vector<v16f>(max_vectors),
                    std::vector<v16i>(max_vectors), std::vector<v16i>(max_vectors)};
+#if LLM_CPU_AMX
+    TileRows tile_buf;
+    if (amx_rows) {
+      tile_buf = {std::vector<uint32_t>(max_vectors * d / 32 * 256),
+                  std::vector<float>(max_vectors * 16 * d),
+                  std::vector<uint32_t>(d / 16 * 128),
+                  std::vector<float>(256),
+                  std::vector<c10::BFloat16>(256),
+                  std::vector<v16f>(max_vectors), std::vector<v16f>(max_vectors),
+                  std::vector<v16i>(max_vectors), std::vector<v16i>(max_vectors)};
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tiles; ++t) {
       if (tiles[t].len * group >= kMatrixRows) {
+#if LLM_CPU_AMX
+        if (amx_rows) {
+          work_rows_amx(tiles[t], tile_buf, tiles_config);
+          continue;
+        }
+#endif
         work_rows(tiles[t], buf);
       } else {
         work(tiles[t], acc.data(), row_max.data(), row_sum.data(), scores.data(),
-             page_kv.data(), tiles_configured);
+             page_kv.data(), tiles_config);
       }
     }
 #if LLM_CPU_AMX
-    if (tiles_configured) _tile_release();  // as found, for oneDNN's and our products
+    if (tiles_config != kNoTiles) _tile_release();  // as found, for oneDNN's and our products
 #endif
   }
 }
