@@ -369,6 +369,15 @@ class Scheduler:
         self.inflight.append(step)
         return step
 
+    def has_room(self) -> bool:
+        """Whether a request arriving now could still join the next step: a free slot, and
+        the work known (prompt tokens to compute, decodes) short of the step's budget."""
+        if not self.free_slots:
+            return False
+        known = sum(seq.num_tokens - seq.num_computed for seq in self.running)
+        known += sum(seq.num_tokens for seq in self.waiting)
+        return known < self.limits.max_num_batched_tokens
+
     def _wants_step(self, seq: Sequence) -> bool:
         if seq.status is not SeqStatus.RUNNING or seq.num_drafted_inflight:
             return False

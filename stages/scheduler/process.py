@@ -31,6 +31,7 @@ from ipc.step import StepRings, read_accepted, read_prompt_logprobs, read_sample
 from stages.peers import Peers, local_members
 from stages.process import stage_process
 from stages.scheduler.core import RECENT_FINAL_S, Scheduler
+from stages.scheduler.pacing import StepPacer
 from stages.trace import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,11 @@ class SchedulerShell:
         # (time, id) of requests whose final output went out: their pins stay as long as the
         # core remembers their finals (a lost worker's recent finals are failed again).
         self._unpin: deque[tuple[float, str]] = deque()
+        # The step behind the running one is planned late (pacing.py): when the running one
+        # started (this host's clock), and when to plan it.
+        self.pacer = StepPacer()
+        self._front_started = 0.0
+        self._plan_at = 0.0
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.results.socket, zmq.POLLIN)
@@ -79,7 +85,10 @@ class SchedulerShell:
     def run_once(self) -> None:
         """Wait for a message (results or requests), then plan and send what can run now.
         Nothing here spins: when no step can be planned, it waits for the next message."""
-        events = dict(self.poller.poll(50))
+        wait_ms = 50.0
+        if self._plan_at:
+            wait_ms = min(wait_ms, max(0.0, (self._plan_at - time.monotonic()) * 1e3))
+        events = dict(self.poller.poll(wait_ms))
         if self.results.socket in events:
             self._drain_results()
         if self.inbox.socket in events:
@@ -108,6 +117,8 @@ class SchedulerShell:
                                  read_prompt_logprobs(ring, msg.num_prompt_logprobs),
                                  read_accepted(ring, num_drafted) if num_drafted else None)
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
+            self.pacer.observe(step.num_tokens, msg.device_end - msg.device_start)
+            self._front_started = time.monotonic()  # (the next step in flight starts now)
             self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 
     def _drain_inbox(self, inbox: PullChannel) -> None:
@@ -155,14 +166,32 @@ class SchedulerShell:
                                 "text; send it again")
 
     def _launch_steps(self) -> None:
+        self._plan_at = 0.0
         while True:
+            if not self._plan_now():
+                return
             start = now_ns()
             step = self.core.schedule()
             if step is None:
                 return
             self.to_executor.send(step.write(self.rings.steps.slot(step.ring_slot)))
+            if len(self.core.inflight) == 1:  # the device was idle: it starts this one now
+                self._front_started = time.monotonic()
             self.tracer.span("schedule", start, now_ns(),
                              args={"step": step.step_id, "seqs": len(step.rows)})
+
+    def _plan_now(self) -> bool:
+        """Whether to plan the next step now: at once with nothing in flight, or where an
+        arrival could not join it anyway; behind a running step, at the pacer's time (else
+        that time is kept in _plan_at, and the loop waits for it or for a message)."""
+        core = self.core
+        if len(core.inflight) != 1 or core.limits.depth < 2 or not core.has_room():
+            return True
+        at = self.pacer.plan_at(self._front_started, core.inflight[0].num_tokens)
+        if time.monotonic() >= at:
+            return True
+        self._plan_at = at
+        return False
 
     def _flush_outputs(self) -> None:
         start = now_ns()
