@@ -23,16 +23,23 @@ def test_the_pacer_plans_shortly_before_the_expected_end() -> None:
     assert pacer.expected(64) is None
     assert pacer.plan_at(10.0, 64) == 10.0 + StepPacer.GRACE_S  # nothing measured yet
     pacer.observe(64, 0.100)
-    pacer.observe(64, 0.060)  # a running average of steps of about that size
-    assert pacer.expected(64) == pytest.approx(0.100 + StepPacer.WEIGHT * (0.060 - 0.100))
-    assert pacer.expected(100) == pacer.expected(64)  # (64-127 tokens: one size)
-    expected = pacer.expected(64)
-    assert expected is not None
+    pacer.observe(64, 0.060)  # running averages of the steps of about that size
+    step = 0.100 + StepPacer.WEIGHT * (0.060 - 0.100)
+    assert pacer.expected(64) == pytest.approx(step)
     assert pacer.plan_at(10.0, 64) == pytest.approx(
-        10.0 + expected * StepPacer.SHARE - StepPacer.LEAD_S)
-    # A size not seen yet: the fastest rate seen, per token, at the top of its size range
-    # (an estimate short of the truth plans too soon, which loses nothing)
-    assert pacer.expected(2048) == pytest.approx(2048 * expected / 128)
+        10.0 + step * StepPacer.SHARE - StepPacer.LEAD_S)
+    # Within the size (64-127 tokens) the estimate errs short: below the average size, the
+    # rate per token times the tokens; above it, the average step
+    assert pacer.expected(40) == pytest.approx(40 * step / 64)  # (as 40 < 64)
+    pacer.observe(100, 0.100)
+    per_token = (0.100 / 64 + StepPacer.WEIGHT * (0.060 / 64 - 0.100 / 64))
+    per_token += StepPacer.WEIGHT * (0.100 / 100 - per_token)
+    step += StepPacer.WEIGHT * (0.100 - step)
+    assert pacer.expected(127) == pytest.approx(min(step, 127 * per_token))
+    assert pacer.expected(127) <= 127 * per_token and pacer.expected(127) <= step
+    # A size not seen yet: the fastest rate per token seen (short of the truth: too soon,
+    # which loses nothing)
+    assert pacer.expected(2048) == pytest.approx(2048 * per_token)
     pacer.observe(1, 0.004)  # short steps: the step behind is planned at once
     assert pacer.plan_at(10.0, 1) == 10.0
 
@@ -41,9 +48,11 @@ def test_room_for_an_arrival_needs_a_free_slot_and_budget_left() -> None:
     driver = Driver(make_limits(max_num_seqs=2, max_num_batched_tokens=16, depth=2))
     assert driver.core.has_room()
     driver.add(make_request("a", 10, max_tokens=4))
-    assert driver.core.has_room()  # 10 prompt tokens of 16
-    driver.add(make_request("b", 10, max_tokens=4))
-    assert not driver.core.has_room()  # no slot left (and 20 tokens known)
+    assert driver.core.has_room()  # 10 prompt tokens of 16, a slot the waiting one leaves
+    driver.plan()  # a runs (its prompt computed); one slot left
+    assert driver.core.has_room()
+    driver.add(make_request("b", 4, max_tokens=4))
+    assert not driver.core.has_room()  # the one free slot is b's
     driver = Driver(make_limits(max_num_seqs=4, max_num_batched_tokens=16, depth=2))
     driver.add(make_request("a", 20, max_tokens=4))
     assert not driver.core.has_room()  # the known prompt fills the step
@@ -69,7 +78,9 @@ def test_a_request_arriving_while_a_step_runs_joins_the_step_after_it(
     events = events["traceEvents"] if isinstance(events, dict) else events
     steps = sorted((e for e in events if e.get("name") == "device" and e.get("ph") == "X"),
                    key=lambda e: e["ts"])
-    running = next(i for i, e in enumerate(steps) if e["ts"] <= sent <= e["ts"] + e["dur"])
+    running = next((i for i, e in enumerate(steps) if e["ts"] <= sent <= e["ts"] + e["dur"]),
+                   None)
+    assert running is not None, "the second request was sent while no step ran"
     assert steps[running]["args"]["seqs"] == 1
     assert steps[running + 1]["args"]["seqs"] == 2
 

@@ -370,11 +370,13 @@ class Scheduler:
         return step
 
     def has_room(self) -> bool:
-        """Whether a request arriving now could still join the next step: a free slot, and
-        the work known (prompt tokens to compute, decodes) short of the step's budget."""
-        if not self.free_slots:
+        """Whether a request arriving now could still join the next step: a slot that the
+        waiting samples will not take, and the work known (prompt tokens to compute,
+        decodes) short of the step's budget."""
+        if len(self.free_slots) <= len(self.waiting):
             return False
-        known = sum(seq.num_tokens - seq.num_computed for seq in self.running)
+        known = sum(seq.num_tokens - seq.num_computed for seq in self.running
+                    if seq.status is SeqStatus.RUNNING)
         known += sum(seq.num_tokens for seq in self.waiting)
         return known < self.limits.max_num_batched_tokens
 

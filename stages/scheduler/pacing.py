@@ -15,8 +15,8 @@ from __future__ import annotations
 
 
 class StepPacer:
-    """Expected step durations by size (an average of the recent steps of about that many
-    tokens), and the time to plan the step behind a running one."""
+    """Expected step durations by size (from running averages of the recent steps of about
+    that many tokens, erring short), and the time to plan the step behind a running one."""
 
     MIN_STEP_S = 0.010  # behind a shorter running step, plan at once: little to gain
     LEAD_S = 0.003  # planned this long before the expected end: planning, transfer, preparation
@@ -28,23 +28,30 @@ class StepPacer:
     GRACE_S = 0.005
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}  # by num_tokens.bit_length()
+        # by num_tokens.bit_length(): running averages of a step's seconds, and of its
+        # seconds per token
+        self._seconds: dict[int, float] = {}
+        self._per_token: dict[int, float] = {}
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         key = num_tokens.bit_length()
-        before = self._seconds.get(key)
-        self._seconds[key] = seconds if before is None else before + self.WEIGHT * (
-            seconds - before)
+        for table, value in ((self._seconds, seconds),
+                             (self._per_token, seconds / max(1, num_tokens))):
+            before = table.get(key)
+            table[key] = value if before is None else before + self.WEIGHT * (value - before)
 
     def expected(self, num_tokens: int) -> float | None:
-        """The duration of a step of num_tokens: its size's average, else the fastest rate
-        per token of the sizes seen (short of it: sooner is safe), else None."""
+        """The duration of a step of num_tokens, erring short (planning early loses only
+        what waiting would have gained): of its size's averages, the lesser of the step's
+        and of the rate per token times num_tokens (a step costs less than its tokens' share
+        above the average size, and less than the average step below it); for a size not
+        seen, the fastest rate per token seen; None before any step."""
         key = num_tokens.bit_length()
         if key in self._seconds:
-            return self._seconds[key]
-        if not self._seconds:
+            return min(self._seconds[key], self._per_token[key] * num_tokens)
+        if not self._per_token:
             return None
-        return num_tokens * min(s / (1 << k) for k, s in self._seconds.items())
+        return num_tokens * min(self._per_token.values())
 
     def plan_at(self, started: float, num_tokens: int) -> float:
         """When to plan the step behind one of num_tokens that started at `started` (a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import zlib
 from collections import deque
@@ -85,9 +86,9 @@ class SchedulerShell:
     def run_once(self) -> None:
         """Wait for a message (results or requests), then plan and send what can run now.
         Nothing here spins: when no step can be planned, it waits for the next message."""
-        wait_ms = 50.0
-        if self._plan_at:
-            wait_ms = min(wait_ms, max(0.0, (self._plan_at - time.monotonic()) * 1e3))
+        wait_ms = 50
+        if self._plan_at:  # (rounded up: zmq takes whole milliseconds, and 0 would spin)
+            wait_ms = min(wait_ms, max(0, math.ceil((self._plan_at - time.monotonic()) * 1e3)))
         events = dict(self.poller.poll(wait_ms))
         if self.results.socket in events:
             self._drain_results()
@@ -118,7 +119,10 @@ class SchedulerShell:
                                  read_accepted(ring, num_drafted) if num_drafted else None)
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
             self.pacer.observe(step.num_tokens, msg.device_end - msg.device_start)
-            self._front_started = time.monotonic()  # (the next step in flight starts now)
+            # The next step in flight started when this one ended, by the executor's clock:
+            # this host's monotonic one where it runs here (the earlier of it and now: an
+            # executor's clock elsewhere can only make the plan early, which is safe).
+            self._front_started = min(time.monotonic(), msg.device_end)
             self.tracer.span("on_sampled", start, now_ns(), args={"step": msg.step_id})
 
     def _drain_inbox(self, inbox: PullChannel) -> None:
