@@ -23,9 +23,10 @@ class StepPacer:
     SHARE = 0.8  # of the expected duration (steps of a size vary by a few tens of percent here)
     WEIGHT = 0.25  # of the newest step in the running average
     # With no step measured yet (a fresh engine), the step behind the first waits this long
-    # for the rest of a burst whose first requests the first step took (its requests reach
-    # the scheduler over ~10 ms here).
-    GRACE_S = 0.005
+    # for the rest of a burst whose first requests the first step took (64 requests reached
+    # the scheduler over 10-20 ms here; at 5 ms the step behind held one token). At worst the
+    # device waits out the difference, once, behind a first step shorter than this.
+    GRACE_S = 0.020
 
     def __init__(self) -> None:
         # by num_tokens.bit_length(): running averages of a step's seconds, and of its
