@@ -15,7 +15,7 @@ from scheduler_driver import Driver, make_limits, make_request
 
 from ipc.messages import SamplingParams
 from pipeline.runtime.launcher import Pipeline
-from stages.scheduler.pacing import StepPacer
+from stages.scheduler.pacing import IDLE_POLL_MS, StepPacer, poll_wait_ms
 
 
 def test_the_pacer_plans_shortly_before_the_expected_end() -> None:
@@ -42,6 +42,14 @@ def test_the_pacer_plans_shortly_before_the_expected_end() -> None:
     assert pacer.expected(2048) == pytest.approx(2048 * per_token)
     pacer.observe(1, 0.004)  # short steps: the step behind is planned at once
     assert pacer.plan_at(10.0, 1) == 10.0
+
+
+def test_the_wait_for_a_due_plan_is_whole_milliseconds_rounded_up() -> None:
+    assert poll_wait_ms(0.0, 100.0) == IDLE_POLL_MS  # no plan due
+    assert poll_wait_ms(100.0003, 100.0) == 1  # (0 would poll again and again: a spin)
+    assert poll_wait_ms(100.0121, 100.0) == 13
+    assert poll_wait_ms(99.0, 100.0) == 0  # due already
+    assert poll_wait_ms(101.0, 100.0) == IDLE_POLL_MS  # messages are still looked at
 
 
 def test_room_for_an_arrival_needs_a_free_slot_and_budget_left() -> None:

@@ -13,6 +13,10 @@ where the running step is short.
 
 from __future__ import annotations
 
+import math
+
+IDLE_POLL_MS = 50  # the scheduler's wait for a message when no plan is due
+
 
 class StepPacer:
     """Expected step durations by size (from running averages of the recent steps of about
@@ -63,3 +67,12 @@ class StepPacer:
         if expected < self.MIN_STEP_S:
             return started
         return started + expected * self.SHARE - self.LEAD_S
+
+
+def poll_wait_ms(plan_at: float, now: float) -> int:
+    """The scheduler's wait for a message, in whole milliseconds (zmq truncates a float, and
+    a wait under 1 ms would become poll(0) again and again until the plan is due): up to
+    `plan_at` (a time.monotonic() time; 0: none due), rounded up, at most IDLE_POLL_MS."""
+    if not plan_at:
+        return IDLE_POLL_MS
+    return min(IDLE_POLL_MS, max(0, math.ceil((plan_at - now) * 1e3)))

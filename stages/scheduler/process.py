@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 import zlib
 from collections import deque
@@ -32,7 +31,7 @@ from ipc.step import StepRings, read_accepted, read_prompt_logprobs, read_sample
 from stages.peers import Peers, local_members
 from stages.process import stage_process
 from stages.scheduler.core import RECENT_FINAL_S, Scheduler
-from stages.scheduler.pacing import StepPacer
+from stages.scheduler.pacing import StepPacer, poll_wait_ms
 from stages.trace import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
@@ -86,10 +85,7 @@ class SchedulerShell:
     def run_once(self) -> None:
         """Wait for a message (results or requests), then plan and send what can run now.
         Nothing here spins: when no step can be planned, it waits for the next message."""
-        wait_ms = 50
-        if self._plan_at:  # (rounded up: zmq takes whole milliseconds, and 0 would spin)
-            wait_ms = min(wait_ms, max(0, math.ceil((self._plan_at - time.monotonic()) * 1e3)))
-        events = dict(self.poller.poll(wait_ms))
+        events = dict(self.poller.poll(poll_wait_ms(self._plan_at, time.monotonic())))
         if self.results.socket in events:
             self._drain_results()
         if self.inbox.socket in events:
