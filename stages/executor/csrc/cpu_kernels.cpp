@@ -1065,10 +1065,43 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // or widened (bf16, fp16) to contiguous float rows once for all its row vectors, 16 keys at
   // a time.
   const int64_t max_vectors = (tile_len * group + 15) / 16;
-  struct RowBuffers {
-    std::vector<float> qt, ot, keys, values;  // [vector][d][16] x2, [16][d] x2
+  struct RowStats {  // per row vector: each lane's online softmax and which keys it sees
     std::vector<v16f> row_max, row_sum;
     std::vector<v16i> row_pos, row_lo;  // each lane's position and first key (-1: no row)
+  };
+  auto make_stats = [&] {
+    return RowStats{std::vector<v16f>(max_vectors), std::vector<v16f>(max_vectors),
+                    std::vector<v16i>(max_vectors), std::vector<v16i>(max_vectors)};
+  };
+  // Row vector b of a tile for KV head g (both forms): its lanes' queries (q_rows; none past
+  // the tile's rows) and fresh statistics.
+  auto start_rows = [&](const Tile& tile, int64_t g, int64_t b, RowStats& stats,
+                        const float* (&q_rows)[16]) {
+    const int64_t rows = tile.len * group;
+    v16i row_pos = v16i{} - 1;
+    for (int64_t l = 0; l < 16; ++l) {
+      q_rows[l] = nullptr;
+      const int64_t r = b * 16 + l;
+      if (r >= rows) continue;
+      const int64_t i = r / group, h = g * group + r % group;
+      q_rows[l] = qf_ptr + ((tile.start + i) * heads + h) * d;
+      row_pos[l] = static_cast<int32_t>(pos[tile.start] + i);
+    }
+    stats.row_pos[b] = row_pos;
+    stats.row_lo[b] = window > 0 ? row_pos - static_cast<int32_t>(window - 1) : v16i{};
+    stats.row_max[b] = v16f{} - INFINITY;
+    stats.row_sum[b] = v16f{};
+  };
+  // Whether row vector b of a tile sees none of keys [key0, key0 + n).
+  auto sees_none = [&](const Tile& tile, int64_t b, int64_t key0, int64_t n) {
+    const int64_t first = pos[tile.start], rows = tile.len * group;
+    const int64_t b_first = first + b * 16 / group;
+    const int64_t b_last = first + std::min(rows - 1, b * 16 + 15) / group;
+    return key0 > b_last || (window > 0 && key0 + n - 1 < b_first - window + 1);
+  };
+  struct RowBuffers {
+    std::vector<float> qt, ot, keys, values;  // [vector][d][16] x2, [16][d] x2
+    RowStats stats;
   };
   auto work_rows = [&](const Tile& tile, RowBuffers& buf) {
     const int64_t slot = slots[tile.start];
@@ -1081,15 +1114,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     for (int64_t g = 0; g < kv_heads; ++g) {
       for (int64_t b = 0; b < vectors; ++b) {  // the rows' queries transposed, fresh statistics
         float* qt = buf.qt.data() + b * d * 16;
-        v16i row_pos = v16i{} - 1;
-        const float* q_rows[16] = {};  // (none: a lane past the tile's rows, zeros)
-        for (int64_t l = 0; l < 16; ++l) {
-          const int64_t r = b * 16 + l;
-          if (r >= rows) continue;
-          const int64_t i = r / group, h = g * group + r % group;
-          q_rows[l] = qf_ptr + ((tile.start + i) * heads + h) * d;
-          row_pos[l] = static_cast<int32_t>(first + i);
-        }
+        const float* q_rows[16];  // (none: a lane past the tile's rows, zeros)
+        start_rows(tile, g, b, buf.stats, q_rows);
         int64_t e0 = 0;
         for (; e0 + 16 <= d; e0 += 16) {  // 16 dims of the 16 rows at a time
           v16f block[16];
@@ -1100,10 +1126,6 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         for (int64_t e = e0; e < d; ++e) {
           for (int l = 0; l < 16; ++l) qt[e * 16 + l] = q_rows[l] ? q_rows[l][e] : 0.0f;
         }
-        buf.row_pos[b] = row_pos;
-        buf.row_lo[b] = window > 0 ? row_pos - static_cast<int32_t>(window - 1) : v16i{};
-        buf.row_max[b] = v16f{} - INFINITY;
-        buf.row_sum[b] = v16f{};
         std::fill(buf.ot.begin() + b * d * 16, buf.ot.begin() + (b + 1) * d * 16, 0.0f);
       }
       for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
@@ -1128,19 +1150,18 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           widen_rows(vp + j0 * kv_stride, kv_stride, d, n, buf.values.data());
           const int64_t key0 = page_start + j0;
           for (int64_t b = 0; b < vectors; ++b) {
-            const int64_t b_first = first + b * 16 / group;
-            const int64_t b_last = first + std::min(rows - 1, b * 16 + 15) / group;
-            if (key0 > b_last || (window > 0 && key0 + n - 1 < b_first - window + 1)) continue;
+            if (sees_none(tile, b, key0, n)) continue;
             v16f s[kChunk];
             chunk_scores<kD>(buf.qt.data() + b * d * 16, keys, d, s);
-            const v16f correction = chunk_softmax(s, n, key0, buf.row_pos[b], buf.row_lo[b],
-                                                  buf.row_max[b], buf.row_sum[b]);
+            RowStats& st = buf.stats;
+            const v16f correction = chunk_softmax(s, n, key0, st.row_pos[b], st.row_lo[b],
+                                                  st.row_max[b], st.row_sum[b]);
             chunk_values<kD>(buf.ot.data() + b * d * 16, correction, s, values, d, n);
           }
         }
       }
       for (int64_t b = 0; b < vectors; ++b) {  // each row's output, 16 dims at a time
-        const v16f inv = 1.0f / buf.row_sum[b];
+        const v16f inv = 1.0f / buf.stats.row_sum[b];
         const float* ot = buf.ot.data() + b * d * 16;
         T* o_rows[16] = {};
         for (int64_t l = 0; l < 16 && b * 16 + l < rows; ++l) {
@@ -1177,8 +1198,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::vector<uint32_t> vb;    // [d / 16][128]: value_tiles
     std::vector<float> c;        // [16][16]
     std::vector<c10::BFloat16> pt;  // [16][16]
-    std::vector<v16f> row_max, row_sum;
-    std::vector<v16i> row_pos, row_lo;
+    RowStats stats;
   };
   auto work_rows_amx = [&](const Tile& tile, TileRows& buf, int& tiles_config) {
     if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
@@ -1195,20 +1215,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const int64_t last_page = last / block_size;
       for (int64_t g = 0; g < kv_heads; ++g) {
         for (int64_t b = 0; b < vectors; ++b) {  // the rows' query tiles, fresh statistics
-          v16i row_pos = v16i{} - 1;
-          const float* q_rows[16] = {};  // (none: a lane past the tile's rows, zeros)
-          for (int64_t l = 0; l < 16; ++l) {
-            const int64_t r = b * 16 + l;
-            if (r >= rows) continue;
-            const int64_t i = r / group, h = g * group + r % group;
-            q_rows[l] = qf_ptr + ((tile.start + i) * heads + h) * d;
-            row_pos[l] = static_cast<int32_t>(first + i);
-          }
+          const float* q_rows[16];  // (none: a lane past the tile's rows, zeros)
+          start_rows(tile, g, b, buf.stats, q_rows);
           row_query_tiles<kD>(q_rows, buf.qb.data() + b * kD / 32 * 256);
-          buf.row_pos[b] = row_pos;
-          buf.row_lo[b] = window > 0 ? row_pos - static_cast<int32_t>(window - 1) : v16i{};
-          buf.row_max[b] = v16f{} - INFINITY;
-          buf.row_sum[b] = v16f{};
           std::fill(buf.acc.begin() + b * 16 * kD, buf.acc.begin() + (b + 1) * 16 * kD, 0.0f);
         }
         for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
@@ -1226,9 +1235,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             const int64_t key0 = page_start + j0;
             bool loaded = false;  // the chunk's key tiles and value tiles
             for (int64_t b = 0; b < vectors; ++b) {
-              const int64_t b_first = first + b * 16 / group;
-              const int64_t b_last = first + std::min(rows - 1, b * 16 + 15) / group;
-              if (key0 > b_last || (window > 0 && key0 + n - 1 < b_first - window + 1)) continue;
+              if (sees_none(tile, b, key0, n)) continue;
               if (!loaded) {
                 load_key_tiles<kD>(kp + j0 * kv_stride, kv_stride);
                 value_tiles<kD>(vp + j0 * kv_stride, kv_stride, n, buf.vb.data());
@@ -1236,15 +1243,16 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               }
               v16f s[kChunk];
               tile_chunk_scores<kD>(buf.qb.data() + b * kD / 32 * 256, buf.c.data(), s);
-              const v16f correction = chunk_softmax(s, n, key0, buf.row_pos[b], buf.row_lo[b],
-                                                    buf.row_max[b], buf.row_sum[b]);
+              RowStats& st = buf.stats;
+              const v16f correction = chunk_softmax(s, n, key0, st.row_pos[b], st.row_lo[b],
+                                                    st.row_max[b], st.row_sum[b]);
               tile_chunk_values<kD>(buf.acc.data() + b * 16 * kD, correction, s,
                                     buf.vb.data(), buf.pt.data(), buf.c.data());
             }
           }
         }
         for (int64_t b = 0; b < vectors; ++b) {  // each row's output
-          const v16f inv = 1.0f / buf.row_sum[b];
+          const v16f inv = 1.0f / buf.stats.row_sum[b];
           for (int64_t l = 0; l < 16 && b * 16 + l < rows; ++l) {
             const int64_t r = b * 16 + l, i = r / group, h = g * group + r % group;
             store_row(buf.acc.data() + (b * 16 + l) * kD, inv[l], kD,
@@ -1265,9 +1273,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::vector<float> page_kv(std::is_same_v<T, float> ? 0 : 2 * block_size * d);
     int tiles_config = kNoTiles;  // how this thread's tiles are configured
     RowBuffers buf{std::vector<float>(max_vectors * d * 16), std::vector<float>(max_vectors * d * 16),
-                   std::vector<float>(kChunk * d), std::vector<float>(kChunk * d),
-                   std::vector<v16f>(max_vectors), std::vector<v16f>(max_vectors),
-                   std::vector<v16i>(max_vectors), std::vector<v16i>(max_vectors)};
+                   std::vector<float>(kChunk * d), std::vector<float>(kChunk * d), make_stats()};
 #if LLM_CPU_AMX
     TileRows tile_buf;
     if (amx_rows) {
@@ -1275,9 +1281,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                   std::vector<float>(max_vectors * 16 * d),
                   std::vector<uint32_t>(d / 16 * 128),
                   std::vector<float>(256),
-                  std::vector<c10::BFloat16>(256),
-                  std::vector<v16f>(max_vectors), std::vector<v16f>(max_vectors),
-                  std::vector<v16i>(max_vectors), std::vector<v16i>(max_vectors)};
+                  std::vector<c10::BFloat16>(256), make_stats()};
     }
 #endif
 #pragma omp for schedule(dynamic, 1)
