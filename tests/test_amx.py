@@ -1,7 +1,7 @@
 """bf16 products on AMX tiles (stages/executor/linear/amx.py, csrc/amx_linear.cpp): the packed
 layout holds the weight, the kernel computes x W^T + b to within bf16's rounding for every
 row count a step has (one row pair, several, slabs of a long prompt, ragged ends) and odd
-output counts, bad inputs are refused by name, oneDNN's own AMX products still compute right
+output counts, at any number of threads with the same bits, bad inputs are refused by name, oneDNN's own AMX products still compute right
 beside it, and a model whose layers mix it with oneDNN's packing gives the same bits in one
 call as in the Python layers."""
 
@@ -77,6 +77,32 @@ def test_the_kernel_is_the_product_rounded_once(n: int, k: int, rows: int,
     bias = torch.randn(n, generator=g) if with_bias else None
     y = torch.ops.llm_cpu.amx_linear(x, pack(w), bias, n)
     _assert_rounded(y, _reference(x, w, bias), x, w)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 32, 100, 1000])
+def test_any_number_of_threads_gives_the_same_bits(rows: int) -> None:
+    """The threads share the panels out as they go (csrc/work_queue.h: a decode step's from
+    one queue, a prompt's from each thread's own run and then another's); each panel is
+    computed whole by one thread, so the result cannot depend on how many ran or who took
+    what, and a panel left out or computed into the wrong place would show."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 1504, 576  # 47 panels: runs and chunks of uneven sizes at every thread count
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    packed = pack(w)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(torch.ops.llm_cpu.amx_linear(x, packed, bias, n))
+    finally:
+        torch.set_num_threads(threads)
+    _assert_rounded(results[0], _reference(x, w, bias), x, w)
+    for y in results[1:]:
+        assert torch.equal(y, results[0])
 
 
 @needs_amx

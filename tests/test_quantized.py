@@ -78,6 +78,33 @@ def test_parts_of_other_bits_join_at_the_widest_holding_the_same_values() -> Non
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_any_number_of_threads_gives_the_same_bits(bits: int, m: int) -> None:
+    """The threads take their tiles a chunk at a time and then another's last chunks
+    (csrc/work_queue.h); each tile is computed whole by one thread, so the result cannot
+    depend on how many ran or who took what, and a tile left out would show."""
+    gen = torch.Generator().manual_seed(m + bits)
+    n, k = 1003, 576  # 251 tiles of 4 rows, the last ragged: uneven runs and chunks
+    q = QUANTIZE[bits](torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    tiles = tile_layout(q)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(torch.ops.llm_cpu.quantized_linear(x, tiles, bias, bits, n))
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_linear(x, q, bias)
+    assert (results[0].float() - want).abs().max() <= 1e-2 * want.abs().max()
+    for y in results[1:]:
+        assert torch.equal(y, results[0])
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [8, 5, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(7, 576), (13, 1536), (5, 960), (33, 100)])

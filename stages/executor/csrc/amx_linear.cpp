@@ -23,14 +23,16 @@
 // 16 rows of K-pairs x 16 columns x 2 bf16 (AMX's pair layout: row p holds W[n][k0 + 2p],
 // W[n][k0 + 2p + 1] for its 16 n):
 //     packed[panel][chunk][half][pair][column][2]
-// (stages/executor/linear/amx.py makes it with one permute). A thread's panels are then one
+// (stages/executor/linear/amx.py makes it with one permute). A run of panels is then one
 // contiguous stream.
 //
-// Work: each thread takes a run of panels. A decode step (at most 32 rows: one row pair)
-// goes panel by panel, K chunk by chunk, x from L1. More rows go in slabs whose x fits in L2,
-// copied tile-major (a tile 1 KB in one piece); a slab's row pairs each run over a group of
-// panels that fits L2, their W tiles loaded with the hint that keeps them out of L1 (where
-// the row pair's x tiles stay).
+// Work: torch's threads take the panels a chunk at a time (work_queue.h): a decode step's
+// chunks in turn from one queue (each about a quarter of a thread's share), a prompt's each
+// thread from its own share (chunks that fit L2), then from the back of another's. A decode
+// step (at most 32 rows: one row pair) goes panel by panel, K chunk by chunk, x from L1. More
+// rows go in slabs whose x fits in L2, copied tile-major (a tile 1 KB in one piece); a slab's
+// row pairs each run over a group of panels that fits L2, their W tiles loaded with the hint
+// that keeps them out of L1 (where the row pair's x tiles stay).
 //
 // Gated (an MLP's gate/up weight, its rows interleaved 16 gate then 16 up by amx.py): a
 // panel's two result tiles are a block of gate and the matching block of up, and the kernel
@@ -48,6 +50,7 @@
 
 #include "amx_tiles.h"
 #include "vector_math.h"
+#include "work_queue.h"
 
 namespace {
 
@@ -63,6 +66,10 @@ constexpr int64_t kGroupBytes = 1 << 19; // panels a prompt's row pair runs over
 // hi), 4 and 5 x's two row blocks, 6 and 7 the chunk's two B tiles.
 using llm_cpu_amx::request_tiles;
 using llm_cpu_amx::TileConfig;
+using llm_cpu_work::grain_for;
+using llm_cpu_work::Order;
+using llm_cpu_work::parallel_queue;
+using llm_cpu_work::WorkQueue;
 
 void configure(int64_t rows0, int64_t rows1) {
   TileConfig config;
@@ -256,11 +263,11 @@ class Worker {
 
 // A decode step (m <= 32 rows: one row pair) over panels [begin, end), panel by panel, x in
 // L1 throughout.
-void run_panels(const Product& p, const c10::BFloat16* x, int64_t k, int64_t m, int64_t begin,
-                int64_t end) {
-  Worker worker(p);
+void run_panels(Worker& worker, const Product& p, const c10::BFloat16* x, int64_t k, int64_t m,
+                int64_t begin, int64_t end) {
   for (int64_t panel = begin; panel < end; ++panel) {
-    const uint8_t* next = panel + 1 < p.panels ? worker.panel_at(panel + 1) : nullptr;
+    // (not past the chunk: the next one may be another thread's)
+    const uint8_t* next = panel + 1 < end ? worker.panel_at(panel + 1) : nullptr;
     worker.row_pair<false>(x, x + 16 * k, kChunkK, k * 2, 0, m, panel, next);
   }
 }
@@ -290,10 +297,14 @@ void tile_rows(const c10::BFloat16* x, int64_t k, int64_t m_begin, int64_t m_end
 // A prompt's slab (tile-major rows xt, rows [m_begin, m_end)) over panels [begin, end): row
 // pairs outer, each over a group of panels that fits L2, so a row pair's tiles stay in L1
 // while the panels stream from L2.
-void run_slab(const Product& p, const c10::BFloat16* xt, int64_t m_begin, int64_t m_end,
-              int64_t begin, int64_t end) {
-  Worker worker(p);
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / (p.chunks * kChunkBytes));
+// Panels a prompt's row pair runs over from L2.
+int64_t panel_group(const Product& p) {
+  return std::max<int64_t>(1, kGroupBytes / (p.chunks * kChunkBytes));
+}
+
+void run_slab(Worker& worker, const Product& p, const c10::BFloat16* xt, int64_t m_begin,
+              int64_t m_end, int64_t begin, int64_t end) {
+  const int64_t group = panel_group(p);
   const int64_t tile = 16 * kChunkK;  // bf16 values of one tile
   for (int64_t g0 = begin; g0 < end; g0 += group) {
     const int64_t g1 = std::min(end, g0 + group);
@@ -352,8 +363,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                   bias.has_value() ? bias->const_data_ptr<float>() : nullptr, gated,
                   y.mutable_data_ptr<c10::BFloat16>()};
   if (m <= 32) {  // a decode step
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      run_panels(p, xp, k, m, begin, end);
+    const int64_t grain = grain_for(panels, 4);
+    parallel_queue(panels, grain, Order::kShared, [&](WorkQueue& queue, int64_t w) {
+      Worker worker(p);
+      for (int64_t begin, end; queue.take(w, begin, end);)
+        run_panels(worker, p, xp, k, m, begin, end);
     });
     return y;
   }
@@ -364,8 +378,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   for (int64_t m_begin = 0; m_begin < m; m_begin += slab) {
     const int64_t m_end = std::min(m, m_begin + slab);
     tile_rows(xp, k, m_begin, m_end, xt);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      run_slab(p, xt, m_begin, m_end, begin, end);
+    // Chunks that fit L2, a few a thread.
+    const int64_t grain = std::min(panel_group(p), grain_for(panels, 4));
+    parallel_queue(panels, grain, Order::kOwnRuns, [&](WorkQueue& queue, int64_t w) {
+      Worker worker(p);
+      for (int64_t begin, end; queue.take(w, begin, end);)
+        run_slab(worker, p, xt, m_begin, m_end, begin, end);
     });
   }
   return y;

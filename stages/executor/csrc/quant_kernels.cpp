@@ -32,12 +32,13 @@
 // chunk of the 4 rows' codes (4 x 64 or 4 x 32 bytes), at 5 bits their fifth bits (per pair
 // of rows 2v, 2v + 1: a 64-bit mask of positions 0..31 of both rows, row 2v in the low 32
 // bits, then one of positions 32..63), their d (4 rows x 2 blocks, fp16) and their mn (the
-// same): 288 bytes a pair in int8, 192 at 5 bits, 160 in int4. A thread's tiles are then one
+// same): 288 bytes a pair in int8, 192 at 5 bits, 160 in int4. A run of tiles is then one
 // contiguous stream (the rows' separate streams of a row-major layout measured ~13 GB/s at one
 // token, against oneDNN's ~20 on its own packed layout), and the offset term is summed in the
 // same pass.
 //
-// Work: tiles of 4 output rows by up to 4 tokens; the tiles split across torch's threads. A
+// Work: tiles of 4 output rows by up to 4 tokens; each of torch's threads runs its own share
+// of the tiles a chunk at a time, then chunks from the back of another's (work_queue.h). A
 // weight byte is read once per 4 tokens; at one token (decode) the loop streams the weights,
 // and is bound by the memory's bandwidth (see tile: the prefetch distance, and int4's two
 // rows a vector).
@@ -62,11 +63,18 @@
 #include <cstring>
 #include <vector>
 
+#include "work_queue.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPair = 64;
 constexpr int64_t kRows = 4;  // output rows per tile
+
+using llm_cpu_work::grain_for;
+using llm_cpu_work::Order;
+using llm_cpu_work::parallel_queue;
+using llm_cpu_work::WorkQueue;
 
 // Bytes of one row's codes in a pair's chunk: 64 at 8 bits, 32 (the low four bits) at 4 and 5.
 constexpr int64_t code_bytes(int bits) { return bits == 8 ? kPair : kPair / 2; }
@@ -274,6 +282,26 @@ void run_tile(const Weights& w, const Activations& a, int64_t tile_index, int64_
   }
 }
 
+// Tiles [begin, end) for every token of x: y = x W^T + b into out [M, N].
+template <typename T, int kBits>
+void run_tiles(const Weights& w, const Activations& a, const float* b, int64_t m_rows,
+               int64_t begin, int64_t end, T* out) {
+  float part[kTokens * kRows];
+  for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
+    const int64_t n0 = tile_index * kRows;
+    const int64_t rows = std::min(kRows, w.n - n0);
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kTokens) {
+      const int64_t tokens = std::min(kTokens, m_rows - m0);
+      run_tile<kBits>(w, a, tile_index, m0, tokens, part);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float v = part[t * kRows + r] + (b ? b[n0 + r] : 0.f);
+          out[(m0 + t) * w.n + n0 + r] = static_cast<T>(v);
+        }
+    }
+  }
+}
+
 template <typename T, int kBits>
 void quantized_linear_kernel(const at::Tensor& x, const Weights& w, int64_t kp,
                              const c10::optional<at::Tensor>& bias, at::Tensor& y) {
@@ -282,21 +310,12 @@ void quantized_linear_kernel(const at::Tensor& x, const Weights& w, int64_t kp,
   const float* b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   T* out = y.mutable_data_ptr<T>();
   const int64_t tiles = (w.n + kRows - 1) / kRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float part[kTokens * kRows];
-    for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
-      const int64_t n0 = tile_index * kRows;
-      const int64_t rows = std::min(kRows, w.n - n0);
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kTokens) {
-        const int64_t tokens = std::min(kTokens, m_rows - m0);
-        run_tile<kBits>(w, a, tile_index, m0, tokens, part);
-        for (int64_t t = 0; t < tokens; ++t)
-          for (int64_t r = 0; r < rows; ++r) {
-            const float v = part[t * kRows + r] + (b ? b[n0 + r] : 0.f);
-            out[(m0 + t) * w.n + n0 + r] = static_cast<T>(v);
-          }
-      }
-    }
+  // Each thread's own run of tiles, in chunks (work_queue.h): one stream that the tiles'
+  // prefetches run ahead in (in the shared order, a chunk's first 8 KB went unprefetched).
+  const int64_t grain = grain_for(tiles, 4);
+  parallel_queue(tiles, grain, Order::kOwnRuns, [&](WorkQueue& queue, int64_t w_index) {
+    for (int64_t begin, end; queue.take(w_index, begin, end);)
+      run_tiles<T, kBits>(w, a, b, m_rows, begin, end, out);
   });
 }
 
