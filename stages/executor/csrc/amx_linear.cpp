@@ -294,14 +294,14 @@ void tile_rows(const c10::BFloat16* x, int64_t k, int64_t m_begin, int64_t m_end
   });
 }
 
-// A prompt's slab (tile-major rows xt, rows [m_begin, m_end)) over panels [begin, end): row
-// pairs outer, each over a group of panels that fits L2, so a row pair's tiles stay in L1
-// while the panels stream from L2.
 // Panels a prompt's row pair runs over from L2.
 int64_t panel_group(const Product& p) {
   return std::max<int64_t>(1, kGroupBytes / (p.chunks * kChunkBytes));
 }
 
+// A prompt's slab (tile-major rows xt, rows [m_begin, m_end)) over panels [begin, end): row
+// pairs outer, each over a group of panels that fits L2, so a row pair's tiles stay in L1
+// while the panels stream from L2.
 void run_slab(Worker& worker, const Product& p, const c10::BFloat16* xt, int64_t m_begin,
               int64_t m_end, int64_t begin, int64_t end) {
   const int64_t group = panel_group(p);
