@@ -3,7 +3,8 @@
 // (stages/executor/model.py on the cpu_kernels backend), so its results are the same bits:
 //     h = rms_norm(x); qkv = h Wqkv; a = paged_attention(q, k, v) (rope, cache write);
 //     h = a Wo; h = add_rms_norm(x += h); h = silu_and_mul(h Wgate_up); x += h Wdown
-// (silu_and_mul inside the product where amx_linear runs it gated).
+// (silu_and_mul inside the product where amx_linear runs it gated; the last add and the next
+// layer's first norm in one add_rms_norm, the same bits as the two).
 // What it saves is the Python between them: ~10 module calls and op dispatches a layer,
 // a third of a one-token decode step of a small model (stages/executor/fused.py says when
 // it runs). Each product is oneDNN's packed one (mkldnn::_linear_pointwise),
@@ -114,10 +115,13 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
   const int64_t tokens = x.size(0), heads = ints[0], kv_heads = ints[1], d = ints[2];
   const int64_t q_size = heads * d, kv_size = kv_heads * d;
   const Ops& op = ops();
+  // A layer's first norm; past the first layer, the previous layer's closing residual add
+  // made it in the same pass (add_rms_norm: x += h rounded as x + h, then the norm of x).
+  at::Tensor normed = op.rms_norm.call(x, *weights.get(kNorm1), eps);
   for (int64_t l = 0; l < layers; ++l) {
     auto w = [&](int64_t entry) -> OptTensor { return weights.get(l * kEntries + entry); };
     const int64_t* spec = ints.data() + kShared + l * kProjections * kPerProjection;
-    at::Tensor h = op.rms_norm.call(x, *w(kNorm1), eps);
+    at::Tensor h = normed;
     const at::Tensor qkv = project(h, w(kQkvW), w(kQkvB), spec);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, d});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, d});
@@ -130,7 +134,12 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     const int64_t* gate_up = spec + 2 * kPerProjection;
     h = project(h, w(kGateUpW), w(kGateUpB), gate_up);
     if (gate_up[0] != kAmxGated) h = op.silu_and_mul.call(h);
-    x.add_(project(h, w(kDownW), w(kDownB), spec + 3 * kPerProjection));
+    h = project(h, w(kDownW), w(kDownB), spec + 3 * kPerProjection);
+    if (l + 1 < layers) {
+      normed = op.add_rms_norm.call(x, h, *weights.get((l + 1) * kEntries + kNorm1), eps);
+    } else {
+      x.add_(h);
+    }
   }
   return x;
 }
