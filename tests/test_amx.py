@@ -1,9 +1,9 @@
 """bf16 products on AMX tiles (stages/executor/linear/amx.py, csrc/amx_linear.cpp): the packed
 layout holds the weight, the kernel computes x W^T + b to within bf16's rounding for every
 row count a step has (one row pair, several, slabs of a long prompt, ragged ends) and odd
-output counts, at any number of threads with the same bits, bad inputs are refused by name, oneDNN's own AMX products still compute right
-beside it, and a model whose layers mix it with oneDNN's packing gives the same bits in one
-call as in the Python layers."""
+output counts, with the same bits at any number of threads, bad inputs are refused by name,
+oneDNN's own AMX products still compute right beside it, and a model whose layers mix it
+with oneDNN's packing gives the same bits in one call as in the Python layers."""
 
 from __future__ import annotations
 

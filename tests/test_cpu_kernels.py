@@ -103,6 +103,35 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
     assert torch.equal(kv_cache[1], expected_cache[1])
 
 
+@pytest.mark.parametrize("block", [BLOCK, 16, 32])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_what_lies_past_a_sequence_is_never_read_into_it(dtype: torch.dtype,
+                                                         window: int | None, head_dim: int,
+                                                         block: int) -> None:
+    """Every form reads whole pages, tiles of 16 keys or vectors of them, past a sequence's
+    last key; those keys must weigh nothing. The cache's slots past each sequence's context
+    and its unused blocks hold NaN and infinities (a block freed by a sequence that
+    overflowed): the outputs are the bits of a clean cache's."""
+    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block)
+    cos, sin = _rope_tables(64, dtype, head_dim)
+    kernel_meta = KernelMetadata(table, slots, positions, cos.float(), sin.float(), window or 0)
+    poisoned = kv_cache.clone()
+    live = torch.zeros(NUM_BLOCKS, block, dtype=torch.bool)
+    for slot in range(len(table)):
+        context = int(positions[slots == slot].max()) + 1
+        for pos in range(context):
+            live[table[slot, pos // block], pos % block] = True
+    garbage = torch.tensor([float("nan"), float("inf"), -float("inf")]).to(dtype)
+    dead = ~live
+    poisoned[:, dead] = garbage[torch.arange(int(dead.sum())) % 3][:, None, None]
+    clean = kernel_paged_attention(q, k, v, kv_cache, kernel_meta, head_dim ** -0.5)
+    got = kernel_paged_attention(q, k, v, poisoned, kernel_meta, head_dim ** -0.5)
+    assert torch.isfinite(clean).all()
+    assert torch.equal(got, clean)
+
+
 @pytest.mark.parametrize("width", [96, 100])  # 16 lanes at a time, and a remainder of 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int) -> None:
