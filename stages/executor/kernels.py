@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "amx_linear.cpp",
                               "decoder_layers.cpp"))
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vector_math.h", "amx_tiles.h",
-                                                                      "work_queue.h"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("vector_math.h", "amx_tiles.h", "work_queue.h"))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
 BUILD_TIMEOUT_S = 120  # well inside an executor's ready timeout (300 s by default)
 

@@ -115,13 +115,13 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
   const int64_t tokens = x.size(0), heads = ints[0], kv_heads = ints[1], d = ints[2];
   const int64_t q_size = heads * d, kv_size = kv_heads * d;
   const Ops& op = ops();
-  // A layer's first norm; past the first layer, the previous layer's closing residual add
-  // made it in the same pass (add_rms_norm: x += h rounded as x + h, then the norm of x).
-  at::Tensor normed = op.rms_norm.call(x, *weights.get(kNorm1), eps);
+  at::Tensor normed;  // the next layer's first norm, made by this layer's closing add
   for (int64_t l = 0; l < layers; ++l) {
     auto w = [&](int64_t entry) -> OptTensor { return weights.get(l * kEntries + entry); };
     const int64_t* spec = ints.data() + kShared + l * kProjections * kPerProjection;
-    at::Tensor h = normed;
+    // Past the first layer, the previous one's residual add made this norm in the same pass
+    // (add_rms_norm: x += h rounded as x + h, then the norm of x).
+    at::Tensor h = l == 0 ? op.rms_norm.call(x, *w(kNorm1), eps) : normed;
     const at::Tensor qkv = project(h, w(kQkvW), w(kQkvB), spec);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, d});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, d});

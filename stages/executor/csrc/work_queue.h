@@ -16,6 +16,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,9 +29,12 @@ enum class Order { kShared, kOwnRuns };
 
 class WorkQueue {
  public:
-  // Units [0, n) in `runs` runs (at most 2^31 units), taken `grain` at a time.
+  // Units [0, n) in `runs` runs (a run's bounds are two 32-bit halves of one atomic word),
+  // taken `grain` at a time.
   WorkQueue(int64_t n, int64_t grain, int64_t runs)
       : runs_(runs), grain_(std::max<int64_t>(1, grain)), bounds_(new Bounds[runs]) {
+    TORCH_CHECK(n >= 0 && n < (int64_t{1} << 31) && runs > 0, "WorkQueue: ", n, " units in ",
+                runs, " runs");
     for (int64_t r = 0; r < runs; ++r)
       bounds_[r].value.store(pack(n * r / runs, n * (r + 1) / runs), std::memory_order_relaxed);
   }
