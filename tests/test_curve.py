@@ -64,7 +64,13 @@ def dial(address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
 def _delivered(sock: zmq.Socket, address: str, keys: tuple[bytes, bytes, bytes] | None,
                text: bytes, wait_ms: int = 3000) -> bool:
     push = dial(address, keys)
-    push.send(text)
+    try:
+        # Not blocking: a refused handshake can drop the socket's only pipe before the send,
+        # and a PUSH socket without one waits for a peer for ever (a run hung here once).
+        push.send(text, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        push.close()
+        return False
     try:
         return bool(sock.poll(wait_ms)) and sock.recv() == text
     finally:
