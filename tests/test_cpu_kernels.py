@@ -132,6 +132,33 @@ def test_what_lies_past_a_sequence_is_never_read_into_it(dtype: torch.dtype,
     assert torch.equal(got, clean)
 
 
+def _takes(n: int, grain: int, runs: int, selves: list[int]) -> list[tuple[int, int]]:
+    out = torch.ops.llm_cpu.work_queue_takes(n, grain, runs, selves)
+    return [(int(b), int(e)) for b, e in out.tolist()]
+
+
+def test_the_work_queue_hands_out_every_unit_once_own_runs_first() -> None:
+    """csrc/work_queue.h, as the products use it: each thread's own run front to back, then
+    the back of another's; every unit handed out exactly once, whoever asks in whatever order,
+    then nothing."""
+    # 10 units in 2 runs ([0, 5) and [5, 10)), chunks of 2
+    assert _takes(10, 2, 2, [0, 1, 0, 0, 0, 0, 1]) == [
+        (0, 2), (5, 7), (2, 4), (4, 5), (8, 10), (7, 8), (-1, -1)]
+    # one run (the shared order): any thread's index takes the next chunk
+    assert _takes(7, 3, 1, [0, 5, 2, 1]) == [(0, 3), (3, 6), (6, 7), (-1, -1)]
+    # a grain larger than the runs, more runs than units
+    assert _takes(3, 8, 3, [2, 2, 2, 0]) == [(2, 3), (0, 1), (1, 2), (-1, -1)]
+    gen = torch.Generator().manual_seed(0)
+    for n, grain, runs in [(47, 2, 3), (251, 7, 2), (1000, 1, 16), (5, 1, 5)]:
+        selves = torch.randint(0, runs, (n + 4,), generator=gen).tolist()
+        chunks = [c for c in _takes(n, grain, runs, selves) if c != (-1, -1)]
+        covered = sorted(u for b, e in chunks for u in range(b, e))
+        assert covered == list(range(n)), (n, grain, runs)
+        assert all(0 < e - b <= grain for b, e in chunks)
+    with pytest.raises(RuntimeError, match="units in"):
+        _takes(1 << 31, 1, 2, [0])
+
+
 @pytest.mark.parametrize("width", [96, 100])  # 16 lanes at a time, and a remainder of 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int) -> None:

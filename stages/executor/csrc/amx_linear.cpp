@@ -363,7 +363,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                   bias.has_value() ? bias->const_data_ptr<float>() : nullptr, gated,
                   y.mutable_data_ptr<c10::BFloat16>()};
   if (m <= 32) {  // a decode step
-    const int64_t grain = grain_for(panels, 4);
+    // (at least 2 panels a chunk: within one, the next panel is prefetched)
+    const int64_t grain = grain_for(panels, 4, 2);
     parallel_queue(panels, grain, Order::kShared, [&](WorkQueue& queue, int64_t w) {
       Worker worker(p);
       for (int64_t begin, end; queue.take(w, begin, end);)

@@ -44,6 +44,7 @@
 
 #include "amx_tiles.h"
 #include "vector_math.h"
+#include "work_queue.h"
 
 namespace {
 
@@ -1557,6 +1558,22 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// The chunks a WorkQueue (work_queue.h) of n units in `runs` runs hands out, taken one after
+// another by the threads of runs `selves` (one take each): [len(selves), 2] int64 of
+// (begin, end), (-1, -1) where none was left. For the queue's tests.
+at::Tensor work_queue_takes(int64_t n, int64_t grain, int64_t runs, c10::IntArrayRef selves) {
+  llm_cpu_work::WorkQueue queue(n, grain, runs);
+  at::Tensor out = at::empty({static_cast<int64_t>(selves.size()), 2}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < selves.size(); ++i) {
+    int64_t begin = -1, end = -1;
+    if (!queue.take(selves[i], begin, end)) begin = end = -1;
+    o[2 * i] = begin;
+    o[2 * i + 1] = end;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llm_cpu, m) {
@@ -1567,6 +1584,8 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("work_queue_takes(int n, int grain, int runs, int[] selves) -> Tensor",
+        &work_queue_takes);
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {

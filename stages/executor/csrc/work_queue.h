@@ -2,11 +2,11 @@
 // threads a chunk at a time, in one of two orders:
 //   - kShared: every thread takes the next chunk of one run, the threads streaming
 //     neighbouring chunks (a decode step's bf16 products, which prefetch within a chunk);
-//   - kOwnRuns: the units start split as at::parallel_for splits them, a run per thread; each
-//     thread takes its own run's chunks from the front, and once done, chunks from the back of
-//     another's. Undisturbed, a thread streams its run front to back as with fixed runs, and
-//     prefetches may run ahead into its next chunk (the quantized products' 8 KB; a prompt's
-//     bf16 products, which the shared order made ~5% slower).
+//   - kOwnRuns: the units start split evenly, a run per thread (run r of R: [n r / R,
+//     n (r + 1) / R)); each thread takes its own run's chunks from the front, and once done,
+//     chunks from the back of another's. Undisturbed, a thread streams its run front to back
+//     as with fixed runs, and prefetches may run ahead into its next chunk (the quantized
+//     products' 8 KB; a prompt's bf16 products, which the shared order made ~5% slower).
 //
 // Why: the executor shares its cores with the other stages (scheduler, detokenizer, API
 // workers), whose bursts of Python take a core from one of the threads for a while. With fixed
