@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from threads import at_thread_counts
 
 from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_llama
@@ -92,14 +93,7 @@ def test_any_number_of_threads_gives_the_same_bits(rows: int) -> None:
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
     packed = pack(w)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            results.append(torch.ops.llm_cpu.amx_linear(x, packed, bias, n))
-    finally:
-        torch.set_num_threads(threads)
+    results = at_thread_counts(lambda: torch.ops.llm_cpu.amx_linear(x, packed, bias, n))
     _assert_rounded(results[0], _reference(x, w, bias), x, w)
     for y in results[1:]:
         assert torch.equal(y, results[0])

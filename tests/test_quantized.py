@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from threads import at_thread_counts
 
 from ipc.config import QUANTIZATIONS, ExecutorConfig
 from ipc.errors import ConfigError
@@ -90,14 +91,7 @@ def test_any_number_of_threads_gives_the_same_bits(bits: int, m: int) -> None:
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen)
     tiles = tile_layout(q)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            results.append(torch.ops.llm_cpu.quantized_linear(x, tiles, bias, bits, n))
-    finally:
-        torch.set_num_threads(threads)
+    results = at_thread_counts(lambda: torch.ops.llm_cpu.quantized_linear(x, tiles, bias, bits, n))
     want = reference_linear(x, q, bias)
     assert (results[0].float() - want).abs().max() <= 1e-2 * want.abs().max()
     for y in results[1:]:
