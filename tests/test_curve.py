@@ -61,14 +61,21 @@ def dial(address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
     return sock
 
 
+def send_unless_refused(sock: zmq.Socket, frames: list[bytes]) -> bool:
+    """Send without blocking; False where the socket has no pipe to queue on. A refused
+    handshake can drop a dialled socket's only pipe before the send, and a PUSH or REQ socket
+    without one waits for a peer for ever (CI runs hung here twice)."""
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 def _delivered(sock: zmq.Socket, address: str, keys: tuple[bytes, bytes, bytes] | None,
                text: bytes, wait_ms: int = 3000) -> bool:
     push = dial(address, keys)
-    try:
-        # Not blocking: a refused handshake can drop the socket's only pipe before the send,
-        # and a PUSH socket without one waits for a peer for ever (a run hung here once).
-        push.send(text, flags=zmq.NOBLOCK)
-    except zmq.Again:
+    if not send_unless_refused(push, [text]):
         push.close()
         return False
     try:
