@@ -232,3 +232,14 @@ def connect_bootstrap(socket: zmq.Socket, address: str) -> None:
     public, secret = zmq.curve_keypair()
     _client_options(socket, public, secret, BOOTSTRAP_KEYS[0])
     socket.connect(address)
+
+
+def send_now(socket: zmq.Socket, frames: list[bytes]) -> bool:
+    """Send `frames` without blocking; False where the socket has no pipe to queue them on. A
+    peer that refuses a dialled socket's handshake drops its only pipe, and a REQ or PUSH
+    socket without one would wait for a peer for ever (the caller's poll then times out)."""
+    try:
+        socket.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True

@@ -61,25 +61,25 @@ def dial(address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
     return sock
 
 
-def send_unless_refused(sock: zmq.Socket, frames: list[bytes]) -> bool:
-    """Send without blocking; False where the socket has no pipe to queue on. A refused
-    handshake can drop a dialled socket's only pipe before the send, and a PUSH or REQ socket
-    without one waits for a peer for ever (CI runs hung here twice)."""
-    try:
-        sock.send_multipart(frames, flags=zmq.NOBLOCK)
-    except zmq.Again:
-        return False
-    return True
-
-
 def _delivered(sock: zmq.Socket, address: str, keys: tuple[bytes, bytes, bytes] | None,
                text: bytes, wait_ms: int = 3000) -> bool:
     push = dial(address, keys)
-    if not send_unless_refused(push, [text]):
+    if not curve.send_now(push, [text]):
         push.close()
         return False
     try:
         return bool(sock.poll(wait_ms)) and sock.recv() == text
+    finally:
+        push.close()
+
+
+def test_a_send_with_no_pipe_is_refused_not_waited_for() -> None:
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    try:
+        assert not curve.send_now(push, [b"x"])  # no pipe (as after a refused handshake)
+        push.connect("tcp://127.0.0.1:9")
+        assert curve.send_now(push, [b"x", b"y"])  # queued on the pipe made by connect
     finally:
         push.close()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 from live import live_config, running
-from test_curve import dial, send_unless_refused
+from test_curve import dial
 
 from ipc import curve
 from ipc.codec import encode
@@ -110,7 +110,7 @@ def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
                    dial(remote.schedulers[0], (c_public, c_secret, server))]
         for sock, data in zip(senders, [frame, frame, encode(request), encode(AbortRequest(
                 "long-tcp"))], strict=True):
-            send_unless_refused(sock, [data])  # (the first two may be refused before it)
+            curve.send_now(sock, [data])  # (the first two may be refused before it)
         senders[3].send(key.encode() + encode(
             TokenizedRequest("sneaky", "tcp://127.0.0.1:9", [5] * 4, SamplingParams(), 0)))
         deadline = time.monotonic() + 10  # the sends are asynchronous: wait for the two
@@ -137,7 +137,7 @@ def bootstrap_answer(address: str, frames: list[bytes], encrypted: bool = True
     else:
         req.connect(address)
     try:
-        if not send_unless_refused(req, frames):
+        if not curve.send_now(req, frames):
             return None  # refused before the send: no answer either
         return req.recv() if req.poll(3000) else None
     finally:

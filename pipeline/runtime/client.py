@@ -98,9 +98,11 @@ def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
     request = endpoints_request(key)
     try:
         curve.connect_bootstrap(sock, address)
-        sock.send_multipart(request)
-        if not sock.poll(int(timeout * 1000)):
-            raise PipelineError(f"no pipeline answered at {address} within {timeout:.0f} s")
+        # Not blocking: a peer that refuses the handshake at once drops the only pipe, and a
+        # REQ socket without one would wait for ever.
+        sent = curve.send_now(sock, request)
+        if not sent or not sock.poll(int(timeout * 1000)):
+            raise PipelineError(f"no pipeline answered at {address} within {timeout:g} s")
         answer = sock.recv()
     finally:
         sock.close()

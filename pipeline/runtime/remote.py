@@ -78,9 +78,8 @@ def join(address: str, kind: str, stage_key: str, model_path: str, host: str,
         curve.connect_bootstrap(sock, address)  # (encrypted; the frames prove the key)
 
         def ask(*frames: bytes) -> bytes:
-            sock.send_multipart(list(frames))
-            if not sock.poll(int(timeout * 1000)):
-                raise JoinError(f"no pipeline answered at {address} within {timeout:.0f} s")
+            if not curve.send_now(sock, list(frames)) or not sock.poll(int(timeout * 1000)):
+                raise JoinError(f"no pipeline answered at {address} within {timeout:g} s")
             return bytes(sock.recv())
 
         challenge = ask(b"hello").decode()
