@@ -6,7 +6,7 @@ results are the same bits either way; what goes is ~10 module calls and op dispa
 layer, which were a third of a one-token decode step of the default model (docs/BENCHMARKS.md
 "Single stream"). It runs where the layers are exactly that sequence: the cpu_kernels
 attention backend, one rank, no per-head q/k norms (Qwen3), and every projection
-oneDNN-packed, AMX-packed or quantized (plain F.linear weights keep the Python layers).
+oneDNN-, MKL- or AMX-packed or quantized (plain F.linear weights keep the Python layers).
 `build` decides; the model keeps the result as `fused_layers` (None: the Python layers
 run)."""
 
@@ -18,7 +18,7 @@ import torch
 
 from stages.executor.linear.base import Linear
 
-PACKED, QUANTIZED, AMX, AMX_GATED = 0, 1, 2, 3
+PACKED, QUANTIZED, AMX, AMX_GATED, MKL = 0, 1, 2, 3, 4
 QUANTIZED_METHODS = ("int8", "int4", "gguf")
 
 
@@ -30,6 +30,8 @@ def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[
         return layer.packed_weight, layer.bias, [PACKED, 0, layer.out_features]
     if name in QUANTIZED_METHODS:
         return layer.tiles, layer.bias_f32, [QUANTIZED, layer.bits, layer.out_features]
+    if name == "mkl-packed":
+        return layer.mkl_weight, layer.bias, [MKL, 0, layer.out_features]
     if name == "amx-bf16":
         kind = AMX_GATED if layer.fused_gate else AMX
         return layer.amx_weight, layer.bias_f32, [kind, 0, layer.out_features]

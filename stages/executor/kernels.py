@@ -1,6 +1,7 @@
 """The executor's CPU kernels (csrc/cpu_kernels.cpp: attention, norms, rotary, sampling helpers;
-csrc/quant_kernels.cpp: quantized linear layers; csrc/decoder_layers.cpp: every layer in one
-call), built once per machine and loaded as
+csrc/quant_kernels.cpp: quantized linear layers; csrc/amx_linear.cpp: bf16 products on AMX
+tiles; csrc/mkl_linear.cpp: float32 products on MKL's packed sgemm; csrc/decoder_layers.cpp:
+every layer in one call), built once per machine and loaded as
 torch.ops.llm_cpu. Runs in the executor process.
 
 The sources are compiled with the machine's C++ compiler against the installed torch's headers
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "amx_linear.cpp",
-                              "decoder_layers.cpp"))
+                              "mkl_linear.cpp", "decoder_layers.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("vector_math.h", "amx_tiles.h", "work_queue.h"))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them

@@ -8,7 +8,7 @@
 // What it saves is the Python between them: ~10 module calls and op dispatches a layer,
 // a third of a one-token decode step of a small model (stages/executor/fused.py says when
 // it runs). Each product is oneDNN's packed one (mkldnn::_linear_pointwise),
-// llm_cpu::amx_linear or llm_cpu::quantized_linear, called through the dispatcher as Python
+// llm_cpu::amx_linear, llm_cpu::mkl_linear or llm_cpu::quantized_linear, called through the dispatcher as Python
 // calls them. Built with the other kernels by kernels.py.
 
 #include <ATen/core/Tensor.h>
@@ -29,7 +29,7 @@ enum Entry { kNorm1, kQkvW, kQkvB, kOW, kOB, kNorm2, kGateUpW, kGateUpB, kDownW,
              kEntries };
 // Per projection, the entries of `ints` after the 3 shared ones: its kind, bits and outputs.
 // kAmxGated: a gate/up product whose amx_linear writes silu(gate) * up itself.
-enum Kind { kPacked = 0, kQuantized = 1, kAmx = 2, kAmxGated = 3 };
+enum Kind { kPacked = 0, kQuantized = 1, kAmx = 2, kAmxGated = 3, kMkl = 4 };
 constexpr int64_t kShared = 3, kPerProjection = 3, kProjections = 4;
 
 struct Ops {
@@ -48,6 +48,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, bool)>
       amx_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t)>
+      mkl_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       std::string_view, c10::List<std::optional<c10::Scalar>>,
                                       std::optional<std::string_view>)>
@@ -74,6 +77,9 @@ const Ops& ops() {
         d.findSchemaOrThrow("llm_cpu::amx_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               bool)>(),
+        d.findSchemaOrThrow("llm_cpu::mkl_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                              int64_t)>(),
         d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                               std::string_view, c10::List<std::optional<c10::Scalar>>,
@@ -89,6 +95,7 @@ at::Tensor project(const at::Tensor& x, const OptTensor& weight, const OptTensor
   if (spec[0] == kQuantized) {
     return ops().quantized_linear.call(x, *weight, bias, spec[1], spec[2]);
   }
+  if (spec[0] == kMkl) return ops().mkl_linear.call(x.contiguous(), *weight, bias, spec[2]);
   if (spec[0] == kAmx || spec[0] == kAmxGated) {
     return ops().amx_linear.call(x.contiguous(), *weight, bias, spec[2], spec[0] == kAmxGated);
   }

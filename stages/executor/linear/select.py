@@ -9,6 +9,7 @@ from ipc.gguf_source import GgufSource
 from stages.executor.linear.amx import AmxMethod
 from stages.executor.linear.base import LinearMethod
 from stages.executor.linear.dense import DenseMethod
+from stages.executor.linear.mkl import MklPackedMethod
 from stages.executor.linear.onednn import OneDnnPackedMethod
 from stages.executor.linear.quantized import METHODS, GgufMethod
 
@@ -19,9 +20,9 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
     """A quantized GGUF file (`gguf`): its own blocks. `quantization` (int8, int4): that
     quantized format. Either raises ValueError saying why it cannot run here. Otherwise, for
     the eager CPU forward, packed weights (`pack`: None as that, False plain, True required):
-    bf16 on AMX tiles where the forward runs on the CPU kernels (`kernels`) and the CPU has
-    AMX-BF16, else oneDNN's packed layout where oneDNN can pack the dtype; plain F.linear
-    otherwise.
+    where the forward runs on the CPU kernels (`kernels`), bf16 on AMX tiles where the CPU has
+    AMX-BF16 and float32 for MKL's sgemm where torch has MKL; else oneDNN's packed layout
+    where oneDNN can pack the dtype; plain F.linear otherwise.
     (TorchInductor lowers packed weights only as frozen constants, which one graph shared
     by every layer cannot have.)"""
     if gguf is not None and gguf.quantized:
@@ -36,8 +37,10 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
         return _quantized(quantization, dtype, device, compiled)
     if pack is False:
         return DenseMethod()
-    if kernels and not compiled and AmxMethod.unsupported(dtype, device) is None:
-        return AmxMethod()
+    if kernels and not compiled:
+        for method in (AmxMethod, MklPackedMethod):
+            if method.unsupported(dtype, device) is None:
+                return method()
     why = OneDnnPackedMethod.unsupported(dtype, device)
     if why is None and compiled:
         why = "the compiled forward needs plain weights"

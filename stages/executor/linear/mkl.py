@@ -1,0 +1,55 @@
+"""float32 weights packed for MKL's sgemm (csrc/mkl_linear.cpp), in the executor process: the
+float32 forward's products on the CPU kernels, in place of oneDNN's packed ones.
+
+oneDNN's packed float32 product runs a decode step's shapes at ~170 GFLOP/s on the 2-core test
+machine, compute-bound; MKL's packed sgemm (inside torch's x86 wheels) runs the same products
+20% faster at 1 and 64 tokens and on par from 128 up (every projection of the default model,
+30 layers and the head: 100 against 125 ms at 64 tokens; docs/BENCHMARKS.md, "float32
+products on MKL"). Packed once for 64 rows, the weight serves any number of rows with each
+row's result independent of the others in the call (the kernel's header says how), which
+batching and speculative decoding rely on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages.executor import kernels
+from stages.executor.linear.base import Linear, LinearMethod
+from stages.executor.linear.onednn import OneDnnPackedMethod
+
+
+def kernel_missing() -> str | None:
+    """Why mkl_linear cannot run here (None: it can)."""
+    return kernels.op_missing("mkl_linear_available",
+                              "this torch has no MKL (cblas_sgemm_pack)")
+
+
+class MklPackedMethod(LinearMethod):
+    name = "mkl-packed"
+
+    @classmethod
+    def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return f"MKL's sgemm runs on the CPU, not {device.type}"
+        if dtype != torch.float32:
+            return f"MKL's packed sgemm multiplies float32, not {dtype}"
+        return kernel_missing()
+
+    def process(self, layer: Linear) -> None:
+        """The packed copy replaces the plain weight (a tied head's plain matrix stays the
+        embedding's). A layer of one output (MKL sums it by another path whose rows depend on
+        each other) takes oneDNN's packed weights."""
+        if layer.out_features < 2:
+            layer.method = OneDnnPackedMethod()
+            layer.method.process(layer)
+            return
+        packed = torch.ops.llm_cpu.mkl_pack(layer.weight.detach())
+        del layer.weight
+        layer.register_buffer("mkl_weight", packed)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.llm_cpu.mkl_linear(x.reshape(-1, shape[-1]).contiguous(),
+                                         layer.mkl_weight, layer.bias, layer.out_features)
+        return y.view(*shape[:-1], y.shape[-1])
