@@ -60,3 +60,31 @@ def test_the_python_layers_run_where_one_call_does_not_apply(tmp_path: Path) -> 
     llama = build_random_llama(tmp_path / "llama")
     assert InProcessEngine(str(llama), cpu_kernels=False).runner.model.fused_layers is None
     assert InProcessEngine(str(llama)).runner.model.fused_layers is not None
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_last_layer_past_attention_on_the_logits_rows_alone_gives_their_bits(
+        tmp_path: Path, fused: bool) -> None:
+    """Prompt chunks run the last layer's output projection and MLP on the rows whose logits
+    are sampled only: tokens and log-probs are those of the whole last layer."""
+    folder = build_random_llama(tmp_path / "m", arch="llama-bias")
+    engines = [InProcessEngine(str(folder), max_num_batched_tokens=16) for _ in range(2)]
+    rows: list[int] = []
+    for engine in engines:
+        model = engine.runner.model
+        assert model.trim_last_layer and (model.fused_layers is not None)
+        if not fused:
+            model.fused_layers = None
+    engines[1].runner.model.trim_last_layer = False
+    engines[0].runner.model.model.layers[-1].mlp.register_forward_hook(
+        lambda _module, args, _out: rows.append(args[0].shape[0]))
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True,
+                            logprobs=1)
+    requests = [(str(i), p, greedy) for i, p in enumerate(PROMPTS)]
+    requests.append(("s", PROMPTS[2], seeded))
+    trimmed, whole = ({key: (r.token_ids, [(lp.logprob, lp.top_logprobs) for lp in r.logprobs])
+                       for key, r in engine.run(requests).items()} for engine in engines)
+    assert trimmed == whole
+    # (the first step: three prompts' 16 tokens, 2 of them last; decode steps keep every row)
+    assert rows[0] == 2 and min(rows) < 16

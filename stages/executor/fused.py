@@ -19,6 +19,8 @@ import torch
 from stages.executor.linear.base import Linear
 
 PACKED, QUANTIZED, AMX, AMX_GATED, MKL = 0, 1, 2, 3, 4
+PER_LAYER = 10  # weights a layer: two norms, and a weight and a bias a projection
+SHARED, PER_LAYER_INTS = 3, 12  # the ints: heads, kv heads, head size; 3 a projection
 QUANTIZED_METHODS = ("int8", "int4", "gguf")
 
 
@@ -68,8 +70,17 @@ class FusedLayers:
             ints += qkv + o + gu + dn
         return cls(weights, ints, model.spec.eps, first.scale)
 
-    def __call__(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
-        """x [T, hidden] through every layer (in place); meta: the cpu_kernels backend's."""
-        return self.op(x, self.weights, self.ints, self.eps, self.scale, kv_caches,
+    def __call__(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
+                 layers: int | None = None) -> torch.Tensor:
+        """x [T, hidden] through every layer, or the first `layers` (in place); meta: the
+        cpu_kernels backend's. (Short of the last, the last call's closing add leaves the next
+        norm to that layer: the same bits.)"""
+        n = len(kv_caches) if layers is None else layers
+        if n == 0:
+            return x
+        weights, ints = self.weights, self.ints
+        if n < len(kv_caches):
+            weights, ints = weights[:n * PER_LAYER], ints[:SHARED + n * PER_LAYER_INTS]
+        return self.op(x, weights, ints, self.eps, self.scale, kv_caches[:n],
                        meta.block_table, meta.token_slots, meta.positions, meta.rope_cos,
                        meta.rope_sin, meta.window)

@@ -77,7 +77,10 @@ class Attention(nn.Module):
         self.layer_idx, self.backend = layer_idx, backend
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row's keys and values go into the cache; the output is of every row, or of
+        the rows `keep` only (PagedLlama.forward's last layer)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -86,7 +89,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.attend(q, k, v, kv_cache, meta, self.scale)  # ropes q and k
-        return self.o_proj(out.reshape(num_tokens, -1))  # (summed over the ranks)
+        if keep is not None:
+            out = out[keep]
+        return self.o_proj(out.flatten(1))  # (summed over the ranks)
 
 
 class MLP(nn.Module):
@@ -117,8 +122,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps, ops)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), kv_cache, meta)
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden], or the rows `keep` [S] of it (their order)."""
+        h = self.self_attn(self.input_layernorm(x), kv_cache, meta, keep)
+        if keep is not None:
+            x = x[keep]
         norm = self.post_attention_layernorm
         x, h = self.ops.add_rms_norm(x, h, norm.weight, norm.eps)  # (fused where it can be)
         return self.ops.add(x, self.mlp(h))
@@ -156,6 +165,9 @@ class PagedLlama(nn.Module):
         self.num_layers = cfg["num_hidden_layers"]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.fused_layers: FusedLayers | None = None  # set once loaded (load_model)
+        # Whether the last layer runs past its attention for the logits' rows only (see
+        # forward); on the eager CPU forward (load_model), not in a compiled layer or a graph.
+        self.trim_last_layer = False
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -186,12 +198,25 @@ class PagedLlama(nn.Module):
         """The logits [S, vocab] of the rows `logits_indices`, in the model's dtype (float32
         with tensor parallelism, on rank 0; None on the others)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        # A prompt chunk's rows other than its last feed only the next layers (their keys and
+        # values): past the last layer's attention, only the logits' rows are needed. Its
+        # output projection and MLP then run on those rows alone (a 128-token prompt's
+        # prefill does 1/30 less of the default model's work), the same bits for them, as
+        # every product and kernel computes a row independently of the rows beside it.
+        keep = (logits_indices if self.trim_last_layer
+                and logits_indices.shape[0] < x.shape[0] else None)
+        layers = list(zip(self.model.layers, kv_caches, strict=True))
+        last = len(layers) - 1 if keep is not None else len(layers)
         if self.fused_layers is not None:  # the same kernels, in one call (fused.py)
-            x = self.fused_layers(x, kv_caches, meta)
+            x = self.fused_layers(x, kv_caches, meta, last)
         else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            for layer, kv_cache in layers[:last]:
                 x = layer(x, kv_cache, meta)
-        x = self.model.norm(x[logits_indices])  # [S, hidden]
+        if keep is not None:
+            layer, kv_cache = layers[-1]
+            x = self.model.norm(layer(x, kv_cache, meta, keep))  # [S, hidden]
+        else:
+            x = self.model.norm(x[logits_indices])  # [S, hidden]
         logits = self.lm_head(x)  # [S, vocab], in the model's dtype (the sampler widens)
         return logits if self.tp is None else self.tp.gather_logits(logits.float())
 
@@ -257,4 +282,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model = model.to(device).eval()
     process_weights(model)
     model.fused_layers = FusedLayers.build(model)
+    model.trim_last_layer = device.type == "cpu"  # (ModelRunner unsets it if it compiles)
     return model

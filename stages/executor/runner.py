@@ -270,6 +270,8 @@ class ModelRunner:
             if draft is not None else None)
         self.compile_stats = (compile_layers(model.model.layers, limits, device)
                               if self.compiled else CompileStats())
+        if self.compiled:  # (one graph per bucket: the last layer takes every row too)
+            model.trim_last_layer = False
         if graphs is None:
             graphs = device.type == "cuda"
         self.graphs = (DecodeGraphs(self._graph_forward, backend, self.slots.layout, device,
