@@ -38,11 +38,15 @@ def test_the_kernel_is_the_product_within_float32_rounding(n: int, k: int, rows:
     for bias in (False, True):
         w, b, packed = _product(n, k, bias, seed=rows)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
-        got = torch.ops.llm_cpu.mkl_linear(x, packed, b, n)
+        b_before = b.clone() if b is not None else None
         want = x.double() @ w.double().t() + (b.double() if b is not None else 0)
-        assert got.shape == (rows, n) and got.dtype == torch.float32
-        # each sum's rounding: K terms of float32 products, |terms| ~ sqrt(K)
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=k * 2 ** -21)
+        for one_row in (False, True):  # (a lone row: as two, or MKL's one-row path)
+            got = torch.ops.llm_cpu.mkl_linear(x, packed, b, n, one_row)
+            assert got.shape == (rows, n) and got.dtype == torch.float32
+            # each sum's rounding: K terms of float32 products, |terms| ~ sqrt(K)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=k * 2 ** -21)
+        if b is not None:  # the bias is read, never written (C starts as a copy of it)
+            assert torch.equal(b, b_before)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -59,6 +63,26 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_or_the_threads(n: int, k: i
     for i in range(0, 300, 23):
         assert torch.equal(torch.ops.llm_cpu.mkl_linear(x[i:i + 1].contiguous(), packed, b, n),
                            full[0][i:i + 1]), i
+
+
+@pytest.mark.parametrize("n,k", SHAPES + [(128, 64), (96, 576)])
+def test_a_layer_takes_the_one_row_path_only_where_it_gives_the_same_bits(n: int,
+                                                                          k: int) -> None:
+    """The load-time check (one_row_agrees, 4 probe rows) holds for other rows: a layer's
+    lone row has the bits it has among 300, whichever path the check chose."""
+    layer = Linear(k, n, True, MklPackedMethod())
+    g = torch.Generator().manual_seed(n * k)
+    layer.weight = torch.nn.Parameter(torch.randn(n, k, generator=g), requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
+    layer.method.process(layer)
+    assert isinstance(layer.mkl_one_row, bool)
+    x = torch.randn(300, k, generator=g)
+    full = layer(x)
+    for i in range(0, 300, 13):
+        assert torch.equal(layer(x[i:i + 1]), full[i:i + 1]), (i, layer.mkl_one_row)
+    if layer.mkl_one_row:  # (and the one-row path itself, called directly, agrees)
+        alone = torch.ops.llm_cpu.mkl_linear(x[:1], layer.mkl_weight, layer.bias, n, True)
+        assert torch.equal(alone, full[:1])
 
 
 def test_no_rows_give_an_empty_result() -> None:
