@@ -62,13 +62,22 @@ def test_the_python_layers_run_where_one_call_does_not_apply(tmp_path: Path) -> 
     assert InProcessEngine(str(llama)).runner.model.fused_layers is not None
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("arch,dtype,quantization,fused", [
+    ("llama-bias", torch.float32, None, True),  # MKL's products
+    ("llama-bias", torch.float32, None, False),  # (the Python layers)
+    ("llama", torch.float32, None, True),  # no biases: MKL's one-row path where it agrees
+    ("llama", torch.bfloat16, None, True),  # AMX's products where the CPU has them
+    pytest.param("qwen2", torch.float32, "int8", True, marks=needs_kernel),
+])
 def test_the_last_layer_past_attention_on_the_logits_rows_alone_gives_their_bits(
-        tmp_path: Path, fused: bool) -> None:
+        tmp_path: Path, arch: str, dtype: torch.dtype, quantization: str | None,
+        fused: bool) -> None:
     """Prompt chunks run the last layer's output projection and MLP on the rows whose logits
-    are sampled only: tokens and log-probs are those of the whole last layer."""
-    folder = build_random_llama(tmp_path / "m", arch="llama-bias")
-    engines = [InProcessEngine(str(folder), max_num_batched_tokens=16) for _ in range(2)]
+    are sampled or scored only: tokens and log-probs are those of the whole last layer,
+    beside a request whose prompt log-probs keep every row of its chunks."""
+    folder = build_random_llama(tmp_path / "m", arch=arch)
+    engines = [InProcessEngine(str(folder), dtype=dtype, quantization=quantization,
+                               max_num_batched_tokens=16) for _ in range(2)]
     rows: list[int] = []
     for engine in engines:
         model = engine.runner.model
@@ -81,10 +90,13 @@ def test_the_last_layer_past_attention_on_the_logits_rows_alone_gives_their_bits
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True,
                             logprobs=1)
+    scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     requests = [(str(i), p, greedy) for i, p in enumerate(PROMPTS)]
-    requests.append(("s", PROMPTS[2], seeded))
-    trimmed, whole = ({key: (r.token_ids, [(lp.logprob, lp.top_logprobs) for lp in r.logprobs])
+    requests += [("s", PROMPTS[2], seeded), ("p", PROMPTS[0] + PROMPTS[2], scored)]
+    trimmed, whole = ({key: (r.token_ids, [(lp.logprob, lp.top_logprobs) for lp in r.logprobs
+                                           or []],
+                             [lp.logprob for lp in r.prompt_logprobs or []])
                        for key, r in engine.run(requests).items()} for engine in engines)
     assert trimmed == whole
-    # (the first step: three prompts' 16 tokens, 2 of them last; decode steps keep every row)
+    # (the first step: 16 tokens of three prompts, 2 of them last; decode steps keep all)
     assert rows[0] == 2 and min(rows) < 16

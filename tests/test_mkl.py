@@ -15,7 +15,7 @@ from threads import at_thread_counts
 from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_llama
 from stages.executor.linear.base import Linear
-from stages.executor.linear.mkl import MklPackedMethod, kernel_missing
+from stages.executor.linear.mkl import MklPackedMethod, kernel_missing, one_row_threads
 from stages.executor.linear.onednn import OneDnnPackedMethod
 from stages.executor.linear.select import select_linear_method
 from stages.inprocess import InProcessEngine
@@ -40,7 +40,8 @@ def test_the_kernel_is_the_product_within_float32_rounding(n: int, k: int, rows:
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
         b_before = b.clone() if b is not None else None
         want = x.double() @ w.double().t() + (b.double() if b is not None else 0)
-        for one_row in (False, True):  # (a lone row: as two, or MKL's one-row path)
+        # (a lone row: as two, or MKL's one-row path at the thread count running)
+        for one_row in (0, torch.get_num_threads()):
             got = torch.ops.llm_cpu.mkl_linear(x, packed, b, n, one_row)
             assert got.shape == (rows, n) and got.dtype == torch.float32
             # each sum's rounding: K terms of float32 products, |terms| ~ sqrt(K)
@@ -65,24 +66,42 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_or_the_threads(n: int, k: i
                            full[0][i:i + 1]), i
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES + [(128, 64), (96, 576)])
-def test_a_layer_takes_the_one_row_path_only_where_it_gives_the_same_bits(n: int,
-                                                                          k: int) -> None:
-    """The load-time check (one_row_agrees, 4 probe rows) holds for other rows: a layer's
-    lone row has the bits it has among 300, whichever path the check chose."""
-    layer = Linear(k, n, True, MklPackedMethod())
+def test_a_layer_takes_the_one_row_path_only_where_it_gives_the_same_bits(
+        n: int, k: int, bias: bool) -> None:
+    """The load-time check (one_row_threads, 4 probe rows) holds for other rows: a layer's
+    lone row has the bits it has among 300, whichever path the check chose, and at another
+    thread count (where the check did not run) a lone row runs as two."""
+    layer = Linear(k, n, bias, MklPackedMethod())
     g = torch.Generator().manual_seed(n * k)
     layer.weight = torch.nn.Parameter(torch.randn(n, k, generator=g), requires_grad=False)
-    layer.bias = torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
     layer.method.process(layer)
-    assert isinstance(layer.mkl_one_row, bool)
+    assert layer.mkl_one_row in (0, torch.get_num_threads())
     x = torch.randn(300, k, generator=g)
     full = layer(x)
     for i in range(0, 300, 13):
         assert torch.equal(layer(x[i:i + 1]), full[i:i + 1]), (i, layer.mkl_one_row)
-    if layer.mkl_one_row:  # (and the one-row path itself, called directly, agrees)
-        alone = torch.ops.llm_cpu.mkl_linear(x[:1], layer.mkl_weight, layer.bias, n, True)
+    if layer.mkl_one_row:  # (the one-row path itself, called directly, agrees)
+        alone = torch.ops.llm_cpu.mkl_linear(x[:1], layer.mkl_weight, layer.bias, n,
+                                             layer.mkl_one_row)
         assert torch.equal(alone, full[:1])
+    for lone in at_thread_counts(lambda: layer(x[:1]), (1, 3)):
+        assert torch.equal(lone, full[:1])
+
+
+def test_the_default_models_projections_take_the_one_row_path() -> None:
+    """What batch 1 in float32 runs: large outputs without a bias (on this kind of CPU; the
+    check may say otherwise elsewhere, and a lone row then runs as two, still right)."""
+    agreeing = []
+    for n, k in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
+        _, _, packed = _product(n, k, False)
+        agreeing.append(one_row_threads(packed, None, k, n) == torch.get_num_threads())
+    if not any(agreeing):
+        pytest.skip("MKL's one-row path rounds otherwise on this CPU")
+    assert all(agreeing)
 
 
 def test_no_rows_give_an_empty_result() -> None:
@@ -103,6 +122,8 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
         torch.ops.llm_cpu.mkl_linear(torch.randn(3, 20), packed, None, 37)
     with pytest.raises(RuntimeError, match="not mkl_pack's"):
         torch.ops.llm_cpu.mkl_linear(x, w, None, 37)
+    with pytest.raises(RuntimeError, match="copied or moved since mkl_pack made it"):
+        torch.ops.llm_cpu.mkl_linear(x, packed.clone(), None, 37)
     with pytest.raises(RuntimeError, match=r"bias must be float32 \[37\]"):
         torch.ops.llm_cpu.mkl_linear(x, packed, b[:5], 37)
 

@@ -100,8 +100,10 @@ def fetch_endpoints(address: str, key: str, timeout: float = 10.0) -> Endpoints:
         curve.connect_bootstrap(sock, address)
         # Not blocking: a peer that refuses the handshake at once drops the only pipe, and a
         # REQ socket without one would wait for ever.
-        sent = curve.send_now(sock, request)
-        if not sent or not sock.poll(int(timeout * 1000)):
+        if not curve.send_now(sock, request):
+            raise PipelineError(f"no pipeline answered at {address}: the peer refused the "
+                                "encrypted handshake")
+        if not sock.poll(int(timeout * 1000)):
             raise PipelineError(f"no pipeline answered at {address} within {timeout:g} s")
         answer = sock.recv()
     finally:

@@ -78,7 +78,10 @@ def join(address: str, kind: str, stage_key: str, model_path: str, host: str,
         curve.connect_bootstrap(sock, address)  # (encrypted; the frames prove the key)
 
         def ask(*frames: bytes) -> bytes:
-            if not curve.send_now(sock, list(frames)) or not sock.poll(int(timeout * 1000)):
+            if not curve.send_now(sock, list(frames)):
+                raise JoinError(f"no pipeline answered at {address}: the peer refused the "
+                                "encrypted handshake")
+            if not sock.poll(int(timeout * 1000)):
                 raise JoinError(f"no pipeline answered at {address} within {timeout:g} s")
             return bytes(sock.recv())
 

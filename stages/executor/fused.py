@@ -33,7 +33,7 @@ def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[
     if name in QUANTIZED_METHODS:
         return layer.tiles, layer.bias_f32, [QUANTIZED, layer.bits, layer.out_features]
     if name == "mkl-packed":
-        return layer.mkl_weight, layer.bias, [MKL, int(layer.mkl_one_row), layer.out_features]
+        return layer.mkl_weight, layer.bias, [MKL, layer.mkl_one_row, layer.out_features]
     if name == "amx-bf16":
         kind = AMX_GATED if layer.fused_gate else AMX
         return layer.amx_weight, layer.bias_f32, [kind, 0, layer.out_features]

@@ -201,8 +201,9 @@ class PagedLlama(nn.Module):
         # A prompt chunk's rows other than its last feed only the next layers (their keys and
         # values): past the last layer's attention, only the logits' rows are needed. Its
         # output projection and MLP then run on those rows alone (a 128-token prompt's
-        # prefill does 1/30 less of the default model's work), the same bits for them, as
-        # every product and kernel computes a row independently of the rows beside it.
+        # prefill does 1/30 less of the default model's work), the same bits for them where
+        # the products compute a row independently of the rows beside it (MKL, AMX, the
+        # quantized kernels; docs/ARCHITECTURE.md "The forward: eager or compiled").
         keep = (logits_indices if self.trim_last_layer
                 and logits_indices.shape[0] < x.shape[0] else None)
         layers = list(zip(self.model.layers, kv_caches, strict=True))

@@ -49,7 +49,7 @@ struct Ops {
                                       int64_t, bool)>
       amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                      int64_t, bool)>
+                                      int64_t, int64_t)>
       mkl_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       std::string_view, c10::List<std::optional<c10::Scalar>>,
@@ -79,7 +79,7 @@ const Ops& ops() {
                               bool)>(),
         d.findSchemaOrThrow("llm_cpu::mkl_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
-                              bool)>(),
+                              int64_t)>(),
         d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                               std::string_view, c10::List<std::optional<c10::Scalar>>,
@@ -95,8 +95,8 @@ at::Tensor project(const at::Tensor& x, const OptTensor& weight, const OptTensor
   if (spec[0] == kQuantized) {
     return ops().quantized_linear.call(x, *weight, bias, spec[1], spec[2]);
   }
-  if (spec[0] == kMkl) {  // (bits: whether one row alone may take MKL's one-row path)
-    return ops().mkl_linear.call(x.contiguous(), *weight, bias, spec[2], spec[1] != 0);
+  if (spec[0] == kMkl) {  // (bits: the thread count at which a lone row takes MKL's path)
+    return ops().mkl_linear.call(x.contiguous(), *weight, bias, spec[2], spec[1]);
   }
   if (spec[0] == kAmx || spec[0] == kAmxGated) {
     return ops().amx_linear.call(x.contiguous(), *weight, bias, spec[2], spec[0] == kAmxGated);

@@ -9,12 +9,13 @@
 //    any thread count.
 //  - Except one row alone: MKL takes another path for M = 1 whose sums round differently for
 //    small N (here N <= 128 at 2 threads), so a single row is computed as two (the same row
-//    twice), unless the caller says the one-row path agrees for this weight (`one_row`: the
-//    caller checked, linear/mkl.py); that path streams the weights 8-15% faster.
+//    twice), unless the caller found the one-row path to agree for this weight at the thread
+//    count running now (`one_row_threads`, linear/mkl.py); that path is 8-15% faster.
 // The symbols are looked up in the loaded libtorch_cpu at first use, so this library still
 // loads on a torch without MKL (aarch64 wheels); mkl_linear_available() says which.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <dlfcn.h>
 #include <torch/library.h>
 
@@ -58,9 +59,16 @@ int checked_int(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
-// The packed buffer opens with a header of kHeader floats (64 bytes, so MKL's part stays as
-// aligned as the tensor) whose first two hold N and K as int32: a product checks its shape.
-constexpr int64_t kHeader = 16;
+// The packed buffer (bytes, so no dtype cast of a module touches it) opens with a header of
+// kHeader bytes (so MKL's part stays as aligned as the tensor's 64 bytes): N and K, which a
+// product checks against its own, and the address MKL packed at. MKL's packed matrices are
+// not to be copied elsewhere; a moved one is refused rather than read.
+constexpr int64_t kHeader = 64;
+struct Header {
+  int32_t n, k;
+  uintptr_t packed_at;
+};
+static_assert(sizeof(Header) <= kHeader);
 
 // float32 [N, K] -> the header, then MKL's packed B for y = x W^T (as many bytes as MKL asks).
 at::Tensor mkl_pack(const at::Tensor& weight) {
@@ -71,47 +79,54 @@ at::Tensor mkl_pack(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int n = checked_int(w.size(0), "N"), k = checked_int(w.size(1), "K");
   const size_t bytes = lib->get_size(kBMatrix, kPackRows, n, k);
+  TORCH_CHECK(bytes >= static_cast<size_t>(n) * k * sizeof(float),
+              "mkl_pack: MKL asks ", bytes, " bytes to pack ", n, " x ", k, " floats");
   // (MKL asks for more than it writes, up to 5x for small N; pages it never touches are
   // never made resident.)
-  at::Tensor packed = at::empty({kHeader + static_cast<int64_t>((bytes + 3) / 4)}, w.options());
-  int32_t* header = reinterpret_cast<int32_t*>(packed.data_ptr<float>());
-  header[0] = n;
-  header[1] = k;
+  at::Tensor packed = at::empty({kHeader + static_cast<int64_t>(bytes)},
+                                w.options().dtype(at::kByte));
+  uint8_t* data = packed.data_ptr<uint8_t>();
+  *reinterpret_cast<Header*>(data) = Header{n, k, reinterpret_cast<uintptr_t>(data + kHeader)};
   lib->pack(kRowMajor, kBMatrix, kTrans, kPackRows, n, k, 1.0f, w.data_ptr<float>(), k,
-            packed.data_ptr<float>() + kHeader);
+            reinterpret_cast<float*>(data + kHeader));
   return packed;
 }
 
-// x [M, K] float32 -> x W^T + b [M, N], W packed by mkl_pack.
+// x [M, K] float32 -> x W^T + b [M, N], W packed by mkl_pack. A lone row takes MKL's one-row
+// path where `one_row_threads` is the thread count running now (the count at which the
+// caller found that path to agree; 0: never), else runs as two (see the top of the file).
 at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias, int64_t out_features,
-                      bool one_row) {
+                      int64_t one_row_threads) {
   const Mkl* lib = mkl();
   TORCH_CHECK(lib != nullptr, "mkl_linear: this torch has no MKL (cblas_sgemm_compute)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "mkl_linear: x must be contiguous float32 [M, K]");
   const int64_t rows = x.size(0);
   const int n = checked_int(out_features, "N"), k = checked_int(x.size(1), "K");
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 1 &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 &&
                   packed.numel() > kHeader && packed.is_contiguous(),
               "mkl_linear: the packed weight is not mkl_pack's");
-  const int32_t* header = reinterpret_cast<const int32_t*>(packed.data_ptr<float>());
-  TORCH_CHECK(header[0] == n && header[1] == k, "mkl_linear: the packed weight is ",
-              header[0], " x ", header[1], ", not ", n, " x ", k);
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  const Header& header = *reinterpret_cast<const Header*>(data);
+  TORCH_CHECK(header.n == n && header.k == k, "mkl_linear: the packed weight is ", header.n,
+              " x ", header.k, ", not ", n, " x ", k);
+  TORCH_CHECK(header.packed_at == reinterpret_cast<uintptr_t>(data + kHeader),
+              "mkl_linear: the packed weight was copied or moved since mkl_pack made it "
+              "(MKL's packed matrices stay where they were packed): pack it again");
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n,
                 "mkl_linear: the bias must be float32 [", n, "]");
   }
   if (rows == 0) return at::empty({0, n}, x.options());
-  // One row alone goes as two unless its own path agrees (see the top of the file).
-  const bool doubled = rows == 1 && !one_row;
+  const bool doubled = rows == 1 && one_row_threads != at::get_num_threads();
   const at::Tensor a = doubled ? x.expand({2, k}).contiguous() : x;
   const int m = checked_int(a.size(0), "M");
   at::Tensor y = at::empty({m, n}, x.options());  // (C: the bias, which sgemm adds to)
   if (bias.has_value()) y.copy_(bias->view({1, n}).expand({m, n}));
   lib->compute(kRowMajor, kNoTrans, kPacked, m, n, k, a.data_ptr<float>(), k,
-               packed.data_ptr<float>() + kHeader, k, bias.has_value() ? 1.0f : 0.0f,
-               y.data_ptr<float>(), n);
+               reinterpret_cast<const float*>(data + kHeader), k,
+               bias.has_value() ? 1.0f : 0.0f, y.data_ptr<float>(), n);
   return doubled ? y.narrow(0, 0, 1) : y;
 }
 
@@ -121,7 +136,7 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("mkl_linear_available() -> bool", &mkl_linear_available);
   m.def("mkl_pack(Tensor weight) -> Tensor");
   m.def("mkl_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, "
-        "bool one_row=False) -> Tensor");
+        "int one_row_threads=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {

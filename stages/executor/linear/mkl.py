@@ -9,7 +9,7 @@ products on MKL"). Packed once for 64 rows, the weight serves any number of rows
 row's result independent of the others in the call (the kernel's header says how), which
 batching and speculative decoding rely on. A row alone runs as two unless MKL's one-row
 path, 8-15% faster, is checked at load to give the same bits for the layer
-(`one_row_agrees`).
+(`one_row_threads`).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ class MklPackedMethod(LinearMethod):
             return
         packed = torch.ops.llm_cpu.mkl_pack(layer.weight.detach())
         del layer.weight
-        layer.register_buffer("mkl_weight", packed)
-        layer.mkl_one_row = one_row_agrees(packed, layer.bias, layer.in_features,
-                                           layer.out_features)
+        # (not in the state dict: MKL's packed bytes stay where they were packed, and the
+        # kernel refuses a copy)
+        layer.register_buffer("mkl_weight", packed, persistent=False)
+        layer.mkl_one_row = one_row_threads(packed, layer.bias, layer.in_features,
+                                            layer.out_features)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -60,14 +62,18 @@ class MklPackedMethod(LinearMethod):
         return y.view(*shape[:-1], y.shape[-1])
 
 
-def one_row_agrees(packed: torch.Tensor, bias: torch.Tensor | None, k: int, n: int,
-                   probes: int = 4) -> bool:
-    """Whether MKL's one-row path gives a row the bits it has among others, for this weight
-    and bias at this thread count (here it does for the default model's projections, not
-    for outputs of <= 128 columns nor with a bias): `probes` random rows, each alone against
-    all together. A different order of sums shows in nearly every one of the N outputs, so a
-    chance agreement is out of reach."""
+def one_row_threads(packed: torch.Tensor, bias: torch.Tensor | None, k: int, n: int,
+                    probes: int = 4) -> int:
+    """The thread count (this one) at which MKL's one-row path gives a row the bits it has
+    among others, for this weight and bias, or 0 where it does not (here it does for the
+    default model's projections, not for outputs of <= 128 columns nor with a bias):
+    `probes` random rows, each alone against all together. A different order of sums shows
+    in nearly every one of the N outputs, so a chance agreement is out of reach. The kernel
+    takes that path only at the thread count found."""
+    threads = torch.get_num_threads()
     x = torch.randn(probes, k, generator=torch.Generator().manual_seed(0))
     together = torch.ops.llm_cpu.mkl_linear(x, packed, bias, n)
-    return all(torch.equal(torch.ops.llm_cpu.mkl_linear(x[i:i + 1], packed, bias, n, True)[0],
-                           together[i]) for i in range(probes))
+    agrees = all(torch.equal(torch.ops.llm_cpu.mkl_linear(x[i:i + 1], packed, bias, n,
+                                                          threads)[0], together[i])
+                 for i in range(probes))
+    return threads if agrees else 0
