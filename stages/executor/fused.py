@@ -20,7 +20,7 @@ from stages.executor.linear.base import Linear
 
 PACKED, QUANTIZED, AMX, AMX_GATED, MKL = 0, 1, 2, 3, 4
 PER_LAYER = 10  # weights a layer: two norms, and a weight and a bias a projection
-SHARED, PER_LAYER_INTS = 3, 12  # the ints: heads, kv heads, head size; 3 a projection
+PER_LAYER_INTS = 12  # ints a layer: kind, bits, outputs a projection (after 3 shared)
 QUANTIZED_METHODS = ("int8", "int4", "gguf")
 
 
@@ -46,6 +46,9 @@ class FusedLayers:
     def __init__(self, weights: list[torch.Tensor | None], ints: list[int], eps: float,
                  scale: float) -> None:
         self.weights, self.ints, self.eps, self.scale = weights, ints, eps, scale
+        # all but the last layer's (PagedLlama.forward runs that one on some rows)
+        self.first_weights = weights[:-PER_LAYER]
+        self.first_ints = ints[:-PER_LAYER_INTS]
         self.op = torch.ops.llm_cpu.decoder_layers.default
 
     @classmethod
@@ -71,16 +74,15 @@ class FusedLayers:
         return cls(weights, ints, model.spec.eps, first.scale)
 
     def __call__(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
-                 layers: int | None = None) -> torch.Tensor:
-        """x [T, hidden] through every layer, or the first `layers` (in place); meta: the
+                 all_layers: bool = True) -> torch.Tensor:
+        """x [T, hidden] through every layer, or all but the last (in place); meta: the
         cpu_kernels backend's. (Short of the last, the last call's closing add leaves the next
         norm to that layer: the same bits.)"""
-        n = len(kv_caches) if layers is None else layers
-        if n == 0:
+        weights, ints = ((self.weights, self.ints) if all_layers
+                         else (self.first_weights, self.first_ints))
+        caches = kv_caches if all_layers else kv_caches[:-1]
+        if not caches:
             return x
-        weights, ints = self.weights, self.ints
-        if n < len(kv_caches):
-            weights, ints = weights[:n * PER_LAYER], ints[:SHARED + n * PER_LAYER_INTS]
-        return self.op(x, weights, ints, self.eps, self.scale, kv_caches[:n],
-                       meta.block_table, meta.token_slots, meta.positions, meta.rope_cos,
-                       meta.rope_sin, meta.window)
+        return self.op(x, weights, ints, self.eps, self.scale, caches, meta.block_table,
+                       meta.token_slots, meta.positions, meta.rope_cos, meta.rope_sin,
+                       meta.window)

@@ -206,16 +206,14 @@ class PagedLlama(nn.Module):
         # quantized kernels; docs/ARCHITECTURE.md "The forward: eager or compiled").
         keep = (logits_indices if self.trim_last_layer
                 and logits_indices.shape[0] < x.shape[0] else None)
-        layers = list(zip(self.model.layers, kv_caches, strict=True))
-        last = len(layers) - 1 if keep is not None else len(layers)
+        layers = self.model.layers
         if self.fused_layers is not None:  # the same kernels, in one call (fused.py)
-            x = self.fused_layers(x, kv_caches, meta, last)
+            x = self.fused_layers(x, kv_caches, meta, all_layers=keep is None)
         else:
-            for layer, kv_cache in layers[:last]:
-                x = layer(x, kv_cache, meta)
+            for i in range(len(layers) - (keep is not None)):
+                x = layers[i](x, kv_caches[i], meta)
         if keep is not None:
-            layer, kv_cache = layers[-1]
-            x = self.model.norm(layer(x, kv_cache, meta, keep))  # [S, hidden]
+            x = self.model.norm(layers[-1](x, kv_caches[-1], meta, keep))  # [S, hidden]
         else:
             x = self.model.norm(x[logits_indices])  # [S, hidden]
         logits = self.lm_head(x)  # [S, vocab], in the model's dtype (the sampler widens)

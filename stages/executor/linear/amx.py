@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from stages.executor import kernels
-from stages.executor.linear.base import Linear, LinearMethod
+from stages.executor.linear.base import Linear, LinearMethod, over_rows
 from stages.executor.linear.onednn import OneDnnPackedMethod
 
 PANEL = 32  # output columns a panel
@@ -85,8 +85,7 @@ class AmxMethod(LinearMethod):
         embedding's); the bias becomes float32, as the kernel adds it. A layer whose inputs
         are not a multiple of 32 takes oneDNN's packed weights."""
         if layer.in_features % CHUNK:
-            layer.method = OneDnnPackedMethod()
-            layer.method.process(layer)
+            OneDnnPackedMethod.take(layer)
             return
         weight = layer.weight.detach()
         bias = layer.bias.detach().float() if layer.bias is not None else None
@@ -113,8 +112,5 @@ class AmxMethod(LinearMethod):
 
     @staticmethod
     def _run(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.llm_cpu.amx_linear(x.reshape(-1, shape[-1]).contiguous(),
-                                         layer.amx_weight, layer.bias_f32,
-                                         layer.out_features, gated)
-        return y.view(*shape[:-1], y.shape[-1])
+        return over_rows(x, lambda rows: torch.ops.llm_cpu.amx_linear(
+            rows, layer.amx_weight, layer.bias_f32, layer.out_features, gated))

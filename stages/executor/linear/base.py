@@ -45,6 +45,14 @@ class LinearMethod(ABC):
         return silu_and_mul(self.apply(layer, x))
 
 
+def over_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """product(x as contiguous [T, in]) with x's leading dimensions put back: for the
+    kernels that take a 2-D input."""
+    shape = x.shape
+    y = product(x.reshape(-1, shape[-1]).contiguous())
+    return y.view(*shape[:-1], y.shape[-1])
+
+
 class Linear(nn.Module):
     """y = x W^T + b through `method`. Parameters as nn.Linear's (so checkpoints load by
     name); built on the meta device, filled by load_state_dict(assign=True)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from stages.executor import kernels
-from stages.executor.linear.base import Linear, LinearMethod
+from stages.executor.linear.base import Linear, LinearMethod, over_rows
 from stages.executor.linear.onednn import OneDnnPackedMethod
 
 
@@ -43,8 +43,7 @@ class MklPackedMethod(LinearMethod):
         embedding's). A layer of one output (MKL sums it by another path whose rows depend on
         each other) takes oneDNN's packed weights."""
         if layer.out_features < 2:
-            layer.method = OneDnnPackedMethod()
-            layer.method.process(layer)
+            OneDnnPackedMethod.take(layer)
             return
         packed = torch.ops.llm_cpu.mkl_pack(layer.weight.detach())
         del layer.weight
@@ -55,11 +54,8 @@ class MklPackedMethod(LinearMethod):
                                             layer.out_features)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.llm_cpu.mkl_linear(x.reshape(-1, shape[-1]).contiguous(),
-                                         layer.mkl_weight, layer.bias, layer.out_features,
-                                         layer.mkl_one_row)
-        return y.view(*shape[:-1], y.shape[-1])
+        return over_rows(x, lambda rows: torch.ops.llm_cpu.mkl_linear(
+            rows, layer.mkl_weight, layer.bias, layer.out_features, layer.mkl_one_row))
 
 
 def one_row_threads(packed: torch.Tensor, bias: torch.Tensor | None, k: int, n: int,

@@ -36,6 +36,13 @@ class OneDnnPackedMethod(LinearMethod):
             return f"oneDNN cannot pack {dtype} on this CPU"
         return None
 
+    @classmethod
+    def take(cls, layer: Linear) -> None:
+        """Give `layer` (its plain weight loaded) to this method: a format that cannot run
+        one of its layers hands it over here."""
+        layer.method = cls()
+        layer.method.process(layer)
+
     def process(self, layer: Linear) -> None:
         """The packed copy replaces the plain weight (a tied head's plain matrix stays the
         embedding's)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from stages.executor import kernels
-from stages.executor.linear.base import Linear, LinearMethod
+from stages.executor.linear.base import Linear, LinearMethod, over_rows
 
 BLOCK = 32
 PAIR = 64
@@ -257,11 +257,8 @@ class QuantizedMethod(LinearMethod):
         set_weight(layer, self.quantize(layer.weight.detach()))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.llm_cpu.quantized_linear(x.reshape(-1, shape[-1]).contiguous(),
-                                               layer.tiles, layer.bias_f32, layer.bits,
-                                               layer.out_features)
-        return y.view(*shape[:-1], y.shape[-1])
+        return over_rows(x, lambda rows: torch.ops.llm_cpu.quantized_linear(
+            rows, layer.tiles, layer.bias_f32, layer.bits, layer.out_features))
 
 
 def set_weight(layer: Linear, weight: QuantizedWeight) -> None:
