@@ -37,6 +37,36 @@ def test_greedy_matches_transformers(tiny_model_dir: Path, depth: int, budget: i
     assert engine.runner.cpu_kernels == kernels.available()
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the warm-up runs on the CPU kernels")
+def test_a_warmed_up_engine_gives_what_a_cold_one_gives(tiny_model_dir: Path) -> None:
+    """The executor's warm-up step (ModelRunner.warm_up, before it serves) fills the token
+    budget as far as the KV cache and the context allow, across slots and blocks that
+    requests take afterwards: greedy tokens and a seeded request with penalties (the slots'
+    sampling state and token counts) come out as from an engine that never warmed up."""
+    prompts = _prompts(tiny_model_dir)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=7, repetition_penalty=1.3,
+                             presence_penalty=0.5)
+
+    def engine(**kw: object) -> InProcessEngine:
+        return InProcessEngine(str(tiny_model_dir), max_num_seqs=8, block_size=4,
+                               eos_token_ids=_eos(tiny_model_dir), **kw)  # type: ignore[arg-type]
+
+    cold = engine(max_num_batched_tokens=256)
+    want = cold.generate(prompts, greedy), cold.generate(prompts, sampled)
+    # the budget, in rows of the context's length (64 tokens: 4 rows)
+    warm = engine(max_num_batched_tokens=256, max_model_len=64)
+    assert warm.runner.warm_up() == 256
+    assert warm.generate(prompts, greedy) == want[0]
+    assert warm.generate(prompts, sampled) == want[1]
+    assert warm.generate(prompts, greedy) == hf_greedy(tiny_model_dir, prompts, max_new_tokens=12)
+    # a KV cache smaller than the budget: as many tokens as its blocks hold
+    small = engine(max_num_batched_tokens=256, kv_cache_memory=1 << 16)
+    assert small.runner.num_blocks * 4 < 256
+    assert small.runner.warm_up() == small.runner.num_blocks * 4
+    assert small.generate(prompts[:2], greedy) == [want[0][0], want[0][1]]
+
+
 def test_greedy_matches_transformers_on_pytorch_ops_alone(tiny_model_dir: Path) -> None:
     """The eager forward without the CPU kernels (as on CUDA, or where none can be built)."""
     prompts = _prompts(tiny_model_dir)

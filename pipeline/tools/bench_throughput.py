@@ -174,6 +174,7 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype), device, limits,
                                   args.kv_cache_memory, args.compile,
                                   quantization=args.quantize)
+    runner.warm_up()  # (as the executor stage does before it serves)
     ring = local_buffers(step_input_specs(limits))
     ids_out: list[list[int]] = []
     start = time.perf_counter()

@@ -58,11 +58,13 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
         tp = TensorParallel.init(rank, ex.tensor_parallel_size,
                                  str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"), device,
                                  limits.vocab_size)
-    return ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
-                                ex.kv_cache_memory, ex.compile,
-                                graphs=ex.cuda_graphs and device.type == "cuda", tp=tp,
-                                quantization=ex.quantization,
-                                speculative=cfg.scheduler.speculative)
+    runner = ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
+                                  ex.kv_cache_memory, ex.compile,
+                                  graphs=ex.cuda_graphs and device.type == "cuda", tp=tp,
+                                  quantization=ex.quantization,
+                                  speculative=cfg.scheduler.speculative)
+    runner.warm_up()  # (before the stage says it is ready: the first requests find it warm)
+    return runner
 
 
 class Reporter:

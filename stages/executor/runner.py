@@ -20,7 +20,9 @@ from ipc.arch import read_config
 from ipc.config import EngineLimits
 from ipc.gguf_source import gguf_source
 from ipc.messages import StepPlan
+from ipc.sampling import GREEDY_SLOT
 from ipc.speculative import SpeculativeConfig
+from ipc.step import local_buffers, step_input_specs, write_step
 from stages.executor.backends.base import AttentionBackend, ForwardTables
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 from stages.executor.compile import CompileStats, compile_layers
@@ -233,6 +235,9 @@ class SlotState:
         return out
 
 
+WARM_UP_ROW = 256  # tokens a row of the warm-up step holds (more where the rows run out)
+
+
 class ModelRunner:
     """The real model path, through its attention backend (backends/select.py says which):
     compiled (padded steps, FlexAttention), the CPU kernels, or eager PyTorch. Compiled,
@@ -387,6 +392,38 @@ class ModelRunner:
         """prepare + compute, synchronously (tests, the in-process engine)."""
         step = self.prepare(plan, ring)
         return self.compute(step, step.packed.to(self.device))
+
+    def warm_up(self) -> int:
+        """On the CPU kernels' forward: one step of prompt rows as large as a step may be (the
+        token budget, as far as the KV cache holds it), run before the engine serves, so that
+        its first requests do not pay for the memory a large step's activations fault in
+        (kept afterwards: host_memory.py) nor for first calls. Its rows take slots 0, 1, ...
+        and blocks 0, 1, ... like any sequence; every one of them is set afresh when a request
+        takes it (new slots) and its KV rewritten before it is read. Every tensor-parallel
+        rank runs it alike. Returns the tokens run (0: not on this forward)."""
+        if not self.cpu_kernels:
+            return 0
+        limits, size = self.limits, self.limits.block_size
+        total = min(limits.max_num_batched_tokens, self.num_blocks * size)
+        # (rows of a prompt's usual length, not one long one whose attention would cost more)
+        per_row = min(limits.max_model_len, max(WARM_UP_ROW, -(-total // limits.max_num_seqs)))
+        lens = [min(per_row, total - lo) for lo in range(0, total, per_row)][:limits.max_num_seqs]
+        updates, block = [], 0
+        for slot, n in enumerate(lens):
+            for index in range(-(-n // size)):
+                updates.append((slot, index, block))
+                block += 1
+        ring = local_buffers(step_input_specs(limits))
+        slots = list(range(len(lens)))
+        plan = write_step(ring, 0, 0, input_ids=[t % limits.vocab_size for t in range(sum(lens))],
+                          seq_slots=slots, query_lens=lens, context_lens=lens,
+                          do_sample=[True] * len(lens), block_updates=updates,
+                          new_slots=[(slot, GREEDY_SLOT) for slot in slots], stop_ids=[])
+        began = time.perf_counter()
+        self.execute(plan, ring)
+        logger.info("warmed up: a step of %d prompt tokens in %.2f s", sum(lens),
+                    time.perf_counter() - began)
+        return sum(lens)
 
 
 def load_draft(cfg: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
