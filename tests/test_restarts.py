@@ -7,6 +7,7 @@ tiny model's tokenizer, the timed device (so streams last long enough to be cut)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -159,13 +160,21 @@ def test_a_killed_engine_stage_comes_back_and_fails_only_what_it_held(tiny_model
         client = pipe.client()
         old = dict(pipe.stage_pids)
 
+        streaming: set[int] = set()  # streams that have their first output
+        longer = dataclasses.replace(LONG, max_tokens=480)  # (~5 s: none ends before the kill)
+
         async def one(i: int) -> list[RequestOutput]:
-            return [out async for out in client.stream(f"stream {i}", LONG)]
+            outs = []
+            async for out in client.stream(f"stream {i}", longer):
+                streaming.add(i)
+                outs.append(out)
+            return outs
 
         async def scenario() -> tuple[list[list[RequestOutput]], list[str]]:
             tasks = [asyncio.create_task(one(i)) for i in range(32)]
-            while (client.status is None or client.status.scheduler is None
-                   or client.status.scheduler.num_running < 32):
+            deadline = time.monotonic() + 60
+            while len(streaming) < 32:  # every stream running
+                assert time.monotonic() < deadline, f"{len(streaming)} of 32 streams started"
                 await asyncio.sleep(0.02)
             os.kill(old[name], signal.SIGKILL)
             tasks.append(asyncio.create_task(one(32)))  # sent just after the death

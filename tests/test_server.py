@@ -493,10 +493,15 @@ def test_a_killed_api_worker_comes_back_and_its_requests_are_aborted(
         workers = [p for p in s.descendants() if "llm-pipeline:api:" in " ".join(p.cmdline())]
         victim = max(workers, key=lambda p: len(p.net_connections(kind="tcp")))
         title = " ".join(victim.cmdline())
+        known = {p.pid for p in s.descendants()}
         os.kill(victim.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 2
-        while not [p for p in s.descendants() if p.pid != victim.pid and cmdline(p) == title]:
+        deadline = time.monotonic() + 2  # started again (a new process) ...
+        while not [p for p in s.descendants() if p.pid not in known]:
             assert time.monotonic() < deadline, "the worker was not started again in 2 s"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 30  # ... which names itself once it has imported
+        while not [p for p in s.descendants() if p.pid != victim.pid and cmdline(p) == title]:
+            assert time.monotonic() < deadline, "the new process is not the dead worker's"
             time.sleep(0.02)
         for t in threads:
             t.join(timeout=90)
