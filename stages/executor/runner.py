@@ -407,12 +407,18 @@ class ModelRunner:
         total = min(limits.max_num_batched_tokens, self.num_blocks * size)
         # (rows of a prompt's usual length, not one long one whose attention would cost more)
         per_row = min(limits.max_model_len, max(WARM_UP_ROW, -(-total // limits.max_num_seqs)))
-        lens = [min(per_row, total - lo) for lo in range(0, total, per_row)][:limits.max_num_seqs]
-        updates, block = [], 0
-        for slot, n in enumerate(lens):
-            for index in range(-(-n // size)):
-                updates.append((slot, index, block))
-                block += 1
+        lens: list[int] = []
+        updates: list[tuple[int, int, int]] = []
+        left = total
+        while left > 0 and len(lens) < limits.max_num_seqs:
+            # (a row's last block partly filled: never more blocks than the cache holds)
+            n = min(per_row, left, (self.num_blocks - len(updates)) * size)
+            if n <= 0:
+                break
+            slot = len(lens)
+            updates += [(slot, index, len(updates) + index) for index in range(-(-n // size))]
+            lens.append(n)
+            left -= n
         ring = local_buffers(step_input_specs(limits))
         slots = list(range(len(lens)))
         plan = write_step(ring, 0, 0, input_ids=[t % limits.vocab_size for t in range(sum(lens))],
