@@ -1,14 +1,17 @@
 """The step protocol's shared memory, in one place (see docs/ARCHITECTURE.md, "The step
-protocol"): the layouts of the step-input ring (written by the scheduler, read by the executor)
-and the sampled-token ring (written by the executor, read by the scheduler), opening both,
-and writing and reading one step with its stamps. (What the executor makes of a step for its
-device is its own: stages/executor/staging.py.) Used by the launcher, both stages, the
-in-process engine and the benchmarks.
+protocol"): the one table of a step's fields (StepInputs), from which the step-input ring's
+layout, its writer (the scheduler's) and its reader (the executor's) derive; the sampled-token
+ring; opening both. (What the executor makes of a step for its device is its own:
+stages/executor/staging.py, which takes the table's `staged` fields as they are.) Used by the
+launcher, both stages, the in-process engine and the benchmarks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +21,7 @@ from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import NUM_F, NUM_I, SlotRow
 from ipc.shm import BufferSpec, SharedRing, unlink_segment
 
-# ---------------------------------------------------------------- the two rings
+# ---------------------------------------------------------------- a step's fields, declared once
 
 
 # A row's drafted position whose token the executor's draft model proposes (speculative
@@ -26,35 +29,118 @@ from ipc.shm import BufferSpec, SharedRing, unlink_segment
 DRAFT_TOKEN = -2
 
 
+@dataclass(frozen=True)
+class Count:
+    """One kind of entry a step holds: the StepPlan field that says how many this step has,
+    and the most any step may hold (the ring's capacity)."""
+
+    plan_field: str
+    most: Callable[[EngineLimits], int]
+
+
+TOKENS = Count("num_tokens", lambda lim: lim.max_num_batched_tokens)
+ROWS = Count("num_seqs", lambda lim: lim.max_num_seqs)  # one per sequence in the step
+BLOCK_UPDATES = Count("num_block_updates", lambda lim: lim.max_block_updates)
+NEW_SLOTS = Count("num_new_slots", lambda lim: lim.max_num_seqs)  # sequences taking a slot
+STOP_IDS = Count("num_stop_ids", lambda lim: lim.max_stop_ids)  # (slot, id) min_tokens masks
+PROMPT_LOGPROBS = Count("num_prompt_logprobs", lambda lim: lim.max_num_batched_tokens)
+COUNTS = (TOKENS, ROWS, BLOCK_UPDATES, NEW_SLOTS, STOP_IDS, PROMPT_LOGPROBS)
+
+
+def _per(count: Count, dtype: str, width: int = 0, *, staged: bool = False) -> Any:
+    """A field of the table: `count` entries of `dtype` (each `width` values wide when > 0).
+    staged: the executor hands it to its device as it is read (stages/executor/staging.py);
+    the others it derives its device's arrays from."""
+    return field(metadata={"step_field": (count, dtype, width, staged)})
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """THE table of a step's fields (one spelling each): the ring's buffers, what read_step
+    returns (copied out, integers as int64), and what write_step writes. A ROWS field is an
+    attribute of the same name of each StepRow; the other counts' fields are the columns, in
+    this order, of write_step's entry lists of that count. A new per-row field is one line
+    here and one in StepRow."""
+
+    input_ids: np.ndarray = _per(TOKENS, "int64")  # -1: the slot's last sample; DRAFT_TOKEN
+    seq_slot: np.ndarray = _per(ROWS, "int32")  # executor slot of each row
+    query_len: np.ndarray = _per(ROWS, "int32")  # tokens computed this step
+    context_len: np.ndarray = _per(ROWS, "int32")  # KV length after this step
+    do_sample: np.ndarray = _per(ROWS, "bool")  # sample after the row's last token
+    # speculative decoding: the row's last num_draft tokens are proposed, not known; the
+    # executor samples after each of its last num_draft + 1 tokens and accepts a prefix
+    num_draft: np.ndarray = _per(ROWS, "int32")
+    draft_kv: np.ndarray = _per(ROWS, "bool")  # a draft model keeps the row's KV (runs it too)
+    last_drafts: np.ndarray = _per(ROWS, "bool")  # if all stand, it may draft no more
+    adapter_id: np.ndarray = _per(ROWS, "int32")  # the row's LoRA adapter; 0: the base model
+    bt_slot: np.ndarray = _per(BLOCK_UPDATES, "int32", staged=True)  # block_table[slot,
+    bt_index: np.ndarray = _per(BLOCK_UPDATES, "int32", staged=True)  # index] = block
+    bt_block: np.ndarray = _per(BLOCK_UPDATES, "int32", staged=True)
+    new_slot: np.ndarray = _per(NEW_SLOTS, "int32", staged=True)  # taken by a sequence
+    new_fparams: np.ndarray = _per(NEW_SLOTS, "float32", NUM_F, staged=True)  # its sampling
+    new_iparams: np.ndarray = _per(NEW_SLOTS, "int64", NUM_I, staged=True)  # (ipc/sampling.py)
+    stop_slot: np.ndarray = _per(STOP_IDS, "int32", staged=True)  # ids min_tokens suppresses
+    stop_id: np.ndarray = _per(STOP_IDS, "int32", staged=True)
+    # prompt logprobs: the token (index in input_ids) whose logits score the next prompt
+    # token, and that token's id
+    plp_index: np.ndarray = _per(PROMPT_LOGPROBS, "int32", staged=True)
+    plp_target: np.ndarray = _per(PROMPT_LOGPROBS, "int32", staged=True)
+
+
+@dataclass(frozen=True)
+class StepField:
+    """One field of StepInputs, as its metadata declares it."""
+
+    name: str
+    count: Count
+    dtype: str
+    width: int  # values per entry (0: a scalar entry)
+    staged: bool
+
+    def shape(self, n: int) -> tuple[int, ...]:
+        return (n, self.width) if self.width else (n,)
+
+
+STEP_FIELDS = tuple(StepField(f.name, *f.metadata["step_field"]) for f in fields(StepInputs))
+
+
+@dataclass
+class StepRow:
+    """One sequence's row of a step, as a writer plans it: every ROWS field of StepInputs is
+    an attribute of it by the same name (checked below)."""
+
+    seq_slot: int
+    token_ids: list[int]  # the row's input_ids: -1 for a placeholder, DRAFT_TOKEN
+    context_len: int
+    do_sample: bool
+    num_draft: int = 0
+    draft_kv: bool = False
+    last_drafts: bool = False
+    adapter_id: int = 0
+
+    @property
+    def query_len(self) -> int:
+        return len(self.token_ids)
+
+
+def _check_rows() -> None:
+    have = {f.name for f in fields(StepRow)}
+    for f in STEP_FIELDS:
+        if f.count is ROWS and f.name not in have and not isinstance(
+                getattr(StepRow, f.name, None), property):
+            raise TypeError(f"StepInputs.{f.name} is per row: StepRow must have it")
+
+
+_check_rows()
+_ROW_GETTERS = tuple((f.name, operator.attrgetter(f.name)) for f in STEP_FIELDS
+                     if f.count is ROWS)
+
+# ---------------------------------------------------------------- the two rings
+
+
 def step_input_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
-    s, t, u = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_block_updates
-    return (
-        BufferSpec("stamp", "int64", (2,)),  # step id before / after the writer's writes
-        # -1: this slot's last sample; DRAFT_TOKEN: a draft the executor's draft model makes
-        BufferSpec("input_ids", "int64", (t,)),
-        BufferSpec("seq_slot", "int32", (s,)),  # executor slot of each row
-        BufferSpec("query_len", "int32", (s,)),  # tokens computed this step
-        BufferSpec("context_len", "int32", (s,)),  # KV length after this step
-        BufferSpec("do_sample", "bool", (s,)),  # sample after the row's last token
-        # speculative decoding: the row's last num_draft tokens are proposed, not known; the
-        # executor samples after each of its last num_draft + 1 tokens and accepts a prefix
-        BufferSpec("num_draft", "int32", (s,)),
-        # ... with a draft model: the draft model keeps the row's KV (runs its tokens too)
-        BufferSpec("draft_kv", "bool", (s,)),
-        BufferSpec("last_drafts", "bool", (s,)),
-        BufferSpec("bt_slot", "int32", (u,)),  # block_table[slot, index] = block
-        BufferSpec("bt_index", "int32", (u,)),
-        BufferSpec("bt_block", "int32", (u,)),
-        BufferSpec("new_slot", "int32", (s,)),  # sequences taking a slot this step
-        BufferSpec("new_fparams", "float32", (s, NUM_F)),  # their rows (ipc/sampling.py)
-        BufferSpec("new_iparams", "int64", (s, NUM_I)),
-        BufferSpec("stop_slot", "int32", (limits.max_stop_ids,)),  # ids min_tokens suppresses
-        BufferSpec("stop_id", "int32", (limits.max_stop_ids,)),
-        # prompt logprobs: the token (index in input_ids) whose logits score the next prompt
-        # token, and that token's id
-        BufferSpec("plp_index", "int32", (t,)),
-        BufferSpec("plp_target", "int32", (t,)),
-    )
+    return (BufferSpec("stamp", "int64", (2,)),  # step id before / after the writer's writes
+            *(BufferSpec(f.name, f.dtype, f.shape(f.count.most(limits))) for f in STEP_FIELDS))
 
 
 def sampled_specs(limits: EngineLimits) -> tuple[BufferSpec, ...]:
@@ -143,88 +229,48 @@ def check_stamp(buf: dict[str, np.ndarray], step_id: int) -> None:
 NewSlot = tuple[int, SlotRow]  # (executor slot, its encoded sampling parameters)
 
 
-def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int, *,
-               input_ids: list[int], seq_slots: list[int], query_lens: list[int],
-               context_lens: list[int], do_sample: list[bool],
-               block_updates: list[tuple[int, int, int]], new_slots: list[NewSlot],
-               stop_ids: list[tuple[int, int]],
-               grammars: list[SlotGrammar] | None = None,
-               prompt_logprobs: list[tuple[int, int]] | None = None,
-               num_drafts: list[int] | None = None,
-               draft_kv: list[bool] | None = None,
-               last_drafts: list[bool] | None = None) -> StepPlan:
-    """Lay a step's bulk inputs into ring slot `buf`; returns the plan that names them. The
-    stamp brackets the write, so a reader can tell a slot that is being rewritten."""
+def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
+               rows: Sequence[StepRow], *,
+               block_updates: Sequence[tuple[int, int, int]] = (),
+               new_slots: Sequence[NewSlot] = (),
+               stop_ids: Sequence[tuple[int, int]] = (),
+               prompt_logprobs: Sequence[tuple[int, int]] = (),
+               grammars: list[SlotGrammar] | None = None) -> StepPlan:
+    """Lay a step into ring slot `buf`; returns the plan that names it. `rows` give the ROWS
+    fields and the input ids; each entry list is the columns of its count's fields, in the
+    table's order: block_updates (slot, index, block), new_slots (slot, its encoded sampling
+    parameters), stop_ids (slot, token id), prompt_logprobs (index in input_ids, the prompt
+    token it scores). The stamp brackets the write, so a reader can tell a slot that is
+    being rewritten."""
     buf["stamp"][0] = step_id
-    num_seqs, num_tokens = len(seq_slots), len(input_ids)
-    buf["input_ids"][:num_tokens] = input_ids
-    buf["seq_slot"][:num_seqs] = seq_slots
-    buf["query_len"][:num_seqs] = query_lens
-    buf["context_len"][:num_seqs] = context_lens
-    buf["do_sample"][:num_seqs] = do_sample
-    buf["num_draft"][:num_seqs] = num_drafts if num_drafts is not None else 0
-    buf["draft_kv"][:num_seqs] = draft_kv if draft_kv is not None else False
-    buf["last_drafts"][:num_seqs] = last_drafts if last_drafts is not None else False
-    if block_updates:
-        updates = np.asarray(block_updates, dtype=np.int32)  # [n, 3]: slot, index, block
-        n = len(updates)
-        buf["bt_slot"][:n], buf["bt_index"][:n], buf["bt_block"][:n] = updates.T
-    for j, (slot, (floats, ints)) in enumerate(new_slots):
-        buf["new_slot"][j] = slot
-        buf["new_fparams"][j] = floats
-        buf["new_iparams"][j] = ints
-    if stop_ids:
-        pairs = np.asarray(stop_ids, dtype=np.int32)  # [m, 2]: slot, token id
-        buf["stop_slot"][:len(pairs)], buf["stop_id"][:len(pairs)] = pairs.T
-    if prompt_logprobs:
-        scored = np.asarray(prompt_logprobs, dtype=np.int32)  # [p, 2]: token index, target
-        buf["plp_index"][:len(scored)], buf["plp_target"][:len(scored)] = scored.T
+    input_ids = [t for r in rows for t in r.token_ids]
+    buf["input_ids"][:len(input_ids)] = input_ids
+    for name, get in _ROW_GETTERS:
+        buf[name][:len(rows)] = list(map(get, rows))
+    entries: dict[Count, Sequence[tuple[Any, ...]]] = {
+        BLOCK_UPDATES: block_updates, NEW_SLOTS: [(s, f, i) for s, (f, i) in new_slots],
+        STOP_IDS: stop_ids, PROMPT_LOGPROBS: prompt_logprobs}
+    for count, values in entries.items():
+        if values:
+            own = [f.name for f in STEP_FIELDS if f.count is count]
+            for name, column in zip(own, zip(*values, strict=True), strict=True):
+                buf[name][:len(values)] = column
     buf["stamp"][1] = step_id
-    return StepPlan(step_id, ring_slot, num_seqs, num_tokens, len(block_updates),
-                    len(new_slots), len(stop_ids), grammars or [], len(prompt_logprobs or ()))
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One step's arrays, copied out of its ring slot (int64 indices)."""
-
-    input_ids: np.ndarray  # [T], -1: placeholder
-    seq_slots: np.ndarray  # [S]
-    query_lens: np.ndarray  # [S]
-    context_lens: np.ndarray  # [S]
-    do_sample: np.ndarray  # [S] bool
-    num_draft: np.ndarray  # [S] proposed tokens at the end of each row
-    draft_kv: np.ndarray  # [S] bool: the draft model keeps the row's KV
-    last_drafts: np.ndarray  # [S] bool: if all stand, the row's sequence may draft no more
-    bt_slot: np.ndarray  # [U]
-    bt_index: np.ndarray  # [U]
-    bt_block: np.ndarray  # [U]
-    new_slots: np.ndarray  # [N]
-    new_fparams: np.ndarray  # [N, NUM_F] float32
-    new_iparams: np.ndarray  # [N, NUM_I]
-    stop_slots: np.ndarray  # [M]
-    stop_ids: np.ndarray  # [M]
-    plp_index: np.ndarray  # [P] tokens whose logits score a prompt token
-    plp_target: np.ndarray  # [P] the token each scores
+    sizes = {TOKENS: len(input_ids), ROWS: len(rows)} | {c: len(v) for c, v in entries.items()}
+    return StepPlan(step_id=step_id, ring_slot=ring_slot, grammars=grammars or [],
+                    **{c.plan_field: n for c, n in sizes.items()})
 
 
 def read_step(buf: dict[str, np.ndarray], plan: StepPlan) -> StepInputs:
-    """Copy step `plan` out of ring slot `buf`. The stamps are checked before and after the
-    copy: a slot rewritten meanwhile raises RingRaceError instead of feeding garbage."""
+    """Copy step `plan` out of ring slot `buf` (integers as int64). The stamps are checked
+    before and after the copy: a slot rewritten meanwhile raises RingRaceError instead of
+    feeding garbage."""
     check_stamp(buf, plan.step_id)
-    s, u, n, m = plan.num_seqs, plan.num_block_updates, plan.num_new_slots, plan.num_stop_ids
-
-    def ints(name: str, count: int) -> np.ndarray:
-        return buf[name][:count].astype(np.int64)  # a copy
-
-    inputs = StepInputs(
-        ints("input_ids", plan.num_tokens), ints("seq_slot", s), ints("query_len", s),
-        ints("context_len", s), buf["do_sample"][:s].copy(), ints("num_draft", s),
-        buf["draft_kv"][:s].copy(), buf["last_drafts"][:s].copy(), ints("bt_slot", u),
-        ints("bt_index", u), ints("bt_block", u), ints("new_slot", n),
-        buf["new_fparams"][:n].copy(), ints("new_iparams", n), ints("stop_slot", m),
-        ints("stop_id", m), ints("plp_index", plan.num_prompt_logprobs),
-        ints("plp_target", plan.num_prompt_logprobs))
+    columns = {}
+    for f in STEP_FIELDS:
+        values = buf[f.name][:getattr(plan, f.count.plan_field)]
+        columns[f.name] = values.astype(np.int64) if values.dtype.kind == "i" else values.copy()
+    inputs = StepInputs(**columns)
     check_stamp(buf, plan.step_id)
     return inputs
 

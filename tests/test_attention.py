@@ -27,6 +27,7 @@ from stages.executor.backends.torch_sdpa import (
     group_by_length,
     paged_attention,
 )
+from stages.executor.staging import DeviceStep
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 96
 
@@ -117,8 +118,8 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl
                               views["positions"], ones, zeros, 0)
         out = kernel_paged_attention(q, k, v, kv_cache, meta, scale)
     else:
-        meta = build_attention_metadata(views, group_by_length(ctx_lens[decode]), prefills,
-                                        block_table, BLOCK)
+        meta = build_attention_metadata(DeviceStep(views), group_by_length(ctx_lens[decode]),
+                                        prefills, block_table, BLOCK)
         out = paged_attention(q, k, v, kv_cache, meta, scale)
     for r, (c, n) in enumerate(rows):
         want = reference(q[starts[r]:ends[r]], seq_k[r], seq_v[r], list(range(c - n, c)), scale)
@@ -150,7 +151,7 @@ def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                dtype=torch.int32)])
     views = {name: torch.from_numpy(a) for name, a in padded.items()}
     num_tokens, num_pad = len(padded["input_ids"]), len(padded["input_ids"]) - len(rows)
-    meta = build_flex_metadata(views, table, BLOCK, NUM_BLOCKS, per_row)
+    meta = build_flex_metadata(DeviceStep(views), table, BLOCK, NUM_BLOCKS, per_row)
     pad = torch.zeros(num_pad, *k.shape[1:])
     attend = torch.compile(flex_paged_attention, dynamic=False, fullgraph=True)
     out = attend(torch.cat([q, torch.zeros(num_pad, *q.shape[1:])]), torch.cat([k, pad]),

@@ -88,7 +88,7 @@ def _step(backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     forward = {"input_ids": np.zeros(len(positions), np.int64), "positions": positions,
                "token_slots": np.repeat(slots, q_lens)}
     host = backend.host_inputs(StepRows(q_lens, ctx, slots, starts, forward))
-    assert set(host.arrays) - set(forward) == {f.name for f in backend.staging_fields}
+    assert set(host.arrays) - set(forward) == set(backend.staging_fields.names())
     layout = StagingLayout(backend.staging_fields)
     arrays = {f.name: np.zeros(0, np.int64) for f in layout.fields}
     arrays.update(forward)
@@ -102,7 +102,7 @@ def _step(backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     backend.bind(ForwardTables(table, cos, sin, NUM_BLOCKS))
     meta = backend.metadata(v, host.plan)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    n, pad = len(positions), len(v["positions"]) - len(positions)  # (the compiled one pads)
+    n, pad = len(positions), len(v.positions) - len(positions)  # (the compiled one pads)
     q, k, val = (torch.cat([torch.randn(n, heads, HEAD_DIM, generator=gen),
                             torch.zeros(pad, heads, HEAD_DIM)])
                  for heads in (HEADS, KV_HEADS, KV_HEADS))

@@ -24,6 +24,7 @@ from stages.executor.backends.torch_sdpa import (
     paged_attention,
 )
 from stages.executor.model import RMSNorm
+from stages.executor.staging import DeviceStep
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
 
@@ -67,7 +68,8 @@ def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
     groups = [DecodeGroup(0, len(decode), max(rows[i][0] for i in decode))]
     prefills = [PrefillRow(int(starts[i]), int(starts[i + 1]), i, c)
                 for i, (c, q) in enumerate(rows) if q > 1]
-    meta = build_attention_metadata(views, groups, prefills, table, block, window)
+    meta = build_attention_metadata(DeviceStep(views), groups, prefills, table, block,
+                                    window)
     return q, k, v, kv_cache, table, slots, positions, meta
 
 

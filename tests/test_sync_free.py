@@ -21,6 +21,7 @@ from ipc.model_info import ModelInfo
 from ipc.sampling import GREEDY_SLOT
 from stages.executor.backends.flex import build_flex_metadata
 from stages.executor.sampler import SamplingState
+from stages.executor.staging import DeviceStep
 from stages.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,7 +106,7 @@ def test_flex_metadata_is_sync_free(tiny_model_dir: Path) -> None:
          "query_rows": torch.tensor([1, 2, 3, 4, 5, 9]),
          "qblock_slots": torch.tensor([0, 1, 2]), "qblock_pages": torch.tensor([1, 0, 4])}
     with no_host_sync():
-        meta = build_flex_metadata(v, block_table, 4, 33)
+        meta = build_flex_metadata(DeviceStep(v), block_table, 4, 33)
     assert meta.slot_mapping.tolist() == [4 * 1 + 1, 4 * 1 + 2, 4 * 1 + 3, 4 * 8, 4 * 8 + 1,
                                           4 * 20 + 1]
 

@@ -21,7 +21,7 @@ from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerCo
 from ipc.messages import ChatMessage, SamplingParams
 from ipc.model_info import ModelInfo
 from ipc.sampling import GREEDY_SLOT
-from ipc.step import local_buffers, step_input_specs, write_step
+from ipc.step import StepRow, local_buffers, step_input_specs, write_step
 from pipeline.tools.bench_peers import PeerError, run_llama_cpp, run_vllm_cpu
 from pipeline.tools.bench_types import EngineResult, Workload
 from pipeline.tools.datasets import copy_prompts, random_prompts, synthetic_chat
@@ -214,10 +214,10 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
         if taken > runner.num_blocks:
             raise RuntimeError(f"the limit's batch needs {taken} KV blocks, the cache holds "
                                f"{runner.num_blocks}: raise --kv-cache-memory")
-        plan = write_step(ring, step, 0, input_ids=ids, seq_slots=rows, query_lens=q,
-                          context_lens=[ctx[i] for i in rows], do_sample=[True] * len(rows),
-                          block_updates=updates, new_slots=greedy if step == 0 else [],
-                          stop_ids=[])
+        starts = np.cumsum([0, *q]).tolist()
+        plan = write_step(ring, step, 0, [
+            StepRow(i, ids[starts[j]:starts[j + 1]], ctx[i], True) for j, i in enumerate(rows)],
+            block_updates=updates, new_slots=greedy if step == 0 else [])
         for i, token in zip(rows, runner.execute(plan, ring).tokens.tolist(), strict=True):
             outs[i].append(token)
         step += 1

@@ -42,7 +42,7 @@ from ipc.step import DRAFT_TOKEN
 from stages.executor.backends.base import ForwardTables, StepRows
 from stages.executor.model import PagedLlama
 from stages.executor.sampler import SampleOutput, greedy_tokens
-from stages.executor.staging import PackedField, per_sampled, per_seq
+from stages.executor.staging import DeviceStep, Staged, StagedFields, per_sampled, per_seq
 from stages.trace import now_ns
 
 PREV_TOKEN = -3  # in pass 1's ids: the token before the slot's last sample
@@ -52,15 +52,16 @@ def _per_draft_token(lim: EngineLimits) -> int:
     return lim.max_num_batched_tokens + lim.max_num_seqs  # each row's tokens, and a lead
 
 
-DRAFT_FIELDS = (
+class DraftFields(StagedFields):
+    """A draft model's packed fields (after the common ones)."""
+
     # pass 1: every row's known tokens (-1: the slot's last sample), a decode row's led by
     # the one before (PREV_TOKEN), with their positions and slots
-    PackedField("draft_ids", "int64", _per_draft_token),
-    PackedField("draft_positions", "int64", _per_draft_token),
-    PackedField("draft_slots", "int64", _per_draft_token),
-    PackedField("draft_last", "int64", per_seq),  # [R] each drafted row's last, in pass 1
-    PackedField("spec_at", "int64", per_sampled),  # [R, K] each draft's index in input_ids
-)
+    draft_ids = Staged("int64", _per_draft_token)
+    draft_positions = Staged("int64", _per_draft_token)
+    draft_slots = Staged("int64", _per_draft_token)
+    draft_last = Staged("int64", per_seq)  # [R] each drafted row's last, in pass 1
+    spec_at = Staged("int64", per_sampled)  # [R, K] each draft's index in input_ids
 
 
 @dataclass
@@ -113,18 +114,19 @@ class Drafter:
 
     # ------------------------------------------------------------ device
 
-    def propose(self, v: dict[str, torch.Tensor], ids: torch.Tensor, last_sampled: torch.Tensor,
+    def propose(self, v: DeviceStep, ids: torch.Tensor, last_sampled: torch.Tensor,
                 width: int, last_drafts: bool = False) -> torch.Tensor:
         """Run the draft passes of a step whose drafted rows carry up to `width` placeholders;
-        returns the step's input ids with the drafts written in, and sets v["spec_draft"] to
+        returns the step's input ids with the drafts written in, and sets v.spec_draft to
         them (-1 past a row's own), as the verification reads it. last_drafts: if a row's drafts
         all stand, its sequence may draft no more (no passes are run ahead of the next step)."""
         ahead, self._ahead, self._drafted, self._next = self._ahead, None, None, None
         self.began_ns = None
-        slots, d_ids = v["draft_slots"], v["draft_ids"]
+        own_fields = DraftFields(v.views)
+        slots, d_ids = own_fields.draft_slots, own_fields.draft_ids
         if not len(d_ids):  # (no row's KV is the draft model's)
             return ids
-        positions, last = v["draft_positions"], v["draft_last"]
+        positions, last = own_fields.draft_positions, own_fields.draft_last
         resolved = torch.where(d_ids == -1, last_sampled[slots],
                                torch.where(d_ids == PREV_TOKEN, self.prev[slots], d_ids))
         if ahead is not None and width and _same_pass(ahead.pass1, (resolved, positions, slots,
@@ -137,10 +139,10 @@ class Drafter:
             if not width:
                 return ids
             drafts = [token]
-        own = v["spec_draft"].view(-1, width) == DRAFT_TOKEN  # [R, K]
+        own = v.spec_draft.view(-1, width) == DRAFT_TOKEN  # [R, K]
         num_own = own.sum(dim=1)
         rows = torch.arange(len(last), device=ids.device)
-        start, row_slots = positions[last], v["spec_slots"]
+        start, row_slots = positions[last], v.spec_slots
         if not last_drafts:  # (else the next step most likely runs none of these rows)
             self._drafted = (row_slots.clone(), start.clone())  # (staging views)
         token = drafts[-1]
@@ -151,8 +153,8 @@ class Drafter:
                                   rows)
             drafts.append(token)
         proposed = torch.where(own, torch.stack(drafts, dim=1), -1)
-        v["spec_draft"] = proposed.view(-1)
-        at = v["spec_at"].view(-1, width)
+        v.spec_draft = proposed.view(-1)
+        at = own_fields.spec_at.view(-1, width)
         ids = ids.clone()
         ids[at] = torch.where(own, proposed, ids[at])
         return ids
@@ -204,23 +206,23 @@ class Drafter:
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  wanted: torch.Tensor) -> torch.Tensor:
         """A draft pass: the draft model's greedy token [len(wanted)] at the wanted rows."""
-        meta = self.backend.metadata({"token_slots": slots, "positions": positions}, None)
+        meta = self.backend.metadata(DeviceStep.of(token_slots=slots, positions=positions), None)
         return greedy_tokens(self.model(ids, self.kv_caches, meta, wanted))
 
-    def keep_prev(self, v: dict[str, torch.Tensor], ids: torch.Tensor, out: SampleOutput,
+    def keep_prev(self, v: DeviceStep, ids: torch.Tensor, out: SampleOutput,
                   width: int) -> None:
         """Each sampled slot's token before its new last sample: the input whose logits
         sampled it (a drafted row: the input at its last standing position)."""
-        inputs = v["logits_indices"]
-        self.prev[v["sample_slots"]] = ids[inputs]
+        inputs = v.logits_indices
+        self.prev[v.sample_slots] = ids[inputs]
         drafted, self._drafted = self._drafted, None
         if drafted is not None and out.accepted is not None and not self._ended(out,
                                                                                  ids[inputs]):
             self._next = (drafted[0], drafted[1] + out.accepted.long())
         if width and out.accepted is not None:
-            where = v["spec_sampled"].view(-1, width + 1)
+            where = v.spec_sampled.view(-1, width + 1)
             last = where.gather(1, (out.accepted.long() - 1).unsqueeze(1)).squeeze(1)
-            self.prev[v["spec_slots"]] = ids[inputs[last]]
+            self.prev[v.spec_slots] = ids[inputs[last]]
 
 
 def _same_pass(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from stages.executor.backends.base import AttentionBackend
-from stages.executor.staging import StagingLayout
+from stages.executor.staging import DeviceStep, StagingLayout
 from stages.executor.step_inputs import HostStep
 
 logger = logging.getLogger(__name__)
 
 # forward(static input views, static wanted rows) -> logits [bucket, V] (the model's dtype)
-GraphForward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+GraphForward = Callable[[DeviceStep, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -66,8 +66,8 @@ class _BucketGraph:
         with torch.inference_mode(False):
             self.inputs = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
             self.wanted = torch.zeros(counts["input_ids"], dtype=torch.int64, device=device)
-        self.views = {name: self.inputs[offset:offset + count * 8].view(torch.int64)
-                      for name, (offset, count, _) in where.items() if name in fields}
+        self.views = DeviceStep({name: self.inputs[offset:offset + count * 8].view(torch.int64)
+                                 for name, (offset, count, _) in where.items() if name in fields})
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -96,7 +96,7 @@ class DecodeGraphs:
     def eligible(self, step: HostStep) -> bool:
         """The steps the backend replays (decode-only ones: their sizes are one bucket
         each)."""
-        return self.backend.graph_eligible(step.decode_only, step.counts["plp_indices"])
+        return self.backend.graph_eligible(step.decode_only, step.counts["plp_index"])
 
     def run(self, step: HostStep, packed: torch.Tensor, wanted: torch.Tensor
             ) -> torch.Tensor | None:

@@ -22,11 +22,11 @@ from ipc.gguf_source import gguf_source
 from ipc.messages import StepPlan
 from ipc.sampling import GREEDY_SLOT
 from ipc.speculative import SpeculativeConfig
-from ipc.step import local_buffers, step_input_specs, write_step
+from ipc.step import StepRow, local_buffers, step_input_specs, write_step
 from stages.executor.backends.base import AttentionBackend, ForwardTables
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 from stages.executor.compile import CompileStats, compile_layers
-from stages.executor.drafter import DRAFT_FIELDS, Drafter
+from stages.executor.drafter import Drafter, DraftFields
 from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.host_memory import keep_freed_memory
@@ -41,7 +41,7 @@ from stages.executor.sampler import (
     accept_drafts,
     score_prompt,
 )
-from stages.executor.staging import StagingLayout
+from stages.executor.staging import DeviceStep, StagedFields, StagingLayout
 from stages.executor.step_inputs import HostStep, prepare_host_step
 from stages.grammar import Grammars, words_per_row
 
@@ -85,8 +85,9 @@ class SlotState:
                  backend: AttentionBackend | None = None, pad_block: int = 0,
                  grammars: Grammars | None = None, drafting: bool = False) -> None:
         self.device, self.limits, self.backend = device, limits, backend
-        self.layout = StagingLayout(backend.staging_fields if backend is not None else (),
-                                    DRAFT_FIELDS if drafting else ())
+        self.layout = StagingLayout(
+            backend.staging_fields if backend is not None else StagedFields,
+            DraftFields if drafting else StagedFields)
         self.drafter: Drafter | None = None  # set by a runner with a draft model
         n = limits.max_num_seqs
         self.block_table = torch.zeros(n + 1, limits.max_blocks_per_seq, dtype=torch.int32,
@@ -127,27 +128,27 @@ class SlotState:
         return prepare_host_step(plan, ring, self.staging[plan.ring_slot], self.host_params,
                                  self.layout, self.backend, self.drafter)
 
-    def resolve_ids(self, v: dict[str, torch.Tensor]) -> torch.Tensor:
+    def resolve_ids(self, v: DeviceStep) -> torch.Tensor:
         """The step's input ids [T], placeholders resolved from each slot's last sample."""
-        ids = v["input_ids"]
-        return torch.where(ids < 0, self.last_sampled[v["token_slots"]], ids)
+        ids = v.input_ids
+        return torch.where(ids < 0, self.last_sampled[v.token_slots], ids)
 
-    def apply(self, step: HostStep, v: dict[str, torch.Tensor],
+    def apply(self, step: HostStep, v: DeviceStep,
               resolve: bool = True) -> torch.Tensor | None:
         """Apply the step's slot changes on the device; returns its input ids [T] with
         placeholders resolved (and counted for penalties), or None when not `resolve` and
         no penalty needs them (a graph resolves its own)."""
         if step.counts["bt_slot"]:
-            self.block_table[v["bt_slot"], v["bt_index"]] = v["bt_block"].int()
-        if step.counts["new_slots"]:
-            self.sampling.init_slots(v["new_slots"], v["new_fparams"], v["new_iparams"],
-                                     v["stop_slots"], v["stop_ids"])
+            self.block_table[v.bt_slot, v.bt_index] = v.bt_block.int()
+        if step.counts["new_slot"]:
+            self.sampling.init_slots(v.new_slot, v.new_fparams, v.new_iparams,
+                                     v.stop_slot, v.stop_id)
         if not (resolve or step.sampling.use_penalties):
             return None
         ids = self.resolve_ids(v)
         if step.sampling.use_penalties:
             real = slice(0, step.num_tokens)  # not the padding
-            self.sampling.count_tokens(ids[real], v["token_slots"][real], v["positions"][real])
+            self.sampling.count_tokens(ids[real], v.token_slots[real], v.positions[real])
         return ids
 
     def start_grammar(self, step: HostStep) -> Future[GrammarMask] | None:
@@ -177,7 +178,7 @@ class SlotState:
                 arrived.synchronize()
             m.consume(slots, tokens.numpy(), stands.numpy() if stands is not None else None)
         given = {g.slot: g for g in step.plan.grammars}
-        for slot in step.new_slots.tolist():
+        for slot in step.new_slot.tolist():
             g = given.get(slot)
             m.admit(slot, g.grammar if g else "", g.output_ids if g else ())
         rows, slots = m.rows(step.sample_slots)
@@ -187,20 +188,20 @@ class SlotState:
         staged.numpy()[:] = rows
         return slots, staged, m.fill(slots, self._bitmasks[step.plan.ring_slot], step.drafts)
 
-    def keep_last(self, step: HostStep, v: dict[str, torch.Tensor], out: SampleOutput) -> None:
+    def keep_last(self, step: HostStep, v: DeviceStep, out: SampleOutput) -> None:
         """Each sampled slot's last sample (the next step's placeholder); for a row with
         drafts, the sample after the drafts it accepts (out.accepted says how many stand)."""
-        self.last_sampled[v["sample_slots"]] = out.tokens  # (a row with drafts: fixed below)
+        self.last_sampled[v.sample_slots] = out.tokens  # (a row with drafts: fixed below)
         if step.spec_width:
             out.accepted, last, out.stands = accept_drafts(
-                out.tokens, v["spec_sampled"], v["spec_draft"], step.spec_width)
-            self.last_sampled[v["spec_slots"]] = last
+                out.tokens, v.spec_sampled, v.spec_draft, step.spec_width)
+            self.last_sampled[v.spec_slots] = last
 
-    def sample(self, step: HostStep, v: dict[str, torch.Tensor], logits: torch.Tensor,
+    def sample(self, step: HostStep, v: DeviceStep, logits: torch.Tensor,
                grammar_work: Future[GrammarMask] | None = None) -> SampleOutput:
         """Sample the step's rows; grammar_work: from start_grammar, awaited here (the
         forward has run meanwhile)."""
-        slots = v["sample_slots"]
+        slots = v.sample_slots
         work = None
         if grammar_work is not None:
             try:
@@ -214,7 +215,7 @@ class SlotState:
             _, rows, bitmask = work
             mask = (rows.to(self.device, non_blocking=True),
                     bitmask.to(self.device, non_blocking=True))
-        out = self.sampling.sample(logits, slots, v["positions"][v["logits_indices"]],
+        out = self.sampling.sample(logits, slots, v.positions[v.logits_indices],
                                    step.sampling, mask)
         self.keep_last(step, v, out)
         if work is not None and mask is not None:
@@ -342,15 +343,15 @@ class ModelRunner:
                                        step.last_drafts)
         if graph:
             assert self.graphs is not None
-            logits = self.graphs.run(step, packed, v["logits_indices"])
+            logits = self.graphs.run(step, packed, v.logits_indices)
             if logits is not None:
                 return self.slots.sample(step, v, logits, grammar_work)
         if ids is None:  # (its bucket's first step: the ordinary path)
             ids = self.slots.resolve_ids(v)
         meta = self.backend.metadata(v, step.attn_plan)
-        wanted, num_scored = v["logits_indices"], step.counts["plp_indices"]
+        wanted, num_scored = v.logits_indices, step.counts["plp_index"]
         if num_scored:  # prompt logprobs: the logits of the positions that score them too
-            wanted = torch.cat([wanted, v["plp_indices"]])
+            wanted = torch.cat([wanted, v.plp_index])
         logits = self.model(ids, self.kv_caches, meta, wanted)
         num_sampled = step.counts["logits_indices"]
         if logits is None:  # a tensor-parallel rank other than 0: its samples come from 0
@@ -360,9 +361,9 @@ class ModelRunner:
             self.drafter.keep_prev(v, ids, out, step.spec_width)
             out.began_ns = self.drafter.began_ns
         if self.tp is not None:  # what the other ranks keep as these slots' last samples
-            self.tp.broadcast(self.slots.last_sampled[v["sample_slots"]])
+            self.tp.broadcast(self.slots.last_sampled[v.sample_slots])
         if num_scored:
-            out.prompt = score_prompt(logits[num_sampled:], v["plp_targets"])
+            out.prompt = score_prompt(logits[num_sampled:], v.plp_target)
         return out
 
     @torch.inference_mode()
@@ -373,15 +374,15 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.work_ahead(self.slots.last_sampled, came)
 
-    def _follow(self, v: dict[str, torch.Tensor]) -> SampleOutput:
+    def _follow(self, v: DeviceStep) -> SampleOutput:
         assert self.tp is not None
-        slots = v["sample_slots"]
+        slots = v.sample_slots
         tokens = self.tp.broadcast(torch.empty(len(slots), dtype=torch.int64,
                                                device=self.device))
         self.slots.last_sampled[slots] = tokens
         return SampleOutput(tokens)
 
-    def _graph_forward(self, v: dict[str, torch.Tensor], wanted: torch.Tensor) -> torch.Tensor:
+    def _graph_forward(self, v: DeviceStep, wanted: torch.Tensor) -> torch.Tensor:
         """A decode step's forward from a graph's static inputs (graphs.py): placeholder ids
         resolved from the last samples, the metadata, the model, the wanted rows' logits."""
         ids = self.slots.resolve_ids(v)
@@ -420,11 +421,12 @@ class ModelRunner:
             lens.append(n)
             left -= n
         ring = local_buffers(step_input_specs(limits))
-        slots = list(range(len(lens)))
-        plan = write_step(ring, 0, 0, input_ids=[t % limits.vocab_size for t in range(sum(lens))],
-                          seq_slots=slots, query_lens=lens, context_lens=lens,
-                          do_sample=[True] * len(lens), block_updates=updates,
-                          new_slots=[(slot, GREEDY_SLOT) for slot in slots], stop_ids=[])
+        ids = [t % limits.vocab_size for t in range(sum(lens))]
+        starts = np.cumsum([0, *lens]).tolist()
+        rows = [StepRow(slot, ids[starts[slot]:starts[slot + 1]], n, True)
+                for slot, n in enumerate(lens)]
+        plan = write_step(ring, 0, 0, rows, block_updates=updates,
+                          new_slots=[(slot, GREEDY_SLOT) for slot in range(len(lens))])
         began = time.perf_counter()
         self.execute(plan, ring)
         logger.info("warmed up: a step of %d prompt tokens in %.2f s", sum(lens),
@@ -466,8 +468,8 @@ class TimedRunner:
         v = self.slots.layout.unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
         assert ids is not None
-        idx = v["logits_indices"]
-        tokens = (ids[idx] * 1103515245 + v["positions"][idx] + 12345) % self.vocab_size
+        idx = v.logits_indices
+        tokens = (ids[idx] * 1103515245 + v.positions[idx] + 12345) % self.vocab_size
         out = SampleOutput(tokens)
         self.slots.keep_last(step, v, out)
         time.sleep((self.a_ms + self.b_ms * step.num_tokens) / 1000)

@@ -3,22 +3,26 @@ executor process: one buffer, so a step costs one host-to-device copy (non-block
 pinned memory on CUDA; none at all on the CPU device). Executor-only, not protocol: what the
 scheduler writes is the step-input ring (ipc/step.py); this is what the host side makes of it.
 
-The fields are the ones every forward needs plus those of the attention backend that runs
-(backends/base.py `staging_fields`), in the order of FIELDS: the forward's own inputs first,
-so that in a padded (compiled) forward their offsets depend on the step's bucket alone
-(fixed addresses per ring slot, for CUDA graphs).
+Fields are declared once, as `Staged` attributes of a `StagedFields` group, which gives both
+their packing (dtype, capacity) and typed views on the device (`v.positions`). The layout is
+the forward's own inputs (ForwardFields), the attention backend's group (backends/base.py
+`staging_fields`), what every step carries (CommonFields, with the step table's `staged`
+fields as they were read) and a draft model's (drafter.py): the forward's inputs first, so
+that in a padded (compiled) forward their offsets depend on the step's bucket alone (fixed
+addresses per ring slot, for CUDA graphs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar, overload
 
 import numpy as np
 import torch
 
 from ipc.config import EngineLimits
-from ipc.sampling import NUM_F, NUM_I
+from ipc.step import STEP_FIELDS
 
 
 @dataclass(frozen=True)
@@ -40,42 +44,112 @@ def per_sampled(lim: EngineLimits) -> int:
     return lim.max_sampled
 
 
-def _updates(lim: EngineLimits) -> int:
-    return lim.max_block_updates
+class Staged:
+    """A packed field, declared as an attribute of a StagedFields group: its dtype and
+    capacity (the packing), and on an instance its view on the device (typed access)."""
+
+    def __init__(self, dtype: str, max_count: Callable[[EngineLimits], int]) -> None:
+        self.dtype, self.max_count, self.name = dtype, max_count, ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Staged: ...
+
+    @overload
+    def __get__(self, obj: StagedFields, owner: type | None = None) -> torch.Tensor: ...
+
+    def __get__(self, obj: StagedFields | None, owner: type | None = None
+                ) -> Staged | torch.Tensor:
+        return self if obj is None else obj.views[self.name]
+
+    def __set__(self, obj: StagedFields, value: torch.Tensor) -> None:
+        obj.views[self.name] = value  # (a device pass rewrites a field: drafter.py)
+
+    @property
+    def packed(self) -> PackedField:
+        return PackedField(self.name, self.dtype, self.max_count)
 
 
-def _stops(lim: EngineLimits) -> int:
-    return lim.max_stop_ids
+def from_step(name: str) -> Staged:
+    """A field of the step's table (ipc/step.py) handed to the device as it was read: its
+    capacity from the table; integers widened to int64 (as read_step reads them)."""
+    f = next(f for f in STEP_FIELDS if f.name == name)
+    width = max(f.width, 1)
+    return Staged("float32" if f.dtype == "float32" else "int64",
+                  lambda lim: f.count.most(lim) * width)
 
 
-# The forward's inputs (sizes T tokens), before any backend's fields.
-FORWARD_FIELDS = (
-    PackedField("input_ids", "int64", per_token),  # -1: the slot's last sample
-    PackedField("positions", "int64", per_token),
-    PackedField("token_slots", "int64", per_token),
-)
-# What every step carries after the backend's fields (X sampled positions, R rows with
-# drafts, U block-table updates, N new slots, M suppressed ids, P prompt-logprob positions).
-COMMON_FIELDS = (
-    PackedField("logits_indices", "int64", per_sampled),  # X
-    PackedField("sample_slots", "int64", per_sampled),  # X
+_Group = TypeVar("_Group", bound="StagedFields")
+
+
+class StagedFields:
+    """One group of packed fields (Staged class attributes, in packing order) and typed views
+    of them over a step's views, which the groups share (`views`: name -> tensor)."""
+
+    def __init__(self, views: dict[str, torch.Tensor]) -> None:
+        self.views = views
+
+    @classmethod
+    def of(cls: type[_Group], **views: torch.Tensor) -> _Group:
+        """Views of some of this group's fields, by name (a draft pass's metadata)."""
+        unknown = set(views) - set(cls.names())
+        assert not unknown, f"no such staged fields: {sorted(unknown)}"
+        return cls(views)
+
+    @classmethod
+    def packed_fields(cls) -> tuple[PackedField, ...]:
+        return tuple(a.packed for klass in reversed(cls.__mro__)
+                     for a in vars(klass).values() if isinstance(a, Staged))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in cls.packed_fields())
+
+
+class ForwardFields(StagedFields):
+    """The forward's inputs (T tokens each), before any backend's fields."""
+
+    input_ids = Staged("int64", per_token)  # -1: the slot's last sample
+    positions = Staged("int64", per_token)
+    token_slots = Staged("int64", per_token)
+
+
+class CommonFields(StagedFields):
+    """What every step carries after the backend's fields: X sampled positions, R rows with
+    drafts, then the step table's `staged` fields (ipc/step.py) as they were read."""
+
+    logits_indices = Staged("int64", per_sampled)  # X
+    sample_slots = Staged("int64", per_sampled)  # X
     # speculative rows (R, drafts padded to the step's widest, K): their slots, their sampled
     # positions [R, K + 1] (indices into X, the last repeated) and their drafts [R, K] (-1
     # past a row's own)
-    PackedField("spec_slots", "int64", per_seq),
-    PackedField("spec_sampled", "int64", per_sampled),
-    PackedField("spec_draft", "int64", per_sampled),
-    PackedField("bt_slot", "int64", _updates),
-    PackedField("bt_index", "int64", _updates),
-    PackedField("bt_block", "int64", _updates),
-    PackedField("new_slots", "int64", per_seq),
-    PackedField("new_fparams", "float32", lambda lim: lim.max_num_seqs * NUM_F),
-    PackedField("new_iparams", "int64", lambda lim: lim.max_num_seqs * NUM_I),
-    PackedField("stop_slots", "int64", _stops),
-    PackedField("stop_ids", "int64", _stops),
-    PackedField("plp_indices", "int64", per_token),  # P
-    PackedField("plp_targets", "int64", per_token),
-)
+    spec_slots = Staged("int64", per_seq)
+    spec_sampled = Staged("int64", per_sampled)
+    spec_draft = Staged("int64", per_sampled)
+    bt_slot = from_step("bt_slot")  # U block-table updates
+    bt_index = from_step("bt_index")
+    bt_block = from_step("bt_block")
+    new_slot = from_step("new_slot")  # N sequences taking a slot, and their sampling rows
+    new_fparams = from_step("new_fparams")
+    new_iparams = from_step("new_iparams")
+    stop_slot = from_step("stop_slot")  # M ids min_tokens suppresses
+    stop_id = from_step("stop_id")
+    plp_index = from_step("plp_index")  # P prompt-logprob positions
+    plp_target = from_step("plp_target")
+
+
+_unstaged = {f.name for f in STEP_FIELDS if f.staged} - set(CommonFields.names())
+if _unstaged:
+    raise TypeError(f"the step's staged fields {sorted(_unstaged)} need a CommonFields view")
+
+
+class DeviceStep(ForwardFields, CommonFields):
+    """A step's fields on its device, as every forward reads them (a backend's and a draft
+    model's own groups view the same `views`)."""
+
+
 _ALIGN = 8  # every field starts on an 8-byte boundary, so any dtype views it in place
 _TORCH_DTYPES = {"int64": (torch.int64, 8), "float32": (torch.float32, 4)}
 
@@ -87,10 +161,11 @@ def _aligned(nbytes: int) -> int:
 class StagingLayout:
     """The fields of one backend's steps, in packing order."""
 
-    def __init__(self, backend_fields: Iterable[PackedField] = (),
-                 tail_fields: Iterable[PackedField] = ()) -> None:
+    def __init__(self, backend_fields: type[StagedFields] = StagedFields,
+                 tail_fields: type[StagedFields] = StagedFields) -> None:
         """tail_fields: after the common ones (a draft model's, drafter.py)."""
-        self.fields = (*FORWARD_FIELDS, *backend_fields, *COMMON_FIELDS, *tail_fields)
+        self.fields = (*ForwardFields.packed_fields(), *backend_fields.packed_fields(),
+                       *CommonFields.packed_fields(), *tail_fields.packed_fields())
         names = [f.name for f in self.fields]
         assert len(set(names)) == len(names), f"a staging field twice: {names}"
 
@@ -119,11 +194,11 @@ class StagingLayout:
             offset += _aligned(counts[f.name] * np.dtype(f.dtype).itemsize)
         return where
 
-    def unpack(self, packed: torch.Tensor, counts: dict[str, int]) -> dict[str, torch.Tensor]:
+    def unpack(self, packed: torch.Tensor, counts: dict[str, int]) -> DeviceStep:
         """Typed views of each field over a packed uint8 buffer (on whichever device it
         lives)."""
         views = {}
         for name, (offset, count, dtype) in self.offsets(counts).items():
             torch_dtype, itemsize = _TORCH_DTYPES[dtype]
             views[name] = packed[offset:offset + count * itemsize].view(torch_dtype)
-        return views
+        return DeviceStep(views)

@@ -13,13 +13,16 @@ import numpy as np
 import torch
 
 from ipc.messages import StepPlan
-from ipc.step import read_step
+from ipc.step import STEP_FIELDS, read_step
 from stages.executor.backends.base import AttentionBackend, HostInputs, StepRows
 from stages.executor.sampler import HostSlotParams, StepSampling
 from stages.executor.staging import StagingLayout
 
 if TYPE_CHECKING:
     from stages.executor.drafter import Drafter
+
+
+_STAGED = tuple(f for f in STEP_FIELDS if f.staged)  # handed to the device as they are read
 
 
 @dataclass
@@ -34,7 +37,7 @@ class HostStep:
     sampling: StepSampling
     decode_only: bool  # every row has one query token
     sample_slots: np.ndarray  # [X] the slot of each sampled position, on the host
-    new_slots: np.ndarray  # [N] slots taken by a new sequence this step
+    new_slot: np.ndarray  # [N] slots taken by a new sequence this step
     spec_width: int = 0  # the most drafts a row of this step carries (0: none)
     drafts: dict[int, list[int]] | None = None  # slot -> its row's drafts, if any
     last_drafts: bool = False  # a drafted row's sequence, if all stand, may draft no more
@@ -52,7 +55,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     layout.nbytes) for step `plan`; `backend` adds its own fields (None: only the common
     ones, as the timed instrument needs), and `drafter` (a draft model) its passes'."""
     step = read_step(ring, plan)
-    q, ctx, slots = step.query_lens, step.context_lens, step.seq_slots
+    q, ctx, slots = step.query_len, step.context_len, step.seq_slot
     t = len(step.input_ids)
     ends = np.cumsum(q)
     starts = ends - q
@@ -61,7 +64,7 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     width = 1 + step.num_draft[sampled]
     first = np.cumsum(width) - width  # each sampled row's first position among the X
     logits_indices = np.repeat(ends[sampled] - width - first, width) + np.arange(width.sum())
-    host_params.update(step.new_slots, step.new_fparams, step.new_iparams)
+    host_params.update(step.new_slot, step.new_fparams, step.new_iparams)
     forward = {
         "input_ids": step.input_ids,
         "positions": np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q)),
@@ -70,32 +73,25 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     rows = StepRows(q, ctx, slots, starts, forward)
     attn = HostInputs({}) if backend is None else backend.host_inputs(rows)
     draft_passes = ({} if drafter is None else drafter.host_arrays(
-        rows, step.num_draft, step.do_sample, step.new_slots, step.draft_kv))
+        rows, step.num_draft, step.do_sample, step.new_slot, step.draft_kv))
     arrays = {
         **forward,
         **attn.arrays,
         "logits_indices": logits_indices,
         "sample_slots": np.repeat(slots[sampled], width),
         **_speculative_rows(step.input_ids, slots[sampled], ends[sampled], width, first),
-        "bt_slot": step.bt_slot, "bt_index": step.bt_index, "bt_block": step.bt_block,
-        "new_slots": step.new_slots,
-        "new_fparams": step.new_fparams,
-        "new_iparams": step.new_iparams,
-        "stop_slots": step.stop_slots,
-        "stop_ids": step.stop_ids,
-        "plp_indices": step.plp_index,
-        "plp_targets": step.plp_target,
+        **{f.name: getattr(step, f.name) for f in _STAGED},
         **draft_passes,
     }
     counts, nbytes = layout.pack(arrays, staging.numpy())
-    sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_ids) > 0)
+    sampling = host_params.step_sampling(slots[sampled], slots, len(step.stop_id) > 0)
     spec_width = int(width.max(initial=1)) - 1
     drafts = None
     if spec_width:  # (host ints, for the structured rows' masks)
         drafts = {slot: [t for t in row if t >= 0] for slot, row in zip(
             arrays["spec_slots"].tolist(), arrays["spec_draft"].tolist(), strict=True)}
     return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling,
-                    bool((q == 1).all()), arrays["sample_slots"], step.new_slots,
+                    bool((q == 1).all()), arrays["sample_slots"], step.new_slot,
                     spec_width, drafts, bool(step.last_drafts.any()))
 
 

@@ -39,7 +39,7 @@ from ipc.speculative import SpeculativeConfig
 from ipc.step import PromptLogprobs, StepLogprobs
 from stages.scheduler.block_allocator import BlockAllocator
 from stages.scheduler.metrics import RequestPhases, StepMetrics
-from stages.scheduler.planned import PlannedStep, StepRow
+from stages.scheduler.planned import PlannedRow, PlannedStep
 from stages.scheduler.sequence import SeqStatus, Sequence
 from stages.scheduler.speculative import ProposalState, Proposer, make_proposer
 from stages.scheduler.stopping import check_stop, reaches_length, suppressed_ids
@@ -406,9 +406,10 @@ class Scheduler:
                   if self.proposer is not None and num_tokens - start == 1 else [])
         seq.num_computed = start + num_new + len(drafts)
         do_sample = seq.num_computed >= num_tokens
-        step.rows.append(StepRow(seq, tokens + drafts, seq.num_computed, do_sample,
-                                 len(drafts), seq.draft_model_kv,
-                                 bool(drafts) and self._last_drafts(seq, len(drafts))))
+        step.rows.append(PlannedRow(
+            seq.slot, tokens + drafts, seq.num_computed, do_sample,  # type: ignore[arg-type]
+            len(drafts), seq.draft_model_kv,
+            bool(drafts) and self._last_drafts(seq, len(drafts)), seq=seq))
         step.num_tokens += num_new + len(drafts)
         if do_sample:
             seq.num_pending += 1 + len(drafts)

@@ -1,5 +1,5 @@
-"""A step as the scheduler plans it, and its layout into a step-input ring slot (ipc/step.py).
-Runs in the scheduler process (and in the in-process engine)."""
+"""A step as the scheduler plans it, laid into a step-input ring slot by ipc/step.py's
+write_step. Runs in the scheduler process (and in the in-process engine)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ipc.messages import SlotGrammar, StepPlan
-from ipc.step import NewSlot, write_step
+from ipc.step import NewSlot, StepRow, write_step
 from stages.scheduler.sequence import Sequence
 
 
 @dataclass
-class StepRow:
-    seq: Sequence
-    token_ids: list[int]  # -1 for a placeholder
-    context_len: int  # KV length after this step
-    do_sample: bool
-    num_draft: int = 0  # its last tokens that are proposed, to be verified (speculation)
-    draft_kv: bool = False  # the executor's draft model keeps the row's KV
-    last_drafts: bool = False  # if its drafts all stand, the sequence may draft no more
+class PlannedRow(StepRow):
+    """A row of the step (ipc/step.py StepRow: its fields, as the ring carries them) and the
+    sequence it is for."""
+
+    seq: Sequence = field(kw_only=True)
 
 
 @dataclass
 class PlannedStep:
     step_id: int
     ring_slot: int = -1  # its slot in both rings, held until its result is in
-    rows: list[StepRow] = field(default_factory=list)
+    rows: list[PlannedRow] = field(default_factory=list)
     block_updates: list[tuple[int, int, int]] = field(default_factory=list)  # slot, index, block
     new_slots: list[NewSlot] = field(default_factory=list)  # sequences taking a slot
     stop_ids: list[tuple[int, int]] = field(default_factory=list)  # (slot, id) min_tokens masks
@@ -41,7 +38,7 @@ class PlannedStep:
     num_tokens: int = 0
 
     @property
-    def sampled_rows(self) -> list[StepRow]:
+    def sampled_rows(self) -> list[PlannedRow]:
         return [r for r in self.rows if r.do_sample]
 
     @property
@@ -51,14 +48,7 @@ class PlannedStep:
 
     def write(self, buf: dict[str, np.ndarray]) -> StepPlan:
         """Lay this step into its step-input ring slot; returns the plan to send."""
-        rows = self.rows
-        return write_step(
-            buf, self.step_id, self.ring_slot,
-            input_ids=[t for r in rows for t in r.token_ids],
-            seq_slots=[r.seq.slot for r in rows],  # type: ignore[misc]
-            query_lens=[len(r.token_ids) for r in rows],
-            context_lens=[r.context_len for r in rows], do_sample=[r.do_sample for r in rows],
-            block_updates=self.block_updates, new_slots=self.new_slots, stop_ids=self.stop_ids,
-            grammars=self.grammars, prompt_logprobs=self.prompt_logprobs,
-            num_drafts=[r.num_draft for r in rows], draft_kv=[r.draft_kv for r in rows],
-            last_drafts=[r.last_drafts for r in rows])
+        return write_step(buf, self.step_id, self.ring_slot, self.rows,
+                          block_updates=self.block_updates, new_slots=self.new_slots,
+                          stop_ids=self.stop_ids, prompt_logprobs=self.prompt_logprobs,
+                          grammars=self.grammars)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ipc.config import EngineLimits
-from stages.executor.staging import PackedField
+from stages.executor.staging import DeviceStep, StagedFields
 
 
 class ForwardOps:
@@ -108,7 +108,7 @@ class AttentionBackend(ABC):
     # padding tokens belong to slot max_num_seqs, whose block table row points at a scratch
     # block of the cache.
     compiled: ClassVar[bool] = False
-    staging_fields: ClassVar[Sequence[PackedField]] = ()
+    staging_fields: ClassVar[type[StagedFields]] = StagedFields  # (none)
     graph_fields: ClassVar[Sequence[str]] = ()  # a replayed graph's static inputs; () none
 
     def __init__(self, limits: EngineLimits, device: torch.device,
@@ -135,7 +135,7 @@ class AttentionBackend(ABC):
         return HostInputs({})
 
     @abstractmethod
-    def metadata(self, v: dict[str, torch.Tensor], plan: Any) -> Any:
+    def metadata(self, v: DeviceStep, plan: Any) -> Any:
         """The step's device-side metadata from its unpacked staging views `v` and the
         host plan; only Python values from the host, so nothing waits for the device."""
 

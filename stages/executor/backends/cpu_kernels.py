@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stages.executor.backends.base import AttentionBackend, ForwardOps, ForwardTables
+from stages.executor.staging import DeviceStep
 
 
 class KernelOps(ForwardOps):
@@ -65,8 +66,8 @@ class CpuKernelBackend(AttentionBackend):
         self._cos = tables.rope_cos.float().contiguous()
         self._sin = tables.rope_sin.float().contiguous()
 
-    def metadata(self, v: dict[str, torch.Tensor], plan: Any) -> KernelMetadata:
-        return KernelMetadata(self.tables.block_table, v["token_slots"], v["positions"],
+    def metadata(self, v: DeviceStep, plan: Any) -> KernelMetadata:
+        return KernelMetadata(self.tables.block_table, v.token_slots, v.positions,
                               self._cos, self._sin, self.window or 0)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -25,7 +25,7 @@ from stages.executor.backends.base import (
     slot_mapping,
     write_kv,
 )
-from stages.executor.staging import PackedField, per_token
+from stages.executor.staging import DeviceStep, ForwardFields, Staged, StagedFields, per_token
 
 # ------------------------------------------------------------------ buckets and query blocks
 
@@ -118,7 +118,7 @@ def _same_page_causal(block_size: int):  # type: ignore[no-untyped-def]
     return mask_mod
 
 
-def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
+def build_flex_metadata(v: DeviceStep, block_table: torch.Tensor,
                         block_size: int, num_cache_blocks: int,
                         per_row: bool = False) -> FlexMetadata:
     """Device-side metadata of the compiled attention from the unpacked step views `v`
@@ -128,16 +128,16 @@ def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
     `per_row` every row of them on its own: a decode row then reads its keys once instead of
     once for each of its page's 16 rows (the CPU kernel computes every row of a block), and
     rows no token uses read nothing. Same query layout, same mask either way."""
-    positions = v["positions"]
+    positions, own_fields = v.positions, FlexFields(v.views)
     pages_of_token = positions // block_size
-    num_q = v["qblock_slots"].shape[0]
+    num_q = own_fields.qblock_slots.shape[0]
     # FlexAttention on the CPU wants index rows as long as the cache has pages.
     width = min(block_table.shape[1], num_cache_blocks)
     if per_row:
-        rows, slots, own = v["query_rows"], v["token_slots"], pages_of_token
+        rows, slots, own = own_fields.query_rows, v.token_slots, pages_of_token
         num_blocks = num_q * block_size
     else:
-        rows, slots, own = None, v["qblock_slots"], v["qblock_pages"]
+        rows, slots, own = None, own_fields.qblock_slots, own_fields.qblock_pages
         num_blocks = num_q
     tables = block_table[slots]  # [rows or Q, max_blocks] int32
     full = tables.new_zeros(num_blocks, num_cache_blocks)
@@ -157,8 +157,8 @@ def build_flex_metadata(v: dict[str, torch.Tensor], block_table: torch.Tensor,
         mask_mod=mask_mod,  # type: ignore[arg-type]
         seq_lengths=(num_q * block_size, num_cache_blocks * block_size),
         compute_q_blocks=False)
-    return FlexMetadata(slot_mapping(block_table, v["token_slots"], positions, block_size),
-                        v["query_rows"], block_mask)
+    return FlexMetadata(slot_mapping(block_table, v.token_slots, positions, block_size),
+                        own_fields.query_rows, block_mask)
 
 
 # On CUDA: Triton tiles of one page (the block mask's blocks are pages of 16 positions, see
@@ -187,6 +187,14 @@ def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out[0].transpose(0, 1)[meta.query_rows]  # type: ignore[index]
 
 
+class FlexFields(StagedFields):
+    """This backend's packed fields (after the forward's, padded with them)."""
+
+    query_rows = Staged("int64", per_token)  # row of each token in the blocks
+    qblock_slots = Staged("int64", _query_blocks_count)  # Q: each block's slot
+    qblock_pages = Staged("int64", _query_blocks_count)  # its page in the table
+
+
 @dataclass(frozen=True)
 class FlexPlan:
     # Decode steps on the CPU attend row by row (see build_flex_metadata); CUDA kernels take
@@ -199,14 +207,9 @@ class FlexBackend(AttentionBackend):
 
     name = "flex"
     compiled = True
-    staging_fields = (
-        PackedField("query_rows", "int64", per_token),  # row of each token in the blocks
-        PackedField("qblock_slots", "int64", _query_blocks_count),  # Q: each block's slot
-        PackedField("qblock_pages", "int64", _query_blocks_count),  # its page in the table
-    )
-    # The padded forward's inputs: FORWARD_FIELDS and this backend's, packed first.
-    graph_fields = ("input_ids", "positions", "token_slots", "query_rows", "qblock_slots",
-                    "qblock_pages")
+    staging_fields = FlexFields
+    # The padded forward's inputs: ForwardFields and this backend's, packed first.
+    graph_fields = (*ForwardFields.names(), *FlexFields.names())
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
         query_rows, qblock_slots, qblock_pages = query_blocks(
@@ -217,12 +220,12 @@ class FlexBackend(AttentionBackend):
         decode_only = bool((rows.query_lens == 1).all())
         return HostInputs(arrays, FlexPlan(decode_only and self.device.type == "cpu"))
 
-    def metadata(self, v: dict[str, torch.Tensor], plan: FlexPlan) -> FlexMetadata:
+    def metadata(self, v: DeviceStep, plan: FlexPlan) -> FlexMetadata:
         t = self.tables
         meta = build_flex_metadata(v, t.block_table, self.limits.block_size,
                                    t.num_cache_blocks, plan.per_row)
-        meta.cos = t.rope_cos[v["positions"]].unsqueeze(1)  # [T, 1, D]
-        meta.sin = t.rope_sin[v["positions"]].unsqueeze(1)
+        meta.cos = t.rope_cos[v.positions].unsqueeze(1)  # [T, 1, D]
+        meta.sin = t.rope_sin[v.positions].unsqueeze(1)
         return meta
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

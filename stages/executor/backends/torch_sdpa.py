@@ -19,7 +19,7 @@ from stages.executor.backends.base import (
     slot_mapping,
     write_kv,
 )
-from stages.executor.staging import PackedField, per_seq
+from stages.executor.staging import DeviceStep, Staged, StagedFields, per_seq
 
 
 @dataclass(frozen=True)
@@ -89,25 +89,25 @@ class AttentionMetadata:
     sin: torch.Tensor | None = None
 
 
-def build_attention_metadata(v: dict[str, torch.Tensor], decode_groups: list[DecodeGroup],
+def build_attention_metadata(v: DeviceStep, decode_groups: list[DecodeGroup],
                              prefills: list[PrefillRow], block_table: torch.Tensor,
                              block_size: int, window: int | None = None) -> AttentionMetadata:
     """Device-side metadata from the unpacked step views `v` and the block table
     [slots, max_blocks]. window: a sliding window (Mistral's): a query at position p sees
     keys p - window + 1 to p, as Hugging Face masks them."""
-    positions = v["positions"]
-    meta = AttentionMetadata(slot_mapping(block_table, v["token_slots"], positions, block_size),
+    positions, decodes = v.positions, TorchFields(v.views)
+    meta = AttentionMetadata(slot_mapping(block_table, v.token_slots, positions, block_size),
                              [], [])
     for group in decode_groups:
         rows = slice(group.start, group.end)
         num_blocks = -(-group.max_len // block_size)
-        tables = block_table[v["decode_slots"][rows], :num_blocks].long()
+        tables = block_table[decodes.decode_slots[rows], :num_blocks].long()
         keys = torch.arange(num_blocks * block_size, device=positions.device)
-        lens = v["decode_lens"][rows][:, None]
+        lens = decodes.decode_lens[rows][:, None]
         mask = keys[None, :] < lens
         if window is not None and group.max_len > window:
             mask &= keys[None, :] >= lens - window
-        meta.decodes.append(DecodeAttention(v["decode_token_idx"][rows], tables,
+        meta.decodes.append(DecodeAttention(decodes.decode_token_idx[rows], tables,
                                             mask[:, None, None, :]))
     for row in prefills:
         qlen, clen = row.end - row.start, row.context_len
@@ -181,15 +181,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return out
 
 
+class TorchFields(StagedFields):
+    """This backend's packed fields: B decode rows, ordered by context length."""
+
+    decode_token_idx = Staged("int64", per_seq)
+    decode_slots = Staged("int64", per_seq)
+    decode_lens = Staged("int64", per_seq)
+
+
 class TorchBackend(AttentionBackend):
     """Eager PyTorch attention: any device, any model the engine loads."""
 
     name = "torch"
-    staging_fields = (
-        PackedField("decode_token_idx", "int64", per_seq),  # B decode rows, by context length
-        PackedField("decode_slots", "int64", per_seq),
-        PackedField("decode_lens", "int64", per_seq),
-    )
+    staging_fields = TorchFields
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
         q, ctx, slots, starts = rows.query_lens, rows.context_lens, rows.slots, rows.starts
@@ -201,12 +205,12 @@ class TorchBackend(AttentionBackend):
                   "decode_lens": ctx[decode]}
         return HostInputs(arrays, TorchPlan(group_by_length(ctx[decode]), prefills))
 
-    def metadata(self, v: dict[str, torch.Tensor], plan: TorchPlan) -> AttentionMetadata:
+    def metadata(self, v: DeviceStep, plan: TorchPlan) -> AttentionMetadata:
         t = self.tables
         meta = build_attention_metadata(v, plan.decode_groups, plan.prefills, t.block_table,
                                         self.limits.block_size, self.window)
-        meta.cos = t.rope_cos[v["positions"]].unsqueeze(1)  # [T, 1, D]
-        meta.sin = t.rope_sin[v["positions"]].unsqueeze(1)
+        meta.cos = t.rope_cos[v.positions].unsqueeze(1)  # [T, 1, D]
+        meta.sin = t.rope_sin[v.positions].unsqueeze(1)
         return meta
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
