@@ -46,9 +46,9 @@ class Sequence:
     arrival_time: float
     index: int = 0  # sample index among the request's n
     order: int = 0  # arrival order in the scheduler: breaks ties between equal tags
-    tag: int = 0  # fair-queueing start tag (Scheduler._tag_request): waiting order
+    tag: int = 0  # fair-queueing start tag (QueuePolicy.tag_request): waiting order
     # Within its sender, requests are weighted fair queued: this sample's start and finish in
-    # the sender's own virtual time (Scheduler._tag_request, _promote_within_sender).
+    # the sender's own virtual time (QueuePolicy.tag_request, promote_within_sender).
     inner_start: float = 0.0
     inner_finish: float = 0.0
     sender: str = ""  # whose share it counts against: the client and the request's user
@@ -96,6 +96,11 @@ class Sequence:
     def sort_key(self) -> tuple[int, int, int]:
         """Waiting order: fair-queueing tag, then arrival, then sample index."""
         return (self.tag, self.order, self.index)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt logprobs are computed (sample 0 of a request that asks)."""
+        return self.params.prompt_logprobs is not None and self.index == 0
 
     @property
     def is_just_resumed(self) -> bool:

@@ -1,0 +1,159 @@
+"""What the device holds for each running sample, in the scheduler process: its executor slot
+and its KV blocks (over block_allocator.py), the prefix cache at admission, the room a step
+may grow into (preempting a running sample if need be), and the room drafts may take."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ipc.sampling import uses_penalties
+from stages.scheduler.block_allocator import BlockAllocator
+from stages.scheduler.planned import PlannedStep
+from stages.scheduler.queue_policy import victim_key
+from stages.scheduler.sequence import SeqStatus, Sequence
+
+Preempt = Callable[[Sequence], None]  # makes a running sample a victim (Scheduler._preempt)
+
+
+class KVManager:
+    """Invariant: a sample is in `running` exactly while it holds a slot; its blocks are
+    blocks_for(num_computed) of the allocator's, each held once by it (shared ones through
+    the prefix cache are reference counted). A step maps at most max_block_updates blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_block_updates: int) -> None:
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_block_updates = max_block_updates
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.running: list[Sequence] = []
+        # Preempted sequences whose blocks are not released yet (one may have finished since,
+        # while its in-flight steps drain): while any is, no other victim is taken.
+        self.victims: set[Sequence] = set()
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens found
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.allocator.blocks_for(num_tokens)
+
+    def _updates_left(self, step: PlannedStep) -> int:
+        return self.max_block_updates - len(step.block_updates)
+
+    # ------------------------------------------------------------ admission
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached full blocks that seq may reuse; at least its last token is computed (for
+        its logits). None with penalties (the executor counts a sequence's tokens as they
+        are computed) nor with prompt logprobs (every prompt position's logits are needed)."""
+        if uses_penalties(seq.params) or seq.scores_prompt:
+            return []
+        bs = self.block_size
+        return self.allocator.lookup(seq.keys_for((seq.num_known - 1) // bs, bs))
+
+    def admits(self, step: PlannedStep, hits: list[int], num_tokens: int) -> bool:
+        """Whether a sample reusing `hits` can have blocks for num_tokens tokens now, free
+        ones and within the step's block updates."""
+        new_blocks = self.blocks_for(num_tokens) - len(hits)
+        if new_blocks + self.allocator.num_free_among(hits) > self.allocator.num_free:
+            return False
+        return len(hits) + new_blocks <= self._updates_left(step)
+
+    def admit(self, step: PlannedStep, seq: Sequence, hits: list[int]) -> None:
+        """seq takes a slot and the cached blocks `hits`: their tokens count as computed."""
+        seq.slot = self.free_slots.pop()
+        self.running.append(seq)
+        for block in hits:
+            self.allocator.take(block)
+            self.map_block(step, seq, block)
+        num_hit = len(hits) * self.block_size
+        seq.num_computed = num_hit
+        self.prefix_cache_queries += seq.num_known
+        self.prefix_cache_hits += num_hit
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = num_hit
+
+    # ------------------------------------------------------------ growth
+
+    def grow(self, step: PlannedStep, seq: Sequence, num_tokens: int, preempt: Preempt) -> bool:
+        """Give seq blocks for num_tokens tokens, preempting another sequence if need be."""
+        needed = self.blocks_for(num_tokens) - len(seq.blocks)
+        if needed <= 0:
+            return True
+        if needed > self._updates_left(step):
+            return False
+        blocks = self.allocator.allocate(needed)
+        while blocks is None:
+            if not self._preempt_one(step, seq, preempt):
+                return False
+            blocks = self.allocator.allocate(needed)
+        for block in blocks:
+            self.map_block(step, seq, block)
+        return True
+
+    def _preempt_one(self, step: PlannedStep, needy: Sequence, preempt: Preempt) -> bool:
+        """Preempt the first running sequence by victim_key not in this step (needy itself
+        if it is that one). True if blocks were freed now; False if none were (they may be
+        on their way)."""
+        if self.victims:
+            return False  # blocks are on their way back; wait for them
+        candidates = [s for s in self.running if s not in step.members and s.blocks
+                      and s.status is SeqStatus.RUNNING]
+        if not candidates:
+            return False
+        victim = max(candidates, key=victim_key)
+        step.has_preempted = True  # no admission in this step: the victim would come right back
+        preempt(victim)
+        return victim not in self.victims and victim is not needy
+
+    def draft_room(self, step: PlannedStep, seq: Sequence, end: int) -> int:
+        """Blocks for seq up to token `end` as far as free blocks and the step's updates
+        allow (a draft never preempts anything); returns the tokens its blocks now hold."""
+        extra = self.blocks_for(end) - len(seq.blocks)
+        if extra > 0:
+            can = min(extra, self.allocator.num_free, self._updates_left(step))
+            for block in self.allocator.allocate(max(can, 0)) or []:
+                self.map_block(step, seq, block)
+        return len(seq.blocks) * self.block_size
+
+    def map_block(self, step: PlannedStep, seq: Sequence, block: int) -> None:
+        step.block_updates.append((seq.slot, len(seq.blocks), block))  # type: ignore[arg-type]
+        seq.blocks.append(block)
+
+    # ------------------------------------------------------------ results and release
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Offer seq's full blocks whose tokens are all known to the prefix cache. Their KV is
+        written by a step already planned, so every step planned from now on can read it."""
+        bs = self.block_size
+        if seq.num_computed < (seq.num_registered + 1) * bs:
+            return  # the common case, checked first: no new full block
+        num_full = min(seq.num_computed, seq.num_known, len(seq.blocks) * bs) // bs
+        if num_full <= seq.num_registered:
+            return
+        keys = seq.keys_for(num_full, bs)
+        for i in range(seq.num_registered, num_full):
+            self.allocator.register(seq.blocks[i], keys[i])
+        seq.num_registered = num_full
+
+    def drop_rejected(self, seq: Sequence, num_rejected: int) -> None:
+        """Forget the KV of a row's rejected drafts, and give back the blocks only they
+        filled: nothing else in flight writes them (the sequence was not planned again)."""
+        seq.num_computed -= num_rejected
+        # (a draft model's row: the block its last sample lands in too, see DraftPlanner)
+        keep = self.blocks_for(seq.num_computed + int(seq.draft_model_kv))
+        if len(seq.blocks) > keep and seq.status is not SeqStatus.FINISHED:
+            self.allocator.free(seq.blocks[keep:][::-1])
+            del seq.blocks[keep:]
+
+    def release(self, seq: Sequence) -> None:
+        """seq gives back its blocks (last first: a shared prefix is evicted last) and slot;
+        no in-flight step writes them any more."""
+        self.victims.discard(seq)
+        self.allocator.free(seq.blocks[::-1])
+        seq.blocks = []
+        seq.num_registered = 0
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+        if seq in self.running:
+            self.running.remove(seq)

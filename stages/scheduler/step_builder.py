@@ -1,0 +1,139 @@
+"""Lays out the rows of one step, in the scheduler process: decodes first, then chunks of
+prompts (chunked prefill), then waiting samples admitted in the queue policy's order, with
+each row's drafts and the prompt positions whose logprobs the step computes."""
+
+from __future__ import annotations
+
+import time
+
+from ipc.config import EngineLimits
+from ipc.messages import SlotGrammar
+from ipc.sampling import encode_slot
+from stages.scheduler.drafts import DraftPlanner
+from stages.scheduler.kv_manager import KVManager, Preempt
+from stages.scheduler.planned import PlannedRow, PlannedStep
+from stages.scheduler.queue_policy import QueuePolicy
+from stages.scheduler.sequence import SeqStatus, Sequence
+from stages.scheduler.stopping import reaches_length, suppressed_ids
+
+
+class StepBuilder:
+    """Fills a PlannedStep within the step's token budget. It changes the samples it plans
+    (num_computed, num_pending, blocks, slots) but not the step's bookkeeping around them
+    (its id, ring slot, in-flight counts: Scheduler.schedule)."""
+
+    def __init__(self, limits: EngineLimits, max_len: int, queue: QueuePolicy, kv: KVManager,
+                 drafts: DraftPlanner | None, preempt: Preempt) -> None:
+        self.limits, self.max_len = limits, max_len
+        self.queue, self.kv, self.drafts, self.preempt = queue, kv, drafts, preempt
+
+    def fill(self, step: PlannedStep) -> None:
+        budget = self.limits.max_num_batched_tokens
+        queue, kv = self.queue, self.kv
+        if queue.waiting:
+            queue.promote_within_sender()
+        if queue.waiting and not kv.free_slots and not kv.victims:
+            victim = queue.share_slots(kv.running, self.limits.max_num_seqs)
+            if victim is not None:
+                self.preempt(victim)
+        decodes, prefills = [], []
+        for seq in kv.running:
+            if self.wants_step(seq):
+                (decodes if seq.num_tokens - seq.num_computed == 1 else prefills).append(seq)
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
+            if self.wants_step(seq):  # an earlier row of this step may have preempted it
+                budget -= self._plan_row(step, seq, budget)
+        if queue.waiting:
+            self._admit(step, budget)
+
+    def wants_step(self, seq: Sequence) -> bool:
+        if seq.status is not SeqStatus.RUNNING or seq.num_drafted_inflight:
+            return False
+        num_tokens = seq.num_tokens
+        if seq.num_computed >= num_tokens:
+            return False  # all computed: waiting for its sample
+        # Stop planning once the tokens in flight already reach a length limit.
+        return not reaches_length(seq.params, seq.num_outputs, num_tokens, self.max_len)
+
+    def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
+        """Add seq's next chunk to step; returns the tokens used (0 if it must wait)."""
+        start, num_tokens = seq.num_computed, seq.num_tokens
+        num_new = min(num_tokens - start, budget)
+        if not self.kv.grow(step, seq, start + num_new, self.preempt):
+            step.is_starved = True
+            return 0
+        step.members.add(seq)
+        if seq.scores_prompt:
+            self._plan_prompt_logprobs(step, seq, start, start + num_new)
+        tokens = seq.tokens(start, start + num_new)
+        dp = self.drafts
+        if seq.draft_model_kv and dp is not None and dp.over_batch(len(self.kv.running)):
+            seq.draft_model_kv = False  # (for good: its draft KV would have holes)
+        drafts = (dp.drafts(step, seq, budget - num_new, self.kv)
+                  if dp is not None and num_tokens - start == 1 else [])
+        seq.num_computed = start + num_new + len(drafts)
+        do_sample = seq.num_computed >= num_tokens
+        assert seq.slot is not None  # (a running sequence holds its slot from admission)
+        step.rows.append(PlannedRow(
+            seq=seq, seq_slot=seq.slot, token_ids=tokens + drafts, context_len=seq.num_computed,
+            do_sample=do_sample, num_draft=len(drafts), draft_kv=seq.draft_model_kv,
+            last_drafts=bool(drafts) and dp is not None and dp.is_last(seq, len(drafts))))
+        step.num_tokens += num_new + len(drafts)
+        if do_sample:
+            seq.num_pending += 1 + len(drafts)
+        if drafts and dp is not None:
+            seq.num_drafted_inflight += 1
+            dp.count_planned(len(drafts))
+        return num_new + len(drafts)
+
+    def _plan_prompt_logprobs(self, step: PlannedStep, seq: Sequence, start: int,
+                              end: int) -> None:
+        """The positions [start, end) about to be planned whose logits score the next prompt
+        token, unless an earlier step (before a preemption) already scored it."""
+        prompt = seq.prompt_ids
+        first = max(start, seq.num_plp_planned)
+        last = min(end, len(prompt) - 1)
+        if first >= last:
+            return
+        base = step.num_tokens - start  # index in the step of the row's position 0
+        step.prompt_logprobs += [(base + p, prompt[p + 1]) for p in range(first, last)]
+        step.plp_owners.append((seq, last - first))
+        seq.num_plp_planned = last
+
+    def _admit(self, step: PlannedStep, budget: int) -> int:
+        """Admit waiting samples in the queue's order while the budget, slots and blocks
+        last; the first that does not fit ends admission (no overtaking)."""
+        queue, kv = self.queue, self.kv
+        while (queue.waiting and budget > 0 and kv.free_slots and not step.is_starved
+               and not step.has_preempted):
+            queue.promote_within_sender()
+            seq = queue.waiting[0]
+            hits = kv.cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(hits) * kv.block_size, budget)
+            if not kv.admits(step, hits, len(hits) * kv.block_size + num_new):
+                break
+            queue.pop_admitted()
+            if seq.admitted_at is None:
+                seq.admitted_at = time.time()
+            seq.move_to(SeqStatus.RUNNING)
+            kv.admit(step, seq, hits)
+            if seq.num_preemptions:
+                seq.resumed_at = len(seq.output_ids)
+            self._init_slot(step, seq)
+            budget -= self._plan_row(step, seq, budget)
+        return budget
+
+    def _init_slot(self, step: PlannedStep, seq: Sequence) -> None:
+        """seq takes its executor slot: its encoded parameters and the ids min_tokens masks."""
+        slot = seq.slot
+        assert slot is not None
+        dp, queue = self.drafts, self.queue
+        seq.draft_model_kv = dp is not None and dp.keeps_kv(seq, len(self.kv.running),
+                                                            len(queue.waiting))
+        step.new_slots.append((slot, encode_slot(seq.params, len(seq.prompt_ids), seq.index)))
+        step.stop_ids += [(slot, t) for t in suppressed_ids(
+            seq.params, self.limits.eos_token_ids, len(seq.output_ids))]
+        if seq.grammar:
+            step.grammars.append(SlotGrammar(slot, seq.grammar, list(seq.output_ids)))
