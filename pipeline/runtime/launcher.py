@@ -444,7 +444,7 @@ class Pipeline:
         assert self.roster is not None
         restart = self.engines.restarting[engine]
         self.supervisor.ready[name] = info
-        head = f"executor:{engine * self.engines.tp_size}"
+        head = f"executor:{self.engines.layout.head(engine)}"
         if name == head and restart.phase == "loading":
             self.supervisor.spawn_stage("scheduler", engine, info["num_kv_blocks"],
                                         self.roster.view(False), restart.incarnation)
