@@ -86,6 +86,7 @@ class Engines:
         self.stats: list[SchedulerStats | None] = [None] * num_engines
         self.incarnation = [0] * num_engines  # one more each time an engine is started again
         self.restarting: dict[int, EngineRestart] = {}
+        self.down_why: dict[str, str] = {}  # str(engine) -> the death that took it down
         self._retired: list[SchedulerStats] = []  # the last stats of engines' past lives
 
     def grow(self) -> int:
