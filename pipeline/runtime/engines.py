@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ipc.messages import Histogram, SchedulerStats
+from ipc.ranks import RankLayout
 
 MEAN_FIELDS = ("device_idle_fraction",)  # a fraction: the engines' mean, not their sum
 MAX_FIELDS = ("uptime_s",)
@@ -77,12 +78,15 @@ class Engines:
     went silent is taken down for good."""
 
     def __init__(self, num_engines: int, tensor_parallel_size: int) -> None:
-        self.num_engines, self.tp_size = num_engines, tensor_parallel_size
+        self.num_engines = num_engines
+        # Where each engine's executor ranks are (engines that join later follow the rule).
+        self.layout = RankLayout(num_engines, tensor_parallel_size)
         self.alive = [True] * num_engines
         self.ready = [True] * num_engines  # one joining from another host is not, at first
         self.stats: list[SchedulerStats | None] = [None] * num_engines
         self.incarnation = [0] * num_engines  # one more each time an engine is started again
         self.restarting: dict[int, EngineRestart] = {}
+        self.down_why: dict[str, str] = {}  # str(engine) -> the death that took it down
         self._retired: list[SchedulerStats] = []  # the last stats of engines' past lives
 
     def grow(self) -> int:
@@ -100,13 +104,13 @@ class Engines:
         if stage == "scheduler":
             return int(rank)
         if stage == "executor":
-            return int(rank) // self.tp_size
+            return self.layout.engine_of(int(rank))
         return None
 
     def processes(self, engine: int) -> list[str]:
         """The names of an engine's processes."""
-        ranks = range(engine * self.tp_size, (engine + 1) * self.tp_size)
-        return [f"scheduler:{engine}", *(f"executor:{r}" for r in ranks)]
+        return [f"scheduler:{engine}",
+                *(f"executor:{r}" for r in self.layout.engine_ranks(engine))]
 
     def can_lose(self, name: str) -> int | None:
         """The engine a dead process takes down alone, or None: the process is no engine's,

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from ipc.config import PipelineConfig
 from ipc.messages import Message, StageFailed, StageReady
+from ipc.ranks import RankLayout
 from ipc.step import StepRings
 from pipeline.runtime.restarts import RestartPolicy
 from stages.entry import run_stage
@@ -167,17 +168,15 @@ class Supervisor:
     # ------------------------------------------------------------ engines
 
     def spawn_executors(self, engine: int) -> None:
-        """Start the executor ranks of engine `engine` (executor r is tensor-parallel rank
-        r % K of engine r // K)."""
-        tp = self._cfg.executor.tensor_parallel_size
-        for rank in range(engine * tp, (engine + 1) * tp):
+        """Start the executor ranks of engine `engine` (ipc/ranks.py says which)."""
+        for rank in RankLayout.of(self._cfg).engine_ranks(engine):
             self.spawn_stage("executor", rank)
 
     def start_scheduler(self, engine: int, reports: Reports, *args: Any) -> None:
         """Once engine `engine`'s first executor rank is ready (its KV cache allocated),
         start its scheduler with the cache's size; StartupError if the cache cannot hold one
         sequence of the context length."""
-        head = f"executor:{engine * self._cfg.executor.tensor_parallel_size}"
+        head = f"executor:{RankLayout.of(self._cfg).head(engine)}"
         num_blocks = self.wait_ready([head], reports)[0]["num_kv_blocks"]
         check_cache_holds_a_sequence(self._cfg, num_blocks)
         self.spawn_stage("scheduler", engine, num_blocks, *args)

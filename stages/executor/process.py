@@ -19,6 +19,7 @@ from ipc.codec import Codec
 from ipc.config import PipelineConfig
 from ipc.messages import LastStep, SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
+from ipc.ranks import RankLayout
 from ipc.shm import SharedRing
 from ipc.step import StepRings, sampled_specs
 from stages.executor.device import Device, make_device
@@ -42,14 +43,15 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     if ex.timed is not None:
         return TimedRunner(ex.timed[0], ex.timed[1], limits)
     device = torch.device(ex.device)
-    num_procs = ex.tensor_parallel_size * cfg.data_parallel_size
+    layout = RankLayout.of(cfg)
+    num_procs = layout.num_ranks
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
     elif num_procs > 1 and device.type == "cpu":  # the executors share the cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_procs))
     if device.type == "cuda" and num_procs > 1:  # a GPU per process (parallel.check_devices)
         # (An engine that joined from another host has that host's GPUs from 0.)
-        first = 0 if cfg.launcher_status else cfg.engine * ex.tensor_parallel_size
+        first = 0 if cfg.launcher_status else layout.head(cfg.engine)
         device = torch.device("cuda", first + rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
@@ -92,8 +94,9 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     """Executor `rank` is tensor-parallel rank `rank % K` of engine `rank // K` (K: the
     tensor-parallel size). Rank 0 of an engine receives its scheduler's plans (and forwards
     each to the engine's other ranks, if any) and reports samples; the others follow it."""
-    size = cfg.executor.tensor_parallel_size
-    stage_rank, cfg, rank = rank, cfg.for_engine(rank // size), rank % size
+    layout = RankLayout.of(cfg)
+    stage_rank, cfg = rank, cfg.for_engine(layout.engine_of(rank))
+    rank = layout.local_rank(stage_rank)
     with stage_process("executor", stage_rank, cfg, parent_pid) as ctx:
         if rank > 0:
             _follow(ctx, cfg, rank)
