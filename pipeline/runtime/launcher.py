@@ -68,7 +68,7 @@ class Pipeline:
         self.supervisor = Supervisor()  # the stage processes (its config set by start())
         self.failure: str | None = None
         self.endpoints_path: Path | None = None  # <run dir>/pipeline.json, once started
-        self.address: str | None = None  # with cfg.listen_host: tcp:// for remote clients
+        self.address: str | None = None  # with --listen: tcp:// for remote clients
         self._remote_endpoints = b""
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()
@@ -96,18 +96,19 @@ class Pipeline:
             trace_dir = str(run_dir / "trace")
             os.mkdir(trace_dir)
         run_id = uuid.uuid4().hex[:12]
-        secret = (derive_run_secret(self.cfg.stage_key, run_id) if self.cfg.stage_key
+        secret = (derive_run_secret(self.cfg.keys.stage_key, run_id) if self.cfg.keys.stage_key
                   else secrets.token_bytes(16))
         # The CURVE server key of the run's tcp:// endpoints (ipc/curve.py): derived where
         # stages may join (they derive it too), else new.
         curve_secret = b""
-        if self.cfg.listen_host:
-            curve_secret = (curve.derived_server_secret(self.cfg.stage_key, run_id)
-                            if self.cfg.stage_key else zmq.curve_keypair()[1])
+        if self.cfg.remote.listen_host:
+            curve_secret = (curve.derived_server_secret(self.cfg.keys.stage_key, run_id)
+                            if self.cfg.keys.stage_key else zmq.curve_keypair()[1])
+        run_keys = dataclasses.replace(
+            self.cfg.keys, run_secret=secret, curve_secret=curve_secret,
+            client_key=self.cfg.keys.client_key or secrets.token_urlsafe(24))
         self.cfg = dataclasses.replace(self.cfg, run_dir=str(run_dir), run_id=run_id,
-                                       trace_dir=trace_dir, run_secret=secret,
-                                       client_key=self.cfg.client_key or secrets.token_urlsafe(24),
-                                       curve_secret=curve_secret)
+                                       trace_dir=trace_dir, keys=run_keys)
         self.supervisor.cfg = self.cfg
         keys = self.cfg.curve_keys()
         if keys is not None:
@@ -115,9 +116,9 @@ class Pipeline:
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats, StageAlive,
                                            StageLeaving]),
-                                    bind=True, secret=self.cfg.run_secret)
+                                    bind=True, secret=self.cfg.keys.run_secret)
         if self.cfg.accepts_stages:  # stages on other hosts report here
-            port = curve.bind(self._control.socket, f"tcp://{self.cfg.listen_host}:0",
+            port = curve.bind(self._control.socket, f"tcp://{self.cfg.remote.listen_host}:0",
                               curve.STAGES)
             self._public["control"] = self._tcp(port)
             self._fingerprint = model_fingerprint(self.cfg.model.path)
@@ -183,7 +184,7 @@ class Pipeline:
         status = self._zmq.socket(zmq.PUB)
         status.setsockopt(zmq.LINGER, 1000)  # the last status (a failure) gets out
         status.bind(self.cfg.status_address)
-        host = self.cfg.listen_host
+        host = self.cfg.remote.listen_host
         if not host:
             return status, None
         self._public["status"] = self._tcp(curve.bind(status, f"tcp://{host}:0", curve.ALL))
@@ -196,7 +197,7 @@ class Pipeline:
     @property
     def _public_host(self) -> str:
         """The name remote clients and stages reach this host by (with --listen)."""
-        host = self.cfg.listen_host
+        host = self.cfg.remote.listen_host
         return socket.getfqdn() if host in ("0.0.0.0", "*") else host
 
     def _tcp(self, port: int) -> str:
@@ -230,7 +231,7 @@ class Pipeline:
         thread's from here on."""
         next_status = 0.0
         assert self.roster is not None
-        links = Peers(self._zmq, self.cfg.run_secret, self.roster.view(False))
+        links = Peers(self._zmq, self.cfg.keys.run_secret, self.roster.view(False))
         try:
             while not self._stopping.is_set():
                 dead = self.supervisor.watch(0.1)  # (and starts those due to restart)
@@ -472,7 +473,7 @@ class Pipeline:
         reply = b""
         try:
             if frames[0] == ENDPOINTS_REQUEST:
-                reply = endpoints_answer(frames, self.cfg.client_key, self._remote_endpoints)
+                reply = endpoints_answer(frames, self.cfg.keys.client_key, self._remote_endpoints)
                 if not reply:
                     self.num_refused_bootstraps += 1
             elif frames[0] in (b"hello", b"join") and self.roster is not None:
@@ -496,7 +497,7 @@ class Pipeline:
         if not self.cfg.accepts_stages:
             return (b'{"error": "this pipeline takes no stages from other hosts: start it '
                     b'with --listen HOST and --stage-key KEY"}')
-        reply, member = self.roster.answer(frames, self.cfg.stage_key, self._fingerprint,
+        reply, member = self.roster.answer(frames, self.cfg.keys.stage_key, self._fingerprint,
                                            time.monotonic(), self._public)
         if member is not None:
             logger.warning("%s is joining from %s", member.name, member.tcp)
