@@ -49,7 +49,7 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "(default" in text or "default:" in text.lower() or text.startswith("default "):
+        if "(default" in text or "default:" in text.lower():
             return text
         return super()._get_help_string(action)
 
