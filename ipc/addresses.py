@@ -9,13 +9,25 @@ every stage and the launcher.
   unique, and shared memory has no directory to hold them).
 - tcp:// is for other hosts only: with --listen, inboxes also bind a tcp:// port on the listen
   host (ipc/channels.py: listen_tcp, stage_listen) and report it when ready; a stage that
-  joined from another host reaches the launcher's status publisher at `launcher_status`, and
-  only with --listen may outputs go to a client's tcp:// reply socket (is_client_address).
+  joined from another host reaches the launcher's status publisher at
+  `remote.launcher_status`, and only with --listen may outputs go to a client's tcp:// reply
+  socket (is_client_address).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteSettings:
+    """How one host's stages meet other hosts (PipelineConfig.remote): each host's own, never
+    sent to a stage that joins."""
+
+    listen_host: str = ""  # --listen: also take clients (and stages) over tcp:// on this host
+    # In a stage that joined from another host: the launcher's tcp:// status publisher.
+    launcher_status: str = ""
 
 
 class RunAddresses:
@@ -25,8 +37,7 @@ class RunAddresses:
     run_dir: str
     run_id: str
     engine: int
-    listen_host: str
-    launcher_status: str
+    remote: RemoteSettings
 
     def address(self, name: str) -> str:
         return f"ipc://{Path(self.run_dir) / name}.sock"
@@ -65,14 +76,14 @@ class RunAddresses:
         """Whether outputs may be sent to `address`: a client's reply socket in the run
         directory, or (with --listen) a remote client's tcp:// one; never a stage's socket."""
         if address.startswith("tcp://"):
-            return bool(self.listen_host)
+            return bool(self.remote.listen_host)
         prefix = self.client_reply_prefix
         return (address.startswith(prefix) and address.endswith(".sock")
                 and "/" not in address[len(prefix):])
 
     @property
     def status_address(self) -> str:
-        return self.launcher_status or self.address("status")
+        return self.remote.launcher_status or self.address("status")
 
     def detokenizer_address(self, rank: int) -> str:
         return self.address(f"detokenizer-{rank}")

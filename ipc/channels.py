@@ -167,7 +167,7 @@ def stage_listen(inbox: PullChannel, cfg: PipelineConfig, port: int = 0) -> int:
     stage's predecessor's, or any free one): the port (else 0)."""
     if not cfg.accepts_stages:
         return 0
-    return curve.bind(inbox.socket, f"tcp://{cfg.listen_host}:{port}", curve.STAGES)
+    return curve.bind(inbox.socket, f"tcp://{cfg.remote.listen_host}:{port}", curve.STAGES)
 
 
 class SubChannel(PullChannel):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ipc.addresses import RunAddresses
+from ipc.addresses import RemoteSettings, RunAddresses
 from ipc.device import parse_device
 from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     from ipc.curve import CurveKeys
 
 
-@dataclass(frozen=True)
+# Every default of a run lives in these dataclasses: the CLI's flags (pipeline/cli.py), LLM()'s
+# keywords (pipeline/offline.py), the server's options and the benchmarks read them (e.g.
+# `default=SchedulerConfig.max_num_seqs`), so a default is changed here and nowhere else
+# (tests/test_defaults.py holds every flag to it). All are keyword-only: a new field cannot
+# shift the arguments of a caller.
+
+
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -53,13 +60,39 @@ class SchedulerConfig:
                               f"<= 1000, got {lo}:{hi}")
 
 
+# `serve`'s max_waiting (SchedulerConfig's is None: no bound). A server answers 503 past it, so
+# that a load balancer or a client's retry sees an overload at once instead of a queue that
+# grows without end; a program's own batch (generate, LLM()) is queued whole, never refused.
+# (Also ServerOptions.max_waiting, the front end's admission.)
+SERVE_MAX_WAITING = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """`serve`'s HTTP front end (pipeline/server/), beside the engine's settings so that
+    every default a user can set is in this file."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    api_workers: int = 1
+    max_body_bytes: int = 4 << 20
+    rate_limit_rps: float = 0.0  # per API key and per client address; 0: off
+    rate_limit_concurrent: int = 0  # requests at once, per key and per address; 0: off
+    # Sequences waiting in the scheduler (each engine's) before new requests get 503.
+    max_waiting: int = SERVE_MAX_WAITING
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
+    access_log: bool = True  # a line per request on stderr
+    stats_interval: float = 10.0  # seconds between the engine's stats lines on stderr; 0: off
+
+
 # Weight formats made at load from a float checkpoint (stages/executor/linear/quantized.py):
 # int8 = 8-bit codes with an fp16 scale and minimum per 32 inputs; int4 = 4-bit codes, a scale
 # and a minimum per 32 inputs (Q4_1), the head kept at int8.
 QUANTIZATIONS = ("int8", "int4")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
     device: str = "cpu"  # a torch device: cpu, cuda, cuda:N
     dtype: str = "float32"
@@ -89,15 +122,11 @@ class ExecutorConfig:
             raise ConfigError("--tensor-parallel-size needs a model, not the timed device")
 
     @classmethod
-    def for_device(cls, device: str, dtype: str = "float32", kv_cache_memory: int = 1 << 30,
-                   compile: bool | None = None, cuda_graphs: bool = True,
-                   tensor_parallel_size: int = 1,
-                   quantization: str | None = None) -> ExecutorConfig:
-        """From the --device option's text (which may name the timed instrument)."""
+    def for_device(cls, device: str, **fields: Any) -> ExecutorConfig:
+        """From the --device option's text (which may name the timed instrument); the other
+        fields by name, their defaults the dataclass's."""
         torch_device, timed = parse_device(device)
-        return cls(torch_device, dtype, kv_cache_memory, timed=timed, compile=compile,
-                   cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                   quantization=quantization)
+        return cls(device=torch_device, timed=timed, **fields)
 
 
 @dataclass(frozen=True)
@@ -143,7 +172,31 @@ class EngineLimits:
         return self.max_num_seqs * (MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class RunKeys:
+    """A run's keys and secrets, apart from its settings: what proves a frame, a client or a
+    stage belongs to the run. The operator gives the keys (or the launcher makes the client
+    key); the launcher makes the secrets, which are handed to the stages at spawn, never
+    written to disk or told to clients."""
+
+    # Prefixes every frame a client sends (requests, aborts) and opens the bootstrap socket:
+    # set by the operator for --listen (or made by the launcher), written to the run
+    # directory's pipeline.json for local clients; remote clients must be given it. The only
+    # one of these a stage joining from another host is sent (PipelineConfig.to_wire).
+    client_key: str = ""
+    # Stages on other hosts (pipeline/runtime/remote.py) may join a run that has --listen and
+    # this key; they prove they hold it, and the run's secret is derived from it
+    # (derive_run_secret), so the secret itself never crosses the network in a join.
+    stage_key: str = ""
+    # Prefixes every frame between stages (ipc/channels.py).
+    run_secret: bytes = b""
+    # The secret half of the run's CURVE server key (ipc/curve.py), with --listen: made by
+    # the launcher (derived from the stage key where stages may join); a joined stage
+    # derives it.
+    curve_secret: bytes = b""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PipelineConfig(RunAddresses):
     """One run's configuration, handed to every stage. Its socket addresses and ring names
     (cfg.scheduler_address, cfg.step_ring_name, ...) come from RunAddresses (ipc/addresses.py);
@@ -159,29 +212,15 @@ class PipelineConfig(RunAddresses):
     ready_timeout_s: float = 300.0
     trace_dir: str = ""  # set by the launcher when a trace is asked for
     served_model_name: str = ""  # default: the model folder's name
-    listen_host: str = ""  # also take clients over tcp:// on this host (see Endpoints)
-    # Prefixes every frame between stages (ipc/channels.py); set by the launcher, handed to
-    # the stages at spawn, never written to disk or told to clients.
-    run_secret: bytes = b""
-    # Prefixes every frame a client sends (requests, aborts) and opens the bootstrap socket:
-    # set by the operator for --listen (or made by the launcher), written to the run
-    # directory's pipeline.json for local clients; remote clients must be given it.
-    client_key: str = ""
     # Data parallelism: scheduler+executor pairs ("engines") behind the same tokenizers and
     # detokenizers; `engine` is the one a stage of an engine belongs to (for_engine).
     data_parallel_size: int = 1
     engine: int = 0
     router: str = "prefix"  # how tokenizers pick an engine: "prefix" or "load" (stages/router.py)
-    # Stages on other hosts (pipeline/runtime/remote.py) may join a run that has --listen and
-    # this key; they prove they hold it, and the run's secret is derived from it
-    # (derive_run_secret), so the secret itself never crosses the network in a join.
-    stage_key: str = ""
-    # In a stage that joined from another host: the launcher's tcp:// status publisher.
-    launcher_status: str = ""
-    # The secret half of the run's CURVE server key (ipc/curve.py), with --listen: made by
-    # the launcher (derived from the stage key where stages may join), handed to the stages
-    # at spawn like run_secret; a joined stage derives it.
-    curve_secret: bytes = b""
+    keys: RunKeys = field(default_factory=RunKeys)
+    # --listen's host, and in a stage that joined from another host the launcher's status
+    # publisher (ipc/addresses.py): what this host is reached on, not a scheduling setting.
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
 
     def for_engine(self, engine: int) -> PipelineConfig:
         """The config a stage of engine `engine` runs with: its addresses and rings."""
@@ -195,20 +234,21 @@ class PipelineConfig(RunAddresses):
     def accepts_stages(self) -> bool:
         """Whether stages on other hosts may join (--listen and --stage-key): then every
         stage's inbox from the other stages also listens on tcp://."""
-        return bool(self.listen_host and self.stage_key)
+        return bool(self.remote.listen_host and self.keys.stage_key)
 
-    # Fields a joining stage gets from the launcher: not the run's private paths and
-    # secrets (its own run directory; the secret it derives), not the launcher's host.
-    _LOCAL_FIELDS = ("run_dir", "trace_dir", "run_secret", "stage_key", "listen_host",
-                     "launcher_status", "curve_secret")
+    # Fields a joining stage does not get from the launcher: the run's private paths (it has
+    # its own run directory), the launcher's host (it listens on its own); of the keys only
+    # the client key (the secrets it derives from the stage key it holds).
+    _LOCAL_FIELDS = ("run_dir", "trace_dir", "remote")
 
     def curve_keys(self) -> CurveKeys | None:
         """The CURVE keys of this run's tcp:// side (None without --listen: no tcp://)."""
         from ipc.curve import CurveKeys
 
-        if not (self.listen_host and self.curve_secret):
+        keys = self.keys
+        if not (self.remote.listen_host and keys.curve_secret):
             return None
-        return CurveKeys.for_stage(self.curve_secret, self.client_key, self.stage_key,
+        return CurveKeys.for_stage(keys.curve_secret, keys.client_key, keys.stage_key,
                                    self.run_id)
 
     def to_wire(self) -> dict[str, object]:
@@ -216,15 +256,19 @@ class PipelineConfig(RunAddresses):
         fields = dataclasses.asdict(self)
         for name in self._LOCAL_FIELDS:
             del fields[name]
+        fields["keys"] = {"client_key": self.keys.client_key}
         return fields
 
     @classmethod
-    def from_wire(cls, fields: dict[str, object], model_path: str, **local: object
-                  ) -> PipelineConfig:
+    def from_wire(cls, fields: dict[str, object], model_path: str, keys: RunKeys | None = None,
+                  remote: RemoteSettings | None = None) -> PipelineConfig:
         """A joining stage's config: the launcher's (to_wire), its own model folder (which
-        must hold the same model: model_fingerprint) and its local fields."""
+        must hold the same model: model_fingerprint), its own keys (the launcher's client
+        key taken in) and where it is reached."""
         values = dict(fields)
         try:
+            told = dict(values.pop("keys"))  # type: ignore[call-overload]
+            keys = dataclasses.replace(keys or RunKeys(), client_key=told["client_key"])
             model = dict(values.pop("model"))  # type: ignore[call-overload]
             model["path"] = model_path
             model["eos_token_ids"] = tuple(model["eos_token_ids"])
@@ -235,8 +279,9 @@ class PipelineConfig(RunAddresses):
             execu = dict(values.pop("executor"))  # type: ignore[call-overload]
             if execu.get("timed") is not None:
                 execu["timed"] = tuple(execu["timed"])
-            return cls(ModelInfo(**model), SchedulerConfig(**sched), ExecutorConfig(**execu),
-                       **values, **local)  # type: ignore[arg-type]
+            return cls(model=ModelInfo(**model), scheduler=SchedulerConfig(**sched),
+                       executor=ExecutorConfig(**execu), keys=keys,
+                       remote=remote or RemoteSettings(), **values)  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"the launcher sent a config this version cannot read: {exc}"
                               ) from None
@@ -248,7 +293,7 @@ class PipelineConfig(RunAddresses):
                          tuple(self.tokenizer_address(r) for r in range(self.num_tokenizers)),
                          tuple(self.for_engine(e).abort_address
                                for e in range(self.data_parallel_size)),
-                         self.status_address, self.client_reply_prefix, self.client_key,
+                         self.status_address, self.client_reply_prefix, self.keys.client_key,
                          server_key=self._server_key())
 
     def _server_key(self) -> str:
@@ -257,7 +302,8 @@ class PipelineConfig(RunAddresses):
         from another host)."""
         import zmq
 
-        return zmq.curve_public(self.curve_secret).decode() if self.curve_secret else ""
+        secret = self.keys.curve_secret
+        return zmq.curve_public(secret).decode() if secret else ""
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.num_detokenizers < 1:
@@ -270,10 +316,11 @@ class PipelineConfig(RunAddresses):
     @property
     def limits(self) -> EngineLimits:
         s, m = self.scheduler, self.model
-        return EngineLimits(s.max_num_seqs, s.max_num_batched_tokens, s.block_size,
-                            m.max_model_len, m.vocab_size, m.eos_token_ids, s.depth,
-                            s.priority_range,
-                            s.speculative.num_tokens if s.speculative is not None else 0)
+        return EngineLimits(
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            block_size=s.block_size, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
+            eos_token_ids=m.eos_token_ids, depth=s.depth, priority_range=s.priority_range,
+            num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0)
 
     def scheduler_addresses(self) -> list[str]:
         """Every engine's scheduler inbox (what the tokenizers route to, in engine order)."""

@@ -20,3 +20,12 @@ def parse_bytes(text: str | int) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot read a size from {text!r} (use e.g. 2GiB, 512MiB, 1000000)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(size: int) -> str:
+    """Bytes as a user would write them, and parse_bytes reads back: 1<<30 -> '1GiB'
+    (a default in --help)."""
+    for suffix, unit in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= unit and size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)

@@ -16,13 +16,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipc.config import QUANTIZATIONS, ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.addresses import RemoteSettings
+from ipc.config import (
+    QUANTIZATIONS,
+    ExecutorConfig,
+    PipelineConfig,
+    RunKeys,
+    SchedulerConfig,
+    ServerOptions,
+)
 from ipc.errors import ConfigError
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
 from ipc.speculative import parse_speculative
-from ipc.units import parse_bytes
+from ipc.units import format_bytes, parse_bytes
 from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError
 
 DEMO_PROMPTS = [
@@ -36,7 +44,14 @@ DEMO_PROMPTS = [
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and each option's default."""
+    """The description as written, and each option's default (read from the config
+    dataclasses), unless its help already says what the default means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or "default:" in text.lower():
+            return text
+        return super()._get_help_string(action)
 
 
 def _version() -> str:
@@ -52,48 +67,58 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    "qwen3; F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, Q4_K-Q6_K: quantized ones "
                    "stay quantized); default: SmolLM2-135M-Instruct, converted once into "
                    "$LLM_PIPELINE_CACHE")
-    p.add_argument("--dtype", default=d("float32"), choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default=d(None), choices=list(QUANTIZATIONS),
+    p.add_argument("--dtype", default=d(ExecutorConfig.dtype), choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=d(ExecutorConfig.quantization),
+                   choices=list(QUANTIZATIONS),
                    help="quantize the weights at load (CPU, eager forward, AVX512-VNNI): int8 "
                         "= 8-bit codes with a scale and a minimum per 32 inputs; int4 = 4-bit "
                         "codes with a scale and a minimum per 32 (llama.cpp's Q4_1), the head "
                         "at int8. Activations stay in --dtype")
-    p.add_argument("--device", default=d("cpu"),
+    p.add_argument("--device", default=d(ExecutorConfig.device),
                    help="cpu, cuda[:N], or timed:A,B (a measuring instrument: no model, each "
                         "step waits A + B*tokens ms and emits deterministic tokens)")
     p.add_argument("--trace", default=d(None), metavar="FILE",
                    help="write a Chrome-trace timeline of all stages (open it in Perfetto)")
-    p.add_argument("--tokenizer-workers", type=int, default=d(1))
-    p.add_argument("--detokenizer-workers", type=int, default=d(1))
-    p.add_argument("--max-num-seqs", type=int, default=d(64))
-    p.add_argument("--max-num-batched-tokens", type=int, default=d(2048))
-    p.add_argument("--max-model-len", type=int, default=d(None))
-    p.add_argument("--kv-cache-memory", default=d("1GiB"), help="bytes, or e.g. 2GiB, 512MiB")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d(None),
+    p.add_argument("--tokenizer-workers", type=int, default=d(PipelineConfig.num_tokenizers))
+    p.add_argument("--detokenizer-workers", type=int,
+                   default=d(PipelineConfig.num_detokenizers))
+    p.add_argument("--max-num-seqs", type=int, default=d(SchedulerConfig.max_num_seqs))
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=d(SchedulerConfig.max_num_batched_tokens))
+    p.add_argument("--max-model-len", type=int, default=d(None),
+                   help="(default: the model's own context length)")
+    p.add_argument("--kv-cache-memory", default=d(format_bytes(ExecutorConfig.kv_cache_memory)),
+                   help="bytes, or e.g. 2GiB, 512MiB")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   default=d(ExecutorConfig.compile),
                    help="torch.compile the model (TorchInductor; artefacts cached in "
                         "$LLM_PIPELINE_CACHE/inductor). Default: on for CUDA, off on the CPU, "
                         "where it measured slower (docs/BENCHMARKS.md)")
-    p.add_argument("--tensor-parallel-size", type=int, default=d(1), metavar="K",
+    p.add_argument("--tensor-parallel-size", type=int,
+                   default=d(ExecutorConfig.tensor_parallel_size), metavar="K",
                    help="K executor processes, each holding 1/K of every layer (heads, MLP "
                         "rows, vocabulary), summed by torch.distributed all-reduces (gloo on "
                         "the CPU, NCCL on CUDA, a GPU per rank); eager only")
-    p.add_argument("--data-parallel-size", type=int, default=d(1), metavar="D",
+    p.add_argument("--data-parallel-size", type=int,
+                   default=d(PipelineConfig.data_parallel_size), metavar="D",
                    help="D engines (a scheduler and its executor each, a whole model each) "
                         "behind the same tokenizers; each request goes to one, by --router")
-    p.add_argument("--router", choices=["prefix", "load"], default=d("prefix"),
+    p.add_argument("--router", choices=["prefix", "load"], default=d(PipelineConfig.router),
                    help="with several engines: 'prefix' sends a request to the engine that "
                         "holds the longest part of its prompt unless that one is far busier; "
                         "'load' to the least loaded (tokens of work)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d(True),
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                   default=d(ExecutorConfig.cuda_graphs),
                    help="on CUDA with a compiled model, replay decode steps as CUDA graphs "
                         "(one per padded batch size, captured on first reuse); "
                         "--no-cuda-graphs launches every kernel from the host")
-    p.add_argument("--block-size", type=int, default=d(16))
-    p.add_argument("--priority-range", default=d("0:10"), metavar="LOW:HIGH",
+    p.add_argument("--block-size", type=int, default=d(SchedulerConfig.block_size))
+    p.add_argument("--priority-range", metavar="LOW:HIGH",
+                   default=d(format_priority_range(SchedulerConfig.priority_range)),
                    help="the priorities callers may ask for (lower is served first); the "
                         "default lets a caller make its own work less urgent, never jump "
                         "ahead of others")
-    p.add_argument("--speculative", "--speculative-config", default=d(None),
+    p.add_argument("--speculative", "--speculative-config", default=d(SchedulerConfig.speculative),
                    metavar="ngram:K[:N[:M]] | draft:PATH:K[:int8|int4]",
                    help="speculative decoding: K tokens proposed for each decoding sequence "
                         "and verified in the same forward; outputs are the same as without "
@@ -184,70 +209,79 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port")
-    p.add_argument("--api-key", default=None,
+    o = ServerOptions  # every default below is its field's
+    p.add_argument("--host", default=o.host)
+    p.add_argument("--port", type=int, default=o.port, help="0: any free port")
+    p.add_argument("--api-key", default=o.api_key,
                    help="every /v1 call then needs 'Authorization: Bearer KEY'")
-    p.add_argument("--api-workers", type=int, default=1,
+    p.add_argument("--api-workers", type=int, default=o.api_workers,
                    help="front-end processes sharing the port and the pipeline")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", default=PipelineConfig.served_model_name,
                    help="the model id clients use (default: the model folder's name)")
-    p.add_argument("--max-body-bytes", default="4MiB", help="request body size limit")
-    p.add_argument("--rate-limit-rps", type=float, default=0.0,
+    p.add_argument("--max-body-bytes", default=format_bytes(o.max_body_bytes),
+                   help="request body size limit")
+    p.add_argument("--rate-limit-rps", type=float, default=o.rate_limit_rps,
                    help="requests per second per API key and per client address (0: off)")
-    p.add_argument("--rate-limit-concurrent", type=int, default=0,
+    p.add_argument("--rate-limit-concurrent", type=int, default=o.rate_limit_concurrent,
                    help="requests at once per API key and per client address (0: off)")
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="answer 503 while this many sequences wait in the scheduler")
-    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--max-waiting", type=int, default=o.max_waiting,
+                   help="answer 503 while this many sequences wait in each engine's "
+                        "scheduler (generate and LLM() queue without a bound)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=o.access_log,
                    help="a line on stderr per API request (client, route, status, time)")
-    p.add_argument("--stats-interval", type=float, default=10.0, metavar="S",
+    p.add_argument("--stats-interval", type=float, default=o.stats_interval, metavar="S",
                    help="a line on stderr every S seconds: throughput, running/waiting, KV "
                         "cache use, prefix hits, device idle (0: off)")
-    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+    p.add_argument("--allowed-origins", default=",".join(o.allowed_origins), metavar="ORIGINS",
                    help="CORS: comma-separated origins that browsers may call the API from, "
                         "or '*' for any (default: none, CORS off)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    """One flag per SamplingParams field, of the same name with dashes (see its docstring)."""
+    """One flag per SamplingParams field, of the same name with dashes (see its docstring),
+    its default GENERATE_SAMPLING's."""
+    d, so = GENERATE_SAMPLING, StructuredOutputs()
     g = p.add_argument_group("sampling (per request; see ipc.messages.SamplingParams)")
-    g.add_argument("--max-tokens", type=_max_tokens, default=DEFAULT_MAX_TOKENS,
-                   help=f"default {DEFAULT_MAX_TOKENS}: an answer's length, and a bound, so a "
+    g.add_argument("--max-tokens", type=_max_tokens, default=d.max_tokens,
+                   help=f"default {d.max_tokens}: an answer's length, and a bound, so a "
                         "raw prompt that never reaches EOS cannot run for minutes; 'none': "
                         "until EOS or the context ends")
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
-    g.add_argument("--stop-token-ids", type=int, nargs="+", default=[])
+    g.add_argument("--min-tokens", type=int, default=d.min_tokens)
+    g.add_argument("--temperature", type=float, default=d.temperature,
+                   help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--top-k", type=int, default=d.top_k, help="0 or -1: off")
+    g.add_argument("--min-p", type=float, default=d.min_p)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    g.add_argument("--stop", action="append", default=list(d.stop),
+                   help="a stop string; repeatable")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=list(d.stop_token_ids))
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--include-stop-str-in-output", action="store_true")
-    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--n", type=int, default=1, help="samples per prompt")
-    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
+                   default=d.skip_special_tokens)
+    g.add_argument("--n", type=int, default=d.n, help="samples per prompt")
+    g.add_argument("--prompt-logprobs", type=int, default=d.prompt_logprobs, metavar="K",
                    help="each prompt token's logprob and K alternatives (0..20), in --json")
-    g.add_argument("--logprobs", type=int, default=None,
+    g.add_argument("--logprobs", type=int, default=d.logprobs,
                    help="the sampled token's logprob and this many alternatives (0..20)")
-    g.add_argument("--priority", type=int, default=0,
+    g.add_argument("--priority", type=int, default=d.priority,
                    help="lower is served first, within --priority-range")
-    g.add_argument("--user", default="", help="who the requests are for (fair sharing)")
+    g.add_argument("--user", default=d.user, help="who the requests are for (fair sharing)")
     g.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="with --speculative on: these requests take one token a step")
     s = p.add_argument_group("structured output (at most one; TEXT or @FILE)")
-    s.add_argument("--json-schema", metavar="SCHEMA", default=None,
+    s.add_argument("--json-schema", metavar="SCHEMA", default=so.json,
                    help="the output is JSON valid under this JSON Schema")
     s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    s.add_argument("--regex", default=None, help="the output matches this regular expression")
-    s.add_argument("--choice", action="append", default=None,
+    s.add_argument("--regex", default=so.regex,
+                   help="the output matches this regular expression")
+    s.add_argument("--choice", action="append", default=so.choice,
                    help="the output is one of these strings; repeatable")
-    s.add_argument("--grammar", default=None, help="the output follows this Lark grammar")
+    s.add_argument("--grammar", default=so.grammar, help="the output follows this Lark grammar")
 
 
 def _text_or_file(value: str | None, flag: str) -> str | None:
@@ -277,6 +311,10 @@ def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
 
 
 DEFAULT_MAX_TOKENS = 256
+# `generate`'s defaults of each request: SamplingParams's (the API's, as vLLM's), but greedy and
+# bounded: a prompt on the command line is answered alike every time, and cannot run for
+# minutes on a raw prompt that never reaches EOS.
+GENERATE_SAMPLING = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=0.0)
 
 
 def _max_tokens(text: str) -> int | None:
@@ -303,6 +341,10 @@ def listen_host(host: str | None) -> str:
         raise ConfigError(f"--listen {host}: give an IPv4 address or a host name (IPv6 is "
                           "not supported for remote clients yet)")
     return host
+
+
+def format_priority_range(value: tuple[int, int]) -> str:
+    return f"{value[0]}:{value[1]}"
 
 
 def parse_priority_range(text: str) -> tuple[int, int]:
@@ -355,24 +397,34 @@ def run_stage_command(args: argparse.Namespace) -> int:
 
 
 def build_config(args: argparse.Namespace) -> PipelineConfig:
+    """The run's config from the parsed options, each field by name (a flag a command lacks,
+    e.g. serve's, keeps the field's default)."""
     from pipeline.tools.model_source import resolve_model
 
     return PipelineConfig(
         model=ModelInfo.from_dir(resolve_model(args.model), args.max_model_len),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                  args.block_size, 1 if args.no_overlap else 2,
-                                  getattr(args, "max_waiting", None),
-                                  parse_priority_range(args.priority_range),
-                                  parse_speculative(args.speculative)),
-        executor=ExecutorConfig.for_device(args.device, args.dtype,
-                                           parse_bytes(args.kv_cache_memory), args.compile,
-                                           args.cuda_graphs, args.tensor_parallel_size,
-                                           args.quantization),
+        scheduler=scheduler_config(args), executor=executor_config(args),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         data_parallel_size=args.data_parallel_size, router=args.router,
-        served_model_name=getattr(args, "served_model_name", None) or "",
-        listen_host=listen_host(args.listen),
-        client_key=client_key(args.listen_key), stage_key=stage_key(args.stage_key))
+        served_model_name=getattr(args, "served_model_name", PipelineConfig.served_model_name),
+        remote=RemoteSettings(listen_host=listen_host(args.listen)),
+        keys=RunKeys(client_key=client_key(args.listen_key), stage_key=stage_key(args.stage_key)))
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, depth=1 if args.no_overlap else SchedulerConfig.depth,
+        max_waiting=getattr(args, "max_waiting", SchedulerConfig.max_waiting),
+        priority_range=parse_priority_range(args.priority_range),
+        speculative=parse_speculative(args.speculative))
+
+
+def executor_config(args: argparse.Namespace) -> ExecutorConfig:
+    return ExecutorConfig.for_device(
+        args.device, dtype=args.dtype, kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        compile=args.compile, cuda_graphs=args.cuda_graphs,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
 
 
 def read_prompts(args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -579,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             startup_s = time.monotonic() - start
             if pipe.address is not None:
                 key = "" if args.listen_key or os.environ.get(KEY_ENV) else (
-                    f" key: {pipe.cfg.client_key}")
+                    f" key: {pipe.cfg.keys.client_key}")
                 print(f"pipeline address: {pipe.address}{key} (PipelineClient.connect(address, "
                       "key=...))", flush=True)
                 if pipe.cfg.accepts_stages:

@@ -33,22 +33,29 @@ class LLM:
     """One running pipeline, for a program's own prompts. Keyword options are the CLI's
     global ones (see `run_pipeline --help`)."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32",
-                 device: str = "cpu", max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int = 1 << 30, compile: bool | None = None,
-                 tokenizer_workers: int = 1, detokenizer_workers: int = 1,
-                 data_parallel_size: int = 1, quantization: str | None = None,
+    # Every default is the config dataclass's (ipc/config.py), as the CLI's flags are.
+    def __init__(self, model: str | None = None, *, dtype: str = ExecutorConfig.dtype,
+                 device: str = ExecutorConfig.device, max_model_len: int | None = None,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 kv_cache_memory: int = ExecutorConfig.kv_cache_memory,
+                 compile: bool | None = ExecutorConfig.compile,
+                 tokenizer_workers: int = PipelineConfig.num_tokenizers,
+                 detokenizer_workers: int = PipelineConfig.num_detokenizers,
+                 data_parallel_size: int = PipelineConfig.data_parallel_size,
+                 quantization: str | None = ExecutorConfig.quantization,
                  speculative: str | None = None) -> None:
         from pipeline.runtime.launcher import Pipeline
         from pipeline.tools.model_source import resolve_model
 
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(resolve_model(model), max_model_len),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
                                       speculative=parse_speculative(speculative)),
-            executor=ExecutorConfig.for_device(device, dtype, kv_cache_memory, compile,
-                                               quantization=quantization),
+            executor=ExecutorConfig.for_device(device, dtype=dtype,
+                                               kv_cache_memory=kv_cache_memory,
+                                               compile=compile, quantization=quantization),
             num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers,
             data_parallel_size=data_parallel_size)
         self._pipeline = Pipeline(cfg)

@@ -309,9 +309,9 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int,
         core = Detokenizer(Tokenizer.from_file(f"{cfg.model.path}/tokenizer.json"))
         inbox = PullChannel(ctx.zmq, cfg.detokenizer_address(rank),
                             Codec([DetokBatch, EngineDown, Members]), bind=True,
-                            secret=cfg.run_secret)
+                            secret=cfg.keys.run_secret)
         replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
-        engines = Peers(ctx.zmq, cfg.run_secret, members or local_members(cfg))
+        engines = Peers(ctx.zmq, cfg.keys.run_secret, members or local_members(cfg))
         ctx.ready(stage_port=stage_listen(inbox, cfg, stage_port))
         while not ctx.stop.is_set():
             batch = inbox.recv_valid(100)

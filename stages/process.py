@@ -62,7 +62,7 @@ class StageContext:
         if keys is not None:  # tcp:// endpoints under CURVE (with --listen)
             curve.install(self.zmq, keys)
         self._control = PushChannel(self.zmq, cfg.control_address, bind=False,
-                                    secret=cfg.run_secret)
+                                    secret=cfg.keys.run_secret)
         trace = os.path.join(cfg.trace_dir, f"{stage}-{rank}.json") if cfg.trace_dir else None
         self.tracer = Tracer(trace, stage, rank)
         self.run_dir = cfg.run_dir

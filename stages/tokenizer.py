@@ -142,11 +142,11 @@ class TokenizerShell:
                                   cfg.scheduler.priority_range, cfg.model.eos_token_ids)
         self.inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank),
                                  Codec([AddRequest, Reconcile]), bind=True,
-                                 secret=cfg.client_key.encode())
+                                 secret=cfg.keys.client_key.encode())
         self.answers = PullChannel(ctx.zmq, cfg.tokenizer_stage_address(rank),
                                    Codec([ReconcileAnswer, Members]), bind=True,
-                                   secret=cfg.run_secret)
-        self.engines = Peers(ctx.zmq, cfg.run_secret, members or local_members(cfg))
+                                   secret=cfg.keys.run_secret)
+        self.engines = Peers(ctx.zmq, cfg.keys.run_secret, members or local_members(cfg))
         self.replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
         router = EngineRouter(self.engines.num_engines, cfg.scheduler.block_size, cfg.router)
         self.dispatcher = Dispatcher(router, rank, self.engines.to_engine, self.replies.send)
@@ -159,7 +159,7 @@ class TokenizerShell:
         if cfg.data_parallel_size > 1 or cfg.accepts_stages:  # the router balances by load
             self.status = SubChannel(ctx.zmq, cfg.status_address, Codec([PipelineStatus]))
             self.poller.register(self.status.socket, zmq.POLLIN)
-        ctx.ready(**listen_tcp(self.inbox, cfg.listen_host, tcp_port),
+        ctx.ready(**listen_tcp(self.inbox, cfg.remote.listen_host, tcp_port),
                   stage_port=stage_listen(self.answers, cfg, stage_port))
 
     def run_once(self) -> None:

@@ -26,9 +26,11 @@ def live_config(model_dir: Path, *, num_tokenizers: int = 1, num_detokenizers: i
                 speculative: SpeculativeConfig | None = None) -> PipelineConfig:
     return PipelineConfig(
         model=ModelInfo.from_dir(model_dir, max_model_len),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, depth,
-                                  speculative=speculative),
-        executor=ExecutorConfig.for_device(device, "float32", kv_cache_memory, compile,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  block_size=block_size, depth=depth, speculative=speculative),
+        executor=ExecutorConfig.for_device(device, dtype="float32",
+                                           kv_cache_memory=kv_cache_memory, compile=compile,
                                            quantization=quantization),
         num_tokenizers=num_tokenizers, num_detokenizers=num_detokenizers, ready_timeout_s=120)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig  # noqa: E402
+from ipc.addresses import RemoteSettings  # noqa: E402
+from ipc.config import ExecutorConfig, PipelineConfig, RunKeys, SchedulerConfig  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from ipc.model_info import ModelInfo  # noqa: E402
 from pipeline.runtime.client import PipelineClient  # noqa: E402
@@ -28,9 +29,12 @@ def main() -> None:
     model_dir, host, key, kinds = sys.argv[1:5]
     num_prompts = int(sys.argv[5]) if len(sys.argv) > 5 else 16
     text = sys.argv[6] if len(sys.argv) > 6 else ""
-    cfg = PipelineConfig(ModelInfo.from_dir(model_dir), SchedulerConfig(16, 256),
-                         ExecutorConfig.for_device("timed:3,0", kv_cache_memory=32 << 20),
-                         listen_host=host, stage_key=key, ready_timeout_s=120)
+    cfg = PipelineConfig(model=ModelInfo.from_dir(model_dir),
+                         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+                         executor=ExecutorConfig.for_device("timed:3,0",
+                                                            kv_cache_memory=32 << 20),
+                         remote=RemoteSettings(listen_host=host), keys=RunKeys(stage_key=key),
+                         ready_timeout_s=120)
     with Pipeline(cfg) as pipe:
         print(f"address {pipe.address}", flush=True)
         assert pipe.roster is not None
@@ -43,7 +47,7 @@ def main() -> None:
             time.sleep(0.1)
         else:
             raise SystemExit(f"not joined within 120 s: {sorted(wanted - joined)}")
-        client = PipelineClient.connect(pipe.address, key=pipe.cfg.client_key)
+        client = PipelineClient.connect(pipe.address, key=pipe.cfg.keys.client_key)
         prompts = [f"{i}: {text}" if text else [3 + i, 4, 5, 6] for i in range(num_prompts)]
         outs = client.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True),
                                timeout=60)
@@ -56,7 +60,7 @@ def main() -> None:
             "stages": pipe.status().stages,
             "joined": sorted(m.name for m in pipe.roster.members.values() if m.joined),
             "run_id": pipe.cfg.run_id,
-            "client_key": pipe.cfg.client_key,
+            "client_key": pipe.cfg.keys.client_key,
         }
         client.close()
         print(json.dumps(result), flush=True)

@@ -17,6 +17,7 @@ import pytest
 import zmq
 from live import alive, live_config, running
 
+from ipc.addresses import RemoteSettings
 from ipc.channels import ReplySockets
 from ipc.codec import encode
 from ipc.config import PipelineConfig
@@ -88,7 +89,7 @@ def test_a_reply_address_that_is_a_stage_socket_is_never_dialled(pipe: Pipeline)
                           SamplingParams(max_tokens=2), 0.0)
         bad = AddRequest(f"hostile-bad-{name}", address, "", None, None,
                          SamplingParams(max_tokens=0), 0.0)  # an error answer, also refused
-        key = cfg.client_key.encode()  # a client with the key, but hostile
+        key = cfg.keys.client_key.encode()  # a client with the key, but hostile
         send_raw(cfg.tokenizer_address(0), [key + encode(good), key + encode(bad)])
     assert_still_serving(pipe)
 
@@ -144,7 +145,7 @@ def test_random_and_mutated_frames_on_every_socket(pipe: Pipeline) -> None:
 
     sockets = list(stage_sockets(cfg).values())
     keyed = {cfg.tokenizer_address(0), cfg.abort_address}  # client-facing: past the key check
-    key = cfg.client_key.encode()
+    key = cfg.keys.client_key.encode()
     for address in sockets:
         prefix = key if address in keyed else b""
         send_raw(address, [prefix + frame() for _ in range(10_000 // len(sockets))])
@@ -160,8 +161,8 @@ def test_client_addresses_are_told_apart_from_stage_sockets(tmp_path: Path,
         assert not cfg.is_client_address(address)
     assert not cfg.is_client_address(f"ipc://{tmp_path}/client-x/../executor.sock")
     assert not cfg.is_client_address("tcp://127.0.0.1:5555")  # without --listen
-    assert dataclasses.replace(cfg, listen_host="127.0.0.1").is_client_address(
-        "tcp://127.0.0.1:5555")
+    listening = dataclasses.replace(cfg, remote=RemoteSettings(listen_host="127.0.0.1"))
+    assert listening.is_client_address("tcp://127.0.0.1:5555")
     replies = ReplySockets(zmq.Context.instance(), is_client=cfg.is_client_address)
     assert not replies.send(cfg.executor_address, AbortRequest("x"))
     assert replies.num_refused == 1

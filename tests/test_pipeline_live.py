@@ -152,7 +152,7 @@ def test_a_request_with_a_bad_reply_address_does_not_kill_the_tokenizer(
             sock = ctx.socket(zmq.PUSH)
             sock.connect(pipeline.cfg.tokenizer_address(rank))
             for reply_to in ("not an address", "ipc://"):
-                sock.send(pipeline.cfg.client_key.encode() + encode(make_add_request(
+                sock.send(pipeline.cfg.keys.client_key.encode() + encode(make_add_request(
                     f"bad-{rank}", reply_to, "", SamplingParams(max_tokens=-1))))
             sock.close(linger=1000)
     finally:

@@ -19,6 +19,7 @@ from live import live_config, running
 from test_curve import dial
 
 from ipc import curve
+from ipc.addresses import RemoteSettings
 from ipc.codec import encode
 from ipc.curve import client_identity
 from ipc.messages import AbortRequest, SamplingParams, TokenizedRequest
@@ -68,14 +69,15 @@ def run_client(where: str, name: str, key: str = "") -> dict[str, object]:
 
 
 def test_clients_by_run_directory_and_over_tcp(tiny_model_dir: Path) -> None:
-    cfg = dataclasses.replace(live_config(tiny_model_dir), listen_host="0.0.0.0")
+    cfg = dataclasses.replace(live_config(tiny_model_dir),
+                              remote=RemoteSettings(listen_host="0.0.0.0"))
     with running(cfg) as pipe:
         (expected,) = pipe.client().generate([[5, 6, 7, 8]],
                                              SamplingParams(max_tokens=6, temperature=0.0))
         assert pipe.address is not None and pipe.address.startswith("tcp://")
         # Dialled by IP, whatever name the pipeline gives itself: every endpoint follows.
         address = "tcp://127.0.0.1:" + pipe.address.rsplit(":", 1)[1]
-        key = pipe.cfg.client_key
+        key = pipe.cfg.keys.client_key
         assert len(key) >= 16  # made by the launcher, since none was given
         remote = fetch_endpoints(address, key)
         addresses = [*remote.tokenizers, *remote.schedulers, remote.status]

@@ -6,6 +6,7 @@ The join protocol and the roster, unit by unit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,8 @@ import zmq
 from live import alive, kill_pids, running, shm_segments
 
 from ipc import curve
-from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.addresses import RemoteSettings
+from ipc.config import ExecutorConfig, PipelineConfig, RunKeys, SchedulerConfig
 from ipc.keys import derive_run_secret
 from ipc.messages import ErrorKind, RequestOutput, SamplingParams, TokenizedRequest
 from ipc.model_info import ModelInfo, model_fingerprint
@@ -40,8 +42,9 @@ KEY = "stage-key-of-this-test"
 
 
 def _roster(tmp_path: Path, tiny_model_dir: Path) -> Roster:
-    cfg = PipelineConfig(ModelInfo.from_dir(tiny_model_dir), run_dir=str(tmp_path),
-                         run_id="r1", listen_host="127.0.0.1", stage_key=KEY,
+    cfg = PipelineConfig(model=ModelInfo.from_dir(tiny_model_dir), run_dir=str(tmp_path),
+                         run_id="r1", remote=RemoteSettings(listen_host="127.0.0.1"),
+                         keys=RunKeys(stage_key=KEY),
                          num_detokenizers=2)
     return Roster(cfg, "10.0.0.1")
 
@@ -74,7 +77,8 @@ def test_a_join_needs_the_key_a_fresh_challenge_and_the_same_model(tmp_path: Pat
     assert reply["proof"] == proof(KEY, "answer", "n1", str(reply["answer"]))
     answer = json.loads(str(reply["answer"]))
     assert answer["index"] == 1 and answer["run_id"] == "r1"
-    assert "run_secret" not in answer["config"] and "stage_key" not in answer["config"]
+    # Of the keys only the client key is sent; nor is the launcher's own host.
+    assert answer["config"]["keys"] == {"client_key": ""} and "remote" not in answer["config"]
     assert not any(KEY in str(v) for v in answer.values())
     old = roster.challenge(0.0)
     roster.challenge(100.0)  # handing out another one voids those past their time
@@ -147,9 +151,11 @@ def test_the_run_secret_is_derived_not_sent() -> None:
 
 
 def _config(model_dir: Path, device: str = "timed:3,0") -> PipelineConfig:
-    return PipelineConfig(ModelInfo.from_dir(model_dir), SchedulerConfig(16, 256),
-                          ExecutorConfig.for_device(device, kv_cache_memory=32 << 20),
-                          listen_host="127.0.0.1", stage_key=KEY, ready_timeout_s=120)
+    return PipelineConfig(model=ModelInfo.from_dir(model_dir),
+                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+                          executor=ExecutorConfig.for_device(device, kv_cache_memory=32 << 20),
+                          remote=RemoteSettings(listen_host="127.0.0.1"),
+                          keys=RunKeys(stage_key=KEY), ready_timeout_s=120)
 
 
 def _stage(kind: str, address: str, model_dir: Path, key: str = KEY,
@@ -232,8 +238,7 @@ def test_a_stage_without_the_key_or_with_another_model_is_refused(tiny_model_dir
             sock.close()
         assert pipe.is_alive and pipe._supervisor is not None and pipe._supervisor.is_alive()
     cfg = _config(tiny_model_dir)
-    with running(PipelineConfig(cfg.model, cfg.scheduler, cfg.executor,
-                                listen_host="127.0.0.1")) as pipe:  # no stage key
+    with running(dataclasses.replace(cfg, keys=RunKeys())) as pipe:  # no stage key
         assert pipe.address is not None
         refused = _stage("engine", pipe.address, tiny_model_dir)
         try:
@@ -406,7 +411,7 @@ def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
             assert pipe.status().left == ["detokenizer:1"]
             # (it said so as it stopped: gone at once, not after REMOTE_SILENCE_S)
             assert pipe.roster.members["detokenizer", 1].leaving == "interrupted"
-            client = PipelineClient.connect(pipe.address, key=pipe.cfg.client_key)
+            client = PipelineClient.connect(pipe.address, key=pipe.cfg.keys.client_key)
             assert client.wait_for_status().ok  # healthy without it
             (out,) = client.generate([[3, 4, 5]], SamplingParams(max_tokens=3), timeout=30)
             assert out.finish_reason == "length"  # detokenizer 0 streams everything now
@@ -423,7 +428,7 @@ def test_a_connected_client_follows_stages_that_join_and_leave(tiny_model_dir: P
     with an error instead of waiting for ever."""
     with running(_config(tiny_model_dir, "timed:50,0")) as pipe:
         assert pipe.address is not None
-        client = PipelineClient.connect(pipe.address, key=pipe.cfg.client_key)
+        client = PipelineClient.connect(pipe.address, key=pipe.cfg.keys.client_key)
         stages = [_stage(kind, pipe.address, tiny_model_dir) for kind in ("tokenizer", "engine")]
         try:
             _wait_joined(pipe, "tokenizer:1")

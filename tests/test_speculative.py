@@ -102,8 +102,9 @@ def test_a_draft_model_the_executor_cannot_run_is_refused_before_anything_starts
     assert "one rank" in refusal(own, tp=2)
     assert "ngram:K there" in refusal(own, Selection("flex", "asked for"))
     assert check_draft(own, vocab, kernels, 1, "cpu").vocab_size == vocab
-    timed = PipelineConfig(ModelInfo.from_dir(default_model_dir),
-                           SchedulerConfig(speculative=own), ExecutorConfig(timed=(1.0, 0.0)))
+    timed = PipelineConfig(model=ModelInfo.from_dir(default_model_dir),
+                           scheduler=SchedulerConfig(speculative=own),
+                           executor=ExecutorConfig(timed=(1.0, 0.0)))
     with pytest.raises(ConfigError, match="not the timed device"):
         check_executor(timed)
 
@@ -145,8 +146,8 @@ def test_the_setting_reaches_a_stage_that_joins_from_another_host(tiny_model_dir
 
     from ipc.config import PipelineConfig, SchedulerConfig
 
-    cfg = PipelineConfig(ModelInfo.from_dir(tiny_model_dir),
-                         SchedulerConfig(speculative=SpeculativeConfig("ngram", 6, 5, 3)))
+    cfg = PipelineConfig(model=ModelInfo.from_dir(tiny_model_dir),
+                         scheduler=SchedulerConfig(speculative=SpeculativeConfig("ngram", 6, 5, 3)))
     joined = PipelineConfig.from_wire(json.loads(json.dumps(cfg.to_wire())),
                                       str(tiny_model_dir))
     assert joined.scheduler.speculative == cfg.scheduler.speculative

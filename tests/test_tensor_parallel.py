@@ -38,8 +38,11 @@ PROMPTS = [[5 + i, 9, 13 + 2 * i] * (1 + 3 * i) for i in range(6)]  # 3 to 48 to
 def tp_config(folder: Path, size: int, kv_cache_memory: int = 1 << 22) -> PipelineConfig:
     # 4 slots and a 16-token budget: prompts are chunked, steps mix chunks and decodes.
     return PipelineConfig(
-        model=ModelInfo.from_dir(folder, 96), scheduler=SchedulerConfig(4, 16, 4, 2),
-        executor=ExecutorConfig.for_device("cpu", "float32", kv_cache_memory, False,
+        model=ModelInfo.from_dir(folder, 96),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                                  depth=2),
+        executor=ExecutorConfig.for_device("cpu", dtype="float32",
+                                           kv_cache_memory=kv_cache_memory, compile=False,
                                            tensor_parallel_size=size),
         ready_timeout_s=120)
 

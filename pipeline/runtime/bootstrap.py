@@ -38,7 +38,7 @@ class Bootstrap:
         self.num_refused = 0  # requests for the endpoints without the client key
         self.public: dict[str, str] = {}  # the tcp:// control and status
         self.fingerprint = ""  # the model's, which a joining stage's must equal
-        self._endpoints = b""  # what a remote client is handed (update_endpoints)
+        self._endpoints = ""  # what a remote client is handed (update_endpoints)
         keys = cfg.curve_keys()
         if keys is not None:
             curve.install(zctx, keys)
@@ -46,7 +46,7 @@ class Bootstrap:
     @property
     def public_host(self) -> str:
         """The name remote clients and stages reach this host by (with --listen)."""
-        host = self.cfg.listen_host
+        host = self.cfg.remote.listen_host
         return socket.getfqdn() if host in ("0.0.0.0", "*") else host
 
     def tcp(self, port: int) -> str:
@@ -56,14 +56,14 @@ class Bootstrap:
         """Where stages may join (--listen and --stage-key), the control socket listens on
         tcp:// too: stages on other hosts report there."""
         if self.cfg.accepts_stages:
-            port = curve.bind(control, f"tcp://{self.cfg.listen_host}:0", curve.STAGES)
+            port = curve.bind(control, f"tcp://{self.cfg.remote.listen_host}:0", curve.STAGES)
             self.public["control"] = self.tcp(port)
             self.fingerprint = model_fingerprint(self.cfg.model.path)
 
     def open(self, status: zmq.Socket, roster: Roster, ready: dict[str, dict[str, Any]]) -> None:
         """With --listen: the status publisher on tcp:// too, and the bootstrap socket
         (self.address). ready: the local stages' ready reports (their tcp:// ports)."""
-        host = self.cfg.listen_host
+        host = self.cfg.remote.listen_host
         if not host:
             return
         self.public["status"] = self.tcp(curve.bind(status, f"tcp://{host}:0", curve.ALL))
@@ -112,7 +112,7 @@ class Bootstrap:
         reply = b""
         try:
             if frames[0] == ENDPOINTS_REQUEST:
-                reply = endpoints_answer(frames, self.cfg.client_key, self._endpoints)
+                reply = endpoints_answer(frames, self.cfg.keys.client_key, self._endpoints)
                 if not reply:
                     self.num_refused += 1
             elif frames[0] in (b"hello", b"join"):
@@ -129,7 +129,7 @@ class Bootstrap:
     def _answer_join(self, frames: list[bytes], roster: Roster, engines: Engines) -> bytes:
         if not self.cfg.accepts_stages:
             return NO_JOINS
-        reply, member = roster.answer(frames, self.cfg.stage_key, self.fingerprint,
+        reply, member = roster.answer(frames, self.cfg.keys.stage_key, self.fingerprint,
                                       time.monotonic(), self.public)
         if member is not None:
             logger.warning("%s is joining from %s", member.name, member.tcp)

@@ -78,7 +78,7 @@ class Pipeline:
 
     @property
     def address(self) -> str | None:
-        """With cfg.listen_host: the tcp:// bootstrap address for remote clients."""
+        """With cfg.remote.listen_host: the tcp:// bootstrap address for remote clients."""
         return self._bootstrap.address if self._bootstrap is not None else None
 
     @property
@@ -125,7 +125,7 @@ class Pipeline:
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats, StageAlive,
                                            StageLeaving]),
-                                    bind=True, secret=self.cfg.run_secret)
+                                    bind=True, secret=self.cfg.keys.run_secret)
         boot.accept_stages(self._control.socket)
         spawn_stages(self.supervisor, self.cfg, control_reports(self._ctl.recv_foreign_safe))
         roster = self.roster = Roster(self.cfg, boot.public_host)
@@ -155,7 +155,7 @@ class Pipeline:
         thread's from here on."""
         assert self.roster is not None and self._restarts is not None
         assert self._bootstrap is not None
-        links = Peers(self._zmq, self.cfg.run_secret, self.roster.view(False))
+        links = Peers(self._zmq, self.cfg.keys.run_secret, self.roster.view(False))
         try:
             while not self._stopping.is_set():
                 dead = self.supervisor.watch(0.1)  # (and starts those due to restart)

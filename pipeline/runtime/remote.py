@@ -23,9 +23,10 @@ import time
 import zmq
 
 from ipc import curve
+from ipc.addresses import RemoteSettings
 from ipc.channels import PullChannel, PushChannel, SubChannel, make_run_dir
 from ipc.codec import Codec
-from ipc.config import PipelineConfig
+from ipc.config import PipelineConfig, RunKeys
 from ipc.keys import derive_run_secret
 from ipc.messages import (
     Members,
@@ -99,10 +100,11 @@ def join(address: str, kind: str, stage_key: str, model_path: str, host: str,
     if reply.get("proof") != proof(stage_key, "answer", nonce, reply["answer"]):
         raise JoinError(f"the answer from {address} does not prove it holds the stage key")
     answer = json.loads(reply["answer"])
+    keys = RunKeys(stage_key=stage_key, run_secret=derive_run_secret(stage_key, answer["run_id"]),
+                   curve_secret=curve.derived_server_secret(stage_key, answer["run_id"]))
     cfg = PipelineConfig.from_wire(
-        answer["config"], model_path, run_secret=derive_run_secret(stage_key, answer["run_id"]),
-        stage_key=stage_key, listen_host=host, launcher_status=answer["status"],
-        curve_secret=curve.derived_server_secret(stage_key, answer["run_id"]))
+        answer["config"], model_path, keys=keys,
+        remote=RemoteSettings(listen_host=host, launcher_status=answer["status"]))
     # One engine here: its threads and GPUs are this host's (stages/executor/process.py).
     cfg = dataclasses.replace(cfg, data_parallel_size=1, run_dir=str(make_run_dir()))
     members = Members(*answer["members"])
@@ -126,9 +128,9 @@ class RemoteStage:
         try:
             self._control = PullChannel(self._zmq, self.cfg.control_address,
                                         Codec([StageReady, StageFailed, SchedulerStats]),
-                                        bind=True, secret=self.cfg.run_secret)
+                                        bind=True, secret=self.cfg.keys.run_secret)
             self._launcher = PushChannel(self._zmq, joined.control, bind=False,
-                                         secret=self.cfg.run_secret)
+                                         secret=self.cfg.keys.run_secret)
             self._status = SubChannel(self._zmq, self.cfg.status_address,
                                       Codec([PipelineStatus]))
         except BaseException:

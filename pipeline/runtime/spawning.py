@@ -54,17 +54,18 @@ def create_run(cfg: PipelineConfig, trace: bool) -> PipelineConfig:
         os.mkdir(trace_dir)
     run_id = uuid.uuid4().hex[:12]
     # Derived from the stage key where stages may join (they derive the same), else new.
-    secret = (derive_run_secret(cfg.stage_key, run_id) if cfg.stage_key
+    keys = cfg.keys
+    secret = (derive_run_secret(keys.stage_key, run_id) if keys.stage_key
               else secrets.token_bytes(16))
     # The CURVE server key of the run's tcp:// endpoints (ipc/curve.py): derived alike.
     curve_secret = b""
-    if cfg.listen_host:
-        curve_secret = (curve.derived_server_secret(cfg.stage_key, run_id)
-                        if cfg.stage_key else zmq.curve_keypair()[1])
+    if cfg.remote.listen_host:
+        curve_secret = (curve.derived_server_secret(keys.stage_key, run_id)
+                        if keys.stage_key else zmq.curve_keypair()[1])
+    run_keys = dataclasses.replace(keys, run_secret=secret, curve_secret=curve_secret,
+                                   client_key=keys.client_key or secrets.token_urlsafe(24))
     return dataclasses.replace(cfg, run_dir=str(run_dir), run_id=run_id, trace_dir=trace_dir,
-                               run_secret=secret,
-                               client_key=cfg.client_key or secrets.token_urlsafe(24),
-                               curve_secret=curve_secret)
+                               keys=run_keys)
 
 
 def spawn_stages(sup: Supervisor, cfg: PipelineConfig, reports: Reports) -> None:

@@ -20,7 +20,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ipc.config import ServerOptions
 from ipc.params import RequestError
 from pipeline.runtime.client import PipelineClient
 from pipeline.server.errors import ApiError, bad, shutting_down
@@ -43,21 +43,6 @@ from pipeline.server.openai_parse import (
 from pipeline.server.openai_render import new_id
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    api_workers: int = 1
-    max_body_bytes: int = 4 << 20
-    rate_limit_rps: float = 0.0  # per API key and per client address; 0: off
-    rate_limit_concurrent: int = 0  # requests at once, per key and per address; 0: off
-    max_waiting: int = 1024  # sequences waiting in the scheduler before new requests get 503
-    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
-    access_log: bool = True  # a line per request on stderr
-
 
 
 # ---------------------------------------------------------------- the app

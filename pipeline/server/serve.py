@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ipc.config import ServerOptions
 from ipc.errors import ConfigError
 from ipc.messages import ForgetClient, SchedulerStats
 from ipc.units import parse_bytes
 from pipeline.runtime.launcher import Pipeline
 from pipeline.runtime.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 from pipeline.runtime.supervisor import Report, Supervisor
-from pipeline.server.app import ServerOptions
 from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
 WORKER_READY_TIMEOUT_S = 60.0
@@ -35,6 +35,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         api_workers=args.api_workers, max_body_bytes=parse_bytes(args.max_body_bytes),
         rate_limit_rps=args.rate_limit_rps, rate_limit_concurrent=args.rate_limit_concurrent,
         max_waiting=args.max_waiting, access_log=args.access_log,
+        stats_interval=args.stats_interval,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
 
 
@@ -54,7 +55,7 @@ def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
     for rank, name in enumerate(names):
         workers.start(name, run_api_worker, run_dir, options, pipe.cfg.model.vocab_size, rank,
                       os.getpid(), sock, pipe.cfg.model.path)
-    stats = EngineStatsLog(args.stats_interval)
+    stats = EngineStatsLog(options.stats_interval)
     try:
         workers.wait_ready(names, _ready_files(run_dir, len(names)), WORKER_READY_TIMEOUT_S)
         host = f"[{options.host}]" if ":" in options.host else options.host

@@ -11,8 +11,9 @@ from typing import Any
 
 import uvicorn
 
+from ipc.config import ServerOptions
 from pipeline.runtime.client import PipelineClient
-from pipeline.server.app import FrontEnd, ServerOptions
+from pipeline.server.app import FrontEnd
 from stages.process import watch_parent
 
 

@@ -90,10 +90,12 @@ def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
     return PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
         scheduler=SchedulerConfig(max_num_seqs=args.batch,
-                                  max_num_batched_tokens=max(2048, prompt_room),
-                                  block_size=16, depth=depth),
-        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
-                                           args.compile),
+                                  max_num_batched_tokens=max(
+                                      SchedulerConfig.max_num_batched_tokens, prompt_room),
+                                  depth=depth),
+        executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
+                                           kv_cache_memory=args.kv_cache_memory,
+                                           compile=args.compile),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
 
 
@@ -239,13 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("overlap", help="synchronous vs overlapped batching, same workload")
-    _add_common(p, kv_cache_memory=1 << 30)
+    _add_common(p, kv_cache_memory=ExecutorConfig.kv_cache_memory)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--tokenizer-workers", type=int, default=1)
-    p.add_argument("--detokenizer-workers", type=int, default=1)
+    p.add_argument("--tokenizer-workers", type=int, default=PipelineConfig.num_tokenizers)
+    p.add_argument("--detokenizer-workers", type=int, default=PipelineConfig.num_detokenizers)
     p.add_argument("--repeat", type=int, default=1,
                    help="run sync and async this many times, interleaved; report medians")
     p.add_argument("--plot", default=None, metavar="PNG|DIR",
@@ -272,8 +274,9 @@ def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
     """Options every benchmark shares: the model, where and how it runs, the JSON output."""
     p.add_argument("--model", dest="model_dir", default=None,
                    help="local HF folder or GGUF file; default: the converted SmolLM2")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or timed:A,B (overlap)")
+    p.add_argument("--dtype", default=ExecutorConfig.dtype, choices=["float32", "bfloat16"])
+    p.add_argument("--device", default=ExecutorConfig.device,
+                   help="cpu, cuda, or timed:A,B (overlap)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=kv_cache_memory,
                    help="bytes or e.g. 2GiB")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -318,8 +321,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=250.0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_num_batched_tokens,
                    help="the per-step token budget (smaller: steadier TPOT under long prompts)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--base-url", default=None,
@@ -367,7 +371,7 @@ def add_throughput_parser(sub: Any) -> None:
     from pipeline.tools.bench_throughput import DEFAULT_PEERS, throughput
 
     p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
-    _add_common(p, kv_cache_memory=1 << 30)
+    _add_common(p, kv_cache_memory=ExecutorConfig.kv_cache_memory)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
@@ -384,7 +388,8 @@ def add_throughput_parser(sub: Any) -> None:
                         "a comma list runs each (for the plot; the last is the headline)")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="throughput_vs_batch.png when several batch sizes are given")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="K",
+    p.add_argument("--tensor-parallel-size", type=int,
+                   default=ExecutorConfig.tensor_parallel_size, metavar="K",
                    help="the pipeline's executor ranks (on the CPU they share the cores)")
     p.add_argument("--quantization", default=[], type=quantization_list,
                    help="a comma list of int8,int4: the pipeline and the limit run again with "

@@ -24,9 +24,11 @@ def dp_config(args: argparse.Namespace, num_engines: int, router: str = "prefix"
     return PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
         scheduler=SchedulerConfig(max_num_seqs=args.batch,
-                                  max_num_batched_tokens=max(2048, prompt_room)),
-        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
-                                           args.compile),
+                                  max_num_batched_tokens=max(
+                                      SchedulerConfig.max_num_batched_tokens, prompt_room)),
+        executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
+                                           kv_cache_memory=args.kv_cache_memory,
+                                           compile=args.compile),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers,
         data_parallel_size=num_engines, router=router)
 
@@ -119,8 +121,8 @@ def add_dp_parser(sub: Any, add_common: Any) -> None:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--tokenizer-workers", type=int, default=1)
-    p.add_argument("--detokenizer-workers", type=int, default=1)
+    p.add_argument("--tokenizer-workers", type=int, default=PipelineConfig.num_tokenizers)
+    p.add_argument("--detokenizer-workers", type=int, default=PipelineConfig.num_detokenizers)
     p.add_argument("--groups", type=int, default=16, help="prefix-heavy load: conversations")
     p.add_argument("--rounds", type=int, default=6, help="prefix-heavy load: turns of each")
     p.add_argument("--prefix-len", type=int, default=256, help="tokens each group shares")

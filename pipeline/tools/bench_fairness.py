@@ -81,11 +81,12 @@ def fairness(args: argparse.Namespace) -> int:
     from pipeline.tools.model_source import resolve_model
 
     model = ModelInfo.from_dir(resolve_model(args.model_dir), 4096)
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs)
     if "priority_range" in {f.name for f in dataclasses.fields(SchedulerConfig)}:
         sched = dataclasses.replace(sched, priority_range=(-10, 10))
     cfg = PipelineConfig(model=model, scheduler=sched,
-                         executor=ExecutorConfig.for_device(args.device, "float32", 2 << 30))
+                         executor=ExecutorConfig.for_device(args.device, dtype="float32",
+                                                            kv_cache_memory=2 << 30))
     results: dict[str, Any] = {"command": "bench fairness", "device": args.device,
                                "same_sender": args.same_sender}
     with Pipeline(cfg) as pipe:
@@ -120,7 +121,7 @@ def add_fairness_parser(sub: Any) -> None:
     p = sub.add_parser("fairness", help="the starvation probe behind each kind of hog")
     p.add_argument("--model", dest="model_dir", default=None)
     p.add_argument("--device", default="timed:5,0.01")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--hog-lead-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--same-sender", action="store_true",

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+from ipc.config import SchedulerConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -150,7 +152,8 @@ def add_overload_parser(sub: Any) -> None:
     p.add_argument("--device", default="timed:5,0")
     p.add_argument("--num-requests", type=int, default=3000)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    # Below serve's own (SERVE_MAX_WAITING): the queue fills, and refusals start, sooner.
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--api-workers", type=int, default=1)
     p.add_argument("--rate-limit-concurrent", type=int, default=0)

@@ -290,9 +290,11 @@ def serve(args: argparse.Namespace) -> int:
         args.model_dir = str(resolve_model(args.model_dir))
         cfg = PipelineConfig(
             model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
-            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-            executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
-                                               args.compile))
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_num_batched_tokens),
+            executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
+                                               kv_cache_memory=args.kv_cache_memory,
+                                               compile=args.compile))
         summaries = []
         with Pipeline(cfg) as pipe:
             client = pipe.client()

@@ -64,10 +64,10 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     limit = ModelInfo.from_dir(args.model_dir).max_model_len
     cfg = PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
-        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, max_num_batched_tokens=2048,
-                                  speculative=args.speculate),
-        executor=ExecutorConfig.for_device(args.device, args.dtype, args.kv_cache_memory,
-                                           args.compile,
+        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, speculative=args.speculate),
+        executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
+                                           kv_cache_memory=args.kv_cache_memory,
+                                           compile=args.compile,
                                            tensor_parallel_size=args.tensor_parallel_size,
                                            quantization=args.quantize))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -166,10 +166,13 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     from stages.executor.runner import ModelRunner
 
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
-    tokens = max(2048, *(sum(len(p) for p in work.prompts[lo:lo + args.batch_size])
-                         for lo in range(0, len(work.prompts), args.batch_size)))
+    tokens = max(SchedulerConfig.max_num_batched_tokens,
+                 *(sum(len(p) for p in work.prompts[lo:lo + args.batch_size])
+                   for lo in range(0, len(work.prompts), args.batch_size)))
     info = ModelInfo.from_dir(args.model_dir)
-    limits = EngineLimits(args.batch_size, tokens, 16, longest, info.vocab_size, depth=0)
+    limits = EngineLimits(max_num_seqs=args.batch_size, max_num_batched_tokens=tokens,
+                          block_size=SchedulerConfig.block_size, max_model_len=longest,
+                          vocab_size=info.vocab_size, depth=0)
     device = torch.device(args.device)
     runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype), device, limits,
                                   args.kv_cache_memory, args.compile,

@@ -77,7 +77,9 @@ def small_limits(model: Path) -> Any:
     from ipc.model_info import ModelInfo
 
     info = ModelInfo.from_dir(model)
-    return EngineLimits(4, 16, 16, 256, info.vocab_size, info.eos_token_ids, 2,
+    return EngineLimits(max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
+                        max_model_len=256, vocab_size=info.vocab_size,
+                        eos_token_ids=info.eos_token_ids, depth=2,
                         num_speculative_tokens=DRAFTS.num_tokens)
 
 
@@ -299,7 +301,8 @@ def part_utilisation(args: argparse.Namespace) -> dict[str, Any]:
     batch, active = 64, 24
     out: dict[str, Any] = {"model": BIG_MODEL, "dtype": "bfloat16", "batch": batch}
     # A 512-token budget: prefill steps of one bucket, decode steps of one (64).
-    limits = EngineLimits(batch, 512, 16, 4096, info.vocab_size, (), 2)
+    limits = EngineLimits(max_num_seqs=batch, max_num_batched_tokens=512, block_size=16,
+                          max_model_len=4096, vocab_size=info.vocab_size, depth=2)
     runner = _runner(model, limits, 24 << 30, "cuda", compiled=True, dtype="bfloat16")
     run = DeviceRun(runner, limits)
     for context in (300, 3000):

@@ -51,7 +51,7 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_procs))
     if device.type == "cuda" and num_procs > 1:  # a GPU per process (parallel.check_devices)
         # (An engine that joined from another host has that host's GPUs from 0.)
-        first = 0 if cfg.launcher_status else layout.head(cfg.engine)
+        first = 0 if cfg.remote.launcher_status else layout.head(cfg.engine)
         device = torch.device("cuda", first + rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
@@ -104,12 +104,12 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         rings = StepRings.open(cfg, create=True)  # before the ranks meet: they map it then
         runner = build_runner(cfg)
         plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True,
-                            secret=cfg.run_secret)
+                            secret=cfg.keys.run_secret)
         followers = [PushChannel(ctx.zmq, tp_plan_address(cfg, r), bind=False,
-                                 secret=cfg.run_secret)
+                                 secret=cfg.keys.run_secret)
                      for r in range(1, cfg.executor.tensor_parallel_size)]
         device = make_device(runner, rings.sampled, Reporter(ctx, cfg.sampled_address,
-                                                             cfg.run_secret))
+                                                             cfg.keys.run_secret))
         ctx.ready(num_kv_blocks=runner.num_blocks)
         if runner.slots.matchers is not None:
             runner.slots.matchers.grammars.warm()
@@ -140,7 +140,7 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
     """A tensor-parallel rank beyond 0: the same steps as rank 0, in the same order, from
     the plans it forwards; its samples are rank 0's (broadcast inside compute)."""
     plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), Codec([StepPlan, LastStep]),
-                        bind=True, secret=cfg.run_secret)
+                        bind=True, secret=cfg.keys.run_secret)
     runner = build_runner(cfg, rank)  # meets the other ranks: rank 0 made the rings by then
     rings = StepRings.open(cfg, create=False)
     # Rank 0 may forward the next plan of a ring slot as soon as its own step of that slot

@@ -51,7 +51,7 @@ class SchedulerShell:
         self.core = Scheduler(cfg.limits, num_blocks, cfg.scheduler.max_waiting,
                               cfg.scheduler.speculative)
         self.rings = StepRings.open(cfg, create=False)
-        secret = cfg.run_secret
+        secret = cfg.keys.run_secret
         # From the other stages: tokenized requests, samples stopped by a stop string.
         # From the launcher: restarts, dead clients, the roster. (All behind the run's secret.)
         self.inbox = PullChannel(
@@ -65,7 +65,7 @@ class SchedulerShell:
         # Clients reach the scheduler only to abort (locally, and with --listen over tcp://):
         # their requests go through a tokenizer, which validates them.
         self.remote = PullChannel(zctx, cfg.abort_address, Codec([AbortRequest]), bind=True,
-                                  secret=cfg.client_key.encode())
+                                  secret=cfg.keys.client_key.encode())
         self.to_executor = PushChannel(zctx, cfg.executor_address, bind=False, secret=secret)
         self.peers = Peers(zctx, secret, members or local_members(cfg))
         self._pins: dict[str, int] = {}  # request id -> the detokenizer that streams it
@@ -248,7 +248,7 @@ def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: i
     cfg = cfg.for_engine(rank)
     with stage_process("scheduler", rank, cfg, parent_pid) as ctx:
         shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer, members, incarnation)
-        ports = listen_tcp(shell.remote, cfg.listen_host)
+        ports = listen_tcp(shell.remote, cfg.remote.listen_host)
         ctx.ready(**ports, stage_port=shell.stage_port)
         next_stats = 0.0
         while not ctx.stop.is_set():

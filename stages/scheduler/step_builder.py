@@ -36,7 +36,8 @@ class StepBuilder:
             victim = queue.share_slots(kv.running, self.limits.max_num_seqs)
             if victim is not None:
                 self.preempt(victim)
-        decodes, prefills = [], []
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
         for seq in kv.running:
             if self.wants_step(seq):
                 (decodes if seq.num_tokens - seq.num_computed == 1 else prefills).append(seq)
