@@ -14,8 +14,14 @@ from threads import at_thread_counts
 
 from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_llama
+from stages.executor.linear import mkl
 from stages.executor.linear.base import Linear
-from stages.executor.linear.mkl import MklPackedMethod, kernel_missing, one_row_threads
+from stages.executor.linear.mkl import (
+    MklPackedMethod,
+    kernel_missing,
+    one_row_threads,
+    rows_independent,
+)
 from stages.executor.linear.onednn import OneDnnPackedMethod
 from stages.executor.linear.select import select_linear_method
 from stages.inprocess import InProcessEngine
@@ -23,6 +29,11 @@ from stages.inprocess import InProcessEngine
 pytestmark = pytest.mark.skipif(kernel_missing() is not None, reason=f"MKL: {kernel_missing()}")
 CPU = torch.device("cpu")
 SHAPES = [(2, 8), (37, 19), (100, 64), (960, 576), (576, 1536)]  # (N, K)
+# What batching rests on, where MKL serves: on a CPU where its rows depend on the call,
+# the products are oneDNN's (test_a_cpu_whose_rows_depend_on_the_call_gets_onednn).
+rows_independent_here = pytest.mark.skipif(
+    kernel_missing() is None and rows_independent() is not None,
+    reason=f"MKL is not used on this CPU: {kernel_missing() or rows_independent()}")
 
 
 def _product(n: int, k: int, bias: bool, seed: int = 0):
@@ -50,6 +61,7 @@ def test_the_kernel_is_the_product_within_float32_rounding(n: int, k: int, rows:
             assert torch.equal(b, b_before)
 
 
+@rows_independent_here
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_a_rows_bits_do_not_depend_on_its_neighbours_or_the_threads(n: int, k: int) -> None:
     """A row alone, any prefix of the rows and the whole call give the same bits, at 1, 2 and
@@ -66,6 +78,7 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_or_the_threads(n: int, k: i
                            full[0][i:i + 1]), i
 
 
+@rows_independent_here
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES + [(128, 64), (96, 576)])
 def test_a_layer_takes_the_one_row_path_only_where_it_gives_the_same_bits(
@@ -104,6 +117,27 @@ def test_the_default_models_projections_take_the_one_row_path() -> None:
     assert all(agreeing)
 
 
+def test_a_cpu_whose_rows_depend_on_the_call_gets_onednn(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """MKL is refused, with the reason, where the probe finds a row's bits depending on its
+    call, and the float32 products fall back to oneDNN's packed ones; the probe's refusal on
+    this CPU, if any, is true."""
+    cpu_kernels = (torch.float32, CPU, False)
+    why = rows_independent()
+    if why is None:
+        assert isinstance(select_linear_method(*cpu_kernels, kernels=True), MklPackedMethod)
+    else:  # (the row counts it names do differ from the whole call)
+        n, k = (int(v) for v in why.split("(")[-1].split(")")[0].split(" x "))
+        w, b, packed = _product(n, k, True)
+        x = torch.randn(129, k, generator=torch.Generator().manual_seed(2))
+        whole = torch.ops.llm_cpu.mkl_linear(x, packed, b, n)
+        assert any(not torch.equal(torch.ops.llm_cpu.mkl_linear(x[:r], packed, b, n),
+                                   whole[:r]) for r in (1, 2, 3, 7, 15)) or "1 thread" in why
+    monkeypatch.setattr(mkl, "rows_independent", lambda: "rows differ (a test's CPU)")
+    assert MklPackedMethod.unsupported(torch.float32, CPU) == "rows differ (a test's CPU)"
+    assert isinstance(select_linear_method(*cpu_kernels, kernels=True), OneDnnPackedMethod)
+
+
 def test_no_rows_give_an_empty_result() -> None:
     _, _, packed = _product(37, 19, False)
     assert torch.ops.llm_cpu.mkl_linear(torch.empty(0, 19), packed, None, 37).shape == (0, 37)
@@ -129,8 +163,7 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
 
 
 def test_float32_on_the_cpu_kernels_takes_it_and_other_setups_do_not() -> None:
-    assert isinstance(select_linear_method(torch.float32, CPU, False, kernels=True),
-                      MklPackedMethod)
+    """(Where it serves: test_a_cpu_whose_rows_depend_on_the_call_gets_onednn.)"""
     for dtype, compiled, kernels in ((torch.float32, False, False), (torch.float32, True, True),
                                      (torch.bfloat16, False, False)):
         assert not isinstance(select_linear_method(dtype, CPU, compiled, kernels=kernels),
@@ -155,6 +188,7 @@ def test_a_layer_packs_and_one_output_takes_onednns_packing() -> None:
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
+@rows_independent_here
 def test_a_model_answers_as_with_onednns_products(tmp_path: Path) -> None:
     """The same random model in float32 on MKL's and on oneDNN's packed products: the same
     greedy tokens, prompt log-probs within float32's rounding."""

@@ -83,7 +83,8 @@ class Factory:
 def config(tp: int = 1, max_model_len: int = 256) -> PipelineConfig:
     model = ModelInfo(path="/nonexistent", vocab_size=100, max_model_len=max_model_len,
                       eos_token_ids=(2,))
-    cfg = PipelineConfig(model, SchedulerConfig(block_size=16), ExecutorConfig())
+    cfg = PipelineConfig(model=model, scheduler=SchedulerConfig(block_size=16),
+                         executor=ExecutorConfig())
     return dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor,
                                                                 tensor_parallel_size=tp))
 

@@ -75,7 +75,7 @@ class StepRows:
     context_lens: np.ndarray  # [R] KV length after it
     slots: np.ndarray  # [R]
     starts: np.ndarray  # [R] first token of each row in the flattened batch
-    forward: dict[str, np.ndarray]  # the FORWARD_FIELDS (input_ids, positions, token_slots)
+    forward: dict[str, np.ndarray]  # the ForwardFields (input_ids, positions, token_slots)
 
     @property
     def ends(self) -> np.ndarray:
@@ -130,7 +130,7 @@ class AttentionBackend(ABC):
         return self._tables
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
-        """This backend's staging arrays for a step (the FORWARD_FIELDS may be replaced, e.g.
+        """This backend's staging arrays for a step (the ForwardFields may be replaced, e.g.
         padded), and its host-side plan; only numpy, no device work."""
         return HostInputs({})
 

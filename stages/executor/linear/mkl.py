@@ -9,10 +9,15 @@ products on MKL"). Packed once for 64 rows, the weight serves any number of rows
 row's result independent of the others in the call (the kernel's header says how), which
 batching and speculative decoding rely on. A row alone runs as two unless MKL's one-row
 path, 8-15% faster, is checked at load to give the same bits for the layer
-(`one_row_threads`).
+(`one_row_threads`). Where MKL does not keep rows independent at all (measured on an AMD EPYC
+with AVX-512: calls of fewer than 16 rows take a path that rounds otherwise), it is not used
+(`rows_independent`), and the float32 products are oneDNN's.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
@@ -20,11 +25,46 @@ from stages.executor import kernels
 from stages.executor.linear.base import Linear, LinearMethod, over_rows
 from stages.executor.linear.onednn import OneDnnPackedMethod
 
+logger = logging.getLogger(__name__)
+
+# (N, K) of the probes: outputs small and large, inner sizes short and long
+_PROBE_SHAPES = ((37, 19), (100, 64), (960, 576))
+_PROBE_ROWS = (1, 2, 3, 7, 15, 16, 17, 65)  # prefixes of a 129-row call
+
 
 def kernel_missing() -> str | None:
     """Why mkl_linear cannot run here (None: it can)."""
     return kernels.op_missing("mkl_linear_available",
                               "this torch has no MKL (cblas_sgemm_pack)")
+
+
+@functools.cache
+def rows_independent() -> str | None:
+    """Why MKL's packed sgemm does not serve this CPU's float32 products (None: it does): a
+    row's bits must not depend on how many rows share its call, nor on the thread count (at
+    one thread and at this process's), which batching and speculative decoding rest on.
+    Probed once a process: for each of _PROBE_SHAPES, every prefix in _PROBE_ROWS of a call
+    of 129 rows against that call."""
+    threads = torch.get_num_threads()
+    for n, k in _PROBE_SHAPES:
+        g = torch.Generator().manual_seed(n * k)
+        packed = torch.ops.llm_cpu.mkl_pack(torch.randn(n, k, generator=g))
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(129, k, generator=g)
+        whole = torch.ops.llm_cpu.mkl_linear(x, packed, bias, n)
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            try:
+                differ = [rows for rows in (*_PROBE_ROWS, 129) if not torch.equal(
+                    torch.ops.llm_cpu.mkl_linear(x[:rows], packed, bias, n), whole[:rows])]
+            finally:
+                torch.set_num_threads(threads)
+            if differ:
+                why = (f"MKL's packed sgemm rounds a row otherwise in calls of {differ} rows "
+                       f"at {count} thread(s) ({n} x {k}) on this CPU")
+                logger.info("float32 products on oneDNN, not MKL: %s", why)
+                return why
+    return None
 
 
 class MklPackedMethod(LinearMethod):
@@ -36,7 +76,7 @@ class MklPackedMethod(LinearMethod):
             return f"MKL's sgemm runs on the CPU, not {device.type}"
         if dtype != torch.float32:
             return f"MKL's packed sgemm multiplies float32, not {dtype}"
-        return kernel_missing()
+        return kernel_missing() or rows_independent()
 
     def process(self, layer: Linear) -> None:
         """The packed copy replaces the plain weight (a tied head's plain matrix stays the
