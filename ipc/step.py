@@ -104,10 +104,11 @@ class StepField:
 STEP_FIELDS = tuple(StepField(f.name, *f.metadata["step_field"]) for f in fields(StepInputs))
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRow:
     """One sequence's row of a step, as a writer plans it: every ROWS field of StepInputs is
-    an attribute of it by the same name (checked below)."""
+    an attribute of it by the same name (checked below). (Slots: the scheduler makes one per
+    sequence per step.)"""
 
     seq_slot: int
     token_ids: list[int]  # the row's input_ids: -1 for a placeholder, DRAFT_TOKEN
@@ -245,8 +246,9 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
     buf["stamp"][0] = step_id
     input_ids = [t for r in rows for t in r.token_ids]
     buf["input_ids"][:len(input_ids)] = input_ids
-    for name, get in _ROW_GETTERS:
-        buf[name][:len(rows)] = list(map(get, rows))
+    num_rows = len(rows)
+    for name, get in _ROW_GETTERS:  # (fromiter: no list of Python ints in between)
+        buf[name][:num_rows] = np.fromiter(map(get, rows), buf[name].dtype, num_rows)
     entries: dict[Count, Sequence[tuple[Any, ...]]] = {
         BLOCK_UPDATES: block_updates, NEW_SLOTS: [(s, f, i) for s, (f, i) in new_slots],
         STOP_IDS: stop_ids, PROMPT_LOGPROBS: prompt_logprobs}

@@ -292,7 +292,7 @@ class Driver:
                 if seq.status is SeqStatus.WAITING:
                     assert seq in core.waiting
                 else:
-                    assert seq in core._held.get(seq.request_id, [])
+                    assert seq in core.book.held.get(seq.request_id, [])
             elif seq.status in (SeqStatus.RUNNING, SeqStatus.PREEMPTING):
                 assert len(seq.blocks) == -(-seq.num_computed // limits.block_size)
                 assert seq.slot is not None and seq in core.running
@@ -312,7 +312,7 @@ class Driver:
         assert sorted(core.free_slots) == list(range(self.limits.max_num_seqs))
         assert not core.inflight and not core.requests and not self.pending
         assert not core.waiting and not core.running
-        assert not core._sender_samples  # (the fair queueing's count of live samples)
+        assert not core.queue.sender_samples  # (the fair queueing's count of live samples)
         assert sorted(core.free_ring_slots) == list(range(self.limits.depth + 1))
 
 

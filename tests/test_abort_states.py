@@ -87,9 +87,9 @@ def test_abort_of_samples_held_for_their_first_sibling(depth: int) -> None:
                                 depth=depth))
     driver.add(TokenizedRequest("n", "c", prompt_of("n", 20), SamplingParams(n=3), 0.0))
     run_until(driver, "n", prefilling)
-    assert len(driver.core._held["n"]) == 2
+    assert len(driver.core.book.held["n"]) == 2
     driver.abort("n")
     driver.run()
     driver.check_idle()
-    assert not driver.core._held
+    assert not driver.core.book.held
     assert {driver.finished[k].finish_reason for k in ("n", "n#1", "n#2")} == {"abort"}

@@ -141,7 +141,7 @@ def test_senders_are_forgotten_once_caught_up() -> None:
         if i % 50 == 0:
             driver.run()
     driver.run()
-    assert len(driver.core._sender_end) <= MAX_SENDERS + 1
+    assert len(driver.core.queue.sender_end) <= MAX_SENDERS + 1
 
 
 def test_a_priority_outside_the_engines_range_is_refused() -> None:

@@ -223,7 +223,7 @@ def test_max_waiting_is_counted_where_requests_wait() -> None:
     for i in range(8):
         core.add_request(TokenizedRequest(f"r{i}", "c", [5, 6], SamplingParams(n=2), 0.0))
     rejected = core.take_outputs().rejected
-    assert len(core.waiting) + sum(map(len, core._held.values())) == 4  # 2 requests x n = 2
+    assert len(core.waiting) + sum(map(len, core.book.held.values())) == 4  # 2 requests x n = 2
     assert [r.request_id for r in rejected] == [f"r{i}" for i in range(2, 8)]
     assert all(r.error_kind == "unavailable" and "overloaded" in (r.error or "")
                for r in rejected)

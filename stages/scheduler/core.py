@@ -98,13 +98,10 @@ class Scheduler:
 
     # The parts' state, read where callers (the process, tools, tests) have always read it.
     requests = _Part[dict[str, list[Sequence]]]("book", "requests")
-    _held = _Part[dict[str, list[Sequence]]]("book", "held")
     finished = _Part[dict[str, int]]("book", "finished")
     prompt_tokens = _Part[int]("book", "prompt_tokens")
     waiting = _Part[list[Sequence]]("queue", "waiting")
     max_waiting = _Part["int | None"]("queue", "max_waiting")
-    _sender_end = _Part[dict[str, int]]("queue", "sender_end")
-    _sender_samples = _Part[dict[str, int]]("queue", "sender_samples")
     allocator = _Part[BlockAllocator]("kv", "allocator")
     running = _Part[list[Sequence]]("kv", "running")
     free_slots = _Part[list[int]]("kv", "free_slots")

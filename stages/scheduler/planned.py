@@ -12,7 +12,7 @@ from ipc.step import NewSlot, StepRow, write_step
 from stages.scheduler.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedRow(StepRow):
     """A row of the step (ipc/step.py StepRow: its fields, as the ring carries them) and the
     sequence it is for."""

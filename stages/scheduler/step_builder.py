@@ -77,10 +77,11 @@ class StepBuilder:
         seq.num_computed = start + num_new + len(drafts)
         do_sample = seq.num_computed >= num_tokens
         assert seq.slot is not None  # (a running sequence holds its slot from admission)
+        # (by position: a row per sequence per step, and keywords cost a third more here)
         step.rows.append(PlannedRow(
-            seq=seq, seq_slot=seq.slot, token_ids=tokens + drafts, context_len=seq.num_computed,
-            do_sample=do_sample, num_draft=len(drafts), draft_kv=seq.draft_model_kv,
-            last_drafts=bool(drafts) and dp is not None and dp.is_last(seq, len(drafts))))
+            seq.slot, tokens + drafts, seq.num_computed, do_sample, len(drafts),
+            seq.draft_model_kv,
+            bool(drafts) and dp is not None and dp.is_last(seq, len(drafts)), seq=seq))
         step.num_tokens += num_new + len(drafts)
         if do_sample:
             seq.num_pending += 1 + len(drafts)
