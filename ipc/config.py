@@ -23,6 +23,7 @@ from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
 from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
+from ipc.ranks import RankLayout
 from ipc.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 # Every default of a run lives in these dataclasses: the CLI's flags (pipeline/cli.py), LLM()'s
 # keywords (pipeline/offline.py), the server's options and the benchmarks read them (e.g.
 # `default=SchedulerConfig.max_num_seqs`), so a default is changed here and nowhere else
-# (tests/test_defaults.py holds every flag to it). All are keyword-only: a new field cannot
-# shift the arguments of a caller.
+# (tests/test_defaults.py holds every flag to it). The configs are keyword-only: a new field
+# cannot shift the arguments of a caller. (EngineLimits, derived, not yet: tests build it
+# positionally.)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +323,11 @@ class PipelineConfig(RunAddresses):
             block_size=s.block_size, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
             eos_token_ids=m.eos_token_ids, depth=s.depth, priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0)
+
+    @property
+    def ranks(self) -> RankLayout:
+        """Which global executor ranks each engine of this run owns."""
+        return RankLayout(self.data_parallel_size, self.executor.tensor_parallel_size)
 
     def scheduler_addresses(self) -> list[str]:
         """Every engine's scheduler inbox (what the tokenizers route to, in engine order)."""

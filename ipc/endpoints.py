@@ -26,7 +26,7 @@ class Endpoints:
     schedulers: tuple[str, ...]  # each engine's abort inbox (an abort goes to every one)
     status: str  # the launcher's status publisher
     reply: str  # where a client binds its reply socket: an ipc:// prefix, or "tcp://"
-    key: str = ""  # PipelineConfig.client_key: every frame a client sends starts with it
+    key: str = ""  # PipelineConfig.keys.client_key: every frame a client sends starts with it
     # The run's CURVE server key (public half, z85; ipc/curve.py): what a remote client's
     # tcp:// sockets expect the pipeline to prove (empty for local, ipc:// endpoints).
     server_key: str = ""

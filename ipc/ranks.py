@@ -5,22 +5,6 @@ executor r belongs to engine r // (ranks per engine). Pure; imported by the laun
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
-
-class _Executor(Protocol):
-    @property
-    def tensor_parallel_size(self) -> int: ...
-
-
-class _Parallel(Protocol):
-    """What a config needs to say for a layout (PipelineConfig does; no import of it here, so
-    ipc/config.py may use this module without an import circle)."""
-
-    @property
-    def data_parallel_size(self) -> int: ...
-    @property
-    def executor(self) -> _Executor: ...
 
 
 @dataclass(frozen=True)
@@ -36,11 +20,6 @@ class RankLayout:
         if self.num_engines < 1 or self.tensor_parallel_size < 1:
             raise ValueError(f"a rank layout of {self.num_engines} engine(s) of "
                              f"{self.tensor_parallel_size} rank(s): each must be at least 1")
-
-    @classmethod
-    def of(cls, cfg: _Parallel) -> RankLayout:
-        """The layout of a run's config (its data- and tensor-parallel sizes)."""
-        return cls(cfg.data_parallel_size, cfg.executor.tensor_parallel_size)
 
     @property
     def ranks_per_engine(self) -> int:

@@ -44,7 +44,6 @@ BLOCK_UPDATES = Count("num_block_updates", lambda lim: lim.max_block_updates)
 NEW_SLOTS = Count("num_new_slots", lambda lim: lim.max_num_seqs)  # sequences taking a slot
 STOP_IDS = Count("num_stop_ids", lambda lim: lim.max_stop_ids)  # (slot, id) min_tokens masks
 PROMPT_LOGPROBS = Count("num_prompt_logprobs", lambda lim: lim.max_num_batched_tokens)
-COUNTS = (TOKENS, ROWS, BLOCK_UPDATES, NEW_SLOTS, STOP_IDS, PROMPT_LOGPROBS)
 
 
 def _per(count: Count, dtype: str, width: int = 0, *, staged: bool = False) -> Any:
@@ -135,6 +134,9 @@ def _check_rows() -> None:
 _check_rows()
 _ROW_GETTERS = tuple((f.name, operator.attrgetter(f.name)) for f in STEP_FIELDS
                      if f.count is ROWS)
+# Each entry count's fields, in the table's order: the columns of write_step's entry lists.
+_ENTRY_COLUMNS = {count: tuple(f.name for f in STEP_FIELDS if f.count is count)
+                  for count in (BLOCK_UPDATES, NEW_SLOTS, STOP_IDS, PROMPT_LOGPROBS)}
 
 # ---------------------------------------------------------------- the two rings
 
@@ -254,8 +256,8 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
         STOP_IDS: stop_ids, PROMPT_LOGPROBS: prompt_logprobs}
     for count, values in entries.items():
         if values:
-            own = [f.name for f in STEP_FIELDS if f.count is count]
-            for name, column in zip(own, zip(*values, strict=True), strict=True):
+            columns = zip(*values, strict=True)
+            for name, column in zip(_ENTRY_COLUMNS[count], columns, strict=True):
                 buf[name][:len(values)] = column
     buf["stamp"][1] = step_id
     sizes = {TOKENS: len(input_ids), ROWS: len(rows)} | {c: len(v) for c, v in entries.items()}

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ipc.config import ServerOptions
 from ipc.messages import FinishReason, RequestOutput, SamplingParams, SchedulerStats
-from pipeline.server.app import ServerOptions
 
 V = 1000
 IDLE = SchedulerStats(*([0] * 12))

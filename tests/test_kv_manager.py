@@ -126,12 +126,18 @@ def test_growth_preempts_the_lowest_priority_then_the_latest() -> None:
     assert preempt.victims == ["late", "early"]
 
 
-def test_one_victim_at_a_time_while_its_blocks_drain() -> None:
-    kv = make_kv(num_blocks=4)
+def two_running(num_blocks: int = 4) -> tuple[KVManager, PlannedStep, Sequence, Sequence]:
+    """a, then b, each with 8 tokens in blocks of the step that planned them."""
+    kv = make_kv(num_blocks=num_blocks)
     step = PlannedStep(0)
     a, b = make_seq("a", 8, order=0), make_seq("b", 8, order=1)
     run(kv, step, a, 8)
     run(kv, step, b, 8)
+    return kv, step, a, b
+
+
+def test_one_victim_at_a_time_while_its_blocks_drain() -> None:
+    kv, _, a, b = two_running()
     preempt = Preempter(kv, drain=True)
     needy = PlannedStep(1)
     assert not kv.grow(needy, a, 12, preempt)  # b preempted; its blocks are not back yet
@@ -143,11 +149,7 @@ def test_one_victim_at_a_time_while_its_blocks_drain() -> None:
 
 
 def test_samples_in_the_step_are_not_victims() -> None:
-    kv = make_kv(num_blocks=4)
-    step = PlannedStep(0)
-    a, b = make_seq("a", 8, order=0), make_seq("b", 8, order=1)
-    run(kv, step, a, 8)
-    run(kv, step, b, 8)
+    kv, step, a, b = two_running()
     step.members.update((a, b))
     assert not kv.grow(step, a, 12, never)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from ipc.config import ServerOptions
 from ipc.messages import ErrorKind, RequestOutput, SamplingParams, SchedulerStats, TokenLogprob
 from ipc.outputs import SampleResult
-from pipeline.server.app import ServerOptions
 from pipeline.server.errors import ApiError
 from pipeline.server.limits import RateLimiter
 from pipeline.server.openai_parse import parse_chat, parse_completion

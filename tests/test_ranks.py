@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from ipc.config import ExecutorConfig, PipelineConfig
+from ipc.model_info import ModelInfo
 from ipc.ranks import RankLayout
 
 
@@ -35,11 +35,11 @@ def test_an_engine_past_the_count_follows_the_rule() -> None:
 
 
 def test_the_layout_of_a_config() -> None:
-    """From a config's data- and tensor-parallel sizes (PipelineConfig's names; any object
-    with them will do)."""
-    cfg = SimpleNamespace(data_parallel_size=3,
-                          executor=SimpleNamespace(tensor_parallel_size=2))
-    assert RankLayout.of(cfg) == RankLayout(3, 2)
+    """A run's config gives its layout from its data- and tensor-parallel sizes."""
+    model = ModelInfo(path="/nonexistent", vocab_size=100, max_model_len=64, eos_token_ids=(2,))
+    cfg = PipelineConfig(model=model, data_parallel_size=3,
+                         executor=ExecutorConfig(tensor_parallel_size=2))
+    assert cfg.ranks == RankLayout(3, 2)
 
 
 def test_a_layout_of_nothing_is_refused() -> None:

@@ -47,7 +47,7 @@ from stages.peers import Peers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Pipeline", "check_device"]
+__all__ = ["Pipeline"]
 
 
 class Pipeline:

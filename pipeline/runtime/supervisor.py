@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 from ipc.config import PipelineConfig
 from ipc.messages import Message, StageFailed, StageReady
-from ipc.ranks import RankLayout
 from ipc.step import StepRings
 from pipeline.runtime.restarts import RestartPolicy
 from stages.entry import run_stage
@@ -169,14 +168,14 @@ class Supervisor:
 
     def spawn_executors(self, engine: int) -> None:
         """Start the executor ranks of engine `engine` (ipc/ranks.py says which)."""
-        for rank in RankLayout.of(self._cfg).engine_ranks(engine):
+        for rank in self._cfg.ranks.engine_ranks(engine):
             self.spawn_stage("executor", rank)
 
     def start_scheduler(self, engine: int, reports: Reports, *args: Any) -> None:
         """Once engine `engine`'s first executor rank is ready (its KV cache allocated),
         start its scheduler with the cache's size; StartupError if the cache cannot hold one
         sequence of the context length."""
-        head = f"executor:{RankLayout.of(self._cfg).head(engine)}"
+        head = f"executor:{self._cfg.ranks.head(engine)}"
         num_blocks = self.wait_ready([head], reports)[0]["num_kv_blocks"]
         check_cache_holds_a_sequence(self._cfg, num_blocks)
         self.spawn_stage("scheduler", engine, num_blocks, *args)

@@ -11,7 +11,6 @@ from ipc.arch import ArchSpec, UnsupportedModel, read_config
 from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
 from ipc.gguf_source import GgufSource, gguf_source
-from ipc.ranks import RankLayout
 from ipc.speculative import SpeculativeConfig
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 
@@ -39,7 +38,7 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         check_quantization(ex.quantization, ex.device, selection.compiled)
     if ex.tensor_parallel_size > 1:
         check_divisible(read_config(cfg.model.path)[1], ex.tensor_parallel_size)
-    num_ranks = RankLayout.of(cfg).num_ranks
+    num_ranks = cfg.ranks.num_ranks
     if num_ranks > 1:
         check_devices(ex.device, num_ranks)
     if draft is not None:

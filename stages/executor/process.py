@@ -19,7 +19,6 @@ from ipc.codec import Codec
 from ipc.config import PipelineConfig
 from ipc.messages import LastStep, SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
-from ipc.ranks import RankLayout
 from ipc.shm import SharedRing
 from ipc.step import StepRings, sampled_specs
 from stages.executor.device import Device, make_device
@@ -43,7 +42,7 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     if ex.timed is not None:
         return TimedRunner(ex.timed[0], ex.timed[1], limits)
     device = torch.device(ex.device)
-    layout = RankLayout.of(cfg)
+    layout = cfg.ranks
     num_procs = layout.num_ranks
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
@@ -94,7 +93,7 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
     """Executor `rank` is tensor-parallel rank `rank % K` of engine `rank // K` (K: the
     tensor-parallel size). Rank 0 of an engine receives its scheduler's plans (and forwards
     each to the engine's other ranks, if any) and reports samples; the others follow it."""
-    layout = RankLayout.of(cfg)
+    layout = cfg.ranks
     stage_rank, cfg = rank, cfg.for_engine(layout.engine_of(rank))
     rank = layout.local_rank(stage_rank)
     with stage_process("executor", stage_rank, cfg, parent_pid) as ctx:

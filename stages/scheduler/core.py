@@ -42,7 +42,6 @@ from stages.scheduler.requests import (
     take_prompt_logprobs,
 )
 from stages.scheduler.sequence import SeqStatus, Sequence
-from stages.scheduler.speculative import Proposer
 from stages.scheduler.step_builder import StepBuilder
 from stages.scheduler.stopping import check_stop
 
@@ -98,27 +97,15 @@ class Scheduler:
 
     # The parts' state, read where callers (the process, tools, tests) have always read it.
     requests = _Part[dict[str, list[Sequence]]]("book", "requests")
-    finished = _Part[dict[str, int]]("book", "finished")
-    prompt_tokens = _Part[int]("book", "prompt_tokens")
     waiting = _Part[list[Sequence]]("queue", "waiting")
-    max_waiting = _Part["int | None"]("queue", "max_waiting")
     allocator = _Part[BlockAllocator]("kv", "allocator")
     running = _Part[list[Sequence]]("kv", "running")
     free_slots = _Part[list[int]]("kv", "free_slots")
-    prefix_cache_queries = _Part[int]("kv", "prefix_cache_queries")
     prefix_cache_hits = _Part[int]("kv", "prefix_cache_hits")
     spec_num_drafts = _Part[int]("spec", "num_drafts")
     spec_num_draft_tokens = _Part[int]("spec", "num_draft_tokens")
     spec_num_accepted_tokens = _Part[int]("spec", "num_accepted_tokens")
     spec_accepted_per_pos = _Part[list[int]]("spec", "accepted_per_pos")
-
-    @property
-    def proposer(self) -> Proposer | None:
-        return self.drafts.proposer if self.drafts is not None else None
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        return self.drafts.num_speculative_tokens if self.drafts is not None else 0
 
     def seq(self, request_id: str, index: int = 0) -> Sequence:
         """A live sample of a request (tests and debugging)."""
@@ -276,25 +263,28 @@ class Scheduler:
         stands = iter(accepted or ())
         first = 0  # the row's first position among token_ids
         for row in rows:
-            num_stand = self._verify(step_id, row, next(stands, 0) if row.num_draft else 1)
+            seq = row.seq
+            if row.num_draft:
+                num_stand = self._verify(step_id, row, next(stands, 0))
+            else:  # (most rows: inline, a row per sequence per step)
+                seq.num_pending -= 1
+                num_stand = 1
             base, first = first, first + 1 + row.num_draft
-            if row.seq.status is SeqStatus.FINISHED:
+            if seq.status is SeqStatus.FINISHED:
                 continue  # a finished one's extra tokens are dropped
             for j in range(base, base + num_stand):
-                if not self._take_token(row.seq, token_ids[j], logprobs, j):
+                if not self._take_token(seq, token_ids[j], logprobs, j):
                     break
-            self.kv.register_blocks(row.seq)
+            self.kv.register_blocks(seq)
         for row in step.rows:
             row.seq.num_inflight -= 1
             self._maybe_release(row.seq)
 
     def _verify(self, step_id: int, row: PlannedRow, num_stand: int) -> int:
-        """A sampled row is in: of its 1 + num_draft positions, num_stand stand (the rest
-        are rejected drafts, whose KV is dropped). Returns num_stand."""
+        """A sampled row with drafts is in: of its 1 + num_draft positions, num_stand stand
+        (the rest are rejected drafts, whose KV is dropped). Returns num_stand."""
         seq, width = row.seq, 1 + row.num_draft
         seq.num_pending -= width
-        if not row.num_draft:
-            return num_stand
         if not 1 <= num_stand <= width:
             raise RuntimeError(f"step {step_id}: {num_stand} positions stand in a row "
                                f"of {width}")

@@ -23,7 +23,7 @@ class KVManager:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_block_updates: int) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.block_size = block_size
         self.max_block_updates = max_block_updates
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.running: list[Sequence] = []
