@@ -1,14 +1,15 @@
-"""What sets a Llama-family model apart, read from its config.json in one place, without
-torch: the launcher refuses a model the engine does not implement before anything starts
+"""What sets a model apart, read from its config.json in one place, without torch: the
+launcher refuses a model the engine does not implement before anything starts
 (ModelInfo.from_dir), and the executor builds the model from the same spec
-(stages/executor/model.py), whose forward has no per-family branches, only modules that are
-there or not."""
+(stages/executor/models/). Each family's reading of its config is a module of
+ipc/families/, registered there by `model_type` beside the executor module that builds it
+(where `read_config` is); this module holds what they share: the spec (`ArchSpec`, per layer
+`AttentionKind`, the mixture of experts' `MoESpec`) and the checks every family makes."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
 
 from ipc.errors import ConfigError
 
@@ -17,16 +18,46 @@ class UnsupportedModel(ConfigError):
     """A model folder the engine does not implement: the message names the config field."""
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # RoPE variants whose frequencies are fixed (the cos/sin tables are computed once).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
-class ArchSpec:
-    """A Llama-family model's shape and quirks, as its config.json says them."""
+class AttentionKind:
+    """How one layer attends, beyond its shapes: what the attention backends take per layer
+    (stages/executor/backends/base.py LayerAttention)."""
 
-    family: str
+    window: int | None = None  # a token sees the last this many positions
+    softcap: float | None = None  # scores through cap * tanh(score / cap) (Gemma 2)
+    rope: str | None = "default"  # a key of ArchSpec.ropes; None: no rope (SmolLM3's NoPE)
+    sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse MLP: each token's `top_k` experts of `num_experts` by its router."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int  # each expert's
+    # How the router's weights are made: "softmax_topk" (softmax over every expert, then the
+    # top k), renormalised over those k with `norm_topk`; "topk_softmax": softmax over the
+    # top k's logits (Mixtral and gpt-oss; the same as softmax_topk renormalised).
+    routing: str = "softmax_topk"
+    norm_topk: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    shared_intermediate: int = 0  # a dense expert every token takes (Qwen2-MoE); 0: none
+    shared_gate: bool = False  # the shared expert scaled by sigmoid(x . w) (Qwen2-MoE)
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """A model's shape and quirks, as its config.json says them (one family's reading,
+    ipc/families/)."""
+
+    family: str  # the config's model_type
     hidden: int
     intermediate: int
     num_layers: int
@@ -35,62 +66,101 @@ class ArchSpec:
     head_dim: int
     vocab_size: int
     eps: float
-    qkv_bias: bool  # Qwen2; Llama's attention_bias
-    o_bias: bool  # Llama's attention_bias
-    mlp_bias: bool  # Llama's mlp_bias
-    qk_norm: bool  # Qwen3: an RMSNorm over each head's q and k, before RoPE
-    sliding_window: int | None  # Mistral, Phi-3: a token sees the last this many positions
     tie_word_embeddings: bool
+    # how each layer attends (one per layer)
+    layers: tuple[AttentionKind, ...]
+    # the rope parameters of each AttentionKind.rope key (transformers' rope_parameters)
+    ropes: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias
+    o_bias: bool = False  # Llama's attention_bias
+    mlp_bias: bool = False  # Llama's mlp_bias
+    # RMSNorm over each head's q and k before rope ("head", Qwen3), over the whole
+    # projections ("proj", OLMo 2), or none
+    qk_norm: str | None = None
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh"
+    # where a layer's norms are: "pre" (before attention and MLP), "sandwich" (before and
+    # after each, Gemma 2/3), "post" (after each, OLMo 2)
+    norms: str = "pre"
+    norm_offset: bool = False  # weights stored as w - 1: RMSNorm scales by 1 + w (Gemma)
+    embed_scale: bool = False  # embeddings scaled by sqrt(hidden) (Gemma)
+    final_softcap: float | None = None  # logits through cap * tanh(logit / cap)
+    moe: MoESpec | None = None  # every layer's MLP sparse (None: dense)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The longest window of any layer (None: none has one): what a forward without
+        windows refuses."""
+        windows = [k.window for k in self.layers if k.window is not None]
+        return max(windows) if windows else None
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct windows of the layers, ascending."""
+        return tuple(sorted({k.window for k in self.layers if k.window is not None}))
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
 
-def arch_spec(cfg: dict, source: str = "config.json") -> ArchSpec:
-    """The spec of a config, or UnsupportedModel naming the field the engine lacks."""
-    family = cfg.get("model_type")
-    if family not in FAMILIES:
-        raise UnsupportedModel(f"{source}: model_type = {family!r}: this family is not "
-                               f"implemented (the engine runs {', '.join(FAMILIES)})")
+def refuse(cfg: dict, source: str, name: str, why: str) -> UnsupportedModel:
+    """The error for config field `name` the engine does not implement."""
+    return UnsupportedModel(f"{source}: {name} = {cfg.get(name)!r}: {why}")
 
-    def refuse(name: str, why: str) -> None:
-        raise UnsupportedModel(f"{source}: {name} = {cfg.get(name)!r}: {why}")
 
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "only silu (SwiGLU) MLPs are implemented")
-    if cfg.get("use_sliding_window"):
-        refuse("use_sliding_window", "per-layer sliding windows (Qwen's max_window_layers) "
-                                     "are not implemented")
-    if len(set(cfg.get("layer_types") or ["full_attention"])) > 1:
-        refuse("layer_types", "layers of different attention kinds are not implemented")
-    rope_name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    rope = cfg.get(rope_name) or {}
+def rope_parameters(cfg: dict, source: str) -> dict[str, Any]:
+    """The config's rope parameters (rope_scaling, or transformers' rope_parameters), refused
+    where the engine does not implement them."""
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(name) or {}
     if cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        refuse("partial_rotary_factor" if "partial_rotary_factor" in cfg else rope_name,
-               "RoPE over part of each head is not implemented")
+        raise refuse(cfg, source, "partial_rotary_factor" if "partial_rotary_factor" in cfg
+                     else name, "RoPE over part of each head is not implemented")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE:
-        refuse(rope_name, f"RoPE type {rope_type!r} is not implemented (only "
-                          f"{', '.join(STATIC_ROPE)}: frequencies that do not change with the "
-                          "length)")
+        raise refuse(cfg, source, name, f"RoPE type {rope_type!r} is not implemented (only "
+                                        f"{', '.join(STATIC_ROPE)}: frequencies that do not "
+                                        "change with the length)")
+    return dict(rope)
+
+
+def check_activation(cfg: dict, source: str, allowed: dict[str, str],
+                     key: str = "hidden_act") -> str:
+    """The engine's name for the config's MLP activation (`allowed`: the config's names to
+    ours), or UnsupportedModel."""
+    act = cfg.get(key, next(iter(allowed)))
+    if act not in allowed:
+        raise refuse(cfg, source, key, f"only {', '.join(allowed)} MLPs are implemented "
+                                       "for this family")
+    return allowed[act]
+
+
+def layer_types(cfg: dict, source: str, count: int) -> list[str]:
+    """The config's layer_types (every layer full attention where it has none)."""
+    kinds = cfg.get("layer_types") or ["full_attention"] * count
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown or len(kinds) != count:
+        raise refuse(cfg, source, "layer_types",
+                     f"{sorted(unknown)} are not attention kinds the engine implements"
+                     if unknown else f"{len(kinds)} kinds for {count} layers")
+    return list(kinds)
+
+
+def shapes(cfg: dict) -> dict[str, Any]:
+    """The fields every family reads alike, as ArchSpec's keywords."""
     heads = cfg["num_attention_heads"]
-    attention_bias = bool(cfg.get("attention_bias", False))
-    window = cfg.get("sliding_window") if family in ("mistral", "phi3") else None
-    if window is not None and window >= cfg.get("max_position_embeddings", window + 1):
-        window = None  # a window as long as the context changes nothing
-    return ArchSpec(
-        family=family, hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+    return dict(
+        family=cfg["model_type"], hidden=cfg["hidden_size"],
+        intermediate=cfg.get("intermediate_size", 0), num_layers=cfg["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"], eps=cfg.get("rms_norm_eps", 1e-6),
-        qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family == "llama" and attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
-        sliding_window=window, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
-def read_config(model_dir: str | Path) -> tuple[dict, ArchSpec]:
-    """A model folder's config.json and what the engine reads of it (the one reader: the
-    launcher's checks, ModelInfo and the executor all come here); refuses what the engine
-    does not implement before any weight loads."""
-    path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    return cfg, arch_spec(cfg, str(path))
+def effective_window(cfg: dict, window: int | None) -> int | None:
+    """A window as long as the context changes nothing: None."""
+    if window is not None and window >= cfg.get("max_position_embeddings", window + 1):
+        return None
+    return window

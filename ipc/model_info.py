@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipc.arch import read_config
 from ipc.errors import ConfigError
+from ipc.families import read_config
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 
 from ipc.config import EngineLimits
 from stages.executor import kernels
+from stages.executor.backends.base import LayerAttention
 from stages.executor.backends.cpu_kernels import KernelMetadata, kernel_paged_attention
 from stages.executor.backends.flex import (
     build_flex_metadata,
@@ -115,8 +116,8 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl
     elif impl == "kernel":  # a rope of angle 0 (cos 1, sin 0): the keys are written as given
         ones, zeros = torch.ones(64, HEAD_DIM), torch.zeros(64, HEAD_DIM)
         meta = KernelMetadata(block_table, views["positions"].new_tensor(token_slots),
-                              views["positions"], ones, zeros, 0)
-        out = kernel_paged_attention(q, k, v, kv_cache, meta, scale)
+                              views["positions"], [(ones, zeros)])
+        out = kernel_paged_attention(q, k, v, kv_cache, meta, LayerAttention(scale))
     else:
         meta = build_attention_metadata(DeviceStep(views), group_by_length(ctx_lens[decode]),
                                         prefills, block_table, BLOCK)

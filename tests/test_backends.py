@@ -16,9 +16,9 @@ from ipc.arch import UnsupportedModel
 from ipc.config import EngineLimits
 from ipc.errors import ConfigError
 from stages.executor import kernels
-from stages.executor.backends.base import ForwardTables, StepRows
+from stages.executor.backends.base import ForwardTables, LayerAttention, StepRows
 from stages.executor.backends.select import ForwardRequest, select_backend
-from stages.executor.model import rope_tables
+from stages.executor.models.base import rope_tables
 from stages.executor.staging import StagingLayout
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, SEQS = 4, 2, 16, 4, 40, 4
@@ -79,7 +79,7 @@ def _step(backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     from stages.executor.backends.select import Selection
 
     gen = torch.Generator().manual_seed(0)
-    backend = Selection(backend_name, "test").load()(LIMITS, torch.device("cpu"), None)
+    backend = Selection(backend_name, "test").load()(LIMITS, torch.device("cpu"))
     q_lens = np.array([q for _, q in ROWS])
     ctx = np.array([c for c, _ in ROWS])
     slots = np.arange(len(ROWS))
@@ -99,7 +99,7 @@ def _step(backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     table = torch.arange((SEQS + 1) * 16, dtype=torch.int32).view(SEQS + 1, 16) % NUM_BLOCKS
     table[SEQS] = NUM_BLOCKS - 1  # the padding slot's scratch block
     cos, sin = rope_tables({"rope_theta": 10000.0}, HEAD_DIM, 64)
-    backend.bind(ForwardTables(table, cos, sin, NUM_BLOCKS))
+    backend.bind(ForwardTables(table, [(cos, sin)], NUM_BLOCKS))
     meta = backend.metadata(v, host.plan)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
     n, pad = len(positions), len(v.positions) - len(positions)  # (the compiled one pads)
@@ -111,7 +111,7 @@ def _step(backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     attend = (torch.compile(backend.attend, dynamic=False, fullgraph=True) if backend.compiled
               else backend.attend)
     with torch.inference_mode():
-        out = attend(q, k, val, cache, meta, HEAD_DIM ** -0.5)
+        out = attend(q, k, val, cache, meta, LayerAttention(HEAD_DIM ** -0.5))
     return out[:n], cache
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.executor import kernels
-from stages.executor.backends.base import TORCH_OPS, rotate_half
+from stages.executor.backends.base import TORCH_OPS, LayerAttention, rotate_half
 from stages.executor.backends.cpu_kernels import (
     KernelMetadata,
     KernelOps,
@@ -23,7 +23,7 @@ from stages.executor.backends.torch_sdpa import (
     build_attention_metadata,
     paged_attention,
 )
-from stages.executor.model import RMSNorm
+from stages.executor.models.blocks import RMSNorm
 from stages.executor.staging import DeviceStep
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
@@ -34,7 +34,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 def _rope_tables(max_len: int, dtype: torch.dtype,
                  head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
-    """As PagedLlama.init_rope: float32 angles, then rounded to the model's dtype."""
+    """As CausalLM.init_rope: float32 angles, then rounded to the model's dtype."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(max_len).float()[:, None] * inv_freq[None]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -95,8 +95,9 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
     expected_cache = kv_cache.clone()
     expected = paged_attention(q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v,
                                expected_cache, meta, head_dim ** -0.5)
-    kernel_meta = KernelMetadata(table, slots, positions, cos.float(), sin.float(), window or 0)
-    got = kernel_paged_attention(q, k, v, kv_cache, kernel_meta, head_dim ** -0.5)
+    kernel_meta = KernelMetadata(table, slots, positions, [(cos.float(), sin.float())])
+    got = kernel_paged_attention(q, k, v, kv_cache, kernel_meta,
+                                 LayerAttention(head_dim ** -0.5, window))
     assert got.dtype == dtype and got.shape == q.shape
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -118,7 +119,7 @@ def test_what_lies_past_a_sequence_is_never_read_into_it(dtype: torch.dtype,
     overflowed): the outputs are the bits of a clean cache's."""
     q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block)
     cos, sin = _rope_tables(64, dtype, head_dim)
-    kernel_meta = KernelMetadata(table, slots, positions, cos.float(), sin.float(), window or 0)
+    kernel_meta = KernelMetadata(table, slots, positions, [(cos.float(), sin.float())])
     poisoned = kv_cache.clone()
     live = torch.zeros(NUM_BLOCKS, block, dtype=torch.bool)
     for slot in range(len(table)):
@@ -128,8 +129,10 @@ def test_what_lies_past_a_sequence_is_never_read_into_it(dtype: torch.dtype,
     garbage = torch.tensor([float("nan"), float("inf"), -float("inf")]).to(dtype)
     dead = ~live
     poisoned[:, dead] = garbage[torch.arange(int(dead.sum())) % 3][:, None, None]
-    clean = kernel_paged_attention(q, k, v, kv_cache, kernel_meta, head_dim ** -0.5)
-    got = kernel_paged_attention(q, k, v, poisoned, kernel_meta, head_dim ** -0.5)
+    clean = kernel_paged_attention(q, k, v, kv_cache, kernel_meta,
+                                   LayerAttention(head_dim ** -0.5, window))
+    got = kernel_paged_attention(q, k, v, poisoned, kernel_meta,
+                                 LayerAttention(head_dim ** -0.5, window))
     assert torch.isfinite(clean).all()
     assert torch.equal(got, clean)
 

@@ -268,7 +268,7 @@ def test_rope_tables_are_transformers(rope: dict) -> None:
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from stages.executor.model import rope_tables
+    from stages.executor.models.base import rope_tables
 
     cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 128,

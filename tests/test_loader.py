@@ -16,7 +16,7 @@ from ipc.config import EngineLimits
 from stages.executor.backends.torch_sdpa import TorchBackend
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.loader import target_of
-from stages.executor.model import load_model
+from stages.executor.models import load_model
 from stages.executor.sharding import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -87,7 +87,7 @@ def test_checkpoint_names_map_to_the_fused_parameters() -> None:
 
 def _load(folder: Path) -> torch.nn.Module:
     cpu = torch.device("cpu")
-    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu, None)  # (not run)
+    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu)  # (not run)
     return load_model(folder, torch.float32, cpu, 64, backend, DenseMethod())
 
 

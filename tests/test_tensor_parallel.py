@@ -26,7 +26,7 @@ from pipeline.runtime.launcher import Pipeline
 from pipeline.tools.random_model import build_random_llama
 from stages.executor.backends.torch_sdpa import TorchBackend
 from stages.executor.linear.dense import DenseMethod
-from stages.executor.model import load_model
+from stages.executor.models import load_model
 from stages.executor.parallel import TensorParallel
 from stages.inprocess import InProcessEngine
 
@@ -172,7 +172,7 @@ def test_a_stop_under_load_lets_every_rank_finish_its_steps(tmp_path: Path) -> N
 def test_each_rank_loads_only_its_slices(tmp_path: Path) -> None:
     folder = build_random_llama(tmp_path / "qwen2", arch="qwen2", heads=4, kv_heads=2)
     cpu = torch.device("cpu")
-    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu, None)  # (not run)
+    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu)  # (not run)
     full = load_model(folder, torch.float32, cpu, 64, backend, DenseMethod())
     vocab = full.spec.vocab_size
     shards = [load_model(folder, torch.float32, cpu, 64, backend, DenseMethod(),

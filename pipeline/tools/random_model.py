@@ -104,6 +104,37 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
     return folder
 
 
+def build_random_model(folder: Path, model_type: str, *, weight_std: float = 0.2,
+                       seed: int = 0, tokenizer_from: Path | None = None,
+                       **config: Any) -> Path:
+    """Save a random model of any family transformers has a config class for (`model_type`:
+    its config's, e.g. "gemma3_text", "qwen3_moe"), `config` its fields, with a tokenizer,
+    into folder; returns folder. Matrices, stacked experts and biases are drawn from
+    N(0, weight_std) (peaked, varied logits); norms keep their initial values."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None:
+        tok = build_tokenizer(folder)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+        tok.save_pretrained(folder)
+    ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+           "pad_token_id": tok.pad_token_id}
+    cfg = AutoConfig.for_model(model_type, **{"vocab_size": len(tok), **ids, **config})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):
+                p.normal_(0, weight_std)
+    model.save_pretrained(folder)
+    GenerationConfig(**ids).save_pretrained(folder)
+    return folder
+
+
 # Shapes of real models, for benchmarks on random weights of their size (`--like`).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"num_layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8,

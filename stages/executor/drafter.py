@@ -40,7 +40,7 @@ import torch
 from ipc.config import EngineLimits
 from ipc.step import DRAFT_TOKEN
 from stages.executor.backends.base import ForwardTables, StepRows
-from stages.executor.model import PagedLlama
+from stages.executor.models.base import CausalLM
 from stages.executor.sampler import SampleOutput, greedy_tokens
 from stages.executor.staging import DeviceStep, Staged, StagedFields, per_sampled, per_seq
 from stages.trace import now_ns
@@ -79,12 +79,12 @@ class Drafter:
     target's, in the same ids), each slot's token before its last, and the host's record of
     which slots have one."""
 
-    def __init__(self, model: PagedLlama, limits: EngineLimits, num_cache_blocks: int,
+    def __init__(self, model: CausalLM, limits: EngineLimits, num_cache_blocks: int,
                  block_table: torch.Tensor, device: torch.device) -> None:
         self.model, self.limits, self.device = model, limits, device
         self.backend = model.backend
         self.kv_caches = model.new_kv_caches(num_cache_blocks, limits.block_size, device)
-        self.backend.bind(ForwardTables(block_table, model.rope_cos, model.rope_sin,
+        self.backend.bind(ForwardTables(block_table, model.ropes,
                                         num_cache_blocks))
         n = limits.max_num_seqs
         self.prev = torch.zeros(n + 1, dtype=torch.int64, device=device)

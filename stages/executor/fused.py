@@ -5,18 +5,23 @@ The call runs the same kernels in the same order as the layers' own forward, so 
 results are the same bits either way; what goes is ~10 module calls and op dispatches a
 layer, which were a third of a one-token decode step of the default model (docs/BENCHMARKS.md
 "Single stream"). It runs where the layers are exactly that sequence: the cpu_kernels
-attention backend, one rank, no per-head q/k norms (Qwen3), and every projection
-oneDNN-, MKL- or AMX-packed or quantized (plain F.linear weights keep the Python layers).
-`build` decides; the model keeps the result as `fused_layers` (None: the Python layers
-run)."""
+attention backend, one rank, every layer the pre-norm layer with a dense SiLU MLP and no
+per-head q/k norms (each layer kind says whether it is: `fast_path`), attending alike, and
+every projection oneDNN-, MKL- or AMX-packed or quantized (plain F.linear weights keep the
+Python layers). `build` decides, and logs why where a model's layers have no fast path; the
+model keeps the result as `fused_layers` (None: the Python layers run)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from stages.executor.backends.base import LayerAttention
 from stages.executor.linear.base import Linear
+
+logger = logging.getLogger(__name__)
 
 PACKED, QUANTIZED, AMX, AMX_GATED, MKL = 0, 1, 2, 3, 4
 PER_LAYER = 10  # weights a layer: two norms, and a weight and a bias a projection
@@ -44,20 +49,29 @@ class FusedLayers:
     """The arguments of llm_cpu.decoder_layers for one model, gathered once."""
 
     def __init__(self, weights: list[torch.Tensor | None], ints: list[int], eps: float,
-                 scale: float) -> None:
-        self.weights, self.ints, self.eps, self.scale = weights, ints, eps, scale
-        # all but the last layer's (PagedLlama.forward runs that one on some rows)
+                 layer: LayerAttention) -> None:
+        self.weights, self.ints, self.eps, self.layer = weights, ints, eps, layer
+        # all but the last layer's (CausalLM.forward runs that one on some rows)
         self.first_weights = weights[:-PER_LAYER]
         self.first_ints = ints[:-PER_LAYER_INTS]
         self.op = torch.ops.llm_cpu.decoder_layers.default
 
     @classmethod
     def build(cls, model: Any) -> FusedLayers | None:
-        """The fused call for `model` (a PagedLlama, loaded and processed), or None where
+        """The fused call for `model` (a CausalLM, loaded and processed), or None where
         its layers are not the kernels' sequence (see the module's docstring)."""
-        if (model.backend.name != "cpu_kernels" or model.tp is not None or model.spec.qk_norm
+        if (model.backend.name != "cpu_kernels" or model.tp is not None
                 or not hasattr(torch.ops.llm_cpu, "decoder_layers")):
             return None
+        for i, layer in enumerate(model.model.layers):
+            fast = getattr(layer, "fast_path", None)
+            why = fast() if fast is not None else f"{type(layer).__name__} has no fast path"
+            if why is None and layer.self_attn.kind != model.model.layers[0].self_attn.kind:
+                why = "its attention differs from layer 0's"
+            if why is not None:
+                logger.info("the CPU's fused decoder layers are off for this model: layer %d: "
+                            "%s; its layers run one by one", i, why)
+                return None
         first = model.model.layers[0].self_attn
         ints = [first.num_heads, first.num_kv_heads, first.head_dim]
         weights: list[torch.Tensor | None] = []
@@ -71,7 +85,7 @@ class FusedLayers:
             weights += [layer.input_layernorm.weight, qkv_w, qkv_b, o_w, o_b,
                         layer.post_attention_layernorm.weight, gu_w, gu_b, dn_w, dn_b]
             ints += qkv + o + gu + dn
-        return cls(weights, ints, model.spec.eps, first.scale)
+        return cls(weights, ints, model.spec.eps, first.kind)
 
     def __call__(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
                  all_layers: bool = True) -> torch.Tensor:
@@ -83,6 +97,6 @@ class FusedLayers:
         caches = kv_caches if all_layers else kv_caches[:-1]
         if not caches:
             return x
-        return self.op(x, weights, ints, self.eps, self.scale, caches, meta.block_table,
-                       meta.token_slots, meta.positions, meta.rope_cos, meta.rope_sin,
-                       meta.window)
+        cos, sin = meta.ropes[-1 if self.layer.rope is None else self.layer.rope]
+        return self.op(x, weights, ints, self.eps, self.layer.scale, caches, meta.block_table,
+                       meta.token_slots, meta.positions, cos, sin, self.layer.window or 0)

@@ -15,7 +15,7 @@ from typing import Any
 from safetensors import safe_open
 from torch import nn
 
-from ipc.arch import read_config
+from ipc.families import read_config
 from ipc.gguf_source import gguf_source
 from stages.executor.linear.base import Linear
 from stages.executor.linear.quantized import (
@@ -71,8 +71,11 @@ def load_weights(model: nn.Module, model_dir: str | Path, tied: bool) -> None:
     filled: dict[str, set[int | None]] = {}
     blocks: dict[str, dict[int | None, QuantizedWeight]] = {}
     tied_head: QuantizedWeight | None = None
-    for where, name, value in checkpoint_entries(model_dir):
-        if name.endswith(SKIPPED) or (tied and name == HEAD and not head_takes_blocks):
+    rename = getattr(model, "checkpoint_name", lambda n: n)  # (the family's names)
+    for where, entry, value in checkpoint_entries(model_dir):
+        name = rename(entry)
+        if name is None or name.endswith(SKIPPED) or (tied and name == HEAD
+                                                      and not head_takes_blocks):
             continue
         target, part = target_of(name)
         module_name, _, leaf = target.rpartition(".")
@@ -86,14 +89,14 @@ def load_weights(model: nn.Module, model_dir: str | Path, tied: bool) -> None:
             value = value.dequantize()
         param = getattr(module, leaf, None) if module is not None else None
         if not isinstance(param, nn.Parameter):
-            raise ValueError(f"{where}: {name}: the model has no such parameter")
+            raise ValueError(f"{where}: {entry}: the model has no such parameter")
         try:
             if hasattr(module, "load_weight"):
                 module.load_weight(leaf, value, part)
             else:
                 copy_whole(param, value)
         except ValueError as exc:
-            raise ValueError(f"{where}: {name}: {exc}") from None
+            raise ValueError(f"{where}: {entry}: {exc}") from None
         filled.setdefault(target, set()).add(part)
     if tied_head is not None:
         blocks.setdefault(HEAD.rpartition(".")[0], {None: tied_head})

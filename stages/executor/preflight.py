@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ipc.arch import ArchSpec, UnsupportedModel, read_config
+from ipc.arch import ArchSpec, UnsupportedModel
 from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
+from ipc.families import read_config
 from ipc.gguf_source import GgufSource, gguf_source
 from ipc.speculative import SpeculativeConfig
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ipc.arch import read_config
 from ipc.config import EngineLimits
+from ipc.families import read_config
 from ipc.gguf_source import gguf_source
 from ipc.messages import StepPlan
 from ipc.sampling import GREEDY_SLOT
@@ -31,7 +31,8 @@ from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.host_memory import keep_freed_memory
 from stages.executor.linear.select import select_linear_method
-from stages.executor.model import PagedLlama, load_model
+from stages.executor.models import load_model
+from stages.executor.models.base import CausalLM
 from stages.executor.parallel import TensorParallel
 from stages.executor.preflight import check_draft
 from stages.executor.sampler import (
@@ -69,7 +70,7 @@ class Runner(Protocol):
     def work_ahead(self, came: Callable[[], bool]) -> None: ...
 
 
-def kv_bytes_per_block(model: PagedLlama, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     itemsize = torch.tensor([], dtype=dtype).element_size()
     return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
 
@@ -245,10 +246,10 @@ class ModelRunner:
     decode steps can replay a graph per bucket (graphs.py): captured CUDA graphs on CUDA; on
     the CPU (`graphs=True`, for tests) the same static buffers run as plain calls."""
 
-    def __init__(self, model: PagedLlama, limits: EngineLimits, kv_cache_memory: int,
+    def __init__(self, model: CausalLM, limits: EngineLimits, kv_cache_memory: int,
                  device: torch.device, grammars: Grammars | None = None,
                  graphs: bool | None = None, selection: Selection | None = None,
-                 draft: PagedLlama | None = None) -> None:
+                 draft: CausalLM | None = None) -> None:
         """draft: a draft model (speculative decoding), whose KV cache shares the memory:
         each block id holds the target's KV and the draft's."""
         self.model, self.limits, self.device = model, limits, device
@@ -269,7 +270,7 @@ class ModelRunner:
         self.slots = SlotState(limits, device, device.type == "cuda", backend,
                                pad_block=self.num_blocks if scratch else 0, grammars=grammars,
                                drafting=draft is not None)
-        backend.bind(ForwardTables(self.slots.block_table, model.rope_cos, model.rope_sin,
+        backend.bind(ForwardTables(self.slots.block_table, model.ropes,
                                    self.num_blocks + scratch))
         self.drafter = self.slots.drafter = (
             Drafter(draft, limits, self.num_blocks + scratch, self.slots.block_table, device)
@@ -311,7 +312,7 @@ class ModelRunner:
         selection = select_backend(ForwardRequest(
             device.type, compile, cpu_kernels, spec.sliding_window, limits.block_size,
             tp.size if tp is not None else 1))
-        backend = selection.load()(limits, device, spec.sliding_window)
+        backend = selection.load()(limits, device, spec.windows)
         linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,
                                       gguf_source(model_dir), selection.backend == "cpu_kernels")
         model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp)
@@ -436,13 +437,13 @@ class ModelRunner:
 
 def load_draft(cfg: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
                device: torch.device, limits: EngineLimits, target: Selection,
-               tensor_parallel: bool) -> PagedLlama:
+               tensor_parallel: bool) -> CausalLM:
     """The draft model of `cfg` (its folder, its weights quantized as it says), on the
     target's device in its dtype, with a forward of its own; what preflight.check_draft
     refuses is refused here too."""
     assert cfg.model is not None
     spec = check_draft(cfg, vocab_size, target, 2 if tensor_parallel else 1, device.type)
-    backend = target.load()(limits, device, spec.sliding_window)
+    backend = target.load()(limits, device, spec.windows)
     linear = select_linear_method(dtype, device, False, None, cfg.quantization,
                                   gguf_source(cfg.model), target.backend == "cpu_kernels")
     return load_model(cfg.model, dtype, device, limits.max_model_len, backend, linear)

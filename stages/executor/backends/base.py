@@ -16,7 +16,7 @@ position p of a sequence lives in block block_table[p // block_size] at offset p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ipc.arch import ArchSpec, AttentionKind, UnsupportedModel
 from ipc.config import EngineLimits
 from stages.executor.staging import DeviceStep, StagedFields
 
@@ -52,6 +53,14 @@ class ForwardOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def act_and_mul(self, activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The gated MLP's op for an ArchSpec.activation."""
+        return {"silu": self.silu_and_mul, "gelu_tanh": self.gelu_tanh_and_mul}[activation]
 
 
 TORCH_OPS = ForwardOps()
@@ -93,9 +102,20 @@ class ForwardTables:
     """The runner's device state a backend's metadata reads; it never moves."""
 
     block_table: torch.Tensor  # [slots + 1, max_blocks] int32 (the last row: padding's)
-    rope_cos: torch.Tensor  # [max_len, D] in the model's dtype
-    rope_sin: torch.Tensor
+    # (cos, sin) [max_len, D] in the model's dtype, one pair per rope kind of the layers
+    # (LayerAttention.rope indexes them)
+    ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]
     num_cache_blocks: int  # blocks of each layer's cache, a scratch block included
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends (its spec's AttentionKind, resolved for the backend)."""
+
+    scale: float  # of the scores (head_dim ** -0.5, or the family's query scale)
+    window: int | None = None  # a query at p sees keys p - window + 1 to p
+    softcap: float | None = None  # scores through cap * tanh(score / cap)
+    rope: int | None = 0  # which of ForwardTables.ropes; None: no rope
 
 
 class AttentionBackend(ABC):
@@ -112,9 +132,35 @@ class AttentionBackend(ABC):
     graph_fields: ClassVar[Sequence[str]] = ()  # a replayed graph's static inputs; () none
 
     def __init__(self, limits: EngineLimits, device: torch.device,
-                 sliding_window: int | None) -> None:
-        self.limits, self.device, self.window = limits, device, sliding_window
+                 windows: Sequence[int] = ()) -> None:
+        """windows: the distinct sliding windows of the model's layers (ArchSpec.windows)."""
+        self.limits, self.device, self.windows = limits, device, tuple(windows)
         self._tables: ForwardTables | None = None
+
+    @staticmethod
+    def rope_keys(spec: ArchSpec) -> list[str]:
+        """The rope kinds of the model's layers, in the order of ForwardTables.ropes."""
+        return sorted({k.rope for k in spec.layers if k.rope is not None})
+
+    def layer_attention(self, spec: ArchSpec, layer_idx: int) -> LayerAttention:
+        """Layer `layer_idx`'s attention, or UnsupportedModel naming what this backend
+        lacks (`unsupported`)."""
+        kind = spec.layers[layer_idx]
+        why = self.unsupported(kind)
+        if why is not None:
+            raise UnsupportedModel(f"{spec.family}: layer {layer_idx}: {why} on the "
+                                   f"{self.name} forward")
+        keys = self.rope_keys(spec)
+        return LayerAttention(spec.scale, kind.window, kind.softcap,
+                              None if kind.rope is None else keys.index(kind.rope))
+
+    def unsupported(self, kind: AttentionKind) -> str | None:
+        """What of a layer's attention this backend does not implement (None: all of it)."""
+        if kind.softcap is not None:
+            return "attention softcapping is not implemented"
+        if kind.sinks:
+            return "attention sinks are not implemented"
+        return None
 
     @property
     def scratch_blocks(self) -> int:
@@ -141,9 +187,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: Any, layer: LayerAttention) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
-        [2, NB, BS, KVH, D] -> [T, H, D]: rope, the cache write, attention."""
+        [2, NB, BS, KVH, D] -> [T, H, D]: rope, the cache write, attention, as `layer`
+        says."""
 
     def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
         """Whether a step may be replayed as a graph (only with `graph_fields`)."""

@@ -11,7 +11,12 @@ from typing import Any
 
 import torch
 
-from stages.executor.backends.base import AttentionBackend, ForwardOps, ForwardTables
+from stages.executor.backends.base import (
+    AttentionBackend,
+    ForwardOps,
+    ForwardTables,
+    LayerAttention,
+)
 from stages.executor.staging import DeviceStep
 
 
@@ -38,19 +43,20 @@ class KernelMetadata:
     block_table: torch.Tensor  # [slots, max_blocks] int32
     token_slots: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    rope_cos: torch.Tensor  # [max_len, D] float32: the model's tables (rounded to its dtype)
-    rope_sin: torch.Tensor
-    window: int  # a sliding window, or 0
+    # (cos, sin) [max_len, D] float32 per rope kind: the model's tables (rounded to its
+    # dtype); the last pair: a rope of angle 0 (cos 1, sin 0), for layers without rope
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_cache: torch.Tensor, meta: KernelMetadata,
-                           scale: float) -> torch.Tensor:
+                           layer: LayerAttention) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
     [2, NB, BS, KVH, D] -> [T, H, D]. One call: rope, the cache write, attention."""
+    cos, sin = meta.ropes[-1 if layer.rope is None else layer.rope]
     return torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, meta.block_table,
-                                             meta.token_slots, meta.positions, meta.rope_cos,
-                                             meta.rope_sin, scale, meta.window)
+                                             meta.token_slots, meta.positions, cos, sin,
+                                             layer.scale, layer.window or 0)
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -62,14 +68,19 @@ class CpuKernelBackend(AttentionBackend):
 
     def bind(self, tables: ForwardTables) -> None:
         super().bind(tables)
-        # The kernel reads the tables in float32, holding the values of the model's dtype.
-        self._cos = tables.rope_cos.float().contiguous()
-        self._sin = tables.rope_sin.float().contiguous()
+        # The kernel reads the tables in float32, holding the values of the model's dtype;
+        # a layer without rope takes one of angle 0 (its keys and queries as they are).
+        self._ropes = [(cos.float().contiguous(), sin.float().contiguous())
+                       for cos, sin in tables.ropes]
+        if self._ropes:
+            cos = self._ropes[0][0]
+            self._ropes.append((torch.ones_like(cos), torch.zeros_like(cos)))
 
     def metadata(self, v: DeviceStep, plan: Any) -> KernelMetadata:
         return KernelMetadata(self.tables.block_table, v.token_slots, v.positions,
-                              self._cos, self._sin, self.window or 0)
+                              self._ropes)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: KernelMetadata, scale: float) -> torch.Tensor:
-        return kernel_paged_attention(q, k, v, kv_cache, meta, scale)
+               kv_cache: torch.Tensor, meta: KernelMetadata,
+               layer: LayerAttention) -> torch.Tensor:
+        return kernel_paged_attention(q, k, v, kv_cache, meta, layer)

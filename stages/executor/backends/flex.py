@@ -10,16 +10,18 @@ keys are its sequence's earlier pages, whole, and its own page, masked by offset
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ipc.arch import AttentionKind
 from ipc.config import EngineLimits
 from stages.executor.backends.base import (
     AttentionBackend,
     HostInputs,
+    LayerAttention,
     StepRows,
     apply_rope,
     slot_mapping,
@@ -107,8 +109,8 @@ class FlexMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache index that each token's K/V is written to
     query_rows: torch.Tensor  # [T] row of each token in the query blocks
     block_mask: BlockMask  # query blocks [Q] x the cache's pages
-    cos: torch.Tensor | None = None  # [T, 1, D] the rope tables at each token's position
-    sin: torch.Tensor | None = None
+    # each rope table at every token's position ([T, 1, D] cos and sin)
+    ropes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @functools.cache  # one function per page size: the compiled graph guards on its identity
@@ -224,15 +226,22 @@ class FlexBackend(AttentionBackend):
         t = self.tables
         meta = build_flex_metadata(v, t.block_table, self.limits.block_size,
                                    t.num_cache_blocks, plan.per_row)
-        meta.cos = t.rope_cos[v.positions].unsqueeze(1)  # [T, 1, D]
-        meta.sin = t.rope_sin[v.positions].unsqueeze(1)
+        meta.ropes = [(cos[v.positions].unsqueeze(1), sin[v.positions].unsqueeze(1))
+                      for cos, sin in t.ropes]  # [T, 1, D]
         return meta
 
+    def unsupported(self, kind: AttentionKind) -> str | None:
+        if kind.window is not None:
+            return f"a sliding window ({kind.window}) is not implemented compiled"
+        return super().unsupported(kind)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: FlexMetadata, scale: float) -> torch.Tensor:
-        assert meta.cos is not None and meta.sin is not None
-        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
-        return flex_paged_attention(q, k, v, kv_cache, meta, scale)
+               kv_cache: torch.Tensor, meta: FlexMetadata,
+               layer: LayerAttention) -> torch.Tensor:
+        if layer.rope is not None:
+            cos, sin = meta.ropes[layer.rope]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return flex_paged_attention(q, k, v, kv_cache, meta, layer.scale)
 
     def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
         """Decode-only steps without prompt logprobs (their sizes are one bucket each)."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from stages.executor.backends.base import (
     AttentionBackend,
     HostInputs,
+    LayerAttention,
     StepRows,
     apply_rope,
     slot_mapping,
@@ -85,8 +86,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache index that each token's K/V is written to
     decodes: list[DecodeAttention]
     prefills: list[PrefillAttention]
-    cos: torch.Tensor | None = None  # [T, 1, D] the rope tables at each token's position
-    sin: torch.Tensor | None = None
+
+
+@dataclass
+class TorchMetadata:
+    """A step's attention metadata for each window of the model's layers (None: no
+    window), and each rope table at every token's position ([T, 1, D] cos and sin)."""
+
+    by_window: dict[int | None, AttentionMetadata]
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def build_attention_metadata(v: DeviceStep, decode_groups: list[DecodeGroup],
@@ -205,16 +213,19 @@ class TorchBackend(AttentionBackend):
                   "decode_lens": ctx[decode]}
         return HostInputs(arrays, TorchPlan(group_by_length(ctx[decode]), prefills))
 
-    def metadata(self, v: DeviceStep, plan: TorchPlan) -> AttentionMetadata:
+    def metadata(self, v: DeviceStep, plan: TorchPlan) -> TorchMetadata:
         t = self.tables
-        meta = build_attention_metadata(v, plan.decode_groups, plan.prefills, t.block_table,
-                                        self.limits.block_size, self.window)
-        meta.cos = t.rope_cos[v.positions].unsqueeze(1)  # [T, 1, D]
-        meta.sin = t.rope_sin[v.positions].unsqueeze(1)
-        return meta
+        by_window = {window: build_attention_metadata(
+            v, plan.decode_groups, plan.prefills, t.block_table, self.limits.block_size,
+            window) for window in (None, *self.windows)}
+        ropes = [(cos[v.positions].unsqueeze(1), sin[v.positions].unsqueeze(1))
+                 for cos, sin in t.ropes]  # [T, 1, D]
+        return TorchMetadata(by_window, ropes)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        assert meta.cos is not None and meta.sin is not None
-        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
-        return paged_attention(q, k, v, kv_cache, meta, scale)
+               kv_cache: torch.Tensor, meta: TorchMetadata,
+               layer: LayerAttention) -> torch.Tensor:
+        if layer.rope is not None:
+            cos, sin = meta.ropes[layer.rope]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return paged_attention(q, k, v, kv_cache, meta.by_window[layer.window], layer.scale)

@@ -1,0 +1,163 @@
+"""The causal LM every family is, over a paged KV cache, in the executor process: a
+backbone of the family's decoder layers, the head, the rope tables of each kind of layer,
+and the one forward. One forward takes a flattened batch mixing prefill chunks and decode
+tokens of different sequences; attention reads and writes the paged cache through the
+model's attention backend (backends/base.py), each projection runs in its linear method's
+format (linear/); both are chosen before the model is built (backends/select.py,
+linear/select.py) and never changed on it. A family (stages/executor/models/<family>.py)
+subclasses CausalLM to say which layer it stacks and how checkpoint names map to its
+parameters; the forward has no per-family branches, only modules that are there or not."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ipc.arch import ArchSpec
+from stages.executor.backends.base import AttentionBackend
+from stages.executor.linear.base import LinearMethod
+from stages.executor.models.blocks import Attention, Backbone, DecoderLayer
+from stages.executor.sharding import ParallelLMHead, Shard
+
+if TYPE_CHECKING:
+    from stages.executor.fused import FusedLayers
+    from stages.executor.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids [T], kv_caches (one per layer), meta (the backend's metadata of the
+    step), logits_indices [S]) -> [S, V]. `compile_layers` compiles each decoder layer (one
+    graph serves every layer of a kind, one per padded step size) and leaves the rest eager.
+    With `tp`, this is one rank's shard (sharding.py); without, the whole model."""
+
+    def __init__(self, cfg: dict, spec: ArchSpec, backend: AttentionBackend,
+                 linear: LinearMethod, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.cfg, self.spec, self.backend, self.tp = cfg, spec, backend, tp
+        shard = Shard(tp.rank, tp.size, tp) if tp is not None else Shard()
+        self.model = Backbone(spec, backend, linear, shard, self.make_layer)
+        self.lm_head = ParallelLMHead(spec.hidden, spec.vocab_size, linear.for_head(), shard)
+        if spec.tie_word_embeddings and not linear.takes_blocks:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
+        self.num_layers = spec.num_layers
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_dim: int = attn.head_dim
+        self.fused_layers: FusedLayers | None = None  # set once loaded (load_model)
+        # Whether the last layer runs past its attention for the logits' rows only (see
+        # forward); on the eager CPU forward (load_model), not in a compiled layer or a graph.
+        self.trim_last_layer = False
+        # The rope tables [max_len, D] of each rope kind, in the order of rope_keys (the
+        # layers' LayerAttention.rope indexes them); init_rope fills them.
+        self.rope_keys = backend.rope_keys(spec)
+        self.ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def make_layer(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
+                   linear: LinearMethod, shard: Shard) -> nn.Module:
+        """The family's decoder layer `layer_idx` (the pre-norm Llama layer here)."""
+        return DecoderLayer(spec, layer_idx, backend, linear, shard)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The model's name for checkpoint entry `name` (loader.py maps fused projections'
+        parts after this); None: an entry the model does not use (skipped)."""
+        return name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_kv_caches(self, num_blocks: int, block_size: int,
+                      device: torch.device) -> list[torch.Tensor]:
+        """Zeroed KV caches, per layer [2, num_blocks, block_size, kv_heads, head_dim], each
+        its own tensor (so that every layer's cache looks alike to the compiled layer).
+        Written whole now, at the start: memory from calloc (pages the kernel zeroes when a
+        block is first written) started 0.2 s sooner for 1 GiB but moved those page faults
+        into the first steps that reach each block: a fresh engine's 64 x 128 tokens in bf16
+        ran at 811-864 tok/s against 891-944 (in process, interleaved)."""
+        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=device)
+                for _ in range(self.num_layers)]
+
+    def init_rope(self, max_len: int) -> None:
+        """The rope tables of every position (rope_tables), in the model's dtype, one pair
+        per rope kind of the layers."""
+        device = self.model.embed_tokens.weight.device
+        self.ropes = []
+        for key in self.rope_keys:
+            cos, sin = rope_tables(self.cfg, self.head_dim, max_len, key)
+            self.ropes.append((cos.to(device, self.dtype), sin.to(device, self.dtype)))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # type: ignore[no-any-return]
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """The logits [S, vocab] of the rows `logits_indices`, in the model's dtype (float32
+        with tensor parallelism, on rank 0; None on the others)."""
+        x = self.embed(input_ids)  # [T, hidden]
+        # A prompt chunk's rows other than its last feed only the next layers (their keys and
+        # values): past the last layer's attention, only the logits' rows are needed. Its
+        # output projection and MLP then run on those rows alone (a 128-token prompt's
+        # prefill does 1/30 less of the default model's work), the same bits for them where
+        # the products compute a row independently of the rows beside it (MKL, AMX, the
+        # quantized kernels; docs/ARCHITECTURE.md "The forward: eager or compiled").
+        keep = (logits_indices if self.trim_last_layer
+                and logits_indices.shape[0] < x.shape[0] else None)
+        layers = self.model.layers
+        if self.fused_layers is not None:  # the same kernels, in one call (fused.py)
+            x = self.fused_layers(x, kv_caches, meta, all_layers=keep is None)
+        else:
+            for i in range(len(layers) - (keep is not None)):
+                x = layers[i](x, kv_caches[i], meta)
+        if keep is not None:
+            x = self.model.norm(layers[-1](x, kv_caches[-1], meta, keep))  # [S, hidden]
+        else:
+            x = self.model.norm(x[logits_indices])  # [S, hidden]
+        logits = self.logits(x)  # [S, vocab], in the model's dtype (the sampler widens)
+        return logits if self.tp is None else self.tp.gather_logits(  # type: ignore[return-value]
+            logits.float())
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)  # type: ignore[no-any-return]
+
+
+def rope_tables(cfg: dict, head_dim: int, max_len: int,
+                key: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables of cos/sin [max_len, head_dim] per position, computed as Hugging Face's
+    rotary embeddings do (in float32). `key`: "default" for the config's one rope, else the
+    layer type whose own rope parameters it is (transformers' rope_parameters by layer
+    type, Gemma 3's). The plain rope of a config that names its theta is computed here
+    (compute_default_rope_parameters' formula); scaled ropes go through transformers' rope
+    functions. (Importing transformers' model code costs ~2.5 s of every executor's start,
+    and modeling_llama imports torch._dynamo too.)"""
+    params = cfg.get("rope_parameters") or {}
+    layer_type = None if key == "default" else key
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
+    scaled = cfg.get("rope_scaling") if layer_type is None else None
+    theta = params.get("rope_theta", cfg.get("rope_theta") if layer_type is None else None)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+    if params.get("rope_type", "default") == "default" and not scaled and theta is not None:
+        inv_freq, scaling = 1.0 / (float(theta) ** exponents), 1.0
+    else:
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf_cfg = AutoConfig.for_model(**cfg)
+        hf_params = hf_cfg.rope_parameters
+        if layer_type is not None:
+            hf_params = hf_params[layer_type]
+        rope_type = hf_params["rope_type"]
+        if rope_type == "default":  # (the theta came from the config class's default)
+            inv_freq, scaling = 1.0 / (hf_params["rope_theta"] ** exponents), 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, layer_type=layer_type)
+    positions = torch.arange(max_len, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float()[None, :]  # [L, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling

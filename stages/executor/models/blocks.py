@@ -1,0 +1,156 @@
+"""The parts every family's model is built from, in the executor process: norms, attention
+over the backend's paged cache, the gated MLP, the pre-norm decoder layer and the backbone
+that stacks a family's layers. Parameter names match Hugging Face's except where projections
+are fused: q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj` per layer (one
+matrix product each instead of three and two), which the loader fills from the checkpoint's
+parts (loader.py). The layers own their tensor-parallel sharding (sharding.py). Each layer's
+elementwise work goes through its backend's ops (backends/base.py), each projection through
+its linear method (linear/)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ipc.arch import ArchSpec
+from stages.executor.backends.base import (
+    TORCH_OPS,
+    AttentionBackend,
+    ForwardOps,
+)
+from stages.executor.linear.base import LinearMethod
+from stages.executor.sharding import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: ForwardOps = TORCH_OPS) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """This rank's heads: q/k/v column-parallel by head, o row-parallel. How it attends
+    (window, softcap, rope table) is its layer's AttentionKind, handed to the backend."""
+
+    def __init__(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
+                 linear: LinearMethod, shard: Shard) -> None:
+        super().__init__()
+        d = self.head_dim = spec.head_dim
+        self.num_heads, self.num_kv_heads = shard.local(spec.num_heads), shard.local(
+            spec.num_kv_heads)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden, (spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d),
+            spec.qkv_bias, linear, shard)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden, spec.o_bias, linear,
+                                        shard)
+        # Qwen3's norms of each head's query and key ([T, heads, D]: PyTorch's ops)
+        head_norm = spec.qk_norm == "head"
+        self.q_norm = RMSNorm(self.head_dim, spec.eps) if head_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.eps) if head_norm else None
+        self.layer_idx, self.backend = layer_idx, backend
+        self.kind = backend.layer_attention(spec, layer_idx)
+        self.scale = self.kind.scale
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row's keys and values go into the cache; the output is of every row, or of
+        the rows `keep` only (CausalLM.forward's last layer)."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = self.backend.attend(q, k, v, kv_cache, meta, self.kind)  # ropes q and k
+        if keep is not None:
+            out = out[keep]
+        return self.o_proj(out.flatten(1))  # (summed over the ranks)
+
+
+class GatedMLP(nn.Module):
+    """act(x W_gate) * (x W_up) W_down over this rank's intermediate rows: gate/up
+    column-parallel, down row-parallel. `act_and_mul`: the backend's op for the family's
+    activation (its `activation` names which)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str,
+                 ops: ForwardOps, linear: LinearMethod, shard: Shard) -> None:
+        super().__init__()
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = ops.act_and_mul(activation)
+        self.activation = activation
+        self.gate_up_proj = ColumnParallelLinear(hidden, (intermediate, intermediate), bias,
+                                                 linear, shard)
+        self.gate_up_proj.gated = activation == "silu"  # (AMX fuses SiLU-and-mul)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, linear, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.gated_forward(x, self.act_and_mul))
+
+
+def dense_mlp(spec: ArchSpec, ops: ForwardOps, linear: LinearMethod, shard: Shard) -> GatedMLP:
+    return GatedMLP(spec.hidden, spec.intermediate, spec.mlp_bias, spec.activation, ops,
+                    linear, shard)
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm layer (Llama's): x + attn(norm(x)), then + mlp(norm(...)). `mlp`: the
+    family's (dense_mlp, or a mixture of experts)."""
+
+    def __init__(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
+                 linear: LinearMethod, shard: Shard, mlp: nn.Module | None = None) -> None:
+        super().__init__()
+        ops = backend.ops
+        self.self_attn = Attention(spec, layer_idx, backend, linear, shard)
+        self.mlp = mlp if mlp is not None else dense_mlp(spec, ops, linear, shard)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.eps, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps, ops)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden], or the rows `keep` [S] of it (their order)."""
+        h = self.self_attn(self.input_layernorm(x), kv_cache, meta, keep)
+        if keep is not None:
+            x = x[keep]
+        norm = self.post_attention_layernorm
+        x, h = self.ops.add_rms_norm(x, h, norm.weight, norm.eps)  # (fused where it can be)
+        return self.ops.add(x, self.mlp(h))
+
+    def fast_path(self) -> str | None:
+        """Why this layer is not the sequence the fused CPU call runs (fused.py), or None
+        where it is: the pre-norm layer with a dense SiLU MLP and no per-head norms."""
+        if self.self_attn.q_norm is not None:
+            return "per-head q/k norms (Qwen3)"
+        if not isinstance(self.mlp, GatedMLP) or self.mlp.activation != "silu":
+            return f"its MLP ({type(self.mlp).__name__}, {getattr(self.mlp, 'activation', '')})"
+        return None
+
+
+LayerFactory = Callable[[ArchSpec, int, AttentionBackend, LinearMethod, Shard], nn.Module]
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ArchSpec, backend: AttentionBackend, linear: LinearMethod,
+                 shard: Shard, make_layer: LayerFactory) -> None:
+        super().__init__()
+        # Built on the meta device, given memory and filled by the loader: no initial values.
+        # (nn.Embedding, initialising itself on meta, would go through torch._refs, which
+        # imports torch._dynamo: 1.5 s of every executor's start.)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden, shard)
+        self.layers = nn.ModuleList(make_layer(spec, i, backend, linear, shard)
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden, spec.eps, backend.ops)
