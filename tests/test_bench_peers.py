@@ -196,3 +196,23 @@ def test_random_model_of_a_named_shape_on_another_folders_tokenizer(
     assert ours(text)["input_ids"] == theirs(text)["input_ids"]
     assert config["vocab_size"] == len(theirs)
     assert random_model.SHAPES["llama-3.2-1b"]["intermediate"] == 8192
+
+
+def test_random_mixture_of_experts_of_a_named_shape(tiny_model_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """`random_model --like qwen3-moe-mid`: Qwen3-30B-A3B's layer (32 experts, 8 a token,
+    heads of 128) in a Qwen3-MoE folder saved in bf16; the shape options resize it."""
+    import json
+
+    from pipeline.tools import random_model
+
+    out = tmp_path / "moe"
+    assert random_model.main([str(out), "--like", "qwen3-moe-mid", "--layers", "1",
+                              "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                              "--intermediate", "32", "--tokenizer", str(tiny_model_dir)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["dtype"] == "bfloat16"
+    assert (config["num_hidden_layers"], config["hidden_size"], config["moe_intermediate_size"],
+            config["num_attention_heads"], config["head_dim"]) == (1, 64, 32, 4, 128)
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    assert (experts, config["num_experts_per_tok"]) == (32, 8)

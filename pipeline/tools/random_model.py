@@ -1,4 +1,5 @@
-"""Randomly initialised Llama models with a tokenizer trained offline, saved as HF folders.
+"""Randomly initialised models (Llama's family, or any family transformers has a config class
+for) with a tokenizer trained offline, saved as HF folders.
 For tests and benchmarks where no real weights are present (no hub is ever reached).
 Runs in the user's process (tests, scripts/bench, scripts/gpu_check)."""
 
@@ -106,11 +107,12 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
 
 def build_random_model(folder: Path, model_type: str, *, weight_std: float = 0.2,
                        seed: int = 0, tokenizer_from: Path | None = None,
-                       **config: Any) -> Path:
+                       dtype: str | None = None, **config: Any) -> Path:
     """Save a random model of any family transformers has a config class for (`model_type`:
     its config's, e.g. "gemma3_text", "qwen3_moe"), `config` its fields, with a tokenizer,
     into folder; returns folder. Matrices, stacked experts and biases are drawn from
-    N(0, weight_std) (peaked, varied logits); norms keep their initial values."""
+    N(0, weight_std) (peaked, varied logits); norms keep their initial values. dtype: the
+    saved weights' ("bfloat16" halves a benchmark model's files; None: float32)."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -130,6 +132,8 @@ def build_random_model(folder: Path, model_type: str, *, weight_std: float = 0.2
         for name, p in model.named_parameters():
             if p.dim() >= 2 or name.endswith("bias"):
                 p.normal_(0, weight_std)
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     GenerationConfig(**ids).save_pretrained(folder)
     return folder
@@ -140,18 +144,29 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"num_layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8,
                      "intermediate": 8192, "tie": True},
 }
+# Mixtures of experts (`--like`), as config fields of their family: Qwen3-30B-A3B's layer
+# (hidden 2048, 32 query heads and 4 KV heads of 128, experts of 768, 8 routed a token) with
+# fewer layers and experts, scaled to a 2-core machine: ~1.5 B parameters, ~0.55 B active.
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-moe-mid": {"model_type": "qwen3_moe", "num_hidden_layers": 8, "hidden_size": 2048,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_experts": 32, "num_experts_per_tok": 8,
+                      "moe_intermediate_size": 768, "intermediate_size": 6144,
+                      "norm_topk_prob": True, "tie_word_embeddings": False},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="random_model", description=__doc__)
     p.add_argument("folder", type=Path)
-    p.add_argument("--like", choices=sorted(SHAPES),
+    p.add_argument("--like", choices=sorted(SHAPES) + sorted(MOE_SHAPES),
                    help="a real model's shape (the shape options below apply on top)")
     p.add_argument("--layers", type=int, default=None, help="(default 16)")
     p.add_argument("--hidden", type=int, default=None, help="(default 2048)")
     p.add_argument("--heads", type=int, default=None, help="(default 16)")
     p.add_argument("--kv-heads", type=int, default=None, help="(default 8)")
-    p.add_argument("--intermediate", type=int, default=None, help="(default 3 x hidden)")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="(default 3 x hidden; a mixture of experts': each expert's)")
     p.add_argument("--vocab-size", type=int, default=32000,
                    help="the embedding's rows at least (the tokenizer's size where larger)")
     p.add_argument("--max-len", type=int, default=4096)
@@ -159,11 +174,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="this model folder's tokenizer (`default`: the default model's, "
                         "SmolLM2's) instead of a small trained one")
     a = p.parse_args(argv)
-    shape: dict[str, Any] = {"num_layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 8}
-    shape.update(SHAPES.get(a.like, {}))
-    given = {"num_layers": a.layers, "hidden": a.hidden, "heads": a.heads,
-             "kv_heads": a.kv_heads, "intermediate": a.intermediate}
-    shape.update({k: v for k, v in given.items() if v is not None})
     tokenizer_from = None
     if a.tokenizer == "default":
         from pipeline.tools.model_cache import ensure_default_model
@@ -171,6 +181,23 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_from = ensure_default_model()
     elif a.tokenizer is not None:
         tokenizer_from = Path(a.tokenizer)
+    if a.like in MOE_SHAPES:
+        fields = dict(MOE_SHAPES[a.like])
+        given_fields = {"num_hidden_layers": a.layers, "hidden_size": a.hidden,
+                        "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
+                        "moe_intermediate_size": a.intermediate}
+        fields.update({k: v for k, v in given_fields.items() if v is not None})
+        model_type = fields.pop("model_type")
+        build_random_model(a.folder, model_type, weight_std=0.02, dtype="bfloat16",
+                           tokenizer_from=tokenizer_from, max_position_embeddings=a.max_len,
+                           **fields)
+        print(a.folder)
+        return 0
+    shape: dict[str, Any] = {"num_layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 8}
+    shape.update(SHAPES.get(a.like, {}))
+    given = {"num_layers": a.layers, "hidden": a.hidden, "heads": a.heads,
+             "kv_heads": a.kv_heads, "intermediate": a.intermediate}
+    shape.update({k: v for k, v in given.items() if v is not None})
     build_random_llama(a.folder, max_len=a.max_len, vocab_size=a.vocab_size, weight_std=0.02,
                        tokenizer_from=tokenizer_from, **shape)
     print(a.folder)
