@@ -26,9 +26,13 @@ REQUANTIZED = ("Q6_K",)
 FLOATS = ("F32", "F16", "BF16")
 LOADED_TYPES = AS_INT4 + AS_INT5 + AS_INT8 + REQUANTIZED + FLOATS
 # Files of these architectures load; llama.cpp's converter permutes the q and k rows of
-# "llama" (Llama, Mistral, SmolLM) for its rope, which loading undoes.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# "llama" (Llama, Mistral, SmolLM, and Mixtral: "llama" with experts) for its rope, which
+# loading undoes.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 PERMUTED_QK = ("llama",)
+# A mixture of experts' stacked tensors ([experts, rows, inputs]): each expert's rows load as
+# that expert's projection, EXPERT standing for its index in the Hugging Face name.
+EXPERT = "*"
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
@@ -37,14 +41,23 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+                "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+                "ffn_gate_exps": f"mlp.experts.{EXPERT}.gate_proj",
+                "ffn_up_exps": f"mlp.experts.{EXPERT}.up_proj",
+                "ffn_down_exps": f"mlp.experts.{EXPERT}.down_proj",
+                "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
 
 def hf_name(name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor (blk.3.attn_q.weight ->
-    model.layers.3.self_attn.q_proj.weight); None for one this engine has no place for."""
+    model.layers.3.self_attn.q_proj.weight; a stacked expert tensor's with EXPERT for the
+    expert: blk.3.ffn_up_exps.weight -> model.layers.3.mlp.experts.*.up_proj.weight); None
+    for one this engine has no place for."""
     if m := _LAYER.fullmatch(name):
         part = _LAYER_NAMES.get(m[2])
         return f"model.layers.{m[1]}.{part}.{m[3]}" if part else None

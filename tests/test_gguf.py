@@ -112,15 +112,18 @@ def test_tensor_names_and_what_is_refused() -> None:
     assert hf_name("blk.12.ffn_norm.weight") == "model.layers.12.post_attention_layernorm.weight"
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("output.weight") == "lm_head.weight"
-    assert hf_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_name("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.*.gate_proj.weight"
+    assert hf_name("blk.2.ffn_down_shexp.weight") == "model.layers.2.mlp.shared_expert.down_proj.weight"
+    assert hf_name("blk.0.ffn_gate_inp.weight") == "model.layers.0.mlp.gate.weight"
+    assert hf_name("blk.0.attn_sinks.weight") is None
     ok = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_K"}
     check_tensors("m.gguf", "llama", ok)
     with pytest.raises(ConfigError, match="architecture 'gemma2' is not supported"):
         check_tensors("m.gguf", "gemma2", ok)
     with pytest.raises(ConfigError, match=r"blk.0.attn_q.weight is Q3_K.*llama-quantize"):
         check_tensors("m.gguf", "llama", {**ok, "blk.0.attn_q.weight": "Q3_K"})
-    with pytest.raises(ConfigError, match="ffn_gate_exps.weight has no place"):
-        check_tensors("m.gguf", "llama", {**ok, "blk.0.ffn_gate_exps.weight": "Q8_0"})
+    with pytest.raises(ConfigError, match="attn_sinks.weight has no place"):
+        check_tensors("m.gguf", "llama", {**ok, "blk.0.attn_sinks.weight": "F32"})
     with pytest.raises(ConfigError, match="rope_freqs.weight .*Llama 3.1"):
         check_tensors("m.gguf", "llama", {**ok, "rope_freqs.weight": "F32"})
 

@@ -1,7 +1,9 @@
-"""A Hugging Face folder (Llama, Qwen2, Qwen3; a byte-level BPE tokenizer) written as a GGUF
-file, as llama.cpp's converter writes one: its metadata keys, the tokenizer as tokens and
-merges, the q and k rows of a "llama" file permuted for llama.cpp's rope, the projections in
-one of the block types the `gguf` package can quantize. For tests of `--model FILE.gguf`
+"""A Hugging Face folder (Llama, Qwen2, Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE,
+Mixtral; a byte-level BPE tokenizer) written as a GGUF file, as llama.cpp's converter writes
+one: its metadata keys, the tokenizer as tokens and merges, the q and k rows of a "llama" file
+permuted for llama.cpp's rope, each layer's experts stacked into one tensor per projection
+([experts, rows, inputs]), the projections in one of the block types the `gguf` package can
+quantize. For tests of `--model FILE.gguf`
 and for the llama.cpp peer's files of the same weights (random models included). Runs in
 the user's process:
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,20 +24,49 @@ import numpy as np
 from ipc.gguf_source import PERMUTED_QK
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
           "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "gate_proj": "ffn_gate",
-          "up_proj": "ffn_up", "down_proj": "ffn_down"}
+          "up_proj": "ffn_up", "down_proj": "ffn_down", "gate": "ffn_gate_inp",
+          "shared_expert_gate": "ffn_gate_inp_shexp"}
+# A mixture of experts' names: Mixtral's module and projections, a shared expert's.
+_MOE_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 
 
 def gguf_name(name: str) -> str:
-    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight."""
-    parts = name.split(".")
+    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight (a shared expert's
+    projections: ffn_gate_shexp, ...)."""
+    parts = [_MOE_NAMES.get(p, p) for p in name.split(".")]
     if parts[:2] == ["model", "layers"]:
-        return f"blk.{parts[2]}.{_NAMES[parts[-2]]}.{parts[-1]}"
+        kind = _NAMES[parts[-2]]
+        if "shared_expert" in parts[:-2]:
+            kind += "_shexp"
+        return f"blk.{parts[2]}.{kind}.{parts[-1]}"
     return f"{_NAMES[parts[-2]]}.{parts[-1]}"
+
+
+def stack_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """Every expert's projection of a layer as one [experts, rows, inputs] tensor, named
+    blk.N.ffn_{gate,up,down}_exps.weight; the other weights as they are (Mixtral's names as
+    Qwen's)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    experts: dict[tuple[str, str], dict[int, Any]] = {}
+    for name, tensor in weights.items():
+        name = ".".join(_MOE_NAMES.get(p, p) for p in name.split("."))
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault((m[1], _NAMES[m[3]]), {})[int(m[2])] = tensor
+        else:
+            out[name] = tensor
+    for (layer, kind), parts in experts.items():
+        out[f"blk.{layer}.{kind}_exps.weight"] = torch.stack([parts[e]
+                                                             for e in range(len(parts))])
+    return out
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -73,11 +105,12 @@ def export(folder: Path, out: Path, kind: str = "F32",
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(config["vocab_size"])
+    _add_experts(writer, config)
     _add_tokenizer(writer, folder, config)
     weights: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(path))
-    for name, tensor in weights.items():
+    for name, tensor in stack_experts(weights).items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
         data = tensor.float().numpy()
@@ -85,17 +118,31 @@ def export(folder: Path, out: Path, kind: str = "F32",
             data = permute_rows(data, heads)
         elif arch in PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = permute_rows(data, kv_heads)
-        target = gguf_name(name)
+        target = name if name.startswith("blk.") else gguf_name(name)
         what = target.split(".")[-2]
         wanted = (overrides or {}).get(what, kind)
-        if data.ndim == 1 or what.endswith("norm"):
-            wanted = "F32"
+        if data.ndim == 1 or what.endswith("norm") or what.startswith("ffn_gate_inp"):
+            wanted = "F32"  # (routers stay float, as llama.cpp's converter leaves them)
         _add(writer, target, data, wanted)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _add_experts(writer: Any, config: dict) -> None:
+    """A mixture of experts' counts and widths, as llama.cpp reads them."""
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if experts is None:
+        return
+    writer.add_expert_count(int(experts))
+    writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(
+            int(config["shared_expert_intermediate_size"]))
 
 
 def _add(writer: Any, name: str, data: np.ndarray, kind: str) -> None:

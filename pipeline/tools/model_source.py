@@ -80,8 +80,7 @@ def gguf_model_dir(file: Path) -> Path:
     started = time.monotonic()
     try:
         logger.info("reading the config and tokenizer of %s (once)", file)
-        head_dim = reader.fields.get(f"{source.architecture}.attention.key_length")
-        _write_folder(file, source, head_dim.contents() if head_dim is not None else None, tmp)
+        _write_folder(file, source, _extra_config(reader, source.architecture), tmp)
         (tmp / COMPLETE_MARKER).write_text(f"made from {file}\n")
         make_readable(tmp)
         publish(tmp, dest, lambda folder: (folder / COMPLETE_MARKER).is_file())
@@ -113,12 +112,24 @@ def _source(file: Path, reader: Any) -> GgufSource:
     return GgufSource(str(file), architecture, types)
 
 
-def _write_folder(file: Path, source: GgufSource, head_dim: object | None, out: Path) -> None:
+# Metadata transformers' GGUF reader leaves out for some architectures, and the config
+# fields they are: Qwen3's 128-wide heads of a 1024-wide model, a mixture of experts' widths.
+_EXTRA_KEYS = {"attention.key_length": "head_dim",
+               "expert_feed_forward_length": "moe_intermediate_size",
+               "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _extra_config(reader: Any, architecture: str) -> dict[str, int]:
+    fields = {key: reader.fields.get(f"{architecture}.{key}") for key in _EXTRA_KEYS}
+    return {_EXTRA_KEYS[key]: int(f.contents()) for key, f in fields.items() if f is not None}
+
+
+def _write_folder(file: Path, source: GgufSource, extra: dict[str, int], out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
-    if head_dim is not None:  # (transformers reads it for some architectures only: Qwen3's
-        config.head_dim = int(head_dim)  # 128-wide heads of a 1024-wide model need it)
+    for key, value in extra.items():
+        setattr(config, key, value)
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)

@@ -15,7 +15,7 @@ import torch
 from gguf import GGUFReader
 
 from ipc.arch import ArchSpec
-from ipc.gguf_source import FLOATS, PERMUTED_QK, GgufSource, check_tensors, hf_name
+from ipc.gguf_source import EXPERT, FLOATS, PERMUTED_QK, GgufSource, check_tensors, hf_name
 from stages.executor.linear.gguf_blocks import gguf_blocks
 from stages.executor.linear.quantized import QuantizedWeight
 
@@ -27,17 +27,17 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def _floats(tensor: Any) -> torch.Tensor:
-    data = np.asarray(tensor.data)
+def _floats(tensor: Any, data: np.ndarray) -> torch.Tensor:
     if tensor.tensor_type.name == "BF16":  # (read as raw bytes: two a value)
-        shape = [int(n) for n in reversed(tensor.shape)]
+        shape = [*data.shape[:-1], int(tensor.shape[0])]
         raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).copy())
         return raw.view(torch.bfloat16).reshape(shape).float()
     return torch.from_numpy(np.array(data, dtype=np.float32))
 
 
 def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str, Any]]:
-    """(file name, Hugging Face name, float tensor or QuantizedWeight) of every tensor."""
+    """(file name, Hugging Face name, float tensor or QuantizedWeight) of every tensor; a
+    mixture of experts' stacked tensor as one entry per expert, kept in its blocks."""
     reader = GGUFReader(source.file)
     check_tensors(source.file, source.architecture,
                   {t.name: t.tensor_type.name for t in reader.tensors})
@@ -45,16 +45,23 @@ def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str,
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         assert name is not None  # (check_tensors refused the others)
-        kind = tensor.tensor_type.name
-        value: torch.Tensor | QuantizedWeight
-        if kind in FLOATS:
-            value = _floats(tensor)
-        else:
-            value = gguf_blocks(np.asarray(tensor.data), kind, int(tensor.shape[0]))
+        if EXPERT in name:
+            for expert, part in enumerate(np.asarray(tensor.data)):
+                yield where, name.replace(EXPERT, str(expert)), _value(tensor, part)
+            continue
+        value = _value(tensor, np.asarray(tensor.data))
         if source.architecture in PERMUTED_QK and name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = spec.num_heads if name.split(".")[-2] == "q_proj" else spec.num_kv_heads
             value = _rows(value, unpermute_rows(_num_rows(value), heads))
         yield where, name, value
+
+
+def _value(tensor: Any, data: np.ndarray) -> torch.Tensor | QuantizedWeight:
+    """`data` (the tensor's, or one expert's rows of it) as floats or our blocks."""
+    kind = tensor.tensor_type.name
+    if kind in FLOATS:
+        return _floats(tensor, data)
+    return gguf_blocks(data, kind, int(tensor.shape[0]))
 
 
 def _num_rows(value: torch.Tensor | QuantizedWeight) -> int:
