@@ -113,7 +113,8 @@ def test_tensor_names_and_what_is_refused() -> None:
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("output.weight") == "lm_head.weight"
     assert hf_name("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.*.gate_proj.weight"
-    assert hf_name("blk.2.ffn_down_shexp.weight") == "model.layers.2.mlp.shared_expert.down_proj.weight"
+    assert (hf_name("blk.2.ffn_down_shexp.weight")
+            == "model.layers.2.mlp.shared_expert.down_proj.weight")
     assert hf_name("blk.0.ffn_gate_inp.weight") == "model.layers.0.mlp.gate.weight"
     assert hf_name("blk.0.attn_sinks.weight") is None
     ok = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_K"}
