@@ -49,7 +49,10 @@ class MoESpec:
     expert_bias: bool = False
     shared_intermediate: int = 0  # a dense expert every token takes (Qwen2-MoE); 0: none
     shared_gate: bool = False  # the shared expert scaled by sigmoid(x . w) (Qwen2-MoE)
-    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit,
+    # (up + 1) * gate * sigmoid(alpha * gate), gate and up interleaved in its checkpoint
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True)
