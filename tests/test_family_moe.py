@@ -107,11 +107,14 @@ def test_bfloat16_agrees_with_transformers_bfloat16_on_most_prompts(tmp_path: Pa
 
 
 def test_an_moe_layer_says_it_has_no_fused_path(tmp_path: Path) -> None:
+    from ipc.model_info import ModelInfo
+
     folder = build(tmp_path / "olmoe", "olmoe")
+    assert ModelInfo.from_dir(folder).mixture_of_experts  # (what the launcher's check reads)
     eng = InProcessEngine(str(folder), cpu_kernels=True)
     model = eng.runner.model
     assert model.fused_layers is None
-    layer = model.model.layers[0]
+    layer: Any = model.model.layers[0]
     assert "q/k norms over the whole projections" in layer.fast_path()
     assert "mixture of experts" in layer.mlp.fast_path()
 
@@ -150,10 +153,11 @@ class Weights:
         assert spec.moe is not None
         block = MoEBlock(spec, spec.moe, TORCH_OPS, linear or DenseMethod(), shard or Shard())
         block.gate.weight.data.copy_(self.router)
-        pairs = list(zip(block.experts, self.experts, strict=True))
+        pairs: list[tuple[Any, tuple[torch.Tensor, ...]]] = list(
+            zip(block.experts, self.experts, strict=True))
         if block.shared_expert is not None and self.shared is not None:
             pairs.append((block.shared_expert, self.shared))
-        if block.shared_expert_gate is not None:
+        if block.shared_expert_gate is not None and self.shared_gate is not None:
             block.shared_expert_gate.weight.data.copy_(self.shared_gate)
         for expert, (gate, up, down) in pairs:
             expert.gate_up_proj.load_weight("weight", gate, 0)
@@ -303,6 +307,108 @@ def test_two_ranks_slices_sum_to_the_whole_block() -> None:
     w = Weights(spec)
     whole = w.block(spec)
     ranks = [w.block(spec, shard=Shard(r, 2)) for r in range(2)]  # (no comm: unsummed)
-    assert ranks[0].experts[0].gate_up_proj.weight.shape == (EXPERT, HIDDEN)
+    first: Any = ranks[0].experts[0]
+    assert first.gate_up_proj.weight.shape == (EXPERT, HIDDEN)
     x = inputs(19)
     torch.testing.assert_close(ranks[0](x) + ranks[1](x), whole(x), rtol=1e-5, atol=1e-5)
+
+
+class Unsummed:
+    """A rank's collectives that leave its partial sums as they are (the test sums them)."""
+
+    def __init__(self, rank: int, size: int, vocab_size: int) -> None:
+        self.rank, self.size, self.vocab_size = rank, size, vocab_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_each_rank_loads_its_slice_of_every_expert(tmp_path: Path, model_type: str) -> None:
+    """Through the loader (Mixtral's names included): each of two ranks holds half of every
+    expert's rows (and the shared expert's), the router whole; the ranks' MLP outputs sum to
+    one rank's."""
+    from ipc.config import EngineLimits
+    from stages.executor.backends.torch_sdpa import TorchBackend
+    from stages.executor.models import load_model
+
+    folder = build(tmp_path / model_type, model_type, 5, 3)
+    cpu = torch.device("cpu")
+    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu)  # (not run)
+    full = load_model(folder, torch.float32, cpu, 64, backend, DenseMethod())
+    vocab = full.spec.vocab_size
+    shards = [load_model(folder, torch.float32, cpu, 64, backend, DenseMethod(),
+                         Unsummed(r, 2, vocab)) for r in range(2)]  # type: ignore[arg-type]
+    whole: Any = full.model.layers[1].mlp
+    parts: list[Any] = [s.model.layers[1].mlp for s in shards]
+    for r, part in enumerate(parts):
+        assert torch.equal(part.gate.weight, whole.gate.weight)
+        for e, expert in enumerate(part.experts):
+            gate, up = whole.experts[e].gate_up_proj.weight.split(EXPERT)
+            half = slice(r * EXPERT // 2, (r + 1) * EXPERT // 2)
+            assert torch.equal(expert.gate_up_proj.weight, torch.cat([gate[half], up[half]]))
+            assert torch.equal(expert.down_proj.weight, whole.experts[e].down_proj.weight[:, half])
+    assert (whole.shared_expert is not None) == (model_type == "qwen2_moe")
+    x = inputs(11)
+    with torch.no_grad():
+        torch.testing.assert_close(parts[0](x) + parts[1](x), whole(x), rtol=1e-5, atol=1e-5)
+
+
+# --- Refusals -------------------------------------------------------------------------------
+
+def config(model_type: str, **fields: Any) -> dict[str, Any]:
+    base = {"model_type": model_type, "hidden_size": HIDDEN, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32,
+            "intermediate_size": 96, "num_experts_per_tok": 2}
+    return {**base, **FIELDS[model_type](8, 2), **fields}
+
+
+@pytest.mark.parametrize(("model_type", "fields", "named"), [
+    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3_moe", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("olmoe", {"head_dim": 32}, "head_dim"),
+    ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+])
+def test_what_the_engine_lacks_is_refused_by_name(model_type: str, fields: dict[str, Any],
+                                                  named: str) -> None:
+    from stages.executor.models.moe_block import sparse_mlp
+
+    with pytest.raises(UnsupportedModel, match=named):
+        spec = arch_spec(config(model_type, **fields))
+        sparse_mlp(spec, 0, TORCH_OPS, DenseMethod(), Shard())  # (the block's own checks)
+
+
+def test_the_clamped_swiglu_experts_are_refused_by_name() -> None:
+    spec = moe_spec(4, 2, swiglu_limit=7.0)
+    with pytest.raises(UnsupportedModel, match="swiglu_limit"):
+        MoEBlock(spec, spec.moe, TORCH_OPS, DenseMethod(), Shard())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("model_type", "fields", "named"), [
+    ("qwen3_moe", {"moe_intermediate_size": 33}, "moe_intermediate_size = 33"),
+    ("mixtral", {"intermediate_size": 33}, "intermediate_size = 33"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 47}, "shared_expert_intermediate_size"),
+    ("qwen3_moe", {"intermediate_size": 97, "mlp_only_layers": [1]}, "intermediate_size = 97"),
+    ("olmoe", {}, "q/k norms span every head"),
+])
+def test_shapes_two_ranks_cannot_split_are_refused(model_type: str, fields: dict[str, Any],
+                                                   named: str) -> None:
+    from stages.executor.preflight import check_divisible
+
+    with pytest.raises(UnsupportedModel, match=named):
+        check_divisible(arch_spec(config(model_type, **fields)), 2)
+    if model_type == "qwen3_moe" and "mlp_only_layers" not in fields:
+        # every layer sparse: the unused dense intermediate_size is not checked
+        check_divisible(arch_spec(config(model_type, intermediate_size=97)), 2)
+
+
+def test_the_compiled_forward_is_refused_and_cuda_falls_back_to_eager() -> None:
+    from stages.executor.backends.select import ForwardRequest, resolve_compile, select_backend
+
+    with pytest.raises(UnsupportedModel, match="--compile: the model's mixture of experts"):
+        select_backend(ForwardRequest("cpu", compile=True, mixture_of_experts=True),
+                       probe=False)
+    compiled, why = resolve_compile(ForwardRequest("cuda", mixture_of_experts=True))
+    assert not compiled and "mixture of experts" in why
