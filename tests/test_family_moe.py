@@ -8,6 +8,7 @@ engine does not implement is refused by name."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def test_greedy_tokens_equal_transformers(tmp_path: Path, model_type: str, exper
     """fp32, batched in chunks of 16 tokens, from the prefix cache, on the CPU kernels and on
     PyTorch's ops (family_check)."""
     folder = build(tmp_path / model_type, model_type, experts, top_k, **fields)
-    spec = arch_spec(__import__("json").loads((folder / "config.json").read_text()))
+    spec = arch_spec(json.loads((folder / "config.json").read_text()))
     assert spec.moe is not None and spec.moe.num_experts == experts
     assert spec.moe.dense_layers == tuple(fields.get("mlp_only_layers", ())) or (
         fields.get("decoder_sparse_step") == 2 and spec.moe.dense_layers == (0,))
@@ -288,8 +289,11 @@ def test_quantized_experts_stay_within_their_format_of_the_float_block(
     method = METHODS[name]()
     block = w.block(spec, method)
     assert all(hasattr(e.gate_up_proj, "tiles") for e in block.experts)
-    assert block.gate.weight.dtype == torch.float32  # (the router: not quantized)
+    assert not hasattr(block.gate, "tiles")  # (the router: float)
     x = inputs(23)
+    floats = w.block(spec)
+    assert torch.equal(route(block.gate(x), spec.moe).experts,  # type: ignore[arg-type]
+                       route(floats.gate(x), spec.moe).experts)  # type: ignore[arg-type]
     got = block(x).double()
     want = w.reference(spec, x, quantized_linear_of(method.bits))
     # (the down product quantizes its float32 input: the reference's float64 one can round
