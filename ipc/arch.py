@@ -53,6 +53,13 @@ class MoESpec:
     # (up + 1) * gate * sigmoid(alpha * gate), gate and up interleaved in its checkpoint
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Layers whose MLP is dense (ArchSpec.intermediate wide) instead: Qwen-MoE's
+    # mlp_only_layers and the layers decoder_sparse_step skips
+    dense_layers: tuple[int, ...] = ()
+    # The router's weights stay float32 when they scale the experts' outputs (Mixtral's);
+    # otherwise they are rounded to the model's dtype first (Qwen-MoE's, OLMoE's)
+    float_weights: bool = False
+    intermediate_key: str = "moe_intermediate_size"  # the config's name of `intermediate`
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,11 @@ class ArchSpec:
     norm_offset: bool = False  # weights stored as w - 1: RMSNorm scales by 1 + w (Gemma)
     embed_scale: bool = False  # embeddings scaled by sqrt(hidden) (Gemma)
     final_softcap: float | None = None  # logits through cap * tanh(logit / cap)
-    moe: MoESpec | None = None  # every layer's MLP sparse (None: dense)
+    moe: MoESpec | None = None  # the layers' MLPs sparse, but moe.dense_layers (None: dense)
+
+    def sparse(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s MLP is a mixture of experts."""
+        return self.moe is not None and layer_idx not in self.moe.dense_layers
 
     @property
     def sliding_window(self) -> int | None:

@@ -35,6 +35,10 @@ FAMILIES: dict[str, Family] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "phi3": _LLAMA,
+    "qwen2_moe": Family("ipc.families.moe:qwen_moe_spec", "stages.executor.models.moe:MoECausalLM"),
+    "qwen3_moe": Family("ipc.families.moe:qwen_moe_spec", "stages.executor.models.moe:MoECausalLM"),
+    "olmoe": Family("ipc.families.moe:olmoe_spec", "stages.executor.models.moe:MoECausalLM"),
+    "mixtral": Family("ipc.families.moe:mixtral_spec", "stages.executor.models.moe:Mixtral"),
 }
 
 # Families refused by name, with what to run instead.

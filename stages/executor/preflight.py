@@ -30,7 +30,8 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         return None
     selection = select_backend(ForwardRequest(
         ex.device.split(":")[0], ex.compile, None, cfg.model.sliding_window,
-        cfg.limits.block_size, ex.tensor_parallel_size), probe=False)
+        cfg.limits.block_size, ex.tensor_parallel_size, cfg.model.mixture_of_experts),
+        probe=False)
     gguf = gguf_source(cfg.model.path)
     if gguf is not None and gguf.quantized:
         check_gguf(gguf, ex.quantization, ex.device, selection.compiled,
@@ -123,13 +124,27 @@ def cpu_flags() -> set[str] | None:
 
 
 def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> None:
-    """The shapes K ranks can split evenly, or UnsupportedModel naming the one they cannot."""
-    for name, value in (("num_attention_heads", spec.num_heads),
-                        ("num_key_value_heads", spec.num_kv_heads),
-                        ("intermediate_size", spec.intermediate)):
+    """The shapes K ranks can split evenly, or UnsupportedModel naming the one they cannot:
+    the heads, the dense MLPs' intermediate (where a layer has one), each expert's and the
+    shared expert's (moe_block.py slices every expert across the ranks). q/k norms over the
+    whole projections (OLMoE's) span every head, which the ranks split: one rank only."""
+    moe = spec.moe
+    shapes = [("num_attention_heads", spec.num_heads),
+              ("num_key_value_heads", spec.num_kv_heads)]
+    if not all(spec.sparse(i) for i in range(spec.num_layers)):
+        shapes.append(("intermediate_size", spec.intermediate))
+    if moe is not None:
+        shapes.append((moe.intermediate_key, moe.intermediate))
+        if moe.shared_intermediate:
+            shapes.append(("shared_expert_intermediate_size", moe.shared_intermediate))
+    for name, value in shapes:
         if value % size:
             raise UnsupportedModel(f"{source}: {name} = {value} is not divisible by "
                                    f"--tensor-parallel-size {size}")
+    if spec.qk_norm == "proj" and size > 1:
+        raise UnsupportedModel(f"{source}: model_type = {spec.family!r}: its q/k norms span "
+                               "every head of the projections, which tensor-parallel ranks "
+                               f"split; leave out --tensor-parallel-size {size}")
 
 
 def check_devices(device: str, size: int) -> None:

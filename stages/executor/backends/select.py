@@ -48,6 +48,7 @@ class ForwardRequest:
     sliding_window: int | None = None
     block_size: int = 16
     tensor_parallel_size: int = 1
+    mixture_of_experts: bool = False  # the model's MLPs are (ArchSpec.moe)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ def _why_not_compiled(req: ForwardRequest) -> tuple[str, type[ConfigError]] | No
     if req.sliding_window is not None:
         return (f"the model's sliding_window ({req.sliding_window}) is not implemented "
                 "compiled", UnsupportedModel)
+    if req.mixture_of_experts:
+        # (which experts run is read on the host each step: one graph cannot hold it)
+        return ("the model's mixture of experts runs in the eager forward only",
+                UnsupportedModel)
     if req.device == "cuda" and req.block_size % CUDA_PAGE_MULTIPLE:
         return (f"on CUDA the compiled attention needs --block-size a multiple of "
                 f"{CUDA_PAGE_MULTIPLE} (Triton's smallest tile), not {req.block_size}",

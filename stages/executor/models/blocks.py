@@ -57,10 +57,14 @@ class Attention(nn.Module):
             spec.qkv_bias, linear, shard)
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden, spec.o_bias, linear,
                                         shard)
-        # Qwen3's norms of each head's query and key ([T, heads, D]: PyTorch's ops)
-        head_norm = spec.qk_norm == "head"
-        self.q_norm = RMSNorm(self.head_dim, spec.eps) if head_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.eps) if head_norm else None
+        # Norms of the query and key, PyTorch's ops: of each head ([T, heads, D], Qwen3's) or
+        # of the whole projections before they are split into heads ([T, heads * D], OLMoE's;
+        # one rank only: the norm spans every head, preflight.check_divisible)
+        self.qk_norm = spec.qk_norm
+        q_width, k_width = ((self.head_dim, self.head_dim) if spec.qk_norm == "head"
+                            else (self.q_size, self.kv_size))
+        self.q_norm = RMSNorm(q_width, spec.eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, spec.eps) if spec.qk_norm else None
         self.layer_idx, self.backend = layer_idx, backend
         self.kind = backend.layer_attention(spec, layer_idx)
         self.scale = self.kind.scale
@@ -71,10 +75,12 @@ class Attention(nn.Module):
         the rows `keep` only (CausalLM.forward's last layer)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "proj" and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.attend(q, k, v, kv_cache, meta, self.kind)  # ropes q and k
         if keep is not None:
@@ -132,9 +138,14 @@ class DecoderLayer(nn.Module):
 
     def fast_path(self) -> str | None:
         """Why this layer is not the sequence the fused CPU call runs (fused.py), or None
-        where it is: the pre-norm layer with a dense SiLU MLP and no per-head norms."""
+        where it is: the pre-norm layer with a dense SiLU MLP and no q/k norms. An MLP
+        that is never that sequence says why itself (its `fast_path`)."""
         if self.self_attn.q_norm is not None:
-            return "per-head q/k norms (Qwen3)"
+            return ("per-head q/k norms (Qwen3)" if self.self_attn.qk_norm == "head"
+                    else "q/k norms over the whole projections (OLMoE)")
+        mlp_fast_path = getattr(self.mlp, "fast_path", None)
+        if mlp_fast_path is not None:
+            return mlp_fast_path()  # type: ignore[no-any-return]
         if not isinstance(self.mlp, GatedMLP) or self.mlp.activation != "silu":
             return f"its MLP ({type(self.mlp).__name__}, {getattr(self.mlp, 'activation', '')})"
         return None

@@ -1,0 +1,152 @@
+"""The sparse MLP every mixture-of-experts family shares, in the executor process: a router
+picks each token's top k experts (ipc/arch.py MoESpec says how its weights are made), each
+expert is a gated MLP run only on the tokens routed to it, and a shared expert (Qwen2-MoE)
+runs on every token.
+
+The step's (token, expert) pairs are sorted by expert and each expert that has any runs once
+on its group of rows: its weights stream once per step, not once per token, and it is an
+ordinary pair of Linear layers (gate/up fused, then down), so every weight format the engine
+has (dense, oneDNN/MKL/AMX packed, --quantization int8/int4) applies to experts unchanged.
+Which experts run is read on the host (a device sync on CUDA; plain PyTorch ops, no CPU-only
+op), so the block runs in the eager forwards only: the compiled one is refused for these
+models (backends/select.py).
+
+Tensor parallelism shards each expert's intermediate rows across the ranks, as a dense MLP's:
+every rank runs every routed expert on its slice, and one all-reduce per layer sums the
+experts' and the shared expert's partial outputs together. Whole experts per rank (expert
+parallelism) would give each rank only the tokens of its experts: an all-to-all of tokens
+there and back, and ranks that wait on the busiest one (routing is rarely even); slicing
+every expert needs neither, at the cost of smaller products per rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ipc.arch import ArchSpec, MoESpec, UnsupportedModel
+from stages.executor.backends.base import ForwardOps
+from stages.executor.linear.base import Linear, LinearMethod
+from stages.executor.linear.dense import DenseMethod
+from stages.executor.models.blocks import dense_mlp
+from stages.executor.sharding import ColumnParallelLinear, RowParallelLinear, Shard
+
+
+class PartialRowLinear(RowParallelLinear):
+    """A row-parallel projection whose ranks' partial outputs its caller sums (the MoE block
+    sums every expert's first, then all-reduces once)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+
+class Expert(nn.Module):
+    """act(x W_gate) * (x W_up) W_down over this rank's intermediate rows, not summed over the
+    ranks. Checkpoint names as transformers saves them (gate_proj/up_proj fill gate_up_proj)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str,
+                 ops: ForwardOps, linear: LinearMethod, shard: Shard) -> None:
+        super().__init__()
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = ops.act_and_mul(activation)
+        self.gate_up_proj = ColumnParallelLinear(hidden, (intermediate, intermediate), bias,
+                                                 linear, shard)
+        self.gate_up_proj.gated = activation == "silu"  # (AMX fuses SiLU-and-mul)
+        self.down_proj = PartialRowLinear(intermediate, hidden, bias, linear, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.gated_forward(x, self.act_and_mul))
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # [T, k]: float32 (MoESpec.float_weights) or the model's dtype
+    experts: torch.Tensor  # [T, k] int64, each token's experts by descending weight
+
+
+def route(logits: torch.Tensor, moe: MoESpec) -> Routing:
+    """Each token's top k experts from its router logits [T, E] (the model's dtype), in
+    float32 as transformers computes them (its *TopKRouter): a softmax over every expert, the
+    top k (ties as torch.topk breaks them), renormalised over those k with norm_topk; or
+    ("topk_softmax") a softmax over the top k's logits."""
+    if moe.routing == "topk_softmax":
+        top, experts = torch.topk(logits, moe.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights if moe.float_weights else weights.to(logits.dtype), experts)
+
+
+class MoEBlock(nn.Module):
+    """x [T, hidden] -> the weighted sum of each token's k experts' outputs (+ the shared
+    expert's), summed over the ranks. Parameter names as transformers' checkpoints have them:
+    `gate` (the router, [E, hidden], replicated, kept in the model's dtype whatever the
+    experts' format: routing is what a quantized weight must not change), `experts.E.*`,
+    `shared_expert.*` and `shared_expert_gate` ([1, hidden], replicated)."""
+
+    def __init__(self, spec: ArchSpec, moe: MoESpec, ops: ForwardOps, linear: LinearMethod,
+                 shard: Shard) -> None:
+        super().__init__()
+        if moe.swiglu_limit is not None:
+            raise UnsupportedModel(f"{spec.family}: the clamped SwiGLU experts (swiglu_limit) "
+                                   "are not implemented")
+        if not 0 < moe.top_k <= moe.num_experts:
+            raise UnsupportedModel(f"{spec.family}: num_experts_per_tok = {moe.top_k} of "
+                                   f"{moe.num_experts} experts")
+        self.moe, self.shard = moe, shard
+        self.gate = Linear(spec.hidden, moe.num_experts, moe.router_bias, DenseMethod())
+        self.experts = nn.ModuleList(
+            Expert(spec.hidden, moe.intermediate, moe.expert_bias, spec.activation, ops, linear,
+                   shard) for _ in range(moe.num_experts))
+        self.shared_expert = (Expert(spec.hidden, moe.shared_intermediate, False,
+                                     spec.activation, ops, linear, shard)
+                              if moe.shared_intermediate else None)
+        self.shared_expert_gate = (Linear(spec.hidden, 1, False, DenseMethod())
+                                   if moe.shared_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x, route(self.gate(x), self.moe))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)  # [T, hidden]
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return self.shard.reduce(out)
+
+    def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden] (this rank's part), rounded as
+        transformers' grouped experts do: each pair's output times its weight, then the k of a
+        token summed in their order."""
+        num_tokens, hidden = x.shape
+        k = self.moe.top_k
+        pairs = routing.experts.flatten()  # [T * k]: pair p is token p // k's (p % k)-th
+        order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert
+        counts = torch.bincount(pairs, minlength=self.moe.num_experts).tolist()  # (host)
+        rows = x[order // k]  # [T * k, hidden]: each pair's input, by expert
+        outs = []
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                outs.append(expert(rows[start:start + n]))
+                start += n
+        done = torch.cat(outs) if outs else x.new_empty(0, hidden)  # (no tokens: none)
+        by_expert = done * routing.weights.flatten()[order].unsqueeze(1)
+        by_pair = torch.empty_like(by_expert)
+        by_pair[order] = by_expert
+        return by_pair.view(num_tokens, k, hidden).sum(dim=1).to(x.dtype)
+
+    def fast_path(self) -> str:
+        """The fused CPU call (fused.py) runs dense MLPs only: which experts a token takes
+        is known once its router has run, inside the layer."""
+        return "a mixture of experts (the fused call runs dense MLPs only)"
+
+
+def sparse_mlp(spec: ArchSpec, layer_idx: int, ops: ForwardOps, linear: LinearMethod,
+               shard: Shard) -> nn.Module:
+    """Layer `layer_idx`'s MLP: the MoE block, or a dense one where the spec says so."""
+    if spec.moe is not None and spec.sparse(layer_idx):
+        return MoEBlock(spec, spec.moe, ops, linear, shard)
+    return dense_mlp(spec, ops, linear, shard)
