@@ -141,11 +141,15 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     assert resolve_model(tmp_path) == tmp_path  # a folder is taken as it is
 
 
-def _prompt_logprobs_of_transformers(file: Path) -> list[list[float]]:
-    from transformers import AutoModelForCausalLM
+def _prompt_logprobs_of_transformers(file: Path,
+                                     config_from: Path | None = None) -> list[list[float]]:
+    """config_from: a folder whose config transformers takes instead of its own reading of
+    the file's metadata (which leaves out Qwen-MoE's expert widths)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(config_from) if config_from is not None else None
     model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name,
-                                                 dtype=torch.float32).eval()
+                                                 dtype=torch.float32, config=config).eval()
     out = []
     with torch.no_grad():
         for ids in PROMPTS:
@@ -194,6 +198,52 @@ def test_a_file_answers_as_transformers_reads_it(tmp_path: Path, arch: str, kind
             assert max(abs(a - b) for a, b in zip(have, lps, strict=True)) < tolerance, i
     finally:
         shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+MOE = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+       "num_experts": 5, "num_experts_per_tok": 3, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("model_type,kind,fields", [
+    pytest.param("qwen3_moe", "Q8_0", {"head_dim": 16, "norm_topk_prob": True},
+                 marks=needs_kernel),
+    pytest.param("qwen2_moe", "Q4_1", {"shared_expert_intermediate_size": 64},
+                 marks=needs_kernel),
+    ("qwen3_moe", "F32", {"head_dim": 16, "norm_topk_prob": True}),
+])
+def test_a_mixture_of_experts_file_answers_as_transformers_reads_it(
+        tmp_path: Path, model_type: str, kind: str, fields: dict) -> None:
+    """A mixture of experts' GGUF (each layer's experts stacked in one tensor per projection,
+    as llama.cpp writes them) loads with every expert kept in its blocks; its prompt
+    log-probs are those of transformers' reading of the same file within the activations'
+    rounding (3e-3; F32 1e-4): Qwen3-MoE (per-head q/k norms) and Qwen2-MoE (a gated shared
+    expert). The exporter refuses a routing llama.cpp's architecture cannot say."""
+    from pipeline.tools.random_model import build_random_model
+    from stages.inprocess import InProcessEngine
+
+    source = build_random_model(tmp_path / "source", model_type, **MOE, **fields)
+    file = export(source, tmp_path / f"moe-{kind}.gguf", kind)
+    folder = resolve_model(file)
+    try:
+        engine = InProcessEngine(str(folder))
+        experts = engine.runner.model.model.layers[0].mlp.experts
+        assert len(experts) == 5
+        if kind != "F32":
+            assert experts[4].down_proj.method.name == "gguf"
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                prompt_logprobs=0)
+        got = engine.run([(str(i), p, params) for i, p in enumerate(PROMPTS)])
+        want = _prompt_logprobs_of_transformers(file, config_from=folder)
+        tolerance = 1e-4 if kind == "F32" else 3e-3
+        for i, lps in enumerate(want):
+            have = [x.logprob for x in got[str(i), 0].prompt_logprobs[1:]]
+            assert max(abs(a - b) for a, b in zip(have, lps, strict=True)) < tolerance, i
+    finally:
+        shutil.rmtree(folder.parent, ignore_errors=True)
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        export(build_random_model(tmp_path / "other", "qwen3_moe", **MOE, head_dim=16),
+               tmp_path / "other.gguf", "F32")
 
 
 def test_the_head_width_comes_from_the_file(tmp_path: Path) -> None:

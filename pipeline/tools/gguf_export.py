@@ -121,6 +121,8 @@ def export(folder: Path, out: Path, kind: str = "F32",
         target = name if name.startswith("blk.") else gguf_name(name)
         what = target.split(".")[-2]
         wanted = (overrides or {}).get(what, kind)
+        if what == "ffn_gate_inp_shexp":
+            data = data.reshape(-1)  # (a vector in llama.cpp's files: [hidden])
         if data.ndim == 1 or what.endswith("norm") or what.startswith("ffn_gate_inp"):
             wanted = "F32"  # (routers stay float, as llama.cpp's converter leaves them)
         _add(writer, target, data, wanted)
@@ -136,6 +138,13 @@ def _add_experts(writer: Any, config: dict) -> None:
     experts = config.get("num_experts", config.get("num_local_experts"))
     if experts is None:
         return
+    # llama.cpp renormalises the top k's weights of qwen3moe and never qwen2moe's (as the
+    # released models do), whatever a key says: a model of the other kind has no GGUF form.
+    normalised = {"qwen3_moe": True, "qwen2_moe": False}.get(config["model_type"])
+    if normalised is not None and bool(config.get("norm_topk_prob", False)) != normalised:
+        raise ValueError(f"{config['model_type']} with norm_topk_prob = "
+                         f"{config.get('norm_topk_prob', False)}: llama.cpp's "
+                         f"{_FAMILIES[config['model_type']]} always has {normalised}")
     writer.add_expert_count(int(experts))
     writer.add_expert_used_count(int(config["num_experts_per_tok"]))
     if "moe_intermediate_size" in config:

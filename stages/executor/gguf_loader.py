@@ -50,6 +50,8 @@ def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str,
                 yield where, name.replace(EXPERT, str(expert)), _value(tensor, part)
             continue
         value = _value(tensor, np.asarray(tensor.data))
+        if name.endswith("shared_expert_gate.weight") and isinstance(value, torch.Tensor):
+            value = value.reshape(1, -1)  # (a vector in llama.cpp's files; a [1, hidden] row)
         if source.architecture in PERMUTED_QK and name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = spec.num_heads if name.split(".")[-2] == "q_proj" else spec.num_kv_heads
             value = _rows(value, unpermute_rows(_num_rows(value), heads))
