@@ -28,6 +28,7 @@ class Family:
 
 
 _LLAMA = Family("ipc.families.llama:llama_spec", "stages.executor.models.llama:Llama")
+_GEMMA = "stages.executor.models.gemma:Gemma"
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -35,6 +36,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "phi3": _LLAMA,
+    "gemma": Family("ipc.families.gemma:gemma_spec", _GEMMA),
+    "gemma2": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
+    "gemma3_text": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
+    # (the multimodal checkpoint: its language model runs, its vision tower is not loaded)
+    "gemma3": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
 }
 
 # Families refused by name, with what to run instead.
@@ -49,6 +55,17 @@ REFUSED: dict[str, str] = {
     "llava": "vision towers are not implemented",
     "qwen2_vl": "vision towers are not implemented",
     "qwen2_5_vl": "vision towers are not implemented",
+    "gemma3n": "Gemma 3n (per-layer inputs, AltUp, LAuReL, KV-shared layers, activation "
+               "sparsity, audio and vision towers) is not implemented",
+    "gemma3n_text": "Gemma 3n (per-layer inputs, AltUp, LAuReL, KV-shared layers, "
+                    "activation sparsity) is not implemented",
+    "gemma4": "Gemma 4 (per-layer inputs, KV-shared layers, keys as values, global layers "
+              "of another head size and KV heads, mixture-of-experts blocks, audio and "
+              "vision towers) is not implemented",
+    "gemma4_text": "Gemma 4 (per-layer inputs: hidden_size_per_layer_input; KV-shared "
+                   "layers: num_kv_shared_layers; keys as values: attention_k_eq_v; global "
+                   "layers of another head size and KV heads; enable_moe_block) is not "
+                   "implemented",
 }
 
 
