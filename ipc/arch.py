@@ -96,6 +96,8 @@ class ArchSpec:
     embed_scale: bool = False  # embeddings scaled by sqrt(hidden) (Gemma)
     final_softcap: float | None = None  # logits through cap * tanh(logit / cap)
     moe: MoESpec | None = None  # the layers' MLPs sparse, but moe.dense_layers (None: dense)
+    # the language model's max_position_embeddings (None: the config names none)
+    max_positions: int | None = None
 
     def sparse(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx`'s MLP is a mixture of experts."""
@@ -170,7 +172,8 @@ def shapes(cfg: dict) -> dict[str, Any]:
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"], eps=cfg.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_positions=cfg.get("max_position_embeddings"))
 
 
 def effective_window(cfg: dict, window: int | None) -> int | None:

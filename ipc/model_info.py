@@ -34,10 +34,11 @@ class ModelInfo:
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        limit = int(config.get("max_position_embeddings", 2048))
+        # (the spec's: a multimodal config's are its language model's, text_config)
+        limit = int(spec.max_positions or 2048)
         if max_model_len is not None and max_model_len > limit:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
-        return cls(str(path), max_model_len or limit, int(config["vocab_size"]), eos_ids,
+        return cls(str(path), max_model_len or limit, spec.vocab_size, eos_ids,
                    spec.sliding_window, spec.moe is not None)
 
 

@@ -29,6 +29,25 @@ from pipeline.runtime.client import CompletionOutput
 Conversation = Sequence[dict[str, str] | ChatMessage]
 
 
+def _text(content: Any) -> str:
+    """A message's content: its text, or its text parts' joined (OpenAI's form); an image
+    part is refused by name (a multimodal checkpoint runs as its language model only)."""
+    if isinstance(content, str):
+        return content
+    from pipeline.server.openai_parse import IMAGE_PARTS
+
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS:
+            raise ValueError(f"an image content part ({kind}) cannot be read: the engine runs "
+                             "language models only (vision towers are not implemented)")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts are supported, not {part!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 class LLM:
     """One running pipeline, for a program's own prompts. Keyword options are the CLI's
     global ones (see `run_pipeline --help`)."""
@@ -85,7 +104,7 @@ class LLM:
         the model's chat template."""
         one = bool(messages) and isinstance(messages[0], (dict, ChatMessage))
         conversations = [messages] if one else list(messages)  # type: ignore[list-item]
-        batch = [[m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"])
+        batch = [[m if isinstance(m, ChatMessage) else ChatMessage(m["role"], _text(m["content"]))
                   for m in c] for c in conversations]  # type: ignore[union-attr]
         return self._run(batch, conversations, sampling_params, use_tqdm)
 

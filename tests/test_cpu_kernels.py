@@ -1,5 +1,5 @@
 """The CPU kernels (stages/executor/csrc/cpu_kernels.cpp) against the PyTorch code they replace:
-attention with its rope and cache write, a sliding window, reduced precision; the norms
+attention with its rope and cache write, a sliding window, a softcap, reduced precision; the norms
 with the residual add and SiLU-and-mul; their refusals; where the build is cached."""
 
 from __future__ import annotations
@@ -104,6 +104,36 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
     # the keys (roped in float32, rounded once) and values landed where the table says
     torch.testing.assert_close(kv_cache.float(), expected_cache.float(), atol=tol, rtol=tol)
     assert torch.equal(kv_cache[1], expected_cache[1])
+
+
+@pytest.mark.parametrize("heads", [4, 8])
+@pytest.mark.parametrize("block", [BLOCK, 16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcapped_attention_is_the_pytorch_path(dtype: torch.dtype, window: int | None,
+                                                  head_dim: int, block: int,
+                                                  heads: int) -> None:
+    """Gemma 2's softcap (scores through cap * tanh(score / cap) before the softmax) in every
+    form of the kernel (a decode's group of heads, the vector loop, the matrix form), against
+    the torch backend's explicit scores; a cap of 1.5 bites on these scores (the output
+    without it differs)."""
+    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block,
+                                                             heads)
+    q = q * 4  # (scores of a few units: the cap changes them)
+    cos, sin = _rope_tables(64, dtype, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    scale, cap = head_dim ** -0.5, 1.5
+    expected = paged_attention(q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v,
+                               kv_cache.clone(), meta, scale, softcap=cap)
+    kernel_meta = KernelMetadata(table, slots, positions, [(cos.float(), sin.float())])
+    got = kernel_paged_attention(q, k, v, kv_cache.clone(), kernel_meta,
+                                 LayerAttention(scale, window, cap))
+    uncapped = kernel_paged_attention(q, k, v, kv_cache.clone(), kernel_meta,
+                                      LayerAttention(scale, window))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    assert (got.float() - uncapped.float()).abs().max() > 10 * tol
 
 
 @pytest.mark.parametrize("block", [BLOCK, 16, 32])

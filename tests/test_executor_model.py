@@ -207,7 +207,7 @@ def test_other_llama_family_shapes_match_transformers(tmp_path: Path, arch: str)
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"model_type": "gemma"}, "model_type"),
+    ({"model_type": "mamba"}, "model_type"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1], "long_factor": [1]}},

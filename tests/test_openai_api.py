@@ -101,6 +101,18 @@ def test_chat_errors_name_the_message_field() -> None:
         assert info.value.param == param, body
 
 
+def test_an_image_in_a_chat_is_refused_by_name() -> None:
+    """A multimodal checkpoint (Gemma 3) runs as its language model: an image part is a 400
+    that says so, never a request answered as though the image were not there."""
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    with pytest.raises(ApiError) as info:
+        parse_chat(body, V)
+    assert info.value.status == 400 and info.value.param == "messages[0].content[1]"
+    assert "image content part (image_url)" in info.value.message
+
+
 def test_response_and_chunk_shapes() -> None:
     lp = TokenLogprob(5, -0.5, [5, 6], [-0.5, -1.5], "hi", ["hi", "ho"])
     c = SampleResult(0, "hi", [5], [lp], "stop", "END")

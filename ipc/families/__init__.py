@@ -28,6 +28,7 @@ class Family:
 
 
 _LLAMA = Family("ipc.families.llama:llama_spec", "stages.executor.models.llama:Llama")
+_GEMMA = "stages.executor.models.gemma:Gemma"
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -39,6 +40,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("ipc.families.moe:qwen_moe_spec", "stages.executor.models.moe:MoECausalLM"),
     "olmoe": Family("ipc.families.moe:olmoe_spec", "stages.executor.models.moe:MoECausalLM"),
     "mixtral": Family("ipc.families.moe:mixtral_spec", "stages.executor.models.moe:Mixtral"),
+    "gemma": Family("ipc.families.gemma:gemma_spec", _GEMMA),
+    "gemma2": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
+    "gemma3_text": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
+    # (the multimodal checkpoint: its language model runs, its vision tower is not loaded)
+    "gemma3": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
 }
 
 # Families refused by name, with what to run instead.
@@ -53,6 +59,17 @@ REFUSED: dict[str, str] = {
     "llava": "vision towers are not implemented",
     "qwen2_vl": "vision towers are not implemented",
     "qwen2_5_vl": "vision towers are not implemented",
+    "gemma3n": "Gemma 3n (per-layer inputs, AltUp, LAuReL, KV-shared layers, activation "
+               "sparsity, audio and vision towers) is not implemented",
+    "gemma3n_text": "Gemma 3n (per-layer inputs, AltUp, LAuReL, KV-shared layers, "
+                    "activation sparsity) is not implemented",
+    "gemma4": "Gemma 4 (per-layer inputs, KV-shared layers, keys as values, global layers "
+              "of another head size and KV heads, mixture-of-experts blocks, audio and "
+              "vision towers) is not implemented",
+    "gemma4_text": "Gemma 4 (per-layer inputs: hidden_size_per_layer_input; KV-shared "
+                   "layers: num_kv_shared_layers; keys as values: attention_k_eq_v; global "
+                   "layers of another head size and KV heads; enable_moe_block) is not "
+                   "implemented",
 }
 
 

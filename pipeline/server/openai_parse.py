@@ -371,14 +371,23 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant", "tool": "tool"}
 
 
+# Content parts that carry an image (OpenAI's image_url, and the input_image of its Responses
+# API), refused by name: a request with one is never answered as if it had no image.
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
 def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_PARTS:  # (a multimodal checkpoint runs as its language model)
+                raise bad(f"{where}.content[{i}]", f"an image content part ({kind}) cannot be "
+                          "read: the engine runs language models only (vision towers are not "
+                          "implemented)")
+            if not (kind == "text" and isinstance(part.get("text"), str)):
                 raise bad(f"{where}.content[{i}]", "only text content parts are supported")
             parts.append(part["text"])
         return "".join(parts)

@@ -33,17 +33,22 @@ class ForwardOps:
     """A layer's elementwise work in PyTorch ops (any device, eager or compiled); a backend
     with fused kernels overrides them. Rounding follows Hugging Face's modules."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool = False) -> torch.Tensor:
+        """offset: Gemma's norm, weights stored as w - 1: x scaled by 1 + w in float32 and
+        rounded once (Llama's rounds x, then scales it in its dtype)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        if offset:
+            return (x * (1.0 + weight.float())).to(dtype)
         return weight * x.to(dtype)
 
     def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, rms_norm(x + h)): the residual stream after a block, and its norm."""
         x = x + h
-        return x, self.rms_norm(x, weight, eps)
+        return x, self.rms_norm(x, weight, eps, offset)
 
     def add(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The residual stream after a block (a new tensor: a compiled layer must not mutate
@@ -130,6 +135,7 @@ class AttentionBackend(ABC):
     compiled: ClassVar[bool] = False
     staging_fields: ClassVar[type[StagedFields]] = StagedFields  # (none)
     graph_fields: ClassVar[Sequence[str]] = ()  # a replayed graph's static inputs; () none
+    softcap: ClassVar[bool] = False  # implements LayerAttention.softcap (Gemma 2)
 
     def __init__(self, limits: EngineLimits, device: torch.device,
                  windows: Sequence[int] = ()) -> None:
@@ -155,8 +161,9 @@ class AttentionBackend(ABC):
                               None if kind.rope is None else keys.index(kind.rope))
 
     def unsupported(self, kind: AttentionKind) -> str | None:
-        """What of a layer's attention this backend does not implement (None: all of it)."""
-        if kind.softcap is not None:
+        """What of a layer's attention this backend does not implement (None: all of it).
+        (Softcapping: a backend that implements it says so, `softcap`.)"""
+        if kind.softcap is not None and not self.softcap:
             return "attention softcapping is not implemented"
         if kind.sinks:
             return "attention sinks are not implemented"

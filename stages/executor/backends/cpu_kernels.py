@@ -1,8 +1,8 @@
 """Attention and a layer's elementwise work through the C++ CPU kernels (kernels.py,
 csrc/cpu_kernels.cpp), in the executor process: the eager default on the CPU. One attention
 call per layer over the whole flattened batch ropes this step's keys and queries, writes the
-cache and reads it in place (nothing gathered or padded); RMSNorm with the residual add fused
-into each layer's second norm; SiLU-and-mul."""
+cache and reads it in place (nothing gathered or padded), softcapping the scores where the
+layer says; RMSNorm with the residual add fused into each layer's second norm; SiLU-and-mul."""
 
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ class KernelOps(ForwardOps):
     """torch.ops.llm_cpu's norms (2-D contiguous inputs) and SiLU-and-mul; the residual
     stream is updated in place (the eager forward owns it)."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool = False) -> torch.Tensor:
+        if offset:
+            return super().rms_norm(x, weight, eps, offset)
         return torch.ops.llm_cpu.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if offset:
+            return x, super().rms_norm(x.add_(h), weight, eps, offset)
         return x, torch.ops.llm_cpu.add_rms_norm(x, h, weight, eps)  # x += h, in place
 
     def add(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -56,7 +61,7 @@ def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cos, sin = meta.ropes[-1 if layer.rope is None else layer.rope]
     return torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, meta.block_table,
                                              meta.token_slots, meta.positions, cos, sin,
-                                             layer.scale, layer.window or 0)
+                                             layer.scale, layer.window or 0, layer.softcap or 0.0)
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -65,6 +70,7 @@ class CpuKernelBackend(AttentionBackend):
 
     name = "cpu_kernels"
     ops = KernelOps()
+    softcap = True
 
     def bind(self, tables: ForwardTables) -> None:
         super().bind(tables)

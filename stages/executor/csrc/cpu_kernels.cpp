@@ -22,6 +22,8 @@
 // a CPU with AMX, a decode scores its group's heads against 16 keys at a time as one tile
 // product (tile_keys), and the matrix form's two products are tile products (3c), keys and
 // values read from the cache in place; queries and weights go into them rounded to bf16.
+// With a softcap (Gemma 2), every path's scores go through softcap * tanh(score / softcap)
+// before the max and the softmax (softmax_page, chunk_softmax).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -207,12 +209,26 @@ inline void page_values(float* acc, float correction, const T* v, int64_t stride
   }
 }
 
+// Scores through softcap * tanh(score / softcap) (Gemma 2's attention logit softcapping,
+// before the max and the softmax as in transformers' eager attention); softcap 0: none.
+inline float softcap_score(float score, float softcap) {
+  return softcap * std::tanh(score / softcap);
+}
+
 // One row's online-softmax step over a page's scores [j_lo, j_hi) whose maximum with the
 // row's running one is `top`: scores become exp(score - top), 8 keys at a time (scores has 8
 // spare entries past a page), the running max and sum move on; returns the correction that
-// rescales what the row accumulated before this page.
+// rescales what the row accumulated before this page. With a softcap the scores are capped
+// here first and `top` found again (the callers' maximum is of the raw scores).
 inline float softmax_page(float* scores, int64_t j_lo, int64_t j_hi, float top, float& row_max,
-                          float& row_sum) {
+                          float& row_sum, float softcap) {
+  if (softcap > 0.0f) {
+    top = row_max;
+    for (int64_t j = j_lo; j < j_hi; ++j) {
+      scores[j] = softcap_score(scores[j], softcap);
+      top = std::max(top, scores[j]);
+    }
+  }
   const float correction = row_max == -INFINITY ? 0.0f : exp_clamped(row_max - top);
   v8f sums = {};
   for (int64_t j = j_lo; j < j_hi; j += 8) {
@@ -363,9 +379,14 @@ inline void chunk_values(float* ot, v16f correction, const v16f* p, const float*
 // missing) weigh nothing; s[j] become exp(s[j] - the new running max), the running max and
 // sum move on; returns the correction that rescales what the rows accumulated before.
 inline v16f chunk_softmax(v16f* s, int64_t n, int64_t key0, v16i row_pos, v16i row_lo,
-                          v16f& row_max, v16f& row_sum) {
+                          v16f& row_max, v16f& row_sum, float softcap) {
   const v16f minus_inf = v16f{} - INFINITY;
   v16f top = row_max;
+  if (softcap > 0.0f) {  // (before the masking: lanes it hides weigh nothing either way)
+    for (int64_t j = 0; j < kChunk; ++j) {
+      for (int l = 0; l < 16; ++l) s[j][l] = softcap_score(s[j][l], softcap);
+    }
+  }
   for (int64_t j = 0; j < kChunk; ++j) {
     const v16i key = v16i{} + static_cast<int32_t>(key0 + j);
     const v16i seen = (key <= row_pos) & (key >= row_lo) & (v16i{} + (j < n ? -1 : 0));
@@ -545,7 +566,7 @@ inline void group_values(float* acc, const float* correction, const T* v, int64_
 template <int64_t kD, int kG, typename T>
 inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, int64_t j_lo,
                        int64_t j_hi, float* row_max, float* row_sum, float* acc, float* scores,
-                       int64_t score_stride) {
+                       int64_t score_stride, float softcap) {
   static_assert(kD % 32 == 0);
   v8f best[kG];
   for (int r = 0; r < kG; ++r) best[r] = v8f{} + row_max[r];
@@ -564,7 +585,7 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
     float top = row_max[r];
     for (int l = 0; l < 8; ++l) top = std::max(top, best[r][l]);
     correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top, row_max[r],
-                                 row_sum[r]);
+                                 row_sum[r], softcap);
   }
   group_values<kD, kG>(acc, correction, v, stride, j_lo, j_hi, scores, score_stride);
 }
@@ -639,7 +660,8 @@ inline void tile_scores(const c10::BFloat16* k, int64_t stride, float* c) {
 template <int64_t kD, int kG>
 inline void tile_keys(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride,
                       int64_t rows, int64_t j_lo, int64_t j_hi, float* row_max, float* row_sum,
-                      float* acc, float* scores, int64_t score_stride, float* c) {
+                      float* acc, float* scores, int64_t score_stride, float* c,
+                      float softcap) {
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   float top[kG];
   for (int r = 0; r < kG; ++r) top[r] = row_max[r];
@@ -659,7 +681,7 @@ inline void tile_keys(const c10::BFloat16* k, const c10::BFloat16* v, int64_t st
   float correction[kG];
   for (int r = 0; r < kG; ++r) {
     correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top[r], row_max[r],
-                                 row_sum[r]);
+                                 row_sum[r], softcap);
   }
   group_values<kD, kG>(acc, correction, v, stride, j_lo, j_hi, scores, score_stride);
 }
@@ -821,7 +843,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       at::Tensor& kv_cache, const at::Tensor& block_table,
                       const at::Tensor& token_slots, const at::Tensor& positions,
                       const at::Tensor& cos_table, const at::Tensor& sin_table, double scale,
-                      int64_t window, at::Tensor& out) {
+                      int64_t window, double softcap, at::Tensor& out) {
   const int64_t num_tokens = q.size(0), heads = q.size(1), d = kD > 0 ? kD : q.size(2);
   const int64_t kv_heads = k.size(1), block_size = kv_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -840,6 +862,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const float* sin_ptr = sin_table.data_ptr<float>();
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);  // 0: none
 
   auto cache_offset = [&](int64_t slot, int64_t p) {  // element offset of (p, head 0)
     const int64_t block = table[slot * table_stride + p / block_size];
@@ -961,7 +984,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               const int64_t at = block * block_size * kv_stride + g * d;
               tile_keys<kD, kG>(k_cache + at, v_cache + at, kv_stride, tile_rows, j_lo, j_hi,
                                 row_max + h0, row_sum + h0, acc + h0 * d, scores,
-                                block_size + 8, c);
+                                block_size + 8, c, fcap);
             }
           };
           if (group == 2) run(std::integral_constant<int, 2>{});
@@ -1008,7 +1031,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                 const float top = page_scores<kD>(qr, keys, stride, d, j_lo, j_hi, row_max[r],
                                                   scores);
                 const float correction =
-                    softmax_page(scores, j_lo, j_hi, top, row_max[r], row_sum[r]);
+                    softmax_page(scores, j_lo, j_hi, top, row_max[r], row_sum[r], fcap);
                 page_values<kD>(acc + r * d, correction, values, stride, d, j_lo, j_hi, scores);
               }
             }
@@ -1024,7 +1047,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                 auto run = [&](auto heads_of_group) {
                   group_keys<kD, decltype(heads_of_group)::value>(
                       qg, kp, vp, kv_stride, j_lo, j_hi, row_max + h0, row_sum + h0, acc + h0 * d,
-                      scores, block_size + 8);
+                      scores, block_size + 8, fcap);
                 };
                 if (group == 2) run(std::integral_constant<int, 2>{});
                 if (group == 3) run(std::integral_constant<int, 3>{});
@@ -1149,7 +1172,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             chunk_scores<kD>(buf.qt.data() + b * d * 16, keys, d, s);
             RowStats& st = buf.stats;
             const v16f correction = chunk_softmax(s, n, key0, st.row_pos[b], st.row_lo[b],
-                                                  st.row_max[b], st.row_sum[b]);
+                                                  st.row_max[b], st.row_sum[b], fcap);
             chunk_values<kD>(buf.ot.data() + b * d * 16, correction, s, values, d, n);
           }
         }
@@ -1239,7 +1262,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               tile_chunk_scores<kD>(buf.qb.data() + b * kD / 32 * 256, buf.c.data(), s);
               RowStats& st = buf.stats;
               const v16f correction = chunk_softmax(s, n, key0, st.row_pos[b], st.row_lo[b],
-                                                    st.row_max[b], st.row_sum[b]);
+                                                    st.row_max[b], st.row_sum[b], fcap);
               tile_chunk_values<kD>(buf.acc.data() + b * 16 * kD, correction, s,
                                     buf.vb.data(), buf.pt.data(), buf.c.data());
             }
@@ -1313,7 +1336,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            at::Tensor& kv_cache, const at::Tensor& block_table,
                            const at::Tensor& token_slots, const at::Tensor& positions,
                            const at::Tensor& cos_table, const at::Tensor& sin_table,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be positive (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [tokens, heads, dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(),
               "kv_cache: contiguous [2, blocks, block_size, kv_heads, dim]");
@@ -1347,7 +1371,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     auto run = [&](auto head_size) {
       attention_kernel<T, decltype(head_size)::value>(q, k, v, kv_cache, block_table,
                                                       token_slots, positions, cos_table,
-                                                      sin_table, scale, window, out);
+                                                      sin_table, scale, window, softcap,
+                                                      out);
     };
     if (d == 64) {
       run(std::integral_constant<int64_t, 64>{});
@@ -1579,7 +1604,7 @@ at::Tensor work_queue_takes(int64_t n, int64_t grain, int64_t runs, c10::IntArra
 TORCH_LIBRARY(llm_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_table, "
         "Tensor token_slots, Tensor positions, Tensor cos, Tensor sin, float scale, "
-        "int window) -> Tensor");
+        "int window, float softcap=0.0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");

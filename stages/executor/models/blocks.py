@@ -31,13 +31,16 @@ from stages.executor.sharding import (
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: ForwardOps = TORCH_OPS) -> None:
+    """offset: Gemma's, the weight stored as w - 1 (scaling by 1 + w, ForwardOps.rms_norm)."""
+
+    def __init__(self, size: int, eps: float, ops: ForwardOps = TORCH_OPS,
+                 offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps, self.ops = eps, ops
+        self.eps, self.ops, self.offset = eps, ops, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.offset)
 
 
 class Attention(nn.Module):
@@ -57,14 +60,16 @@ class Attention(nn.Module):
             spec.qkv_bias, linear, shard)
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden, spec.o_bias, linear,
                                         shard)
-        # Norms of the query and key, PyTorch's ops: of each head ([T, heads, D], Qwen3's) or
-        # of the whole projections before they are split into heads ([T, heads * D], OLMoE's;
-        # one rank only: the norm spans every head, preflight.check_divisible)
+        # Norms of the query and key, PyTorch's ops: of each head ([T, heads, D], Qwen3's and
+        # Gemma 3's) or of the whole projections before they are split into heads
+        # ([T, heads * D], OLMoE's; one rank only: the norm spans every head,
+        # preflight.check_divisible)
         self.qk_norm = spec.qk_norm
         q_width, k_width = ((self.head_dim, self.head_dim) if spec.qk_norm == "head"
                             else (self.q_size, self.kv_size))
-        self.q_norm = RMSNorm(q_width, spec.eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(k_width, spec.eps) if spec.qk_norm else None
+        offset = spec.norm_offset
+        self.q_norm = RMSNorm(q_width, spec.eps, offset=offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, spec.eps, offset=offset) if spec.qk_norm else None
         self.layer_idx, self.backend = layer_idx, backend
         self.kind = backend.layer_attention(spec, layer_idx)
         self.scale = self.kind.scale
@@ -122,8 +127,8 @@ class DecoderLayer(nn.Module):
         ops = backend.ops
         self.self_attn = Attention(spec, layer_idx, backend, linear, shard)
         self.mlp = mlp if mlp is not None else dense_mlp(spec, ops, linear, shard)
-        self.input_layernorm = RMSNorm(spec.hidden, spec.eps, ops)
-        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps, ops)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.eps, ops, spec.norm_offset)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps, ops, spec.norm_offset)
         self.ops = ops
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
@@ -133,7 +138,8 @@ class DecoderLayer(nn.Module):
         if keep is not None:
             x = x[keep]
         norm = self.post_attention_layernorm
-        x, h = self.ops.add_rms_norm(x, h, norm.weight, norm.eps)  # (fused where it can be)
+        # (the add and the norm fused where they can be)
+        x, h = self.ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.offset)
         return self.ops.add(x, self.mlp(h))
 
     def fast_path(self) -> str | None:
@@ -143,6 +149,8 @@ class DecoderLayer(nn.Module):
         if self.self_attn.q_norm is not None:
             return ("per-head q/k norms (Qwen3)" if self.self_attn.qk_norm == "head"
                     else "q/k norms over the whole projections (OLMoE)")
+        if self.input_layernorm.offset:
+            return "Gemma's (1 + w) norms"
         mlp_fast_path = getattr(self.mlp, "fast_path", None)
         if mlp_fast_path is not None:
             return mlp_fast_path()  # type: ignore[no-any-return]
@@ -164,4 +172,4 @@ class Backbone(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden, shard)
         self.layers = nn.ModuleList(make_layer(spec, i, backend, linear, shard)
                                     for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden, spec.eps, backend.ops)
+        self.norm = RMSNorm(spec.hidden, spec.eps, backend.ops, spec.norm_offset)
