@@ -21,14 +21,13 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # (ipc/arch.py) the compiled forward lacks it
 
     @classmethod
     def from_dir(cls, path: str | Path, max_model_len: int | None = None) -> ModelInfo:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
-        config, spec = read_config(path)  # a model the engine lacks: refused
+        config, _ = read_config(path)  # a model the engine lacks: refused
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
@@ -36,8 +35,7 @@ class ModelInfo:
         limit = int(config.get("max_position_embeddings", 2048))
         if max_model_len is not None and max_model_len > limit:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
-        return cls(str(path), max_model_len or limit, int(config["vocab_size"]), eos_ids,
-                   spec.sliding_window)
+        return cls(str(path), max_model_len or limit, int(config["vocab_size"]), eos_ids)
 
 
 def model_fingerprint(path: str | Path) -> str:

@@ -29,8 +29,8 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
                               "timed device")
         return None
     selection = select_backend(ForwardRequest(
-        ex.device.split(":")[0], ex.compile, None, cfg.model.sliding_window,
-        cfg.limits.block_size, ex.tensor_parallel_size), probe=False)
+        ex.device.split(":")[0], ex.compile, None, cfg.limits.block_size,
+        ex.tensor_parallel_size), probe=False)
     gguf = gguf_source(cfg.model.path)
     if gguf is not None and gguf.quantized:
         check_gguf(gguf, ex.quantization, ex.device, selection.compiled,
