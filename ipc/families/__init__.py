@@ -28,6 +28,7 @@ class Family:
 
 
 _LLAMA = Family("ipc.families.llama:llama_spec", "stages.executor.models.llama:Llama")
+_OLMO = Family("ipc.families.olmo:olmo_spec", "stages.executor.models.olmo:Olmo")
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -35,6 +36,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "phi3": _LLAMA,
+    "smollm3": _LLAMA,
+    "olmo2": _OLMO,
+    "olmo3": _OLMO,
 }
 
 # Families refused by name, with what to run instead.

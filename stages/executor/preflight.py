@@ -123,13 +123,26 @@ def cpu_flags() -> set[str] | None:
 
 
 def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> None:
-    """The shapes K ranks can split evenly, or UnsupportedModel naming the one they cannot."""
+    """The shapes K ranks can split evenly, or UnsupportedModel naming the one they cannot
+    (and what they cannot split at all: check_unsplit)."""
     for name, value in (("num_attention_heads", spec.num_heads),
                         ("num_key_value_heads", spec.num_kv_heads),
                         ("intermediate_size", spec.intermediate)):
         if value % size:
             raise UnsupportedModel(f"{source}: {name} = {value} is not divisible by "
                                    f"--tensor-parallel-size {size}")
+    check_unsplit(spec, size, source)
+
+
+def check_unsplit(spec: ArchSpec, size: int, source: str = "config.json") -> None:
+    """What K ranks cannot split at all, or UnsupportedModel naming it: a norm over the
+    whole q and k projections (OLMo 2's) spans every rank's heads, and the sum of squares
+    across ranks is not implemented."""
+    if size > 1 and spec.qk_norm == "proj":
+        raise UnsupportedModel(f"{source}: model_type = {spec.family!r}: its RMSNorm over "
+                               "the whole q and k projections (every head's) is not "
+                               f"implemented across ranks; leave out --tensor-parallel-size "
+                               f"(was {size})")
 
 
 def check_devices(device: str, size: int) -> None:

@@ -42,10 +42,12 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """This rank's heads: q/k/v column-parallel by head, o row-parallel. How it attends
-    (window, softcap, rope table) is its layer's AttentionKind, handed to the backend."""
+    (window, softcap, rope table) is its layer's AttentionKind, handed to the backend.
+    `make_norm`: the family's RMSNorm for its q/k norms (spec.qk_norm), by size and eps."""
 
     def __init__(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
-                 linear: LinearMethod, shard: Shard) -> None:
+                 linear: LinearMethod, shard: Shard,
+                 make_norm: Callable[[int, float], nn.Module] | None = None) -> None:
         super().__init__()
         d = self.head_dim = spec.head_dim
         self.num_heads, self.num_kv_heads = shard.local(spec.num_heads), shard.local(
@@ -57,10 +59,15 @@ class Attention(nn.Module):
             spec.qkv_bias, linear, shard)
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden, spec.o_bias, linear,
                                         shard)
-        # Qwen3's norms of each head's query and key ([T, heads, D]: PyTorch's ops)
-        head_norm = spec.qk_norm == "head"
-        self.q_norm = RMSNorm(self.head_dim, spec.eps) if head_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.eps) if head_norm else None
+        # Norms of the queries and keys (PyTorch's ops): each head's ("head", Qwen3: [T,
+        # heads, D]) or the whole projections' ("proj", OLMo 2: [T, heads * D], before the
+        # split into heads; one rank holding every head, preflight.check_unsplit)
+        self.qk_norm = spec.qk_norm
+        norm = make_norm or (lambda size, eps: RMSNorm(size, eps))
+        q_size, k_size = ((d, d) if spec.qk_norm == "head" else
+                          (spec.num_heads * d, spec.num_kv_heads * d))
+        self.q_norm = norm(q_size, spec.eps) if spec.qk_norm is not None else None
+        self.k_norm = norm(k_size, spec.eps) if spec.qk_norm is not None else None
         self.layer_idx, self.backend = layer_idx, backend
         self.kind = backend.layer_attention(spec, layer_idx)
         self.scale = self.kind.scale
@@ -71,10 +78,12 @@ class Attention(nn.Module):
         the rows `keep` only (CausalLM.forward's last layer)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "proj" and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.attend(q, k, v, kv_cache, meta, self.kind)  # ropes q and k
         if keep is not None:
@@ -134,7 +143,7 @@ class DecoderLayer(nn.Module):
         """Why this layer is not the sequence the fused CPU call runs (fused.py), or None
         where it is: the pre-norm layer with a dense SiLU MLP and no per-head norms."""
         if self.self_attn.q_norm is not None:
-            return "per-head q/k norms (Qwen3)"
+            return f"q/k norms (qk_norm {self.self_attn.qk_norm!r})"
         if not isinstance(self.mlp, GatedMLP) or self.mlp.activation != "silu":
             return f"its MLP ({type(self.mlp).__name__}, {getattr(self.mlp, 'activation', '')})"
         return None
@@ -144,8 +153,12 @@ LayerFactory = Callable[[ArchSpec, int, AttentionBackend, LinearMethod, Shard], 
 
 
 class Backbone(nn.Module):
+    """The embedding, the family's layers (`make_layer`) and the final norm (`norm`: the
+    family's RMSNorm of the hidden size)."""
+
     def __init__(self, spec: ArchSpec, backend: AttentionBackend, linear: LinearMethod,
-                 shard: Shard, make_layer: LayerFactory) -> None:
+                 shard: Shard, make_layer: LayerFactory,
+                 norm: nn.Module | None = None) -> None:
         super().__init__()
         # Built on the meta device, given memory and filled by the loader: no initial values.
         # (nn.Embedding, initialising itself on meta, would go through torch._refs, which
@@ -153,4 +166,4 @@ class Backbone(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden, shard)
         self.layers = nn.ModuleList(make_layer(spec, i, backend, linear, shard)
                                     for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden, spec.eps, backend.ops)
+        self.norm = norm if norm is not None else RMSNorm(spec.hidden, spec.eps, backend.ops)
