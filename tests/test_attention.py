@@ -177,8 +177,10 @@ def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta.windowed = windows.block_masks(DeviceStep(views), table, NUM_BLOCKS, per_row)
     pad = torch.zeros(num_pad, *k.shape[1:])
     attend = torch.compile(flex_paged_attention, dynamic=False, fullgraph=True)
-    out = attend(torch.cat([q, torch.zeros(num_pad, *q.shape[1:])]), torch.cat([k, pad]),
-                 torch.cat([v, pad]), kv_cache, meta, scale, window)
+    # (one graph per case on the one code object: more than dynamo's default limit of 8)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        out = attend(torch.cat([q, torch.zeros(num_pad, *q.shape[1:])]), torch.cat([k, pad]),
+                     torch.cat([v, pad]), kv_cache, meta, scale, window)
     assert out.shape[0] == num_tokens
     return out[:len(rows)]
 

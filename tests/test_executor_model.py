@@ -212,7 +212,9 @@ def test_other_llama_family_shapes_match_transformers(tmp_path: Path, arch: str)
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1], "long_factor": [1]}},
      "rope_scaling"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    # (sliding layers without a window: transformers cannot mask them)
+    ({"model_type": "qwen2", "use_sliding_window": True,
+      "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ])
