@@ -21,8 +21,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # (ipc/arch.py) the compiled forward lacks it
-    mixture_of_experts: bool = False  # (ArchSpec.moe) the compiled forward lacks it too
+    mixture_of_experts: bool = False  # (ArchSpec.moe) the compiled forward lacks it
 
     @classmethod
     def from_dir(cls, path: str | Path, max_model_len: int | None = None) -> ModelInfo:
@@ -39,7 +38,7 @@ class ModelInfo:
         if max_model_len is not None and max_model_len > limit:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
         return cls(str(path), max_model_len or limit, spec.vocab_size, eos_ids,
-                   spec.sliding_window, spec.moe is not None)
+                   spec.moe is not None)
 
 
 def model_fingerprint(path: str | Path) -> str:

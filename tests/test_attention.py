@@ -1,8 +1,9 @@
 """Attention over the paged cache against a plain reference, on mixed batches: decodes of very
 different context lengths (several padding groups), prompt chunks with and without past, rows
-crossing block boundaries, GQA, a page two sequences share (a prefix hit). Both
-implementations: eager PyTorch (SDPA per group and row), compiled (one FlexAttention call,
-padded as a compiled step is) and the CPU kernel (one call, rope and the cache write inside).
+crossing block boundaries, GQA, a page two sequences share (a prefix hit), with and without a
+sliding window that the rows outgrow. Every implementation: eager PyTorch (SDPA per group and
+row), compiled (one FlexAttention call, padded as a compiled step is, a block mask per window)
+and the CPU kernel (one call, rope and the cache write inside).
 The reference gathers each sequence's keys in order and does the softmax in float64."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from stages.executor import kernels
 from stages.executor.backends.base import LayerAttention
 from stages.executor.backends.cpu_kernels import KernelMetadata, kernel_paged_attention
 from stages.executor.backends.flex import (
+    SlidingWindows,
     build_flex_metadata,
     flex_paged_attention,
     pad_forward_inputs,
@@ -34,13 +36,16 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 96
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              positions: list[int], scale: float) -> torch.Tensor:
-    """q [n, H, D] at `positions`; keys/values [L, KVH, D] of the sequence: causal."""
+              positions: list[int], scale: float, window: int | None = None) -> torch.Tensor:
+    """q [n, H, D] at `positions`; keys/values [L, KVH, D] of the sequence: causal, over the
+    last `window` positions where there is one."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = HEADS // KV_HEADS
     for i, p in enumerate(positions):
+        first = 0 if window is None else max(0, p - window + 1)
         for h in range(HEADS):
-            k, v = keys[:p + 1, h // group].double(), values[:p + 1, h // group].double()
+            k = keys[first:p + 1, h // group].double()
+            v = values[first:p + 1, h // group].double()
             w = torch.softmax(k @ q[i, h].double() * scale, dim=0)
             out[i, h] = w @ v
     return out
@@ -58,20 +63,31 @@ LONG_ROWS = [(50, 37), (3, 1), (40, 40)]
 
 needs_kernels = pytest.mark.skipif(not kernels.available(),
                                    reason=f"CPU kernels: {kernels.load()}")
-CASES = [pytest.param(impl, rows, id=f"{impl}-{i}",
+CASES = [pytest.param(impl, rows, None, id=f"{impl}-{i}",
                       marks=[needs_kernels] if impl == "kernel"
                       else [pytest.mark.slow] if impl in ("paged", "per-row") else [])
          for impl, row_sets in (("eager", [*ROWS, LONG_ROWS]), ("paged", ROWS),
                                 ("per-row", ROWS), ("kernel", [*ROWS, LONG_ROWS]))
          for i, rows in enumerate(row_sets)]
+# Sliding windows of 5 (across pages) and 8 (two whole pages): decodes and chunks past them,
+# a window's edge inside a page a prefix hit shares (ROWS[4]).
+WINDOW_CASES = [pytest.param(impl, ROWS[i], window, id=f"{impl}-{i}-window{window}",
+                             marks=[needs_kernels] if impl == "kernel"
+                             else [pytest.mark.slow] if impl in ("paged", "per-row") else [])
+                for impl, cases in (("eager", [(0, 5), (2, 5), (4, 5), (0, 8)]),
+                                    ("kernel", [(0, 5), (2, 5), (4, 5), (0, 8)]),
+                                    ("paged", [(0, 5), (4, 5), (0, 8)]),
+                                    ("per-row", [(0, 5), (4, 8)]))
+                for i, window in cases]
 
 
 def _past(row: tuple[int, int]) -> int:
     return row[0] - row[1]
 
 
-@pytest.mark.parametrize(("impl", "rows"), CASES)
-def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl: str) -> None:
+@pytest.mark.parametrize(("impl", "rows", "window"), CASES + WINDOW_CASES)
+def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl: str,
+                                               window: int | None) -> None:
     gen = torch.Generator().manual_seed(len(rows))
     scale = HEAD_DIM ** -0.5
     max_blocks = 20
@@ -112,18 +128,19 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl
     v = torch.cat([seq_v[r][c - n:] for r, (c, n) in enumerate(rows)])
     if impl in ("paged", "per-row"):
         out = _compiled_attention(q, k, v, kv_cache, block_table, q_lens, ctx_lens, positions,
-                                  token_slots, scale, per_row=impl == "per-row")
+                                  token_slots, scale, impl == "per-row", window)
     elif impl == "kernel":  # a rope of angle 0 (cos 1, sin 0): the keys are written as given
         ones, zeros = torch.ones(64, HEAD_DIM), torch.zeros(64, HEAD_DIM)
         meta = KernelMetadata(block_table, views["positions"].new_tensor(token_slots),
                               views["positions"], [(ones, zeros)])
-        out = kernel_paged_attention(q, k, v, kv_cache, meta, LayerAttention(scale))
+        out = kernel_paged_attention(q, k, v, kv_cache, meta, LayerAttention(scale, window))
     else:
         meta = build_attention_metadata(DeviceStep(views), group_by_length(ctx_lens[decode]),
-                                        prefills, block_table, BLOCK)
+                                        prefills, block_table, BLOCK, window)
         out = paged_attention(q, k, v, kv_cache, meta, scale)
     for r, (c, n) in enumerate(rows):
-        want = reference(q[starts[r]:ends[r]], seq_k[r], seq_v[r], list(range(c - n, c)), scale)
+        want = reference(q[starts[r]:ends[r]], seq_k[r], seq_v[r], list(range(c - n, c)), scale,
+                         window)
         torch.testing.assert_close(out[starts[r]:ends[r]].double(), want, atol=1e-5, rtol=1e-5)
     # This step's keys and values were written where the block table says.
     for r, (c, n) in enumerate(rows):
@@ -136,10 +153,11 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl
 def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, q_lens: np.ndarray,
                         ctx_lens: np.ndarray, positions: np.ndarray, token_slots: np.ndarray,
-                        scale: float, per_row: bool) -> torch.Tensor:
+                        scale: float, per_row: bool, window: int | None) -> torch.Tensor:
     """The step as the compiled forward sees it: padded to its bucket (padding tokens in the
     padding slot, whose table points at a scratch block), one compiled FlexAttention call,
-    its query blocks a page of rows each or one row each."""
+    its query blocks a page of rows each or one row each, through the window's block mask
+    where there is one."""
     slots = np.arange(len(q_lens))
     rows, qb_slots, qb_pages = query_blocks(q_lens, ctx_lens, slots, BLOCK)
     limits = EngineLimits(len(q_lens), 64, BLOCK, 20 * BLOCK, 100)
@@ -153,10 +171,16 @@ def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     views = {name: torch.from_numpy(a) for name, a in padded.items()}
     num_tokens, num_pad = len(padded["input_ids"]), len(padded["input_ids"]) - len(rows)
     meta = build_flex_metadata(DeviceStep(views), table, BLOCK, NUM_BLOCKS, per_row)
+    if window is not None:
+        windows = SlidingWindows([window], BLOCK, len(padded["qblock_slots"]), NUM_BLOCKS,
+                                 torch.device("cpu"))
+        meta.windowed = windows.block_masks(DeviceStep(views), table, NUM_BLOCKS, per_row)
     pad = torch.zeros(num_pad, *k.shape[1:])
     attend = torch.compile(flex_paged_attention, dynamic=False, fullgraph=True)
-    out = attend(torch.cat([q, torch.zeros(num_pad, *q.shape[1:])]), torch.cat([k, pad]),
-                 torch.cat([v, pad]), kv_cache, meta, scale)
+    # (one graph per case on the one code object: more than dynamo's default limit of 8)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        out = attend(torch.cat([q, torch.zeros(num_pad, *q.shape[1:])]), torch.cat([k, pad]),
+                     torch.cat([v, pad]), kv_cache, meta, scale, window)
     assert out.shape[0] == num_tokens
     return out[:len(rows)]
 

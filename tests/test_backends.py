@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from ipc.arch import UnsupportedModel
 from ipc.config import EngineLimits
 from ipc.errors import ConfigError
 from stages.executor import kernels
@@ -36,10 +35,6 @@ def test_the_selector_says_which_forward_and_why() -> None:
     assert pick("cuda")[0] == "flex"
     backend, why = pick("cuda", block_size=8)
     assert backend == "torch" and "multiple of 16" in why
-    backend, why = pick("cuda", sliding_window=4096)
-    assert backend == "torch" and "sliding_window (4096)" in why
-    with pytest.raises(UnsupportedModel, match="sliding_window.*--no-compile"):
-        pick("cpu", compile=True, sliding_window=4096)
     assert pick("cpu", compile=True, tensor_parallel_size=2)[0] == "flex"  # (tested live)
     with pytest.raises(ConfigError, match="tensor parallelism is tested on the CPU only"):
         pick("cuda", compile=True, tensor_parallel_size=2)
@@ -74,12 +69,17 @@ def test_the_launchers_preflight_imports_no_torch() -> None:
 ROWS = [(9, 1), (5, 5), (13, 6), (17, 1)]
 
 
-def _step(backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """One mixed step through `backend_name`'s whole interface: its output and its cache."""
+# The sliding windows of the step's model: within a page, and across pages
+WINDOWS = (3, 6)
+
+
+def _step(backend_name: str, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One mixed step through `backend_name`'s whole interface, for a model whose layers
+    have WINDOWS, attending as a layer with `window` does: its output and its cache."""
     from stages.executor.backends.select import Selection
 
     gen = torch.Generator().manual_seed(0)
-    backend = Selection(backend_name, "test").load()(LIMITS, torch.device("cpu"))
+    backend = Selection(backend_name, "test").load()(LIMITS, torch.device("cpu"), WINDOWS)
     q_lens = np.array([q for _, q in ROWS])
     ctx = np.array([c for c, _ in ROWS])
     slots = np.arange(len(ROWS))
@@ -111,18 +111,21 @@ def _step(backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     attend = (torch.compile(backend.attend, dynamic=False, fullgraph=True) if backend.compiled
               else backend.attend)
     with torch.inference_mode():
-        out = attend(q, k, val, cache, meta, LayerAttention(HEAD_DIM ** -0.5))
+        out = attend(q, k, val, cache, meta, LayerAttention(HEAD_DIM ** -0.5, window))
     return out[:n], cache
 
 
+@pytest.mark.parametrize("window", [None, *WINDOWS])
 @pytest.mark.parametrize("name", [
     "flex", pytest.param("cpu_kernels", marks=pytest.mark.skipif(
         not kernels.available(), reason=f"CPU kernels: {kernels.load()}"))])
-def test_every_backend_attends_alike_through_the_interface(name: str) -> None:
+def test_every_backend_attends_alike_through_the_interface(name: str,
+                                                           window: int | None) -> None:
     """Against the eager PyTorch backend: rope inside attend, the cache write, attention
-    over past and present keys."""
-    want, want_cache = _step("torch")
-    got, got_cache = _step(name)
+    over past and present keys, without a window and with each window of the model (the
+    step's decodes and chunk with past outgrow them)."""
+    want, want_cache = _step("torch", window)
+    got, got_cache = _step(name, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     real = slice(0, NUM_BLOCKS - 1)  # (the compiled backend's padding writes the scratch)
     torch.testing.assert_close(got_cache[:, real], want_cache[:, real], atol=1e-6, rtol=1e-6)

@@ -1,7 +1,8 @@
 """The compiled forward (torch.compile, padded steps, FlexAttention over the paged cache)
 against the transformers oracle, in process: greedy tokens equal, on Llama, Qwen2 (biases,
-tied embeddings) and Mistral shapes with GQA, with chunked prefill, prefix hits, run-ahead
-and preemption; and the number of compiled graphs stays bounded by the step buckets."""
+tied embeddings) and Mistral shapes with GQA, with and without a sliding window, with chunked
+prefill, prefix hits, run-ahead and preemption; and the number of compiled graphs stays
+bounded by the step buckets."""
 
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ def _engine(folder: Path, **kwargs: object) -> InProcessEngine:
                            **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "mistral-window"])
 def test_compiled_greedy_matches_transformers(tmp_path: Path, arch: str) -> None:
+    """mistral-window: a sliding window of 6 positions that prompts, chunks with past and
+    decodes outgrow (the windows' block masks, flex.SlidingWindows)."""
     from pipeline.tools.random_model import build_random_llama
 
     folder = build_random_llama(tmp_path / arch, arch=arch, heads=4, kv_heads=2)
@@ -115,27 +118,23 @@ def test_compiled_greedy_survives_preemption_and_decode_graphs_agree(tiny_model_
 
 def test_compile_default_and_refusals() -> None:
     """Compiled by default on CUDA, eager on the CPU; on CUDA a page size that is not a whole
-    number of Triton tiles, or a sliding window, runs eager by default and is a ConfigError
-    when --compile asks for it."""
+    number of Triton tiles runs eager by default and is a ConfigError when --compile asks for
+    it. (Sliding windows are no reason: test_compiled_sliding_windows_match_transformers.)"""
     from ipc.errors import ConfigError
     from stages.executor.backends.select import ForwardRequest, select_backend
 
-    def chosen(device: str, compile: bool | None, window: int | None = None,
-               block_size: int = 16, tp: int = 1) -> str:
-        return select_backend(ForwardRequest(device, compile, None, window, block_size, tp),
+    def chosen(device: str, compile: bool | None, block_size: int = 16, tp: int = 1) -> str:
+        return select_backend(ForwardRequest(device, compile, None, block_size, tp),
                               probe=False).backend
 
     assert chosen("cuda", None) == "flex"
     assert chosen("cpu", None) == "cpu_kernels"
     assert chosen("cpu", True) == "flex"
     assert chosen("cuda", None, block_size=4) == "torch"
-    assert chosen("cuda", None, window=4096) == "torch"
     assert chosen("cuda", False) == "torch"
     assert chosen("cuda", None, tp=2) == "torch"
     with pytest.raises(ConfigError, match="multiple of 16"):
         chosen("cuda", True, block_size=8)
-    with pytest.raises(ConfigError, match="sliding_window"):
-        chosen("cpu", True, window=4096)
     assert chosen("cpu", True, tp=2) == "flex"  # (test_tensor_parallel runs it)
     with pytest.raises(ConfigError, match="tensor parallelism is tested on the CPU only"):
         chosen("cuda", True, tp=2)

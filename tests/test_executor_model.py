@@ -212,7 +212,9 @@ def test_other_llama_family_shapes_match_transformers(tmp_path: Path, arch: str)
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1], "long_factor": [1]}},
      "rope_scaling"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    # (sliding layers without a window: transformers cannot mask them)
+    ({"model_type": "qwen2", "use_sliding_window": True,
+      "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ])
@@ -235,10 +237,11 @@ def test_what_the_engine_does_not_implement_is_refused_before_loading(
     assert isinstance(err.value, ConfigError) and f"{field} = " in str(err.value)
 
 
-def test_a_sliding_window_is_refused_compiled(tmp_path: Path) -> None:
+def test_a_sliding_window_model_is_served_compiled(tmp_path: Path) -> None:
+    """--compile takes a model with a sliding window (the compiled attention has a block mask
+    per window; test_compiled checks its tokens): FlexAttention, told the model's windows."""
     import torch
 
-    from ipc.arch import UnsupportedModel
     from ipc.config import EngineLimits
     from ipc.model_info import ModelInfo
     from pipeline.tools.random_model import build_random_llama
@@ -247,9 +250,9 @@ def test_a_sliding_window_is_refused_compiled(tmp_path: Path) -> None:
     folder = build_random_llama(tmp_path / "w", arch="mistral-window")
     info = ModelInfo.from_dir(folder)
     limits = EngineLimits(4, 64, 16, 128, info.vocab_size, info.eos_token_ids)
-    with pytest.raises(UnsupportedModel, match="--no-compile"):
-        ModelRunner.from_dir(str(folder), torch.float32, torch.device("cpu"), limits, 1 << 22,
-                             compile=True)
+    runner = ModelRunner.from_dir(str(folder), torch.float32, torch.device("cpu"), limits,
+                                  1 << 22, compile=True)
+    assert runner.backend.name == "flex" and runner.backend.windows == (6,)
 
 
 @pytest.mark.parametrize("rope", [

@@ -29,6 +29,7 @@ class Family:
 
 _LLAMA = Family("ipc.families.llama:llama_spec", "stages.executor.models.llama:Llama")
 _GEMMA = "stages.executor.models.gemma:Gemma"
+_OLMO = Family("ipc.families.olmo:olmo_spec", "stages.executor.models.olmo:Olmo")
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -45,6 +46,9 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
     # (the multimodal checkpoint: its language model runs, its vision tower is not loaded)
     "gemma3": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
+    "smollm3": _LLAMA,
+    "olmo2": _OLMO,
+    "olmo3": _OLMO,
 }
 
 # Families refused by name, with what to run instead.

@@ -44,18 +44,25 @@ def use_disk_cache() -> str:
     return os.environ[INDUCTOR_CACHE_ENV]
 
 
-def max_graphs(limits: EngineLimits, device: torch.device) -> int:
+def max_graphs(limits: EngineLimits, device: torch.device, num_kinds: int = 1) -> int:
     """One graph per bucket, and on the CPU one more per bucket a decode-only step can have
-    (those attend row by row: another block mask, see flex.build_flex_metadata)."""
+    (those attend row by row: another block mask, see flex.build_flex_metadata); each for
+    every kind of layer (its class and how it attends: a window is another block mask)."""
     buckets = token_buckets(limits)
     decode = [b for b in buckets if b <= bucket(limits, limits.max_num_seqs)]
-    return len(buckets) + (len(decode) if device.type == "cpu" else 0)
+    return (len(buckets) + (len(decode) if device.type == "cpu" else 0)) * num_kinds
+
+
+def layer_kinds(layers: torch.nn.ModuleList) -> int:
+    """The distinct kinds of the layers: their class and their attention's LayerAttention."""
+    return len({(type(layer), getattr(getattr(layer, "self_attn", None), "kind", None))
+                for layer in layers})
 
 
 def compile_layers(layers: torch.nn.ModuleList, limits: EngineLimits,
                    device: torch.device) -> CompileStats:
     """Compile each layer in place; returns the stats the backend keeps up to date."""
-    stats = CompileStats(max_graphs=max_graphs(limits, device))
+    stats = CompileStats(max_graphs=max_graphs(limits, device, layer_kinds(layers)))
     logger.info("compiling decoder layers (TorchInductor, cache %s)", use_disk_cache())
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

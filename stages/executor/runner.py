@@ -310,7 +310,7 @@ class ModelRunner:
             keep_freed_memory()
         _, spec = read_config(model_dir)
         selection = select_backend(ForwardRequest(
-            device.type, compile, cpu_kernels, spec.sliding_window, limits.block_size,
+            device.type, compile, cpu_kernels, limits.block_size,
             tp.size if tp is not None else 1, spec.moe is not None))
         backend = selection.load()(limits, device, spec.windows)
         linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,

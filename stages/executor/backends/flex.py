@@ -4,22 +4,25 @@ every score). Steps are padded to a few token buckets, one compiled graph each; 
 can be replayed as CUDA graphs (graphs.py).
 
 Queries sit in blocks of one page of positions of one sequence (`query_blocks`); a block's
-keys are its sequence's earlier pages, whole, and its own page, masked by offset.
+keys are its sequence's earlier pages, whole, and its own page, masked by offset. A layer with
+a sliding window reads another block mask, one per window a step (`SlidingWindows`): the
+pages inside the window whole, the pages at its edges and its own masked by position.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ipc.arch import AttentionKind
 from ipc.config import EngineLimits
 from stages.executor.backends.base import (
     AttentionBackend,
+    ForwardTables,
     HostInputs,
     LayerAttention,
     StepRows,
@@ -111,6 +114,8 @@ class FlexMetadata:
     block_mask: BlockMask  # query blocks [Q] x the cache's pages
     # each rope table at every token's position ([T, 1, D] cos and sin)
     ropes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # the block mask of each sliding window of the layers (SlidingWindows.block_masks)
+    windowed: dict[int, BlockMask] = field(default_factory=dict)
 
 
 @functools.cache  # one function per page size: the compiled graph guards on its identity
@@ -163,6 +168,101 @@ def build_flex_metadata(v: DeviceStep, block_table: torch.Tensor,
                         own_fields.query_rows, block_mask)
 
 
+# Pages a query block (or row) of a windowed layer reads in part, at most: one or two at the
+# window's far edge and its own.
+WINDOW_PARTIAL_PAGES = 3
+
+
+class SlidingWindows:
+    """The block masks of the layers' sliding windows, built each step beside the full one.
+
+    A window is a bound on positions, which the cache's pages do not carry: each window's mask
+    function reads the position of each query block's page and of each key page from two
+    buffers of this object, refilled each step (a new function each step would be a new
+    compiled graph; these, one per window, are made once and keep their buffers, which a
+    replayed CUDA graph needs too). A key page's position is that of the page in its
+    sequence, the same in every sequence holding it: a page shared by a prefix-cache hit is
+    at the same index in each, its key chaining over every earlier token
+    (scheduler/sequence.py block_key)."""
+
+    def __init__(self, windows: Sequence[int], block_size: int, num_query_blocks: int,
+                 num_cache_blocks: int, device: torch.device) -> None:
+        self.windows, self.block_size = tuple(windows), block_size
+        self.qblock_pages = torch.zeros(num_query_blocks, dtype=torch.int64, device=device)
+        self.page_index = torch.zeros(num_cache_blocks, dtype=torch.int64, device=device)
+        self.mask_mods = {window: self._mask_mod(window) for window in self.windows}
+
+    def _mask_mod(self, window: int):  # type: ignore[no-untyped-def]
+        qblock_pages, page_index, bs = self.qblock_pages, self.page_index, self.block_size
+
+        def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            q_pos = qblock_pages[q_idx // bs] * bs + q_idx % bs
+            kv_pos = page_index[kv_idx // bs] * bs + kv_idx % bs
+            return (kv_pos <= q_pos) & (kv_pos > q_pos - window)
+        return mask_mod
+
+    def block_masks(self, v: DeviceStep, block_table: torch.Tensor, num_cache_blocks: int,
+                    per_row: bool) -> dict[int, BlockMask]:
+        """Each window's block mask over the same query layout as build_flex_metadata's
+        (query blocks of a page of rows, or with `per_row` each row its own)."""
+        bs, own_fields = self.block_size, FlexFields(v.views)
+        num_q = own_fields.qblock_slots.shape[0]
+        self.qblock_pages[:num_q].copy_(own_fields.qblock_pages)
+        if per_row:  # [T]: each token's row, at its position
+            rows, slots, q_first = own_fields.query_rows, v.token_slots, v.positions
+            q_last = q_first
+        else:  # [Q]: each query block, a page of positions
+            rows, slots = None, own_fields.qblock_slots
+            q_first = own_fields.qblock_pages * bs
+            q_last = q_first + bs - 1
+        tables = block_table[slots]  # [R, max_blocks] int32
+        return {window: self._block_mask(window, tables, q_first, q_last, rows, num_q,
+                                         num_cache_blocks) for window in self.windows}
+
+    def _block_mask(self, window: int, tables: torch.Tensor, q_first: torch.Tensor,
+                    q_last: torch.Tensor, rows: torch.Tensor | None, num_q: int,
+                    num_cache_blocks: int) -> BlockMask:
+        """Pages every query of a block sees whole (after the window's far edge, before the
+        first query) and the pages it sees in part (those at the far edge, up to its own),
+        by page index in the sequence, then through its table."""
+        bs, device = self.block_size, tables.device
+        own = q_last // bs  # [R]
+        first = (q_first - window + 1).clamp(min=0) // bs  # the first page with a key seen
+        full_first = torch.div(q_last - window + bs, bs, rounding_mode="floor").clamp(min=0)
+        full_last = (q_first + 1) // bs - 1
+        num_full = (full_last - full_first + 1).clamp(min=0)
+        has_full = num_full > 0
+        num_low = torch.where(has_full, full_first - first, own - first + 1)
+        num_high = torch.where(has_full, own - full_last, 0)
+        i = torch.arange(WINDOW_PARTIAL_PAGES, device=device)[None]
+        partial_pages = torch.where(i < num_low[:, None], first[:, None] + i,
+                                    full_last[:, None] + 1 + i - num_low[:, None])
+        # (entries past the count: still a page of the sequence, so its index is true)
+        partial_pages = torch.minimum(partial_pages, own[:, None])
+        partial = tables.gather(1, partial_pages)  # [R, 3] int32
+        self.page_index.index_put_((partial.flatten().long(),), partial_pages.flatten())
+        width = min(tables.shape[1], num_cache_blocks, window // bs + 1)
+        full_pages = (full_first[:, None] + torch.arange(width, device=device)[None]).clamp(
+            max=tables.shape[1] - 1)
+        full = tables.gather(1, full_pages)  # [R, width] int32
+        num_rows = num_q * bs if rows is not None else num_q
+        index = slice(None) if rows is None else rows
+        kv_full = tables.new_zeros(num_rows, num_cache_blocks)
+        kv_partial = tables.new_zeros(num_rows, num_cache_blocks)
+        kv_full[index, :width] = full
+        num_partial_cols = min(WINDOW_PARTIAL_PAGES, num_cache_blocks)
+        kv_partial[index, :num_partial_cols] = partial[:, :num_partial_cols]
+        counts_full = tables.new_zeros(num_rows)
+        counts_partial = tables.new_zeros(num_rows)
+        counts_full[index] = num_full.int()
+        counts_partial[index] = (num_low + num_high).int()
+        return BlockMask.from_kv_blocks(
+            counts_partial[None, None], kv_partial[None, None], counts_full[None, None],
+            kv_full[None, None], BLOCK_SIZE=(1 if rows is not None else bs, bs),
+            mask_mod=self.mask_mods[window],  # type: ignore[arg-type]
+            seq_lengths=(num_q * bs, num_cache_blocks * bs), compute_q_blocks=False)
+
+
 # On CUDA: Triton tiles of one page (the block mask's blocks are pages of 16 positions, see
 # select.CUDA_PAGE_MULTIPLE; Inductor's default tiles are 32-128 and must divide them), and
 # the main kernel for short queries too (the decoding kernel's tiles are larger still).
@@ -170,20 +270,22 @@ _CUDA_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, "BLOCK_
 
 
 def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         kv_cache: torch.Tensor, meta: FlexMetadata,
-                         scale: float) -> torch.Tensor:
+                         kv_cache: torch.Tensor, meta: FlexMetadata, scale: float,
+                         window: int | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, roped), kv_cache [2, NB, BS, KVH, D]
-    -> [T, H, D]. One FlexAttention call; to be run under torch.compile."""
+    -> [T, H, D]; `window`: a query at p sees keys p - window + 1 to p. One FlexAttention
+    call; to be run under torch.compile."""
     write_kv(kv_cache, meta.slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_rows = meta.block_mask.seq_lengths[0]
+    block_mask = meta.block_mask if window is None else meta.windowed[window]
+    num_rows = block_mask.seq_lengths[0]
     # [1, H, rows, D], a 4-D buffer of its own (Inductor's CPU template wants one).
     queries = q.new_zeros(1, q.shape[1], num_rows, head_dim).index_copy_(
         2, meta.query_rows, q.transpose(0, 1)[None])
     keys = k_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)  # [1, KVH, NB*BS, D]
     values = v_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-    out = flex_attention(queries, keys, values, block_mask=meta.block_mask, scale=scale,
+    out = flex_attention(queries, keys, values, block_mask=block_mask, scale=scale,
                          enable_gqa=True,
                          kernel_options=_CUDA_KERNEL_OPTIONS if q.is_cuda else None)
     return out[0].transpose(0, 1)[meta.query_rows]  # type: ignore[index]
@@ -212,6 +314,7 @@ class FlexBackend(AttentionBackend):
     staging_fields = FlexFields
     # The padded forward's inputs: ForwardFields and this backend's, packed first.
     graph_fields = (*ForwardFields.names(), *FlexFields.names())
+    _windows: SlidingWindows | None = None  # (bind: where the layers have windows)
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
         query_rows, qblock_slots, qblock_pages = query_blocks(
@@ -222,18 +325,23 @@ class FlexBackend(AttentionBackend):
         decode_only = bool((rows.query_lens == 1).all())
         return HostInputs(arrays, FlexPlan(decode_only and self.device.type == "cpu"))
 
+    def bind(self, tables: ForwardTables) -> None:
+        super().bind(tables)
+        self._windows = (SlidingWindows(self.windows, self.limits.block_size,
+                                        _query_blocks_count(self.limits),
+                                        tables.num_cache_blocks, self.device)
+                         if self.windows else None)
+
     def metadata(self, v: DeviceStep, plan: FlexPlan) -> FlexMetadata:
         t = self.tables
         meta = build_flex_metadata(v, t.block_table, self.limits.block_size,
                                    t.num_cache_blocks, plan.per_row)
         meta.ropes = [(cos[v.positions].unsqueeze(1), sin[v.positions].unsqueeze(1))
                       for cos, sin in t.ropes]  # [T, 1, D]
+        if self._windows is not None:
+            meta.windowed = self._windows.block_masks(v, t.block_table, t.num_cache_blocks,
+                                                      plan.per_row)
         return meta
-
-    def unsupported(self, kind: AttentionKind) -> str | None:
-        if kind.window is not None:
-            return f"a sliding window ({kind.window}) is not implemented compiled"
-        return super().unsupported(kind)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: FlexMetadata,
@@ -241,7 +349,7 @@ class FlexBackend(AttentionBackend):
         if layer.rope is not None:
             cos, sin = meta.ropes[layer.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return flex_paged_attention(q, k, v, kv_cache, meta, layer.scale)
+        return flex_paged_attention(q, k, v, kv_cache, meta, layer.scale, layer.window)
 
     def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
         """Decode-only steps without prompt logprobs (their sizes are one bucket each)."""

@@ -45,7 +45,6 @@ class ForwardRequest:
     device: str  # "cpu" or "cuda"
     compile: bool | None = None
     cpu_kernels: bool | None = None
-    sliding_window: int | None = None
     block_size: int = 16
     tensor_parallel_size: int = 1
     mixture_of_experts: bool = False  # the model's MLPs are (ArchSpec.moe)
@@ -73,36 +72,32 @@ def compile_unavailable(device: str) -> str | None:
     return None
 
 
-def _why_not_compiled(req: ForwardRequest) -> tuple[str, type[ConfigError]] | None:
-    """Why the compiled forward cannot serve `req`, and the error that says so when asked."""
+def _why_not_compiled(req: ForwardRequest) -> str | None:
+    """Why the compiled forward cannot serve `req` (a ConfigError when asked for). Sliding
+    windows are no reason: the compiled attention has a block mask per window."""
     if req.tensor_parallel_size > 1 and req.device == "cuda":
         # (On the CPU the ranks' all-reduce over gloo is traced into the compiled layers and
         # tested; over NCCL, with CUDA graphs, it has not run on a GPU yet.)
         return ("the compiled forward with tensor parallelism is tested on the CPU only so "
                 "far"), ConfigError
-    if req.sliding_window is not None:
-        return (f"the model's sliding_window ({req.sliding_window}) is not implemented "
-                "compiled", UnsupportedModel)
     if req.mixture_of_experts:
         # (which experts run is read on the host each step: one graph cannot hold it)
         return ("the model's mixture of experts runs in the eager forward only",
                 UnsupportedModel)
     if req.device == "cuda" and req.block_size % CUDA_PAGE_MULTIPLE:
         return (f"on CUDA the compiled attention needs --block-size a multiple of "
-                f"{CUDA_PAGE_MULTIPLE} (Triton's smallest tile), not {req.block_size}",
-                ConfigError)
+                f"{CUDA_PAGE_MULTIPLE} (Triton's smallest tile), not {req.block_size}")
     return None
 
 
 def resolve_compile(req: ForwardRequest) -> tuple[bool, str]:
     """--compile / --no-compile, or the device's default (None), and why: compiled where
-    this machine can compile, the model has no sliding window and, on CUDA, the page size is
-    a multiple of Triton's tile; asked for where it cannot be, a ConfigError."""
-    refusal = _why_not_compiled(req)
-    if refusal is not None:
-        why_not, error = refusal
+    this machine can compile and, on CUDA, the page size is a multiple of Triton's tile;
+    asked for where it cannot be, a ConfigError."""
+    why_not = _why_not_compiled(req)
+    if why_not is not None:
         if req.compile:
-            raise error(f"--compile: {why_not}; pass --no-compile")
+            raise ConfigError(f"--compile: {why_not}; pass --no-compile")
         if req.compile is None and DEFAULT_COMPILE[req.device]:
             return False, f"eager: {why_not}"
         return False, "eager (--no-compile)" if req.compile is False else "eager"

@@ -40,7 +40,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg, self.spec, self.backend, self.tp = cfg, spec, backend, tp
         shard = Shard(tp.rank, tp.size, tp) if tp is not None else Shard()
-        self.model = Backbone(spec, backend, linear, shard, self.make_layer)
+        self.model = Backbone(spec, backend, linear, shard, self.make_layer,
+                              self.make_final_norm(spec))
         self.lm_head = ParallelLMHead(spec.hidden, spec.vocab_size, linear.for_head(), shard)
         if spec.tie_word_embeddings and not linear.takes_blocks:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -61,6 +62,10 @@ class CausalLM(nn.Module):
                    linear: LinearMethod, shard: Shard) -> nn.Module:
         """The family's decoder layer `layer_idx` (the pre-norm Llama layer here)."""
         return DecoderLayer(spec, layer_idx, backend, linear, shard)
+
+    def make_final_norm(self, spec: ArchSpec) -> nn.Module | None:
+        """The family's norm after the last layer; None: RMSNorm on the backend's ops."""
+        return None
 
     def checkpoint_name(self, name: str) -> str | None:
         """The model's name for checkpoint entry `name` (loader.py maps fused projections'

@@ -45,10 +45,12 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """This rank's heads: q/k/v column-parallel by head, o row-parallel. How it attends
-    (window, softcap, rope table) is its layer's AttentionKind, handed to the backend."""
+    (window, softcap, rope table) is its layer's AttentionKind, handed to the backend.
+    `make_norm`: the family's RMSNorm for its q/k norms (spec.qk_norm), by size and eps."""
 
     def __init__(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
-                 linear: LinearMethod, shard: Shard) -> None:
+                 linear: LinearMethod, shard: Shard,
+                 make_norm: Callable[[int, float], nn.Module] | None = None) -> None:
         super().__init__()
         d = self.head_dim = spec.head_dim
         self.num_heads, self.num_kv_heads = shard.local(spec.num_heads), shard.local(
@@ -60,16 +62,15 @@ class Attention(nn.Module):
             spec.qkv_bias, linear, shard)
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden, spec.o_bias, linear,
                                         shard)
-        # Norms of the query and key, PyTorch's ops: of each head ([T, heads, D], Qwen3's and
-        # Gemma 3's) or of the whole projections before they are split into heads
-        # ([T, heads * D], OLMoE's; one rank only: the norm spans every head,
-        # preflight.check_divisible)
+        # Norms of the queries and keys (PyTorch's ops): each head's ("head", Qwen3 and
+        # Gemma 3: [T, heads, D]) or the whole projections' ("proj", OLMo 2, OLMoE:
+        # [T, heads * D], before the split into heads; one rank holding every head,
+        # preflight.check_unsplit)
         self.qk_norm = spec.qk_norm
-        q_width, k_width = ((self.head_dim, self.head_dim) if spec.qk_norm == "head"
-                            else (self.q_size, self.kv_size))
-        offset = spec.norm_offset
-        self.q_norm = RMSNorm(q_width, spec.eps, offset=offset) if spec.qk_norm else None
-        self.k_norm = RMSNorm(k_width, spec.eps, offset=offset) if spec.qk_norm else None
+        norm = make_norm or (lambda size, eps: RMSNorm(size, eps, offset=spec.norm_offset))
+        q_size, k_size = ((d, d) if spec.qk_norm == "head" else (self.q_size, self.kv_size))
+        self.q_norm = norm(q_size, spec.eps) if spec.qk_norm is not None else None
+        self.k_norm = norm(k_size, spec.eps) if spec.qk_norm is not None else None
         self.layer_idx, self.backend = layer_idx, backend
         self.kind = backend.layer_attention(spec, layer_idx)
         self.scale = self.kind.scale
@@ -163,8 +164,12 @@ LayerFactory = Callable[[ArchSpec, int, AttentionBackend, LinearMethod, Shard], 
 
 
 class Backbone(nn.Module):
+    """The embedding, the family's layers (`make_layer`) and the final norm (`norm`: the
+    family's RMSNorm of the hidden size)."""
+
     def __init__(self, spec: ArchSpec, backend: AttentionBackend, linear: LinearMethod,
-                 shard: Shard, make_layer: LayerFactory) -> None:
+                 shard: Shard, make_layer: LayerFactory,
+                 norm: nn.Module | None = None) -> None:
         super().__init__()
         # Built on the meta device, given memory and filled by the loader: no initial values.
         # (nn.Embedding, initialising itself on meta, would go through torch._refs, which
@@ -172,4 +177,5 @@ class Backbone(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden, shard)
         self.layers = nn.ModuleList(make_layer(spec, i, backend, linear, shard)
                                     for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden, spec.eps, backend.ops, spec.norm_offset)
+        self.norm = norm if norm is not None else RMSNorm(spec.hidden, spec.eps, backend.ops,
+                                                          spec.norm_offset)
