@@ -178,6 +178,11 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
                                   args.kv_cache_memory, args.compile,
                                   quantization=args.quantize)
     runner.warm_up()  # (as the executor stage does before it serves)
+    bound = None
+    if args.batch_size == 1:  # bound by the weights' read: measured now, just before the row
+        from pipeline.tools.roofline import roofline
+
+        bound = roofline(runner.model).as_dict()
     ring = local_buffers(step_input_specs(limits))
     ids_out: list[list[int]] = []
     start = time.perf_counter()
@@ -186,7 +191,8 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
         lens = work.output_lens[lo:lo + args.batch_size]
         ids_out += _limit_batch(runner, ring, batch, lens)
     seconds = time.perf_counter() - start
-    return EngineResult(_named("limit", args), seconds, sum(len(t) for t in ids_out), ids_out)
+    return EngineResult(_named("limit", args), seconds, sum(len(t) for t in ids_out), ids_out,
+                        bound)
 
 
 def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[int]],
@@ -248,7 +254,7 @@ def throughput(args: argparse.Namespace) -> int:
         print_report(report)
         failed = failed or bool(failures)
         by_batch[size] = {k: v["output_tok_s"] for k, v in report.items()
-                          if k not in ("ratios", "config", "failed")}
+                          if k not in ("ratios", "config", "failed", "roofline")}
     if len(by_batch) > 1:
         report["by_batch_size"] = by_batch
     if args.json:
@@ -299,6 +305,11 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
                               for r in results}
     report["ratios"] = {f"pipeline/{r.name}": pipe.output_tok_s / r.output_tok_s
                         for r in results[1:]}
+    for r in results:  # (the limit at batch 1, against its roofline)
+        if r.roofline is not None:
+            report.setdefault("roofline", {})[r.name] = {
+                **r.roofline, "of_roofline": {x.name: x.output_tok_s / r.roofline["tok_s"]
+                                              for x in results}}
     if failures:  # (the first line of each reason; the whole of it was printed as it failed)
         report["failed"] = {name: why.splitlines()[0] for name, why in failures.items()}
     report["config"] = {"model": args.model_dir, "dtype": args.dtype, "device": args.device,
@@ -321,10 +332,15 @@ def print_report(report: dict[str, Any]) -> None:
           f"{'same greedy output':>22}")
     n = cfg["num_prompts"]
     for name, r in report.items():
-        if name in ("ratios", "config", "failed"):
+        if name in ("ratios", "config", "failed", "roofline"):
             continue
         ratio = report["ratios"].get(f"pipeline/{name}", 1.0)
         print(f"{name:14}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
               f"{r['identical_to_pipeline']:>16}/{n} prompts")
     for name, why in report.get("failed", {}).items():
         print(f"{name:14}{'failed':>14}  {why}")
+    for name, bound in report.get("roofline", {}).items():
+        shares = ", ".join(f"{k} {v:.2f}x" for k, v in bound["of_roofline"].items())
+        print(f"roofline ({name}'s weights): {bound['tok_s']:.1f} tok/s = "
+              f"{bound['read_gb_s']:.1f} GB/s read ÷ {bound['bytes_per_token'] / 1e6:.1f} MB a "
+              f"token; of it: {shares}")

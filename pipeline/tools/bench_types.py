@@ -4,7 +4,8 @@ other)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -13,6 +14,8 @@ class EngineResult:
     seconds: float
     num_tokens: int
     token_ids: list[list[int]]
+    # the limit at batch 1: the roofline measured just before it (roofline.Roofline.as_dict)
+    roofline: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def output_tok_s(self) -> float:
