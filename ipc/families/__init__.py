@@ -39,6 +39,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("ipc.families.moe:qwen_moe_spec", "stages.executor.models.moe:MoECausalLM"),
     "olmoe": Family("ipc.families.moe:olmoe_spec", "stages.executor.models.moe:MoECausalLM"),
     "mixtral": Family("ipc.families.moe:mixtral_spec", "stages.executor.models.moe:Mixtral"),
+    "gpt_oss": Family("ipc.families.gpt_oss:gpt_oss_spec",
+                      "stages.executor.models.gpt_oss:GptOss"),
 }
 
 # Families refused by name, with what to run instead.

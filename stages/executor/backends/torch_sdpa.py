@@ -1,7 +1,8 @@
 """Attention in eager PyTorch ops, in the executor process: CUDA without compile, or a CPU
 without the C++ kernels. Rows with one query token (decodes) attend in batched SDPA calls,
 grouped by context length so that padding at most doubles the keys read; rows with several
-(prefill chunks) one by one, over keys gathered from the cache."""
+(prefill chunks) one by one, over keys gathered from the cache. Layers with attention sinks
+(gpt-oss) attend by explicit scores instead (SDPA has no sinks)."""
 
 from __future__ import annotations
 
@@ -150,10 +151,39 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(weights, v).view(batch, heads, head_dim)
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """q [B, H, q, D], k/v [B, KVH, L, D], mask [B or 1, 1, q, L] bool, sinks [H] -> [B, H, q, D]:
+    each head's sink logit a column of the scores for the softmax, dropped from its weights
+    (transformers' eager attention for gpt-oss, in its order of roundings)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    scores = torch.cat([scores, sink], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    weights = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
+    return torch.matmul(weights.to(v.dtype), v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA over q [B, H, q, D], k/v [B, KVH, L, D] (mask None: causal), or by explicit
+    scores with sinks."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=True)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return sink_attention(q, k, v, mask, scale, sinks)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, roped), kv_cache [2, NB, BS, KVH, D]
-    -> [T, H, D]."""
+    -> [T, H, D]; sinks [H]: each head's sink logit."""
     write_kv(kv_cache, meta.slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -164,10 +194,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         pages = tables.reshape(-1)  # index_select: 3-5x faster than k_cache[tables] here
         kd = k_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        if q.dtype == torch.float32:
-            od = F.scaled_dot_product_attention(q[idx].unsqueeze(2), kd, vd, scale=scale,
-                                                attn_mask=group.mask, enable_gqa=True)
-            out[idx] = od.squeeze(2)
+        if q.dtype == torch.float32 or sinks is not None:
+            out[idx] = _attend(q[idx].unsqueeze(2), kd, vd, group.mask, scale,
+                               sinks).squeeze(2)
         else:  # SDPA's CPU kernel is slow for one query in reduced precision
             out[idx] = decode_attention(q[idx], kd, vd, group.mask, scale)
     for row in meta.prefills:
@@ -175,16 +204,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if row.block_row is None:
             kp = k[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, KVH, q, D]
             vp = v[row.start:row.end].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                                enable_gqa=True)
+            op = _attend(qp, kp, vp, None, scale, sinks)
         else:
             kp = k_cache.index_select(0, row.block_row).view(-1, num_kv_heads,
                                                              head_dim)[:row.context_len]
             vp = v_cache.index_select(0, row.block_row).view(-1, num_kv_heads,
                                                              head_dim)[:row.context_len]
-            op = F.scaled_dot_product_attention(
-                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-                attn_mask=row.mask, scale=scale, enable_gqa=True)
+            op = _attend(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                         row.mask, scale, sinks)
         out[row.start:row.end] = op[0].transpose(0, 1)
     return out
 
@@ -202,6 +229,7 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     staging_fields = TorchFields
+    sinks = True
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
         q, ctx, slots, starts = rows.query_lens, rows.context_lens, rows.slots, rows.starts
@@ -224,8 +252,9 @@ class TorchBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: TorchMetadata,
-               layer: LayerAttention) -> torch.Tensor:
+               layer: LayerAttention, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if layer.rope is not None:
             cos, sin = meta.ropes[layer.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return paged_attention(q, k, v, kv_cache, meta.by_window[layer.window], layer.scale)
+        return paged_attention(q, k, v, kv_cache, meta.by_window[layer.window], layer.scale,
+                               sinks)

@@ -40,7 +40,7 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double, int64_t)>
+                                      double, int64_t, const OptTensor&)>
       paged_attention;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, int64_t)>
@@ -70,7 +70,7 @@ const Ops& ops() {
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              int64_t)>(),
+                              int64_t, const OptTensor&)>(),
         d.findSchemaOrThrow("llm_cpu::quantized_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               int64_t)>(),
@@ -137,7 +137,8 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
     at::Tensor cache = kv_caches.get(l);
     const at::Tensor a = op.paged_attention.call(q, k, v, cache, block_table, token_slots,
-                                                 positions, cos_table, sin_table, scale, window);
+                                                 positions, cos_table, sin_table, scale, window,
+                                                 std::nullopt);  // (no sinks: fast_path)
     h = project(a.view({tokens, q_size}), w(kOW), w(kOB), spec + kPerProjection);
     h = op.add_rms_norm.call(x, h, *w(kNorm2), eps);  // x += h
     const int64_t* gate_up = spec + 2 * kPerProjection;
