@@ -76,7 +76,7 @@ class GptOss(CausalLM):
                 got[what] = value[:]
                 if len(got) == 2:
                     del halves[f"{prefix}.{proj}"]
-                    for e, (sub, weight) in enumerate(_mxfp4_experts(proj, got)):
+                    for e, sub, weight in _mxfp4_experts(proj, got):
                         yield where, f"{prefix}.{e}.{sub}.weight", weight
                 continue
             leaf = "bias" if what == "_bias" else "weight"
@@ -104,16 +104,17 @@ def _float_expert(proj: str, value: torch.Tensor,
     return [("gate_proj", out_major[0::2]), ("up_proj", out_major[1::2])]
 
 
-def _mxfp4_experts(proj: str, got: dict[str, torch.Tensor]) -> Iterator[tuple[str, object]]:
+def _mxfp4_experts(proj: str,
+                   got: dict[str, torch.Tensor]) -> Iterator[tuple[int, str, object]]:
     """Each expert's MXFP4 rows (blocks [E, out, G, 16], scales [E, out, G]) as 5-bit
     blocks: gate_up's even rows the gate, its odd ones the up."""
     blocks, scales = got["_blocks"], got["_scales"]
     for e in range(blocks.shape[0]):
         if proj == "down_proj":
-            yield "down_proj", mxfp4_blocks(blocks[e], scales[e])
+            yield e, "down_proj", mxfp4_blocks(blocks[e], scales[e])
         else:
-            yield "gate_proj", mxfp4_blocks(blocks[e, 0::2], scales[e, 0::2])
-            yield "up_proj", mxfp4_blocks(blocks[e, 1::2], scales[e, 1::2])
+            yield e, "gate_proj", mxfp4_blocks(blocks[e, 0::2], scales[e, 0::2])
+            yield e, "up_proj", mxfp4_blocks(blocks[e, 1::2], scales[e, 1::2])
 
 
 def _expert_method(cfg: dict, backend: AttentionBackend, ranks: bool) -> LinearMethod | None:
