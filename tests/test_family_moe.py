@@ -384,12 +384,6 @@ def test_what_the_engine_lacks_is_refused_by_name(model_type: str, fields: dict[
         sparse_mlp(spec, 0, TORCH_OPS, DenseMethod(), Shard())  # (the block's own checks)
 
 
-def test_the_clamped_swiglu_experts_are_refused_by_name() -> None:
-    spec = moe_spec(4, 2, swiglu_limit=7.0)
-    with pytest.raises(UnsupportedModel, match="swiglu_limit"):
-        MoEBlock(spec, spec.moe, TORCH_OPS, DenseMethod(), Shard())  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize(("model_type", "fields", "named"), [
     ("qwen3_moe", {"moe_intermediate_size": 33}, "moe_intermediate_size = 33"),
     ("mixtral", {"intermediate_size": 33}, "intermediate_size = 33"),

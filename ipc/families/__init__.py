@@ -49,6 +49,8 @@ FAMILIES: dict[str, Family] = {
     "smollm3": _LLAMA,
     "olmo2": _OLMO,
     "olmo3": _OLMO,
+    "gpt_oss": Family("ipc.families.gpt_oss:gpt_oss_spec",
+                      "stages.executor.models.gpt_oss:GptOss"),
 }
 
 # Families refused by name, with what to run instead.

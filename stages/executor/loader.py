@@ -72,7 +72,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, tied: bool) -> None:
     blocks: dict[str, dict[int | None, QuantizedWeight]] = {}
     tied_head: QuantizedWeight | None = None
     rename = getattr(model, "checkpoint_name", lambda n: n)  # (the family's names)
-    for where, entry, value in checkpoint_entries(model_dir):
+    split = getattr(model, "checkpoint_entries", iter)  # (the family's parts of entries)
+    for where, entry, value in split(checkpoint_entries(model_dir)):
         name = rename(entry)
         if name is None or name.endswith(SKIPPED) or (tied and name == HEAD
                                                       and not head_takes_blocks):

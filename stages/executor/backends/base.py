@@ -121,6 +121,9 @@ class LayerAttention:
     window: int | None = None  # a query at p sees keys p - window + 1 to p
     softcap: float | None = None  # scores through cap * tanh(score / cap)
     rope: int | None = 0  # which of ForwardTables.ropes; None: no rope
+    # a learned logit per head joins each softmax's denominator (gpt-oss): `attend` takes
+    # them as its `sinks` [H] (the attention module's parameter, this rank's heads)
+    sinks: bool = False
 
 
 class AttentionBackend(ABC):
@@ -136,6 +139,7 @@ class AttentionBackend(ABC):
     staging_fields: ClassVar[type[StagedFields]] = StagedFields  # (none)
     graph_fields: ClassVar[Sequence[str]] = ()  # a replayed graph's static inputs; () none
     softcap: ClassVar[bool] = False  # implements LayerAttention.softcap (Gemma 2)
+    sinks: ClassVar[bool] = False  # implements LayerAttention.sinks (gpt-oss)
 
     def __init__(self, limits: EngineLimits, device: torch.device,
                  windows: Sequence[int] = ()) -> None:
@@ -158,14 +162,14 @@ class AttentionBackend(ABC):
                                    f"{self.name} forward")
         keys = self.rope_keys(spec)
         return LayerAttention(spec.scale, kind.window, kind.softcap,
-                              None if kind.rope is None else keys.index(kind.rope))
+                              None if kind.rope is None else keys.index(kind.rope), kind.sinks)
 
     def unsupported(self, kind: AttentionKind) -> str | None:
         """What of a layer's attention this backend does not implement (None: all of it).
-        (Softcapping: a backend that implements it says so, `softcap`.)"""
+        (Softcapping and sinks: a backend that implements them says so, `softcap`, `sinks`.)"""
         if kind.softcap is not None and not self.softcap:
             return "attention softcapping is not implemented"
-        if kind.sinks:
+        if kind.sinks and not self.sinks:
             return "attention sinks are not implemented"
         return None
 
@@ -194,10 +198,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: Any, layer: LayerAttention) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: Any, layer: LayerAttention,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
         [2, NB, BS, KVH, D] -> [T, H, D]: rope, the cache write, attention, as `layer`
-        says."""
+        says. `sinks` [H] (float, with `layer.sinks` only): each head's logit in the
+        softmax's denominator, dropped from its weights."""
 
     def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
         """Whether a step may be replayed as a graph (only with `graph_fields`)."""

@@ -2,7 +2,8 @@
 csrc/cpu_kernels.cpp), in the executor process: the eager default on the CPU. One attention
 call per layer over the whole flattened batch ropes this step's keys and queries, writes the
 cache and reads it in place (nothing gathered or padded), softcapping the scores where the
-layer says; RMSNorm with the residual add fused into each layer's second norm; SiLU-and-mul."""
+layer says and a head's sink logit joining its softmax where the layer has them; RMSNorm with
+the residual add fused into each layer's second norm; SiLU-and-mul."""
 
 from __future__ import annotations
 
@@ -55,13 +56,16 @@ class KernelMetadata:
 
 def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_cache: torch.Tensor, meta: KernelMetadata,
-                           layer: LayerAttention) -> torch.Tensor:
+                           layer: LayerAttention,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
-    [2, NB, BS, KVH, D] -> [T, H, D]. One call: rope, the cache write, attention."""
+    [2, NB, BS, KVH, D] -> [T, H, D]. One call: rope, the cache write, attention (sinks
+    [H]: each head's logit in its softmax's denominator, read in float32)."""
     cos, sin = meta.ropes[-1 if layer.rope is None else layer.rope]
-    return torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, meta.block_table,
-                                             meta.token_slots, meta.positions, cos, sin,
-                                             layer.scale, layer.window or 0, layer.softcap or 0.0)
+    return torch.ops.llm_cpu.paged_attention(
+        q, k, v, kv_cache, meta.block_table, meta.token_slots, meta.positions, cos, sin,
+        layer.scale, layer.window or 0, layer.softcap or 0.0,
+        None if sinks is None else sinks.float().contiguous())
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -71,6 +75,7 @@ class CpuKernelBackend(AttentionBackend):
     name = "cpu_kernels"
     ops = KernelOps()
     softcap = True
+    sinks = True
 
     def bind(self, tables: ForwardTables) -> None:
         super().bind(tables)
@@ -88,5 +93,5 @@ class CpuKernelBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: KernelMetadata,
-               layer: LayerAttention) -> torch.Tensor:
-        return kernel_paged_attention(q, k, v, kv_cache, meta, layer)
+               layer: LayerAttention, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return kernel_paged_attention(q, k, v, kv_cache, meta, layer, sinks)

@@ -345,7 +345,7 @@ class FlexBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: FlexMetadata,
-               layer: LayerAttention) -> torch.Tensor:
+               layer: LayerAttention, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if layer.rope is not None:
             cos, sin = meta.ropes[layer.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -2,7 +2,7 @@
 without the C++ kernels. Rows with one query token (decodes) attend in batched SDPA calls,
 grouped by context length so that padding at most doubles the keys read; rows with several
 (prefill chunks) one by one, over keys gathered from the cache. Layers with a softcap (Gemma 2)
-attend by explicit scores instead (SDPA has no softcap)."""
+or attention sinks (gpt-oss) attend by explicit scores instead (SDPA has neither)."""
 
 from __future__ import annotations
 
@@ -151,37 +151,48 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(weights, v).view(batch, heads, head_dim)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """q [B, H, q, D], k/v [B, KVH, L, D], mask [B or 1, 1, q, L] bool -> [B, H, q, D], the
-    scores through softcap * tanh(score / softcap) before the mask: transformers' eager
-    attention (Gemma 2's), in its order of roundings."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, q, D], k/v [B, KVH, L, D], mask [B or 1, 1, q, L] bool -> [B, H, q, D], by
+    explicit scores: through softcap * tanh(score / softcap) before the mask (Gemma 2's), and
+    with each head's sink logit (sinks [H]) a column of the scores for the softmax, dropped
+    from its weights (gpt-oss's); transformers' eager attention of each, in its order of
+    roundings."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    scores = torch.cat([scores, sink], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    weights = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, softcap: float | None) -> torch.Tensor:
+            scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """SDPA over q [B, H, q, D], k/v [B, KVH, L, D] (mask None: causal), or by explicit
-    scores with a softcap."""
-    if softcap is None:
+    scores with a softcap or sinks."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=scale, enable_gqa=True)
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    return softcapped_attention(q, k, v, mask, scale, softcap)
+    return explicit_attention(q, k, v, mask, scale, softcap, sinks)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, roped), kv_cache [2, NB, BS, KVH, D]
-    -> [T, H, D]."""
+    -> [T, H, D]; sinks [H]: each head's sink logit."""
     write_kv(kv_cache, meta.slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -192,9 +203,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         pages = tables.reshape(-1)  # index_select: 3-5x faster than k_cache[tables] here
         kd = k_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        if q.dtype == torch.float32 or softcap is not None:
-            out[idx] = _attend(q[idx].unsqueeze(2), kd, vd, group.mask, scale,
-                               softcap).squeeze(2)
+        if q.dtype == torch.float32 or softcap is not None or sinks is not None:
+            out[idx] = _attend(q[idx].unsqueeze(2), kd, vd, group.mask, scale, softcap,
+                               sinks).squeeze(2)
         else:  # SDPA's CPU kernel is slow for one query in reduced precision
             out[idx] = decode_attention(q[idx], kd, vd, group.mask, scale)
     for row in meta.prefills:
@@ -202,14 +213,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if row.block_row is None:
             kp = k[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, KVH, q, D]
             vp = v[row.start:row.end].transpose(0, 1).unsqueeze(0)
-            op = _attend(qp, kp, vp, None, scale, softcap)
+            op = _attend(qp, kp, vp, None, scale, softcap, sinks)
         else:
             kp = k_cache.index_select(0, row.block_row).view(-1, num_kv_heads,
                                                              head_dim)[:row.context_len]
             vp = v_cache.index_select(0, row.block_row).view(-1, num_kv_heads,
                                                              head_dim)[:row.context_len]
             op = _attend(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-                         row.mask, scale, softcap)
+                         row.mask, scale, softcap, sinks)
         out[row.start:row.end] = op[0].transpose(0, 1)
     return out
 
@@ -228,6 +239,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     staging_fields = TorchFields
     softcap = True
+    sinks = True
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
         q, ctx, slots, starts = rows.query_lens, rows.context_lens, rows.slots, rows.starts
@@ -250,9 +262,9 @@ class TorchBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: TorchMetadata,
-               layer: LayerAttention) -> torch.Tensor:
+               layer: LayerAttention, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if layer.rope is not None:
             cos, sin = meta.ropes[layer.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return paged_attention(q, k, v, kv_cache, meta.by_window[layer.window], layer.scale,
-                               layer.softcap)
+                               layer.softcap, sinks)

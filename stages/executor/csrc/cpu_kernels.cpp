@@ -408,6 +408,19 @@ inline v16f chunk_softmax(v16f* s, int64_t n, int64_t key0, v16i row_pos, v16i r
 
 // ---------------------------------------------------------------- attention
 
+// Attention sinks (gpt-oss): head h's learned logit joins each softmax's denominator and
+// weighs no value. A row's online softmax starts as if it had seen one key of score
+// sinks[h] and value 0: running max sinks[h], sum exp(0) = 1. Every path's later maxima then
+// include the sink (the scores' exponentials never overflow past it), and the sink's
+// exp(sink - max) is rescaled with the sum like any key's. Row r = i * heads + h.
+inline void start_with_sinks(const float* sinks, int64_t heads, int64_t rows, float* row_max,
+                             float* row_sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    row_max[r] = sinks[r % heads];
+    row_sum[r] = 1.0f;
+  }
+}
+
 // rows x d values at `stride` apart, as contiguous float rows.
 template <typename T>
 inline void widen_rows(const T* src, int64_t stride, int64_t d, int64_t rows, float* dst) {
@@ -843,7 +856,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       at::Tensor& kv_cache, const at::Tensor& block_table,
                       const at::Tensor& token_slots, const at::Tensor& positions,
                       const at::Tensor& cos_table, const at::Tensor& sin_table, double scale,
-                      int64_t window, double softcap, at::Tensor& out) {
+                      int64_t window, double softcap, const float* sinks,
+                      at::Tensor& out) {
   const int64_t num_tokens = q.size(0), heads = q.size(1), d = kD > 0 ? kD : q.size(2);
   const int64_t kv_heads = k.size(1), block_size = kv_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -952,6 +966,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::fill(acc, acc + rows * d, 0.0f);
     std::fill(row_max, row_max + rows, -INFINITY);
     std::fill(row_sum, row_sum + rows, 0.0f);
+    if (sinks != nullptr) start_with_sinks(sinks, heads, rows, row_max, row_sum);
     const int64_t lo_first = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
     const int64_t last_page = last / block_size;
     bool decoded = false;  // by tile_keys
@@ -1108,6 +1123,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     stats.row_lo[b] = window > 0 ? row_pos - static_cast<int32_t>(window - 1) : v16i{};
     stats.row_max[b] = v16f{} - INFINITY;
     stats.row_sum[b] = v16f{};
+    for (int64_t l = 0; l < 16 && sinks != nullptr; ++l) {  // (see start_with_sinks)
+      const int64_t r = b * 16 + l;
+      if (r >= rows) break;
+      stats.row_max[b][l] = sinks[g * group + r % group];
+      stats.row_sum[b][l] = 1.0f;
+    }
   };
   // Whether row vector b of a tile sees none of keys [key0, key0 + n).
   auto sees_none = [&](const Tile& tile, int64_t b, int64_t key0, int64_t n) {
@@ -1336,8 +1357,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            at::Tensor& kv_cache, const at::Tensor& block_table,
                            const at::Tensor& token_slots, const at::Tensor& positions,
                            const at::Tensor& cos_table, const at::Tensor& sin_table,
-                           double scale, int64_t window, double softcap) {
+                           double scale, int64_t window, double softcap,
+                           const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be positive (0: none)");
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  TORCH_CHECK(!has_sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                             sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "sinks: contiguous float32 [heads]");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [tokens, heads, dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(),
               "kv_cache: contiguous [2, blocks, block_size, kv_heads, dim]");
@@ -1372,6 +1398,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       attention_kernel<T, decltype(head_size)::value>(q, k, v, kv_cache, block_table,
                                                       token_slots, positions, cos_table,
                                                       sin_table, scale, window, softcap,
+                                                      has_sinks ? sinks->data_ptr<float>()
+                                                                : nullptr,
                                                       out);
     };
     if (d == 64) {
@@ -1604,7 +1632,7 @@ at::Tensor work_queue_takes(int64_t n, int64_t grain, int64_t runs, c10::IntArra
 TORCH_LIBRARY(llm_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_table, "
         "Tensor token_slots, Tensor positions, Tensor cos, Tensor sin, float scale, "
-        "int window, float softcap=0.0) -> Tensor");
+        "int window, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");

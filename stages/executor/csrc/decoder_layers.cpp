@@ -40,7 +40,7 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double, int64_t, double)>
+                                      double, int64_t, double, const OptTensor&)>
       paged_attention;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, int64_t)>
@@ -70,7 +70,7 @@ const Ops& ops() {
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              int64_t, double)>(),
+                              int64_t, double, const OptTensor&)>(),
         d.findSchemaOrThrow("llm_cpu::quantized_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               int64_t)>(),
@@ -138,7 +138,7 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     at::Tensor cache = kv_caches.get(l);
     const at::Tensor a = op.paged_attention.call(q, k, v, cache, block_table, token_slots,
                                                  positions, cos_table, sin_table, scale, window,
-                                                 0.0);  // (no softcap: fused.py)
+                                                 0.0, std::nullopt);  // (no softcap, no sinks: fused.py)
     h = project(a.view({tokens, q_size}), w(kOW), w(kOB), spec + kPerProjection);
     h = op.add_rms_norm.call(x, h, *w(kNorm2), eps);  // x += h
     const int64_t* gate_up = spec + 2 * kPerProjection;

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from stages.executor.linear.quantized import QuantizedWeight, from_codes
+from stages.executor.linear.base import Linear
+from stages.executor.linear.quantized import GgufMethod, QuantizedWeight, from_codes
 
 # twice the e2m1 value of each 4-bit code (codes 8-15: the negatives of 0-7)
+# (on the CPU whatever device is the default where this is first imported: the model's
+# module imports it while the model is built on the meta device)
 _TWICE = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
-                      dtype=torch.int16)
+                      dtype=torch.int16, device="cpu")
 _FP16_EXPONENTS = (-24, 15)  # 2^e that float16 holds exactly (subnormals included)
 
 
@@ -48,5 +51,17 @@ def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
         raise ValueError(f"MXFP4 scales from 2^{int(exponents.min()) + 1} to "
                          f"2^{int(exponents.max()) + 1}: the engine's blocks hold scales "
                          f"from 2^{lo + 1} to 2^{hi - 3} (float16)")
-    d = torch.ldexp(torch.ones(n, groups), exponents).half()
+    d = torch.ldexp(torch.ones(n, groups, device=blocks.device), exponents).half()
     return from_codes(_codes(blocks).view(n, -1), d, -12 * d, 5)
+
+
+class Mxfp4Method(GgufMethod):
+    """A checkpoint's MXFP4 layers (gpt-oss's experts), given their blocks by the loader
+    (mxfp4_blocks) and run on the quantized kernels, whatever format the model's other
+    layers have."""
+
+    name = "mxfp4"
+
+    def process(self, layer: Linear) -> None:
+        if not hasattr(layer, "tiles"):
+            raise ValueError(f"{layer}: the checkpoint gave this layer no MXFP4 blocks")

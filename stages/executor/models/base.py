@@ -11,6 +11,7 @@ parameters; the forward has no per-family branches, only modules that are there 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from stages.executor.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
+
+CheckpointEntry = tuple[str, str, Any]  # (file name, checkpoint name, a sliceable value)
 
 
 class CausalLM(nn.Module):
@@ -71,6 +74,15 @@ class CausalLM(nn.Module):
         """The model's name for checkpoint entry `name` (loader.py maps fused projections'
         parts after this); None: an entry the model does not use (skipped)."""
         return name
+
+    def checkpoint_entries(self, entries: Iterable[CheckpointEntry]
+                           ) -> Iterator[CheckpointEntry]:
+        """The checkpoint's entries as the model's: a family whose checkpoint fuses what the
+        model keeps apart (gpt-oss's experts, stacked in one tensor) yields each part as an
+        entry of its own, in the checkpoint's naming (checkpoint_name then applies), its
+        value anything sliceable or a QuantizedWeight (kept in blocks where the layer takes
+        them, else dequantized). As they come here."""
+        return iter(entries)
 
     @property
     def dtype(self) -> torch.dtype:

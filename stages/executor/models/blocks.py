@@ -71,9 +71,20 @@ class Attention(nn.Module):
         q_size, k_size = ((d, d) if spec.qk_norm == "head" else (self.q_size, self.kv_size))
         self.q_norm = norm(q_size, spec.eps) if spec.qk_norm is not None else None
         self.k_norm = norm(k_size, spec.eps) if spec.qk_norm is not None else None
-        self.layer_idx, self.backend = layer_idx, backend
+        self.layer_idx, self.backend, self.shard = layer_idx, backend, shard
         self.kind = backend.layer_attention(spec, layer_idx)
         self.scale = self.kind.scale
+        # Each of this rank's heads' sink logit (gpt-oss; AttentionKind.sinks)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if self.kind.sinks else None
+
+    def load_weight(self, name: str, loaded: Any, part: int | None) -> None:
+        """The sinks: this rank's heads' (the attention's only parameter of its own)."""
+        whole = loaded[:]  # [heads] (a few bytes: read whole)
+        if tuple(whole.shape) != (self.num_heads * self.shard.size,):
+            raise ValueError(f"{name} of shape {tuple(whole.shape)} where the model has "
+                             f"{self.num_heads * self.shard.size} heads")
+        start = self.shard.rank * self.num_heads
+        getattr(self, name).data.copy_(whole[start:start + self.num_heads])
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,7 +99,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.backend.attend(q, k, v, kv_cache, meta, self.kind)  # ropes q and k
+        out = self.backend.attend(q, k, v, kv_cache, meta, self.kind,  # ropes q and k
+                                  self.sinks)
         if keep is not None:
             out = out[keep]
         return self.o_proj(out.flatten(1))  # (summed over the ranks)
@@ -147,6 +159,8 @@ class DecoderLayer(nn.Module):
         """Why this layer is not the sequence the fused CPU call runs (fused.py), or None
         where it is: the pre-norm layer with a dense SiLU MLP and no q/k norms. An MLP
         that is never that sequence says why itself (its `fast_path`)."""
+        if self.self_attn.sinks is not None:
+            return "attention sinks (gpt-oss)"
         if self.self_attn.q_norm is not None:
             return ("per-head q/k norms (Qwen3)" if self.self_attn.qk_norm == "head"
                     else "q/k norms over the whole projections (OLMoE)")

@@ -42,17 +42,37 @@ class PartialRowLinear(RowParallelLinear):
         return self.method.apply(self, x)
 
 
+class ClampedSwiGLU:
+    """gpt-oss's expert activation of gate/up [T, 2I] (gate first, then up: the loader
+    de-interleaves its checkpoint's rows): gate <= limit, |up| <= limit, then
+    (up + 1) * gate * sigmoid(alpha * gate), rounded as transformers' GptOssExperts."""
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        self.limit, self.alpha = limit, alpha
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 class Expert(nn.Module):
     """act(x W_gate) * (x W_up) W_down over this rank's intermediate rows, not summed over the
-    ranks. Checkpoint names as transformers saves them (gate_proj/up_proj fill gate_up_proj)."""
+    ranks. Checkpoint names as transformers saves them (gate_proj/up_proj fill gate_up_proj).
+    `act`: an activation of gate/up other than the family's `activation` (gpt-oss's
+    ClampedSwiGLU)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str,
-                 ops: ForwardOps, linear: LinearMethod, shard: Shard) -> None:
+                 ops: ForwardOps, linear: LinearMethod, shard: Shard,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = ops.act_and_mul(activation)
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = (
+            act if act is not None else ops.act_and_mul(activation))
         self.gate_up_proj = ColumnParallelLinear(hidden, (intermediate, intermediate), bias,
                                                  linear, shard)
-        self.gate_up_proj.gated = activation == "silu"  # (AMX fuses SiLU-and-mul)
+        # (AMX fuses SiLU-and-mul)
+        self.gate_up_proj.gated = act is None and activation == "silu"
         self.down_proj = PartialRowLinear(intermediate, hidden, bias, linear, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,22 +105,22 @@ class MoEBlock(nn.Module):
     expert's), summed over the ranks. Parameter names as transformers' checkpoints have them:
     `gate` (the router, [E, hidden], replicated, kept in the model's dtype whatever the
     experts' format: routing is what a quantized weight must not change), `experts.E.*`,
-    `shared_expert.*` and `shared_expert_gate` ([1, hidden], replicated)."""
+    `shared_expert.*` and `shared_expert_gate` ([1, hidden], replicated). `expert_linear`:
+    the routed experts' weight format where it is not the model's (gpt-oss's MXFP4 blocks)."""
 
     def __init__(self, spec: ArchSpec, moe: MoESpec, ops: ForwardOps, linear: LinearMethod,
-                 shard: Shard) -> None:
+                 shard: Shard, expert_linear: LinearMethod | None = None) -> None:
         super().__init__()
-        if moe.swiglu_limit is not None:
-            raise UnsupportedModel(f"{spec.family}: the clamped SwiGLU experts (swiglu_limit) "
-                                   "are not implemented")
         if not 0 < moe.top_k <= moe.num_experts:
             raise UnsupportedModel(f"{spec.family}: num_experts_per_tok = {moe.top_k} of "
                                    f"{moe.num_experts} experts")
         self.moe, self.shard = moe, shard
         self.gate = Linear(spec.hidden, moe.num_experts, moe.router_bias, DenseMethod())
+        act = (ClampedSwiGLU(moe.swiglu_limit, moe.swiglu_alpha)
+               if moe.swiglu_limit is not None else None)
         self.experts = nn.ModuleList(
-            Expert(spec.hidden, moe.intermediate, moe.expert_bias, spec.activation, ops, linear,
-                   shard) for _ in range(moe.num_experts))
+            Expert(spec.hidden, moe.intermediate, moe.expert_bias, spec.activation, ops,
+                   expert_linear or linear, shard, act) for _ in range(moe.num_experts))
         self.shared_expert = (Expert(spec.hidden, moe.shared_intermediate, False,
                                      spec.activation, ops, linear, shard)
                               if moe.shared_intermediate else None)
@@ -145,8 +165,8 @@ class MoEBlock(nn.Module):
 
 
 def sparse_mlp(spec: ArchSpec, layer_idx: int, ops: ForwardOps, linear: LinearMethod,
-               shard: Shard) -> nn.Module:
+               shard: Shard, expert_linear: LinearMethod | None = None) -> nn.Module:
     """Layer `layer_idx`'s MLP: the MoE block, or a dense one where the spec says so."""
     if spec.moe is not None and spec.sparse(layer_idx):
-        return MoEBlock(spec, spec.moe, ops, linear, shard)
+        return MoEBlock(spec, spec.moe, ops, linear, shard, expert_linear)
     return dense_mlp(spec, ops, linear, shard)
