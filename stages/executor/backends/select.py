@@ -72,9 +72,10 @@ def compile_unavailable(device: str) -> str | None:
     return None
 
 
-def _why_not_compiled(req: ForwardRequest) -> str | None:
-    """Why the compiled forward cannot serve `req` (a ConfigError when asked for). Sliding
-    windows are no reason: the compiled attention has a block mask per window."""
+def _why_not_compiled(req: ForwardRequest) -> tuple[str, type[ConfigError]] | None:
+    """Why the compiled forward cannot serve `req`, and the error that says so when asked
+    (UnsupportedModel: the model's). Sliding windows are no reason: the compiled attention
+    has a block mask per window."""
     if req.tensor_parallel_size > 1 and req.device == "cuda":
         # (On the CPU the ranks' all-reduce over gloo is traced into the compiled layers and
         # tested; over NCCL, with CUDA graphs, it has not run on a GPU yet.)
@@ -86,7 +87,8 @@ def _why_not_compiled(req: ForwardRequest) -> str | None:
                 UnsupportedModel)
     if req.device == "cuda" and req.block_size % CUDA_PAGE_MULTIPLE:
         return (f"on CUDA the compiled attention needs --block-size a multiple of "
-                f"{CUDA_PAGE_MULTIPLE} (Triton's smallest tile), not {req.block_size}")
+                f"{CUDA_PAGE_MULTIPLE} (Triton's smallest tile), not {req.block_size}",
+                ConfigError)
     return None
 
 
@@ -94,10 +96,11 @@ def resolve_compile(req: ForwardRequest) -> tuple[bool, str]:
     """--compile / --no-compile, or the device's default (None), and why: compiled where
     this machine can compile and, on CUDA, the page size is a multiple of Triton's tile;
     asked for where it cannot be, a ConfigError."""
-    why_not = _why_not_compiled(req)
-    if why_not is not None:
+    refusal = _why_not_compiled(req)
+    if refusal is not None:
+        why_not, error = refusal
         if req.compile:
-            raise ConfigError(f"--compile: {why_not}; pass --no-compile")
+            raise error(f"--compile: {why_not}; pass --no-compile")
         if req.compile is None and DEFAULT_COMPILE[req.device]:
             return False, f"eager: {why_not}"
         return False, "eager (--no-compile)" if req.compile is False else "eager"
