@@ -4,7 +4,11 @@
 Runs in the llama.cpp peer venv, by path, so it imports nothing from this project. JOB (JSON):
 prompts (token ids), output_lens, model (a GGUF of the job's dtype), dtype, batch_size,
 threads. RESULT (JSON): token_ids per prompt and seconds of the timed generation (model load
-and a small warm-up excluded).
+and a small warm-up excluded), and notes (what was changed from llama.cpp's defaults).
+
+On a CPU with AMX, llama.cpp's repacked Q4/Q8 weight buffers (its "extra buffer types")
+crash; the model loads without them there (`use_extra_bufts = False`, llama-cli's
+`--no-repack`), which the notes say.
 
 Static batches of batch_size prompts, like hf-static: one llama_decode carries the whole
 prefill of a batch, then one llama_decode per step carries the next token of each of its
@@ -34,8 +38,13 @@ class Engine:
 
     def __init__(self, job: dict[str, Any]) -> None:
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(job["model"].encode(),
-                                                   lc.llama_model_default_params())
+        model_params = lc.llama_model_default_params()
+        self.notes = ""
+        if _has_amx():
+            model_params.use_extra_bufts = False
+            self.notes = ("loaded with use_extra_bufts = False (--no-repack): llama.cpp's "
+                          "repacked Q4/Q8 buffers crash on this AMX CPU")
+        self.model = lc.llama_model_load_from_file(job["model"].encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {job['model']}")
         longest = max(len(p) + n for p, n in zip(job["prompts"], job["output_lens"], strict=True))
@@ -82,6 +91,13 @@ class Engine:
         return outs
 
 
+def _has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     engine = Engine(job)
@@ -91,7 +107,8 @@ def main(job_path: str, result_path: str) -> None:
     for lo in range(0, len(job["prompts"]), size):
         ids += engine.generate(job["prompts"][lo:lo + size], job["output_lens"][lo:lo + size])
     seconds = time.perf_counter() - start
-    Path(result_path).write_text(json.dumps({"token_ids": ids, "seconds": seconds}))
+    Path(result_path).write_text(json.dumps({"token_ids": ids, "seconds": seconds,
+                                             "notes": engine.notes}))
 
 
 if __name__ == "__main__":
