@@ -53,7 +53,7 @@ def _prepare(plan: StepPlan, ring: dict[str, np.ndarray],
     layout = StagingLayout(backend.staging_fields)
     staging = torch.zeros(layout.nbytes(LIMITS), dtype=torch.uint8)
     host = prepare_host_step(plan, ring, staging, HostSlotParams(SEQS), layout,
-                             backend(LIMITS, torch.device("cpu"), None))
+                             backend(LIMITS, torch.device("cpu")))
     return host, layout.unpack(host.packed.clone(), host.counts)  # a copy, as on CUDA
 
 
