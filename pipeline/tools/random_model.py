@@ -43,6 +43,18 @@ def build_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
     return fast
 
 
+def _tokenizer_into(folder: Path, tokenizer_from: Path | None) -> Any:
+    """The new model folder with its tokenizer: `tokenizer_from`'s, or a small trained one."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None:
+        return build_tokenizer(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+    tok.save_pretrained(folder)
+    return tok
+
+
 ARCHS = ("llama", "qwen2", "mistral", "llama-bias", "mistral-window", "qwen3", "phi3")
 
 
@@ -65,12 +77,7 @@ def build_random_llama(folder: Path, *, num_layers: int = 2, hidden: int = 64, h
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    folder.mkdir(parents=True, exist_ok=True)
-    if tokenizer_from is None:
-        tok = build_tokenizer(folder)
-    else:
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
-        tok.save_pretrained(folder)
+    tok = _tokenizer_into(folder, tokenizer_from)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "llama-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -114,15 +121,9 @@ def build_random_model(folder: Path, model_type: str, *, weight_std: float = 0.2
     N(0, weight_std) (peaked, varied logits); norms keep their initial values. dtype: the
     saved weights' ("bfloat16" halves a benchmark model's files; None: float32)."""
     import torch
-    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    folder.mkdir(parents=True, exist_ok=True)
-    if tokenizer_from is None:
-        tok = build_tokenizer(folder)
-    else:
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
-        tok.save_pretrained(folder)
+    tok = _tokenizer_into(folder, tokenizer_from)
     ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
            "pad_token_id": tok.pad_token_id}
     cfg = AutoConfig.for_model(model_type, **{"vocab_size": len(tok), **ids, **config})
