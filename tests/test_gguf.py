@@ -211,18 +211,25 @@ MOE = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
     pytest.param("qwen2_moe", "Q4_1", {"shared_expert_intermediate_size": 64},
                  marks=needs_kernel),
     ("qwen3_moe", "F32", {"head_dim": 16, "norm_topk_prob": True}),
+    ("mixtral", "F32", {"intermediate_size": 32}),
 ])
 def test_a_mixture_of_experts_file_answers_as_transformers_reads_it(
         tmp_path: Path, model_type: str, kind: str, fields: dict) -> None:
     """A mixture of experts' GGUF (each layer's experts stacked in one tensor per projection,
     as llama.cpp writes them) loads with every expert kept in its blocks; its prompt
     log-probs are those of transformers' reading of the same file within the activations'
-    rounding (3e-3; F32 1e-4): Qwen3-MoE (per-head q/k norms) and Qwen2-MoE (a gated shared
-    expert). The exporter refuses a routing llama.cpp's architecture cannot say."""
+    rounding (3e-3; F32 1e-4): Qwen3-MoE (per-head q/k norms), Qwen2-MoE (a gated shared
+    expert) and Mixtral (a "llama" file with experts; its q/k rows permuted as llama.cpp's
+    converter does; against its source folder through the engine: transformers reads no
+    Mixtral GGUF). The exporter refuses a routing llama.cpp's architecture cannot say."""
     from pipeline.tools.random_model import build_random_model
     from stages.inprocess import InProcessEngine
 
-    source = build_random_model(tmp_path / "source", model_type, **MOE, **fields)
+    moe = {k: v for k, v in MOE.items() if model_type != "mixtral" or k != "num_experts"}
+    if model_type == "mixtral":  # (its config names its experts and their width its own way)
+        moe = {**moe, "num_local_experts": 5}
+        moe.pop("moe_intermediate_size")
+    source = build_random_model(tmp_path / "source", model_type, **{**moe, **fields})
     file = export(source, tmp_path / f"moe-{kind}.gguf", kind)
     folder = resolve_model(file)
     try:
@@ -234,7 +241,14 @@ def test_a_mixture_of_experts_file_answers_as_transformers_reads_it(
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                                 prompt_logprobs=0)
         got = engine.run([(str(i), p, params) for i, p in enumerate(PROMPTS)])
-        want = _prompt_logprobs_of_transformers(file, config_from=folder)
+        if model_type == "mixtral":  # (transformers reads no Mixtral GGUF: the source folder,
+            # which test_family_moe holds to transformers, through the engine)
+            ours = InProcessEngine(str(source)).run(
+                [(str(i), p, params) for i, p in enumerate(PROMPTS)])
+            want = [[x.logprob for x in ours[str(i), 0].prompt_logprobs[1:]]
+                    for i in range(len(PROMPTS))]
+        else:
+            want = _prompt_logprobs_of_transformers(file, config_from=folder)
         tolerance = 1e-4 if kind == "F32" else 3e-3
         for i, lps in enumerate(want):
             have = [x.logprob for x in got[str(i), 0].prompt_logprobs[1:]]

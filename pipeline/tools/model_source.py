@@ -113,10 +113,13 @@ def _source(file: Path, reader: Any) -> GgufSource:
 
 
 # Metadata transformers' GGUF reader leaves out for some architectures, and the config
-# fields they are: Qwen3's 128-wide heads of a 1024-wide model, a mixture of experts' widths.
+# fields they are: Qwen3's 128-wide heads of a 1024-wide model, a mixture of experts' widths
+# and counts (a "llama" file with experts is Mixtral's).
 _EXTRA_KEYS = {"attention.key_length": "head_dim",
                "expert_feed_forward_length": "moe_intermediate_size",
-               "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+               "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+               "expert_count": "num_local_experts",
+               "expert_used_count": "num_experts_per_tok"}
 
 
 def _extra_config(reader: Any, architecture: str) -> dict[str, int]:
@@ -128,6 +131,10 @@ def _write_folder(file: Path, source: GgufSource, extra: dict[str, int], out: Pa
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+    if config.model_type == "llama" and "num_local_experts" in extra:  # (Mixtral's layout)
+        config = AutoConfig.for_model("mixtral", **{
+            k: v for k, v in config.to_dict().items()
+            if k not in ("model_type", "architectures", "transformers_version")})
     for key, value in extra.items():
         setattr(config, key, value)
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
