@@ -30,30 +30,33 @@ class Family:
 _LLAMA = Family("ipc.families.llama:llama_spec", "stages.executor.models.llama:Llama")
 _GEMMA = "stages.executor.models.gemma:Gemma"
 _OLMO = Family("ipc.families.olmo:olmo_spec", "stages.executor.models.olmo:Olmo")
+_MOE = "stages.executor.models.moe:MoECausalLM"
 
 FAMILIES: dict[str, Family] = {
+    # dense
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "phi3": _LLAMA,
-    "qwen2_moe": Family("ipc.families.moe:qwen_moe_spec", "stages.executor.models.moe:MoECausalLM"),
-    "qwen3_moe": Family("ipc.families.moe:qwen_moe_spec", "stages.executor.models.moe:MoECausalLM"),
-    "olmoe": Family("ipc.families.moe:olmoe_spec", "stages.executor.models.moe:MoECausalLM"),
-    "mixtral": Family("ipc.families.moe:mixtral_spec", "stages.executor.models.moe:Mixtral"),
+    "smollm3": _LLAMA,
+    "olmo2": _OLMO,
+    "olmo3": _OLMO,
     "gemma": Family("ipc.families.gemma:gemma_spec", _GEMMA),
     "gemma2": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
     "gemma3_text": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
     # (the multimodal checkpoint: its language model runs, its vision tower is not loaded)
     "gemma3": Family("ipc.families.gemma:gemma2_spec", _GEMMA),
-    "smollm3": _LLAMA,
-    "olmo2": _OLMO,
-    "olmo3": _OLMO,
+    # mixtures of experts
+    "qwen2_moe": Family("ipc.families.moe:qwen_moe_spec", _MOE),
+    "qwen3_moe": Family("ipc.families.moe:qwen_moe_spec", _MOE),
+    "olmoe": Family("ipc.families.moe:olmoe_spec", _MOE),
+    "mixtral": Family("ipc.families.moe:mixtral_spec", "stages.executor.models.moe:Mixtral"),
     "gpt_oss": Family("ipc.families.gpt_oss:gpt_oss_spec",
                       "stages.executor.models.gpt_oss:GptOss"),
 }
 
-# Families refused by name, with what to run instead.
+# Families refused by name, with what they lack (family_of adds what the engine runs instead).
 REFUSED: dict[str, str] = {
     "deepseek_v2": "DeepSeek's multi-head latent attention (MLA) is not implemented",
     "deepseek_v3": "DeepSeek's multi-head latent attention (MLA) is not implemented",
