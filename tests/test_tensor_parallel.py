@@ -89,6 +89,29 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str, vocab: int 
     assert two == one_rank(folder)
 
 
+@pytest.mark.parametrize(("model_type", "fields"), [
+    ("qwen2_moe", {"shared_expert_intermediate_size": 64}),  # a gated shared expert too
+    ("gpt_oss", {"head_dim": 16, "sliding_window": 6,  # sinks sliced per rank, biases once
+                 "layer_types": ["sliding_attention", "full_attention"]}),
+])
+@pytest.mark.live
+def test_two_ranks_split_every_expert_and_give_the_tokens_of_one(
+        tmp_path: Path, model_type: str, fields: dict) -> None:
+    """A mixture of experts over two gloo ranks: each rank runs every routed expert on its
+    half of the expert's intermediate, one all-reduce a layer (moe_block.py); the greedy
+    tokens are one rank's."""
+    from pipeline.tools.random_model import build_random_model
+
+    experts = ({"num_local_experts": 5} if model_type == "gpt_oss" else
+               {"num_experts": 5, "moe_intermediate_size": 32})
+    folder = build_random_model(
+        tmp_path / model_type, model_type, hidden_size=64, intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts_per_tok=2, max_position_embeddings=128, **experts, **fields)
+    two, _ = generate(tp_config(folder, 2))
+    assert two == one_rank(folder)
+
+
 @pytest.mark.live
 @pytest.mark.slow
 def test_two_compiled_ranks_give_the_tokens_of_one(tmp_path: Path) -> None:
