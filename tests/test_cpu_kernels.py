@@ -196,13 +196,15 @@ def test_the_work_queue_hands_out_every_unit_once_own_runs_first() -> None:
 
 @pytest.mark.parametrize("width", [96, 100])  # 16 lanes at a time, and a remainder of 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int) -> None:
+@pytest.mark.parametrize("offset", [False, True])  # (Gemma's 1 + w)
+def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int,
+                                                  offset: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, width, generator=gen).to(dtype)
     residual = torch.randn(37, width, generator=gen).to(dtype)
-    norm = RMSNorm(width, 1e-5, TORCH_OPS)
+    norm = RMSNorm(width, 1e-5, TORCH_OPS, offset)
     norm.weight.data = torch.randn(width, generator=gen).to(dtype)
-    fused = RMSNorm(width, 1e-5, KernelOps())
+    fused = RMSNorm(width, 1e-5, KernelOps(), offset)
     fused.weight.data = norm.weight.data
     one_ulp = {torch.float32: {"atol": 1e-6, "rtol": 1e-6},
                torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
@@ -211,7 +213,7 @@ def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int
         want = norm(x)
         torch.testing.assert_close(fused(x), want, **one_ulp)
         summed = x.clone()
-        same, got = KernelOps().add_rms_norm(summed, residual, norm.weight, norm.eps)
+        same, got = KernelOps().add_rms_norm(summed, residual, norm.weight, norm.eps, offset)
         assert same is summed
         assert torch.equal(summed, x + residual)  # x updated in place, rounded as x + y
         torch.testing.assert_close(got, norm(x + residual), **one_ulp)

@@ -27,14 +27,14 @@ class KernelOps(ForwardOps):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  offset: bool = False) -> torch.Tensor:
-        if offset:
-            return super().rms_norm(x, weight, eps, offset)
+        if offset:  # (Gemma's: x / rms(x) * (1 + w) in float32, rounded once)
+            return torch.ops.llm_cpu.rms_norm_offset(x, weight, eps)
         return torch.ops.llm_cpu.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                      eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if offset:
-            return x, super().rms_norm(x.add_(h), weight, eps, offset)
+            return x, torch.ops.llm_cpu.add_rms_norm_offset(x, h, weight, eps)
         return x, torch.ops.llm_cpu.add_rms_norm(x, h, weight, eps)  # x += h, in place
 
     def add(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

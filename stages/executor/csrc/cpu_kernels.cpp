@@ -1416,8 +1416,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // ---------------------------------------------------------------- elementwise
 
 // out = weight * (x / rms(x)), the statistics in float32 (Hugging Face's RMSNorm). With
-// `residual`: x += residual first, in place, and the norm is of the sum.
-template <typename T>
+// `residual`: x += residual first, in place, and the norm is of the sum. Offset (Gemma's
+// norm, weights stored as w - 1): out = (x / rms(x)) * (1 + w) in float32, rounded once.
+template <typename T, bool Offset = false>
 void rms_norm_kernel(T* x, const T* residual, const T* weight, T* out, int64_t rows,
                      int64_t width, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -1452,12 +1453,20 @@ void rms_norm_kernel(T* x, const T* residual, const T* weight, T* out, int64_t r
       for (int64_t e = whole; e < width; ++e) squares += row[e] * row[e];
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
       T* o = out + r * width;
-      // x.to(dtype) first, then the product in the dtype, as Hugging Face rounds
-      for (int64_t e = 0; e < whole; e += 16) {
-        store16(o + e, load16(weight + e) * round16<T>(load16(row.data() + e) * inv));
-      }
-      for (int64_t e = whole; e < width; ++e) {
-        o[e] = from_float<T>(to_float(weight[e]) * to_float(from_float<T>(row[e] * inv)));
+      if constexpr (Offset) {  // (x * inv) * (1 + w) in float32, rounded once
+        for (int64_t e = 0; e < whole; e += 16) {
+          store16(o + e, (load16(row.data() + e) * inv) * (load16(weight + e) + 1.0f));
+        }
+        for (int64_t e = whole; e < width; ++e) {
+          o[e] = from_float<T>((row[e] * inv) * (to_float(weight[e]) + 1.0f));
+        }
+      } else {  // x.to(dtype) first, then the product in the dtype, as Hugging Face rounds
+        for (int64_t e = 0; e < whole; e += 16) {
+          store16(o + e, load16(weight + e) * round16<T>(load16(row.data() + e) * inv));
+        }
+        for (int64_t e = whole; e < width; ++e) {
+          o[e] = from_float<T>(to_float(weight[e]) * to_float(from_float<T>(row[e] * inv)));
+        }
       }
     }
   });
@@ -1470,19 +1479,22 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight of one dtype");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+template <bool Offset>
+at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   at::Tensor out = at::empty_like(x);
   dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_kernel<T>(x.data_ptr<T>(), nullptr, weight.data_ptr<T>(), out.data_ptr<T>(),
-                       x.size(0), x.size(1), static_cast<float>(eps));
+    rms_norm_kernel<T, Offset>(x.data_ptr<T>(), nullptr, weight.data_ptr<T>(),
+                               out.data_ptr<T>(), x.size(0), x.size(1),
+                               static_cast<float>(eps));
   });
   return out;
 }
 
-at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                        double eps) {
+template <bool Offset>
+at::Tensor add_rms_norm_of(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                           double eps) {
   check_norm(x, weight);
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   residual.scalar_type() == x.scalar_type(),
@@ -1490,10 +1502,29 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Ten
   at::Tensor out = at::empty_like(x);
   dispatch_float_types(x.scalar_type(), "add_rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_kernel<T>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(),
-                       out.data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
+    rms_norm_kernel<T, Offset>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(),
+                               out.data_ptr<T>(), x.size(0), x.size(1),
+                               static_cast<float>(eps));
   });
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_of<false>(x, weight, eps);
+}
+
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  return add_rms_norm_of<false>(x, residual, weight, eps);
+}
+
+at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_of<true>(x, weight, eps);
+}
+
+at::Tensor add_rms_norm_offset(at::Tensor& x, const at::Tensor& residual,
+                               const at::Tensor& weight, double eps) {
+  return add_rms_norm_of<true>(x, residual, weight, eps);
 }
 
 // [rows, 2 * width] (gate, then up) -> silu(gate) * up, [rows, width]; rounded as
@@ -1635,6 +1666,8 @@ TORCH_LIBRARY(llm_cpu, m) {
         "int window, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_offset(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_offset(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("work_queue_takes(int n, int grain, int runs, int[] selves) -> Tensor",
@@ -1645,6 +1678,8 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("paged_attention", TORCH_FN(paged_attention));
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
+  m.impl("rms_norm_offset", TORCH_FN(rms_norm_offset));
+  m.impl("add_rms_norm_offset", TORCH_FN(add_rms_norm_offset));
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
   m.impl("argmax_rows", TORCH_FN(argmax_rows));
 }
