@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from family_check import check_against_transformers, eos_of, prompts_of
+from tiny_model import hf_greedy
 
 from ipc.arch import UnsupportedModel
 from ipc.families import arch_spec
@@ -153,20 +154,6 @@ def test_gemma3_multimodal_runs_its_language_model(tmp_path: Path) -> None:
     check_against_transformers(folder, cpu_kernels=(True,))
 
 
-def _hf_bf16_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=new, pad_token_id=model.config.pad_token_id)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_bf16_agrees_with_transformers_bf16(family: str, request: pytest.FixtureRequest
                                             ) -> None:
@@ -180,7 +167,7 @@ def test_bf16_agrees_with_transformers_bf16(family: str, request: pytest.Fixture
     unlike transformers' shifts nearly every prompt."""
     folder: Path = request.getfixturevalue(f"{family}_dir")
     prompts = prompts_of(folder)
-    want = _hf_bf16_greedy(folder, prompts, 8)
+    want = hf_greedy(folder, prompts, 8, dtype="bfloat16")
     eng = InProcessEngine(str(folder), max_num_batched_tokens=16, max_num_seqs=4,
                           eos_token_ids=eos_of(folder), dtype=torch.bfloat16)
     got = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from family_check import check_against_transformers, eos_of, prompts_of
+from tiny_model import hf_greedy
 
 from ipc.arch import ArchSpec, AttentionKind, MoESpec, UnsupportedModel
 from ipc.families import arch_spec
@@ -87,19 +88,11 @@ def test_bfloat16_agrees_with_transformers_bfloat16_on_most_prompts(tmp_path: Pa
     tokens part; so most, not all, prompts agree on their first 8 tokens: at least 5 of 8
     (measured 6 of 8 for Qwen2-MoE and 8 of 8 for Mixtral on an AVX-512 CPU without AMX; a
     wrong router, weight or expert changes nearly every prompt's first tokens)."""
-    from transformers import AutoModelForCausalLM
 
     for model_type in ("qwen2_moe", "mixtral"):
         folder = build(tmp_path / model_type, model_type)
         prompts = prompts_of(folder)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-        want = []
-        with torch.no_grad():
-            for ids in prompts:
-                x = torch.tensor([ids])
-                y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                max_new_tokens=8, pad_token_id=hf.config.pad_token_id)
-                want.append(y[0, len(ids):].tolist())
+        want = hf_greedy(folder, prompts, max_new_tokens=8, dtype="bfloat16")
         eng = InProcessEngine(str(folder), dtype=torch.bfloat16, eos_token_ids=eos_of(folder),
                               max_num_batched_tokens=16, max_num_seqs=4)
         got = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))

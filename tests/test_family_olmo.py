@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from family_check import check_against_transformers, eos_of, prompts_of
+from tiny_model import hf_greedy
 
 from ipc.arch import UnsupportedModel
 from ipc.families import arch_spec
@@ -115,23 +116,6 @@ def test_olmo_refuses_tensor_parallelism_by_name() -> None:
         check_divisible(spec, 2)
 
 
-def _hf_greedy_bf16(folder: Path, prompts: list[list[int]], max_new_tokens: int,
-                    ) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens,
-                               pad_token_id=model.config.pad_token_id)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("name", ["olmo2", "olmo3"])
 def test_bfloat16_mostly_agrees_with_transformers(tmp_path: Path, name: str) -> None:
     """OLMo's norms in bfloat16, rounded as Olmo2RMSNorm does. The engine still rounds some
@@ -145,7 +129,7 @@ def test_bfloat16_mostly_agrees_with_transformers(tmp_path: Path, name: str) -> 
 
     folder = _build(tmp_path, name)
     prompts = prompts_of(folder)
-    want = _hf_greedy_bf16(folder, prompts, 16)
+    want = hf_greedy(folder, prompts, 16, dtype="bfloat16")
     eng = InProcessEngine(str(folder), dtype=torch.bfloat16, max_num_batched_tokens=16,
                           max_num_seqs=4, eos_token_ids=eos_of(folder))
     got = eng.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))

@@ -16,12 +16,14 @@ def build_tiny_llama(folder: Path, **kwargs: Any) -> Path:
     return build_random_llama(folder, **kwargs)
 
 
-def hf_greedy(folder: Path, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The oracle: transformers generate, greedy, fp32, one prompt at a time (no padding)."""
+def hf_greedy(folder: Path, prompts_ids: list[list[int]], max_new_tokens: int,
+              dtype: str = "float32") -> list[list[int]]:
+    """The oracle: transformers generate, greedy, in `dtype` (fp32 unless asked), one prompt
+    at a time (no padding)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts_ids:
