@@ -73,9 +73,11 @@ ROWS = [(9, 1), (5, 5), (13, 6), (17, 1)]
 WINDOWS = (3, 6)
 
 
-def _step(backend_name: str, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(backend_name: str, window: int | None, softcap: float | None = None,
+          sinks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One mixed step through `backend_name`'s whole interface, for a model whose layers
-    have WINDOWS, attending as a layer with `window` does: its output and its cache."""
+    have WINDOWS, attending as a layer with `window` (and `softcap`, and `sinks`: a logit
+    per head) does: its output and its cache."""
     from stages.executor.backends.select import Selection
 
     gen = torch.Generator().manual_seed(0)
@@ -110,8 +112,10 @@ def _step(backend_name: str, window: int | None) -> tuple[torch.Tensor, torch.Te
     # reads the mask function alone, not the block mask's pages).
     attend = (torch.compile(backend.attend, dynamic=False, fullgraph=True) if backend.compiled
               else backend.attend)
+    layer = LayerAttention(HEAD_DIM ** -0.5, window, softcap, sinks=sinks)
+    head_sinks = torch.randn(HEADS, generator=gen) if sinks else None
     with torch.inference_mode():
-        out = attend(q, k, val, cache, meta, LayerAttention(HEAD_DIM ** -0.5, window))
+        out = attend(q, k, val, cache, meta, layer, head_sinks)
     return out[:n], cache
 
 
@@ -129,6 +133,25 @@ def test_every_backend_attends_alike_through_the_interface(name: str,
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     real = slice(0, NUM_BLOCKS - 1)  # (the compiled backend's padding writes the scratch)
     torch.testing.assert_close(got_cache[:, real], want_cache[:, real], atol=1e-6, rtol=1e-6)
+
+
+_KERNELS = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+
+
+@pytest.mark.parametrize("name, softcap, sinks", [
+    ("flex", 0.5, False),  # (the compiled forward refuses sinks: no LSE from its CPU kernel)
+    pytest.param("cpu_kernels", 0.5, False, marks=_KERNELS),
+    pytest.param("cpu_kernels", None, True, marks=_KERNELS),
+    pytest.param("cpu_kernels", 0.5, True, marks=_KERNELS)])
+def test_softcaps_and_sinks_attend_alike_on_every_backend(name: str, softcap: float | None,
+                                                          sinks: bool) -> None:
+    """Gemma 2's softcapped scores and gpt-oss's sink logits (a windowed layer), against
+    the eager PyTorch backend's explicit scores (a cap of 0.5 bends every score here)."""
+    want, _ = _step("torch", WINDOWS[1], softcap, sinks)
+    got, _ = _step(name, WINDOWS[1], softcap, sinks)
+    plain, _ = _step("torch", WINDOWS[1])
+    assert not torch.allclose(want, plain, atol=1e-3)  # (they change the output)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_linear_methods_agree_and_refuse_by_name() -> None:

@@ -113,6 +113,14 @@ def test_gemma2_matches_transformers(gemma2_dir: Path) -> None:
     check_against_transformers(gemma2_dir)
 
 
+@pytest.mark.slow
+def test_gemma2_compiled_matches_transformers(gemma2_dir: Path) -> None:
+    """The compiled forward: FlexAttention with the softcap as its score_mod and a block
+    mask per window, one graph per layer kind."""
+    check_against_transformers(gemma2_dir, max_new_tokens=12, cpu_kernels=(False,),
+                               compile=True)
+
+
 def test_gemma2_final_softcap_shapes_the_logprobs(gemma2_dir: Path) -> None:
     """The final softcap is monotonic (greedy tokens never see it): the logprobs do. Each
     sampled token's logprob is transformers' log_softmax of the capped logits."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -271,10 +272,13 @@ _CUDA_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, "BLOCK_
 
 def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          kv_cache: torch.Tensor, meta: FlexMetadata, scale: float,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, roped), kv_cache [2, NB, BS, KVH, D]
-    -> [T, H, D]; `window`: a query at p sees keys p - window + 1 to p. One FlexAttention
-    call; to be run under torch.compile."""
+    -> [T, H, D]; `window`: a query at p sees keys p - window + 1 to p; `softcap`: scores
+    through softcap * tanh(score / softcap) (a score_mod). One FlexAttention call; to be
+    run under torch.compile. (Sinks would be out * sigmoid(lse - sink), but Inductor's CPU
+    FlexAttention does not return the LSE: FlexBackend refuses them.)"""
     write_kv(kv_cache, meta.slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -285,8 +289,16 @@ def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         2, meta.query_rows, q.transpose(0, 1)[None])
     keys = k_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)  # [1, KVH, NB*BS, D]
     values = v_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-    out = flex_attention(queries, keys, values, block_mask=block_mask, scale=scale,
-                         enable_gqa=True,
+    score_mod = None
+    if softcap is not None:
+        cap = softcap
+
+        def score_mod(score: torch.Tensor, b: Any, h: Any, q_idx: Any,
+                      kv_idx: Any) -> torch.Tensor:
+            return torch.tanh(score / cap) * cap
+
+    out = flex_attention(queries, keys, values, score_mod=score_mod, block_mask=block_mask,
+                         scale=scale, enable_gqa=True,
                          kernel_options=_CUDA_KERNEL_OPTIONS if q.is_cuda else None)
     return out[0].transpose(0, 1)[meta.query_rows]  # type: ignore[index]
 
@@ -311,6 +323,7 @@ class FlexBackend(AttentionBackend):
 
     name = "flex"
     compiled = True
+    softcap = True
     staging_fields = FlexFields
     # The padded forward's inputs: ForwardFields and this backend's, packed first.
     graph_fields = (*ForwardFields.names(), *FlexFields.names())
@@ -349,7 +362,8 @@ class FlexBackend(AttentionBackend):
         if layer.rope is not None:
             cos, sin = meta.ropes[layer.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return flex_paged_attention(q, k, v, kv_cache, meta, layer.scale, layer.window)
+        return flex_paged_attention(q, k, v, kv_cache, meta, layer.scale, layer.window,
+                                    layer.softcap)
 
     def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
         """Decode-only steps without prompt logprobs (their sizes are one bucket each)."""
