@@ -97,6 +97,6 @@ class FusedLayers:
         caches = kv_caches if all_layers else kv_caches[:-1]
         if not caches:
             return x
-        cos, sin = meta.ropes[-1 if self.layer.rope is None else self.layer.rope]
+        cos, sin = meta.rope(self.layer)
         return self.op(x, weights, ints, self.eps, self.layer.scale, caches, meta.block_table,
                        meta.token_slots, meta.positions, cos, sin, self.layer.window or 0)

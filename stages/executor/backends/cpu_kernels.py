@@ -53,6 +53,10 @@ class KernelMetadata:
     # dtype); the last pair: a rope of angle 0 (cos 1, sin 0), for layers without rope
     ropes: list[tuple[torch.Tensor, torch.Tensor]]
 
+    def rope(self, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables `layer` ropes by (angle 0 for a layer without rope)."""
+        return self.ropes[-1 if layer.rope is None else layer.rope]
+
 
 def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_cache: torch.Tensor, meta: KernelMetadata,
@@ -61,7 +65,7 @@ def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q [T, H, D], k/v [T, KVH, D] (this step's, before rope), kv_cache
     [2, NB, BS, KVH, D] -> [T, H, D]. One call: rope, the cache write, attention (sinks
     [H]: each head's logit in its softmax's denominator, read in float32)."""
-    cos, sin = meta.ropes[-1 if layer.rope is None else layer.rope]
+    cos, sin = meta.rope(layer)
     return torch.ops.llm_cpu.paged_attention(
         q, k, v, kv_cache, meta.block_table, meta.token_slots, meta.positions, cos, sin,
         layer.scale, layer.window or 0, layer.softcap or 0.0,

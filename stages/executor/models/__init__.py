@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +21,6 @@ from stages.executor.preflight import check_divisible
 if TYPE_CHECKING:
     from stages.executor.parallel import TensorParallel
 
-logger = logging.getLogger(__name__)
 
 
 def model_class(cfg: dict, source: str = "config.json") -> type[CausalLM]:

@@ -10,7 +10,6 @@ parameters; the forward has no per-family branches, only modules that are there 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
     from stages.executor.fused import FusedLayers
     from stages.executor.parallel import TensorParallel
 
-logger = logging.getLogger(__name__)
 
 CheckpointEntry = tuple[str, str, Any]  # (file name, checkpoint name, a sliceable value)
 
