@@ -1,5 +1,6 @@
-"""bf16 products on AMX tiles (stages/executor/linear/amx.py, csrc/amx_linear.cpp): the packed
-layout holds the weight, the kernel computes x W^T + b to within bf16's rounding for every
+"""bf16 products on AMX tiles (stages/executor/linear/amx.py, csrc/amx_linear.cpp) and, in the
+same layout, on AVX512-BF16 (csrc/bf16_vector.cpp): the packed layout holds the weight, each
+kernel computes x W^T + b to within bf16's rounding for every
 row count a step has (one row pair, several, slabs of a long prompt, ragged ends) and odd
 output counts, with the same bits at any number of threads, bad inputs are refused by name,
 oneDNN's own AMX products still compute right beside it, and a model whose layers mix it
@@ -8,6 +9,7 @@ with oneDNN's packing gives the same bits in one call as in the Python layers.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,10 +19,12 @@ from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_llama
 from stages.executor.linear.amx import (
     AmxMethod,
+    VectorBf16Method,
     interleave_gate_up,
     kernel_missing,
     pack,
     unpack,
+    vector_kernel_missing,
 )
 from stages.executor.linear.base import Linear
 from stages.executor.linear.onednn import OneDnnPackedMethod, can_pack
@@ -28,6 +32,19 @@ from stages.executor.linear.select import select_linear_method
 from stages.inprocess import InProcessEngine
 
 needs_amx = pytest.mark.skipif(kernel_missing() is not None, reason=f"AMX: {kernel_missing()}")
+needs_vector = pytest.mark.skipif(vector_kernel_missing() is not None,
+                                  reason=f"AVX512-BF16: {vector_kernel_missing()}")
+# The packed bf16 method this CPU's forward takes (select.py), if any
+PACKED = (AmxMethod if kernel_missing() is None
+          else VectorBf16Method if vector_kernel_missing() is None else None)
+needs_packed = pytest.mark.skipif(PACKED is None, reason="neither AMX nor AVX512-BF16 here")
+
+
+@pytest.fixture(params=[pytest.param("amx_linear", marks=needs_amx),
+                        pytest.param("bf16_vector_linear", marks=needs_vector)])
+def product(request: pytest.FixtureRequest) -> Any:
+    """Each kernel of the packed layout this CPU runs."""
+    return getattr(torch.ops.llm_cpu, request.param)
 CPU = torch.device("cpu")
 PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8, 4, 4, 1, 9, 9, 3, 2, 6, 7, 7, 1, 2, 3, 4, 5]]
 
@@ -65,24 +82,22 @@ def test_the_layout_holds_the_weight_and_refuses_a_ragged_k() -> None:
         pack(torch.randn(8, 40))
 
 
-@needs_amx
 @pytest.mark.parametrize("n,k", [(50, 32), (96, 576), (960, 1536)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_kernel_is_the_product_rounded_once(n: int, k: int, rows: int,
+def test_the_kernel_is_the_product_rounded_once(product: Any, n: int, k: int, rows: int,
                                                 with_bias: bool) -> None:
     # (1000 rows at K = 576: three slabs of 448 and a ragged last one; at K = 1536 seven)
     g = torch.Generator().manual_seed(n * 7 + rows)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g) if with_bias else None
-    y = torch.ops.llm_cpu.amx_linear(x, pack(w), bias, n)
+    y = product(x, pack(w), bias, n)
     _assert_rounded(y, _reference(x, w, bias), x, w)
 
 
-@needs_amx
 @pytest.mark.parametrize("rows", [1, 32, 100, 1000])
-def test_any_number_of_threads_gives_the_same_bits(rows: int) -> None:
+def test_any_number_of_threads_gives_the_same_bits(product: Any, rows: int) -> None:
     """The threads share the panels out as they go (csrc/work_queue.h: a decode step's from
     one queue, a prompt's from each thread's own run and then another's); each panel is
     computed whole by one thread, so the result cannot depend on how many ran or who took
@@ -93,16 +108,16 @@ def test_any_number_of_threads_gives_the_same_bits(rows: int) -> None:
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
     packed = pack(w)
-    results = at_thread_counts(lambda: torch.ops.llm_cpu.amx_linear(x, packed, bias, n))
+    results = at_thread_counts(lambda: product(x, packed, bias, n))
     _assert_rounded(results[0], _reference(x, w, bias), x, w)
     for y in results[1:]:
         assert torch.equal(y, results[0])
 
 
-@needs_amx
 @pytest.mark.parametrize("rows", [1, 17, 64, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gated_it_is_silu_of_gate_times_up_rounded_once(rows: int, with_bias: bool) -> None:
+def test_gated_it_is_silu_of_gate_times_up_rounded_once(product: Any, rows: int,
+                                                       with_bias: bool) -> None:
     g = torch.Generator().manual_seed(rows)
     inter, k = 48, 576  # three blocks of 16 gate and 16 up columns
     w = (torch.randn(2 * inter, k, generator=g) * 0.05).to(torch.bfloat16)
@@ -110,7 +125,7 @@ def test_gated_it_is_silu_of_gate_times_up_rounded_once(rows: int, with_bias: bo
     bias = torch.randn(2 * inter, generator=g) if with_bias else None
     packed = pack(interleave_gate_up(w))
     b = interleave_gate_up(bias) if bias is not None else None
-    y = torch.ops.llm_cpu.amx_linear(x, packed, b, 2 * inter, True)
+    y = product(x, packed, b, 2 * inter, True)
     gate_up = _reference(x, w, bias)
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     exact = torch.nn.functional.silu(gate) * up
@@ -120,7 +135,7 @@ def test_gated_it_is_silu_of_gate_times_up_rounded_once(rows: int, with_bias: bo
                                        + magnitude[:, inter:] * gate.abs()) * 2.0 ** -19 + 1e-6
     assert ((y.double() - exact).abs() <= slack).all()
     with pytest.raises(RuntimeError, match="not a multiple of 32"):
-        torch.ops.llm_cpu.amx_linear(x, pack(w[:80]), None, 80 - 8, True)
+        product(x, pack(w[:80]), None, 80 - 8, True)
 
 
 def test_interleaving_puts_a_block_of_each_in_a_panel() -> None:
@@ -129,18 +144,16 @@ def test_interleaving_puts_a_block_of_each_in_a_panel() -> None:
     assert rows == [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
 
 
-@needs_amx
-def test_no_rows_give_an_empty_result() -> None:
+def test_no_rows_give_an_empty_result(product: Any) -> None:
     w = torch.randn(64, 64).to(torch.bfloat16)
-    y = torch.ops.llm_cpu.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), pack(w), None, 64)
+    y = product(torch.empty(0, 64, dtype=torch.bfloat16), pack(w), None, 64)
     assert y.shape == (0, 64)
 
 
-@needs_amx
-def test_bad_inputs_are_refused_with_the_reason() -> None:
+def test_bad_inputs_are_refused_with_the_reason(product: Any) -> None:
     w = torch.randn(64, 64).to(torch.bfloat16)
     packed, x = pack(w), torch.randn(3, 64).to(torch.bfloat16)
-    amx = torch.ops.llm_cpu.amx_linear
+    amx = product
     with pytest.raises(RuntimeError, match="contiguous bf16"):
         amx(x.float(), packed, None, 64)
     with pytest.raises(RuntimeError, match="not a multiple of 32"):
@@ -171,22 +184,24 @@ def test_onednns_products_stay_right_beside_it() -> None:
             _assert_rounded(torch.ops.llm_cpu.amx_linear(x, packed, None, 96), exact, x, w)
 
 
-@needs_amx
+@needs_packed
 def test_bf16_on_the_cpu_kernels_takes_it_and_other_setups_do_not() -> None:
-    assert isinstance(select_linear_method(torch.bfloat16, CPU, False, kernels=True), AmxMethod)
-    assert not isinstance(select_linear_method(torch.bfloat16, CPU, False, kernels=False),
-                          AmxMethod)
-    assert not isinstance(select_linear_method(torch.float32, CPU, False, kernels=True),
-                          AmxMethod)
-    assert not isinstance(select_linear_method(torch.bfloat16, CPU, True, kernels=True),
-                          AmxMethod)  # (the compiled forward keeps plain weights)
-    assert "bfloat16, not torch.float32" in AmxMethod.unsupported(torch.float32, CPU)
+    """AMX where the CPU has it, else AVX512-BF16; float32, the Python layers' forward and the
+    compiled one take other formats."""
+    assert PACKED is not None
+    assert type(select_linear_method(torch.bfloat16, CPU, False, kernels=True)) is PACKED
+    for other in (select_linear_method(torch.bfloat16, CPU, False, kernels=False),
+                  select_linear_method(torch.float32, CPU, False, kernels=True),
+                  select_linear_method(torch.bfloat16, CPU, True, kernels=True)):
+        assert not isinstance(other, AmxMethod)  # (VectorBf16Method is one)
+    assert "bfloat16, not torch.float32" in PACKED.unsupported(torch.float32, CPU)
 
 
-@needs_amx
+@needs_packed
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
 def test_a_layer_with_ragged_inputs_takes_onednns_packing() -> None:
-    layers = [Linear(k, 40, True, AmxMethod()) for k in (64, 24)]
+    assert PACKED is not None
+    layers = [Linear(k, 40, True, PACKED()) for k in (64, 24)]
     for layer in layers:
         layer.weight = torch.nn.Parameter(torch.randn(40, layer.in_features).to(torch.bfloat16),
                                           requires_grad=False)
@@ -195,23 +210,24 @@ def test_a_layer_with_ragged_inputs_takes_onednns_packing() -> None:
                                            lay.weight, lay.bias) for lay in layers]
     for layer in layers:
         layer.method.process(layer)
-    assert layers[0].method.name == "amx-bf16" and not hasattr(layers[0], "weight")
+    assert layers[0].method.name == PACKED.name and not hasattr(layers[0], "weight")
     assert isinstance(layers[1].method, OneDnnPackedMethod)
     for layer, want in zip(layers, expected, strict=True):
         got = layer(torch.ones(3, layer.in_features, dtype=torch.bfloat16))
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
 
 
-@needs_amx
+@needs_packed
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
 def test_a_model_mixing_both_gives_the_same_bits_in_one_call(tmp_path: Path) -> None:
     """An MLP 100 wide: its down projection (100 inputs) is oneDNN's, the rest AMX's; the
     fused layers and the Python layers agree to the bit (greedy tokens, prompt log-probs)."""
+    assert PACKED is not None
     folder = build_random_llama(tmp_path / "m", intermediate=100)
     engines = [InProcessEngine(str(folder), dtype=torch.bfloat16, max_num_batched_tokens=16)
                for _ in range(2)]
     mlp = engines[0].runner.model.model.layers[0].mlp
-    assert (mlp.gate_up_proj.method.name, mlp.down_proj.method.name) == ("amx-bf16",
+    assert (mlp.gate_up_proj.method.name, mlp.down_proj.method.name) == (PACKED.name,
                                                                            "onednn-packed")
     assert not mlp.gate_up_proj.fused_gate  # (100 gate rows: not whole blocks of 16)
     assert engines[0].runner.model.fused_layers is not None
@@ -220,7 +236,7 @@ def test_a_model_mixing_both_gives_the_same_bits_in_one_call(tmp_path: Path) -> 
     assert results[0] == results[1]
 
 
-@needs_amx
+@needs_packed
 def test_a_fused_gate_model_gives_the_same_bits_in_one_call_and_answers_as_unfused(
         tmp_path: Path) -> None:
     """gate/up with silu in the product's pass (an MLP 96 wide): the fused layers and the

@@ -161,7 +161,7 @@ def test_bfloat16_runs_with_a_bfloat16_cache(tiny_model_dir: Path) -> None:
     engine = InProcessEngine(str(tiny_model_dir), dtype=torch.bfloat16)
     assert engine.runner.kv_caches[0].dtype == torch.bfloat16
     head = engine.runner.model.lm_head  # bf16 weights in the format this CPU takes them in
-    if head.method.name == "amx-bf16":  # (AMX tiles: bytes of bf16 pairs)
+    if head.method.name in ("amx-bf16", "avx512-bf16"):  # (AMX's layout: bytes of bf16 pairs)
         assert unpack(head.amx_weight, head.out_features).dtype == torch.bfloat16
     else:  # oneDNN's packed layout where it can pack bf16 (can_pack), else plain
         assert getattr(head, "packed_weight", getattr(head, "weight", None)).dtype == torch.bfloat16

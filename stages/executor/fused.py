@@ -7,9 +7,9 @@ layer, which were a third of a one-token decode step of the default model (docs/
 "Single stream"). It runs where the layers are exactly that sequence: the cpu_kernels
 attention backend, one rank, every layer the pre-norm layer with a dense SiLU MLP and no
 per-head q/k norms (each layer kind says whether it is: `fast_path`), attending alike, and
-every projection oneDNN-, MKL- or AMX-packed or quantized (plain F.linear weights keep the
-Python layers). `build` decides, and logs why where a model's layers have no fast path; the
-model keeps the result as `fused_layers` (None: the Python layers run)."""
+every projection oneDNN-, MKL-, AMX- or AVX512-BF16-packed or quantized (plain F.linear
+weights keep the Python layers). `build` decides, and logs why where a model's layers have
+no fast path; the model keeps the result as `fused_layers` (None: the Python layers run)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from stages.executor.linear.base import Linear
 
 logger = logging.getLogger(__name__)
 
-PACKED, QUANTIZED, AMX, AMX_GATED, MKL = 0, 1, 2, 3, 4
+PACKED, QUANTIZED, AMX, AMX_GATED, MKL, VECTOR, VECTOR_GATED = 0, 1, 2, 3, 4, 5, 6
 PER_LAYER = 10  # weights a layer: two norms, and a weight and a bias a projection
 PER_LAYER_INTS = 12  # ints a layer: kind, bits, outputs a projection (after 3 shared)
 QUANTIZED_METHODS = ("int8", "int4", "gguf")
@@ -41,6 +41,9 @@ def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[
         return layer.mkl_weight, layer.bias, [MKL, layer.mkl_one_row, layer.out_features]
     if name == "amx-bf16":
         kind = AMX_GATED if layer.fused_gate else AMX
+        return layer.amx_weight, layer.bias_f32, [kind, 0, layer.out_features]
+    if name == "avx512-bf16":
+        kind = VECTOR_GATED if layer.fused_gate else VECTOR
         return layer.amx_weight, layer.bias_f32, [kind, 0, layer.out_features]
     return None
 

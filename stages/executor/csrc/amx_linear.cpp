@@ -49,6 +49,7 @@
 #include <cstring>
 
 #include "amx_tiles.h"
+#include "bf16_vector.h"
 #include "vector_math.h"
 #include "work_queue.h"
 
@@ -336,23 +337,8 @@ bool amx_linear_available() {
 // whose panels are 16 gate then 16 up columns): silu(gate) * up, bf16 [M, N / 2].
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t n, bool gated) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "amx_linear: x must be a contiguous bf16 matrix");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "amx_linear: the packed weight must be a contiguous uint8 matrix");
+  llm_cpu_bf16::check_linear("amx_linear", x, packed, bias, n, gated);
   const int64_t k = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(k > 0 && k % kChunkK == 0, "amx_linear: x has ", k,
-              " columns, not a multiple of ", kChunkK);
-  TORCH_CHECK(packed.size(1) == (k / kChunkK) * kChunkBytes, "amx_linear: a panel of ",
-              packed.size(1), " bytes for ", k, " inputs");
-  TORCH_CHECK(n > 0 && panels == (n + kPanel - 1) / kPanel, "amx_linear: ", panels,
-              " panels of 32 for ", n, " outputs");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
-                "amx_linear: bias must be float32 [N]");
-  }
-  TORCH_CHECK(!gated || n % kPanel == 0, "amx_linear: gated outputs come in panels of 16 gate "
-              "and 16 up columns; ", n, " is not a multiple of 32");
   at::Tensor y = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if LLM_CPU_AMX
   TORCH_CHECK(request_tiles(), "amx_linear: the kernel did not grant this process AMX tiles");

@@ -28,8 +28,17 @@ using OptTensor = std::optional<at::Tensor>;
 enum Entry { kNorm1, kQkvW, kQkvB, kOW, kOB, kNorm2, kGateUpW, kGateUpB, kDownW, kDownB,
              kEntries };
 // Per projection, the entries of `ints` after the 3 shared ones: its kind, bits and outputs.
-// kAmxGated: a gate/up product whose amx_linear writes silu(gate) * up itself.
-enum Kind { kPacked = 0, kQuantized = 1, kAmx = 2, kAmxGated = 3, kMkl = 4 };
+// kAmxGated, kVectorGated: a gate/up product whose amx_linear (bf16_vector_linear) writes
+// silu(gate) * up itself.
+enum Kind {
+  kPacked = 0,
+  kQuantized = 1,
+  kAmx = 2,
+  kAmxGated = 3,
+  kMkl = 4,
+  kVector = 5,
+  kVectorGated = 6
+};
 constexpr int64_t kShared = 3, kPerProjection = 3, kProjections = 4;
 
 struct Ops {
@@ -48,6 +57,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, bool)>
       amx_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t, bool)>
+      vector_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, int64_t)>
       mkl_linear;
@@ -77,6 +89,9 @@ const Ops& ops() {
         d.findSchemaOrThrow("llm_cpu::amx_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               bool)>(),
+        d.findSchemaOrThrow("llm_cpu::bf16_vector_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
+                              bool)>(),
         d.findSchemaOrThrow("llm_cpu::mkl_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               int64_t)>(),
@@ -100,6 +115,10 @@ at::Tensor project(const at::Tensor& x, const OptTensor& weight, const OptTensor
   }
   if (spec[0] == kAmx || spec[0] == kAmxGated) {
     return ops().amx_linear.call(x.contiguous(), *weight, bias, spec[2], spec[0] == kAmxGated);
+  }
+  if (spec[0] == kVector || spec[0] == kVectorGated) {
+    return ops().vector_linear.call(x.contiguous(), *weight, bias, spec[2],
+                                    spec[0] == kVectorGated);
   }
   return ops().packed_linear.call(x.contiguous(), *weight, bias, "none",
                                   c10::List<std::optional<c10::Scalar>>(), "");
@@ -143,7 +162,7 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     h = op.add_rms_norm.call(x, h, *w(kNorm2), eps);  // x += h
     const int64_t* gate_up = spec + 2 * kPerProjection;
     h = project(h, w(kGateUpW), w(kGateUpB), gate_up);
-    if (gate_up[0] != kAmxGated) h = op.silu_and_mul.call(h);
+    if (gate_up[0] != kAmxGated && gate_up[0] != kVectorGated) h = op.silu_and_mul.call(h);
     h = project(h, w(kDownW), w(kDownB), spec + 3 * kPerProjection);
     if (l + 1 < layers) {
       normed = op.add_rms_norm.call(x, h, *weights.get((l + 1) * kEntries + kNorm1), eps);

@@ -1,5 +1,6 @@
 """bf16 weights for AMX tiles (csrc/amx_linear.cpp), in the executor process: the bf16
-forward's products on a CPU with AMX-BF16, in place of oneDNN's packed ones.
+forward's products on a CPU with AMX-BF16, in place of oneDNN's packed ones; and the same
+layout on AVX512-BF16 (csrc/bf16_vector.cpp) where a CPU lacks the tiles (AMD Zen 4 and 5).
 
 Both run on the same tiles; the difference is how the weights stream. A decode step reads
 every weight once, and oneDNN's packed product does so at 14-16 GB/s at one token and 8-10
@@ -113,4 +114,31 @@ class AmxMethod(LinearMethod):
     @staticmethod
     def _run(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         return over_rows(x, lambda rows: torch.ops.llm_cpu.amx_linear(
+            rows, layer.amx_weight, layer.bias_f32, layer.out_features, gated))
+
+
+def vector_kernel_missing() -> str | None:
+    """Why bf16_vector_linear cannot run here (None: it can)."""
+    return kernels.op_missing("bf16_vector_available", "this CPU (or its compiler) lacks "
+                              "AVX512-BF16")
+
+
+class VectorBf16Method(AmxMethod):
+    """AmxMethod's layout and fused gate on AVX512-BF16 (csrc/bf16_vector.cpp), for a CPU
+    without AMX: there oneDNN's packed bf16 product reads its weights at about half the
+    memory's speed at one row (docs/BENCHMARKS.md, "bf16 products without AMX")."""
+
+    name = "avx512-bf16"
+
+    @classmethod
+    def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return f"AVX512-BF16 is a CPU's, not {device.type}'s"
+        if dtype != torch.bfloat16:
+            return f"AVX512-BF16 multiplies bfloat16, not {dtype}"
+        return vector_kernel_missing()
+
+    @staticmethod
+    def _run(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        return over_rows(x, lambda rows: torch.ops.llm_cpu.bf16_vector_linear(
             rows, layer.amx_weight, layer.bias_f32, layer.out_features, gated))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ipc.gguf_source import GgufSource
-from stages.executor.linear.amx import AmxMethod
+from stages.executor.linear.amx import AmxMethod, VectorBf16Method
 from stages.executor.linear.base import LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.mkl import MklPackedMethod
@@ -21,7 +21,8 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
     quantized format. Either raises ValueError saying why it cannot run here. Otherwise, for
     the eager CPU forward, packed weights (`pack`: None as that, False plain, True required):
     where the forward runs on the CPU kernels (`kernels`), bf16 on AMX tiles where the CPU has
-    AMX-BF16 and float32 for MKL's sgemm where torch has MKL; else oneDNN's packed layout
+    AMX-BF16, else on AVX512-BF16 in the same layout, and float32 for MKL's sgemm where torch
+    has MKL; else oneDNN's packed layout
     where oneDNN can pack the dtype; plain F.linear otherwise.
     (TorchInductor lowers packed weights only as frozen constants, which one graph shared
     by every layer cannot have.)"""
@@ -38,7 +39,7 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
     if pack is False:
         return DenseMethod()
     if kernels and not compiled:
-        for method in (AmxMethod, MklPackedMethod):
+        for method in (AmxMethod, VectorBf16Method, MklPackedMethod):
             if method.unsupported(dtype, device) is None:
                 return method()
     why = OneDnnPackedMethod.unsupported(dtype, device)
