@@ -19,10 +19,10 @@ from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_llama
 from stages.executor.linear.amx import (
     AmxMethod,
-    VectorBf16Method,
     interleave_gate_up,
     kernel_missing,
     pack,
+    packed_method,
     unpack,
     vector_kernel_missing,
 )
@@ -35,8 +35,7 @@ needs_amx = pytest.mark.skipif(kernel_missing() is not None, reason=f"AMX: {kern
 needs_vector = pytest.mark.skipif(vector_kernel_missing() is not None,
                                   reason=f"AVX512-BF16: {vector_kernel_missing()}")
 # The packed bf16 method this CPU's forward takes (select.py), if any
-PACKED = (AmxMethod if kernel_missing() is None
-          else VectorBf16Method if vector_kernel_missing() is None else None)
+PACKED = packed_method()
 needs_packed = pytest.mark.skipif(PACKED is None, reason="neither AMX nor AVX512-BF16 here")
 
 

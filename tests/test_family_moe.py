@@ -23,6 +23,7 @@ from ipc.families import arch_spec
 from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_model
 from stages.executor.backends.base import TORCH_OPS
+from stages.executor.linear.amx import packed_method
 from stages.executor.linear.base import LinearMethod, process_weights
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.quantized import (
@@ -37,6 +38,10 @@ from stages.executor.sharding import Shard
 from stages.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.timeout(600)
+
+# The packed bf16 method this CPU takes (AMX's layout), whose experts run in one kernel
+PACKED = packed_method()
+needs_packed = pytest.mark.skipif(PACKED is None, reason="neither AMX nor AVX512-BF16 here")
 
 HIDDEN, EXPERT = 64, 32  # the tiny models' hidden size and each expert's intermediate
 SHAPE = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
@@ -139,11 +144,13 @@ class Weights:
         self.shared = ((rand(moe.shared_intermediate, h), rand(moe.shared_intermediate, h),
                         rand(h, moe.shared_intermediate)) if moe.shared_intermediate else None)
         self.shared_gate = rand(1, h) if moe.shared_gate else None
+        self.biases = ([(rand(moe.intermediate), rand(moe.intermediate), rand(h))
+                        for _ in range(moe.num_experts)] if moe.expert_bias else None)
 
     def block(self, spec: ArchSpec, linear: LinearMethod | None = None,
-              shard: Shard | None = None) -> MoEBlock:
-        """A block holding this rank's slices of the weights, processed into `linear`'s
-        format, through the layers' own load_weight (as the loader does)."""
+              shard: Shard | None = None, dtype: torch.dtype = torch.float32) -> MoEBlock:
+        """A block holding this rank's slices of the weights (in `dtype`), processed into
+        `linear`'s format, through the layers' own load_weight (as the loader does)."""
         assert spec.moe is not None
         block = MoEBlock(spec, spec.moe, TORCH_OPS, linear or DenseMethod(), shard or Shard())
         block.gate.weight.data.copy_(self.router)
@@ -157,7 +164,11 @@ class Weights:
             expert.gate_up_proj.load_weight("weight", gate, 0)
             expert.gate_up_proj.load_weight("weight", up, 1)
             expert.down_proj.load_weight("weight", down, None)
-        process_weights(block)
+        for expert, (gate, up, down) in zip(block.experts, self.biases or [], strict=False):
+            expert.gate_up_proj.load_weight("bias", gate, 0)
+            expert.gate_up_proj.load_weight("bias", up, 1)
+            expert.down_proj.load_weight("bias", down, None)
+        process_weights(block.to(dtype))
         return block
 
     def reference(self, spec: ArchSpec, x: torch.Tensor, linear: Any) -> torch.Tensor:
@@ -262,6 +273,106 @@ def test_topk_softmax_routing_is_the_renormalised_softmax() -> None:
     b = route(logits, MoESpec(8, 3, EXPERT, norm_topk=True))
     assert torch.equal(a.experts, b.experts)
     torch.testing.assert_close(a.weights, b.weights)
+
+
+def bf16_reference(w: Weights, x: torch.Tensor, experts: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum in float64 from bf16 weights and inputs, each
+    expert's silu(gate) * up rounded to bf16 as the model's dtype rounds it between its
+    two products."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(len(x)):
+        for e, weight in zip(experts[t].tolist(), weights[t].double().tolist(), strict=True):
+            gate, up, down = (m.bfloat16().double() for m in w.experts[e])
+            bg, bu, bd = w.biases[e] if w.biases is not None else (0.0, 0.0, 0.0)
+            xt = x[t].double()
+            h = (F.silu(gate @ xt + bg) * (up @ xt + bu)).bfloat16().double()
+            out[t] += weight * (down @ h + bd)
+    return out
+
+
+@needs_packed
+@pytest.mark.parametrize(("experts", "top_k", "fields"), [
+    (8, 2, {}),
+    (5, 3, {"norm_topk": True, "float_weights": True}),
+    (7, 1, {}),
+    (3, 3, {}),  # every expert takes every token
+    (6, 2, {"expert_bias": True, "router_bias": True}),
+    (6, 2, {"shared_intermediate": 48, "shared_gate": True}),
+])
+def test_the_bf16_expert_kernel_equals_a_bf16_reference(experts: int, top_k: int,
+                                                        fields: dict[str, Any]) -> None:
+    """Packed bf16 experts (amx.py's layout) are stacked into one moe_experts call, each
+    expert keeping a view of its slice; its output is the reference's over the block's own
+    routing, rounded once (within bf16's step of the sum), and a token's result is the same
+    bits alone as among 36 others (the kernel's sums do not depend on the step)."""
+    assert PACKED is not None
+    spec = moe_spec(experts, top_k, **fields)
+    w = Weights(spec)
+    block = w.block(spec, PACKED(), dtype=torch.bfloat16)
+    stacked = block.stacked
+    assert stacked is not None and stacked.w13.shape[0] == experts
+    assert block.experts[1].down_proj.amx_weight.data_ptr() == stacked.w2[1].data_ptr()
+    assert (stacked.b13 is not None) == bool(fields.get("expert_bias"))
+    x = inputs(37).bfloat16()
+    routing = route(block.gate(x), spec.moe)  # type: ignore[arg-type]
+    got = block(x)
+    want = bf16_reference(w, x, routing.experts, routing.weights)
+    if block.shared_expert is not None:  # (the shared expert: its own packed products)
+        shared = block.shared_expert(x)
+        if block.shared_expert_gate is not None:
+            shared = torch.sigmoid(block.shared_expert_gate(x)) * shared
+        want += shared.double()
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -7,
+                               atol=2 ** -8 * float(want.abs().max()))
+    for t in (0, 17, 36):
+        assert torch.equal(block(x[t:t + 1]), got[t:t + 1])
+
+
+@needs_packed
+def test_the_bf16_expert_kernel_with_one_expert_for_every_token_and_idle_experts() -> None:
+    """Every token to expert 3 (top 1: the others run on nothing; top 2: its first), and a
+    step whose routing leaves most experts idle: the kernel skips them and still sums right."""
+    for top_k in (1, 2):
+        spec = moe_spec(8, top_k)
+        w = Weights(spec)
+        w.router[3] = 5.0  # x > 0 below: logit 3 is the largest of every token
+        block = w.block(spec, PACKED(), dtype=torch.bfloat16)  # type: ignore[misc]
+        x = inputs(9).abs().bfloat16()
+        routing = route(block.gate(x), spec.moe)  # type: ignore[arg-type]
+        assert (routing.experts[:, 0] == 3).all()
+        want = bf16_reference(w, x, routing.experts, routing.weights)
+        torch.testing.assert_close(block(x).double(), want, rtol=2 ** -7,
+                                   atol=2 ** -8 * float(want.abs().max()))
+
+
+@needs_packed
+def test_the_bf16_expert_kernel_refuses_bad_arguments_by_name() -> None:
+    spec = moe_spec(4, 2)
+    block = Weights(spec).block(spec, PACKED(), dtype=torch.bfloat16)  # type: ignore[misc]
+    s = block.stacked
+    assert s is not None
+    x = inputs(3).bfloat16()
+    chosen = torch.tensor([[0, 1], [2, 3], [1, 4]])  # expert 4 of 4
+    weights = torch.full((3, 2), 0.5)
+    with pytest.raises(RuntimeError, match="expert 4 of 4"):
+        torch.ops.llm_cpu.moe_experts(x, chosen, weights, s.w13, s.b13, s.w2, s.b2)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        torch.ops.llm_cpu.moe_experts(x.float(), chosen.clamp(max=3), weights, s.w13, s.b13,
+                                      s.w2, s.b2)
+    with pytest.raises(RuntimeError, match=r"must both be \[T, k\]"):
+        torch.ops.llm_cpu.moe_experts(x, chosen[:2], weights, s.w13, s.b13, s.w2, s.b2)
+
+
+def test_experts_the_kernel_cannot_take_run_one_by_one() -> None:
+    """float32 experts and gpt-oss's clamped SwiGLU (not SiLU fused into the gate/up
+    product) keep the per-expert products."""
+    spec = moe_spec(4, 2)
+    assert Weights(spec).block(spec).stacked is None  # (plain float32 weights)
+    if PACKED is not None:
+        clamped = moe_spec(4, 2, swiglu_limit=7.0, swiglu_alpha=1.702)
+        block = Weights(clamped).block(clamped, PACKED(), dtype=torch.bfloat16)
+        assert block.stacked is None and not block.experts[0].gate_up_proj.fused_gate
 
 
 def quantized_linear_of(bits: int) -> Any:

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "amx_linear.cpp",
-                              "mkl_linear.cpp", "decoder_layers.cpp", "bf16_vector.cpp"))
+                              "mkl_linear.cpp", "decoder_layers.cpp", "bf16_vector.cpp",
+                              "moe_experts.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("vector_math.h", "amx_tiles.h", "work_queue.h", "bf16_vector.h"))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them

@@ -142,3 +142,11 @@ class VectorBf16Method(AmxMethod):
     def _run(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         return over_rows(x, lambda rows: torch.ops.llm_cpu.bf16_vector_linear(
             rows, layer.amx_weight, layer.bias_f32, layer.out_features, gated))
+
+
+def packed_method() -> type[AmxMethod] | None:
+    """The packed bf16 form this CPU runs: AMX's tiles, else AVX512-BF16, else none."""
+    for method in (AmxMethod, VectorBf16Method):
+        if method.unsupported(torch.bfloat16, torch.device("cpu")) is None:
+            return method
+    return None

@@ -82,8 +82,14 @@ class Linear(nn.Module):
 
 
 def process_weights(model: nn.Module) -> int:
-    """Each Linear's method converts its loaded weights; returns how many layers."""
+    """Each Linear's method converts its loaded weights, then each module with a
+    `weights_processed()` gathers what it needs of them (moe_block.py stacks its experts' for
+    one kernel); returns how many Linear layers."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         layer.method.process(layer)
+    for module in model.modules():
+        gather = getattr(module, "weights_processed", None)
+        if gather is not None:
+            gather()
     return len(layers)

@@ -11,6 +11,13 @@ Which experts run is read on the host (a device sync on CUDA; plain PyTorch ops,
 op), so the block runs in the eager forwards only: the compiled one is refused for these
 models (backends/select.py).
 
+Where every routed expert is packed bf16 with SiLU fused into its gate/up product (amx.py's
+layout: AMX or AVX512-BF16 CPUs), the experts' weights are stacked once loaded and a step's
+routed experts run in one kernel call (csrc/moe_experts.cpp): no Python, dispatch or thread
+barrier per expert, and each expert's weights streamed once per step by both threads. Other
+formats (float32, --quantization, gpt-oss's MXFP4 blocks) run the experts one by one as
+above.
+
 Tensor parallelism shards each expert's intermediate rows across the ranks, as a dense MLP's:
 every rank runs every routed expert on its slice, and one all-reduce per layer sums the
 experts' and the shared expert's partial outputs together. Whole experts per rank (expert
@@ -20,6 +27,7 @@ every expert needs neither, at the cost of smaller products per rank."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -32,6 +40,9 @@ from stages.executor.linear.base import Linear, LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.models.blocks import dense_mlp
 from stages.executor.sharding import ColumnParallelLinear, RowParallelLinear, Shard
+
+logger = logging.getLogger(__name__)
+_told: set[str] = set()
 
 
 class PartialRowLinear(RowParallelLinear):
@@ -77,6 +88,17 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated_forward(x, self.act_and_mul))
+
+
+PACKED_BF16 = ("amx-bf16", "avx512-bf16")  # amx.py's layout, which moe_experts reads
+
+
+class StackedExperts(NamedTuple):
+    """Every routed expert's packed weights and float32 biases (or None), stacked."""
+    w13: torch.Tensor  # uint8 [E, panels, bytes]: gate/up, gate and up interleaved
+    b13: torch.Tensor | None  # [E, 2I]
+    w2: torch.Tensor  # uint8 [E, panels, bytes]: down
+    b2: torch.Tensor | None  # [E, H]
 
 
 class Routing(NamedTuple):
@@ -126,9 +148,54 @@ class MoEBlock(nn.Module):
                               if moe.shared_intermediate else None)
         self.shared_expert_gate = (Linear(spec.hidden, 1, False, DenseMethod())
                                    if moe.shared_gate else None)
+        self.stacked: StackedExperts | None = None  # (weights_processed)
+
+    def weights_processed(self) -> None:
+        """Once the experts' weights are in their format: where every routed expert is packed
+        bf16 with its gate fused (amx.py's layout, on AMX or AVX512-BF16) and the CPU kernels
+        have moe_experts, the experts' weights are stacked for it ([E, panels, bytes]), each
+        expert keeping a view of its slice (one copy in memory)."""
+        self.stacked = None
+        why = self._why_not_stacked()
+        if why is not None:
+            if why not in _told:  # (once, not once a layer)
+                _told.add(why)
+                logger.info("the routed experts run one by one: %s", why)
+            return
+        stacks = []
+        for name in ("gate_up_proj", "down_proj"):
+            layers = [getattr(e, name) for e in self.experts]
+            weight = torch.stack([layer.amx_weight for layer in layers])
+            bias = (torch.stack([layer.bias_f32 for layer in layers])
+                    if layers[0].bias_f32 is not None else None)
+            for i, layer in enumerate(layers):
+                layer.amx_weight = weight[i]
+                if bias is not None:
+                    layer.bias_f32 = bias[i]
+            stacks.append((weight, bias))
+        self.stacked = StackedExperts(*stacks[0], *stacks[1])
+
+    def _why_not_stacked(self) -> str | None:
+        if not hasattr(torch.ops.llm_cpu, "moe_experts"):
+            return "the CPU kernels are not loaded"
+        for expert in self.experts:
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            if not all(p.method.name in PACKED_BF16 for p in (gate_up, down)):
+                return (f"their weights are {gate_up.method.name}/{down.method.name}; the "
+                        f"kernel takes packed bf16 ({' or '.join(PACKED_BF16)})")
+            if not gate_up.fused_gate:
+                return "their activation is not SiLU fused into the gate/up product"
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.routed(x, route(self.gate(x), self.moe))
+        routing = route(self.gate(x), self.moe)
+        if self.stacked is not None and x.device.type == "cpu":
+            s = self.stacked
+            out = torch.ops.llm_cpu.moe_experts(x.reshape(-1, x.shape[-1]).contiguous(),
+                                                routing.experts, routing.weights, s.w13,
+                                                s.b13, s.w2, s.b2).view(x.shape)
+        else:
+            out = self.routed(x, routing)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # [T, hidden]
             if self.shared_expert_gate is not None:
