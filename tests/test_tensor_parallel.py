@@ -1,6 +1,6 @@
 """Tensor parallelism (stages/executor/parallel.py): two executor ranks over gloo give the
 greedy tokens of one, through the live pipeline, on Llama, Qwen2 (attention biases, tied
-embeddings), Qwen3 (per-head q/k norms), OLMo 2 and OLMoE (q/k norms over the whole
+embeddings), Qwen3 (per-head q/k norms), OLMo 2/3 and OLMoE (q/k norms over the whole
 projections, their squares summed across the ranks) shapes with GQA, with chunked prefill
 and preemption;
 each rank loads only its slices; a model the ranks cannot split is refused before anything
@@ -115,17 +115,22 @@ def test_two_ranks_split_every_expert_and_give_the_tokens_of_one(
     assert two == one_rank(folder)
 
 
+OLMO_FIELDS: dict[str, dict] = {
+    "olmo2": {}, "olmo3": {"sliding_window": 6},  # (two sliding layers)
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2}}
+
+
 def _olmo(folder: Path, model_type: str) -> Path:
-    """A tiny OLMo 2 or OLMoE whose q/k norm weights are 1 + N(0, 0.5) (a random model's are
-    ones, where a rank that loaded another rank's rows, or all of them, would go unseen)."""
+    """A tiny OLMo 2, OLMo 3 or OLMoE whose q/k norm weights are 1 + N(0, 0.5) (a random
+    model's are ones, where a rank that loaded another rank's rows, or all of them, would go
+    unseen)."""
     from safetensors.torch import load_file, save_file
 
     from pipeline.tools.random_model import build_random_model
 
-    experts = ({"num_experts": 4, "num_experts_per_tok": 2} if model_type == "olmoe" else {})
     build_random_model(folder, model_type, hidden_size=64, intermediate_size=32,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=128, **experts)
+                       max_position_embeddings=128, **OLMO_FIELDS[model_type])
     path = folder / "model.safetensors"
     tensors = load_file(path)
     gen = torch.Generator().manual_seed(1)
@@ -136,12 +141,13 @@ def _olmo(folder: Path, model_type: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "olmoe"])
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3", "olmoe"])
 @pytest.mark.live
 def test_two_ranks_norm_q_and_k_over_every_head(tmp_path: Path, model_type: str) -> None:
-    """OLMo 2's and OLMoE's q/k RMSNorms span the whole projections, every rank's heads:
-    each rank sums its slice's squares, one all-reduce a layer adds them, and each scales its
-    slice by its rows of the norm weights; the greedy tokens are one rank's."""
+    """OLMo 2's, OLMo 3's (windowed) and OLMoE's q/k RMSNorms span the whole projections,
+    every rank's heads: each rank sums its slice's squares, one all-reduce a layer adds them,
+    and each scales its slice by its rows of the norm weights; the greedy tokens are one
+    rank's."""
     folder = _olmo(tmp_path / model_type, model_type)
     two, _ = generate(tp_config(folder, 2))
     assert two == one_rank(folder)
