@@ -224,12 +224,15 @@ def test_q_and_k_norms_split_as_the_heads_and_sum_across_ranks(tmp_path: Path,
     assert not torch.allclose(alone, want_q[:, :attn[0].q_size], atol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["llama", "olmo3"])
 @pytest.mark.live
 @pytest.mark.slow
-def test_two_compiled_ranks_give_the_tokens_of_one(tmp_path: Path) -> None:
-    """The ranks' all-reduce traced into the compiled layers (gloo): the greedy tokens of
-    one eager rank, through chunked prefill and mixed steps."""
-    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
+def test_two_compiled_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str) -> None:
+    """The ranks' all-reduces traced into the compiled layers (gloo; OLMo 3's q/k sums of
+    squares too): the greedy tokens of one eager rank, through chunked prefill and mixed
+    steps."""
+    folder = (_olmo(tmp_path / arch, arch) if arch == "olmo3" else
+              build_random_llama(tmp_path / arch, heads=4, kv_heads=2, num_layers=2))
     cfg = tp_config(folder, 2)
     cfg = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, compile=True))
     two, _ = generate(cfg)
