@@ -104,16 +104,19 @@ def test_what_the_engine_does_not_implement_is_refused_by_name(change: dict,
         arch_spec(cfg)
 
 
-def test_olmo_refuses_tensor_parallelism_by_name() -> None:
-    """The q/k norms over the whole projections span every rank's heads: refused with
-    --tensor-parallel-size, before anything starts (preflight) and at load."""
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_olmo_splits_across_ranks_as_its_heads_do(model_type: str) -> None:
+    """The q/k norms over the whole projections split with the heads (their squares summed
+    across ranks: test_tensor_parallel.py), so only the heads must divide: 4 query and 2
+    key/value heads split over 2 ranks, not over 4."""
     from stages.executor.preflight import check_divisible
 
-    spec = arch_spec({"model_type": "olmo2", "vocab_size": 64, "num_hidden_layers": 2,
-                      **TINY})
-    check_divisible(spec, 1)
-    with pytest.raises(UnsupportedModel, match="q and k projections.*--tensor-parallel-size"):
-        check_divisible(spec, 2)
+    fields = {"sliding_window": 6} if model_type == "olmo3" else {}
+    spec = arch_spec({"model_type": model_type, "vocab_size": 64, "num_hidden_layers": 4,
+                      **TINY, **fields})
+    check_divisible(spec, 2)
+    with pytest.raises(UnsupportedModel, match="num_key_value_heads = 2 is not divisible"):
+        check_divisible(spec, 4)
 
 
 @pytest.mark.parametrize("name", ["olmo2", "olmo3"])

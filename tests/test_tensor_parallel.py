@@ -1,6 +1,8 @@
 """Tensor parallelism (stages/executor/parallel.py): two executor ranks over gloo give the
 greedy tokens of one, through the live pipeline, on Llama, Qwen2 (attention biases, tied
-embeddings) and Qwen3 (q/k norms) shapes with GQA, with chunked prefill and preemption;
+embeddings), Qwen3 (per-head q/k norms), OLMo 2/3 and OLMoE (q/k norms over the whole
+projections, their squares summed across the ranks) shapes with GQA, with chunked prefill
+and preemption;
 each rank loads only its slices; a model the ranks cannot split is refused before anything
 starts; every rank ends with the pipeline, also when one of them dies."""
 
@@ -10,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -112,12 +115,124 @@ def test_two_ranks_split_every_expert_and_give_the_tokens_of_one(
     assert two == one_rank(folder)
 
 
+OLMO_FIELDS: dict[str, dict] = {
+    "olmo2": {}, "olmo3": {"sliding_window": 6},  # (two sliding layers)
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2}}
+
+
+def _olmo(folder: Path, model_type: str) -> Path:
+    """A tiny OLMo 2, OLMo 3 or OLMoE whose q/k norm weights are 1 + N(0, 0.5) (a random
+    model's are ones, where a rank that loaded another rank's rows, or all of them, would go
+    unseen)."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.tools.random_model import build_random_model
+
+    build_random_model(folder, model_type, hidden_size=64, intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=128, **OLMO_FIELDS[model_type])
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensors[name] = 1 + torch.randn(t.shape, generator=gen) * 0.5
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3", "olmoe"])
+@pytest.mark.live
+def test_two_ranks_norm_q_and_k_over_every_head(tmp_path: Path, model_type: str) -> None:
+    """OLMo 2's, OLMo 3's (windowed) and OLMoE's q/k RMSNorms span the whole projections,
+    every rank's heads: each rank sums its slice's squares, one all-reduce a layer adds them,
+    and each scales its slice by its rows of the norm weights; the greedy tokens are one
+    rank's."""
+    folder = _olmo(tmp_path / model_type, model_type)
+    two, _ = generate(tp_config(folder, 2))
+    assert two == one_rank(folder)
+
+
+class _ThreadRanks(TensorParallel):
+    """Ranks as threads of this process: all_reduce sums every rank's tensor (rank 0's
+    first, as gloo's two-rank sum), so two shards' layers run side by side without a
+    process group."""
+
+    def __init__(self, rank: int, size: int, vocab_size: int,
+                 parts: list[torch.Tensor | None], barrier: threading.Barrier) -> None:
+        super().__init__(rank, size, vocab_size)
+        self.parts, self.barrier = parts, barrier
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.parts[self.rank] = x.clone()
+        self.barrier.wait()
+        total = self.parts[0]
+        for part in self.parts[1:]:
+            total = total + part  # type: ignore[operator]
+        self.barrier.wait()  # (every rank has read the parts before the next call)
+        return x.copy_(total)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmoe"])
+def test_q_and_k_norms_split_as_the_heads_and_sum_across_ranks(tmp_path: Path,
+                                                               model_type: str) -> None:
+    """Each rank holds its heads' rows of the q and k norm weights; normalising its slices,
+    with the squares summed across ranks and divided by the whole width, gives one rank's
+    norms of the whole projections to float32 rounding (the same sum in another order)."""
+    folder = _olmo(tmp_path / model_type, model_type)
+    cpu = torch.device("cpu")
+    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu)  # (not run)
+    full = load_model(folder, torch.float32, cpu, 64, backend, DenseMethod())
+    vocab = full.spec.vocab_size
+    parts: list[torch.Tensor | None] = [None, None]
+    barrier = threading.Barrier(2, timeout=30)
+    shards = [load_model(folder, torch.float32, cpu, 64, backend, DenseMethod(),
+                         _ThreadRanks(r, 2, vocab, parts, barrier)) for r in range(2)]
+    whole = full.model.layers[1].self_attn
+    attn = [s.model.layers[1].self_attn for s in shards]
+    q_width, k_width = whole.q_size, whole.kv_size  # (4 and 2 heads of 16)
+    for r, a in enumerate(attn):
+        assert (a.q_size, a.kv_size) == (q_width // 2, k_width // 2)
+        q_rows = slice(r * a.q_size, (r + 1) * a.q_size)
+        k_rows = slice(r * a.kv_size, (r + 1) * a.kv_size)
+        assert torch.equal(a.q_norm.weight, whole.q_norm.weight[q_rows])
+        assert torch.equal(a.k_norm.weight, whole.k_norm.weight[k_rows])
+    assert not torch.equal(attn[0].q_norm.weight, attn[1].q_norm.weight)  # (not all ones)
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(7, q_width, generator=gen) * torch.linspace(0.1, 3.0, q_width)
+    k = torch.randn(7, k_width, generator=gen) * torch.linspace(3.0, 0.1, k_width)
+    want_q, want_k = whole._norm_projections(q, k)
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def run(r: int) -> None:
+        a = attn[r]
+        got[r] = a._norm_projections(q[:, r * a.q_size:(r + 1) * a.q_size],
+                                     k[:, r * a.kv_size:(r + 1) * a.kv_size])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    torch.testing.assert_close(torch.cat([got[0][0], got[1][0]], dim=1), want_q,
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat([got[0][1], got[1][1]], dim=1), want_k,
+                               rtol=1e-6, atol=1e-6)
+    # A rank's own slice alone is not the norm: the sum across ranks is what makes it so.
+    alone = attn[0].q_norm(q[:, :attn[0].q_size])
+    assert not torch.allclose(alone, want_q[:, :attn[0].q_size], atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmo3"])
 @pytest.mark.live
 @pytest.mark.slow
-def test_two_compiled_ranks_give_the_tokens_of_one(tmp_path: Path) -> None:
-    """The ranks' all-reduce traced into the compiled layers (gloo): the greedy tokens of
-    one eager rank, through chunked prefill and mixed steps."""
-    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
+def test_two_compiled_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str) -> None:
+    """The ranks' all-reduces traced into the compiled layers (gloo; OLMo 3's q/k sums of
+    squares too): the greedy tokens of one eager rank, through chunked prefill and mixed
+    steps."""
+    folder = (_olmo(tmp_path / arch, arch) if arch == "olmo3" else
+              build_random_llama(tmp_path / arch, heads=4, kv_heads=2, num_layers=2))
     cfg = tp_config(folder, 2)
     cfg = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, compile=True))
     two, _ = generate(cfg)

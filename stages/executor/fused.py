@@ -6,10 +6,11 @@ results are the same bits either way; what goes is ~10 module calls and op dispa
 layer, which were a third of a one-token decode step of the default model (docs/BENCHMARKS.md
 "Single stream"). It runs where the layers are exactly that sequence: the cpu_kernels
 attention backend, one rank, every layer the pre-norm layer with a dense SiLU MLP and no
-per-head q/k norms (each layer kind says whether it is: `fast_path`), attending alike, and
-every projection oneDNN-, MKL-, AMX- or AVX512-BF16-packed or quantized (plain F.linear
-weights keep the Python layers). `build` decides, and logs why where a model's layers have
-no fast path; the model keeps the result as `fused_layers` (None: the Python layers run)."""
+q/k norms, per head or over the projections (each layer kind says whether it is:
+`fast_path`), attending alike, and every projection oneDNN-, MKL-, AMX- or AVX512-BF16-packed
+or quantized (plain F.linear weights keep the Python layers). `build` decides, and logs why
+where a model's layers have no fast path; the model keeps the result as `fused_layers` (None:
+the Python layers run)."""
 
 from __future__ import annotations
 

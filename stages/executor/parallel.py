@@ -7,7 +7,9 @@ heads and the MLP's intermediate rows of the column-parallel projections (qkv, g
 matching input columns of the row-parallel ones (o, down), after which one all-reduce per
 attention block and one per MLP block sums the ranks' parts; 1/K of the vocabulary of the
 embedding and of the output layer (the logits are gathered on rank 0, which samples). Norms
-and RoPE tables are small and replicated; each rank's KV cache holds its own heads.
+and RoPE tables are small and replicated, but for q/k norms over the whole projections (OLMo,
+OLMoE), split with the heads, their sums of squares all-reduced (blocks.Attention); each
+rank's KV cache holds its own heads.
 
 The scheduler still talks to rank 0 alone and the run-ahead protocol is unchanged: rank 0
 forwards each step plan to the other ranks, every rank reads the step's ring slot itself

@@ -125,8 +125,9 @@ def cpu_flags() -> set[str] | None:
 def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> None:
     """The shapes K ranks can split evenly, or UnsupportedModel naming the one they cannot:
     the heads, the dense MLPs' intermediate (where a layer has one), each expert's and the
-    shared expert's (moe_block.py slices every expert across the ranks); and what they cannot
-    split at all (check_unsplit)."""
+    shared expert's (moe_block.py slices every expert across the ranks). (The q/k norms over
+    the whole projections split as the heads do: blocks.Attention sums their squares across
+    the ranks.)"""
     moe = spec.moe
     shapes = [("num_attention_heads", spec.num_heads),
               ("num_key_value_heads", spec.num_kv_heads)]
@@ -140,18 +141,6 @@ def check_divisible(spec: ArchSpec, size: int, source: str = "config.json") -> N
         if value % size:
             raise UnsupportedModel(f"{source}: {name} = {value} is not divisible by "
                                    f"--tensor-parallel-size {size}")
-    check_unsplit(spec, size, source)
-
-
-def check_unsplit(spec: ArchSpec, size: int, source: str = "config.json") -> None:
-    """What K ranks cannot split at all, or UnsupportedModel naming it: q/k norms over the
-    whole projections (OLMo 2's, OLMoE's) span every rank's heads, and the sum of squares
-    across ranks is not implemented."""
-    if size > 1 and spec.qk_norm == "proj":
-        raise UnsupportedModel(f"{source}: model_type = {spec.family!r}: its q/k norms span "
-                               "every head: an RMSNorm over the whole q and k projections "
-                               "is not implemented across ranks; leave out "
-                               f"--tensor-parallel-size (was {size})")
 
 
 def check_devices(device: str, size: int) -> None:

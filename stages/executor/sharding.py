@@ -5,6 +5,8 @@ the whole), the same code for one rank (size 1: the whole tensor) or many:
 
 - ColumnParallelLinear: output rows split; a fused projection (q/k/v, gate/up) splits each of
   its parts, and loads them from the parts' own tensors or from a fused one;
+- a q/k norm over a whole projection (blocks.RMSNorm with a shard): its weight's rows split
+  as the projection's heads are (copy_rows);
 - RowParallelLinear: input columns split, the ranks' partial outputs summed (one all-reduce);
   a bias is added once (rank 0's, zeros elsewhere);
 - VocabParallelEmbedding / ParallelLMHead: rows of the vocabulary split (padded to a multiple
@@ -52,6 +54,8 @@ class Shard:
         return x if self.comm is None else self.comm.all_reduce(x)
 
 
+WHOLE = Shard()  # one rank: every tensor whole (a default for layers that may be split)
+
 Loaded = Any  # a checkpoint entry, sliceable (safetensors' lazy slice, or a tensor)
 
 
@@ -61,6 +65,18 @@ def copy_whole(param: torch.Tensor, loaded: Loaded) -> None:
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"shape {tuple(value.shape)} where the model has {tuple(param.shape)}")
     param.data.copy_(value)
+
+
+def copy_rows(param: torch.Tensor, loaded: Loaded, shard: Shard) -> None:
+    """A vector split across the ranks as a projection's outputs are (the q/k norms over the
+    whole projections: each rank's heads' rows); the whole entry read (a few bytes) to check
+    its size, this rank's rows kept (size 1: all of them)."""
+    whole = loaded[:]
+    rows = param.shape[0]
+    if tuple(whole.shape) != (rows * shard.size,):
+        raise ValueError(f"shape {tuple(whole.shape)} where the model has "
+                         f"{(rows * shard.size,)} ({shard.size} ranks of {rows})")
+    param.data.copy_(whole[shard.rank * rows:(shard.rank + 1) * rows])
 
 
 class ColumnParallelLinear(Linear):

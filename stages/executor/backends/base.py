@@ -29,6 +29,18 @@ from ipc.config import EngineLimits
 from stages.executor.staging import DeviceStep, StagedFields
 
 
+def scale_by_rms(x: torch.Tensor, mean_square: torch.Tensor, weight: torch.Tensor,
+                 eps: float, offset: bool = False) -> torch.Tensor:
+    """x [T, n] scaled by 1 / sqrt(mean_square [T, 1] (float32) + eps) and by the weight,
+    rounded as ForwardOps.rms_norm: that norm when mean_square is x's own, and a slice of a
+    wider one's when it is the whole width's (a q/k norm split across ranks, blocks.py)."""
+    dtype = x.dtype
+    x = x.float() * torch.rsqrt(mean_square + eps)
+    if offset:
+        return (x * (1.0 + weight.float())).to(dtype)
+    return weight * x.to(dtype)
+
+
 class ForwardOps:
     """A layer's elementwise work in PyTorch ops (any device, eager or compiled); a backend
     with fused kernels overrides them. Rounding follows Hugging Face's modules."""
@@ -37,12 +49,7 @@ class ForwardOps:
                  offset: bool = False) -> torch.Tensor:
         """offset: Gemma's norm, weights stored as w - 1: x scaled by 1 + w in float32 and
         rounded once (Llama's rounds x, then scales it in its dtype)."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        if offset:
-            return (x * (1.0 + weight.float())).to(dtype)
-        return weight * x.to(dtype)
+        return scale_by_rms(x, x.float().pow(2).mean(-1, keepdim=True), weight, eps, offset)
 
     def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                      eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,37 +20,52 @@ from stages.executor.backends.base import (
     TORCH_OPS,
     AttentionBackend,
     ForwardOps,
+    scale_by_rms,
 )
 from stages.executor.linear.base import LinearMethod
 from stages.executor.sharding import (
+    WHOLE,
     ColumnParallelLinear,
     RowParallelLinear,
     Shard,
     VocabParallelEmbedding,
+    copy_rows,
 )
 
 
 class RMSNorm(nn.Module):
-    """offset: Gemma's, the weight stored as w - 1 (scaling by 1 + w, ForwardOps.rms_norm)."""
+    """offset: Gemma's, the weight stored as w - 1 (scaling by 1 + w, ForwardOps.rms_norm).
+    shard: the ranks its width is split across, as a projection's heads are (a q/k norm over
+    the whole projection: this rank's `size` rows of the weight); WHOLE: whole on every
+    rank."""
 
     def __init__(self, size: int, eps: float, ops: ForwardOps = TORCH_OPS,
-                 offset: bool = False) -> None:
+                 offset: bool = False, shard: Shard = WHOLE) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps, self.ops, self.offset = eps, ops, offset
+        self.eps, self.ops, self.offset, self.shard = eps, ops, offset, shard
+
+    def load_weight(self, name: str, loaded: Any, part: int | None) -> None:
+        copy_rows(self.weight, loaded, self.shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps, self.offset)
+
+    def normalize(self, x: torch.Tensor, mean_square: torch.Tensor) -> torch.Tensor:
+        """x [T, size], this rank's slice, scaled by the whole width's mean_square [T, 1]
+        (float32), rounded as `forward` in PyTorch's ops."""
+        return scale_by_rms(x, mean_square, self.weight, self.eps, self.offset)
 
 
 class Attention(nn.Module):
     """This rank's heads: q/k/v column-parallel by head, o row-parallel. How it attends
     (window, softcap, rope table) is its layer's AttentionKind, handed to the backend.
-    `make_norm`: the family's RMSNorm for its q/k norms (spec.qk_norm), by size and eps."""
+    `make_norm`: the family's RMSNorm for its q/k norms (spec.qk_norm), by size, eps and the
+    ranks its width is split across (RMSNorm's `shard`)."""
 
     def __init__(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
                  linear: LinearMethod, shard: Shard,
-                 make_norm: Callable[[int, float], nn.Module] | None = None) -> None:
+                 make_norm: Callable[[int, float, Shard], RMSNorm] | None = None) -> None:
         super().__init__()
         d = self.head_dim = spec.head_dim
         self.num_heads, self.num_kv_heads = shard.local(spec.num_heads), shard.local(
@@ -63,14 +78,16 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden, spec.o_bias, linear,
                                         shard)
         # Norms of the queries and keys (PyTorch's ops): each head's ("head", Qwen3 and
-        # Gemma 3: [T, heads, D]) or the whole projections' ("proj", OLMo 2, OLMoE:
-        # [T, heads * D], before the split into heads; one rank holding every head,
-        # preflight.check_unsplit)
+        # Gemma 3: [T, heads, D]; whole on every rank) or the whole projections' ("proj",
+        # OLMo 2, OLMoE: [T, heads * D], before the split into heads; split across the ranks
+        # as the heads are, `_norm_projections`)
         self.qk_norm = spec.qk_norm
-        norm = make_norm or (lambda size, eps: RMSNorm(size, eps, offset=spec.norm_offset))
-        q_size, k_size = ((d, d) if spec.qk_norm == "head" else (self.q_size, self.kv_size))
-        self.q_norm = norm(q_size, spec.eps) if spec.qk_norm is not None else None
-        self.k_norm = norm(k_size, spec.eps) if spec.qk_norm is not None else None
+        norm = make_norm or (lambda size, eps, split: RMSNorm(
+            size, eps, offset=spec.norm_offset, shard=split))
+        q_size, k_size, split = ((d, d, WHOLE) if spec.qk_norm == "head"
+                                 else (self.q_size, self.kv_size, shard))
+        self.q_norm = norm(q_size, spec.eps, split) if spec.qk_norm is not None else None
+        self.k_norm = norm(k_size, spec.eps, split) if spec.qk_norm is not None else None
         self.layer_idx, self.backend, self.shard = layer_idx, backend, shard
         self.kind = backend.layer_attention(spec, layer_idx)
         self.scale = self.kind.scale
@@ -86,14 +103,31 @@ class Attention(nn.Module):
         start = self.shard.rank * self.num_heads
         getattr(self, name).data.copy_(whole[start:start + self.num_heads])
 
+    def _norm_projections(self, q: torch.Tensor, k: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RMSNorms of the whole q [T, H * D] and k [T, KVH * D] projections. Across
+        ranks each holds its heads' slice: their sums of squares are added (one all-reduce of
+        [T, 2], q's and k's together) and divided by the whole width, as one rank's mean
+        would (the same sum, in another order), and each rank scales its slice by its rows
+        of the weights."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        assert q_norm is not None and k_norm is not None
+        if self.shard.size == 1:
+            return q_norm(q), k_norm(k)
+        sums = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], dim=-1)
+        sums = self.shard.reduce(sums)  # [T, 2]: over every rank's heads
+        size = self.shard.size
+        return (q_norm.normalize(q, sums[:, :1] / (self.q_size * size)),
+                k_norm.normalize(k, sums[:, 1:] / (self.kv_size * size)))
+
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """Every row's keys and values go into the cache; the output is of every row, or of
         the rows `keep` only (CausalLM.forward's last layer)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm == "proj" and self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm == "proj":
+            q, k = self._norm_projections(q, k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

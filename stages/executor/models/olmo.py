@@ -1,6 +1,7 @@
 """OLMo 2 and OLMo 3 (ipc/families/olmo.py reads their configs), in the executor process: a
 post-norm layer, x + norm(attn(x)) then + norm(mlp(...)), over attention whose q and k are
-normed across every head before the split into heads (blocks.Attention, qk_norm "proj");
+normed across every head before the split into heads (blocks.Attention, qk_norm "proj";
+across tensor-parallel ranks too);
 OLMo 3's sliding and full layers differ only in their AttentionKind."""
 
 from __future__ import annotations
@@ -14,23 +15,24 @@ from ipc.arch import ArchSpec
 from stages.executor.backends.base import AttentionBackend
 from stages.executor.linear.base import LinearMethod
 from stages.executor.models.base import CausalLM
-from stages.executor.models.blocks import Attention, dense_mlp
-from stages.executor.sharding import Shard
+from stages.executor.models.blocks import Attention, RMSNorm, dense_mlp
+from stages.executor.sharding import WHOLE, Shard
 
 
-class OlmoRMSNorm(nn.Module):
+class OlmoRMSNorm(RMSNorm):
     """Olmo2RMSNorm: as Llama's, but the weight multiplies in float32 before the cast back
-    (in bfloat16 the other order rounds differently)."""
+    (in bfloat16 the other order rounds differently); in PyTorch's ops. `shard` as
+    RMSNorm's (the q/k norms split across ranks)."""
 
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+    def __init__(self, size: int, eps: float, shard: Shard = WHOLE) -> None:
+        super().__init__(size, eps, shard=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, x.float().pow(2).mean(-1, keepdim=True))
+
+    def normalize(self, x: torch.Tensor, mean_square: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x.float() * torch.rsqrt(mean_square + self.eps)
         return (self.weight * x).to(dtype)
 
 
