@@ -16,7 +16,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ipc.errors import ConfigError
-from ipc.gguf_source import AS_INT4, AS_INT5, AS_INT8, REQUANTIZED, check_tensors, hf_name
+from ipc.gguf_source import (
+    AS_INT4,
+    AS_INT5,
+    AS_INT8,
+    AS_MXFP4,
+    REQUANTIZED,
+    check_tensors,
+    hf_name,
+)
 from ipc.messages import SamplingParams
 from pipeline.tools.gguf_export import export, permute_rows
 from pipeline.tools.model_source import resolve_model
@@ -49,9 +57,9 @@ def _file_blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", AS_INT4 + AS_INT5 + AS_INT8 + REQUANTIZED)
+@pytest.mark.parametrize("kind", AS_INT4 + AS_INT5 + AS_INT8 + REQUANTIZED + AS_MXFP4)
 def test_blocks_hold_what_the_reference_dequantizes(kind: str) -> None:
-    """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 exactly (in 4, 8 and 5 bits); Q4_K/Q5_K up to one fp16
+    """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/MXFP4 exactly (in 4, 8 and 5 bits); Q4_K/Q5_K up to one fp16
     rounding of each sub-block's scale and minimum; Q6_K within half a step of the 8-bit
     blocks it is requantized to.
     K = 576 is not a multiple of 64 (a padding block) for the 32-wide types."""
@@ -61,7 +69,7 @@ def test_blocks_hold_what_the_reference_dequantizes(kind: str) -> None:
         np.float32))
     q = gguf_blocks(data, kind, k)
     got = q.dequantize()
-    bits = 4 if kind in AS_INT4 else 5 if kind in AS_INT5 else 8
+    bits = 4 if kind in AS_INT4 else 5 if kind in AS_INT5 + AS_MXFP4 else 8
     assert q.bits == bits and got.shape == want.shape == (6, k)
     mn = q.mn.float().repeat_interleave(32, dim=1)[:, :k].abs()
     if kind in ("Q4_K", "Q5_K"):
@@ -117,10 +125,19 @@ def test_tensor_names_and_what_is_refused() -> None:
             == "model.layers.2.mlp.shared_expert.down_proj.weight")
     assert hf_name("blk.0.ffn_gate_inp.weight") == "model.layers.0.mlp.gate.weight"
     assert hf_name("blk.0.attn_sinks.weight") is None
+    assert hf_name("blk.0.attn_sinks.weight", "gpt-oss") == "model.layers.0.self_attn.sinks"
+    assert (hf_name("blk.1.ffn_norm.weight", "gemma2")
+            == "model.layers.1.pre_feedforward_layernorm.weight")
+    assert (hf_name("blk.1.post_attention_norm.weight", "gpt-oss")
+            == "model.layers.1.post_attention_layernorm.weight")
+    assert (hf_name("blk.0.ffn_up_exps.bias", "gpt-oss")
+            == "model.layers.0.mlp.experts.*.up_proj.bias")
     ok = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_K"}
     check_tensors("m.gguf", "llama", ok)
-    with pytest.raises(ConfigError, match="architecture 'gemma2' is not supported"):
-        check_tensors("m.gguf", "gemma2", ok)
+    with pytest.raises(ConfigError, match="architecture 'phi3' is not supported"):
+        check_tensors("m.gguf", "phi3", ok)
+    with pytest.raises(ConfigError, match="ffn_gate_up_exps.weight has no place"):
+        check_tensors("m.gguf", "gpt-oss", {**ok, "blk.0.ffn_gate_up_exps.weight": "MXFP4"})
     with pytest.raises(ConfigError, match=r"blk.0.attn_q.weight is Q3_K.*llama-quantize"):
         check_tensors("m.gguf", "llama", {**ok, "blk.0.attn_q.weight": "Q3_K"})
     with pytest.raises(ConfigError, match="attn_sinks.weight has no place"):
@@ -294,6 +311,10 @@ def test_a_quantized_file_is_refused_where_its_blocks_cannot_run(tmp_path: Path)
         preflight.check_gguf(source, None, "cpu", True, 1)
     floats = GgufSource("f.gguf", "llama", {"blk.0.attn_q.weight": "BF16"})
     assert not floats.quantized
+    # (MXFP4 experts run as a checkpoint's: the other weights in their own format)
+    experts = GgufSource("x.gguf", "gpt-oss", {"blk.0.ffn_up_exps.weight": "MXFP4",
+                                               "blk.0.attn_q.weight": "BF16"})
+    assert experts.mxfp4_experts and not experts.quantized
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
-"""A Hugging Face folder (Llama, Qwen2, Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE,
-Mixtral; a byte-level BPE tokenizer) written as a GGUF file, as llama.cpp's converter writes
-one: its metadata keys, the tokenizer as tokens and merges, the q and k rows of a "llama" file
-permuted for llama.cpp's rope, each layer's experts stacked into one tensor per projection
-([experts, rows, inputs]), the projections in one of the block types the `gguf` package can
-quantize. For tests of `--model FILE.gguf`
-and for the llama.cpp peer's files of the same weights (random models included). Runs in
-the user's process:
+"""A Hugging Face folder (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3's language model, and the
+mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss; a byte-level BPE tokenizer)
+written as a GGUF file, as llama.cpp's converter writes one: its metadata keys
+(gguf_families.py for Gemma's and gpt-oss's), the tokenizer as tokens and merges, the q and k
+rows of a "llama" file permuted for llama.cpp's rope, Gemma's norm weights as 1 + w, each
+layer's experts stacked into one tensor per projection ([experts, rows, inputs]; gpt-oss's
+gate and up apart, its MXFP4 experts repacked as ggml's MXFP4 blocks, the same values), the
+projections in one of the block types the `gguf` package can quantize. For tests of
+`--model FILE.gguf` and for the llama.cpp peer's files of the same weights (random models
+included). Runs in the user's process:
 
     python -m pipeline.tools.gguf_export FOLDER OUT.gguf --type Q8_0
 """
@@ -21,28 +23,45 @@ from typing import Any
 
 import numpy as np
 
-from ipc.gguf_source import PERMUTED_QK
+from ipc.gguf_source import NORM_PLUS_ONE, PERMUTED_QK
+from pipeline.tools.gguf_families import (
+    Mxfp4Rows,
+    add_metadata,
+    gpt_oss_experts,
+    rope_theta,
+)
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 _FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+             "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
 _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
           "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "gate_proj": "ffn_gate",
           "up_proj": "ffn_up", "down_proj": "ffn_down", "gate": "ffn_gate_inp",
           "shared_expert_gate": "ffn_gate_inp_shexp"}
+# Where an architecture's names differ (gguf's tensor_mapping.py): Gemma's sandwich norms,
+# gpt-oss's norm before its MLP and its router.
+_ARCH_NAMES = {"gemma2": {"pre_feedforward_layernorm": "ffn_norm",
+                          "post_attention_layernorm": "post_attention_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"},
+               "gpt-oss": {"post_attention_layernorm": "post_attention_norm",
+                           "router": "ffn_gate_inp"}}
+_ARCH_NAMES["gemma3"] = _ARCH_NAMES["gemma2"]
 # A mixture of experts' names: Mixtral's module and projections, a shared expert's.
 _MOE_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, architecture: str = "llama") -> str:
     """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight (a shared expert's
-    projections: ffn_gate_shexp, ...)."""
+    projections: ffn_gate_shexp, ...; gpt-oss's self_attn.sinks: attn_sinks.weight)."""
     parts = [_MOE_NAMES.get(p, p) for p in name.split(".")]
+    if parts[:2] == ["model", "layers"] and parts[-1] == "sinks":
+        return f"blk.{parts[2]}.attn_sinks.weight"
     if parts[:2] == ["model", "layers"]:
-        kind = _NAMES[parts[-2]]
+        kind = _ARCH_NAMES.get(architecture, {}).get(parts[-2]) or _NAMES[parts[-2]]
         if "shared_expert" in parts[:-2]:
             kind += "_shexp"
         return f"blk.{parts[2]}.{kind}.{parts[-1]}"
@@ -100,30 +119,37 @@ def export(folder: Path, out: Path, kind: str = "F32",
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    rope = config.get("rope_parameters") or {}
-    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_rope_freq_base(rope_theta(config))
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(config["vocab_size"])
     _add_experts(writer, config)
+    add_metadata(writer, config, arch)
     _add_tokenizer(writer, folder, config)
     weights: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(path))
-    for name, tensor in stack_experts(weights).items():
-        if name.endswith("rotary_emb.inv_freq"):
+    tied = config.get("tie_word_embeddings", arch in NORM_PLUS_ONE)
+    for name, tensor in _by_gguf_name(weights, arch).items():
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
-        data = tensor.float().numpy()
+        if isinstance(tensor, Mxfp4Rows):  # (experts' MXFP4 blocks, as they are)
+            writer.add_tensor(name, tensor.data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            continue
+        data = tensor.float().numpy() if isinstance(tensor, torch.Tensor) else tensor
         if arch in PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = permute_rows(data, heads)
         elif arch in PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = permute_rows(data, kv_heads)
-        target = name if name.startswith("blk.") else gguf_name(name)
+        target = name if name.startswith("blk.") else gguf_name(name, arch)
         what = target.split(".")[-2]
         wanted = (overrides or {}).get(what, kind)
         if what == "ffn_gate_inp_shexp":
             data = data.reshape(-1)  # (a vector in llama.cpp's files: [hidden])
-        if data.ndim == 1 or what.endswith("norm") or what.startswith("ffn_gate_inp"):
+        if arch in NORM_PLUS_ONE and target.endswith("norm.weight"):
+            data = data + np.float32(1)  # (llama.cpp's norm scales by the weight alone)
+        if (data.ndim == 1 or target.endswith(".bias") or what.endswith("norm")
+                or what.startswith("ffn_gate_inp")):
             wanted = "F32"  # (routers stay float, as llama.cpp's converter leaves them)
         _add(writer, target, data, wanted)
     writer.write_header_to_file()
@@ -131,6 +157,11 @@ def export(folder: Path, out: Path, kind: str = "F32",
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _by_gguf_name(weights: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The checkpoint's tensors, each layer's experts already under their GGUF names."""
+    return gpt_oss_experts(weights) if arch == "gpt-oss" else stack_experts(weights)
 
 
 def _add_experts(writer: Any, config: dict) -> None:

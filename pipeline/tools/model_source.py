@@ -12,6 +12,7 @@ so the served model name is the file's."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from typing import Any
 from ipc.cache import cache_dir
 from ipc.errors import ConfigError
 from ipc.gguf_source import SOURCE_FILE, GgufSource, check_tensors, is_gguf
+from pipeline.tools.gguf_families import OWN_CONFIG, general_fields, read_fields
 from pipeline.tools.model_cache import (
     COMPLETE_MARKER,
     ensure_default_model,
@@ -80,7 +82,7 @@ def gguf_model_dir(file: Path) -> Path:
     started = time.monotonic()
     try:
         logger.info("reading the config and tokenizer of %s (once)", file)
-        _write_folder(file, source, _extra_config(reader, source.architecture), tmp)
+        _write_folder(file, source, _extra_config(reader, source.architecture, file), tmp)
         (tmp / COMPLETE_MARKER).write_text(f"made from {file}\n")
         make_readable(tmp)
         publish(tmp, dest, lambda folder: (folder / COMPLETE_MARKER).is_file())
@@ -114,7 +116,8 @@ def _source(file: Path, reader: Any) -> GgufSource:
 
 # Metadata transformers' GGUF reader leaves out for some architectures, and the config
 # fields they are: Qwen3's 128-wide heads of a 1024-wide model, a mixture of experts' widths
-# and counts (a "llama" file with experts is Mixtral's).
+# and counts (a "llama" file with experts is Mixtral's). Gemma's and gpt-oss's, which
+# llama.cpp partly fixes rather than reads, are gguf_families.py's.
 _EXTRA_KEYS = {"attention.key_length": "head_dim",
                "expert_feed_forward_length": "moe_intermediate_size",
                "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
@@ -122,28 +125,46 @@ _EXTRA_KEYS = {"attention.key_length": "head_dim",
                "expert_used_count": "num_experts_per_tok"}
 
 
-def _extra_config(reader: Any, architecture: str) -> dict[str, int]:
+def _extra_config(reader: Any, architecture: str, file: Path) -> dict[str, Any]:
     fields = {key: reader.fields.get(f"{architecture}.{key}") for key in _EXTRA_KEYS}
-    return {_EXTRA_KEYS[key]: int(f.contents()) for key, f in fields.items() if f is not None}
+    extra: dict[str, Any] = {_EXTRA_KEYS[key]: int(f.contents())
+                             for key, f in fields.items() if f is not None}
+    prefix = f"{architecture}."
+    meta = {key[len(prefix):]: f.contents() for key, f in reader.fields.items()
+            if key.startswith(prefix)}
+    if architecture in OWN_CONFIG:  # (all from here: transformers' reading fails)
+        tokenizer = {key: f.contents() for key, f in reader.fields.items()
+                     if key.startswith("tokenizer.ggml.")}
+        tied = all(t.name != "output.weight" for t in reader.tensors)
+        extra = general_fields(meta, tokenizer, tied)
+    return {**extra, **read_fields(meta, architecture, str(file))}
 
 
-def _write_folder(file: Path, source: GgufSource, extra: dict[str, int], out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+def _write_folder(file: Path, source: GgufSource, extra: dict[str, Any], out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-    config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+    if source.architecture in OWN_CONFIG:
+        config = AutoConfig.for_model(OWN_CONFIG[source.architecture], **extra)
+    else:
+        config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
     if config.model_type == "llama" and "num_local_experts" in extra:  # (Mixtral's layout)
         config = AutoConfig.for_model("mixtral", **{
             k: v for k, v in config.to_dict().items()
             if k not in ("model_type", "architectures", "transformers_version")})
     for key, value in extra.items():
         setattr(config, key, value)
-    tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    reader = AutoTokenizer if source.architecture not in OWN_CONFIG else PreTrainedTokenizerFast
+    tokenizer = reader.from_pretrained(str(file.parent), gguf_file=file.name)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out, save_jinja_files=False)  # (the template in the config)
     strip_keys(out / "config.json", _STRAY_CONFIG_KEYS)
     strip_keys(out / "tokenizer_config.json", _STRAY_TOKENIZER_KEYS)
+    if source.mxfp4_experts:  # (the experts load as a checkpoint's MXFP4 ones: gpt_oss.py)
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / SOURCE_FILE).write_text(source.to_json())
     missing = [name for name in GGUF_FOLDER_FILES if not (out / name).is_file()]
     if missing:

@@ -2,7 +2,9 @@
 tensor under its Hugging Face name, read from the memory-mapped file one at a time; quantized
 ones as our blocks (linear/gguf_blocks.py), float ones as tensors. llama.cpp's converter
 permutes the rows of a "llama" file's q and k projections (interleaved rope pairs); they are
-put back in Hugging Face's order here, rows of blocks as rows of floats."""
+put back in Hugging Face's order here, rows of blocks as rows of floats. It stores Gemma's
+norm weights as 1 + w; w is taken back here (x - 1 is exact in float32 for every x = 1 + w
+the converter can write from a w >= -2, so the model's 1 + w is the file's x again)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,15 @@ import torch
 from gguf import GGUFReader
 
 from ipc.arch import ArchSpec
-from ipc.gguf_source import EXPERT, FLOATS, PERMUTED_QK, GgufSource, check_tensors, hf_name
+from ipc.gguf_source import (
+    EXPERT,
+    FLOATS,
+    NORM_PLUS_ONE,
+    PERMUTED_QK,
+    GgufSource,
+    check_tensors,
+    hf_name,
+)
 from stages.executor.linear.gguf_blocks import gguf_blocks
 from stages.executor.linear.quantized import QuantizedWeight
 
@@ -43,7 +53,7 @@ def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str,
                   {t.name: t.tensor_type.name for t in reader.tensors})
     where = Path(source.file).name
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, source.architecture)
         assert name is not None  # (check_tensors refused the others)
         if EXPERT in name:
             for expert, part in enumerate(np.asarray(tensor.data)):
@@ -52,6 +62,8 @@ def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str,
         value = _value(tensor, np.asarray(tensor.data))
         if name.endswith("shared_expert_gate.weight") and isinstance(value, torch.Tensor):
             value = value.reshape(1, -1)  # (a vector in llama.cpp's files; a [1, hidden] row)
+        if source.architecture in NORM_PLUS_ONE and name.endswith("norm.weight"):
+            value = _floats_of(value) - 1
         if source.architecture in PERMUTED_QK and name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = spec.num_heads if name.split(".")[-2] == "q_proj" else spec.num_kv_heads
             value = _rows(value, unpermute_rows(_num_rows(value), heads))
@@ -64,6 +76,10 @@ def _value(tensor: Any, data: np.ndarray) -> torch.Tensor | QuantizedWeight:
     if kind in FLOATS:
         return _floats(tensor, data)
     return gguf_blocks(data, kind, int(tensor.shape[0]))
+
+
+def _floats_of(value: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return value.dequantize() if isinstance(value, QuantizedWeight) else value.float()
 
 
 def _num_rows(value: torch.Tensor | QuantizedWeight) -> int:

@@ -11,7 +11,11 @@ tensor at a time, never widened to floats whole:
   codes' step);
 - Q6_K: sub-blocks of 16 with their own int8 scales, which no one scale per 32 holds: its
   values (gguf's reference dequantization) requantized to 8-bit blocks (256 codes where the
-  file has 64: within half our step).
+  file has 64: within half our step);
+- MXFP4: a block of 32 e2m1 values and one e8m0 scale, as 5-bit blocks exactly (mxfp4.py,
+  which takes gpt-oss's safetensors layout: ggml's block is that scale byte, then 16 bytes
+  whose low nibbles are elements 0..15 and high ones 16..31, where the safetensors layout
+  pairs elements 2j, 2j + 1 in byte j).
 
 The byte layouts are ggml's (ggml-common.h); the tests check every type against the `gguf`
 package's reference dequantization."""
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from stages.executor.linear.mxfp4 import mxfp4_blocks
 from stages.executor.linear.quantized import QuantizedWeight, from_codes, quantize_int8
 
 
@@ -91,6 +96,8 @@ def gguf_blocks(data: np.ndarray, kind: str, in_features: int) -> QuantizedWeigh
     n = data.shape[0]
     if in_features % per_block or data.shape[1] != in_features // per_block * size:
         raise ValueError(f"{kind} rows of {data.shape[1]} bytes for {in_features} inputs")
+    if kind == "MXFP4":
+        return _mxfp4(np.asarray(data).reshape(n, -1, size))
     if kind == "Q6_K":
         values = quants.dequantize(np.asarray(data), qtype)
         return quantize_int8(torch.from_numpy(np.ascontiguousarray(values, np.float32)))
@@ -101,3 +108,11 @@ def gguf_blocks(data: np.ndarray, kind: str, in_features: int) -> QuantizedWeigh
         raise ValueError(f"a {kind} block's scale or minimum is past float16's range")
     return from_codes(torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1))), d16, mn16,
                       bits)
+
+
+def _mxfp4(blocks: np.ndarray) -> QuantizedWeight:
+    """ggml's MXFP4 blocks uint8 [N, G, 17] in the safetensors layout mxfp4_blocks takes."""
+    elements = _nibbles(blocks[..., 1:])  # [N, G, 32] in order
+    paired = elements[..., 0::2] | (elements[..., 1::2] << 4)  # [N, G, 16]
+    return mxfp4_blocks(torch.from_numpy(np.ascontiguousarray(paired)),
+                        torch.from_numpy(np.ascontiguousarray(blocks[..., 0])))
