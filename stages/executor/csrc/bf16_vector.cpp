@@ -69,24 +69,20 @@ void store_block(const float* sums, int64_t rows, int64_t panels, int64_t m0, in
 }  // namespace
 
 // Rows x[0..rows) (rows <= 8) by `panels` panels from `w`: their sums into out (rows of
-// panels * 32). One row goes four panels at a time (8 sums in flight hide the instruction's
-// latency); up to four rows two; more one: at most 16 sums, all in registers.
+// panels * 32). Up to four rows go two panels at a time, more one: at most 16 sums, all in
+// registers (one row over four panels at a time measured no faster than over two).
 void rows_by_panels(const c10::BFloat16* const* x, int64_t rows, const uint8_t* w,
-                    int64_t panel_bytes, int64_t chunks, int64_t panels, float* out,
-                    const uint8_t* ahead) {
-  const int64_t step = rows == 1 ? 4 : rows <= 4 ? 2 : 1, stride = panels * kPanel;
+                    int64_t panel_bytes, int64_t chunks, int64_t panels, float* out) {
+  const int64_t step = rows <= 4 ? 2 : 1, stride = panels * kPanel;
   for (int64_t j = 0; j < panels;) {
     const int64_t left = panels - j;
     const uint8_t* at = w + j * panel_bytes;
     float* o = out + j * kPanel;
-    if (step == 4 && left >= 4) {
-      panel_rows<4>(x, rows, at, panel_bytes, chunks, o, stride, ahead, 0);
-      j += 4;
-    } else if (step >= 2 && left >= 2) {
-      panel_rows<2>(x, rows, at, panel_bytes, chunks, o, stride, ahead, 0);
+    if (step == 2 && left >= 2) {
+      panel_rows<2>(x, rows, at, panel_bytes, chunks, o, stride);
       j += 2;
     } else {
-      panel_rows<1>(x, rows, at, panel_bytes, chunks, o, stride, ahead, 0);
+      panel_rows<1>(x, rows, at, panel_bytes, chunks, o, stride);
       j += 1;
     }
   }
@@ -109,7 +105,7 @@ void vector_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* 
         const int64_t block = std::min(kRowBlock, m - m0);
         for (int64_t r = 0; r < block; ++r) rows[r] = x + (m0 + r) * k;
         rows_by_panels(rows, block, w + begin * panel_bytes, panel_bytes, chunks, count,
-                       sums.data(), nullptr);
+                       sums.data());
         store_block(sums.data(), block, count, m0, begin, n, bias, gated, y);
       }
     }

@@ -33,10 +33,9 @@ namespace llm_cpu_bf16 {
 constexpr int64_t kPanel = 32;         // output columns a panel
 constexpr int64_t kChunkK = 32;        // K values a chunk
 constexpr int64_t kChunkBytes = 2048;  // a chunk: two halves of 16 pairs x 64 bytes
-#ifndef LLM_CPU_PF
-#define LLM_CPU_PF 4096
-#endif
-constexpr int64_t kPrefetch = LLM_CPU_PF;
+// How far ahead in its panel a block prefetches (into L2): without it two threads streamed
+// ~20 GB/s at one row on the AMD test host, with 4-12 KB 30-40 (8 KB the best at 8 rows).
+constexpr int64_t kPrefetch = 8192;
 
 // The arguments of a packed bf16 product (`op`: amx_linear or bf16_vector_linear), or an error
 // that names what is wrong: x bf16 [M, K], K a multiple of 32; packed uint8 [panels,
@@ -64,43 +63,60 @@ inline void check_linear(const char* op, const at::Tensor& x, const at::Tensor& 
 
 #if LLM_CPU_BF16_VECTOR
 
+// x's pair p of chunk c (two bf16 values) in every 32-bit lane.
+inline __m512bh pair_of(const c10::BFloat16* x, int64_t c, int p) {
+  int32_t pair;
+  std::memcpy(&pair, x + c * kChunkK + 2 * p, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 // Rows `x[0..R)` (R row pointers, each K bf16 values) by P panels, the first at `w`, the next
 // `panel_bytes` apart, over `chunks` chunks of K: the float32 sums into
-// out[r * out_stride + j * 32 + c]. `ahead`: the start of what this call's caller reads next (prefetched into
-// L2 as the chunks go, `ahead_bytes` of it), or null.
+// out[r * out_stride + j * 32 + c].
 template <int R, int P>
 inline void panel_block(const c10::BFloat16* const* x, const uint8_t* w, int64_t panel_bytes,
-                        int64_t chunks, float* out, int64_t out_stride, const uint8_t* ahead,
-                        int64_t ahead_bytes) {
+                        int64_t chunks, float* out, int64_t out_stride) {
   __m512 acc[R][2 * P];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t ahead_step = ahead != nullptr ? ahead_bytes / chunks : 0;
   for (int64_t c = 0; c < chunks; ++c) {
-    if (ahead != nullptr) {
-      for (int64_t line = 0; line < ahead_step; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + c * ahead_step + line), _MM_HINT_T1);
-    }
     const uint8_t* chunk = w + c * kChunkBytes;
+    if constexpr (R <= 4) {
+      // Few rows: half by half, each a kilobyte in order, so a panel is read front to back
+      // (the two halves' pairs in turn, 1 KB apart, streamed ~40% slower at one row).
+      for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 4
-    for (int p = 0; p < 16; ++p) {
-      __m512bh wv[2 * P];
-      for (int j = 0; j < P; ++j) {
-        if (kPrefetch > 0) {  // this panel, kPrefetch bytes on (into L2)
-          _mm_prefetch(reinterpret_cast<const char*>(chunk + j * panel_bytes + kPrefetch + p * 64),
-                       _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(chunk + j * panel_bytes + kPrefetch + 1024 +
-                                                     p * 64),
-                       _MM_HINT_T1);
+        for (int p = 0; p < 16; ++p) {
+          __m512bh wv[P];
+          for (int j = 0; j < P; ++j) {
+            const uint8_t* at = chunk + j * panel_bytes + h * 1024 + p * 64;
+            _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T1);
+            wv[j] = (__m512bh)_mm512_loadu_si512(at);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m512bh xb = pair_of(x[r], c, p);
+            for (int j = 0; j < P; ++j)
+              acc[r][2 * j + h] = _mm512_dpbf16_ps(acc[r][2 * j + h], xb, wv[j]);
+          }
         }
-        wv[2 * j] = (__m512bh)_mm512_loadu_si512(chunk + j * panel_bytes + p * 64);
-        wv[2 * j + 1] = (__m512bh)_mm512_loadu_si512(chunk + j * panel_bytes + 1024 + p * 64);
       }
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x[r] + c * kChunkK + 2 * p, sizeof pair);
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-        for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
+    } else {
+      // More: a pair's two halves together, so each broadcast of x feeds two products (the
+      // compute, not the stream, bounds 8 rows). The sums run in the same order either way.
+#pragma GCC unroll 4
+      for (int p = 0; p < 16; ++p) {
+        __m512bh wv[2 * P];
+        for (int j = 0; j < P; ++j) {
+          const uint8_t* at = chunk + j * panel_bytes + p * 64;
+          _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch + 1024), _MM_HINT_T1);
+          wv[2 * j] = (__m512bh)_mm512_loadu_si512(at);
+          wv[2 * j + 1] = (__m512bh)_mm512_loadu_si512(at + 1024);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xb = pair_of(x[r], c, p);
+          for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
+        }
       }
     }
   }
@@ -111,12 +127,11 @@ inline void panel_block(const c10::BFloat16* const* x, const uint8_t* w, int64_t
 // Rows x[0..rows) (rows <= 8) by P panels from `w`.
 template <int P>
 inline void panel_rows(const c10::BFloat16* const* x, int64_t rows, const uint8_t* w,
-                       int64_t panel_bytes, int64_t chunks, float* out, int64_t out_stride,
-                       const uint8_t* ahead, int64_t ahead_bytes) {
+                       int64_t panel_bytes, int64_t chunks, float* out, int64_t out_stride) {
   switch (rows) {
 #define LLM_CPU_ROWS(n) \
   case n:               \
-    return panel_block<n, P>(x, w, panel_bytes, chunks, out, out_stride, ahead, ahead_bytes);
+    return panel_block<n, P>(x, w, panel_bytes, chunks, out, out_stride);
     LLM_CPU_ROWS(1)
     LLM_CPU_ROWS(2)
     LLM_CPU_ROWS(3)

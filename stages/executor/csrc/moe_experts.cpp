@@ -36,8 +36,7 @@
 
 namespace llm_cpu_bf16 {
 void rows_by_panels(const c10::BFloat16* const* x, int64_t rows, const uint8_t* w,
-                    int64_t panel_bytes, int64_t chunks, int64_t panels, float* out,
-                    const uint8_t* ahead);
+                    int64_t panel_bytes, int64_t chunks, int64_t panels, float* out);
 }
 
 namespace {
@@ -45,6 +44,7 @@ namespace {
 using llm_cpu_bf16::kChunkBytes;
 using llm_cpu_bf16::kChunkK;
 using llm_cpu_bf16::kPanel;
+using llm_cpu_bf16::kPrefetch;
 
 constexpr int64_t kRowBlock = 8;          // rows a product block (rows_by_panels)
 constexpr int64_t kGroupBytes = 1 << 18;  // an expert's panels that many rows read from L2
@@ -131,7 +131,7 @@ void moe_forward(const c10::BFloat16* x, int64_t hidden, const Routes& routes,
            p0 += kRowBlock) {
         const int64_t block = std::min(kRowBlock, routes.first[u.expert + 1] - p0);
         for (int64_t r = 0; r < block; ++r) rows[r] = x + routes.token[p0 + r] * hidden;
-        rows_by_panels(rows, block, w, bytes13, chunks13, count, sums.data(), nullptr);
+        rows_by_panels(rows, block, w, bytes13, chunks13, count, sums.data());
         for (int64_t r = 0; r < block; ++r) {
           for (int64_t j = 0; j < count; ++j) {
             const int64_t n0 = (u.begin + j) * kPanel;
@@ -156,13 +156,20 @@ void moe_forward(const c10::BFloat16* x, int64_t hidden, const Routes& routes,
     for (int64_t begin, end; queue.take(w_index, begin, end);) {
       const int64_t n0 = begin * kPanel, cols = std::min<int64_t>(kPanel, hidden - n0);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (const int64_t e : routes.used) {
+      for (size_t i = 0; i < routes.used.size(); ++i) {
+        const int64_t e = routes.used[i];
         const uint8_t* w = w2 + (e * panels2 + begin) * bytes2;
         const float* bias = b2 != nullptr ? b2 + e * hidden + n0 : nullptr;
+        if (i + 1 < routes.used.size()) {  // the next expert's panel starts elsewhere: its
+          // first bytes into L2 now (the blocks prefetch ahead within a panel only)
+          const uint8_t* next = w2 + (routes.used[i + 1] * panels2 + begin) * bytes2;
+          for (int64_t line = 0; line < std::min(kPrefetch, bytes2); line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
+        }
         for (int64_t p0 = routes.first[e]; p0 < routes.first[e + 1]; p0 += kRowBlock) {
           const int64_t block = std::min(kRowBlock, routes.first[e + 1] - p0);
           for (int64_t r = 0; r < block; ++r) rows[r] = h + (p0 + r) * inter;
-          rows_by_panels(rows, block, w, bytes2, chunks2, 1, sums, nullptr);
+          rows_by_panels(rows, block, w, bytes2, chunks2, 1, sums);
           for (int64_t r = 0; r < block; ++r) {
             const __m512 weight = _mm512_set1_ps(routes.weight[p0 + r]);
             float* a = acc.data() + routes.token[p0 + r] * kPanel;
