@@ -137,6 +137,21 @@ def test_gated_it_is_silu_of_gate_times_up_rounded_once(product: Any, rows: int,
         product(x, pack(w[:80]), None, 80 - 8, True)
 
 
+@pytest.mark.parametrize("rows", [2, 3, 5, 9, 17, 40])
+def test_a_rows_result_does_not_depend_on_the_others(product: Any, rows: int) -> None:
+    """Each row alone gives the bits it gets among `rows` (every block shape: rows of 1 to 8
+    and panels one or two at a time; 40: L2 groups): what the scheduler's batching identity
+    needs of a product."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 200, 576
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    packed = pack(w)
+    whole = product(x, packed, None, n)
+    for i in range(rows):
+        assert torch.equal(product(x[i:i + 1], packed, None, n)[0], whole[i])
+
+
 def test_interleaving_puts_a_block_of_each_in_a_panel() -> None:
     w = torch.arange(64).float()[:, None].expand(64, 4)  # row i holds i: gate 0-31, up 32-63
     rows = interleave_gate_up(w)[:, 0].long().tolist()

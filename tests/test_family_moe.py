@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from family_check import check_against_transformers, eos_of, prompts_of
+from threads import at_thread_counts
 from tiny_model import hf_greedy
 
 from ipc.arch import ArchSpec, AttentionKind, MoESpec, UnsupportedModel
@@ -23,7 +24,12 @@ from ipc.families import arch_spec
 from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_model
 from stages.executor.backends.base import TORCH_OPS
-from stages.executor.linear.amx import packed_method
+from stages.executor.linear.amx import (
+    VectorBf16Method,
+    interleave_gate_up,
+    pack,
+    vector_kernel_missing,
+)
 from stages.executor.linear.base import LinearMethod, process_weights
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.quantized import (
@@ -39,9 +45,9 @@ from stages.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.timeout(600)
 
-# The packed bf16 method this CPU takes (AMX's layout), whose experts run in one kernel
-PACKED = packed_method()
-needs_packed = pytest.mark.skipif(PACKED is None, reason="neither AMX nor AVX512-BF16 here")
+# The packed bf16 method whose experts run in one kernel (moe_experts: AVX512-BF16)
+PACKED = VectorBf16Method if vector_kernel_missing() is None else None
+needs_packed = pytest.mark.skipif(PACKED is None, reason=f"{vector_kernel_missing()}")
 
 HIDDEN, EXPERT = 64, 32  # the tiny models' hidden size and each expert's intermediate
 SHAPE = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
@@ -275,6 +281,25 @@ def test_topk_softmax_routing_is_the_renormalised_softmax() -> None:
     torch.testing.assert_close(a.weights, b.weights)
 
 
+def assert_rows_independent(block: MoEBlock, x: torch.Tensor) -> None:
+    """The stacked experts' kernel gives a token the same bits alone as among the step's
+    others, routed alike (the router's own F.linear is left out: in float32 it need not)."""
+    routing = route(block.gate(x), block.moe)
+    s = block.stacked
+    assert s is not None
+
+    def experts(rows: slice) -> torch.Tensor:
+        args = (x[rows].contiguous(), routing.experts[rows], routing.weights[rows])
+        if s.kind == "bf16":
+            return torch.ops.llm_cpu.moe_experts(*args, s.w13, s.b13, s.w2, s.b2)
+        return torch.ops.llm_cpu.quantized_moe(*args, s.w13, s.b13, s.bits13, s.w2, s.b2,
+                                               s.bits2, block.experts[0].down_proj.in_features)
+
+    whole = experts(slice(None))
+    for t in (0, len(x) // 2, len(x) - 1):
+        assert torch.equal(experts(slice(t, t + 1))[0], whole[t])
+
+
 def bf16_reference(w: Weights, x: torch.Tensor, experts: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
     """The routed experts' weighted sum in float64 from bf16 weights and inputs, each
@@ -325,8 +350,42 @@ def test_the_bf16_expert_kernel_equals_a_bf16_reference(experts: int, top_k: int
         want += shared.double()
     torch.testing.assert_close(got.double(), want, rtol=2 ** -7,
                                atol=2 ** -8 * float(want.abs().max()))
-    for t in (0, 17, 36):
-        assert torch.equal(block(x[t:t + 1]), got[t:t + 1])
+    assert_rows_independent(block, x)
+
+
+@needs_packed
+def test_the_bf16_expert_kernel_at_a_size_that_splits_experts_into_units() -> None:
+    """hidden 1024 and experts 128 wide: each expert's gate/up panels and the output's panels
+    split into several units of the kernel's queues (a decode step's groups, and L2-sized
+    groups for an expert with more than 8 rows); the result equals a float64 reference of the
+    same bf16 weights to bf16's rounding at 1, 2 and 3 threads, the same bits at each, and a
+    step of no tokens gives none."""
+    g = torch.Generator().manual_seed(5)
+    experts, top_k, hidden, inter = 8, 2, 1024, 128
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).bfloat16()
+    b13 = torch.randn(experts, 2 * inter, generator=g)
+    b2 = torch.randn(experts, hidden, generator=g)
+    packed13 = torch.stack([pack(interleave_gate_up(w)) for w in w13])
+    packed2 = torch.stack([pack(w) for w in w2])
+    bias13 = torch.stack([interleave_gate_up(b) for b in b13])
+    for tokens in (1, 37):
+        x = torch.randn(tokens, hidden, generator=g).bfloat16()
+        weights, chosen = torch.topk(torch.rand(tokens, experts, generator=g), top_k)
+        results = at_thread_counts(lambda: torch.ops.llm_cpu.moe_experts(
+            x, chosen, weights, packed13, bias13, packed2, b2))  # noqa: B023
+        want = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for e, weight in zip(chosen[t].tolist(), weights[t].double().tolist(), strict=True):
+                gu = w13[e].double() @ x[t].double() + b13[e].double()
+                h = (F.silu(gu[:inter]) * gu[inter:]).bfloat16().double()
+                want[t] += weight * (w2[e].double() @ h + b2[e].double())
+        torch.testing.assert_close(results[0].double(), want, rtol=2 ** -7,
+                                   atol=2 ** -8 * float(want.abs().max()))
+        assert all(torch.equal(r, results[0]) for r in results[1:])
+    none = torch.ops.llm_cpu.moe_experts(x[:0], chosen[:0], weights[:0], packed13, bias13,
+                                         packed2, b2)
+    assert none.shape == (0, hidden)
 
 
 @needs_packed
@@ -385,14 +444,19 @@ def quantized_linear_of(bits: int) -> Any:
 def test_quantized_experts_stay_within_their_format_of_the_float_block(
         name: str, rel: float) -> None:
     """--quantization int8/int4 applies to every expert (and the shared one), the router stays
-    float: the same experts as the float block, the output as the kernel's own reference
-    (quantized_linear's, per expert) to float32 rounding, and within the format's error of
-    the float reference (relative to the output's size; measured 0.008 and 0.15)."""
+    float: the same experts as the float block, the output (one quantized_moe call) as the
+    kernel's own reference (quantized_linear's, per expert) to float32 rounding, and within
+    the format's error of the float reference (relative to the output's size; measured 0.008
+    and 0.15)."""
     spec = moe_spec(5, 3, norm_topk=True, shared_intermediate=48, shared_gate=True)
     w = Weights(spec)
     method = METHODS[name]()
     block = w.block(spec, method)
     assert all(hasattr(e.gate_up_proj, "tiles") for e in block.experts)
+    stacked = block.stacked  # (one quantized_moe call, each expert a view of its slice)
+    assert stacked is not None and stacked.kind == "quantized"
+    assert (stacked.bits13, stacked.bits2) == (method.bits, method.bits)
+    assert block.experts[2].gate_up_proj.tiles.data_ptr() == stacked.w13[2].data_ptr()
     assert not hasattr(block.gate, "tiles")  # (the router: float)
     x = inputs(23)
     floats = w.block(spec)
@@ -406,6 +470,7 @@ def test_quantized_experts_stay_within_their_format_of_the_float_block(
     exact = w.reference(spec, x, double_linear)
     error = (got - exact).norm() / exact.norm()
     assert error < rel, f"{name}: relative error {error:.3g}"
+    assert_rows_independent(block, x)
 
 
 def test_two_ranks_slices_sum_to_the_whole_block() -> None:

@@ -11,6 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from pipeline.tools.roofline import bytes_per_token, read_bandwidth
+from stages.executor.linear.amx import vector_kernel_missing
 from stages.inprocess import InProcessEngine
 
 
@@ -43,6 +44,26 @@ def test_bytes_per_token_count_what_a_token_reads(tmp_path: Path, moe: bool) -> 
     model = InProcessEngine(str(folder)).runner.model
     want = _expected(folder, 64, 2 / 5 if moe else 1.0)
     assert bytes_per_token(model) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.skipif(vector_kernel_missing() is not None, reason=f"{vector_kernel_missing()}")
+def test_stacked_experts_count_as_the_routed_ones(tmp_path: Path) -> None:
+    """bf16 experts stacked for moe_experts (each expert a view of one [E, ...] tensor) count
+    top_k / E of the stack, as when each held its own (the packed panels pad a layer's outputs
+    to 32, which the vocabulary of 100 shows as a few percent)."""
+    import torch
+
+    from pipeline.tools.random_model import build_random_model
+
+    folder = build_random_model(tmp_path / "m", "qwen3_moe", hidden_size=64,
+                                intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                max_position_embeddings=128, moe_intermediate_size=32,
+                                num_experts=5, num_experts_per_tok=2)
+    model = InProcessEngine(str(folder), dtype=torch.bfloat16).runner.model
+    assert model.model.layers[0].mlp.stacked is not None
+    want = _expected(folder, 64, 2 / 5, width=2)
+    assert bytes_per_token(model) == pytest.approx(want, rel=0.05)
 
 
 def test_read_bandwidth_is_measured() -> None:

@@ -36,7 +36,8 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name
                               "mkl_linear.cpp", "decoder_layers.cpp", "bf16_vector.cpp",
                               "moe_experts.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("vector_math.h", "amx_tiles.h", "work_queue.h", "bf16_vector.h"))
+                for name in ("vector_math.h", "amx_tiles.h", "work_queue.h", "bf16_vector.h",
+                              "moe_routes.h"))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
 BUILD_TIMEOUT_S = 120  # well inside an executor's ready timeout (300 s by default)
 

@@ -1,14 +1,13 @@
-// bf16 linear layers on AVX512-BF16 (bf16_vector.h): y = x W^T (+ b), W in amx_linear.cpp's
-// packed layout, for a CPU without AMX tiles. amx_linear calls it there, so a model's packed
-// bf16 weights, the fused decoder call and the tests are one format on either CPU.
+// bf16 linear layers on AVX512-BF16 (bf16_vector.h), in the executor process:
+// torch.ops.llm_cpu.bf16_vector_linear, amx_linear's arguments and layout for a CPU without AMX.
 //
 // Why not oneDNN's packed product, which runs the same instruction on such a CPU: a decode step
-// streams every weight once, and oneDNN's bf16 product reads them at about half the memory's
-// speed at one to 32 rows on the 2-core AMD test machine (docs/BENCHMARKS.md "bf16 products
-// without AMX"). Here each thread streams contiguous panels, a few at once for a single row.
+// streams every weight once, and oneDNN's bf16 product reads them at about 0.6x the memory's
+// speed at one row on the 2-core AMD test machine (docs/BENCHMARKS.md "bf16 products without
+// AMX"). Here each thread streams contiguous panels, two at a time for up to four rows.
 //
-// Work: torch's threads take groups of panels from one queue (work_queue.h); a group's panels
-// fit L2, so blocks of 8 rows after the first read them from there.
+// Work: torch's threads take groups of panels from one queue (work_queue.h); with more than 8
+// rows a group's panels fit L2, so blocks of 8 rows after the first read them from there.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -68,21 +67,21 @@ void store_block(const float* sums, int64_t rows, int64_t panels, int64_t m0, in
 
 }  // namespace
 
-// Rows x[0..rows) (rows <= 8) by `panels` panels from `w`: their sums into out (rows of
-// panels * 32). Up to four rows go two panels at a time, more one: at most 16 sums, all in
-// registers (one row over four panels at a time measured no faster than over two).
+// Up to four rows go two panels at a time, more one: at most 16 sums, all in registers (one
+// row over four panels at a time measured no faster than over two).
 void rows_by_panels(const c10::BFloat16* const* x, int64_t rows, const uint8_t* w,
-                    int64_t panel_bytes, int64_t chunks, int64_t panels, float* out) {
+                    int64_t panel_bytes, int64_t chunks, int64_t panels, float* out,
+                    const uint8_t* end) {
   const int64_t step = rows <= 4 ? 2 : 1, stride = panels * kPanel;
   for (int64_t j = 0; j < panels;) {
     const int64_t left = panels - j;
     const uint8_t* at = w + j * panel_bytes;
     float* o = out + j * kPanel;
     if (step == 2 && left >= 2) {
-      panel_rows<2>(x, rows, at, panel_bytes, chunks, o, stride);
+      panel_rows<2>(x, rows, at, panel_bytes, chunks, o, stride, end);
       j += 2;
     } else {
-      panel_rows<1>(x, rows, at, panel_bytes, chunks, o, stride);
+      panel_rows<1>(x, rows, at, panel_bytes, chunks, o, stride, end);
       j += 1;
     }
   }
@@ -91,8 +90,8 @@ void rows_by_panels(const c10::BFloat16* const* x, int64_t rows, const uint8_t* 
 void vector_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* w,
                    int64_t panels, int64_t n, const float* bias, bool gated, c10::BFloat16* y) {
   const int64_t chunks = k / kChunkK, panel_bytes = chunks * kChunkBytes;
-  // A decode step: groups of 4 panels at least (a row's block), a quarter of a thread's share;
-  // more rows: groups that fit L2, so blocks of rows after the first read them from there.
+  // A decode step: groups of a quarter of a thread's share (4 panels at least); more rows:
+  // groups that fit L2, so blocks of rows after the first read them from there.
   const int64_t group = m <= kRowBlock
                             ? grain_for(panels, 4, 4)
                             : std::max<int64_t>(1, kGroupBytes / panel_bytes);
@@ -105,7 +104,7 @@ void vector_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* 
         const int64_t block = std::min(kRowBlock, m - m0);
         for (int64_t r = 0; r < block; ++r) rows[r] = x + (m0 + r) * k;
         rows_by_panels(rows, block, w + begin * panel_bytes, panel_bytes, chunks, count,
-                       sums.data());
+                       sums.data(), w + end * panel_bytes);
         store_block(sums.data(), block, count, m0, begin, n, bias, gated, y);
       }
     }

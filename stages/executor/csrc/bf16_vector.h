@@ -1,7 +1,7 @@
-// bf16 products on AVX512-BF16 (VDPBF16PS) over the packed layout of amx_linear.cpp, for a CPU
-// without AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake): the products of bf16_vector.cpp
-// (linear layers) and moe_experts.cpp (a mixture of experts' routed experts in one call).
+// bf16 products on AVX512-BF16 over amx_linear.cpp's packed layout, in the executor process:
+// the blocks of bf16_vector.cpp (linear layers) and moe_experts.cpp (routed experts).
 //
+// For a CPU without AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake).
 // The layout (amx_linear.cpp's header says it whole): panels of 32 output columns, each K / 32
 // chunks of 2 KB; a chunk is two halves (columns 0-15, then 16-31), each 16 K-pairs x 16
 // columns x 2 bf16. One K-pair of a half is 64 bytes, one ZMM register: VDPBF16PS multiplies it
@@ -72,13 +72,17 @@ inline __m512bh pair_of(const c10::BFloat16* x, int64_t c, int p) {
 
 // Rows `x[0..R)` (R row pointers, each K bf16 values) by P panels, the first at `w`, the next
 // `panel_bytes` apart, over `chunks` chunks of K: the float32 sums into
-// out[r * out_stride + j * 32 + c].
+// out[r * out_stride + j * 32 + c]. Each panel is prefetched kPrefetch bytes ahead as it goes,
+// up to `end` (the end of what the caller streams: its next bytes are its own to fetch).
 template <int R, int P>
 inline void panel_block(const c10::BFloat16* const* x, const uint8_t* w, int64_t panel_bytes,
-                        int64_t chunks, float* out, int64_t out_stride) {
+                        int64_t chunks, float* out, int64_t out_stride, const uint8_t* end) {
   __m512 acc[R][2 * P];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm512_setzero_ps();
+  const auto fetch = [end](const uint8_t* at) {
+    if (at + kPrefetch < end) _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T1);
+  };
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* chunk = w + c * kChunkBytes;
     if constexpr (R <= 4) {
@@ -90,7 +94,7 @@ inline void panel_block(const c10::BFloat16* const* x, const uint8_t* w, int64_t
           __m512bh wv[P];
           for (int j = 0; j < P; ++j) {
             const uint8_t* at = chunk + j * panel_bytes + h * 1024 + p * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T1);
+            fetch(at);
             wv[j] = (__m512bh)_mm512_loadu_si512(at);
           }
           for (int r = 0; r < R; ++r) {
@@ -108,8 +112,8 @@ inline void panel_block(const c10::BFloat16* const* x, const uint8_t* w, int64_t
         __m512bh wv[2 * P];
         for (int j = 0; j < P; ++j) {
           const uint8_t* at = chunk + j * panel_bytes + p * 64;
-          _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch + 1024), _MM_HINT_T1);
+          fetch(at);
+          fetch(at + 1024);
           wv[2 * j] = (__m512bh)_mm512_loadu_si512(at);
           wv[2 * j + 1] = (__m512bh)_mm512_loadu_si512(at + 1024);
         }
@@ -124,14 +128,15 @@ inline void panel_block(const c10::BFloat16* const* x, const uint8_t* w, int64_t
     for (int j = 0; j < 2 * P; ++j) _mm512_storeu_ps(out + r * out_stride + j * 16, acc[r][j]);
 }
 
-// Rows x[0..rows) (rows <= 8) by P panels from `w`.
+// Rows x[0..rows) (1 to 8) by P panels from `w`.
 template <int P>
 inline void panel_rows(const c10::BFloat16* const* x, int64_t rows, const uint8_t* w,
-                       int64_t panel_bytes, int64_t chunks, float* out, int64_t out_stride) {
+                       int64_t panel_bytes, int64_t chunks, float* out, int64_t out_stride,
+                       const uint8_t* end) {
   switch (rows) {
 #define LLM_CPU_ROWS(n) \
   case n:               \
-    return panel_block<n, P>(x, w, panel_bytes, chunks, out, out_stride);
+    return panel_block<n, P>(x, w, panel_bytes, chunks, out, out_stride, end);
     LLM_CPU_ROWS(1)
     LLM_CPU_ROWS(2)
     LLM_CPU_ROWS(3)
@@ -142,9 +147,15 @@ inline void panel_rows(const c10::BFloat16* const* x, int64_t rows, const uint8_
     LLM_CPU_ROWS(8)
 #undef LLM_CPU_ROWS
     default:
-      return;
+      TORCH_CHECK(false, "panel_rows: ", rows, " rows; a block has 1 to 8");
   }
 }
+
+// Rows x[0..rows) (1 to 8) by `panels` panels from `w` (bf16_vector.cpp), prefetching up to
+// `end`: their sums into out (rows of panels * 32).
+void rows_by_panels(const c10::BFloat16* const* x, int64_t rows, const uint8_t* w,
+                    int64_t panel_bytes, int64_t chunks, int64_t panels, float* out,
+                    const uint8_t* end);
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

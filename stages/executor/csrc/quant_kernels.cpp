@@ -63,6 +63,7 @@
 #include <cstring>
 #include <vector>
 
+#include "moe_routes.h"
 #include "work_queue.h"
 
 namespace {
@@ -174,7 +175,8 @@ inline float reduce_half(__m512 v, int half) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// out[t][r] = y[m0 + t, 4 tile + r] without the bias, for T tokens.
+// out[t][r] = y[m0 + t, 4 tile + r] without the bias, for T tokens (`first`: the tile's first
+// pass over the tokens, which prefetches).
 //
 // int8: a row's 64 codes of a pair are one vector, dotted with the pair's 64 activations.
 // int4 and 5 bits: the 64 bytes of rows 2v and 2v + 1 are one load; their low nibbles are both rows'
@@ -184,7 +186,8 @@ inline float reduce_half(__m512 v, int half) {
 // no shuffle to unpack, and one float rescale for two rows (the 30 layers and head at one
 // token: 4.0 -> 3.6 ms against a row a vector).
 template <int kBits, int T>
-void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0, float* out) {
+void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0, bool first,
+          float* out) {
   constexpr int64_t kChunk = chunk_bytes(kBits);
   constexpr int64_t kCodes = code_bytes(kBits);
   constexpr int64_t kScales = kRows * kCodes + fifth_bytes(kBits);  // where d and mn start
@@ -208,7 +211,7 @@ void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i sixteen = _mm512_set1_epi8(0x10);
   for (int64_t p = 0; p < a.pairs; ++p, chunk += kChunk) {
-    for (int64_t line = 0; m0 == 0 && line < kChunk; line += 64)
+    for (int64_t line = 0; first && line < kChunk; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead + line), _MM_HINT_T1);
     const __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kScales))));
@@ -273,12 +276,12 @@ void tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0
 
 template <int kBits>
 void run_tile(const Weights& w, const Activations& a, int64_t tile_index, int64_t m0,
-              int64_t tokens, float* out) {
+              int64_t tokens, bool first, float* out) {
   switch (tokens) {
-    case 1: tile<kBits, 1>(w, a, tile_index, m0, out); break;
-    case 2: tile<kBits, 2>(w, a, tile_index, m0, out); break;
-    case 3: tile<kBits, 3>(w, a, tile_index, m0, out); break;
-    default: tile<kBits, 4>(w, a, tile_index, m0, out); break;
+    case 1: tile<kBits, 1>(w, a, tile_index, m0, first, out); break;
+    case 2: tile<kBits, 2>(w, a, tile_index, m0, first, out); break;
+    case 3: tile<kBits, 3>(w, a, tile_index, m0, first, out); break;
+    default: tile<kBits, 4>(w, a, tile_index, m0, first, out); break;
   }
 }
 
@@ -292,7 +295,7 @@ void run_tiles(const Weights& w, const Activations& a, const float* b, int64_t m
     const int64_t rows = std::min(kRows, w.n - n0);
     for (int64_t m0 = 0; m0 < m_rows; m0 += kTokens) {
       const int64_t tokens = std::min(kTokens, m_rows - m0);
-      run_tile<kBits>(w, a, tile_index, m0, tokens, part);
+      run_tile<kBits>(w, a, tile_index, m0, tokens, m0 == 0, part);
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t r = 0; r < rows; ++r) {
           const float v = part[t * kRows + r] + (b ? b[n0 + r] : 0.f);
@@ -317,6 +320,151 @@ void quantized_linear_kernel(const at::Tensor& x, const Weights& w, int64_t kp,
     for (int64_t begin, end; queue.take(w_index, begin, end);)
       run_tiles<T, kBits>(w, a, b, m_rows, begin, end, out);
   });
+}
+
+// A mixture of experts' routed experts on quantized weights (quantized_moe below): the
+// structure of moe_experts.cpp (its header says why one call) on this file's tiles.
+//   1. x quantized once per token; each pair (token, expert), grouped by expert, takes its
+//      token's row of the quantized activations.
+//   2. gate/up: every routed expert's tiles are units of one queue: its rows' gate and up
+//      outputs (the layer's first I rows gate, the next I up, as the per-expert layer has them).
+//   3. h = silu(gate) * up, rounded to x's dtype as the per-expert layers round it, then
+//      quantized per row.
+//   4. down: each unit is a run of the output's tiles; it runs every routed expert's tiles
+//      over that expert's rows and adds each row's result, times its routing weight, into its
+//      token's float32 sums, experts in ascending order.
+// A row's result does not depend on the step's other rows (each tile's per-token sums are
+// its own), and every expert's weights stream once per step.
+
+// Rows `rows` of a (in that order) as activations of their own.
+Activations gather_rows(const Activations& a, const std::vector<int64_t>& rows) {
+  const int64_t n = static_cast<int64_t>(rows.size()), blocks = a.kp / kBlock;
+  Activations g{a.kp, a.pairs, std::vector<int8_t>(n * a.kp), std::vector<int8_t>(n * a.kp),
+                std::vector<float>(n * a.pairs * 16), std::vector<float>(n * blocks)};
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t m = rows[i];
+    std::memcpy(g.hi.data() + i * a.kp, a.hi.data() + m * a.kp, a.kp);
+    std::memcpy(g.lo.data() + i * a.kp, a.lo.data() + m * a.kp, a.kp);
+    std::memcpy(g.lanes.data() + i * a.pairs * 16, a.lanes.data() + m * a.pairs * 16,
+                a.pairs * 16 * sizeof(float));
+    std::memcpy(g.sx.data() + i * blocks, a.sx.data() + m * blocks, blocks * sizeof(float));
+  }
+  return g;
+}
+
+struct ExpertTiles {
+  const uint8_t* tiles;  // [E, tiles, bytes]
+  int64_t per_expert;    // bytes an expert
+  int64_t n, pairs;      // each expert's outputs and pairs of inputs
+  const float* bias;     // [E, n] or null
+
+  Weights of(int64_t e) const { return Weights{tiles + e * per_expert, n, pairs}; }
+};
+
+template <typename T, int kBits13, int kBits2>
+void quantized_moe_kernel(const T* x, int64_t tokens, int64_t hidden,
+                          const llm_cpu_moe::Routes& routes, const ExpertTiles& w13,
+                          const ExpertTiles& w2, T* y) {
+  const int64_t inter = w13.n / 2, pairs = static_cast<int64_t>(routes.token.size());
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const Activations ax = gather_rows(
+      quantize_activations(x, tokens, hidden, w13.pairs * kPair), routes.token);
+
+  // 2. gate/up into gu [pairs, 2I] (float32)
+  std::vector<float> gu(pairs * w13.n);
+  const int64_t tiles13 = (w13.n + kRows - 1) / kRows;
+  const int64_t group = std::max<int64_t>(
+      1, static_cast<int64_t>(routes.used.size()) * tiles13 / (threads * 8));
+  struct Unit {
+    int64_t expert, begin, end;
+  };
+  std::vector<Unit> units;
+  for (const int64_t e : routes.used)
+    for (int64_t t = 0; t < tiles13; t += group) units.push_back({e, t, std::min(tiles13, t + group)});
+  parallel_queue(static_cast<int64_t>(units.size()), 1, Order::kShared,
+                 [&](WorkQueue& queue, int64_t w_index) {
+    float part[kTokens * kRows];
+    for (int64_t begin, end; queue.take(w_index, begin, end);) {
+      const Unit& u = units[begin];
+      const Weights w = w13.of(u.expert);
+      const float* bias = w13.bias != nullptr ? w13.bias + u.expert * w13.n : nullptr;
+      for (int64_t t = u.begin; t < u.end; ++t) {
+        const int64_t n0 = t * kRows, rows = std::min(kRows, w.n - n0);
+        for (int64_t m0 = routes.first[u.expert]; m0 < routes.first[u.expert + 1];
+             m0 += kTokens) {
+          const int64_t count = std::min(kTokens, routes.first[u.expert + 1] - m0);
+          run_tile<kBits13>(w, ax, t, m0, count, m0 == routes.first[u.expert], part);
+          for (int64_t i = 0; i < count; ++i)
+            for (int64_t r = 0; r < rows; ++r)
+              gu[(m0 + i) * w13.n + n0 + r] = part[i * kRows + r] + (bias ? bias[n0 + r] : 0.f);
+        }
+      }
+    }
+  });
+
+  // 3. h = silu(gate) * up in x's dtype, quantized per row
+  std::vector<T> h(pairs * inter);
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t i = 0; i < inter; ++i) {
+        // (each rounded to T, as the per-expert layers' product and silu_and_mul round them)
+        const float g = static_cast<float>(static_cast<T>(gu[p * w13.n + i]));
+        const float u = static_cast<float>(static_cast<T>(gu[p * w13.n + inter + i]));
+        h[p * inter + i] = static_cast<T>(g / (1.0f + std::exp(-g)) * u);
+      }
+    }
+  });
+  const Activations ah = quantize_activations(h.data(), pairs, inter, w2.pairs * kPair);
+
+  // 4. down: y[token, tiles] = sum over its experts (ascending) of weight * (h W_down^T + b)
+  const int64_t tiles2 = (w2.n + kRows - 1) / kRows;
+  parallel_queue(tiles2, grain_for(tiles2, 4), Order::kOwnRuns,
+                 [&](WorkQueue& queue, int64_t w_index) {
+    float part[kTokens * kRows];
+    std::vector<float> acc;
+    for (int64_t begin, end; queue.take(w_index, begin, end);) {
+      const int64_t width = (end - begin) * kRows;
+      acc.assign(tokens * width, 0.f);
+      for (const int64_t e : routes.used) {
+        const Weights w = w2.of(e);
+        const float* bias = w2.bias != nullptr ? w2.bias + e * w2.n : nullptr;
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n0 = t * kRows, rows = std::min(kRows, w.n - n0);
+          for (int64_t m0 = routes.first[e]; m0 < routes.first[e + 1]; m0 += kTokens) {
+            const int64_t count = std::min(kTokens, routes.first[e + 1] - m0);
+            run_tile<kBits2>(w, ah, t, m0, count, m0 == routes.first[e], part);
+            for (int64_t i = 0; i < count; ++i) {
+              float* a = acc.data() + routes.token[m0 + i] * width + (t - begin) * kRows;
+              const float weight = routes.weight[m0 + i];
+              for (int64_t r = 0; r < rows; ++r)
+                a[r] += weight * (part[i * kRows + r] + (bias ? bias[n0 + r] : 0.f));
+            }
+          }
+        }
+      }
+      const int64_t n0 = begin * kRows, cols = std::min(width, w2.n - n0);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t c = 0; c < cols; ++c) y[t * w2.n + n0 + c] = static_cast<T>(acc[t * width + c]);
+    }
+  });
+}
+
+template <typename T, int kBits13>
+void quantized_moe_bits(int64_t bits2, const T* x, int64_t tokens, int64_t hidden,
+                        const llm_cpu_moe::Routes& routes, const ExpertTiles& w13,
+                        const ExpertTiles& w2, T* y) {
+  if (bits2 == 8) quantized_moe_kernel<T, kBits13, 8>(x, tokens, hidden, routes, w13, w2, y);
+  if (bits2 == 5) quantized_moe_kernel<T, kBits13, 5>(x, tokens, hidden, routes, w13, w2, y);
+  if (bits2 == 4) quantized_moe_kernel<T, kBits13, 4>(x, tokens, hidden, routes, w13, w2, y);
+}
+
+template <typename T>
+void quantized_moe_typed(int64_t bits13, int64_t bits2, const T* x, int64_t tokens,
+                         int64_t hidden, const llm_cpu_moe::Routes& routes,
+                         const ExpertTiles& w13, const ExpertTiles& w2, T* y) {
+  if (bits13 == 8) quantized_moe_bits<T, 8>(bits2, x, tokens, hidden, routes, w13, w2, y);
+  if (bits13 == 5) quantized_moe_bits<T, 5>(bits2, x, tokens, hidden, routes, w13, w2, y);
+  if (bits13 == 4) quantized_moe_bits<T, 4>(bits2, x, tokens, hidden, routes, w13, w2, y);
 }
 
 #endif  // LLM_CPU_QUANT
@@ -362,6 +510,68 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& tiles,
 #endif
 }
 
+
+// One projection of every expert, stacked: tiles uint8 [E, ceil(N / 4), pairs * chunk bytes]
+// (quantized_linear's layout each) of `bits`; bias float32 [E, N] or none. Checked as
+// quantized_linear checks one, naming `which`.
+int64_t check_expert_tiles(const char* which, const at::Tensor& tiles, int64_t bits, int64_t n,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bits == 8 || bits == 5 || bits == 4, "quantized_moe: ", which,
+              " bits must be 8, 5 or 4, got ", bits);
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.is_contiguous() &&
+                  tiles.size(1) == (n + 3) / 4 && tiles.size(2) % chunk_bytes(bits) == 0,
+              "quantized_moe: ", which, " must be contiguous uint8 [E, ", (n + 3) / 4,
+              " tiles, pairs * ", chunk_bytes(bits), " bytes]");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == tiles.size(0) * n,
+                "quantized_moe: ", which, "'s bias must be float32 [E, ", n, "]");
+  }
+  return tiles.size(2) / chunk_bytes(bits);  // pairs
+}
+
+// x [T, H] float32 or bfloat16; experts int64 [T, k], weights [T, k]; w13: each expert's
+// gate/up layer's tiles (2I outputs: gate, then up), w2 its down layer's (H outputs); their
+// bits and biases. Returns y [T, H] in x's dtype: the routed experts' weighted sum.
+at::Tensor quantized_moe(const at::Tensor& x, const at::Tensor& experts,
+                         const at::Tensor& weights, const at::Tensor& w13,
+                         const c10::optional<at::Tensor>& b13, int64_t bits13,
+                         const at::Tensor& w2, const c10::optional<at::Tensor>& b2,
+                         int64_t bits2, int64_t inter) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quantized_moe: x must be a contiguous float32 or bfloat16 matrix");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(inter > 0 && w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0),
+              "quantized_moe: w13 and w2 must hold the same experts");
+  const int64_t pairs13 = check_expert_tiles("w13", w13, bits13, 2 * inter, b13);
+  const int64_t pairs2 = check_expert_tiles("w2", w2, bits2, hidden, b2);
+  TORCH_CHECK(hidden <= pairs13 * kPair && hidden > (pairs13 - 1) * kPair &&
+                  inter <= pairs2 * kPair && inter > (pairs2 - 1) * kPair,
+              "quantized_moe: tiles of ", pairs13, " and ", pairs2, " pairs of inputs for ",
+              hidden, " and ", inter);
+  at::Tensor y = at::empty({tokens, hidden}, x.options());
+#if LLM_CPU_QUANT
+  const llm_cpu_moe::Routes routes =
+      llm_cpu_moe::group_by_expert("quantized_moe", experts, weights, tokens, w13.size(0));
+  if (tokens == 0) return y;
+  const ExpertTiles t13{w13.const_data_ptr<uint8_t>(), w13.size(1) * w13.size(2), 2 * inter,
+                        pairs13, b13.has_value() ? b13->const_data_ptr<float>() : nullptr};
+  const ExpertTiles t2{w2.const_data_ptr<uint8_t>(), w2.size(1) * w2.size(2), hidden, pairs2,
+                       b2.has_value() ? b2->const_data_ptr<float>() : nullptr};
+  if (x.scalar_type() == at::kFloat) {
+    quantized_moe_typed<float>(bits13, bits2, x.const_data_ptr<float>(), tokens, hidden, routes,
+                               t13, t2, y.mutable_data_ptr<float>());
+  } else {
+    quantized_moe_typed<c10::BFloat16>(bits13, bits2, x.const_data_ptr<c10::BFloat16>(),
+                                       tokens, hidden, routes, t13, t2,
+                                       y.mutable_data_ptr<c10::BFloat16>());
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "quantized_moe: these kernels were built for a CPU without AVX512-VNNI");
+#endif
+}
 }  // namespace
 
 // Whether quantized_linear runs here (the CPU has AVX512-VNNI, and the build targeted it).
@@ -370,6 +580,11 @@ bool quantized_linear_available() { return LLM_CPU_QUANT; }
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("quantized_linear_available() -> bool", &quantized_linear_available);
   m.def("quantized_linear(Tensor x, Tensor tiles, Tensor? bias, int bits, int n) -> Tensor");
+  m.def("quantized_moe(Tensor x, Tensor experts, Tensor weights, Tensor w13, Tensor? b13, "
+        "int bits13, Tensor w2, Tensor? b2, int bits2, int inter) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) { m.impl("quantized_linear", TORCH_FN(quantized_linear)); }
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
+  m.impl("quantized_linear", TORCH_FN(quantized_linear));
+  m.impl("quantized_moe", TORCH_FN(quantized_moe));
+}

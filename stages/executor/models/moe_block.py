@@ -12,37 +12,33 @@ op), so the block runs in the eager forwards only: the compiled one is refused f
 models (backends/select.py).
 
 Where every routed expert is packed bf16 with SiLU fused into its gate/up product (amx.py's
-layout: AMX or AVX512-BF16 CPUs), the experts' weights are stacked once loaded and a step's
-routed experts run in one kernel call (csrc/moe_experts.cpp): no Python, dispatch or thread
-barrier per expert, and each expert's weights streamed once per step by both threads. Other
-formats (float32, --quantization, gpt-oss's MXFP4 blocks) run the experts one by one as
-above.
-
-Tensor parallelism shards each expert's intermediate rows across the ranks, as a dense MLP's:
-every rank runs every routed expert on its slice, and one all-reduce per layer sums the
-experts' and the shared expert's partial outputs together. Whole experts per rank (expert
-parallelism) would give each rank only the tokens of its experts: an all-to-all of tokens
-there and back, and ranks that wait on the busiest one (routing is rarely even); slicing
-every expert needs neither, at the cost of smaller products per rank."""
+layout on AVX512-BF16, a CPU without AMX), or quantized (--quantization int8/int4, a GGUF
+file's blocks) with a SiLU MLP, the experts' weights are stacked once loaded and a step's
+routed experts run in one kernel call (csrc/moe_experts.cpp, csrc/quant_kernels.cpp
+quantized_moe): no Python, dispatch or thread barrier per expert, and each expert's weights
+streamed once per step by all of torch's threads. float32 weights, AMX tiles and gpt-oss's
+clamped SwiGLU run the experts one by one as above."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ipc.arch import ArchSpec, MoESpec, UnsupportedModel
 from stages.executor.backends.base import ForwardOps
+from stages.executor.linear.amx import VectorBf16Method
 from stages.executor.linear.base import Linear, LinearMethod
 from stages.executor.linear.dense import DenseMethod
+from stages.executor.linear.quantized import QuantizedMethod
 from stages.executor.models.blocks import dense_mlp
 from stages.executor.sharding import ColumnParallelLinear, RowParallelLinear, Shard
 
 logger = logging.getLogger(__name__)
-_told: set[str] = set()
+_logged: set[str] = set()  # why experts ran one by one, as told to the log
 
 
 class PartialRowLinear(RowParallelLinear):
@@ -90,15 +86,17 @@ class Expert(nn.Module):
         return self.down_proj(self.gate_up_proj.gated_forward(x, self.act_and_mul))
 
 
-PACKED_BF16 = ("amx-bf16", "avx512-bf16")  # amx.py's layout, which moe_experts reads
-
-
 class StackedExperts(NamedTuple):
-    """Every routed expert's packed weights and float32 biases (or None), stacked."""
-    w13: torch.Tensor  # uint8 [E, panels, bytes]: gate/up, gate and up interleaved
+    """Every routed expert's weights in their format and float32 biases (or None), stacked:
+    `kind` "bf16" (packed panels, gate and up interleaved) or "quantized" (tiles, of bits13
+    and bits2 bits)."""
+    kind: str
+    w13: torch.Tensor  # uint8 [E, ...]: gate/up
     b13: torch.Tensor | None  # [E, 2I]
-    w2: torch.Tensor  # uint8 [E, panels, bytes]: down
+    bits13: int
+    w2: torch.Tensor  # uint8 [E, ...]: down
     b2: torch.Tensor | None  # [E, H]
+    bits2: int
 
 
 class Routing(NamedTuple):
@@ -151,49 +149,70 @@ class MoEBlock(nn.Module):
         self.stacked: StackedExperts | None = None  # (weights_processed)
 
     def weights_processed(self) -> None:
-        """Once the experts' weights are in their format: where every routed expert is packed
-        bf16 with its gate fused (amx.py's layout, on AMX or AVX512-BF16) and the CPU kernels
-        have moe_experts, the experts' weights are stacked for it ([E, panels, bytes]), each
-        expert keeping a view of its slice (one copy in memory)."""
-        self.stacked = None
-        why = self._why_not_stacked()
-        if why is not None:
-            if why not in _told:  # (once, not once a layer)
-                _told.add(why)
-                logger.info("the routed experts run one by one: %s", why)
+        """Once the experts' weights are in their format: where one kernel takes them all
+        (every routed expert packed bf16 on AVX512-BF16 with SiLU fused into gate/up, for
+        moe_experts; or quantized with a SiLU MLP, for quantized_moe), they are stacked for it
+        ([E, ...]), each expert keeping a view of its slice (one copy in memory). The stacks
+        are the experts' weights from then on: a module conversion (.to()) after this would
+        leave them behind."""
+        if self.stacked is not None:
             return
-        stacks = []
+        kind = self._stackable()
+        if kind not in ("bf16", "quantized"):
+            if kind not in _logged:  # (once, not once a layer)
+                _logged.add(kind)
+                logger.info("the routed experts run one by one: %s", kind)
+            return
+        buffer = "amx_weight" if kind == "bf16" else "tiles"
+        stacks: list[Any] = []
         for name in ("gate_up_proj", "down_proj"):
             layers = [getattr(e, name) for e in self.experts]
-            weight = torch.stack([layer.amx_weight for layer in layers])
+            weight = torch.stack([getattr(layer, buffer) for layer in layers])
             bias = (torch.stack([layer.bias_f32 for layer in layers])
                     if layers[0].bias_f32 is not None else None)
             for i, layer in enumerate(layers):
-                layer.amx_weight = weight[i]
+                setattr(layer, buffer, weight[i])
                 if bias is not None:
                     layer.bias_f32 = bias[i]
-            stacks.append((weight, bias))
-        self.stacked = StackedExperts(*stacks[0], *stacks[1])
+            stacks += [weight, bias, getattr(layers[0], "bits", 0)]
+        self.stacked = StackedExperts(kind, *stacks)
 
-    def _why_not_stacked(self) -> str | None:
-        if not hasattr(torch.ops.llm_cpu, "moe_experts"):
-            return "the CPU kernels are not loaded"
+    def _stackable(self) -> str:
+        """"bf16" or "quantized": the kernel that takes these experts; else why none does.
+        (On AMX the experts keep amx_linear's tiles, one expert at a time: moe_experts runs
+        on AVX512-BF16, which has not been measured against the tiles there.)"""
+        kinds = set()
         for expert in self.experts:
             gate_up, down = expert.gate_up_proj, expert.down_proj
-            if not all(p.method.name in PACKED_BF16 for p in (gate_up, down)):
-                return (f"their weights are {gate_up.method.name}/{down.method.name}; the "
-                        f"kernel takes packed bf16 ({' or '.join(PACKED_BF16)})")
-            if not gate_up.fused_gate:
-                return "their activation is not SiLU fused into the gate/up product"
-        return None
+            methods = (gate_up.method, down.method)
+            if not gate_up.gated:
+                return "their activation is not SiLU"
+            if all(isinstance(m, VectorBf16Method) for m in methods) and gate_up.fused_gate:
+                kinds.add(("bf16", gate_up.amx_weight.shape, down.amx_weight.shape))
+            elif all(isinstance(m, QuantizedMethod) for m in methods):
+                kinds.add(("quantized", gate_up.tiles.shape, gate_up.bits, down.tiles.shape,
+                           down.bits))
+            else:
+                return (f"their weights are {gate_up.method.name}/{down.method.name}; one "
+                        "kernel takes avx512-bf16 with SiLU fused into gate/up, or quantized "
+                        "weights")
+        if len(kinds) > 1:
+            return "the experts' weights differ in format or shape"
+        return str(next(iter(kinds))[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.gate(x), self.moe)
-        if self.stacked is not None and x.device.type == "cpu":
-            s = self.stacked
-            out = torch.ops.llm_cpu.moe_experts(x.reshape(-1, x.shape[-1]).contiguous(),
-                                                routing.experts, routing.weights, s.w13,
-                                                s.b13, s.w2, s.b2).view(x.shape)
+        s = self.stacked
+        if s is not None and x.device.type == "cpu":
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            if s.kind == "bf16":
+                out = torch.ops.llm_cpu.moe_experts(rows, routing.experts, routing.weights,
+                                                    s.w13, s.b13, s.w2, s.b2)
+            else:
+                out = torch.ops.llm_cpu.quantized_moe(
+                    rows, routing.experts, routing.weights, s.w13, s.b13, s.bits13, s.w2, s.b2,
+                    s.bits2, self.experts[0].down_proj.in_features)
+            out = out.view(x.shape)
         else:
             out = self.routed(x, routing)
         if self.shared_expert is not None:
