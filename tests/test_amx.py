@@ -1,10 +1,10 @@
 """bf16 products on AMX tiles (stages/executor/linear/amx.py, csrc/amx_linear.cpp) and, in the
 same layout, on AVX512-BF16 (csrc/bf16_vector.cpp): the packed layout holds the weight, each
-kernel computes x W^T + b to within bf16's rounding for every
-row count a step has (one row pair, several, slabs of a long prompt, ragged ends) and odd
-output counts, with the same bits at any number of threads, bad inputs are refused by name,
-oneDNN's own AMX products still compute right beside it, and a model whose layers mix it
-with oneDNN's packing gives the same bits in one call as in the Python layers."""
+kernel computes x W^T + b to within bf16's rounding for every row count a step has (one row
+pair, several, slabs of a long prompt, ragged ends) and odd output counts, with the same bits
+at any number of threads and for a row whatever rows share the call, bad inputs are refused
+by name, oneDNN's own AMX products still compute right beside it, and a model whose layers mix
+it with oneDNN's packing gives the same bits in one call as in the Python layers."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ needs_packed = pytest.mark.skipif(PACKED is None, reason="neither AMX nor AVX512
 def product(request: pytest.FixtureRequest) -> Any:
     """Each kernel of the packed layout this CPU runs."""
     return getattr(torch.ops.llm_cpu, request.param)
+
+
 CPU = torch.device("cpu")
 PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8, 4, 4, 1, 9, 9, 3, 2, 6, 7, 7, 1, 2, 3, 4, 5]]
 

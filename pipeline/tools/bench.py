@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.tools.bench_quality import add_quality_parser
 
     add_quality_parser(sub, _add_common)
+    from pipeline.tools.bench_products import add_products_parser
+
+    add_products_parser(sub)
     return parser
 
 

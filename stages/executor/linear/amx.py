@@ -2,7 +2,8 @@
 forward's products on a CPU with AMX-BF16, in place of oneDNN's packed ones; and the same
 layout on AVX512-BF16 (csrc/bf16_vector.cpp) where a CPU lacks the tiles (AMD Zen 4 and 5).
 
-Both run on the same tiles; the difference is how the weights stream. A decode step reads
+oneDNN's packed product and AMX's here run on the same tiles; the difference is how the
+weights stream. A decode step reads
 every weight once, and oneDNN's packed product does so at 14-16 GB/s at one token and 8-10
 GB/s at 64 on the 2-core test machine (whose memory gives ~20); here each thread reads one
 contiguous run of 2 KB chunks, the next panel prefetched as it goes, which keeps the products
