@@ -31,8 +31,12 @@ def _timed(run: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _linear_sides(rows: int) -> tuple[dict[str, Callable[[], Any]], int]:
-    """Each product form of the dense layer set at `rows` rows, and its weights' bytes."""
+Sides = tuple[dict[str, Callable[[], Any]], int, int]  # the runs, bytes read, FLOPs
+
+
+def _linear_sides(rows: int) -> Sides:
+    """Each product form of the dense layer set at `rows` rows, its weights' bytes and the
+    FLOPs of a run."""
     import torch
 
     from stages.executor.linear.amx import pack, packed_method
@@ -51,13 +55,14 @@ def _linear_sides(rows: int) -> tuple[dict[str, Callable[[], Any]], int]:
         packed = [pack(w) for w in weights]
         sides[method.name] = lambda: [op(xs[k], p, None, n)
                                       for (n, k), p in zip(shapes, packed, strict=True)]
-    return sides, sum(w.numel() * 2 for w in weights)
+    params = sum(w.numel() for w in weights)
+    return sides, 2 * params, 2 * rows * params
 
 
-def _expert_sides(rows: int) -> tuple[dict[str, Callable[[], Any]], int]:
-    """A layer of routed experts at `rows` tokens (random routing), in one moe_experts call
-    and one expert at a time (bf16_vector_linear, as the per-expert layers run them), and
-    the routed experts' bytes."""
+def _expert_sides(rows: int) -> Sides:
+    """Layers of routed experts at `rows` tokens (random routing), in one moe_experts call
+    and one expert at a time (bf16_vector_linear, as the per-expert layers run them); the
+    routed experts' bytes, and the FLOPs (each token's k experts)."""
     import torch
 
     from stages.executor.linear.amx import interleave_gate_up, pack
@@ -87,8 +92,9 @@ def _expert_sides(rows: int) -> tuple[dict[str, Callable[[], Any]], int]:
                                * weights[token, slot, None])
 
     used = sum(len(chosen.unique()) for *_, chosen in layers)
-    per_expert = layers[0][0][0].numel() + layers[0][1][0].numel()
-    return {"moe_experts": one_call, "one by one": one_by_one}, used * per_expert
+    params = 3 * INTER * HIDDEN  # an expert's
+    sides = {"moe_experts": one_call, "one by one": one_by_one}
+    return sides, used * 2 * params, LAYERS * rows * TOP_K * 2 * params
 
 
 def products(args: argparse.Namespace) -> int:
@@ -108,7 +114,7 @@ def products(args: argparse.Namespace) -> int:
         rows_sides = [("linear", *_linear_sides(rows))]
         if vector_kernel_missing() is None:
             rows_sides.append(("experts", *_expert_sides(rows)))
-        for what, sides, nbytes in rows_sides:
+        for what, sides, nbytes, flops in rows_sides:
             for run in sides.values():
                 run()  # (warm)
             host = read_bandwidth()
@@ -117,7 +123,6 @@ def products(args: argparse.Namespace) -> int:
                 for name, run in sides.items():
                     times[name] = min(times[name], _timed(run))
             cells = "  ".join(f"{name} {nbytes / t / 1e9:5.1f} GB/s "
-                              f"{rows * nbytes / t / 1e9:5.0f} GFLOP/s"
-                              for name, t in times.items())
+                              f"{flops / t / 1e9:5.0f} GFLOP/s" for name, t in times.items())
             print(f"{what:8s} rows {rows:4d}  host {host:5.1f} GB/s  {cells}")
     return 0

@@ -30,7 +30,7 @@ from torch import nn
 
 from ipc.arch import ArchSpec, MoESpec, UnsupportedModel
 from stages.executor.backends.base import ForwardOps
-from stages.executor.linear.amx import VectorBf16Method
+from stages.executor.linear.amx import AmxMethod, VectorBf16Method
 from stages.executor.linear.base import Linear, LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.quantized import QuantizedMethod
@@ -124,7 +124,8 @@ class MoEBlock(nn.Module):
     """x [T, hidden] -> the weighted sum of each token's k experts' outputs (+ the shared
     expert's), summed over the ranks. Parameter names as transformers' checkpoints have them:
     `gate` (the router, [E, hidden], replicated, kept in the model's dtype whatever the
-    experts' format: routing is what a quantized weight must not change), `experts.E.*`,
+    experts' format: routing is what a quantized weight must not change; packed where the
+    model's bf16 products are), `experts.E.*`,
     `shared_expert.*` and `shared_expert_gate` ([1, hidden], replicated). `expert_linear`:
     the routed experts' weight format where it is not the model's (gpt-oss's MXFP4 blocks)."""
 
@@ -135,7 +136,10 @@ class MoEBlock(nn.Module):
             raise UnsupportedModel(f"{spec.family}: num_experts_per_tok = {moe.top_k} of "
                                    f"{moe.num_experts} experts")
         self.moe, self.shard = moe, shard
-        self.gate = Linear(spec.hidden, moe.num_experts, moe.router_bias, DenseMethod())
+        # (packed bf16 where the model's products are: F.linear's took ~0.1 ms a call at one
+        # token on the AMD host, 2% of a mid-size MoE's step)
+        router = linear if isinstance(linear, AmxMethod) else DenseMethod()
+        self.gate = Linear(spec.hidden, moe.num_experts, moe.router_bias, router)
         act = (ClampedSwiGLU(moe.swiglu_limit, moe.swiglu_alpha)
                if moe.swiglu_limit is not None else None)
         self.experts = nn.ModuleList(
