@@ -73,14 +73,19 @@ def kernel_missing() -> str | None:
 
 class AmxMethod(LinearMethod):
     name = "amx-bf16"
+    instructions = "AMX-BF16"  # what the form runs on (its refusals name it)
+
+    @staticmethod
+    def kernel_missing() -> str | None:
+        return kernel_missing()
 
     @classmethod
     def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
         if device.type != "cpu":
-            return f"AMX tiles are a CPU's, not {device.type}'s"
+            return f"{cls.instructions} is a CPU's, not {device.type}'s"
         if dtype != torch.bfloat16:
-            return f"AMX-BF16 multiplies bfloat16, not {dtype}"
-        return kernel_missing()
+            return f"{cls.instructions} multiplies bfloat16, not {dtype}"
+        return cls.kernel_missing()
 
     def process(self, layer: Linear) -> None:
         """The packed copy replaces the plain weight (a tied head's plain matrix stays the
@@ -126,17 +131,14 @@ def vector_kernel_missing() -> str | None:
 
 class VectorBf16Method(AmxMethod):
     """AmxMethod's layout and fused gate on AVX512-BF16 (csrc/bf16_vector.cpp), for a CPU
-    without AMX: there oneDNN's packed bf16 product reads its weights at about half the
-    memory's speed at one row (docs/BENCHMARKS.md, "bf16 products without AMX")."""
+    without AMX: there oneDNN's packed bf16 product reads its weights at ~0.7x the host's
+    bandwidth at one row, this at ~0.9x (docs/BENCHMARKS.md, "bf16 products without AMX")."""
 
     name = "avx512-bf16"
+    instructions = "AVX512-BF16"
 
-    @classmethod
-    def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
-        if device.type != "cpu":
-            return f"AVX512-BF16 is a CPU's, not {device.type}'s"
-        if dtype != torch.bfloat16:
-            return f"AVX512-BF16 multiplies bfloat16, not {dtype}"
+    @staticmethod
+    def kernel_missing() -> str | None:
         return vector_kernel_missing()
 
     @staticmethod
