@@ -21,9 +21,11 @@ needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
 PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8], [11, 4, 6, 2, 9, 10, 12, 1, 3, 5, 5, 6, 7, 8]]
 GEMMA_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
-# Gemma 2: sliding (6) and full layers in turn, a softcap and a query scale not head_dim's;
-# Gemma 3: five sliding layers to one full, each kind its rope, per-head q/k norms.
+# Gemma (1): Llama's layer with 1 + w norms and gelu-tanh; Gemma 2: sliding (6) and full
+# layers in turn, a softcap and a query scale not head_dim's; Gemma 3: five sliding layers to
+# one full, each kind its rope, per-head q/k norms.
 GEMMAS = {
+    "gemma": {**GEMMA_SHAPE, "num_hidden_layers": 2},
     "gemma2": {**GEMMA_SHAPE, "num_hidden_layers": 3, "sliding_window": 6,
                "attn_logit_softcapping": 5.0, "query_pre_attn_scalar": 32},
     "gemma3_text": {**GEMMA_SHAPE, "num_hidden_layers": 6, "head_dim": 32, "sliding_window": 6,
@@ -74,6 +76,7 @@ def _run(engine: InProcessEngine) -> dict:
     ("llama-bias", torch.float32, None),  # o and MLP biases too
     ("mistral-window", torch.float32, None),  # a sliding window
     ("qwen3", torch.bfloat16, None),  # per-head q/k norms
+    ("gemma", torch.bfloat16, None),
     ("gemma2", torch.float32, None),
     ("gemma2", torch.bfloat16, None),
     ("gemma3_text", torch.float32, None),
