@@ -197,8 +197,8 @@ def test_the_work_queue_hands_out_every_unit_once_own_runs_first() -> None:
 @pytest.mark.parametrize("width", [96, 100])  # 16 lanes at a time, and a remainder of 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("offset", [False, True])  # (Gemma's 1 + w)
-def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int,
-                                                  offset: bool) -> None:
+def test_norms_and_act_and_mul_match_the_modules(dtype: torch.dtype, width: int,
+                                                 offset: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, width, generator=gen).to(dtype)
     residual = torch.randn(37, width, generator=gen).to(dtype)
@@ -222,6 +222,12 @@ def test_norms_and_silu_and_mul_match_the_modules(dtype: torch.dtype, width: int
         gate, up = gate_up.split(width - 56, dim=-1)
         torch.testing.assert_close(torch.ops.llm_cpu.silu_and_mul(gate_up), F.silu(gate) * up,
                                    equal_nan=True, **one_ulp)
+        # (Gemma's gelu: as the PyTorch op both ways round, and as KernelOps runs it)
+        gelu = torch.ops.llm_cpu.gelu_tanh_and_mul(gate_up)
+        torch.testing.assert_close(gelu, F.gelu(gate, approximate="tanh") * up,
+                                   equal_nan=True, **one_ulp)
+        assert torch.equal(KernelOps().act_and_mul("gelu_tanh")(gate_up).nan_to_num(),
+                           gelu.nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -272,6 +278,8 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
     assert torch.equal(kv_cache, before)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         torch.ops.llm_cpu.silu_and_mul(torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="gelu_tanh_and_mul: contiguous"):
+        torch.ops.llm_cpu.gelu_tanh_and_mul(torch.ones(2, 5))
     with pytest.raises(RuntimeError, match="contiguous rows"):
         torch.ops.llm_cpu.argmax_rows(torch.ones(4, 3).t())
     with pytest.raises(RuntimeError, match="weight \\[width\\]"):

@@ -141,8 +141,8 @@ def test_gemma2_final_softcap_shapes_the_logprobs(gemma2_dir: Path) -> None:
 
 
 def test_gemma3_matches_transformers(gemma3_dir: Path) -> None:
-    """Five sliding layers to one full, each kind with its rope, per-head q/k norms; the
-    model's layers say why the fused CPU call is not theirs."""
+    """Five sliding layers to one full, each kind with its rope, per-head q/k norms (on the
+    CPU kernels through the fused decoder call)."""
     spec = arch_spec(json.loads((gemma3_dir / "config.json").read_text()))
     assert [k.rope for k in spec.layers] == ["sliding_attention"] * 5 + ["full_attention"]
     assert [k.window for k in spec.layers] == [6] * 5 + [None]
@@ -182,17 +182,14 @@ def test_bf16_agrees_with_transformers_bf16(family: str, request: pytest.Fixture
     assert sum(g == w for g, w in zip(got, want, strict=True)) >= 6, (got, want)
 
 
-def test_the_fused_call_says_why_gemma_layers_are_not_its(gemma3_dir: Path,
-                                                          caplog: pytest.LogCaptureFixture
-                                                          ) -> None:
+def test_the_fused_call_runs_gemma_layers(gemma3_dir: Path) -> None:
+    """(Its bits against the Python layers': tests/test_fused.py; against transformers: the
+    CPU kernels' runs above, where it is on.)"""
     from stages.executor import kernels
 
     if not kernels.available():
         pytest.skip(f"CPU kernels: {kernels.load()}")
-    with caplog.at_level("INFO", logger="stages.executor.fused"):
-        eng = InProcessEngine(str(gemma3_dir), cpu_kernels=True)
-    assert eng.runner.model.fused_layers is None
-    assert "layer 0: Gemma's sandwich norms" in caplog.text
+    assert InProcessEngine(str(gemma3_dir), cpu_kernels=True).runner.model.fused_layers is not None
 
 
 # ---------------------------------------------------------------- reading configs

@@ -1,7 +1,8 @@
 """Every decoder layer in one call (stages/executor/fused.py, csrc/decoder_layers.cpp): the
 same bits as the Python layers (greedy tokens and prompt log-probs, through the scheduler
-and executor cores) for every family and weight format it runs, and the Python layers where
-it does not apply."""
+and executor cores) for every family and weight format it runs (Llama's pre-norm layer, with
+Qwen3's q/k norms; Gemma 2's and 3's sandwich layer: 1 + w norms, gelu-tanh, per-layer
+windows, softcaps and ropes), and the Python layers where it does not apply."""
 
 from __future__ import annotations
 
@@ -11,13 +12,49 @@ import pytest
 import torch
 
 from ipc.messages import SamplingParams
-from pipeline.tools.random_model import build_random_llama
+from pipeline.tools.random_model import build_random_llama, build_random_model
 from stages.executor.linear.quantized import kernel_missing
 from stages.inprocess import InProcessEngine
 
 needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
                                   reason=f"quantized kernels: {kernel_missing()}")
 PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8], [11, 4, 6, 2, 9, 10, 12, 1, 3, 5, 5, 6, 7, 8]]
+GEMMA_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
+# Gemma (1): Llama's layer with 1 + w norms and gelu-tanh; Gemma 2: sliding (6) and full
+# layers in turn, a softcap and a query scale not head_dim's; Gemma 3: five sliding layers to
+# one full, each kind its rope, per-head q/k norms.
+GEMMAS = {
+    "gemma": {**GEMMA_SHAPE, "num_hidden_layers": 2},
+    "gemma2": {**GEMMA_SHAPE, "num_hidden_layers": 3, "sliding_window": 6,
+               "attn_logit_softcapping": 5.0, "query_pre_attn_scalar": 32},
+    "gemma3_text": {**GEMMA_SHAPE, "num_hidden_layers": 6, "head_dim": 32, "sliding_window": 6,
+                    "rope_parameters": {
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                        "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                           "rope_theta": 1e6}}},
+}
+
+
+def _model(folder: Path, arch: str) -> Path:
+    """A tiny random model: build_random_llama's `arch`, or a Gemma of GEMMAS whose norms'
+    stored w are N(0, 0.3) (1 + w not 1: a norm without its offset shows) and whose q and k
+    are 8 times larger (scores the softcap of 5 bends)."""
+    if arch not in GEMMAS:
+        return build_random_llama(folder, arch=arch)
+    from safetensors.torch import load_file, save_file
+
+    build_random_model(folder, arch, weight_std=0.03, **GEMMAS[arch])
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.randn(t.shape, generator=gen) * 0.3
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensors[name] = t * 8.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
 
 
 def _run(engine: InProcessEngine) -> dict:
@@ -38,13 +75,20 @@ def _run(engine: InProcessEngine) -> dict:
     ("qwen2", torch.bfloat16, None),  # q/k/v biases, a tied head
     ("llama-bias", torch.float32, None),  # o and MLP biases too
     ("mistral-window", torch.float32, None),  # a sliding window
+    ("qwen3", torch.bfloat16, None),  # per-head q/k norms
+    ("gemma", torch.bfloat16, None),
+    ("gemma2", torch.float32, None),
+    ("gemma2", torch.bfloat16, None),
+    ("gemma3_text", torch.float32, None),
+    ("gemma3_text", torch.bfloat16, None),  # (the gelu after AVX512-BF16's product)
     pytest.param("llama", torch.bfloat16, "int4", marks=needs_kernel),
     pytest.param("qwen2", torch.float32, "int8", marks=needs_kernel),
+    pytest.param("gemma3_text", torch.float32, "int8", marks=needs_kernel),
 ])
 def test_one_call_gives_the_bits_of_the_python_layers(tmp_path: Path, arch: str,
                                                       dtype: torch.dtype,
                                                       quantization: str | None) -> None:
-    folder = build_random_llama(tmp_path / arch, arch=arch)
+    folder = _model(tmp_path / arch, arch)
     engine = InProcessEngine(str(folder), dtype=dtype, quantization=quantization,
                              max_num_batched_tokens=16)
     assert engine.runner.model.fused_layers is not None
@@ -54,9 +98,15 @@ def test_one_call_gives_the_bits_of_the_python_layers(tmp_path: Path, arch: str,
     assert _run(engine) == _run(python)
 
 
-def test_the_python_layers_run_where_one_call_does_not_apply(tmp_path: Path) -> None:
-    qwen3 = build_random_llama(tmp_path / "qwen3", arch="qwen3")  # per-head q/k norms
-    assert InProcessEngine(str(qwen3)).runner.model.fused_layers is None
+def test_the_python_layers_run_where_one_call_does_not_apply(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    olmoe = build_random_model(tmp_path / "olmoe", "olmoe", hidden_size=64,
+                               intermediate_size=32, num_hidden_layers=2, num_experts=4,
+                               num_experts_per_tok=2, num_attention_heads=4,
+                               num_key_value_heads=2)
+    with caplog.at_level("INFO", logger="stages.executor.fused"):
+        assert InProcessEngine(str(olmoe)).runner.model.fused_layers is None
+    assert "layer 0: q/k norms over the whole projections" in caplog.text
     llama = build_random_llama(tmp_path / "llama")
     assert InProcessEngine(str(llama), cpu_kernels=False).runner.model.fused_layers is None
     assert InProcessEngine(str(llama)).runner.model.fused_layers is not None
@@ -67,6 +117,7 @@ def test_the_python_layers_run_where_one_call_does_not_apply(tmp_path: Path) -> 
     ("llama-bias", torch.float32, None, False),  # (the Python layers)
     ("llama", torch.float32, None, True),  # no biases: MKL's one-row path where it agrees
     ("llama", torch.bfloat16, None, True),  # AMX's products where the CPU has them
+    ("gemma3_text", torch.bfloat16, None, True),  # the sandwich layer's last norms
     pytest.param("qwen2", torch.float32, "int8", True, marks=needs_kernel),
 ])
 def test_the_last_layer_past_attention_on_the_logits_rows_alone_gives_their_bits(
@@ -75,7 +126,7 @@ def test_the_last_layer_past_attention_on_the_logits_rows_alone_gives_their_bits
     """Prompt chunks run the last layer's output projection and MLP on the rows whose logits
     are sampled or scored only: tokens and log-probs are those of the whole last layer,
     beside a request whose prompt log-probs keep every row of its chunks."""
-    folder = build_random_llama(tmp_path / "m", arch=arch)
+    folder = _model(tmp_path / "m", arch)
     engines = [InProcessEngine(str(folder), dtype=dtype, quantization=quantization,
                                max_num_batched_tokens=16) for _ in range(2)]
     rows: list[int] = []

@@ -3,7 +3,7 @@ csrc/cpu_kernels.cpp), in the executor process: the eager default on the CPU. On
 call per layer over the whole flattened batch ropes this step's keys and queries, writes the
 cache and reads it in place (nothing gathered or padded), softcapping the scores where the
 layer says and a head's sink logit joining its softmax where the layer has them; RMSNorm with
-the residual add fused into each layer's second norm; SiLU-and-mul."""
+the residual add fused into each layer's second norm; SiLU- and gelu-tanh-and-mul."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from stages.executor.staging import DeviceStep
 
 
 class KernelOps(ForwardOps):
-    """torch.ops.llm_cpu's norms (2-D contiguous inputs) and SiLU-and-mul; the residual
-    stream is updated in place (the eager forward owns it)."""
+    """torch.ops.llm_cpu's norms (2-D contiguous inputs), SiLU- and gelu-tanh-and-mul; the
+    residual stream is updated in place (the eager forward owns it)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  offset: bool = False) -> torch.Tensor:
@@ -42,6 +42,9 @@ class KernelOps(ForwardOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.llm_cpu.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llm_cpu.gelu_tanh_and_mul(gate_up)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 // CPU kernels of the eager forward: attention over the paged KV cache in place, and the
-// elementwise work around the matrix products (RMSNorm with the residual add, SiLU-and-mul).
+// elementwise work around the matrix products (RMSNorm with the residual add, SiLU- and
+// gelu-tanh-and-mul).
 // Built once per machine by stages/executor/kernels.py (g++ -O3 -march=native, torch's
 // headers and its OpenMP runtime) and registered as torch.ops.llm_cpu.*.
 //
@@ -1527,14 +1528,35 @@ at::Tensor add_rms_norm_offset(at::Tensor& x, const at::Tensor& residual,
   return add_rms_norm_of<true>(x, residual, weight, eps);
 }
 
-// [rows, 2 * width] (gate, then up) -> silu(gate) * up, [rows, width]; rounded as
-// F.silu(gate) * up rounds (silu to the dtype, then the product).
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// The gated MLPs' activations, on 16 lanes and on one (a row's tail), in float32: one exp
+// each (exp_clamped is exp16's polynomial on one lane: the same bits).
+struct Silu {
+  static v16f lanes(v16f x) { return x / (1.0f + exp16(v16f{} - x)); }
+  static float one(float x) { return x / (1.0f + exp_clamped(-x)); }
+};
+// gelu with tanh's approximation (gelu_pytorch_tanh: Gemma's), 0.5 x (1 + tanh(u)) with
+// u = sqrt(2 / pi) (x + 0.044715 x^3), written as its equal x / (1 + exp(-2u)): SiLU's exp,
+// and no cancellation in 1 + tanh(u) where u is negative.
+struct GeluTanh {
+  static constexpr float kMinus2Beta = -2.0f * 0.7978845608028654f, kKappa = 0.044715f;
+  static v16f lanes(v16f x) {
+    return x / (1.0f + exp16((x + kKappa * x * x * x) * kMinus2Beta));
+  }
+  static float one(float x) {
+    return x / (1.0f + exp_clamped((x + kKappa * x * x * x) * kMinus2Beta));
+  }
+};
+
+// [rows, 2 * width] (gate, then up) -> act(gate) * up, [rows, width]; rounded as
+// F.silu(gate) * up (F.gelu(gate, approximate="tanh") * up) rounds: the activation to the
+// dtype, then the product.
+template <typename Act>
+at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
-              "silu_and_mul: contiguous [rows, 2 * width]");
+              name, ": contiguous [rows, 2 * width]");
   const int64_t rows = x.size(0), width = x.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, x.options());
-  dispatch_float_types(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+  dispatch_float_types(x.scalar_type(), name, [&](auto tag) {
     using T = decltype(tag);
     const T* in = x.data_ptr<T>();
     T* o = out.data_ptr<T>();
@@ -1545,17 +1567,22 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         T* orow = o + r * width;
         int64_t e = 0;
         for (; e + 16 <= width; e += 16) {  // exp and both roundings on 16 lanes
-          const v16f x = load16(g + e);
-          store16(orow + e, round16<T>(x / (1.0f + exp16(v16f{} - x))) * load16(u + e));
+          store16(orow + e, round16<T>(Act::lanes(load16(g + e))) * load16(u + e));
         }
         for (; e < width; ++e) {
-          const float gate = to_float(g[e]) / (1.0f + exp_clamped(-to_float(g[e])));
+          const float gate = Act::one(to_float(g[e]));
           orow[e] = from_float<T>(to_float(from_float<T>(gate)) * to_float(u[e]));
         }
       }
     });
   });
   return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<Silu>(x, "silu_and_mul"); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  return act_and_mul<GeluTanh>(x, "gelu_tanh_and_mul");
 }
 
 
@@ -1669,6 +1696,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("rms_norm_offset(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_offset(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("work_queue_takes(int n, int grain, int runs, int[] selves) -> Tensor",
         &work_queue_takes);
@@ -1681,5 +1709,6 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("rms_norm_offset", TORCH_FN(rms_norm_offset));
   m.impl("add_rms_norm_offset", TORCH_FN(add_rms_norm_offset));
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
+  m.impl("gelu_tanh_and_mul", TORCH_FN(gelu_tanh_and_mul));
   m.impl("argmax_rows", TORCH_FN(argmax_rows));
 }

@@ -191,21 +191,34 @@ class DecoderLayer(nn.Module):
 
     def fast_path(self) -> str | None:
         """Why this layer is not the sequence the fused CPU call runs (fused.py), or None
-        where it is: the pre-norm layer with a dense SiLU MLP and no q/k norms. An MLP
-        that is never that sequence says why itself (its `fast_path`)."""
-        if self.self_attn.sinks is not None:
-            return "attention sinks (gpt-oss)"
-        if self.self_attn.q_norm is not None:
-            return ("per-head q/k norms (Qwen3)" if self.self_attn.qk_norm == "head"
-                    else "q/k norms over the whole projections (OLMoE)")
-        if self.input_layernorm.offset:
-            return "Gemma's (1 + w) norms"
-        mlp_fast_path = getattr(self.mlp, "fast_path", None)
-        if mlp_fast_path is not None:
-            return mlp_fast_path()  # type: ignore[no-any-return]
-        if not isinstance(self.mlp, GatedMLP) or self.mlp.activation != "silu":
-            return f"its MLP ({type(self.mlp).__name__}, {getattr(self.mlp, 'activation', '')})"
-        return None
+        where it is: the pre-norm layer with a dense SiLU or gelu-tanh MLP (an MLP that is
+        never that sequence says why itself: its `fast_path`), per-head q/k norms or none."""
+        return attention_fast_path(self.self_attn) or mlp_fast_path(self.mlp)
+
+
+def attention_fast_path(attn: Attention) -> str | None:
+    """Why `attn` is not the fused CPU call's attention (fused.py, csrc/decoder_layers.cpp),
+    or None: no sinks, and per-head q/k norms in PyTorch's ops (RMSNorm's: the call runs
+    them as their forward does) or none."""
+    if attn.sinks is not None:
+        return "attention sinks (gpt-oss)"
+    if attn.qk_norm == "proj":
+        return "q/k norms over the whole projections (OLMoE)"
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None and (type(norm) is not RMSNorm or norm.ops is not TORCH_OPS):
+            return f"q/k norms of their own ({type(norm).__name__})"
+    return None
+
+
+def mlp_fast_path(mlp: nn.Module) -> str | None:
+    """Why `mlp` is not the fused CPU call's MLP, or None: a dense gated MLP of an activation
+    the call runs (SiLU, gelu-tanh)."""
+    own = getattr(mlp, "fast_path", None)
+    if own is not None:
+        return own()  # type: ignore[no-any-return]
+    if not isinstance(mlp, GatedMLP) or mlp.activation not in ("silu", "gelu_tanh"):
+        return f"its MLP ({type(mlp).__name__}, {getattr(mlp, 'activation', '')})"
+    return None
 
 
 LayerFactory = Callable[[ArchSpec, int, AttentionBackend, LinearMethod, Shard], nn.Module]

@@ -17,7 +17,14 @@ from ipc.families.gemma import text_config
 from stages.executor.backends.base import AttentionBackend
 from stages.executor.linear.base import LinearMethod
 from stages.executor.models.base import CausalLM
-from stages.executor.models.blocks import Attention, DecoderLayer, RMSNorm, dense_mlp
+from stages.executor.models.blocks import (
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    attention_fast_path,
+    dense_mlp,
+    mlp_fast_path,
+)
 from stages.executor.sharding import Shard
 
 if TYPE_CHECKING:
@@ -64,8 +71,9 @@ class SandwichLayer(nn.Module):
         return self.ops.add(x, self.post_feedforward_layernorm(self.mlp(h)))
 
     def fast_path(self) -> str | None:
-        """(fused.py runs the pre-norm layer's sequence only.)"""
-        return "Gemma's sandwich norms"
+        """(fused.py runs this layer's sequence: its norms are entries of the call's per-layer
+        record.)"""
+        return attention_fast_path(self.self_attn) or mlp_fast_path(self.mlp)
 
 
 class Gemma(CausalLM):
