@@ -7,10 +7,11 @@ torch.ops.llm_cpu. Runs in the executor process.
 The sources are compiled with the machine's C++ compiler against the installed torch's headers
 and libraries, `-march=native`, into `$LLM_PIPELINE_CACHE/kernels/<key>/`, where the key
 hashes the sources, the torch version, the compiler and the CPU's flags: a second start, or
-another executor, loads it in milliseconds; a change to any of them builds anew (about 10 s on
-the 2-core test machine). Builders take a file lock, so executors starting together compile
-once. Where no compiler works, or `LLM_PIPELINE_CPU_KERNELS=0`, the eager forward keeps its
-PyTorch path, and the executor's log says why.
+another executor, loads it in milliseconds; a change to any of them builds anew (about 45 s on
+the 2-core test machine, each source compiled at once). Builders take a file lock, so
+executors starting together compile once. Where no compiler works, or
+`LLM_PIPELINE_CPU_KERNELS=0`, the eager forward keeps its PyTorch path, and the executor's log
+says why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +41,9 @@ HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("vector_math.h", "amx_tiles.h", "work_queue.h", "bf16_vector.h",
                               "moe_routes.h"))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
-BUILD_TIMEOUT_S = 120  # well inside an executor's ready timeout (300 s by default)
+# All of a build: inside an executor's ready timeout (300 s by default); ~45 s on the idle
+# 2-core test machine, two to three times that beside a test suite
+BUILD_TIMEOUT_S = 200
 
 _loaded: Path | None = None
 _failure: str | None = None
@@ -59,24 +63,61 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def _command(compiler: str, out: Path) -> list[str]:
+def _flags() -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: the kernels' threads are torch's (its libgomp is the one loaded already);
     # -ffp-contract=fast: multiply-adds fused (ISO C++ mode would leave them apart).
-    return [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared",
-            "-fPIC", "-fopenmp", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-            f"-I{sysconfig.get_paths()['include']}", *map(str, SOURCES),
-            f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}",
-            "-o", str(out)]
+    return ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-fPIC", "-fopenmp",
+            "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
+            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}"]
+
+
+def _compile_command(compiler: str, source: Path, obj: Path) -> list[str]:
+    return [compiler, *_flags(), "-c", str(source), "-o", str(obj)]
+
+
+def _link_command(compiler: str, objects: list[Path], out: Path) -> list[str]:
+    root = Path(torch.__file__).parent
+    return [compiler, "-shared", "-fopenmp", *map(str, objects), f"-L{root / 'lib'}",
+            "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}", "-o", str(out)]
+
+
+def _compile_all(compiler: str, tmp: Path, out: Path) -> None:
+    """Each source to an object at once (one compiler process each: the sources build in the
+    time of the largest on as many cores), then the library linked; RuntimeError on a
+    failure, subprocess.TimeoutExpired past BUILD_TIMEOUT_S in all."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    objects = [tmp / f"{source.stem}.o" for source in SOURCES]
+    running = [subprocess.Popen(_compile_command(compiler, source, obj), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+               for source, obj in zip(SOURCES, objects, strict=True)]
+    try:
+        for process in running:
+            _, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if process.returncode != 0:
+                raise RuntimeError(f"{compiler} failed (exit {process.returncode}): "
+                                   f"{stderr.strip()[-2000:]}")
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    done = subprocess.run(_link_command(compiler, objects, out), capture_output=True,
+                          text=True, timeout=max(1.0, deadline - time.monotonic()),
+                          check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{compiler} failed to link (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
 
 
 def library_path(compiler: str) -> Path:
     """Where the build for these sources, torch, compiler, command and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
-    command = _command(compiler, Path("out.so"))
+    command = [*_flags(), *map(str, SOURCES),
+               *_link_command(compiler, [Path("x.o")], Path("out.so"))]
     sources = [s.read_text() for s in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\n".join([*sources, torch.__version__, *version, *command,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
@@ -97,11 +138,7 @@ def build(compiler: str, again: bool = False) -> Path:
                     path.parent)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             staged = Path(tmp) / path.name
-            done = subprocess.run(_command(compiler, staged), capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed (exit {done.returncode}): "
-                                   f"{done.stderr.strip()[-2000:]}")
+            _compile_all(compiler, Path(tmp), staged)
             os.replace(staged, path)
     return path
 
