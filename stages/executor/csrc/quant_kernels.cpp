@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "moe_routes.h"
+#include "vector_math.h"
 #include "work_queue.h"
 
 namespace {
@@ -336,6 +337,30 @@ void quantized_linear_kernel(const at::Tensor& x, const Weights& w, int64_t kp,
 // A row's result does not depend on the step's other rows (each tile's per-token sums are
 // its own), and every expert's weights stream once per step.
 
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// silu(gate) * up of a row of float32 [gate (width), up (width)] into h (width) as the
+// per-expert layers round it: gate and up rounded to T (their product's output), silu(gate)
+// rounded to T, then the product (silu_and_mul's exp, 16 lanes at a time).
+template <typename T>
+void silu_and_mul_row(const float* gu, int64_t width, T* h) {
+  alignas(64) float g[16], s[16];
+  for (int64_t e = 0; e < width; e += 16) {
+    const int64_t n = std::min<int64_t>(16, width - e);
+    for (int64_t i = 0; i < 16; ++i)
+      g[i] = i < n ? static_cast<float>(static_cast<T>(gu[e + i])) : 0.f;
+    v16f gv;
+    std::memcpy(&gv, g, sizeof gv);
+    const v16f silu = gv / (1.0f + llm_cpu_vec::exp_lanes<v16f, v16i>(v16f{} - gv));
+    std::memcpy(s, &silu, sizeof s);
+    for (int64_t i = 0; i < n; ++i) {
+      const float u = static_cast<float>(static_cast<T>(gu[width + e + i]));
+      h[e + i] = static_cast<T>(static_cast<float>(static_cast<T>(s[i])) * u);
+    }
+  }
+}
+
 // Rows `rows` of a (in that order) as activations of their own.
 Activations gather_rows(const Activations& a, const std::vector<int64_t>& rows) {
   const int64_t n = static_cast<int64_t>(rows.size()), blocks = a.kp / kBlock;
@@ -405,14 +430,8 @@ void quantized_moe_kernel(const T* x, int64_t tokens, int64_t hidden,
   // 3. h = silu(gate) * up in x's dtype, quantized per row
   std::vector<T> h(pairs * inter);
   at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t i = 0; i < inter; ++i) {
-        // (each rounded to T, as the per-expert layers' product and silu_and_mul round them)
-        const float g = static_cast<float>(static_cast<T>(gu[p * w13.n + i]));
-        const float u = static_cast<float>(static_cast<T>(gu[p * w13.n + inter + i]));
-        h[p * inter + i] = static_cast<T>(g / (1.0f + std::exp(-g)) * u);
-      }
-    }
+    for (int64_t p = begin; p < end; ++p) silu_and_mul_row(gu.data() + p * w13.n, inter,
+                                                           h.data() + p * inter);
   });
   const Activations ah = quantize_activations(h.data(), pairs, inter, w2.pairs * kPair);
 
