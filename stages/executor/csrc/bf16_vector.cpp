@@ -33,9 +33,6 @@ using llm_cpu_work::Order;
 using llm_cpu_work::parallel_queue;
 using llm_cpu_work::WorkQueue;
 
-constexpr int64_t kRowBlock = 8;
-constexpr int64_t kGroupBytes = 1 << 18;  // panels a group of many rows reads from L2
-
 // The sums of a block (rows x panels * 32, float32) into y: bias added, rounded to bf16; or,
 // gated, silu(gate) * up of each panel's 16 gate and 16 up columns into y [M, n / 2].
 void store_block(const float* sums, int64_t rows, int64_t panels, int64_t m0, int64_t panel0,
@@ -45,12 +42,8 @@ void store_block(const float* sums, int64_t rows, int64_t panels, int64_t m0, in
     for (int64_t j = 0; j < panels; ++j) {
       const int64_t n0 = (panel0 + j) * kPanel;
       if (gated) {
-        __m512 g = _mm512_loadu_ps(row + j * kPanel), u = _mm512_loadu_ps(row + j * kPanel + 16);
-        if (bias != nullptr) {
-          g = _mm512_add_ps(g, _mm512_loadu_ps(bias + n0));
-          u = _mm512_add_ps(u, _mm512_loadu_ps(bias + n0 + 16));
-        }
-        store_bf16(y + (m0 + r) * (n / 2) + n0 / 2, silu_mul(g, u), 0xffff);
+        store_gated(row + j * kPanel, bias != nullptr ? bias + n0 : nullptr,
+                    y + (m0 + r) * (n / 2) + n0 / 2);
         continue;
       }
       for (int64_t h = 0; h < 2; ++h) {

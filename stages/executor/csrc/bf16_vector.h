@@ -36,6 +36,8 @@ constexpr int64_t kChunkBytes = 2048;  // a chunk: two halves of 16 pairs x 64 b
 // How far ahead in its panel a block of more than 4 rows prefetches (into L2): 4-12 KB
 // measured alike at 8 rows on the AMD test host, 8 KB the best.
 constexpr int64_t kPrefetch = 8192;
+constexpr int64_t kRowBlock = 8;          // rows a block of rows_by_panels takes at most
+constexpr int64_t kGroupBytes = 1 << 18;  // panels that blocks of many rows read from L2
 
 // The arguments of a packed bf16 product (`op`: amx_linear or bf16_vector_linear), or an error
 // that names what is wrong: x bf16 [M, K], K a multiple of 32; packed uint8 [panels,
@@ -172,6 +174,17 @@ inline __m512 silu_mul(__m512 g, __m512 u) {
 
 inline void store_bf16(c10::BFloat16* to, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(to, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// A gated panel's 32 sums (16 gate, then 16 up columns; `bias` its 32 float32 biases or null)
+// as silu(gate) * up, 16 bf16 values at `to`.
+inline void store_gated(const float* sums, const float* bias, c10::BFloat16* to) {
+  __m512 g = _mm512_loadu_ps(sums), u = _mm512_loadu_ps(sums + 16);
+  if (bias != nullptr) {
+    g = _mm512_add_ps(g, _mm512_loadu_ps(bias));
+    u = _mm512_add_ps(u, _mm512_loadu_ps(bias + 16));
+  }
+  store_bf16(to, silu_mul(g, u), 0xffff);
 }
 
 #endif  // LLM_CPU_BF16_VECTOR

@@ -39,15 +39,15 @@ using llm_cpu_bf16::kChunkBytes;
 using llm_cpu_bf16::kChunkK;
 using llm_cpu_bf16::kPanel;
 
-constexpr int64_t kRowBlock = 8;          // rows a product block (rows_by_panels)
-constexpr int64_t kGroupBytes = 1 << 18;  // an expert's panels that many rows read from L2
+using llm_cpu_bf16::kGroupBytes;
+using llm_cpu_bf16::kRowBlock;
 
 #if LLM_CPU_BF16_VECTOR
 
 using llm_cpu_bf16::kPrefetch;
 using llm_cpu_bf16::rows_by_panels;
-using llm_cpu_bf16::silu_mul;
 using llm_cpu_bf16::store_bf16;
+using llm_cpu_bf16::store_gated;
 using llm_cpu_moe::Routes;
 using llm_cpu_work::Order;
 using llm_cpu_work::parallel_queue;
@@ -100,13 +100,8 @@ void gate_up_pass(const c10::BFloat16* x, int64_t hidden, const Routes& routes,
         for (int64_t r = 0; r < block; ++r) {
           for (int64_t j = 0; j < count; ++j) {
             const int64_t n0 = (u.begin + j) * kPanel;
-            const float* s = sums.data() + r * count * kPanel + j * kPanel;
-            __m512 g = _mm512_loadu_ps(s), v = _mm512_loadu_ps(s + 16);
-            if (bias != nullptr) {
-              g = _mm512_add_ps(g, _mm512_loadu_ps(bias + n0));
-              v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + 16));
-            }
-            store_bf16(h + (p0 + r) * inter + n0 / 2, silu_mul(g, v), 0xffff);
+            store_gated(sums.data() + r * count * kPanel + j * kPanel,
+                        bias != nullptr ? bias + n0 : nullptr, h + (p0 + r) * inter + n0 / 2);
           }
         }
       }
