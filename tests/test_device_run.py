@@ -14,15 +14,17 @@ from ipc.config import EngineLimits
 from ipc.model_info import ModelInfo
 from ipc.speculative import SpeculativeConfig
 from pipeline.tools.device_run import DeviceRun, comparable, overlap_workload, same_tokens
-from stages.executor.runner import ModelRunner
+from stages.executor.runner import ModelRunner, TimedRunner
+from stages.trace import now_ns
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(300)]
 
 
-def test_overlapped_equals_synchronised_bit_for_bit(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("depth", [2, 3])
+def test_overlapped_equals_synchronised_bit_for_bit(tiny_model_dir: Path, depth: int) -> None:
     info = ModelInfo.from_dir(tiny_model_dir)
     # 4 slots, a 16-token budget (chunked prefill) and a cache of 20 blocks (preemption).
-    limits = EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, 2,
+    limits = EngineLimits(4, 16, 4, 256, info.vocab_size, info.eos_token_ids, depth,
                           num_speculative_tokens=3)
     runner = ModelRunner.from_dir(str(tiny_model_dir), torch.float32, torch.device("cpu"),
                                   limits, 20 * 2048)
@@ -41,6 +43,28 @@ def test_overlapped_equals_synchronised_bit_for_bit(tiny_model_dir: Path) -> Non
     # with drafts (1-gram lookup), through the same device and rings: the same tokens
     drafted, drafted_stats = run.run(requests, speculative=SpeculativeConfig("ngram", 3, 2, 1))
     assert same_tokens(drafted, synced) and drafted_stats.draft_tokens > 0
+
+
+def test_timed_device_charges_each_launch_and_starts_no_step_before_it() -> None:
+    """--device timed:A,B,S: each submit holds the host S ms, each step takes A ms on the
+    instrument's device from the later of its launch and the previous step's end, and the
+    tokens come back through the notifier: three steps ahead give the synchronous run's."""
+    limits = EngineLimits(4, 16, 4, 256, 997, (2,), 3)
+    run = DeviceRun(TimedRunner(1.0, 0.0, limits, s_ms=0.5), limits)
+    requests = overlap_workload(limits.vocab_size)
+    launched: list[int] = []
+    ahead, stats = run.run(requests, before_submit=lambda step: launched.append(now_ns()))
+    synced, synced_stats = run.run(requests, sync=True)
+    assert comparable(ahead) == comparable(synced)
+    assert all(r.finish_reason is not None and r.token_ids for r in ahead.values())
+    assert stats.steps == len(launched) > 20 and min(stats.submit_ns) >= 0.5e6
+    previous_end = 0
+    for before, (_, t0, t1) in zip(launched, stats.device, strict=True):
+        assert t0 >= before + 0.5e6 and t0 >= previous_end and t1 - t0 == 1_000_000
+        previous_end = t1
+    # Synchronised, the device waits for every launch: no two steps touch.
+    assert all(b[1] > a[2] for a, b in zip(synced_stats.device[:-1], synced_stats.device[1:],
+                                           strict=True))
 
 
 def test_gpu_check_driver_writes_each_part_and_skips_what_needs_cuda(tmp_path: Path) -> None:

@@ -3,9 +3,11 @@ runs step N; each device reports a finished step with its busy interval. Each de
 threads: `serve(host_loop, stop)` runs the host loop where that device wants it, and
 `make_device` is the one place that picks the device for a runner.
 
-CpuDevice: the CPU (or the timed instrument): the main thread executes queued steps in order
-while a host thread runs the host loop (PyTorch releases the GIL inside kernels); completion
-flags are the queue itself.
+CpuDevice: the CPU: the main thread executes queued steps in order while a host thread runs
+the host loop (PyTorch releases the GIL inside kernels); completion flags are the queue itself.
+TimedDevice: the timed instrument, shaped like CUDA's: the host loop launches each step on the
+main thread (paying the launch's host time), the step occupies a device timeline of its own,
+and a notifier thread reports it when that timeline says it ended.
 CudaDevice: the host loop runs on the main thread and launches each step on copy, compute and
 device->host streams ordered by CUDA events; the staging buffers and the sampled-token ring are
 page-locked; a notifier thread waits on each step's last event, never the host loop. A step's
@@ -20,6 +22,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 
 from ipc.shm import SharedRing
-from stages.executor.runner import Runner
+from stages.executor.runner import Runner, TimedRunner
 from stages.executor.sampler import SampleOutput
 from stages.executor.step_inputs import HostStep
 from stages.trace import now_ns
@@ -59,6 +62,8 @@ def make_device(runner: Runner, sampled: SharedRing, on_done: OnDone) -> Device:
     """The device that runs `runner`'s steps: CUDA streams for a CUDA runner, else the CPU."""
     if runner.device.type == "cuda":
         return CudaDevice(runner, sampled, on_done)
+    if isinstance(runner, TimedRunner):
+        return TimedDevice(runner, sampled, on_done)
     return CpuDevice(runner, sampled, on_done)
 
 
@@ -206,6 +211,66 @@ class CpuDevice:
         self._queue.put(None)
         self._done.put(None)
         self._reporter.join(timeout=30)
+
+
+def hold_host(ms: float) -> None:
+    """Python work for `ms` milliseconds on this thread, holding the GIL as a launch loop does
+    (other threads get it only at the interpreter's switch interval)."""
+    deadline = now_ns() + int(ms * 1e6)
+    while now_ns() < deadline:
+        sum(range(64))
+
+
+class TimedDevice:
+    """The timed instrument as a fast GPU's host sees it. `submit` runs on the host loop's
+    (main) thread: the step's slot updates and tokens (the instrument's compute, host tensors),
+    then S ms of Python work that holds the GIL the way a real launch does (slot updates,
+    sampling, output packing and view calls outside a CUDA graph: ~0.8 ms on the H200's
+    host). The step then occupies the device from max(the previous step's end, its launch)
+    for A + B * tokens ms, so the host's lateness shows as idle; a notifier thread waits for
+    each step's end, copies its ids into the sampled ring and reports it, as CUDA's does."""
+
+    def __init__(self, runner: TimedRunner, sampled: SharedRing, on_done: OnDone) -> None:
+        self.runner, self.sampled, self.on_done = runner, sampled, on_done
+        self.error: BaseException | None = None
+        # As on CUDA: the notifier needs the GIL for a moment while the host launches.
+        sys.setswitchinterval(min(sys.getswitchinterval(), CudaDevice.SWITCH_INTERVAL_S))
+        self._free_at = 0  # when the device's last queued step ends (ns)
+        self._pending: queue.SimpleQueue[tuple[HostStep, SampleOutput, int, int] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._notify, name="timed-notify", daemon=True)
+        self._thread.start()
+
+    def serve(self, host_loop: HostLoop, stop: threading.Event) -> None:
+        """The host loop launches the steps itself, on this (main) thread."""
+        host_loop()
+
+    def submit(self, step: HostStep) -> None:
+        out = self.runner.compute(step, step.packed)
+        if self.runner.s_ms:
+            hold_host(self.runner.s_ms)
+        start = max(self._free_at, now_ns())  # (launched now)
+        self._free_at = start + int(self.runner.step_ms(step) * 1e6)
+        self._pending.put((step, out, start, self._free_at))
+
+    def _notify(self) -> None:
+        try:
+            while (item := self._pending.get()) is not None:
+                step, out, start, end = item
+                wait = (end - now_ns()) / 1e9
+                if wait > 0:
+                    time.sleep(wait)
+                ring = self.sampled.slot(step.plan.ring_slot)
+                for name, tensor in _with_logprobs(out):
+                    ring[name][: len(tensor)] = tensor.numpy()
+                self.on_done(step, *_counts(out), start, end)
+        except BaseException as exc:
+            logger.exception("timed notifier failed")
+            self.error = exc
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._thread.join(timeout=30)
 
 
 def register_host_memory(ring: SharedRing) -> None:

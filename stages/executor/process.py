@@ -40,7 +40,7 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     tensor parallelism)."""
     ex, limits = cfg.executor, cfg.limits
     if ex.timed is not None:
-        return TimedRunner(ex.timed[0], ex.timed[1], limits)
+        return TimedRunner(ex.timed[0], ex.timed[1], limits, ex.timed[2])
     device = torch.device(ex.device)
     layout = cfg.ranks
     num_procs = layout.num_ranks

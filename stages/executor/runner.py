@@ -450,12 +450,14 @@ def load_draft(cfg: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
 
 
 class TimedRunner:
-    """A measuring instrument, not a model: each step waits `a + b * tokens` milliseconds
-    (sleeping, so the host is free) and emits deterministic tokens, to measure the
-    orchestration alone as a fast device would expose it. Same slot protocol as the model."""
+    """A measuring instrument, not a model: its device (device.py TimedDevice) takes
+    `a + b * tokens` milliseconds a step, after `s` ms of the host's own work to launch it,
+    and it emits deterministic tokens, to measure the orchestration alone as a fast device
+    would expose it. Same slot protocol as the model."""
 
-    def __init__(self, a_ms: float, b_ms: float, limits: EngineLimits) -> None:
-        self.a_ms, self.b_ms = a_ms, b_ms
+    def __init__(self, a_ms: float, b_ms: float, limits: EngineLimits,
+                 s_ms: float = 0.0) -> None:
+        self.a_ms, self.b_ms, self.s_ms = a_ms, b_ms, s_ms
         self.device = torch.device("cpu")
         self.vocab_size = limits.vocab_size
         self.num_blocks = limits.max_num_seqs * limits.max_blocks_per_seq
@@ -464,8 +466,13 @@ class TimedRunner:
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:
         return self.slots.prepare(plan, ring)
 
+    def step_ms(self, step: HostStep) -> float:
+        """How long the step occupies the instrument's device."""
+        return self.a_ms + self.b_ms * step.num_tokens
+
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput:
-        """Sampling parameters are ignored: the tokens are a function of the context."""
+        """The step's tokens, at once (its device time is the device's to charge).
+        Sampling parameters are ignored: the tokens are a function of the context."""
         v = self.slots.layout.unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
         assert ids is not None
@@ -473,7 +480,6 @@ class TimedRunner:
         tokens = (ids[idx] * 1103515245 + v.positions[idx] + 12345) % self.vocab_size
         out = SampleOutput(tokens)
         self.slots.keep_last(step, v, out)
-        time.sleep((self.a_ms + self.b_ms * step.num_tokens) / 1000)
         return out
 
     def work_ahead(self, came: Callable[[], bool]) -> None:
