@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ipc.addresses import RemoteSettings, RunAddresses
-from ipc.device import parse_device
+from ipc.device import TIMED_SYNTAX, parse_device
 from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
 from ipc.model_info import ModelInfo
@@ -38,20 +38,48 @@ if TYPE_CHECKING:
 # positionally.)
 
 
+# --run-ahead-depth: the most steps in flight a run may choose. Depth d gives the chain from
+# the end of step N on the device to the launch of step N + d (the executor's report, the
+# scheduler's on_sampled, schedule and write, the executor's prepare and launch) d - 1 device
+# steps to run in; a step more also fixes each plan a step earlier and computes one more
+# discarded token per finished sequence.
+MAX_RUN_AHEAD_DEPTH = 3
+# `auto` runs 3 deep while the median of the recent device steps is under this (and 2 above
+# it): docs/BENCHMARKS.md "A deeper run-ahead" measures the chain on a 2-core host.
+AUTO_DEEP_STEP_MS = 8.0
+
+
+def parse_depth(text: str | int) -> int | Literal["auto"]:
+    """--run-ahead-depth: auto, or 1 (synchronous) to MAX_RUN_AHEAD_DEPTH steps in flight."""
+    if text == "auto":
+        return "auto"
+    try:
+        depth = int(text)
+    except ValueError:
+        depth = 0
+    if not 1 <= depth <= MAX_RUN_AHEAD_DEPTH:
+        raise ConfigError(f"--run-ahead-depth must be auto or 1 to {MAX_RUN_AHEAD_DEPTH}, "
+                          f"got {text!r}")
+    return depth
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    depth: int = 2  # steps in flight; 1 = synchronous batching
+    # Steps in flight: 1 = synchronous batching; auto = 2, or 3 while the device's steps are
+    # short (stages/scheduler/pacing.py RunAheadDepth).
+    depth: int | Literal["auto"] = "auto"
     max_waiting: int | None = None  # sequences that may wait; past it a request is refused
     priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE  # (most, least) urgent allowed
     speculative: SpeculativeConfig | None = None  # n-gram drafts verified in the forward
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "depth"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        parse_depth(self.depth)
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -100,7 +128,8 @@ class ExecutorConfig:
     dtype: str = "float32"
     kv_cache_memory: int = 1 << 30
     num_threads: int | None = None
-    timed: tuple[float, float] | None = None  # (A, B): no model; A + B * tokens ms a step
+    # (A, B, S): no model; A + B * tokens ms a step on the device, S ms of host work to launch it
+    timed: tuple[float, float, float] | None = None
     compile: bool | None = None  # torch.compile the model; None: the device's default
     cuda_graphs: bool = True  # on CUDA, compiled: replay decode steps as CUDA graphs
     tensor_parallel_size: int = 1  # executor ranks, each holding 1/K of the model
@@ -115,7 +144,8 @@ class ExecutorConfig:
         if self.quantization is not None and self.timed is not None:
             raise ConfigError("--quantization needs a model, not the timed device")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"--device must be cpu, cuda[:N] or timed:A,B, got {self.device!r}")
+            raise ConfigError(f"--device must be cpu, cuda[:N] or {TIMED_SYNTAX}, "
+                              f"got {self.device!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive")
         if self.tensor_parallel_size < 1:
@@ -142,9 +172,10 @@ class EngineLimits:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
-    depth: int = 2  # steps in flight
+    depth: int = 2  # the most steps in flight
     priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE
     num_speculative_tokens: int = 0  # K: drafts a row may carry (0: no speculation)
+    auto_depth: bool = False  # in flight: 2, or `depth` while the device's steps are short
 
     @property
     def max_sampled(self) -> int:
@@ -321,8 +352,11 @@ class PipelineConfig(RunAddresses):
         return EngineLimits(
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             block_size=s.block_size, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
-            eos_token_ids=m.eos_token_ids, depth=s.depth, priority_range=s.priority_range,
-            num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0)
+            eos_token_ids=m.eos_token_ids,
+            depth=MAX_RUN_AHEAD_DEPTH if s.depth == "auto" else s.depth,
+            priority_range=s.priority_range,
+            num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
+            auto_depth=s.depth == "auto")
 
     @property
     def ranks(self) -> RankLayout:

@@ -579,6 +579,10 @@ class SchedulerStats(Message):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    run_ahead_depth: int = 0  # steps that may be in flight now (--run-ahead-depth)
+    # Positions computed for a sequence that had already finished (its run-ahead steps'
+    # tokens), dropped: up to depth - 1 per finished sequence.
+    discarded_tokens: int = 0
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).

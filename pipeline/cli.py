@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ipc.addresses import RemoteSettings
 from ipc.config import (
@@ -24,6 +24,7 @@ from ipc.config import (
     RunKeys,
     SchedulerConfig,
     ServerOptions,
+    parse_depth,
 )
 from ipc.errors import ConfigError
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
@@ -75,8 +76,9 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "codes with a scale and a minimum per 32 (llama.cpp's Q4_1), the head "
                         "at int8. Activations stay in --dtype")
     p.add_argument("--device", default=d(ExecutorConfig.device),
-                   help="cpu, cuda[:N], or timed:A,B (a measuring instrument: no model, each "
-                        "step waits A + B*tokens ms and emits deterministic tokens)")
+                   help="cpu, cuda[:N], or timed:A,B[,S] (a measuring instrument: no model, each "
+                        "step takes A + B*tokens ms on its device after S ms of host work to "
+                        "launch it, and emits deterministic tokens)")
     p.add_argument("--trace", default=d(None), metavar="FILE",
                    help="write a Chrome-trace timeline of all stages (open it in Perfetto)")
     p.add_argument("--tokenizer-workers", type=int, default=d(PipelineConfig.num_tokenizers))
@@ -130,8 +132,15 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
                         "4}' or '{\"method\": \"draft_model\", \"model\": PATH, "
                         "\"num_speculative_tokens\": 4, \"disable_by_batch_size\": 4}'")
+    p.add_argument("--run-ahead-depth", default=d(SchedulerConfig.depth),
+                   metavar="{auto,1,2,3}",
+                   help="steps planned ahead of the device's results: 1 is synchronous "
+                        "batching; auto (default) runs 2, or 3 while the device's steps are "
+                        "short (under ~8 ms: a GPU's decode), where the host's work between "
+                        "two steps would not fit in one")
     p.add_argument("--no-overlap", action="store_true", default=d(False),
-                   help="synchronous batching (one step in flight), the baseline")
+                   help="synchronous batching (one step in flight), the baseline: "
+                        "--run-ahead-depth 1")
     p.add_argument("--listen", default=d(None), metavar="HOST",
                    help="also take clients from other hosts over tcp:// on HOST (an address "
                         "of this machine, or 0.0.0.0); prints the address to connect to and "
@@ -414,10 +423,20 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, depth=1 if args.no_overlap else SchedulerConfig.depth,
+        block_size=args.block_size, depth=run_ahead_depth(args),
         max_waiting=getattr(args, "max_waiting", SchedulerConfig.max_waiting),
         priority_range=parse_priority_range(args.priority_range),
         speculative=parse_speculative(args.speculative))
+
+
+def run_ahead_depth(args: argparse.Namespace) -> int | Literal["auto"]:
+    depth = parse_depth(args.run_ahead_depth)
+    if args.no_overlap and depth != 1:
+        if args.run_ahead_depth != SchedulerConfig.depth:  # (given both ways)
+            raise ConfigError(f"--no-overlap is --run-ahead-depth 1; it was given with "
+                              f"--run-ahead-depth {args.run_ahead_depth}")
+        return 1
+    return depth
 
 
 def executor_config(args: argparse.Namespace) -> ExecutorConfig:

@@ -24,6 +24,7 @@ from ipc.config import (
     RunKeys,
     SchedulerConfig,
     ServerOptions,
+    parse_depth,
 )
 from ipc.messages import SamplingParams, StructuredOutputs
 from ipc.units import parse_bytes
@@ -58,6 +59,7 @@ FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "max_num_seqs": (SchedulerConfig, "max_num_seqs", _same),
     "max_num_batched_tokens": (SchedulerConfig, "max_num_batched_tokens", _same),
     "block_size": (SchedulerConfig, "block_size", _same),
+    "run_ahead_depth": (SchedulerConfig, "depth", parse_depth),
     "priority_range": (SchedulerConfig, "priority_range", parse_priority_range),
     "speculative": (SchedulerConfig, "speculative", _same),
     "tokenizer_workers": (PipelineConfig, "num_tokenizers", _same),
@@ -89,7 +91,7 @@ NOT_CONFIG = {
     "model": "None: the default model (resolve_model), else a folder or a GGUF file",
     "max_model_len": "None: the model's own context length (ModelInfo.from_dir)",
     "trace": "a file this process writes; the launcher sets trace_dir from it",
-    "no_overlap": "a switch to depth 1; unset, SchedulerConfig.depth",
+    "no_overlap": "a switch to depth 1 (--run-ahead-depth 1); unset, SchedulerConfig.depth",
     "listen": "None: no tcp:// (RemoteSettings.listen_host)",
     "listen_key": "None: $LLM_PIPELINE_KEY, else RunKeys.client_key",
     "stage_key": "None: $LLM_PIPELINE_STAGE_KEY, else RunKeys.stage_key",
@@ -153,6 +155,8 @@ def _other(value: Any, name: str) -> Any:
     """A default unlike `value`, of its kind (None: a value the field could hold)."""
     if isinstance(value, bool):
         return not value
+    if name == "depth":  # (auto, or a depth up to MAX_RUN_AHEAD_DEPTH)
+        return 3 if value == "auto" else "auto"
     if isinstance(value, (int, float)):
         return value + 7
     if isinstance(value, str):

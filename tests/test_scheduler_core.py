@@ -133,7 +133,7 @@ def test_blocks_are_freed_on_abort() -> None:
 # ---------------------------------------------------------------- stop conditions
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_eos_stops_the_request(depth: int) -> None:
     fn = stops_at({"a": (3, EOS)})
     driver = run_all(make_limits(depth=depth), {0: [make_request("a", 5, max_tokens=20)]}, fn)
@@ -164,7 +164,7 @@ def test_stop_token_not_listed_does_not_stop() -> None:
     assert len(driver.outputs["a"]) == 6
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_max_tokens_stops_with_length(depth: int) -> None:
     driver = run_all(make_limits(depth=depth), {0: [make_request("a", 5, max_tokens=7)]})
     assert driver.outputs["a"] == expected_tokens("a", 7)
@@ -173,7 +173,7 @@ def test_max_tokens_stops_with_length(depth: int) -> None:
     assert num_samples == 7, "no step may be planned past max_tokens"
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_max_model_len_stops_with_length(depth: int) -> None:
     driver = run_all(make_limits(max_model_len=16, depth=depth), {0: [make_request("a", 10)]})
     assert driver.outputs["a"] == expected_tokens("a", 6)
@@ -251,12 +251,18 @@ def test_in_flight_token_after_a_stop_is_dropped_and_blocks_wait_for_it() -> Non
     driver.check_idle()
 
 
-def test_stop_at_depth_two_never_leaks_the_extra_token() -> None:
+@pytest.mark.parametrize("depth", [2, 3])
+def test_stop_run_ahead_never_leaks_the_extra_tokens(depth: int) -> None:
+    """Each sequence that stops at EOS has up to depth - 1 steps planned past it; their
+    tokens are dropped, and counted."""
     table = {rid: (k, EOS) for k, rid in enumerate("abcdef")}
     arrivals = {i: [make_request(rid, 3 + i)] for i, rid in enumerate("abcdef")}
-    driver = run_all(make_limits(depth=2), arrivals, stops_at(table))
+    driver = run_all(make_limits(depth=depth), arrivals, stops_at(table))
     for k, rid in enumerate("abcdef"):
         assert driver.outputs[rid] == expected_tokens(rid, k + 1, stops_at(table))
+    # (the driver plans as deep as it may: depth - 1 steps past each EOS)
+    assert driver.core.discarded_tokens == 6 * (depth - 1)
+    assert driver.core.stats().discarded_tokens == driver.core.discarded_tokens
 
 
 # ---------------------------------------------------------------- aborts
@@ -292,7 +298,7 @@ def test_abort_of_a_prefilling_request_waits_for_its_chunk() -> None:
     assert driver.collect() == []
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_abort_of_a_running_request(depth: int) -> None:
     driver = Driver(make_limits(depth=depth))
     driver.add(make_request("a", 5))
@@ -395,7 +401,7 @@ def crowded_arrivals() -> dict[int, list[TokenizedRequest]]:
     }
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_preemption_finishes_every_request_with_the_same_outputs(depth: int) -> None:
     roomy = run_all(make_limits(max_model_len=24, depth=depth), crowded_arrivals())
     tiny = run_all(dataclasses.replace(TINY, depth=depth), crowded_arrivals())

@@ -13,7 +13,7 @@ from ipc.messages import Histogram, SchedulerStats
 from ipc.ranks import RankLayout
 
 MEAN_FIELDS = ("device_idle_fraction",)  # a fraction: the engines' mean, not their sum
-MAX_FIELDS = ("uptime_s",)
+MAX_FIELDS = ("uptime_s", "run_ahead_depth")
 # Counts that only grow (Prometheus counters and histograms): an engine that went down keeps
 # its part, or the sums would fall, which a scraper reads as a reset.
 CUMULATIVE_FIELDS = ("num_preemptions", "num_steps", "prefix_cache_queries",
@@ -21,7 +21,7 @@ CUMULATIVE_FIELDS = ("num_preemptions", "num_steps", "prefix_cache_queries",
                      "step_seconds_buckets", "step_seconds_sum", "step_tokens_buckets",
                      "step_tokens_sum", "num_refused_messages", "request_phases",
                      "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-                     "spec_accepted_per_pos")
+                     "spec_accepted_per_pos", "discarded_tokens")
 
 
 def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:

@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig, parse_depth
 from ipc.messages import SamplingParams, StructuredOutputs
 from ipc.model_info import ModelInfo
 from ipc.units import parse_bytes
+from pipeline.tools.bench_chain import ChainReport, chain_report, print_chain
 
 # bench overlap --structured: a JSON document that cannot end before --output-len tokens
 # (1000 records at least), so every request decodes as long as an unconstrained one.
@@ -50,6 +51,8 @@ class RunResult:
     device_spans: list[tuple[float, float]]  # seconds from the first step, steady window
     host_submit_ms: float = float("nan")  # median host time launching a steady step
     step_shapes: list[tuple[int, int]] = field(default_factory=list)  # (seqs, tokens) each
+    chain: ChainReport = field(default_factory=ChainReport)  # the run-ahead chain (steady)
+    discarded_tokens: int = 0  # computed for sequences already finished
 
 
 def device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,7 +88,7 @@ def host_submit_ms(trace: list[dict[str, Any]], steady: list[dict[str, Any]]) ->
     return statistics.median(submits) if submits else float("nan")
 
 
-def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
+def bench_config(args: argparse.Namespace, depth: int | Literal["auto"]) -> PipelineConfig:
     prompt_room = args.batch * args.input_len
     return PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, args.max_model_len),
@@ -99,7 +102,8 @@ def bench_config(args: argparse.Namespace, depth: int) -> PipelineConfig:
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
 
 
-def run_once(args: argparse.Namespace, depth: int, structured: bool = False) -> RunResult:
+def run_once(args: argparse.Namespace, depth: int | Literal["auto"],
+             structured: bool = False) -> RunResult:
     from pipeline.runtime.launcher import Pipeline
 
     vocab = ModelInfo.from_dir(args.model_dir).vocab_size
@@ -117,9 +121,11 @@ def run_once(args: argparse.Namespace, depth: int, structured: bool = False) -> 
             # to a graph capture): a compiled device compiles each shape on first sight.
             warm = dataclasses.replace(params, max_tokens=min(4, args.output_len))
             client.generate(prompts, warm)  # type: ignore[arg-type]
+            discarded = pipe.idle_stats().discarded_tokens
             start = time.perf_counter()
             outs = client.generate(prompts, params)  # type: ignore[arg-type]
             seconds = time.perf_counter() - start
+            discarded = pipe.idle_stats().discarded_tokens - discarded
         with open(trace_path) as f:
             trace = json.load(f)["traceEvents"]
     errors = [o.error for o in outs if o.error]
@@ -136,7 +142,10 @@ def run_once(args: argparse.Namespace, depth: int, structured: bool = False) -> 
         [o.token_ids for o in outs],
         [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in steady],
         host_submit_ms(trace, steady),
-        [(e["args"]["seqs"], e["args"]["tokens"]) for e in device_spans(trace)])
+        [(e["args"]["seqs"], e["args"]["tokens"]) for e in device_spans(trace)],
+        chain_report(trace, [e["args"]["step"] for e in steady], 2 if depth == "auto" else
+                     int(depth)),
+        discarded)
 
 
 def _median_run(runs: list[RunResult]) -> RunResult:
@@ -168,9 +177,10 @@ def overlap(args: argparse.Namespace) -> int:
     args.model_dir = str(resolve_model(args.model_dir))
     pairs, structured_pairs = [], []
     for _ in range(args.repeat):  # interleaved, so slow drifts of a shared machine cancel out
-        pairs.append((run_once(args, depth=1), run_once(args, depth=2)))
+        pairs.append((run_once(args, depth=1), run_once(args, depth=args.run_ahead_depth)))
         if args.structured:
-            structured_pairs.append((run_once(args, 1, True), run_once(args, 2, True)))
+            structured_pairs.append((run_once(args, 1, True),
+                                     run_once(args, args.run_ahead_depth, True)))
     if structured_pairs:
         _print_structured(pairs, structured_pairs)
     sync = _median_run([p[0] for p in pairs])
@@ -179,16 +189,22 @@ def overlap(args: argparse.Namespace) -> int:
     same_steps = all(p[0].step_shapes == pairs[0][0].step_shapes == p[1].step_shapes
                      for p in pairs)
     speedup = statistics.median(p[1].output_tok_s / p[0].output_tok_s for p in pairs)
-    print(f"overlap: device={args.device} batch={args.batch} input_len={args.input_len} "
+    print(f"overlap: device={args.device} run-ahead depth={args.run_ahead_depth} "
+          f"batch={args.batch} input_len={args.input_len} "
           f"output_len={args.output_len} repeats={args.repeat} cpus={os.cpu_count()} "
           f"(medians; speedup = median of paired ratios)")
     print_table(sync, fast, speedup)
     print(f"identical outputs: {identical}" + ("" if identical else
           f" (the runs' steps were {'the same' if same_steps else 'batched differently'})"))
+    print(f"discarded tokens (computed for finished sequences): sync {sync.discarded_tokens}, "
+          f"async {fast.discarded_tokens}")
+    for name, run in (("sync", sync), ("async", fast)):
+        print_chain(run.chain, name)
     keys = ("output_tok_s", "device_idle_frac", "mean_step_ms", "host_submit_ms", "steps",
-            "tokens_per_step", "seconds")
+            "tokens_per_step", "seconds", "discarded_tokens")
     report = {"sync": {k: getattr(sync, k) for k in keys},
               "async": {k: getattr(fast, k) for k in keys},
+              "chain": {"sync": sync.chain.summary(), "async": fast.chain.summary()},
               "speedup": speedup,
               "identical_outputs": identical, "same_steps": same_steps,
               "runs": [{"sync_tok_s": s.output_tok_s, "async_tok_s": f.output_tok_s}
@@ -248,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--tokenizer-workers", type=int, default=PipelineConfig.num_tokenizers)
     p.add_argument("--detokenizer-workers", type=int, default=PipelineConfig.num_detokenizers)
+    p.add_argument("--run-ahead-depth", type=parse_depth, default=SchedulerConfig.depth,
+                   metavar="{auto,2,3}", help="the async side's (the sync side's is 1)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run sync and async this many times, interleaved; report medians")
     p.add_argument("--plot", default=None, metavar="PNG|DIR",
@@ -279,7 +297,7 @@ def _add_common(p: argparse.ArgumentParser, kv_cache_memory: int) -> None:
                    help="local HF folder or GGUF file; default: the converted SmolLM2")
     p.add_argument("--dtype", default=ExecutorConfig.dtype, choices=["float32", "bfloat16"])
     p.add_argument("--device", default=ExecutorConfig.device,
-                   help="cpu, cuda, or timed:A,B (overlap)")
+                   help="cpu, cuda, or timed:A,B[,S] (overlap)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=kv_cache_memory,
                    help="bytes or e.g. 2GiB")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

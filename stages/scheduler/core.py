@@ -88,6 +88,10 @@ class Scheduler:
         self.inflight: deque[PlannedStep] = deque()
         # A ring slot is rewritten only after the step that used it reported back.
         self.free_ring_slots: list[int] = list(range(limits.depth, -1, -1))
+        # Steps that may be in flight now: limits.depth, or with auto_depth 2 until the shell
+        # sees the device's steps are short (pacing.py RunAheadDepth).
+        self.depth = min(2, limits.depth) if limits.auto_depth else limits.depth
+        self.discarded_tokens = 0  # computed for a sequence that had finished: dropped
         self.next_step_id = 0
         self.num_preemptions = 0
         self.generation_tokens = 0
@@ -206,7 +210,7 @@ class Scheduler:
 
     def schedule(self) -> PlannedStep | None:
         """Plan the next step, or None if there is nothing to run or too much in flight."""
-        if len(self.inflight) >= self.limits.depth:
+        if len(self.inflight) >= self.depth:
             return None
         step = PlannedStep(self.next_step_id)
         self.builder.fill(step)
@@ -270,8 +274,9 @@ class Scheduler:
                 seq.num_pending -= 1
                 num_stand = 1
             base, first = first, first + 1 + row.num_draft
-            if seq.status is SeqStatus.FINISHED:
-                continue  # a finished one's extra tokens are dropped
+            if seq.status is SeqStatus.FINISHED:  # a finished one's extra tokens are dropped
+                self.discarded_tokens += num_stand
+                continue
             for j in range(base, base + num_stand):
                 if not self._take_token(seq, token_ids[j], logprobs, j):
                     break
@@ -374,7 +379,8 @@ class Scheduler:
             spec_num_drafts=self.spec.num_drafts,
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
-            spec_accepted_per_pos=list(self.spec.accepted_per_pos))
+            spec_accepted_per_pos=list(self.spec.accepted_per_pos),
+            run_ahead_depth=self.depth, discarded_tokens=self.discarded_tokens)
 
     def take_outputs(self) -> StepOutputs:
         """New request infos, token deltas and rejections since the last call, in order."""

@@ -14,6 +14,8 @@ where the running step is short.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 IDLE_POLL_MS = 50  # the scheduler's wait for a message when no plan is due
 
@@ -67,6 +69,38 @@ class StepPacer:
         if expected < self.MIN_STEP_S:
             return started
         return started + expected * self.SHARE - self.LEAD_S
+
+
+class RunAheadDepth:
+    """--run-ahead-depth auto: how many steps may be in flight. With d in flight, planning
+    step N + d waits for step N's tokens, so the chain from the end of step N on the device
+    to the launch of step N + d (the report, on_sampled, schedule, the ring write, the
+    executor's preparation and launch) has d - 1 device steps to run in: behind short steps
+    (a GPU's decode, CUDA graphs, small models) one step is too little. A step more costs a
+    plan fixed a step earlier (an arrival joins a step later) and one more discarded token
+    per finished sequence, so it is taken only while the steps are short: 2 until MIN_SEEN
+    steps were timed, then `deepest` while the median of the last WINDOW device steps is
+    under `short_ms`, back to 2 once it passes `short_ms` * HYSTERESIS."""
+
+    WINDOW = 32
+    MIN_SEEN = 8
+    HYSTERESIS = 1.25  # (so a median near the threshold does not flip the depth each step)
+
+    def __init__(self, deepest: int, short_ms: float) -> None:
+        self.deepest, self.short_s = deepest, short_ms / 1e3
+        self.depth = min(2, deepest)
+        self._recent: deque[float] = deque(maxlen=self.WINDOW)
+
+    def observe(self, seconds: float) -> int:
+        """A step took `seconds` on the device: the depth from now on."""
+        self._recent.append(seconds)
+        if len(self._recent) >= self.MIN_SEEN:
+            median = statistics.median(self._recent)
+            if median < self.short_s:
+                self.depth = self.deepest
+            elif median > self.short_s * self.HYSTERESIS:
+                self.depth = min(2, self.deepest)
+        return self.depth
 
 
 def poll_wait_ms(plan_at: float, now: float) -> int:

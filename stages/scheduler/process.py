@@ -13,7 +13,7 @@ import zmq
 
 from ipc.channels import ForeignFrame, PullChannel, PushChannel, listen_tcp, stage_listen
 from ipc.codec import Codec, ProtocolError
-from ipc.config import PipelineConfig
+from ipc.config import AUTO_DEEP_STEP_MS, PipelineConfig
 from ipc.messages import (
     AbortRequest,
     DetokBatch,
@@ -31,7 +31,7 @@ from ipc.step import StepRings, read_accepted, read_prompt_logprobs, read_sample
 from stages.peers import Peers, local_members
 from stages.process import stage_process
 from stages.scheduler.core import RECENT_FINAL_S, Scheduler
-from stages.scheduler.pacing import StepPacer, poll_wait_ms
+from stages.scheduler.pacing import RunAheadDepth, StepPacer, poll_wait_ms
 from stages.trace import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class SchedulerShell:
         # The step behind the running one is planned late (pacing.py): when the running one
         # started (this host's clock), and when to plan it.
         self.pacer = StepPacer()
+        self.run_ahead = (RunAheadDepth(cfg.limits.depth, AUTO_DEEP_STEP_MS)
+                          if cfg.limits.auto_depth else None)
         self._front_started = 0.0
         self._plan_at = 0.0
         self.poller = zmq.Poller()
@@ -115,6 +117,8 @@ class SchedulerShell:
                                  read_accepted(ring, num_drafted) if num_drafted else None)
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
             self.pacer.observe(step.num_tokens, msg.device_end - msg.device_start)
+            if self.run_ahead is not None:
+                self.core.depth = self.run_ahead.observe(msg.device_end - msg.device_start)
             # The next step in flight started when this one ended, by the executor's clock:
             # this host's monotonic one where it runs here (the earlier of it and now: an
             # executor's clock elsewhere can only make the plan early, which is safe).
@@ -178,14 +182,15 @@ class SchedulerShell:
             if len(self.core.inflight) == 1:  # the device was idle: it starts this one now
                 self._front_started = time.monotonic()
             self.tracer.span("schedule", start, now_ns(),
-                             args={"step": step.step_id, "seqs": len(step.rows)})
+                             args={"step": step.step_id, "seqs": len(step.rows),
+                                   "depth": self.core.depth})
 
     def _plan_now(self) -> bool:
         """Whether to plan the next step now: at once with nothing in flight, or where an
         arrival could not join it anyway; behind a running step, at the pacer's time (else
         that time is kept in _plan_at, and the loop waits for it or for a message)."""
         core = self.core
-        if len(core.inflight) != 1 or core.limits.depth < 2 or not core.has_room():
+        if len(core.inflight) != 1 or core.depth < 2 or not core.has_room():
             return True
         at = self.pacer.plan_at(self._front_started, core.inflight[0].num_tokens)
         if time.monotonic() >= at:
