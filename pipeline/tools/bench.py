@@ -22,6 +22,7 @@ from typing import Any, Literal
 from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig, parse_depth
 from ipc.messages import SamplingParams, StructuredOutputs
 from ipc.model_info import ModelInfo
+from ipc.speculative import parse_speculative
 from ipc.units import parse_bytes
 from pipeline.tools.bench_chain import ChainReport, chain_report, print_chain
 
@@ -95,7 +96,7 @@ def bench_config(args: argparse.Namespace, depth: int | Literal["auto"]) -> Pipe
         scheduler=SchedulerConfig(max_num_seqs=args.batch,
                                   max_num_batched_tokens=max(
                                       SchedulerConfig.max_num_batched_tokens, prompt_room),
-                                  depth=depth),
+                                  depth=depth, speculative=args.speculative),
         executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
                                            kv_cache_memory=args.kv_cache_memory,
                                            compile=args.compile),
@@ -266,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detokenizer-workers", type=int, default=PipelineConfig.num_detokenizers)
     p.add_argument("--run-ahead-depth", type=parse_depth, default=SchedulerConfig.depth,
                    metavar="{auto,2,3}", help="the async side's (the sync side's is 1)")
+    p.add_argument("--speculative", type=parse_speculative, default=SchedulerConfig.speculative,
+                   metavar="SPEC", help="propose drafts, as run_pipeline's (e.g. ngram:3)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run sync and async this many times, interleaved; report medians")
     p.add_argument("--plot", default=None, metavar="PNG|DIR",

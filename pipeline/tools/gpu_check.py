@@ -16,7 +16,9 @@ Parts:
                the profiler's kernel intervals), host submit time per step, step time median
                and max; overlap against sync
   tests        the tests marked cuda
-  bench        bench overlap on the random model
+  bench        bench overlap on the 1B-shaped random model and the default one, batch 64 and
+               256, run-ahead depth 2 and 3, and with n-gram drafts: measured device idle
+               beside the idle the run-ahead chain predicts (pipeline/tools/bench_chain.py)
 
   python -m pipeline.tools.gpu_check --out results.json [--parts overlap,syncs] [--device cpu]
 
@@ -40,8 +42,8 @@ from typing import Any
 from ipc.speculative import SpeculativeConfig
 
 # Seconds each, at most: under 10 minutes in all.
-PARTS = {"versions": 45, "models": 60, "overlap": 60, "syncs": 45, "tests": 150,
-         "utilisation": 120, "bench": 100}
+PARTS = {"versions": 45, "models": 60, "overlap": 60, "syncs": 45, "tests": 120,
+         "utilisation": 90, "bench": 170}
 CUDA_ONLY = {"versions", "syncs", "utilisation", "tests", "bench"}
 BIG_MODEL = {"layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 8, "vocab_size": 32000}
 
@@ -426,21 +428,51 @@ def part_tests(args: argparse.Namespace) -> dict[str, Any]:
     return {"ok": proc.returncode == 0, "tail": (proc.stdout + proc.stderr)[-3000:]}
 
 
+# bench's rows: (model, batch, run-ahead depth, speculative), each `bench overlap` (sync
+# against that depth) with the chain's predicted idle beside the measured one.
+BENCH_ROWS = [(model, batch, depth, None) for model in ("big", "default") for batch in (64, 256)
+              for depth in (2, 3)] + [("big", 64, 3, "ngram:3"), ("default", 64, 3, "ngram:3")]
+
+
 def part_bench(args: argparse.Namespace) -> dict[str, Any]:
-    model = _model(Path(args.work) / "big", big=True)
-    out_json = Path(args.work) / "overlap-cuda.json"
-    cmd = [sys.executable, "-m", "pipeline.tools.bench", "overlap", "--device", "cuda",
-           "--dtype", "bfloat16", "--model", str(model), "--batch", "64", "--output-len", "64",
-           "--repeat", "1", "--kv-cache-memory", "16GiB", "--json", str(out_json)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["bench"] - 10)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or "") + (exc.stderr or "")
-        return {"ok": False, "error": f"timed out after {PARTS['bench'] - 10} s",
-                "tail": (out.decode(errors="replace") if isinstance(out, bytes) else out)[-3000:]}
-    report = json.loads(out_json.read_text()) if out_json.exists() else None
-    return {"ok": proc.returncode == 0, "report": report,
-            "tail": (proc.stdout + proc.stderr)[-2000:]}
+    """bench overlap on the 1B shape and the default model, batch 64 and 256, run-ahead depth
+    2 and 3, and with n-gram drafts: measured idle, predicted idle, the chain's parts."""
+    rows = []
+    deadline = time.monotonic() + PARTS["bench"] - 15
+    for model_kind, batch, depth, spec in BENCH_ROWS:
+        left = deadline - time.monotonic()
+        if left < 10:
+            rows.append({"model": model_kind, "batch": batch, "depth": depth,
+                         "speculative": spec, "skipped": "out of the part's time"})
+            continue
+        model = ["--model", str(_model(Path(args.work) / "big", big=True))
+                 ] if model_kind == "big" else []
+        out_json = Path(args.work) / f"overlap-{model_kind}-{batch}-{depth}-{spec}.json"
+        cmd = [sys.executable, "-m", "pipeline.tools.bench", "overlap", "--device", "cuda",
+               "--dtype", "bfloat16", *model, "--batch", str(batch),
+               "--output-len", "64", "--repeat", "1", "--kv-cache-memory", "16GiB",
+               "--run-ahead-depth", str(depth), "--json", str(out_json)]
+        cmd += ["--speculative", spec] if spec else []
+        row: dict[str, Any] = {"model": model_kind, "batch": batch, "depth": depth,
+                               "speculative": spec}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            rows.append({**row, "ok": False, "error": f"timed out after {left:.0f} s"})
+            continue
+        report = json.loads(out_json.read_text()) if out_json.exists() else None
+        row["ok"] = proc.returncode == 0 and report is not None
+        if report is not None:
+            row.update(idle=report["async"]["device_idle_frac"],
+                       sync_idle=report["sync"]["device_idle_frac"],
+                       step_ms=report["async"]["mean_step_ms"],
+                       submit_ms=report["async"]["host_submit_ms"],
+                       chain=report["chain"]["async"],
+                       identical=report["identical_outputs"])
+        else:
+            row["tail"] = (proc.stdout + proc.stderr)[-2000:]
+        rows.append(row)
+    return {"ok": all(r.get("ok", True) for r in rows), "rows": rows}
 
 
 # ---------------------------------------------------------------- the driver
