@@ -155,7 +155,8 @@ class QueuePolicy:
         del self.waiting[i]
         del self.waiting[0]
         first.tag, best.tag = best.tag, first.tag
-        self.waiting.insert(0, best)  # (its new tag is the smallest)
+        # (by its key too: another sender's sample may hold the same tag, arrived earlier)
+        bisect.insort(self.waiting, best, key=SORT_KEY)
         bisect.insort(self.waiting, first, key=SORT_KEY)
 
     def pop_admitted(self) -> Sequence:
