@@ -1,8 +1,9 @@
 """The scheduler core's per-step paths written the straightforward way: one general call per
-row (wants_step, _plan_row, _take_token with check_stop, register_blocks, _maybe_release),
-as they were before issue 52 shortened them (commit 9fae5fa). test_scheduler_equivalence.py
-drives the same random workloads through this and the real core and requires the same
-steps, ring contents and outputs, so every shortcut must give what these give."""
+row (wants_step, _plan_row, _take_token with check_stop, register_blocks, _maybe_release, a
+_shard per delta), as they were before issue 52 shortened them (commit 9fae5fa).
+test_scheduler_equivalence.py drives the same random workloads through these and the real
+core and shell, and requires the same steps, ring contents and detokenizer batches: every
+shortcut must give what these give."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ipc.messages import FinishReason, StepPlan, TokenDelta, TokenLogprob
+from ipc.messages import DetokBatch, FinishReason, StepPlan, TokenDelta, TokenLogprob
 from ipc.step import (
     BLOCK_UPDATES,
     NEW_SLOTS,
@@ -25,8 +26,9 @@ from ipc.step import (
     PromptLogprobs,
     StepLogprobs,
 )
-from stages.scheduler.core import Scheduler
+from stages.scheduler.core import RECENT_FINAL_S, Scheduler
 from stages.scheduler.planned import PlannedRow, PlannedStep
+from stages.scheduler.process import SchedulerShell
 from stages.scheduler.requests import StepOutputs, take_prompt_logprobs
 from stages.scheduler.sequence import SeqStatus, Sequence
 from stages.scheduler.step_builder import StepBuilder
@@ -233,3 +235,32 @@ def reference_write(step: PlannedStep, buf: dict[str, np.ndarray]) -> StepPlan:
     return StepPlan(step_id=step.step_id, ring_slot=step.ring_slot,
                     grammars=step.grammars or [],
                     **{c.plan_field: n for c, n in sizes.items()})
+
+
+def reference_flush(shell: SchedulerShell) -> None:
+    """SchedulerShell._flush_outputs as it was: a _shard call per delta."""
+    infos, deltas, rejected = shell.core.take_outputs()
+    if not (infos or deltas or rejected):
+        return
+    batches: dict[int, DetokBatch] = {}
+
+    def batch(request_id: str, reply_to: str = "") -> DetokBatch:
+        rank = shell._shard(request_id, reply_to)
+        return batches.setdefault(rank, DetokBatch([], [], [], shell.cfg.engine,
+                                                   shell.incarnation))
+
+    for info in infos:
+        batch(info.request_id, info.reply_to).new_requests.append(info)
+    for delta in deltas:
+        batch(delta.request_id).deltas.append(delta)
+    for rej in rejected:
+        batch(rej.request_id, rej.reply_to).rejected.append(rej)
+    for rank, detok_batch in batches.items():
+        shell.peers.to_detokenizer(rank, detok_batch)
+    now = time.monotonic()
+    ended = {d.request_id for d in deltas if d.finish_reason is not None}
+    shell._unpin.extend((now, rid) for rid in ended | {r.request_id for r in rejected})
+    while shell._unpin and now - shell._unpin[0][0] > RECENT_FINAL_S:
+        rid = shell._unpin.popleft()[1]
+        if rid not in shell.core.requests:
+            shell._pins.pop(rid, None)

@@ -2,7 +2,8 @@
 (scheduler_reference.py): random workloads (EOS, stop token ids, min_tokens, max_tokens,
 n > 1, logprobs, prompt logprobs, structured outputs, grammar failures, preemption, aborts,
 stop strings, n-gram drafts) go through both, and every planned step, what it writes into a
-ring slot, and every output must be the same."""
+ring slot, and every batch of outputs sent to the detokenizers (three workers, some down at
+times) must be the same."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from scheduler_reference import ReferenceScheduler, reference_write
+from scheduler_reference import ReferenceScheduler, reference_flush, reference_write
 
 from ipc.codec import encode
 from ipc.config import EngineLimits
@@ -30,8 +31,10 @@ from ipc.step import (
     local_buffers,
     step_input_specs,
 )
+from pipeline.tools.bench_host import bare_shell
 from stages.scheduler.core import Scheduler
 from stages.scheduler.planned import PlannedStep
+from stages.scheduler.process import SchedulerShell
 
 EOS, STOP, VOCAB = 2, 3, 1000
 
@@ -116,9 +119,33 @@ def _results(step: PlannedStep, rng: random.Random) -> tuple[list[int], StepLogp
     return ids, lps, plps, accepted or None
 
 
-def _outputs(core: Scheduler) -> bytes:
-    infos, deltas, rejected = core.take_outputs()
-    return encode(DetokBatch(infos, deltas, rejected))  # (bytes: NaN logprobs compare equal)
+class _Detokenizers:
+    """Three detokenizer workers, some of them down: what each was sent, encoded (bytes:
+    NaN logprobs compare equal)."""
+
+    def __init__(self, up: set[int]) -> None:
+        self.up, self.sent = up, []
+
+    def to_detokenizer(self, rank: int, msg: DetokBatch) -> bool:
+        self.sent.append((rank, encode(msg)))
+        return rank in self.up
+
+    def detokenizer_up(self, rank: int) -> bool:
+        return rank in self.up
+
+    def detokenizers_for(self, reply_to: str) -> list[int]:
+        return sorted(self.up)
+
+
+def _flush(shells: list[SchedulerShell], up: set[int]) -> None:
+    """Both shells send their outputs (the real _flush_outputs, the reference's)."""
+    shells[0]._flush_outputs()
+    reference_flush(shells[1])
+    sent = [shell.peers.sent for shell in shells]
+    assert sent[0] == sent[1] and shells[0]._pins == shells[1]._pins
+    assert [r for _, r in shells[0]._unpin] == [r for _, r in shells[1]._unpin]
+    for s in sent:
+        s.clear()
 
 
 def _stats(core: Scheduler) -> tuple[Any, ...]:
@@ -136,6 +163,8 @@ def _drive(seed: int, limits: EngineLimits, num_blocks: int,
     cores = [Scheduler(limits, num_blocks, speculative=speculative),
              ReferenceScheduler(limits, num_blocks, speculative=speculative)]
     bufs = [local_buffers(step_input_specs(limits)) for _ in cores]
+    up = {0, 1, 2}
+    shells = [bare_shell(core, _Detokenizers(up)) for core in cores]
     prompts: list[list[int]] = []
     next_id = 0
     for tick in range(ticks):
@@ -169,13 +198,15 @@ def _drive(seed: int, limits: EngineLimits, num_blocks: int,
                 n = getattr(plans[0], f.count.plan_field)
                 assert np.array_equal(bufs[0][f.name][:n], bufs[1][f.name][:n]), f.name
             assert np.array_equal(bufs[0]["stamp"], bufs[1]["stamp"])
-        assert _outputs(cores[0]) == _outputs(cores[1])
+        if rng.random() < 0.05:  # a worker stops or comes back
+            up ^= {rng.randrange(3)}
+        _flush(shells, up)
         assert _stats(cores[0]) == _stats(cores[1])
     while cores[0].inflight:  # the end: every step reported
         results = _results(cores[0].inflight[0], rng)
         for core in cores:
             core.on_sampled(core.inflight[0].step_id, *results)
-    assert _outputs(cores[0]) == _outputs(cores[1])
+    _flush(shells, up)
     assert _stats(cores[0]) == _stats(cores[1])
     return cores[0].stats()
 

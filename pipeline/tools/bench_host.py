@@ -54,6 +54,18 @@ class _Detokenizers:
         return [0]
 
 
+def bare_shell(core: Scheduler, peers: Any) -> SchedulerShell:
+    """A SchedulerShell around `core` with no sockets, whose detokenizers are `peers` (as
+    stages.peers.Peers: to_detokenizer, detokenizer_up, detokenizers_for): only its
+    _flush_outputs may run."""
+    shell = SchedulerShell.__new__(SchedulerShell)
+    shell.core, shell.incarnation, shell.tracer = core, 0, Tracer(None, "scheduler", 0)
+    shell.cfg = argparse.Namespace(engine=0)  # type: ignore[assignment]
+    shell.peers = peers
+    shell._pins, shell._unpin = {}, deque()
+    return shell
+
+
 @dataclass
 class _Engine:
     """A Scheduler core inside a shell that has no sockets, over rings of its own."""
@@ -68,11 +80,7 @@ class _Engine:
     @classmethod
     def make(cls, limits: EngineLimits, num_blocks: int, seed: int) -> _Engine:
         core = Scheduler(limits, num_blocks)
-        shell = SchedulerShell.__new__(SchedulerShell)  # (no sockets: only _flush_outputs runs)
-        shell.core, shell.incarnation, shell.tracer = core, 0, Tracer(None, "scheduler", 0)
-        shell.cfg = argparse.Namespace(engine=0)  # type: ignore[assignment]
-        shell.peers = _Detokenizers()  # type: ignore[assignment]
-        shell._pins, shell._unpin = {}, deque()
+        shell = bare_shell(core, _Detokenizers())
         name = f"bench-host-{os.getpid()}-{seed}"
         steps = SharedRing(f"{name}-s", step_input_specs(limits), limits.num_ring_slots,
                            create=True)
