@@ -5,7 +5,8 @@ scheduler process's order: read the sampled ring and `on_sampled`, `schedule` an
 step into its ring slot, then the shell's `_flush_outputs` (take_outputs, the DetokBatch
 messages, their encoding). Steady decode: every sequence decodes one token a step.
 
-    python -m pipeline.tools.bench_host [--batch 64 256] [--steps 1000] [--profile FILE]
+    python -m pipeline.tools.bench_host [--batch 64 256] [--steps 1000] [--clock wall|cpu]
+                                        [--profile FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,17 +105,18 @@ def _is_steady(step: PlannedStep, batch: int) -> bool:
 
 
 def run(batch: int, num_steps: int, prompt_len: int = 128, output_len: int = 200,
-        seed: int = 0, profile: cProfile.Profile | None = None) -> dict[str, list[float]]:
+        seed: int = 0, profile: cProfile.Profile | None = None,
+        clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds each part took, one entry per steady step (until num_steps of them): rounds
     of `batch` requests run to their end; a step counts when the step reported back was
-    `batch` decoding rows."""
+    `batch` decoding rows. clock: time.perf_counter (wall), or time.thread_time (this
+    thread's CPU time: on a shared host, without the time slices other processes took)."""
     limits = EngineLimits(batch, max(2048, batch), 16, 4096, 32000, (2,), 2)
     per_seq = -(-(prompt_len + output_len) // limits.block_size) + 1
     eng = _Engine.make(limits, batch * per_seq + 64, seed)
     core, shell, rng = eng.core, eng.shell, eng.rng
     times: dict[str, list[float]] = {p: [] for p in PARTS}
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    clock = time.perf_counter
     round_no = 0
     while len(times["schedule"]) < num_steps:
         for i in range(batch):
@@ -180,16 +183,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=200)
     parser.add_argument("--profile", help="write a cProfile of the timed parts here "
                         "(one file per batch: FILE.<batch>); timings then include its cost")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the thread's CPU time, without other processes' time "
+                        "slices (a shared host)")
     parser.add_argument("--json", help="write the summary here too")
     args = parser.parse_args(argv)
     results = {}
     for batch in args.batch:
         prof = cProfile.Profile() if args.profile else None
-        times = run(batch, args.steps, args.prompt_len, args.output_len, profile=prof)
+        clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+        times = run(batch, args.steps, args.prompt_len, args.output_len, profile=prof,
+                    clock=clock)
         results[batch] = summary(times)
         line = "  ".join(f"{k} {v['median_ms']:.3f}/{v['p99_ms']:.3f}"
                          for k, v in results[batch].items() if isinstance(v, dict))
-        print(f"batch {batch} ({results[batch]['steps']} steps, ms median/p99): {line}")
+        print(f"batch {batch} ({results[batch]['steps']} steps, {args.clock} ms median/p99): "
+              f"{line}")
         if prof is not None:
             prof.dump_stats(f"{args.profile}.{batch}")
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)

@@ -211,7 +211,7 @@ class RequestBook:
             deltas.append(TokenDelta(
                 seq.request_id, ids[start:], reason, error, seq.index,
                 None if p.logprobs is None else seq.output_logprobs[start:],
-                max(seq.num_cached_tokens, 0), seq.stop_token,
+                seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0, seq.stop_token,
                 None if p.prompt_logprobs is None else prompt_logprobs_to_send(seq)))
         out = StepOutputs(self.new_infos, deltas, self.rejected)
         self.new_infos, self.rejected, self.touched = [], [], {}
