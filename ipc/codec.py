@@ -50,6 +50,9 @@ def _fields_of(cls: type) -> Callable[[Any], tuple[Any, ...]]:
 
 
 def _to_wire(obj: Any) -> Any:
+    getter = _GETTERS.get(type(obj))  # (a struct seen before: one per delta in a batch)
+    if getter is not None:
+        return getter(obj)
     if isinstance(obj, Struct):
         return _fields_of(type(obj))(obj)  # a tuple: packed as an array
     raise TypeError(f"cannot encode {type(obj).__name__}")

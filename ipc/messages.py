@@ -334,9 +334,12 @@ class TokenLogprob(Struct):
     rank: int | None = None  # of token_id under the model (1: most likely); prompt logprobs
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenDelta(Struct):
-    """New token ids of one sample of a request; a finish_reason ends the sample."""
+    """New token ids of one sample of a request; a finish_reason ends the sample. (Not
+    frozen, unlike the other messages: one is made per sample per step, by the scheduler
+    and again by the detokenizer's decoding, and a frozen dataclass sets each field through
+    object.__setattr__: 1.6 us a delta against 0.6. Nobody changes one after it is made.)"""
 
     request_id: str
     token_ids: list[int]

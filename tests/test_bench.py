@@ -278,3 +278,13 @@ def test_throughput_benchmark_with_two_tensor_parallel_ranks(tmp_path: Path) -> 
     assert rc == 0 and report["config"]["tensor_parallel_size"] == 2
     assert report["pipeline-tp1"]["identical_to_pipeline"] == 4
     assert report["ratios"]["pipeline/pipeline-tp1"] > 0
+
+
+def test_host_benchmark_times_each_part_of_steady_decode_steps() -> None:
+    from pipeline.tools.bench_host import PARTS, run, summary
+
+    times = run(batch=4, num_steps=30, prompt_len=8, output_len=20)
+    assert set(times) == set(PARTS) and all(len(v) == 30 for v in times.values())
+    assert all(t > 0 for v in times.values() for t in v)
+    s = summary(times)
+    assert s["steps"] == 30 and s["total"]["p99_ms"] >= s["total"]["median_ms"] > 0

@@ -100,6 +100,18 @@ def test_within_a_sender_a_short_request_passes_a_long_one() -> None:
     assert admit(q) == ["short", "other", "long"]
 
 
+def test_a_promoted_sample_keeps_the_queue_sorted_past_an_equal_tag() -> None:
+    q = QueuePolicy(MAX_LEN)
+    add(q, "long", "A", max_tokens=1000)
+    add(q, "other", "B")  # tagged as "long" (both senders were idle), arrived before "short"
+    add(q, "short", "A")
+    q.promote_within_sender()
+    # "short" takes "long"'s tag; the arrival order breaks its tie with "other" (it was put
+    # at the head, out of order, and a later promotion's lookup failed its assertion).
+    assert [s.request_id for s in q.waiting] == ["other", "short", "long"]
+    assert admit(q) == ["other", "short", "long"]
+
+
 def test_priority_within_a_sender() -> None:
     """Two equal requests of one sender, each costing more than a step of priority across
     senders: the outer tags keep arrival order, the inner finish puts the urgent one first."""

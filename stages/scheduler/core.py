@@ -43,7 +43,7 @@ from stages.scheduler.requests import (
 )
 from stages.scheduler.sequence import SeqStatus, Sequence
 from stages.scheduler.step_builder import StepBuilder
-from stages.scheduler.stopping import check_stop
+from stages.scheduler.stopping import check_stop, output_limit, stopping_ids
 
 # (named here too: the process and tests import them from the core)
 __all__ = ["MAX_SENDERS", "RECENT_FINAL_S", "Scheduler", "StepOutputs"]
@@ -124,12 +124,16 @@ class Scheduler:
             return
         p = req.params
         sender = f"{req.reply_to}\0{p.user}"
-        tags = self.queue.tag_request(p, len(req.prompt_token_ids), sender)
+        num_prompt = len(req.prompt_token_ids)
+        tags = self.queue.tag_request(p, num_prompt, sender)
+        limit, stop_ids = (output_limit(p, num_prompt, self.max_len),
+                           stopping_ids(p, self.limits.eos_token_ids))
         seqs = [Sequence(req.request_id, list(req.prompt_token_ids), p, req.arrival_time,
                          index=i, order=tags.order, tag=tags.start + i * tags.cost,
                          sender=sender, reply_to=req.reply_to, grammar=req.grammar,
                          inner_start=tags.inner, inner_finish=tags.inner + tags.cost,
-                         status=SeqStatus.HELD if i else SeqStatus.WAITING) for i in range(p.n)]
+                         status=SeqStatus.HELD if i else SeqStatus.WAITING,
+                         output_limit=limit, stopping_ids=stop_ids) for i in range(p.n)]
         self.book.add(req, seqs)
         self.queue.enqueue(seqs[0])
 
@@ -217,11 +221,19 @@ class Scheduler:
         if not step.rows:
             return None
         self.next_step_id += 1
-        self.queue.serve(step)
         step.ring_slot = self.free_ring_slots.pop()
+        # One pass over the rows (a row per sequence per step): in flight, the tokens each
+        # sender is served, and the blocks a row filled offered to the prefix cache (the
+        # common case, no new full block, checked here as register_blocks checks it first).
+        served: dict[str, int] = {}
+        bs, register = self.kv.block_size, self.kv.register_blocks
         for row in step.rows:
-            row.seq.num_inflight += 1
-            self.kv.register_blocks(row.seq)
+            seq = row.seq
+            seq.num_inflight += 1
+            served[seq.sender] = served.get(seq.sender, 0) + len(row.token_ids)
+            if seq.num_computed >= (seq.num_registered + 1) * bs:
+                register(seq)
+        self.queue.credit(served)
         if self.book.held:
             self._release_siblings()
         self.inflight.append(step)
@@ -259,31 +271,66 @@ class Scheduler:
         if prompt_logprobs is not None:
             take_prompt_logprobs(step, prompt_logprobs)
         self.free_ring_slots.append(step.ring_slot)
-        rows = step.sampled_rows
-        num_positions = sum(1 + r.num_draft for r in rows)
-        if len(token_ids) != num_positions:
-            raise RuntimeError(f"step {step_id}: {len(token_ids)} ids for {num_positions} "
+        if len(token_ids) != step.num_sampled:
+            raise RuntimeError(f"step {step_id}: {len(token_ids)} ids for {step.num_sampled} "
                                "sampled positions")
+        # Most rows are a sequence's one sampled token, neither its first nor an error, with
+        # no logprobs to keep: those are taken here, and only a token that passes a screen
+        # (stopping.py output_limit, stopping_ids) gets check_stop. The rest go the general
+        # way (_take_drafted, _take_token).
+        touched, finished = self.book.touched, SeqStatus.FINISHED
+        bs, register = self.kv.block_size, self.kv.register_blocks
         stands = iter(accepted or ())
-        first = 0  # the row's first position among token_ids
-        for row in rows:
+        num_taken = 0
+        j = 0  # the row's first position among token_ids
+        for row in step.rows:
+            if not row.do_sample:
+                continue
             seq = row.seq
             if row.num_draft:
-                num_stand = self._verify(step_id, row, next(stands, 0))
-            else:  # (most rows: inline, a row per sequence per step)
-                seq.num_pending -= 1
-                num_stand = 1
-            base, first = first, first + 1 + row.num_draft
-            if seq.status is SeqStatus.FINISHED:  # a finished one's extra tokens are dropped
-                self.discarded_tokens += num_stand
+                self._take_drafted(step_id, row, next(stands, 0), token_ids, j, logprobs)
+                j += 1 + row.num_draft
                 continue
-            for j in range(base, base + num_stand):
-                if not self._take_token(seq, token_ids[j], logprobs, j):
-                    break
-            self.kv.register_blocks(seq)
+            seq.num_pending -= 1
+            token = token_ids[j]
+            j += 1
+            if seq.status is finished:  # a finished one's extra token is dropped
+                self.discarded_tokens += 1
+                continue
+            if (token < 0 or seq.first_token_at is None
+                    or logprobs is not None and seq.params.logprobs is not None):
+                self._take_token(seq, token, logprobs, j - 1)
+            else:
+                out = seq.output_ids
+                out.append(token)
+                num_taken += 1
+                touched[seq] = None
+                n = len(out)
+                if n >= seq.output_limit or (token in seq.stopping_ids
+                                             and n > seq.params.min_tokens):
+                    self._stop_if_done(seq, token)
+            if seq.num_computed >= (seq.num_registered + 1) * bs:
+                register(seq)
+        self.generation_tokens += num_taken
+        running = SeqStatus.RUNNING
         for row in step.rows:
-            row.seq.num_inflight -= 1
-            self._maybe_release(row.seq)
+            seq = row.seq
+            seq.num_inflight -= 1
+            if not seq.num_inflight and seq.status is not running:
+                self._maybe_release(seq)  # (a running one keeps its blocks and slot)
+
+    def _take_drafted(self, step_id: int, row: PlannedRow, num_stand: int,
+                      token_ids: list[int], first: int, logprobs: StepLogprobs | None) -> None:
+        """A sampled row with drafts: its positions from `first` that stand are taken."""
+        seq = row.seq
+        num_stand = self._verify(step_id, row, num_stand)
+        if seq.status is SeqStatus.FINISHED:  # a finished one's extra tokens are dropped
+            self.discarded_tokens += num_stand
+            return
+        for j in range(first, first + num_stand):
+            if not self._take_token(seq, token_ids[j], logprobs, j):
+                break
+        self.kv.register_blocks(seq)
 
     def _verify(self, step_id: int, row: PlannedRow, num_stand: int) -> int:
         """A sampled row with drafts is in: of its 1 + num_draft positions, num_stand stand
@@ -316,12 +363,16 @@ class Scheduler:
             seq.output_logprobs.append(TokenLogprob(token, lp[j], top_ids[j][:k],
                                                     top_lps[j][:k]))
         self.book.touched[seq] = None
+        return not self._stop_if_done(seq, token)
+
+    def _stop_if_done(self, seq: Sequence, token: int) -> bool:
+        """Finish seq if `token`, its last output, ends it; True if it did."""
         finish = check_stop(seq.params, self.limits.eos_token_ids, token, len(seq.output_ids),
                             seq.num_known, self.max_len)
-        if finish is not None:
-            seq.stop_token = finish.stop_token
-            self._finish(seq, finish.reason)
+        if finish is None:
             return False
+        seq.stop_token = finish.stop_token
+        self._finish(seq, finish.reason)
         return True
 
     # ------------------------------------------------------------ state changes

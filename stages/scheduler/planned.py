@@ -36,6 +36,9 @@ class PlannedStep:
     is_starved: bool = False  # a running sequence could not get blocks
     has_preempted: bool = False
     num_tokens: int = 0
+    # positions it samples (the ids its result holds): one per sampled row, and one more per
+    # draft of a row with drafts
+    num_sampled: int = 0
 
     @property
     def sampled_rows(self) -> list[PlannedRow]:

@@ -207,13 +207,29 @@ class SchedulerShell:
 
         def batch(request_id: str, reply_to: str = "") -> DetokBatch:
             rank = self._shard(request_id, reply_to)
-            return batches.setdefault(rank, DetokBatch([], [], [], self.cfg.engine,
-                                                       self.incarnation))
+            found = batches.get(rank)
+            if found is None:
+                found = batches[rank] = DetokBatch([], [], [], self.cfg.engine,
+                                                   self.incarnation)
+            return found
 
         for info in infos:
             batch(info.request_id, info.reply_to).new_requests.append(info)
+        # A delta per sample per step: its request's pinned worker, whether that one is up
+        # asked once per worker here (as _shard asks it; _shard for the rest).
+        pins, peers = self._pins, self.peers
+        up: dict[int, bool] = {}
+        ended: set[str] = set()
         for delta in deltas:
-            batch(delta.request_id).deltas.append(delta)
+            rid = delta.request_id
+            rank = pins.get(rid, -1)  # (-1: not pinned, and never up)
+            is_up = up.get(rank)
+            if is_up is None:
+                is_up = up[rank] = peers.detokenizer_up(rank)
+            found = batches.get(rank) if is_up else None
+            (batch(rid) if found is None else found).deltas.append(delta)
+            if delta.finish_reason is not None:
+                ended.add(rid)
         for rej in rejected:
             batch(rej.request_id, rej.reply_to).rejected.append(rej)
         for rank, detok_batch in batches.items():
@@ -221,7 +237,6 @@ class SchedulerShell:
                 logger.error("no detokenizer can take the outputs of %d request(s)",
                              len({d.request_id for d in detok_batch.deltas}))
         now = time.monotonic()
-        ended = {d.request_id for d in deltas if d.finish_reason is not None}
         self._unpin.extend((now, rid) for rid in ended | {r.request_id for r in rejected})
         while self._unpin and now - self._unpin[0][0] > RECENT_FINAL_S:
             rid = self._unpin.popleft()[1]

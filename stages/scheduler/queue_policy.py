@@ -155,7 +155,8 @@ class QueuePolicy:
         del self.waiting[i]
         del self.waiting[0]
         first.tag, best.tag = best.tag, first.tag
-        self.waiting.insert(0, best)  # (its new tag is the smallest)
+        # (by its key too: another sender's sample may hold the same tag, arrived earlier)
+        bisect.insort(self.waiting, best, key=SORT_KEY)
         bisect.insort(self.waiting, first, key=SORT_KEY)
 
     def pop_admitted(self) -> Sequence:
@@ -175,6 +176,11 @@ class QueuePolicy:
         served: dict[str, int] = {}
         for row in step.rows:
             served[row.seq.sender] = served.get(row.seq.sender, 0) + len(row.token_ids)
+        self.credit(served)
+
+    def credit(self, served: dict[str, int]) -> None:
+        """serve, from the tokens of a step each sender had (Scheduler.schedule counts them
+        in its one pass over the rows)."""
         for sender, tokens in served.items():
             self.inner_vtime[sender] = self.inner_vtime.get(sender, 0) + tokens / max(
                 1, self.sender_samples.get(sender, 1))

@@ -197,18 +197,22 @@ class RequestBook:
     def take_outputs(self) -> StepOutputs:
         """New request infos, token deltas and rejections since the last call, in order."""
         deltas = []
-        for seq in self.touched:
-            start, seq.num_sent = seq.num_sent, len(seq.output_ids)
-            new = seq.output_ids[start:]
-            finished = seq.status is SeqStatus.FINISHED
-            if not new and not finished:
+        finished = SeqStatus.FINISHED
+        for seq in self.touched:  # (a sample per step each: names looked up once)
+            ids, start = seq.output_ids, seq.num_sent
+            seq.num_sent = num_out = len(ids)
+            if seq.status is finished:
+                reason, error = seq.finish_reason, seq.error
+            elif start == num_out:
                 continue
-            logprobs = seq.output_logprobs[start:] if seq.params.logprobs is not None else None
+            else:
+                reason = error = None
+            p = seq.params
             deltas.append(TokenDelta(
-                seq.request_id, new, seq.finish_reason if finished else None,
-                seq.error if finished else None, seq.index,
-                logprobs, max(seq.num_cached_tokens, 0), seq.stop_token,
-                prompt_logprobs_to_send(seq)))
+                seq.request_id, ids[start:], reason, error, seq.index,
+                None if p.logprobs is None else seq.output_logprobs[start:],
+                seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0, seq.stop_token,
+                None if p.prompt_logprobs is None else prompt_logprobs_to_send(seq)))
         out = StepOutputs(self.new_infos, deltas, self.rejected)
         self.new_infos, self.rejected, self.touched = [], [], {}
         return out

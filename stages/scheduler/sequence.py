@@ -85,6 +85,12 @@ class Sequence:
     # With a draft model: whether the executor's draft model keeps its KV, so that it may
     # draft (decided as it takes its slot)
     draft_model_kv: bool = False
+    # Screens for the checks every step makes (stopping.py), set as the scheduler takes the
+    # request: the output count that ends it by length (output_limit), and the ids that end
+    # it once past min_tokens (stopping_ids). Only a sample that passes a screen gets the full
+    # check; the defaults send every one to it.
+    output_limit: int = 0
+    stopping_ids: frozenset[int] = frozenset()
 
     def move_to(self, status: SeqStatus) -> None:
         if status not in _TRANSITIONS[self.status]:
@@ -141,7 +147,7 @@ class Sequence:
         """Prefix-cache keys of the first num_blocks full blocks (all their tokens known)."""
         while len(self.block_keys) < num_blocks:
             i = len(self.block_keys)
-            tokens = [self.token_at(j) for j in range(i * block_size, (i + 1) * block_size)]
+            tokens = self.tokens(i * block_size, (i + 1) * block_size)
             assert -1 not in tokens
             self.block_keys.append(block_key(self.block_keys[-1] if self.block_keys else b"",
                                              tokens))

@@ -38,14 +38,26 @@ class StepBuilder:
                 self.preempt(victim)
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
-        for seq in kv.running:
-            if self.wants_step(seq):
-                (decodes if seq.num_tokens - seq.num_computed == 1 else prefills).append(seq)
-        for seq in decodes + prefills:
+        running, max_len = SeqStatus.RUNNING, self.max_len
+        for seq in kv.running:  # (wants_step, inline: a call per sequence per step)
+            if seq.status is not running or seq.num_drafted_inflight:
+                continue
+            num_outputs = len(seq.output_ids) + seq.num_pending
+            num_tokens = len(seq.prompt_ids) + num_outputs
+            left = num_tokens - seq.num_computed
+            if left <= 0 or num_outputs >= seq.output_limit and reaches_length(
+                    seq.params, num_outputs, num_tokens, max_len):
+                continue
+            (decodes if left == 1 else prefills).append(seq)
+        # Decodes first (_plan_decodes), then prefill chunks. Only a preemption in this step
+        # can make a sequence listed above not want its row any more: then each is asked.
+        budget = self._plan_decodes(step, decodes, budget)
+        for seq in prefills:
             if budget <= 0:
                 break
-            if self.wants_step(seq):  # an earlier row of this step may have preempted it
-                budget -= self._plan_row(step, seq, budget)
+            if step.has_preempted and not self.wants_step(seq):
+                continue
+            budget -= self._plan_row(step, seq, budget)
         if queue.waiting:
             self._admit(step, budget)
 
@@ -57,6 +69,48 @@ class StepBuilder:
             return False  # all computed: waiting for its sample
         # Stop planning once the tokens in flight already reach a length limit.
         return not reaches_length(seq.params, seq.num_outputs, num_tokens, self.max_len)
+
+    def _plan_decodes(self, step: PlannedStep, decodes: list[Sequence], budget: int) -> int:
+        """Plan the sequences with one token to compute, in order, while the budget lasts;
+        returns the budget left. Without drafts, a row is that token (the newest sampled, -1
+        while it is in flight) at context + 1, sampled, straight from the sequence's state
+        (as _plan_row would lay it: a decode never plans prompt logprobs, since only its
+        prompt's last token is left, which scores nothing); a block is mapped only where
+        the row crosses into a new one."""
+        if self.drafts is not None:
+            for seq in decodes:
+                if budget <= 0:
+                    break
+                if not step.has_preempted or self.wants_step(seq):
+                    budget -= self._plan_row(step, seq, budget)
+            return budget
+        kv, bs, rows, members = self.kv, self.kv.block_size, step.rows, step.members
+        num_planned = 0
+        for seq in decodes:
+            if num_planned >= budget:
+                break
+            if step.has_preempted and not self.wants_step(seq):
+                continue
+            start = seq.num_computed
+            if start >= len(seq.blocks) * bs and not kv.grow(step, seq, start + 1,
+                                                              self.preempt):
+                step.is_starved = True
+                continue
+            members.add(seq)
+            if seq.num_pending:
+                token = -1
+            else:
+                out = seq.output_ids
+                token = out[-1] if out else seq.prompt_ids[-1]
+            seq.num_computed = start + 1
+            assert seq.slot is not None  # (a running sequence holds its slot from admission)
+            rows.append(PlannedRow(seq.slot, [token], start + 1, True, 0, seq.draft_model_kv,
+                                   False, seq=seq))
+            seq.num_pending += 1
+            num_planned += 1
+        step.num_tokens += num_planned
+        step.num_sampled += num_planned
+        return budget - num_planned
 
     def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
         """Add seq's next chunk to step; returns the tokens used (0 if it must wait)."""
@@ -85,6 +139,7 @@ class StepBuilder:
         step.num_tokens += num_new + len(drafts)
         if do_sample:
             seq.num_pending += 1 + len(drafts)
+            step.num_sampled += 1 + len(drafts)
         if drafts and dp is not None:
             seq.num_drafted_inflight += 1
             dp.count_planned(len(drafts))

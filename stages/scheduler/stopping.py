@@ -35,6 +35,19 @@ def reaches_length(params: SamplingParams, num_outputs: int, num_tokens: int,
     return (max_tokens is not None and num_outputs >= max_tokens) or num_tokens >= max_len
 
 
+def output_limit(params: SamplingParams, num_prompt: int, max_len: int) -> int:
+    """The output count from which reaches_length holds for a sample of num_prompt prompt
+    tokens: each step compares one int against it, and asks the full check only there."""
+    room = max_len - num_prompt
+    return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def stopping_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The ids with which check_stop ends a sample once past min_tokens (most samples have
+    none: each step asks the full check only for a sampled id in here)."""
+    return frozenset((*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)))
+
+
 def suppressed_ids(params: SamplingParams, eos_token_ids: tuple[int, ...],
                    num_outputs: int) -> list[int]:
     """The ids min_tokens keeps from being sampled while fewer outputs exist: the stop token
