@@ -5,8 +5,8 @@ scheduler process's order: read the sampled ring and `on_sampled`, `schedule` an
 step into its ring slot, then the shell's `_flush_outputs` (take_outputs, the DetokBatch
 messages, their encoding). Steady decode: every sequence decodes one token a step.
 
-    python -m pipeline.tools.bench_host [--batch 64 256] [--steps 1000] [--clock wall|cpu]
-                                        [--profile FILE] [--json FILE]
+    ./scripts/bench host [--batch 64 256] [--steps 1000] [--clock wall|cpu]
+                      [--profile FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -175,19 +175,22 @@ def summary(times: dict[str, list[float]]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--steps", type=int, default=1000, help="steady steps timed per batch")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=200)
-    parser.add_argument("--profile", help="write a cProfile of the timed parts here "
-                        "(one file per batch: FILE.<batch>); timings then include its cost")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: the thread's CPU time, without other processes' time "
-                        "slices (a shared host)")
-    parser.add_argument("--json", help="write the summary here too")
-    args = parser.parse_args(argv)
+def add_host_parser(sub: Any) -> None:
+    p = sub.add_parser("host", help="the scheduler's host work per step, in process")
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--steps", type=int, default=1000, help="steady steps timed per batch")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=200)
+    p.add_argument("--profile", help="write a cProfile of the timed parts here "
+                   "(one file per batch: FILE.<batch>); timings then include its cost")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the thread's CPU time, without other processes' time "
+                   "slices (a shared host)")
+    p.add_argument("--json", help="write the summary here too")
+    p.set_defaults(func=host)
+
+
+def host(args: argparse.Namespace) -> int:
     results = {}
     for batch in args.batch:
         prof = cProfile.Profile() if args.profile else None
@@ -206,7 +209,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({str(b): r for b, r in results.items()}, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
