@@ -1,5 +1,6 @@
-"""The executor's host preparation of a step (stages/executor/step_inputs.py) against the
-straightforward one it replaced, kept here as the reference: random sequences of steps as a
+"""The executor's host preparation of a step (stages/executor/step_inputs.py, with the
+backends' host_inputs) against the straightforward one it replaced, kept here as the
+reference: random sequences of steps as a
 scheduler writes them (steady decodes, prompt chunks, sequences taking and leaving slots,
 drafts, prompt logprobs, min_tokens stop ids) are prepared both ways, with each backend, and
 must pack the same bytes and the same HostStep."""
@@ -28,8 +29,18 @@ from ipc.step import (
 )
 from stages.executor.backends.base import AttentionBackend, HostInputs, StepRows
 from stages.executor.backends.cpu_kernels import CpuKernelBackend
-from stages.executor.backends.flex import FlexBackend
-from stages.executor.backends.torch_sdpa import TorchBackend
+from stages.executor.backends.flex import (
+    FlexBackend,
+    FlexPlan,
+    max_query_blocks,
+    token_buckets,
+)
+from stages.executor.backends.torch_sdpa import (
+    PrefillRow,
+    TorchBackend,
+    TorchPlan,
+    group_by_length,
+)
 from stages.executor.drafter import Drafter, DraftFields
 from stages.executor.sampler import HostSlotParams, StepSampling
 from stages.executor.staging import StagedFields, StagingLayout
@@ -105,6 +116,62 @@ def _reference_speculative_rows(input_ids: np.ndarray, slots: np.ndarray, ends: 
     }
 
 
+def _reference_query_blocks(query_lens: np.ndarray, context_lens: np.ndarray,
+                            slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    first = (context_lens - query_lens) // BLOCK
+    num = (context_lens - 1) // BLOCK - first + 1
+    start = np.cumsum(num) - num
+    page_of_block = np.repeat(first, num) + (np.arange(int(num.sum())) - np.repeat(start, num))
+    positions = np.repeat(context_lens - query_lens, query_lens) + (
+        np.arange(int(query_lens.sum())) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                     query_lens))
+    block_of_token = np.repeat(start - first, query_lens) + positions // BLOCK
+    rows = block_of_token * BLOCK + positions % BLOCK
+    return rows, np.repeat(slots, num), page_of_block
+
+
+def _reference_flex_inputs(backend: FlexBackend, rows: StepRows) -> HostInputs:
+    query_rows, qblock_slots, qblock_pages = _reference_query_blocks(
+        rows.query_lens, rows.context_lens, rows.slots)
+    num_tokens = next(b for b in token_buckets(LIMITS) if b >= len(rows.forward["input_ids"]))
+    num_blocks = max_query_blocks(LIMITS, num_tokens)
+    pad_slot, spare_row = SEQS, (num_blocks - 1) * BLOCK
+
+    def pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+        return np.concatenate([values, np.full(size - len(values), fill, values.dtype)])
+
+    arrays = {
+        "input_ids": pad(rows.forward["input_ids"], num_tokens, 0),
+        "positions": pad(rows.forward["positions"], num_tokens, 0),
+        "token_slots": pad(rows.forward["token_slots"], num_tokens, pad_slot),
+        "query_rows": pad(query_rows, num_tokens, spare_row),
+        "qblock_slots": pad(qblock_slots, num_blocks, pad_slot),
+        "qblock_pages": pad(qblock_pages, num_blocks, 0),
+    }
+    decode_only = bool((rows.query_lens == 1).all())
+    return HostInputs(arrays, FlexPlan(decode_only and backend.device.type == "cpu"))
+
+
+def _reference_torch_inputs(backend: TorchBackend, rows: StepRows) -> HostInputs:
+    q, ctx, slots, starts = rows.query_lens, rows.context_lens, rows.slots, rows.starts
+    decode = np.flatnonzero(q == 1)
+    decode = decode[np.argsort(ctx[decode], kind="stable")]
+    prefills = [PrefillRow(int(starts[r]), int(starts[r] + q[r]), int(slots[r]), int(ctx[r]))
+                for r in np.flatnonzero(q > 1)]
+    arrays = {"decode_token_idx": starts[decode], "decode_slots": slots[decode],
+              "decode_lens": ctx[decode]}
+    return HostInputs(arrays, TorchPlan(group_by_length(ctx[decode]), prefills))
+
+
+def _reference_host_inputs(backend: AttentionBackend | None, rows: StepRows) -> HostInputs:
+    if isinstance(backend, FlexBackend):
+        return _reference_flex_inputs(backend, rows)
+    if isinstance(backend, TorchBackend):
+        return _reference_torch_inputs(backend, rows)
+    assert backend is None or isinstance(backend, CpuKernelBackend)
+    return HostInputs({})
+
+
 def _reference_prepare(plan: StepPlan, ring: dict[str, np.ndarray], staging: torch.Tensor,
                        host_params: _ReferenceParams, layout: StagingLayout,
                        backend: AttentionBackend | None, drafter: Any) -> HostStep:
@@ -124,7 +191,7 @@ def _reference_prepare(plan: StepPlan, ring: dict[str, np.ndarray], staging: tor
         "token_slots": np.repeat(slots, q),
     }
     rows = StepRows(q, ctx, slots, starts, forward)
-    attn = HostInputs({}) if backend is None else backend.host_inputs(rows)
+    attn = _reference_host_inputs(backend, rows)
     draft_passes = ({} if drafter is None else drafter.host_arrays(
         rows, step.num_draft, step.do_sample, step.new_slot, step.draft_kv))
     arrays = {
