@@ -211,9 +211,11 @@ def _reference_prepare(plan: StepPlan, ring: dict[str, np.ndarray], staging: tor
     if spec_width:
         drafts = {slot: [t for t in row if t >= 0] for slot, row in zip(
             arrays["spec_slots"].tolist(), arrays["spec_draft"].tolist(), strict=True)}
-    return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling,
+    host = HostStep(plan, staging[:nbytes], counts, attn.plan, sampling,
                     bool((q == 1).all()), arrays["sample_slots"], step.new_slot,
-                    spec_width, drafts, bool(step.last_drafts.any()))
+                    spec_width, bool(step.last_drafts.any()))
+    host.__dict__["drafts"] = drafts  # (what HostStep.drafts, made when asked, must say)
+    return host
 
 
 # ------------------------------------------------------------------ random steps

@@ -6,6 +6,7 @@ The arrays every forward needs are made here; the attention backend adds its own
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -39,12 +40,25 @@ class HostStep:
     sample_slots: np.ndarray  # [X] the slot of each sampled position, on the host
     new_slot: np.ndarray  # [N] slots taken by a new sequence this step
     spec_width: int = 0  # the most drafts a row of this step carries (0: none)
-    drafts: dict[int, list[int]] | None = None  # slot -> its row's drafts, if any
     last_drafts: bool = False  # a drafted row's sequence, if all stand, may draft no more
+    # the rows with drafts, on the host: their slots [R] and drafts [R, K] (-1 past a row's
+    # own), from which `drafts` is made
+    spec_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.plan.num_tokens
+
+    @functools.cached_property
+    def drafts(self) -> dict[int, list[int]] | None:
+        """Slot -> its row's drafts (the ids known on the host: a draft model's are not yet),
+        if the step has drafts: host ints for the structured rows' masks. Made when asked,
+        by the grammar thread, not by prepare (a loop over the rows)."""
+        if not self.spec_width or self.spec_rows is None:
+            return None
+        slots, drafts = self.spec_rows
+        return {slot: [t for t in row if t >= 0]
+                for slot, row in zip(slots.tolist(), drafts.tolist(), strict=True)}
 
 
 def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torch.Tensor,
@@ -94,14 +108,11 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     }
     counts, nbytes = layout.pack(arrays, staging.numpy())
     sampling = host_params.step_sampling(sampled_slots, slots, len(step.stop_id) > 0)
-    drafts = None
-    if positions.spec_width:  # (host ints, for the structured rows' masks)
-        spec = positions.speculative
-        drafts = {slot: [t for t in row if t >= 0] for slot, row in zip(
-            spec["spec_slots"].tolist(), spec["spec_draft"].tolist(), strict=True)}
+    spec = positions.speculative
     return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling, decode_only,
-                    positions.sample_slots, step.new_slot, positions.spec_width, drafts,
-                    bool(step.last_drafts.any()))
+                    positions.sample_slots, step.new_slot, spec_width=positions.spec_width,
+                    last_drafts=bool(step.last_drafts.any()),
+                    spec_rows=(spec["spec_slots"], spec["spec_draft"]))
 
 
 class SampledPositions(NamedTuple):
