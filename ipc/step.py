@@ -265,15 +265,33 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
                     **{c.plan_field: n for c, n in sizes.items()})
 
 
+def _none_read(f: StepField) -> np.ndarray:
+    """What read_step reads of field `f` in a step that has none of its entries: one shared
+    empty array (read-only), of the dtype and width it would have."""
+    empty = np.empty(f.shape(0), np.int64 if f.dtype.startswith("int") else f.dtype)
+    empty.flags.writeable = False
+    return empty
+
+
+# read_step's plan per field, worked out once (it runs once a step, on the executor's
+# critical path): (name, the StepPlan field that counts it, widened to int64, its empty read)
+_READS = tuple((f.name, f.count.plan_field, f.dtype.startswith("int"), _none_read(f))
+               for f in STEP_FIELDS)
+
+
 def read_step(buf: dict[str, np.ndarray], plan: StepPlan) -> StepInputs:
-    """Copy step `plan` out of ring slot `buf` (integers as int64). The stamps are checked
-    before and after the copy: a slot rewritten meanwhile raises RingRaceError instead of
-    feeding garbage."""
+    """Copy step `plan` out of ring slot `buf` (integers as int64; a field without entries
+    this step is a shared read-only empty array). The stamps are checked before and after
+    the copy: a slot rewritten meanwhile raises RingRaceError instead of feeding garbage."""
     check_stamp(buf, plan.step_id)
     columns = {}
-    for f in STEP_FIELDS:
-        values = buf[f.name][:getattr(plan, f.count.plan_field)]
-        columns[f.name] = values.astype(np.int64) if values.dtype.kind == "i" else values.copy()
+    for name, plan_field, widen, none in _READS:
+        n = getattr(plan, plan_field)
+        if n:
+            values = buf[name][:n]
+            columns[name] = values.astype(np.int64) if widen else values.copy()
+        else:
+            columns[name] = none
     inputs = StepInputs(**columns)
     check_stamp(buf, plan.step_id)
     return inputs

@@ -41,30 +41,64 @@ class StepSampling:
 
 class HostSlotParams:
     """The host's copy of every slot's encoded parameters (ipc/sampling.py), to compute
-    StepSampling without asking the device."""
+    StepSampling without asking the device. Each slot's share of a StepSampling is kept as
+    bits (`flags`, set when a sequence takes the slot), so that a step's is an OR over its
+    rows, and each distinct StepSampling is made once."""
 
     def __init__(self, max_num_seqs: int) -> None:
         self.f = np.tile(np.asarray(GREEDY_SLOT[0], dtype=np.float32), (max_num_seqs, 1))
         self.i = np.tile(np.asarray(GREEDY_SLOT[1], dtype=np.int64), (max_num_seqs, 1))
+        self.flags = slot_flags(self.f, self.i)  # [slots] uint8, bits _FLAG_*
+        self._made: dict[int, StepSampling] = {}
 
     def update(self, slots: np.ndarray, f: np.ndarray, i: np.ndarray) -> None:
         """New sequences took `slots` with rows f [N, NUM_F] and i [N, NUM_I]."""
         if len(slots):
             self.f[slots], self.i[slots] = f, i
+            self.flags[slots] = slot_flags(self.f[slots], self.i[slots])
 
     def step_sampling(self, sampled: np.ndarray, all_rows: np.ndarray,
                       any_stop_ids: bool) -> StepSampling:
-        fs, is_ = self.f[sampled], self.i[sampled]
-        sampling = fs[:, F.TEMPERATURE] > 0
-        return StepSampling(
-            all_greedy=not sampling.any(),
-            use_top_k_p=bool(((is_[:, I.TOP_K] > 0) | (fs[:, F.TOP_P] < 1))[sampling].any()),
-            use_min_p=bool((fs[:, F.MIN_P] > 0)[sampling].any()),
-            use_penalties=bool(penalty_rows(self.f[all_rows]).any()),
-            use_seed=bool((is_[:, I.HAS_SEED] != 0)[sampling].any()),
-            use_min_tokens=any_stop_ids or bool((is_[:, I.MIN_TOKENS] > 0).any()),
-            use_logprobs=bool((is_[:, I.LOGPROBS] >= 0).any()),
-        )
+        """sampled: the slots of the rows that sample; all_rows: every row's (penalties count
+        a row's tokens whether or not it samples)."""
+        flags = self.flags
+        bits = int(np.bitwise_or.reduce(flags[sampled]))
+        if len(sampled) != len(all_rows):  # (else the same rows: their bits are all there)
+            every = int(np.bitwise_or.reduce(flags[all_rows]))
+            bits = (bits & ~_FLAG_PENALTIES) | (every & _FLAG_PENALTIES)
+        if any_stop_ids:
+            bits |= _FLAG_MIN_TOKENS
+        made = self._made.get(bits)
+        if made is None:
+            made = self._made[bits] = StepSampling(
+                all_greedy=not bits & _FLAG_SAMPLING, use_top_k_p=bool(bits & _FLAG_TOP_K_P),
+                use_min_p=bool(bits & _FLAG_MIN_P), use_penalties=bool(bits & _FLAG_PENALTIES),
+                use_seed=bool(bits & _FLAG_SEED), use_min_tokens=bool(bits & _FLAG_MIN_TOKENS),
+                use_logprobs=bool(bits & _FLAG_LOGPROBS))
+        return made
+
+
+# A slot's bits in HostSlotParams.flags: what StepSampling asks of a step's rows, row by row.
+_FLAG_SAMPLING = 1  # temperature > 0 (not greedy)
+_FLAG_TOP_K_P = 2  # sampling, with top-k or top-p
+_FLAG_MIN_P = 4  # sampling, with min-p
+_FLAG_PENALTIES = 8
+_FLAG_SEED = 16  # sampling, seeded
+_FLAG_MIN_TOKENS = 32
+_FLAG_LOGPROBS = 64
+
+
+def slot_flags(f: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """The _FLAG_* bits [N] uint8 of slots whose rows are f [N, NUM_F] and i [N, NUM_I]."""
+    sampling = f[:, F.TEMPERATURE] > 0
+    bits = (sampling * _FLAG_SAMPLING
+            | (sampling & ((i[:, I.TOP_K] > 0) | (f[:, F.TOP_P] < 1))) * _FLAG_TOP_K_P
+            | (sampling & (f[:, F.MIN_P] > 0)) * _FLAG_MIN_P
+            | penalty_rows(f) * _FLAG_PENALTIES
+            | (sampling & (i[:, I.HAS_SEED] != 0)) * _FLAG_SEED
+            | (i[:, I.MIN_TOKENS] > 0) * _FLAG_MIN_TOKENS
+            | (i[:, I.LOGPROBS] >= 0) * _FLAG_LOGPROBS)
+    return bits.astype(np.uint8)
 
 
 @dataclass

@@ -168,6 +168,10 @@ class StagingLayout:
                        *CommonFields.packed_fields(), *tail_fields.packed_fields())
         names = [f.name for f in self.fields]
         assert len(set(names)) == len(names), f"a staging field twice: {names}"
+        # pack's plan of each field, worked out once (it runs once a step, on the executor's
+        # critical path): (name, dtype, itemsize)
+        self._packing = tuple((f.name, f.dtype, np.dtype(f.dtype).itemsize)
+                              for f in self.fields)
 
     def nbytes(self, limits: EngineLimits) -> int:
         """Bytes of a staging buffer that holds any step."""
@@ -177,13 +181,18 @@ class StagingLayout:
     def pack(self, arrays: dict[str, np.ndarray], out: np.ndarray) -> tuple[dict[str, int], int]:
         """Write every field of `arrays` densely into `out` (uint8); returns the count of each
         field and the bytes used. `offsets` finds them again from the counts."""
+        # Every field starts on an 8-byte boundary: each is a slice of one typed view of the
+        # whole buffer (no view made per field), and an empty one writes nothing.
+        usable = out[:out.size - out.size % _ALIGN]
+        typed = {dtype: usable.view(dtype) for dtype in _TORCH_DTYPES}
         counts, offset = {}, 0
-        for f in self.fields:
-            values = arrays[f.name]
-            nbytes = values.size * np.dtype(f.dtype).itemsize
-            out[offset:offset + nbytes].view(f.dtype)[:] = values.reshape(-1)
-            counts[f.name] = values.size
-            offset += _aligned(nbytes)
+        for name, dtype, itemsize in self._packing:
+            values = arrays[name]
+            n = counts[name] = values.size
+            if n:
+                at = offset // itemsize
+                typed[dtype][at:at + n] = values.reshape(-1)
+                offset += _aligned(n * itemsize)
         return counts, offset
 
     def offsets(self, counts: dict[str, int]) -> dict[str, tuple[int, int, str]]:

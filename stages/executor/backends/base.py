@@ -15,6 +15,7 @@ position p of a sequence lives in block block_table[p // block_size] at offset p
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,6 +102,12 @@ class StepRows:
     @property
     def ends(self) -> np.ndarray:
         return self.starts + self.query_lens
+
+    @functools.cached_property  # (a backend's host_inputs asks; made once a step)
+    def decode_only(self) -> bool:
+        """Every row has one query token: a steady decode's step, which backends lay out
+        in fewer calls."""
+        return bool((self.query_lens == 1).all())
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from stages.executor.staging import DeviceStep, ForwardFields, Staged, StagedFie
 # ------------------------------------------------------------------ buckets and query blocks
 
 
+@functools.cache  # (asked once a step, by pad_forward_inputs)
 def token_buckets(limits: EngineLimits) -> tuple[int, ...]:
     """Padded step sizes of a compiled forward, one compiled graph each: powers of two and
     1.5 times them (padding wastes at most a third of a step), then the token budget."""
@@ -66,12 +67,18 @@ def _query_blocks_count(limits: EngineLimits) -> int:
 
 
 def query_blocks(query_lens: np.ndarray, context_lens: np.ndarray, slots: np.ndarray,
-                 block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 block_size: int, decode_only: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The compiled attention's query layout: each row's query positions cut at page
     boundaries into query blocks of block_size rows, row i of a block holding the position
     at page offset i (so causality inside a page is `key offset <= query offset` for every
     row alike). Returns the query row of each token [T], and the slot [Q] and page index [Q]
-    of each query block."""
+    of each query block. decode_only: every query_len is 1 (the same layout, in a few
+    calls: one block a row, on the page of its one position)."""
+    if decode_only:
+        positions = context_lens - 1
+        rows = np.arange(len(positions)) * block_size + positions % block_size
+        return rows, slots, positions // block_size
     first = (context_lens - query_lens) // block_size  # page of each row's first query
     num = (context_lens - 1) // block_size - first + 1  # pages its queries span
     start = np.cumsum(num) - num
@@ -85,6 +92,8 @@ def query_blocks(query_lens: np.ndarray, context_lens: np.ndarray, slots: np.nda
 
 
 def pad_to(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    if len(values) == size:  # (a step the size of its bucket)
+        return values
     return np.concatenate([values, np.full(size - len(values), fill, values.dtype)])
 
 
@@ -330,12 +339,13 @@ class FlexBackend(AttentionBackend):
     _windows: SlidingWindows | None = None  # (bind: where the layers have windows)
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
+        decode_only = rows.decode_only
         query_rows, qblock_slots, qblock_pages = query_blocks(
-            rows.query_lens, rows.context_lens, rows.slots, self.limits.block_size)
+            rows.query_lens, rows.context_lens, rows.slots, self.limits.block_size,
+            decode_only)
         arrays = pad_forward_inputs({**rows.forward, "query_rows": query_rows,
                                      "qblock_slots": qblock_slots,
                                      "qblock_pages": qblock_pages}, self.limits)
-        decode_only = bool((rows.query_lens == 1).all())
         return HostInputs(arrays, FlexPlan(decode_only and self.device.type == "cpu"))
 
     def bind(self, tables: ForwardTables) -> None:

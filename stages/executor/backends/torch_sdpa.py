@@ -243,13 +243,20 @@ class TorchBackend(AttentionBackend):
 
     def host_inputs(self, rows: StepRows) -> HostInputs:
         q, ctx, slots, starts = rows.query_lens, rows.context_lens, rows.slots, rows.starts
-        decode = np.flatnonzero(q == 1)
-        decode = decode[np.argsort(ctx[decode], kind="stable")]
-        prefills = [PrefillRow(int(starts[r]), int(starts[r] + q[r]), int(slots[r]), int(ctx[r]))
-                    for r in np.flatnonzero(q > 1)]
+        prefills = []
+        if rows.decode_only:  # (the steady state: every row decodes)
+            decode = np.argsort(ctx, kind="stable")
+        else:
+            decode = np.flatnonzero(q == 1)
+            decode = decode[np.argsort(ctx[decode], kind="stable")]
+            prefill = np.flatnonzero(q > 1)
+            prefills = [PrefillRow(*row) for row in zip(  # (Python ints, from a list each)
+                starts[prefill].tolist(), rows.ends[prefill].tolist(), slots[prefill].tolist(),
+                ctx[prefill].tolist(), strict=True)]
+        decode_lens = ctx[decode]
         arrays = {"decode_token_idx": starts[decode], "decode_slots": slots[decode],
-                  "decode_lens": ctx[decode]}
-        return HostInputs(arrays, TorchPlan(group_by_length(ctx[decode]), prefills))
+                  "decode_lens": decode_lens}
+        return HostInputs(arrays, TorchPlan(group_by_length(decode_lens), prefills))
 
     def metadata(self, v: DeviceStep, plan: TorchPlan) -> TorchMetadata:
         t = self.tables
