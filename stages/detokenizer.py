@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 from ipc.channels import PullChannel, ReplySockets, stage_listen
 from ipc.codec import Codec
@@ -28,6 +27,7 @@ from ipc.messages import (
 )
 from stages.peers import Peers, local_members
 from stages.process import stage_process
+from stages.text_stream import TextStream, text_streams
 from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,8 @@ class _SampleState:
 
     info: DetokRequestInfo
     index: int
-    stream: DecodeStream  # holds back bytes of an unfinished character; O(1) per token
+    stream: TextStream  # holds back bytes of an unfinished character; O(1) per token
     num_output_tokens: int = 0
-    held: list[int] = field(default_factory=list)  # ids the stream has not turned into text yet
-    context: list[int] = field(default_factory=list)  # ids of its last emitted piece
     text: str = ""  # kept only when the request has stop strings
     sent: int = 0
     stopped: bool = False  # ended by a stop string here; the scheduler's last delta is awaited
@@ -87,6 +85,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.new_stream = text_streams(tokenizer)
         self.requests: dict[str, list[_SampleState]] = {}
         self.stopped: list[StopSample] = []
         # engine -> the incarnation that died last, and why its requests failed
@@ -98,7 +97,7 @@ class Detokenizer:
             return self._refuse_late(batch)  # sent before it died: its requests failed
         for info in batch.new_requests:
             self.requests[info.request_id] = [
-                _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens),
+                _SampleState(info, i, self.new_stream(info.skip_special_tokens, info.request_id),
                              engine=batch.engine)
                 for i in range(info.n)]
         by_client: dict[str, list[RequestOutput]] = {}
@@ -188,7 +187,7 @@ class Detokenizer:
         for t in text_ids:
             ids.append(t)
             before = len(state.text)
-            state.text += self._step(state, t, delta.request_id)
+            state.text += state.stream.step(t)
             state.num_output_tokens += 1
             if state.num_output_tokens > info.min_tokens:
                 # A match starts in text not yet sent (text sent held no part of one).
@@ -199,9 +198,10 @@ class Detokenizer:
         if finishing and stop is None:
             ids += silent
             state.num_output_tokens += len(silent)
-            if state.held:
+            rest = state.stream.flush()
+            if rest is not None:
                 before = len(state.text)
-                state.text += self._flush(state)
+                state.text += rest
                 if state.num_output_tokens > info.min_tokens:
                     stop = find_stop(state.text, max(state.sent, before - longest + 1), stops)
         finish_reason, stop_reason = delta.finish_reason, delta.stop_token_id
@@ -229,21 +229,11 @@ class Detokenizer:
     def _plain_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
         """_output without stop strings (the common case): no text kept, nothing held back."""
         info = state.info
-        pieces = []
         text_ids, _ = _split_stop_token(delta, info.include_stop_str_in_output)
-        for t in text_ids:  # _step, inlined: this loop runs for every token
-            state.held.append(t)
-            try:
-                piece = state.stream.step(self.tokenizer, t)
-            except Exception:
-                piece = self._step_failed(state, delta.request_id)
-            if piece is not None:
-                pieces.append(piece)
-                state.context, state.held = state.held, []
-        text = "".join(pieces)
+        text = "".join(map(state.stream.step, text_ids))
         finishing = delta.finish_reason is not None
-        if finishing and state.held:
-            text += self._flush(state)
+        if finishing:
+            text += state.stream.flush() or ""
         state.num_output_tokens += len(delta.token_ids)
         logprobs = (self._logprobs(delta, len(delta.token_ids)) if info.logprobs is not None
                     else None)
@@ -252,38 +242,6 @@ class Detokenizer:
             info.num_prompt_tokens, state.num_output_tokens, state.index, delta.stop_token_id,
             logprobs, delta.num_cached_tokens,
             prompt_logprobs=self._with_texts(delta.prompt_logprobs))
-
-    def _step(self, state: _SampleState, token: int, request_id: str) -> str:
-        """The text token adds (possibly none yet: an unfinished character is held)."""
-        state.held.append(token)
-        try:
-            piece = state.stream.step(self.tokenizer, token)
-        except Exception:
-            piece = self._step_failed(state, request_id)
-        if piece is None:
-            return ""
-        state.context, state.held = state.held, []
-        return piece
-
-    def _step_failed(self, state: _SampleState, request_id: str) -> str:
-        """The stream rejected a token (e.g. "Invalid prefix encountered"): flush what it held
-        and restart it."""
-        logger.warning("request %s: incremental decode failed; resyncing", request_id,
-                       exc_info=True)
-        piece = self._flush(state)
-        state.stream = DecodeStream(skip_special_tokens=state.info.skip_special_tokens)
-        return piece
-
-    def _flush(self, state: _SampleState) -> str:
-        """The text the stream still holds back (a cut-off character decodes to U+FFFD), so
-        that a finished request's deltas add up to decode(all ids). Decodes only a few ids."""
-        skip = state.info.skip_special_tokens
-        prefix = self.tokenizer.decode(state.context, skip_special_tokens=skip)
-        held, state.held = state.held, []
-        text = self.tokenizer.decode(state.context + held, skip_special_tokens=skip)
-        if text.startswith(prefix):
-            return text[len(prefix):]
-        return self.tokenizer.decode(held, skip_special_tokens=skip)
 
     def _logprobs(self, delta: TokenDelta, count: int) -> list[TokenLogprob]:
         """The delta's logprobs for its first `count` tokens, with each token's text."""
