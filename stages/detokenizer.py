@@ -116,8 +116,12 @@ class Detokenizer:
                 continue
             state = samples[delta.index]
             if not state.stopped:
-                by_client.setdefault(state.info.reply_to, []).append(self._safe_output(state,
-                                                                                       delta))
+                # (the output made here, not two calls down: this runs for every sample)
+                try:
+                    out = (self._output if state.info.stop else self._plain_output)(state, delta)
+                except Exception as exc:
+                    out = self._failed_output(state, delta, exc)
+                by_client.setdefault(state.info.reply_to, []).append(out)
             if delta.finish_reason is not None:
                 state.finished = True
                 if all(s.finished for s in samples):
@@ -158,27 +162,24 @@ class Detokenizer:
                     rid, ErrorKind.UNAVAILABLE, message, None, info.num_prompt_tokens))
         return by_client
 
-    def _safe_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
-        """_output, or the sample's final error output if its delta cannot be turned into
-        text (ids outside the tokenizer's vocabulary, say): one bad sample never stops the
-        stage, and the scheduler is told to free it."""
-        try:
-            return self._output(state, delta)
-        except Exception as exc:
-            logger.exception("request %s: sample %d failed in the detokenizer",
-                             delta.request_id, state.index)
-            if delta.finish_reason is None:
-                state.stopped = True
-                self.stopped.append(StopSample(delta.request_id, state.index))
-            return RequestOutput(delta.request_id, "", [], True, FinishReason.ERROR,
-                                 f"detokenizer error: {exc}", state.info.num_prompt_tokens,
-                                 state.num_output_tokens, state.index,
-                                 error_kind=ErrorKind.INTERNAL)
+    def _failed_output(self, state: _SampleState, delta: TokenDelta,
+                       exc: Exception) -> RequestOutput:
+        """The sample's final error output, when its delta cannot be turned into text (ids
+        outside the tokenizer's vocabulary, say): one bad sample never stops the stage, and
+        the scheduler is told to free it."""
+        logger.exception("request %s: sample %d failed in the detokenizer", delta.request_id,
+                         state.index)  # (called in feed's except clause)
+        if delta.finish_reason is None:
+            state.stopped = True
+            self.stopped.append(StopSample(delta.request_id, state.index))
+        return RequestOutput(delta.request_id, "", [], True, FinishReason.ERROR,
+                             f"detokenizer error: {exc}", state.info.num_prompt_tokens,
+                             state.num_output_tokens, state.index,
+                             error_kind=ErrorKind.INTERNAL)
 
     def _output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
+        """The output of a sample with stop strings: its text is kept to look for them."""
         info = state.info
-        if not info.stop:
-            return self._plain_output(state, delta)
         stops = info.stop
         longest = max(map(len, stops))
         ids: list[int] = []
@@ -227,21 +228,25 @@ class Detokenizer:
             delta.num_cached_tokens, prompt_logprobs=self._with_texts(delta.prompt_logprobs))
 
     def _plain_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
-        """_output without stop strings (the common case): no text kept, nothing held back."""
+        """The output of a sample without stop strings (the common case): no text kept,
+        nothing held back."""
         info = state.info
-        text_ids, _ = _split_stop_token(delta, info.include_stop_str_in_output)
+        ids = delta.token_ids
+        # _split_stop_token and _with_texts, inlined: this runs for every sample
+        text_ids = (ids[:-1] if delta.stop_token_id is not None and ids
+                    and not info.include_stop_str_in_output else ids)
         text = "".join(map(state.stream.step, text_ids))
         finishing = delta.finish_reason is not None
         if finishing:
             text += state.stream.flush() or ""
-        state.num_output_tokens += len(delta.token_ids)
-        logprobs = (self._logprobs(delta, len(delta.token_ids)) if info.logprobs is not None
-                    else None)
+        state.num_output_tokens += len(ids)
+        logprobs = self._logprobs(delta, len(ids)) if info.logprobs is not None else None
+        prompt_logprobs = (None if delta.prompt_logprobs is None
+                           else self._with_texts(delta.prompt_logprobs))
         return RequestOutput(
-            delta.request_id, text, delta.token_ids, finishing, delta.finish_reason, delta.error,
+            delta.request_id, text, ids, finishing, delta.finish_reason, delta.error,
             info.num_prompt_tokens, state.num_output_tokens, state.index, delta.stop_token_id,
-            logprobs, delta.num_cached_tokens,
-            prompt_logprobs=self._with_texts(delta.prompt_logprobs))
+            logprobs, delta.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
     def _logprobs(self, delta: TokenDelta, count: int) -> list[TokenLogprob]:
         """The delta's logprobs for its first `count` tokens, with each token's text."""
