@@ -383,13 +383,16 @@ class DetokBatch(Message):
 WHOLE_REQUEST = -1  # RequestOutput.index of an answer that ends every sample (an error)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput(Struct):
     """A streamed delta of one sample of a request (index 0..n-1). text and token_ids are
     new since the last output of that sample; finished ends the sample. stop_reason is the
     stop string or stop token id that ended it, if any. A request refused before it ran
     gets one output with index WHOLE_REQUEST. An error output says whose fault it is
-    (error_kind) and, for a bad field, which (error_param)."""
+    (error_kind) and, for a bad field, which (error_param). (Not frozen, like TokenDelta:
+    one is made per sample per step, by the detokenizer and again by the client's decoding,
+    and a frozen dataclass sets each of its fifteen fields through object.__setattr__:
+    1.7 us an output against 0.4. Nobody changes one after it is made.)"""
 
     request_id: str
     text: str

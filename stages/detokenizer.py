@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 from ipc.channels import PullChannel, ReplySockets, stage_listen
 from ipc.codec import Codec
@@ -28,6 +27,7 @@ from ipc.messages import (
 )
 from stages.peers import Peers, local_members
 from stages.process import stage_process
+from stages.text_stream import TextStream, text_streams
 from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,8 @@ class _SampleState:
 
     info: DetokRequestInfo
     index: int
-    stream: DecodeStream  # holds back bytes of an unfinished character; O(1) per token
+    stream: TextStream  # holds back bytes of an unfinished character; O(1) per token
     num_output_tokens: int = 0
-    held: list[int] = field(default_factory=list)  # ids the stream has not turned into text yet
-    context: list[int] = field(default_factory=list)  # ids of its last emitted piece
     text: str = ""  # kept only when the request has stop strings
     sent: int = 0
     stopped: bool = False  # ended by a stop string here; the scheduler's last delta is awaited
@@ -87,6 +85,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.new_stream = text_streams(tokenizer)
         self.requests: dict[str, list[_SampleState]] = {}
         self.stopped: list[StopSample] = []
         # engine -> the incarnation that died last, and why its requests failed
@@ -98,7 +97,7 @@ class Detokenizer:
             return self._refuse_late(batch)  # sent before it died: its requests failed
         for info in batch.new_requests:
             self.requests[info.request_id] = [
-                _SampleState(info, i, DecodeStream(skip_special_tokens=info.skip_special_tokens),
+                _SampleState(info, i, self.new_stream(info.skip_special_tokens, info.request_id),
                              engine=batch.engine)
                 for i in range(info.n)]
         by_client: dict[str, list[RequestOutput]] = {}
@@ -117,8 +116,12 @@ class Detokenizer:
                 continue
             state = samples[delta.index]
             if not state.stopped:
-                by_client.setdefault(state.info.reply_to, []).append(self._safe_output(state,
-                                                                                       delta))
+                # (the output made here, not two calls down: this runs for every sample)
+                try:
+                    out = (self._output if state.info.stop else self._plain_output)(state, delta)
+                except Exception as exc:
+                    out = self._failed_output(state, delta, exc)
+                by_client.setdefault(state.info.reply_to, []).append(out)
             if delta.finish_reason is not None:
                 state.finished = True
                 if all(s.finished for s in samples):
@@ -159,27 +162,24 @@ class Detokenizer:
                     rid, ErrorKind.UNAVAILABLE, message, None, info.num_prompt_tokens))
         return by_client
 
-    def _safe_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
-        """_output, or the sample's final error output if its delta cannot be turned into
-        text (ids outside the tokenizer's vocabulary, say): one bad sample never stops the
-        stage, and the scheduler is told to free it."""
-        try:
-            return self._output(state, delta)
-        except Exception as exc:
-            logger.exception("request %s: sample %d failed in the detokenizer",
-                             delta.request_id, state.index)
-            if delta.finish_reason is None:
-                state.stopped = True
-                self.stopped.append(StopSample(delta.request_id, state.index))
-            return RequestOutput(delta.request_id, "", [], True, FinishReason.ERROR,
-                                 f"detokenizer error: {exc}", state.info.num_prompt_tokens,
-                                 state.num_output_tokens, state.index,
-                                 error_kind=ErrorKind.INTERNAL)
+    def _failed_output(self, state: _SampleState, delta: TokenDelta,
+                       exc: Exception) -> RequestOutput:
+        """The sample's final error output, when its delta cannot be turned into text (ids
+        outside the tokenizer's vocabulary, say): one bad sample never stops the stage, and
+        the scheduler is told to free it."""
+        logger.exception("request %s: sample %d failed in the detokenizer", delta.request_id,
+                         state.index)  # (called in feed's except clause)
+        if delta.finish_reason is None:
+            state.stopped = True
+            self.stopped.append(StopSample(delta.request_id, state.index))
+        return RequestOutput(delta.request_id, "", [], True, FinishReason.ERROR,
+                             f"detokenizer error: {exc}", state.info.num_prompt_tokens,
+                             state.num_output_tokens, state.index,
+                             error_kind=ErrorKind.INTERNAL)
 
     def _output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
+        """The output of a sample with stop strings: its text is kept to look for them."""
         info = state.info
-        if not info.stop:
-            return self._plain_output(state, delta)
         stops = info.stop
         longest = max(map(len, stops))
         ids: list[int] = []
@@ -188,7 +188,7 @@ class Detokenizer:
         for t in text_ids:
             ids.append(t)
             before = len(state.text)
-            state.text += self._step(state, t, delta.request_id)
+            state.text += state.stream.step(t)
             state.num_output_tokens += 1
             if state.num_output_tokens > info.min_tokens:
                 # A match starts in text not yet sent (text sent held no part of one).
@@ -199,9 +199,10 @@ class Detokenizer:
         if finishing and stop is None:
             ids += silent
             state.num_output_tokens += len(silent)
-            if state.held:
+            rest = state.stream.flush()
+            if rest is not None:
                 before = len(state.text)
-                state.text += self._flush(state)
+                state.text += rest
                 if state.num_output_tokens > info.min_tokens:
                     stop = find_stop(state.text, max(state.sent, before - longest + 1), stops)
         finish_reason, stop_reason = delta.finish_reason, delta.stop_token_id
@@ -227,63 +228,25 @@ class Detokenizer:
             delta.num_cached_tokens, prompt_logprobs=self._with_texts(delta.prompt_logprobs))
 
     def _plain_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
-        """_output without stop strings (the common case): no text kept, nothing held back."""
+        """The output of a sample without stop strings (the common case): no text kept,
+        nothing held back."""
         info = state.info
-        pieces = []
-        text_ids, _ = _split_stop_token(delta, info.include_stop_str_in_output)
-        for t in text_ids:  # _step, inlined: this loop runs for every token
-            state.held.append(t)
-            try:
-                piece = state.stream.step(self.tokenizer, t)
-            except Exception:
-                piece = self._step_failed(state, delta.request_id)
-            if piece is not None:
-                pieces.append(piece)
-                state.context, state.held = state.held, []
-        text = "".join(pieces)
+        ids = delta.token_ids
+        # _split_stop_token and _with_texts, inlined: this runs for every sample
+        text_ids = (ids[:-1] if delta.stop_token_id is not None and ids
+                    and not info.include_stop_str_in_output else ids)
+        text = "".join(map(state.stream.step, text_ids))
         finishing = delta.finish_reason is not None
-        if finishing and state.held:
-            text += self._flush(state)
-        state.num_output_tokens += len(delta.token_ids)
-        logprobs = (self._logprobs(delta, len(delta.token_ids)) if info.logprobs is not None
-                    else None)
+        if finishing:
+            text += state.stream.flush() or ""
+        state.num_output_tokens += len(ids)
+        logprobs = self._logprobs(delta, len(ids)) if info.logprobs is not None else None
+        prompt_logprobs = (None if delta.prompt_logprobs is None
+                           else self._with_texts(delta.prompt_logprobs))
         return RequestOutput(
-            delta.request_id, text, delta.token_ids, finishing, delta.finish_reason, delta.error,
+            delta.request_id, text, ids, finishing, delta.finish_reason, delta.error,
             info.num_prompt_tokens, state.num_output_tokens, state.index, delta.stop_token_id,
-            logprobs, delta.num_cached_tokens,
-            prompt_logprobs=self._with_texts(delta.prompt_logprobs))
-
-    def _step(self, state: _SampleState, token: int, request_id: str) -> str:
-        """The text token adds (possibly none yet: an unfinished character is held)."""
-        state.held.append(token)
-        try:
-            piece = state.stream.step(self.tokenizer, token)
-        except Exception:
-            piece = self._step_failed(state, request_id)
-        if piece is None:
-            return ""
-        state.context, state.held = state.held, []
-        return piece
-
-    def _step_failed(self, state: _SampleState, request_id: str) -> str:
-        """The stream rejected a token (e.g. "Invalid prefix encountered"): flush what it held
-        and restart it."""
-        logger.warning("request %s: incremental decode failed; resyncing", request_id,
-                       exc_info=True)
-        piece = self._flush(state)
-        state.stream = DecodeStream(skip_special_tokens=state.info.skip_special_tokens)
-        return piece
-
-    def _flush(self, state: _SampleState) -> str:
-        """The text the stream still holds back (a cut-off character decodes to U+FFFD), so
-        that a finished request's deltas add up to decode(all ids). Decodes only a few ids."""
-        skip = state.info.skip_special_tokens
-        prefix = self.tokenizer.decode(state.context, skip_special_tokens=skip)
-        held, state.held = state.held, []
-        text = self.tokenizer.decode(state.context + held, skip_special_tokens=skip)
-        if text.startswith(prefix):
-            return text[len(prefix):]
-        return self.tokenizer.decode(held, skip_special_tokens=skip)
+            logprobs, delta.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
     def _logprobs(self, delta: TokenDelta, count: int) -> list[TokenLogprob]:
         """The delta's logprobs for its first `count` tokens, with each token's text."""

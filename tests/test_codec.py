@@ -227,7 +227,23 @@ def _with(msg: Message, index: int, value: Any) -> list[Any]:
     return raw
 
 
+def _with_output_field(index: int, value: Any) -> list[Any]:
+    """A RequestOutputs whose one output has every field (decoded inline, in one call) and
+    field `index` set to value."""
+    raw = unpack(encode(RequestOutputs([RequestOutput("r", "x", [5], False, None, None, 3, 1)])))
+    raw[1][0][index] = value
+    return raw
+
+
 BAD_FIELDS: list[tuple[str, list[Any]]] = [
+    ("bool-for-one-id", _with_output_field(2, [True])),
+    ("float-for-one-id", _with_output_field(2, [5.0])),
+    ("str-for-one-id", _with_output_field(2, ["5"])),
+    ("bool-among-ids", _with_output_field(2, [5, False])),
+    ("bad-enum-in-full-struct", _with_output_field(4, "exploded")),
+    ("float-for-optional-str-or-int", _with_output_field(9, 1.5)),
+    ("int-for-optional-list", _with_output_field(10, 5)),
+    ("bad-optional-error-kind", _with_output_field(12, "nobody's")),
     ("str-for-int", _with(SampledTokens(1, 0, 1), 0, "1")),
     ("bool-for-int", _with(SampledTokens(1, 0, 1), 2, True)),
     ("float-for-int", _with(SampledTokens(1, 0, 1), 1, 1.0)),

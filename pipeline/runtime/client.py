@@ -186,6 +186,24 @@ class Health:
     engines_restarting: list[int] = field(default_factory=list)
 
 
+class _Inbox:
+    """generate's outputs, as the I/O thread hands them over: each message's outputs in one
+    SimpleQueue put (a C put and get; Queue's Python condition per output took a third of the
+    client's CPU at 256 outputs a step, and one put per output still woke the caller's
+    thread, and took the GIL from the I/O thread, up to once an output)."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Sequence[RequestOutput]] = queue.SimpleQueue()
+
+    def __call__(self, out: RequestOutput) -> None:  # (a route's deliver, one output)
+        self.queue.put((out,))
+
+    def put_many(self, outs: list[RequestOutput]) -> None:
+        self.queue.put(outs)
+
+
 class PipelineClient:
     """Thread-safe. `generate` blocks; `stream` is an async iterator of one request's deltas."""
 
@@ -305,11 +323,17 @@ class PipelineClient:
 
     @staticmethod
     def _deliver(routed: list[tuple[Callable[[RequestOutput], Any], RequestOutput]]) -> None:
+        batches: dict[int, tuple[_Inbox, list[RequestOutput]]] = {}
         for deliver, out in routed:
+            if type(deliver) is _Inbox:  # generate's: the message's outputs in one put
+                batches.setdefault(id(deliver), (deliver, []))[1].append(out)
+                continue
             try:
                 deliver(out)
             except RuntimeError:  # its event loop is closed: nobody is listening
                 pass
+        for inbox, outs in batches.values():
+            inbox.put_many(outs)
 
     def _reconcile(self, restarts: dict[str, int]) -> None:
         """For each tokenizer restarted since the last status, send it a Reconcile naming the
@@ -463,19 +487,17 @@ class PipelineClient:
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        # (SimpleQueue: a C put and get, where Queue's Python condition per output took a
-        # third of this process's CPU at 256 outputs a step)
-        inbox: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        inbox = _Inbox()
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, all_params, strict=True):
             rid = uuid.uuid4().hex
             results[rid] = CompletionOutput(rid, max(p.n, 1), arrival_time=time.monotonic())
-            order.append(self._submit(prompt, p, rid, inbox.put))
+            order.append(self._submit(prompt, p, rid, inbox))
         self._collect(inbox, results, timeout, on_finished)
         return [results[rid] for rid in order]
 
-    def _collect(self, inbox: queue.SimpleQueue[RequestOutput],
+    def _collect(self, inbox: _Inbox,
                  results: dict[str, CompletionOutput],
                  timeout: float | None,
                  on_finished: Callable[[CompletionOutput], Any] | None = None) -> None:
@@ -487,16 +509,17 @@ class PipelineClient:
                     self.abort(rid)
                 raise TimeoutError(f"{len(pending)} requests did not finish in {timeout} s")
             try:
-                out = inbox.get(timeout=0.25)
+                outs = inbox.queue.get(timeout=0.25)
             except queue.Empty:
                 self._check_alive()
                 continue
-            result = results[out.request_id]
-            result.add(out)
-            if result.finished and out.request_id in pending:
-                pending.discard(out.request_id)
-                if on_finished is not None:
-                    on_finished(result)
+            for out in outs:
+                result = results[out.request_id]
+                result.add(out)
+                if result.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if on_finished is not None:
+                        on_finished(result)
 
     # ------------------------------------------------------------ streaming API
 
