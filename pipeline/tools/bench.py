@@ -62,10 +62,13 @@ def device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
                   key=lambda e: e["ts"])
 
 
-def steady_device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def steady_device_spans(trace: list[dict[str, Any]], first_step: int = 0
+                        ) -> list[dict[str, Any]]:
     """The executor's device spans of the steady decode phase: every sequence decoding
-    (tokens == seqs == the largest batch seen); the first and last such step are dropped."""
-    spans = device_spans(trace)
+    (tokens == seqs == the largest batch seen); the first and last such step are dropped.
+    first_step: the measured run's first (the warm-up's steps, and the pause behind them, are
+    not its)."""
+    spans = [e for e in device_spans(trace) if e["args"]["step"] >= first_step]
     full = max((e["args"]["seqs"] for e in spans), default=0)
     steady = [e for e in spans if e["args"]["seqs"] == full == e["args"]["tokens"]]
     return steady[1:-1] if len(steady) > 2 else steady
@@ -122,18 +125,18 @@ def run_once(args: argparse.Namespace, depth: int | Literal["auto"],
             # to a graph capture): a compiled device compiles each shape on first sight.
             warm = dataclasses.replace(params, max_tokens=min(4, args.output_len))
             client.generate(prompts, warm)  # type: ignore[arg-type]
-            discarded = pipe.idle_stats().discarded_tokens
+            warmed = pipe.idle_stats()
             start = time.perf_counter()
             outs = client.generate(prompts, params)  # type: ignore[arg-type]
             seconds = time.perf_counter() - start
-            discarded = pipe.idle_stats().discarded_tokens - discarded
+            discarded = pipe.idle_stats().discarded_tokens - warmed.discarded_tokens
         with open(trace_path) as f:
             trace = json.load(f)["traceEvents"]
     errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"benchmark requests failed: {errors[0]}")
     num_tokens = sum(o.num_output_tokens for o in outs)
-    steady = steady_device_spans(trace)
+    steady = steady_device_spans(trace, warmed.num_steps)
     idle, step_ms = idle_fraction(steady)
     t0 = steady[0]["ts"] if steady else 0.0
     return RunResult(
