@@ -135,9 +135,9 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     p.add_argument("--run-ahead-depth", default=d(SchedulerConfig.depth),
                    metavar="{auto,1,2,3}",
                    help="steps planned ahead of the device's results: 1 is synchronous "
-                        "batching; auto (default) runs 2, or 3 while the device's steps are "
-                        "short (under ~8 ms: a GPU's decode), where the host's work between "
-                        "two steps would not fit in one")
+                        "batching; auto (default) runs 2, or on a GPU 3 while its steps are "
+                        "short (under ~8 ms), where the host's work between two steps would "
+                        "not fit in one")
     p.add_argument("--no-overlap", action="store_true", default=d(False),
                    help="synchronous batching (one step in flight), the baseline: "
                         "--run-ahead-depth 1")

@@ -19,7 +19,7 @@ from pipeline.runtime.launcher import Pipeline
 
 
 def live_config(model_dir: Path, *, num_tokenizers: int = 1, num_detokenizers: int = 1,
-                depth: int = 2, kv_cache_memory: int = 64 << 20, max_num_seqs: int = 16,
+                depth: int | str = 2, kv_cache_memory: int = 64 << 20, max_num_seqs: int = 16,
                 max_num_batched_tokens: int = 256, block_size: int = 16,
                 max_model_len: int | None = None, device: str = "cpu",
                 compile: bool | None = None, quantization: str | None = None,

@@ -18,8 +18,11 @@ from pipeline.runtime.client import PipelineClient
 pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
 
 
-def test_long_mixed_run_with_aborts_leaks_nothing(tiny_model_dir: Path) -> None:
-    cfg = live_config(tiny_model_dir, depth=2, max_num_seqs=8, max_num_batched_tokens=64,
+@pytest.mark.parametrize(("depth", "ring_slots"), [(2, 3), ("auto", 4)])
+def test_long_mixed_run_with_aborts_leaks_nothing(tiny_model_dir: Path, depth: int | str,
+                                                  ring_slots: int) -> None:
+    """(auto: three steps in flight behind the instrument's sub-millisecond steps.)"""
+    cfg = live_config(tiny_model_dir, depth=depth, max_num_seqs=8, max_num_batched_tokens=64,
                       kv_cache_memory=16 << 20, device="timed:0.2,0.01")
     with running(cfg) as pipe:
         reasons = asyncio.run(_mixed_with_aborts(pipe.client(), num_requests=200))
@@ -27,8 +30,26 @@ def test_long_mixed_run_with_aborts_leaks_nothing(tiny_model_dir: Path) -> None:
         stats = pipe.idle_stats()
     assert stats.num_free_blocks == stats.num_blocks
     assert stats.num_free_slots == stats.num_slots == 8
-    assert stats.num_free_ring_slots == stats.num_ring_slots == 3
+    assert stats.num_free_ring_slots == stats.num_ring_slots == ring_slots
     assert stats.num_inflight_steps == stats.num_requests == 0
+    assert stats.run_ahead_depth == (3 if depth == "auto" else 2)
+
+
+@pytest.mark.parametrize(("device", "deep"), [("timed:1,0", 3), ("timed:20,0", 2), ("cpu", 2)])
+def test_auto_depth_runs_three_deep_only_behind_a_separate_devices_short_steps(
+        tiny_model_dir: Path, device: str, deep: int) -> None:
+    """Under 8 ms a step the instrument (a separate device) gets a third step in flight; its
+    20 ms steps and the CPU device (whose forward shares the cores with the host; the tiny
+    model's steps are short too) keep 2. Same tokens either way (the instrument's are a function
+    of the context)."""
+    cfg = live_config(tiny_model_dir, depth="auto", max_num_seqs=8, device=device)
+    prompts = [[5 + i, 6, 7] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with running(cfg) as pipe:
+        outs = pipe.client().generate(prompts, params)  # type: ignore[arg-type]
+        stats = pipe.idle_stats()
+    assert stats.run_ahead_depth == deep and stats.num_ring_slots == 4
+    assert all(o.num_output_tokens == 24 and o.error is None for o in outs)
 
 
 async def _mixed_with_aborts(client: PipelineClient, num_requests: int) -> dict[str, int]:

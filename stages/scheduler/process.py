@@ -75,8 +75,12 @@ class SchedulerShell:
         # The step behind the running one is planned late (pacing.py): when the running one
         # started (this host's clock), and when to plan it.
         self.pacer = StepPacer()
+        # (On the CPU device the forward and the host share the cores: a deeper run-ahead
+        # would hide nothing there, and still cost its discarded tokens. auto stays at 2.)
+        ex = cfg.executor
+        apart = ex.timed is not None or ex.device.startswith("cuda")
         self.run_ahead = (RunAheadDepth(cfg.limits.depth, AUTO_DEEP_STEP_MS)
-                          if cfg.limits.auto_depth else None)
+                          if cfg.limits.auto_depth and apart else None)
         self._front_started = 0.0
         self._plan_at = 0.0
         self.poller = zmq.Poller()
