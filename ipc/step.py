@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -134,6 +134,25 @@ def _check_rows() -> None:
 _check_rows()
 _ROW_GETTERS = tuple((f.name, operator.attrgetter(f.name)) for f in STEP_FIELDS
                      if f.count is ROWS)
+# A plain decode row (write_step's num_plain): its own slot and context, one token, sampled,
+# every other ROWS field its StepRow default; those are one fill each over the plain rows.
+_PLAIN_OWN = ("seq_slot", "context_len")
+
+
+def _plain_fills() -> tuple[tuple[str, Any], ...]:
+    defaults = {f.name: f.default for f in fields(StepRow)} | {"query_len": 1,
+                                                                "do_sample": True}
+    fills = tuple((f.name, defaults.get(f.name, MISSING)) for f in STEP_FIELDS
+                  if f.count is ROWS and f.name not in _PLAIN_OWN)
+    for name, value in fills:
+        if value is MISSING:
+            raise TypeError(f"StepRow.{name} has no default: say what a plain row holds")
+    return fills
+
+
+_PLAIN_FILLS = _plain_fills()
+_first_token = operator.itemgetter(0)
+_token_lists = operator.attrgetter("token_ids")
 # Each entry count's fields, in the table's order: the columns of write_step's entry lists.
 _ENTRY_COLUMNS = {count: tuple(f.name for f in STEP_FIELDS if f.count is count)
                   for count in (BLOCK_UPDATES, NEW_SLOTS, STOP_IDS, PROMPT_LOGPROBS)}
@@ -238,19 +257,32 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
                new_slots: Sequence[NewSlot] = (),
                stop_ids: Sequence[tuple[int, int]] = (),
                prompt_logprobs: Sequence[tuple[int, int]] = (),
-               grammars: list[SlotGrammar] | None = None) -> StepPlan:
+               grammars: list[SlotGrammar] | None = None, num_plain: int = 0) -> StepPlan:
     """Lay a step into ring slot `buf`; returns the plan that names it. `rows` give the ROWS
     fields and the input ids; each entry list is the columns of its count's fields, in the
     table's order: block_updates (slot, index, block), new_slots (slot, its encoded sampling
     parameters), stop_ids (slot, token id), prompt_logprobs (index in input_ids, the prompt
     token it scores). The stamp brackets the write, so a reader can tell a slot that is
-    being rewritten."""
+    being rewritten. num_plain: rows[:num_plain] are plain decodes (one token, sampled, the
+    other ROWS fields their StepRow defaults), as a steady step's rows are: those take three
+    passes over the rows instead of one a field."""
     buf["stamp"][0] = step_id
+    num_rows, k = len(rows), num_plain
+    if k:
+        plain = rows if k == num_rows else rows[:k]
+        buf["input_ids"][:k] = np.fromiter(map(_first_token, map(_token_lists, plain)),
+                                           np.int64, k)
+        for name in _PLAIN_OWN:
+            buf[name][:k] = np.fromiter(map(operator.attrgetter(name), plain),
+                                        buf[name].dtype, k)
+        for name, value in _PLAIN_FILLS:
+            buf[name][:k] = value
+        rows = rows[k:]
     input_ids = [t for r in rows for t in r.token_ids]
-    buf["input_ids"][:len(input_ids)] = input_ids
-    num_rows = len(rows)
+    num_tokens = k + len(input_ids)
+    buf["input_ids"][k:num_tokens] = input_ids
     for name, get in _ROW_GETTERS:  # (fromiter: no list of Python ints in between)
-        buf[name][:num_rows] = np.fromiter(map(get, rows), buf[name].dtype, num_rows)
+        buf[name][k:num_rows] = np.fromiter(map(get, rows), buf[name].dtype, num_rows - k)
     entries: dict[Count, Sequence[tuple[Any, ...]]] = {
         BLOCK_UPDATES: block_updates, NEW_SLOTS: [(s, f, i) for s, (f, i) in new_slots],
         STOP_IDS: stop_ids, PROMPT_LOGPROBS: prompt_logprobs}
@@ -260,7 +292,7 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
             for name, column in zip(_ENTRY_COLUMNS[count], columns, strict=True):
                 buf[name][:len(values)] = column
     buf["stamp"][1] = step_id
-    sizes = {TOKENS: len(input_ids), ROWS: len(rows)} | {c: len(v) for c, v in entries.items()}
+    sizes = {TOKENS: num_tokens, ROWS: num_rows} | {c: len(v) for c, v in entries.items()}
     return StepPlan(step_id=step_id, ring_slot=ring_slot, grammars=grammars or [],
                     **{c.plan_field: n for c, n in sizes.items()})
 

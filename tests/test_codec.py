@@ -44,6 +44,7 @@ from ipc.messages import (
     StopSample,
     TokenDelta,
     TokenizedRequest,
+    TokenLogprob,
 )
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0.7, stop_token_ids=[2, 32000],
@@ -384,3 +385,17 @@ def test_a_message_without_fields_round_trips() -> None:
         TAG: ClassVar[int] = 99
 
     assert Codec([Ping]).decode(encode(Ping())) == Ping()
+
+
+def test_lists_of_structs_pack_as_each_item_would_alone() -> None:
+    """encode maps a list of one struct type to tuples in one pass: the bytes are those of
+    msgpack's default called on each item, and a list that mixes types is left to it."""
+    from ipc.codec import _to_wire  # (the per-item path)
+    delta = TokenDelta("a", [1, 2], FinishReason.STOP, None, 1,
+                       [TokenLogprob(1, -0.5, [1], [-0.5])], 3, 2, None)
+    info = DetokRequestInfo("b", "client", 2, True, 1.5, 2, ["x"])
+    for msg in (DetokBatch([info], [delta, delta], [], 2, 1),
+                DetokBatch([], [delta, info], [], 0, 0)):  # (mixed: not one struct type)
+        fields = [getattr(msg, f.name) for f in dataclasses.fields(msg)]
+        want = msgpack.packb((msg.TAG, *fields), default=_to_wire, use_bin_type=True)
+        assert encode(msg) == want

@@ -57,6 +57,27 @@ def _prepare(plan: StepPlan, ring: dict[str, np.ndarray],
     return host, layout.unpack(host.packed.clone(), host.counts)  # a copy, as on CUDA
 
 
+def test_plain_leading_rows_write_the_same_bytes_as_the_general_path() -> None:
+    """write_step's num_plain (a steady step's decodes, a fill for each constant column) lays
+    the same slot as each row's own attributes, whatever rows follow the plain ones."""
+    rng = np.random.default_rng(7)
+    for num_plain in (0, 1, SEQS - 1, SEQS):
+        rows = [StepRow(int(rng.integers(SEQS)), [int(rng.integers(-1, 100))],
+                        int(rng.integers(1, 120)), True) for _ in range(num_plain)]
+        rows += [StepRow(int(rng.integers(SEQS)), [5] * int(rng.integers(1, 4)), 7,
+                         bool(rng.integers(2)), int(rng.integers(2)), True, True,
+                         int(rng.integers(3))) for _ in range(SEQS - num_plain)]
+        general, plain = _ring(), _ring()
+        for buf in (general, plain):  # (stale values a fill must overwrite)
+            for f in STEP_FIELDS:
+                buf[f.name][...] = 3
+        plans = [write_step(general, 5, 0, rows), write_step(plain, 5, 0, rows,
+                                                              num_plain=num_plain)]
+        assert plans[0] == plans[1]
+        for f in STEP_FIELDS:
+            assert np.array_equal(general[f.name], plain[f.name]), (num_plain, f.name)
+
+
 def test_a_step_reads_back_as_written_and_packs_for_the_device() -> None:
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=-3, min_tokens=2, logprobs=4)
     row = encode_slot(params, 5, 1)

@@ -39,6 +39,7 @@ class PlannedStep:
     # positions it samples (the ids its result holds): one per sampled row, and one more per
     # draft of a row with drafts
     num_sampled: int = 0
+    num_plain: int = 0  # its leading rows that are plain decodes (write_step's num_plain)
 
     @property
     def sampled_rows(self) -> list[PlannedRow]:
@@ -54,4 +55,4 @@ class PlannedStep:
         return write_step(buf, self.step_id, self.ring_slot, self.rows,
                           block_updates=self.block_updates, new_slots=self.new_slots,
                           stop_ids=self.stop_ids, prompt_logprobs=self.prompt_logprobs,
-                          grammars=self.grammars)
+                          grammars=self.grammars, num_plain=self.num_plain)

@@ -4,6 +4,7 @@ sockets, the shared rings and the `Scheduler` core."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 import zlib
@@ -274,6 +275,11 @@ def run_scheduler(cfg: PipelineConfig, rank: int, parent_pid: int, num_blocks: i
         shell = SchedulerShell(cfg, ctx.zmq, num_blocks, ctx.tracer, members, incarnation)
         ports = listen_tcp(shell.remote, cfg.remote.listen_host)
         ctx.ready(**ports, stage_port=shell.stage_port)
+        # What start-up made lives as long as the process: out of the collector's reach, a
+        # full collection walks only what serving made (the sequences, the steps in flight):
+        # 2-3 ms where it was 12-19 ms, once every ~100 steps of a batch of 256.
+        gc.collect()
+        gc.freeze()
         next_stats = 0.0
         while not ctx.stop.is_set():
             shell.run_once()

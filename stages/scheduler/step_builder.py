@@ -85,6 +85,7 @@ class StepBuilder:
                     budget -= self._plan_row(step, seq, budget)
             return budget
         kv, bs, rows, members = self.kv, self.kv.block_size, step.rows, step.members
+        is_leading = not rows  # (then its rows are the step's first: write_step's num_plain)
         num_planned = 0
         for seq in decodes:
             if num_planned >= budget:
@@ -104,12 +105,14 @@ class StepBuilder:
                 token = out[-1] if out else seq.prompt_ids[-1]
             seq.num_computed = start + 1
             assert seq.slot is not None  # (a running sequence holds its slot from admission)
-            rows.append(PlannedRow(seq.slot, [token], start + 1, True, 0, seq.draft_model_kv,
-                                   False, seq=seq))
+            # (plain: without drafts, draft_model_kv is False: _init_slot)
+            rows.append(PlannedRow(seq.slot, [token], start + 1, True, seq=seq))
             seq.num_pending += 1
             num_planned += 1
         step.num_tokens += num_planned
         step.num_sampled += num_planned
+        if is_leading:
+            step.num_plain = num_planned
         return budget - num_planned
 
     def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
