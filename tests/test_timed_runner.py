@@ -2,7 +2,8 @@
 of a packed step (staging.py StagingLayout.unpack) against the straightforward ones they
 replaced, kept here as the reference: random sequences of steps (steady decodes, rows that
 do not sample, prompt chunks, sequences taking slots) give the same tokens and the same
-last samples, and every field reads the same bytes."""
+last samples, and every field reads the same bytes; and the notifiers' ring write against
+the loop over every field it replaced."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import numpy as np
 import torch
 
 from ipc.config import EngineLimits
+from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import GREEDY_SLOT
-from ipc.step import StepRow, local_buffers, step_input_specs, write_step
+from ipc.step import StepRow, local_buffers, sampled_specs, step_input_specs, write_step
 from stages.executor.backends.torch_sdpa import TorchBackend
+from stages.executor.device import _counts, _with_logprobs, write_ring
 from stages.executor.runner import TimedRunner
-from stages.executor.sampler import SampleOutput
+from stages.executor.sampler import PromptScores, SampleOutput
 from stages.executor.staging import DeviceStep, StagingLayout
 from stages.executor.step_inputs import HostStep
 
@@ -101,3 +104,35 @@ def test_lazy_views_read_each_field_as_the_eager_ones_do() -> None:
         assert got.data_ptr() == want.data_ptr() or not counts[f.name]  # a view, no copy
     lazy.positions = torch.zeros(3, dtype=torch.int64)  # (a device pass rewrites a field)
     assert lazy.positions.tolist() == [0, 0, 0]
+
+
+def _reference_write(ring: dict[str, np.ndarray], out: SampleOutput) -> tuple[int, bool, int]:
+    for name, tensor in _with_logprobs(out):
+        ring[name][: len(tensor)] = tensor.numpy()
+    return _counts(out)
+
+
+def test_write_ring_writes_what_the_field_loop_wrote() -> None:
+    """The notifiers' ring write (device.py write_ring), with and without logprobs, drafts
+    and prompt logprobs, against the loop over every field it replaced."""
+    rng = torch.Generator().manual_seed(3)
+    k = MAX_TOP_LOGPROBS
+    for case in range(16):
+        x, p, r = 1 + case % 5, case % 3, case % 2
+        out = SampleOutput(torch.randint(0, VOCAB, (x,), generator=rng))
+        if case & 4:
+            out.logprob, out.top_ids = torch.rand(x, generator=rng), torch.randint(
+                0, VOCAB, (x, k), generator=rng)
+            out.top_logprobs = torch.rand(x, k, generator=rng)
+        if case & 8 and r:
+            out.accepted = torch.randint(0, 3, (r,), dtype=torch.int32, generator=rng)
+        if p:
+            out.prompt = PromptScores(torch.rand(p, generator=rng),
+                                      torch.randint(1, 9, (p,), dtype=torch.int32, generator=rng),
+                                      torch.randint(0, VOCAB, (p, k), generator=rng),
+                                      torch.rand(p, k, generator=rng))
+        got, want = local_buffers(sampled_specs(LIMITS)), local_buffers(sampled_specs(LIMITS))
+        assert write_ring(got, out) == _reference_write(want, out)
+        for name in want:
+            assert np.array_equal(got[name], want[name]), (case, name)
+        assert got["token_ids"][:x].tolist() == out.tokens.tolist()
