@@ -126,6 +126,20 @@ def unpack_outputs(data: np.ndarray, fields: list[tuple[str, np.dtype, tuple[int
         offset += width
 
 
+def write_ring(ring: dict[str, np.ndarray], out: SampleOutput) -> tuple[int, bool, int]:
+    """Write a step's result (host tensors) into its sampled-ring slot; returns _counts.
+    (A notifier runs it between a step's end and its report: a step of plain tokens, the
+    steady state, writes its one field without building the field list.)"""
+    tokens = out.tokens
+    if out.logprob is None and out.accepted is None and out.prompt is None:
+        n = len(tokens)
+        ring["token_ids"][:n] = tokens.numpy()
+        return n, False, 0
+    for name, tensor in _with_logprobs(out):
+        ring[name][: len(tensor)] = tensor.numpy()
+    return _counts(out)
+
+
 def _counts(out: SampleOutput) -> tuple[int, bool, int]:
     """(sampled ids, whether with logprobs, prompt logprobs) of a step's result."""
     return (len(out.tokens), out.logprob is not None,
@@ -199,10 +213,8 @@ class CpuDevice:
         try:
             while (item := self._done.get()) is not None:
                 step, out, start, end = item
-                ring = self.sampled.slot(step.plan.ring_slot)
-                for name, tensor in _with_logprobs(out):
-                    ring[name][: len(tensor)] = tensor.numpy()
-                self.on_done(step, *_counts(out), start, end)
+                counts = write_ring(self.sampled.slot(step.plan.ring_slot), out)
+                self.on_done(step, *counts, start, end)
         except BaseException as exc:
             logger.exception("report thread failed")
             self.error = exc
@@ -260,10 +272,8 @@ class TimedDevice:
                 wait = (end - now_ns()) / 1e9
                 if wait > 0:
                     time.sleep(wait)
-                ring = self.sampled.slot(step.plan.ring_slot)
-                for name, tensor in _with_logprobs(out):
-                    ring[name][: len(tensor)] = tensor.numpy()
-                self.on_done(step, *_counts(out), start, end)
+                counts = write_ring(self.sampled.slot(step.plan.ring_slot), out)
+                self.on_done(step, *counts, start, end)
         except BaseException as exc:
             logger.exception("timed notifier failed")
             self.error = exc

@@ -470,15 +470,23 @@ class TimedRunner:
         """How long the step occupies the instrument's device."""
         return self.a_ms + self.b_ms * step.num_tokens
 
+    @torch.inference_mode()
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput:
         """The step's tokens, at once (its device time is the device's to charge).
-        Sampling parameters are ignored: the tokens are a function of the context."""
+        Sampling parameters are ignored: the tokens are a function of the context,
+        (id * 1103515245 + position + 12345) % vocab at each sampled position. (Its host
+        time counts, on the host loop's thread: a decode step whose rows all sample, whose
+        sampled positions are its tokens, skips the two gathers; the formula is three
+        calls, in place.)"""
         v = self.slots.layout.unpack(packed, step.counts)
         ids = self.slots.apply(step, v)
         assert ids is not None
-        idx = v.logits_indices
-        tokens = (ids[idx] * 1103515245 + v.positions[idx] + 12345) % self.vocab_size
-        out = SampleOutput(tokens)
+        positions = v.positions
+        if not (step.decode_only and step.counts["logits_indices"] == step.num_tokens):
+            idx = v.logits_indices  # (else each token's position samples: idx is 0..T-1)
+            ids, positions = ids[idx], positions[idx]
+        tokens = torch.add(positions, ids, alpha=1103515245).add_(12345)
+        out = SampleOutput(tokens.remainder_(self.vocab_size))
         self.slots.keep_last(step, v, out)
         return out
 

@@ -168,10 +168,13 @@ class StagingLayout:
                        *CommonFields.packed_fields(), *tail_fields.packed_fields())
         names = [f.name for f in self.fields]
         assert len(set(names)) == len(names), f"a staging field twice: {names}"
-        # pack's plan of each field, worked out once (it runs once a step, on the executor's
-        # critical path): (name, dtype, itemsize)
+        # pack's and unpack's plan of each field, worked out once (they run once a step, on
+        # the executor's critical path): (name, dtype, itemsize), and its torch dtype
         self._packing = tuple((f.name, f.dtype, np.dtype(f.dtype).itemsize)
                               for f in self.fields)
+        self._unpacking = tuple((name, dtype, itemsize, _TORCH_DTYPES[dtype][0])
+                                for name, dtype, itemsize in self._packing)
+        self._names = frozenset(names)
 
     def nbytes(self, limits: EngineLimits) -> int:
         """Bytes of a staging buffer that holds any step."""
@@ -198,16 +201,37 @@ class StagingLayout:
     def offsets(self, counts: dict[str, int]) -> dict[str, tuple[int, int, str]]:
         """(byte offset, count, dtype) of each field of a buffer packed with these counts."""
         where, offset = {}, 0
-        for f in self.fields:
-            where[f.name] = (offset, counts[f.name], f.dtype)
-            offset += _aligned(counts[f.name] * np.dtype(f.dtype).itemsize)
+        for name, dtype, itemsize, _ in self._unpacking:
+            count = counts[name]
+            where[name] = (offset, count, dtype)
+            offset += -(-count * itemsize // _ALIGN) * _ALIGN
         return where
 
     def unpack(self, packed: torch.Tensor, counts: dict[str, int]) -> DeviceStep:
         """Typed views of each field over a packed uint8 buffer (on whichever device it
-        lives)."""
-        views = {}
-        for name, (offset, count, dtype) in self.offsets(counts).items():
-            torch_dtype, itemsize = _TORCH_DTYPES[dtype]
-            views[name] = packed[offset:offset + count * itemsize].view(torch_dtype)
-        return DeviceStep(views)
+        lives), each made when first read: a view costs two torch calls (~3 us on the host),
+        and a decode step reads a handful of the twenty-odd fields."""
+        where, offset = {}, 0
+        for name, _, itemsize, torch_dtype in self._unpacking:
+            nbytes = counts[name] * itemsize
+            where[name] = (offset, nbytes, torch_dtype)
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        return DeviceStep(_LazyViews(packed, where, self._names))
+
+
+class _LazyViews(dict[str, torch.Tensor]):
+    """A step's views by field name (StagedFields.views), each made from the packed buffer
+    when first read; `in` says whether the layout has the field, as a full dict would."""
+
+    def __init__(self, packed: torch.Tensor, where: dict[str, tuple[int, int, torch.dtype]],
+                 names: frozenset[str]) -> None:
+        super().__init__()
+        self._packed, self._where, self._names = packed, where, names
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        offset, nbytes, torch_dtype = self._where[name]  # (KeyError: no such field)
+        view = self[name] = self._packed[offset:offset + nbytes].view(torch_dtype)
+        return view
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names or dict.__contains__(self, name)
