@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 # discarded token per finished sequence.
 MAX_RUN_AHEAD_DEPTH = 3
 # `auto` runs 3 deep while the median of the recent device steps is under this (and 2 above
-# it): docs/BENCHMARKS.md "A deeper run-ahead" measures the chain on a 2-core host.
-AUTO_DEEP_STEP_MS = 8.0
+# 1.25 times it). Measured on a 2-core host (docs/BENCHMARKS.md "How deep"): with a 0.8 ms
+# launch, depth 2's chain leaves a device idle under ~1% only from ~3 ms steps at batch 64
+# and ~10 ms at batch 256; below 10 ms the pacer plans at once anyway (StepPacer.MIN_STEP_S).
+AUTO_DEEP_STEP_MS = 10.0
 
 
 def parse_depth(text: str | int) -> int | Literal["auto"]:

@@ -136,7 +136,7 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    metavar="{auto,1,2,3}",
                    help="steps planned ahead of the device's results: 1 is synchronous "
                         "batching; auto (default) runs 2, or on a GPU 3 while its steps are "
-                        "short (under ~8 ms), where the host's work between two steps would "
+                        "short (under ~10 ms), where the host's work between two steps would "
                         "not fit in one")
     p.add_argument("--no-overlap", action="store_true", default=d(False),
                    help="synchronous batching (one step in flight), the baseline: "

@@ -38,7 +38,7 @@ def test_long_mixed_run_with_aborts_leaks_nothing(tiny_model_dir: Path, depth: i
 @pytest.mark.parametrize(("device", "deep"), [("timed:1,0", 3), ("timed:20,0", 2), ("cpu", 2)])
 def test_auto_depth_runs_three_deep_only_behind_a_separate_devices_short_steps(
         tiny_model_dir: Path, device: str, deep: int) -> None:
-    """Under 8 ms a step the instrument (a separate device) gets a third step in flight; its
+    """Under 10 ms a step the instrument (a separate device) gets a third step in flight; its
     20 ms steps and the CPU device (whose forward shares the cores with the host; the tiny
     model's steps are short too) keep 2. Same tokens either way (the instrument's are a function
     of the context)."""

@@ -50,7 +50,7 @@ def test_the_cli_depth_and_no_overlap() -> None:
 
 
 def test_auto_depth_goes_deep_only_behind_short_steps() -> None:
-    auto = RunAheadDepth(3, short_ms=8.0)
+    auto = RunAheadDepth(3, short_ms=8.0)  # (round numbers: 8 and 10 ms)
     assert auto.depth == 2
     for _ in range(RunAheadDepth.MIN_SEEN - 1):  # not timed enough steps yet
         assert auto.observe(0.002) == 2
