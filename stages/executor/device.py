@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 OnDone = Callable[[HostStep, int, bool, int, int, int], None]
 
 
+# A computed step on its way to the report: (step, result, device start ns, device end ns).
+Done = tuple[HostStep, SampleOutput, int, int]
+
+
 HostLoop = Callable[[], None]  # receives plans and submit()s them until told to stop
 
 
@@ -156,8 +160,7 @@ class CpuDevice:
         self.error: BaseException | None = None
         self._queue: queue.SimpleQueue[HostStep | None] = queue.SimpleQueue()
         # Reports leave from their own thread, so the device starts its next step at once.
-        self._done: queue.SimpleQueue[tuple[HostStep, SampleOutput, int, int] | None] = (
-            queue.SimpleQueue())
+        self._done: queue.SimpleQueue[Done | None] = queue.SimpleQueue()
         self._reporter = threading.Thread(target=self._report, name="report", daemon=True)
         self._reporter.start()
 
@@ -211,10 +214,7 @@ class CpuDevice:
 
     def _report(self) -> None:
         try:
-            while (item := self._done.get()) is not None:
-                step, out, start, end = item
-                counts = write_ring(self.sampled.slot(step.plan.ring_slot), out)
-                self.on_done(step, *counts, start, end)
+            report_steps(self._done, self.sampled, self.on_done)
         except BaseException as exc:
             logger.exception("report thread failed")
             self.error = exc
@@ -223,6 +223,18 @@ class CpuDevice:
         self._queue.put(None)
         self._done.put(None)
         self._reporter.join(timeout=30)
+
+
+def report_steps(done: queue.SimpleQueue[Done | None], sampled: SharedRing, on_done: OnDone,
+                 at_end: bool = False) -> None:
+    """Until None comes: write each step's result into its sampled-ring slot and report it
+    (at_end: not before its device end, on the timed instrument's clock)."""
+    while (item := done.get()) is not None:
+        step, out, start, end = item
+        if at_end and (wait := (end - now_ns()) / 1e9) > 0:
+            time.sleep(wait)
+        counts = write_ring(sampled.slot(step.plan.ring_slot), out)
+        on_done(step, *counts, start, end)
 
 
 def hold_host(ms: float) -> None:
@@ -248,8 +260,7 @@ class TimedDevice:
         # As on CUDA: the notifier needs the GIL for a moment while the host launches.
         sys.setswitchinterval(min(sys.getswitchinterval(), CudaDevice.SWITCH_INTERVAL_S))
         self._free_at = 0  # when the device's last queued step ends (ns)
-        self._pending: queue.SimpleQueue[tuple[HostStep, SampleOutput, int, int] | None] = (
-            queue.SimpleQueue())
+        self._pending: queue.SimpleQueue[Done | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._notify, name="timed-notify", daemon=True)
         self._thread.start()
 
@@ -267,13 +278,7 @@ class TimedDevice:
 
     def _notify(self) -> None:
         try:
-            while (item := self._pending.get()) is not None:
-                step, out, start, end = item
-                wait = (end - now_ns()) / 1e9
-                if wait > 0:
-                    time.sleep(wait)
-                counts = write_ring(self.sampled.slot(step.plan.ring_slot), out)
-                self.on_done(step, *counts, start, end)
+            report_steps(self._pending, self.sampled, self.on_done, at_end=True)
         except BaseException as exc:
             logger.exception("timed notifier failed")
             self.error = exc
