@@ -9,11 +9,13 @@ import asyncio
 import random
 from pathlib import Path
 
+import psutil
 import pytest
 from live import live_config, running
 
 from ipc.messages import SamplingParams
 from pipeline.runtime.client import PipelineClient
+from stages.detokenizer import DETOKENIZER_NICE
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
 
@@ -48,6 +50,11 @@ def test_auto_depth_runs_three_deep_only_behind_a_separate_devices_short_steps(
     with running(cfg) as pipe:
         outs = pipe.client().generate(prompts, params)  # type: ignore[arg-type]
         stats = pipe.idle_stats()
+        # (off the chain, the detokenizer yields the cores to the stages on it)
+        pids = pipe.stage_pids
+        assert psutil.Process(pids["detokenizer:0"]).nice() == (
+            psutil.Process().nice() + DETOKENIZER_NICE)
+        assert psutil.Process(pids["scheduler:0"]).nice() == psutil.Process().nice()
     assert stats.run_ahead_depth == deep and stats.num_ring_slots == 4
     assert all(o.num_output_tokens == 24 and o.error is None for o in outs)
 
