@@ -171,6 +171,10 @@ def make_add_request(request_id: str, reply_to: str, prompt: Prompt,
     return AddRequest(request_id, reply_to, None, list(prompt), None, params, now, tools)  # type: ignore[arg-type]
 
 
+# A request's route: called with its outputs of one message from the pipeline, in order.
+Deliver = Callable[[list[RequestOutput]], Any]
+
+
 @dataclass(frozen=True)
 class Health:
     """What the latest published status says. ok: every stage alive and answering."""
@@ -184,24 +188,6 @@ class Health:
     engines_down: list[int] = field(default_factory=list)
     # Engines being started again after a death (down meanwhile).
     engines_restarting: list[int] = field(default_factory=list)
-
-
-class _Inbox:
-    """generate's outputs, as the I/O thread hands them over: each message's outputs in one
-    SimpleQueue put (a C put and get; Queue's Python condition per output took a third of the
-    client's CPU at 256 outputs a step, and one put per output still woke the caller's
-    thread, and took the GIL from the I/O thread, up to once an output)."""
-
-    __slots__ = ("queue",)
-
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[Sequence[RequestOutput]] = queue.SimpleQueue()
-
-    def __call__(self, out: RequestOutput) -> None:  # (a route's deliver, one output)
-        self.queue.put((out,))
-
-    def put_many(self, outs: list[RequestOutput]) -> None:
-        self.queue.put(outs)
 
 
 class PipelineClient:
@@ -237,7 +223,7 @@ class PipelineClient:
         self._joined: set[str] = set()  # stages from other hosts this client follows
         self._send_lock = threading.Lock()
         # request id -> (deliver, samples still running, the tokenizer it was sent to)
-        self._routes: dict[str, tuple[Callable[[RequestOutput], Any], int, int]] = {}
+        self._routes: dict[str, tuple[Deliver, int, int]] = {}
         self._routes_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._route_outputs, name="client-io", daemon=True)
@@ -322,18 +308,18 @@ class PipelineClient:
             self._deliver(self._routed(msg.outputs))
 
     @staticmethod
-    def _deliver(routed: list[tuple[Callable[[RequestOutput], Any], RequestOutput]]) -> None:
-        batches: dict[int, tuple[_Inbox, list[RequestOutput]]] = {}
+    def _deliver(routed: list[tuple[Deliver, RequestOutput]]) -> None:
+        """Each callback once, with its outputs of this message in order: generate's one
+        callback takes a whole step's in one queue put (Queue's Python condition per output
+        had taken a third of the client's CPU at 256 outputs a step)."""
+        batches: dict[int, tuple[Deliver, list[RequestOutput]]] = {}
         for deliver, out in routed:
-            if type(deliver) is _Inbox:  # generate's: the message's outputs in one put
-                batches.setdefault(id(deliver), (deliver, []))[1].append(out)
-                continue
+            batches.setdefault(id(deliver), (deliver, []))[1].append(out)
+        for deliver, outs in batches.values():
             try:
-                deliver(out)
+                deliver(outs)
             except RuntimeError:  # its event loop is closed: nobody is listening
                 pass
-        for inbox, outs in batches.values():
-            inbox.put_many(outs)
 
     def _reconcile(self, restarts: dict[str, int]) -> None:
         """For each tokenizer restarted since the last status, send it a Reconcile naming the
@@ -399,8 +385,7 @@ class PipelineClient:
                                         "again", None) for rid in ids]
         self._deliver(self._routed(failed))
 
-    def _routed(self, outputs: list[RequestOutput]
-                ) -> list[tuple[Callable[[RequestOutput], Any], RequestOutput]]:
+    def _routed(self, outputs: list[RequestOutput]) -> list[tuple[Deliver, RequestOutput]]:
         """Each output with the callback of its request, under one lock for the whole batch;
         a request's route goes once its last sample has finished."""
         routed = []
@@ -421,7 +406,7 @@ class PipelineClient:
         return routed
 
     def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None,
-                deliver: Callable[[RequestOutput], Any], tools: Sequence[ToolSpec] = ()) -> str:
+                deliver: Deliver, tools: Sequence[ToolSpec] = ()) -> str:
         request_id = request_id or uuid.uuid4().hex
         self._check_open()
         msg = make_add_request(request_id, self.reply_to, prompt, params, tools)
@@ -487,17 +472,17 @@ class PipelineClient:
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        inbox = _Inbox()
+        inbox: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, all_params, strict=True):
             rid = uuid.uuid4().hex
             results[rid] = CompletionOutput(rid, max(p.n, 1), arrival_time=time.monotonic())
-            order.append(self._submit(prompt, p, rid, inbox))
+            order.append(self._submit(prompt, p, rid, inbox.put))
         self._collect(inbox, results, timeout, on_finished)
         return [results[rid] for rid in order]
 
-    def _collect(self, inbox: _Inbox,
+    def _collect(self, inbox: queue.SimpleQueue[list[RequestOutput]],
                  results: dict[str, CompletionOutput],
                  timeout: float | None,
                  on_finished: Callable[[CompletionOutput], Any] | None = None) -> None:
@@ -509,7 +494,7 @@ class PipelineClient:
                     self.abort(rid)
                 raise TimeoutError(f"{len(pending)} requests did not finish in {timeout} s")
             try:
-                outs = inbox.queue.get(timeout=0.25)
+                outs = inbox.get(timeout=0.25)
             except queue.Empty:
                 self._check_alive()
                 continue
@@ -531,8 +516,13 @@ class PipelineClient:
         functions a chat's model may call."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def put(outs: list[RequestOutput]) -> None:
+            for out in outs:
+                inbox.put_nowait(out)
+
         rid = self._submit(prompt, params, request_id,
-                           lambda out: loop.call_soon_threadsafe(inbox.put_nowait, out), tools)
+                           lambda outs: loop.call_soon_threadsafe(put, outs), tools)
         remaining = max(params.n, 1)
         finished = False
         try:

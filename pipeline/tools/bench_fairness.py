@@ -51,7 +51,7 @@ def _hogs(vocab: int) -> dict[str, Callable[[PipelineClient, threading.Event], N
         i = 0
         while not stop.is_set():  # faster than they are served
             sent.append(client._submit(ids(i, 2000), _params("hog", max_tokens=50), None,
-                                       lambda out: None))
+                                       lambda outs: None))
             i += 1
             time.sleep(0.01)
         for rid in sent:
@@ -62,11 +62,11 @@ def _hogs(vocab: int) -> dict[str, Callable[[PipelineClient, threading.Event], N
 
     def urgent(client: PipelineClient, stop: threading.Event) -> None:
         sent = [client._submit(ids(i, 32), _params("hog", max_tokens=100, priority=-1), None,
-                               lambda out: None) for i in range(256)]  # a backlog, then more
+                               lambda outs: None) for i in range(256)]  # a backlog, then more
         i = 256
         while not stop.is_set():
             sent.append(client._submit(ids(i, 32), _params("hog", max_tokens=100, priority=-1),
-                                       None, lambda out: None))
+                                       None, lambda outs: None))
             i += 1
             time.sleep(0.01)
         for rid in sent:
