@@ -259,7 +259,7 @@ def test_an_engine_that_joined_serves_and_its_leaving_fails_only_its_requests(
             client = pipe.client()
             long = SamplingParams(max_tokens=400, ignore_eos=True)
             outs: list[RequestOutput] = []  # every delta, as the client's I/O thread hands it
-            rids = [client._submit([3 + i, 4, 5, 6], long, None, outs.append) for i in range(6)]
+            rids = [client._submit([3 + i, 4, 5, 6], long, None, outs.extend) for i in range(6)]
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not all(pipe.engines.loads()):
                 time.sleep(0.1)
@@ -444,7 +444,7 @@ def test_a_connected_client_follows_stages_that_join_and_leave(tiny_model_dir: P
             long: list[RequestOutput] = []
             for i in range(2):  # one to each tokenizer, in turn
                 client._submit([9, 8, 7 + i], SamplingParams(max_tokens=400, ignore_eos=True),
-                               None, long.append)
+                               None, long.extend)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and len({o.request_id for o in long}) < 2:
                 time.sleep(0.1)  # both run (each has streamed a token)

@@ -127,7 +127,8 @@ def test_requests_a_killed_tokenizer_held_get_an_error(pipe: Pipeline) -> None:
     try:  # round-robin from rank 0: the even ones go to the stopped worker
         ids = [client._submit(f"held {i}", SamplingParams(max_tokens=2, ignore_eos=True),
                               f"held-{i}",
-                              lambda o: got.setdefault(o.request_id, []).append(o))
+                              lambda outs: [got.setdefault(o.request_id, []).append(o)
+                                            for o in outs])
                for i in range(8)]
         time.sleep(0.3)
     finally:
