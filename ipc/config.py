@@ -122,6 +122,9 @@ class ServerOptions:
 # int8 = 8-bit codes with an fp16 scale and minimum per 32 inputs; int4 = 4-bit codes, a scale
 # and a minimum per 32 inputs (Q4_1), the head kept at int8.
 QUANTIZATIONS = ("int8", "int4")
+# The KV cache's formats (stages/executor/kv_pool.py): the model's dtype, int8 codes with an fp16
+# scale per token and KV head, or vLLM's fp8 names (fp8 is fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +139,7 @@ class ExecutorConfig:
     cuda_graphs: bool = True  # on CUDA, compiled: replay decode steps as CUDA graphs
     tensor_parallel_size: int = 1  # executor ranks, each holding 1/K of the model
     quantization: str | None = None  # QUANTIZATIONS: weights quantized at load (CPU)
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: the KV cache's format
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -145,6 +149,11 @@ class ExecutorConfig:
                               f"got {self.quantization!r}")
         if self.quantization is not None and self.timed is not None:
             raise ConfigError("--quantization needs a model, not the timed device")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.timed is not None:
+            raise ConfigError("--kv-cache-dtype needs a model, not the timed device")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda[:N] or {TIMED_SYNTAX}, "
                               f"got {self.device!r}")

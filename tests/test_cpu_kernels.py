@@ -252,9 +252,15 @@ def test_argmax_rows_is_torchs_argmax_ties_and_nans_included(dtype: torch.dtype)
 def test_bad_inputs_are_refused_with_the_reason() -> None:
     q, k, v, kv_cache, table, slots, positions, _ = _step(torch.float32, None)
     cos, sin = _rope_tables(64, torch.float32)
-    with pytest.raises(RuntimeError, match="the cache's dtype"):
+    with pytest.raises(RuntimeError, match="kv_cache: the model's dtype, int8, float8_e4m3fn"):
         torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache.double(), table, slots, positions,
                                           cos, sin, 0.25, 0)
+    with pytest.raises(RuntimeError, match="an int8 cache's rows: head size \\+ 2"):
+        torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache.to(torch.int8), table, slots,
+                                          positions, cos, sin, 0.25, 0)
+    with pytest.raises(RuntimeError, match="q, k, v: one dtype"):
+        torch.ops.llm_cpu.paged_attention(q, k.bfloat16(), v, kv_cache, table, slots,
+                                          positions, cos, sin, 0.25, 0)
     with pytest.raises(RuntimeError, match="int32 rows"):
         torch.ops.llm_cpu.paged_attention(q, k, v, kv_cache, table.long(), slots, positions,
                                           cos, sin, 0.25, 0)

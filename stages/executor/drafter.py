@@ -40,6 +40,7 @@ import torch
 from ipc.config import EngineLimits
 from ipc.step import DRAFT_TOKEN
 from stages.executor.backends.base import ForwardTables, StepRows
+from stages.executor.kv_pool import FORMATS, KVFormat, KVPool
 from stages.executor.models.base import CausalLM
 from stages.executor.sampler import SampleOutput, greedy_tokens
 from stages.executor.staging import DeviceStep, Staged, StagedFields, per_sampled, per_seq
@@ -80,10 +81,12 @@ class Drafter:
     which slots have one."""
 
     def __init__(self, model: CausalLM, limits: EngineLimits, num_cache_blocks: int,
-                 block_table: torch.Tensor, device: torch.device) -> None:
+                 block_table: torch.Tensor, device: torch.device,
+                 kv_format: KVFormat = FORMATS["auto"]) -> None:
         self.model, self.limits, self.device = model, limits, device
         self.backend = model.backend
-        self.kv_caches = model.new_kv_caches(num_cache_blocks, limits.block_size, device)
+        self.kv = KVPool(kv_format, model.kv_shape, num_cache_blocks, limits.block_size, device)
+        self.kv_caches = self.kv.caches
         self.backend.bind(ForwardTables(block_table, model.ropes,
                                         num_cache_blocks))
         n = limits.max_num_seqs

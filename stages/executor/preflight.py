@@ -30,7 +30,7 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         return None
     selection = select_backend(ForwardRequest(
         ex.device.split(":")[0], ex.compile, None, cfg.limits.block_size,
-        ex.tensor_parallel_size, cfg.model.mixture_of_experts), probe=False)
+        ex.tensor_parallel_size, cfg.model.mixture_of_experts, ex.kv_cache_dtype), probe=False)
     gguf = gguf_source(cfg.model.path)
     if gguf is not None and gguf.quantized:
         check_gguf(gguf, ex.quantization, ex.device, selection.compiled,

@@ -63,7 +63,8 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
                                   ex.kv_cache_memory, ex.compile,
                                   graphs=ex.cuda_graphs and device.type == "cuda", tp=tp,
                                   quantization=ex.quantization,
-                                  speculative=cfg.scheduler.speculative)
+                                  speculative=cfg.scheduler.speculative,
+                                  kv_cache_dtype=ex.kv_cache_dtype)
     runner.warm_up()  # (before the stage says it is ready: the first requests find it warm)
     return runner
 

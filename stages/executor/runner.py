@@ -30,6 +30,7 @@ from stages.executor.drafter import Drafter, DraftFields
 from stages.executor.grammar_mask import SlotGrammars
 from stages.executor.graphs import DecodeGraphs
 from stages.executor.host_memory import keep_freed_memory
+from stages.executor.kv_pool import FORMATS, KVFormat, KVPool, kv_format
 from stages.executor.linear.select import select_linear_method
 from stages.executor.models import load_model
 from stages.executor.models.base import CausalLM
@@ -68,11 +69,6 @@ class Runner(Protocol):
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput: ...
 
     def work_ahead(self, came: Callable[[], bool]) -> None: ...
-
-
-def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
 class SlotState:
@@ -249,23 +245,25 @@ class ModelRunner:
     def __init__(self, model: CausalLM, limits: EngineLimits, kv_cache_memory: int,
                  device: torch.device, grammars: Grammars | None = None,
                  graphs: bool | None = None, selection: Selection | None = None,
-                 draft: CausalLM | None = None) -> None:
+                 draft: CausalLM | None = None,
+                 kv_format: KVFormat = FORMATS["auto"]) -> None:
         """draft: a draft model (speculative decoding), whose KV cache shares the memory:
-        each block id holds the target's KV and the draft's."""
+        each block id holds the target's KV and the draft's (both in `kv_format`)."""
         self.model, self.limits, self.device = model, limits, device
         self.backend = backend = model.backend
         self.selection = selection
         self.tp: TensorParallel | None = None
-        per_block = kv_bytes_per_block(model, limits.block_size, model.dtype)
+        bs = limits.block_size
+        per_block = KVPool.bytes_per_block(kv_format, model.kv_shape, bs)
         if draft is not None:
-            per_block += kv_bytes_per_block(draft, limits.block_size, draft.dtype)
+            per_block += KVPool.bytes_per_block(kv_format, draft.kv_shape, bs)
         scratch = backend.scratch_blocks  # where padding tokens write
         self.num_blocks = kv_cache_memory // per_block - scratch
         if self.num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no KV block "
                              f"({per_block} bytes each{', and one of scratch' * scratch})")
-        self.kv_caches = model.new_kv_caches(self.num_blocks + scratch, limits.block_size,
-                                             device)
+        self.kv = KVPool(kv_format, model.kv_shape, self.num_blocks + scratch, bs, device)
+        self.kv_caches = self.kv.caches
         self.compiled = backend.compiled
         self.slots = SlotState(limits, device, device.type == "cuda", backend,
                                pad_block=self.num_blocks if scratch else 0, grammars=grammars,
@@ -273,7 +271,8 @@ class ModelRunner:
         backend.bind(ForwardTables(self.slots.block_table, model.ropes,
                                    self.num_blocks + scratch))
         self.drafter = self.slots.drafter = (
-            Drafter(draft, limits, self.num_blocks + scratch, self.slots.block_table, device)
+            Drafter(draft, limits, self.num_blocks + scratch, self.slots.block_table, device,
+                    kv_format)
             if draft is not None else None)
         self.compile_stats = (compile_layers(model.model.layers, limits, device)
                               if self.compiled else CompileStats())
@@ -285,9 +284,10 @@ class ModelRunner:
                                     device.type == "cuda")
                        if graphs and backend.graph_fields else None)
         assert self.graphs is None or self.drafter is None, "graphs beside a draft model"
-        logger.info("forward: %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB)",
+        logger.info("forward: %s (%s); KV cache: %s, %d blocks of %d tokens (%.1f MiB)",
                     backend.name, selection.reason if selection else "given",
-                    self.num_blocks, limits.block_size, self.num_blocks * per_block / 2**20)
+                    self.kv.describe(), self.num_blocks, limits.block_size,
+                    self.num_blocks * per_block / 2**20)
 
     @property
     def cpu_kernels(self) -> bool:
@@ -300,18 +300,20 @@ class ModelRunner:
                  graphs: bool | None = None, tp: TensorParallel | None = None,
                  cpu_kernels: bool | None = None,
                  quantization: str | None = None,
-                 speculative: SpeculativeConfig | None = None) -> ModelRunner:
+                 speculative: SpeculativeConfig | None = None,
+                 kv_cache_dtype: str = "auto") -> ModelRunner:
         """The forward is chosen first (select_backend: `compile` and `cpu_kernels` as asked,
         None for the default), then the weight format (select_linear_method: `quantization`
         as asked, else `pack` None packs for oneDNN where it can), then the model is built
         with both. tp: this rank's shard of the model (parallel.py); rank 0 samples.
-        speculative: with a draft model, that model is loaded too (load_draft)."""
+        speculative: with a draft model, that model is loaded too (load_draft).
+        kv_cache_dtype: the KV cache's format (kv_pool.py), which the forward must read."""
         if device.type == "cpu":  # (the forward's activations: reused, not faulted in again)
             keep_freed_memory()
         _, spec = read_config(model_dir)
         selection = select_backend(ForwardRequest(
             device.type, compile, cpu_kernels, limits.block_size,
-            tp.size if tp is not None else 1, spec.moe is not None))
+            tp.size if tp is not None else 1, spec.moe is not None, kv_cache_dtype))
         backend = selection.load()(limits, device, spec.windows)
         linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,
                                       gguf_source(model_dir), selection.backend == "cpu_kernels")
@@ -324,7 +326,7 @@ class ModelRunner:
             draft = load_draft(speculative, limits.vocab_size, dtype, device, limits,
                                selection, tp is not None)
         runner = cls(model, limits, kv_cache_memory, device, grammars, graphs, selection,
-                     draft)
+                     draft, kv_format(kv_cache_dtype))
         runner.tp = tp
         return runner
 

@@ -33,6 +33,9 @@ BACKENDS = {
 # Compiled by default where it pays (docs/BENCHMARKS.md, "Compiled forward"): on CUDA a
 # compiled, graph-ready forward is what keeps the GPU from waiting on kernel launches.
 DEFAULT_COMPILE = {"cuda": True, "cpu": False}
+# The forwards that read an 8-bit KV cache (--kv-cache-dtype int8 or fp8: stages/executor/
+# kv_pool.py); the others keep the model's dtype.
+KV_8BIT_BACKENDS = ("cpu_kernels",)
 # Triton's smallest tile: the compiled attention's blocks are pages, so on CUDA a page must
 # hold a whole number of tiles.
 CUDA_PAGE_MULTIPLE = 16
@@ -48,6 +51,7 @@ class ForwardRequest:
     block_size: int = 16
     tensor_parallel_size: int = 1
     mixture_of_experts: bool = False  # the model's MLPs are (ArchSpec.moe)
+    kv_cache_dtype: str = "auto"  # the KV cache's format (ipc.config.KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ def select_backend(req: ForwardRequest, probe: bool = True) -> Selection:
     """The forward that runs for `req`, or a ConfigError naming why what was asked cannot.
     With `probe`, the CPU kernels are loaded (built on a machine's first use) to know they
     work; without, only what can be known without torch is checked."""
+    selection = _select(req, probe)
+    if req.kv_cache_dtype != "auto" and selection.backend not in KV_8BIT_BACKENDS:
+        raise ConfigError(f"--kv-cache-dtype {req.kv_cache_dtype}: the {selection.backend} "
+                          f"forward ({selection.reason}) reads a KV cache in the model's dtype "
+                          f"only; 8-bit KV caches run on the CPU kernels' forward "
+                          f"(--device cpu --no-compile), else pass --kv-cache-dtype auto")
+    return selection
+
+
+def _select(req: ForwardRequest, probe: bool) -> Selection:
     compiled, why = resolve_compile(req)
     if compiled:
         if req.cpu_kernels:

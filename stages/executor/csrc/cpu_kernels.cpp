@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "kv_formats.h"
 #include "vector_math.h"
 #include "work_queue.h"
 
@@ -850,9 +851,18 @@ inline void rope(const T* x, const float* cos, const float* sin, int64_t d, floa
   }
 }
 
+// The cache's format F: T itself (the model's dtype), or one of kv_formats.h's 8-bit ones.
+template <typename F>
+constexpr bool kQuantized = std::is_same_v<F, llm_cpu_kv::Int8Rows> ||
+                            std::is_same_v<F, llm_cpu_kv::E4M3Rows> ||
+                            std::is_same_v<F, llm_cpu_kv::E5M2Rows>;
+
 // kD: the head size as a constant (64 and 128, the common ones), so that the loops over it
-// unroll with no remainder; 0 reads it from the tensors.
-template <typename T, int64_t kD>
+// unroll with no remainder; 0 reads it from the tensors. F: the cache's format (see above): an
+// 8-bit cache is written through quantize_row and read a page at a time widened to float rows
+// in the thread's buffer, then attended as a float32 cache is (the vector forms: the AMX ones
+// take bf16 keys in place, which an 8-bit page is not).
+template <typename T, typename F, int64_t kD>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       at::Tensor& kv_cache, const at::Tensor& block_table,
                       const at::Tensor& token_slots, const at::Tensor& positions,
@@ -864,8 +874,18 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t group = heads / kv_heads;
   const int64_t cache_half = kv_cache.stride(0);
   const int64_t table_stride = block_table.stride(0);
-  T* k_cache = kv_cache.data_ptr<T>();
-  T* v_cache = k_cache + cache_half;
+  constexpr bool quantized = kQuantized<F>;
+  using C = std::conditional_t<quantized, uint8_t, T>;  // the cache's elements
+  // Elements of a head's row in the cache: its D values, and an 8-bit format's extra bytes.
+  const int64_t row = [&] {
+    if constexpr (quantized) {
+      return d + F::kExtra;
+    } else {
+      return d;
+    }
+  }();
+  C* k_cache = static_cast<C*>(kv_cache.data_ptr());
+  C* v_cache = k_cache + cache_half;
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k.data_ptr<T>();
   const T* v_ptr = v.data_ptr<T>();
@@ -881,7 +901,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
   auto cache_offset = [&](int64_t slot, int64_t p) {  // element offset of (p, head 0)
     const int64_t block = table[slot * table_stride + p / block_size];
-    return (block * block_size + p % block_size) * kv_heads * d;
+    return (block * block_size + p % block_size) * kv_heads * row;
   };
 
   // 1. Tiles: runs of consecutive positions of one sequence, at most tile_len tokens. Every
@@ -923,18 +943,24 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   at::Tensor qf = at::empty({num_tokens, heads, d}, q.options().dtype(at::kFloat));
   float* qf_ptr = qf.data_ptr<float>();
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated(d);
+    std::vector<float> rotated(d), value(quantized ? d : 0);
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos_ptr + pos[t] * d;
       const float* s = sin_ptr + pos[t] * d;
       const int64_t at = cache_offset(slots[t], pos[t]);
       for (int64_t h = 0; h < kv_heads; ++h) {
         rope(k_ptr + t * k_row + h * d, c, s, d, rotated.data());
-        T* kd = k_cache + at + h * d;
-        T* vd = v_cache + at + h * d;
+        C* kd = k_cache + at + h * row;
+        C* vd = v_cache + at + h * row;
         const T* vs = v_ptr + t * v_row + h * d;
-        store_row(rotated.data(), 1.0f, d, kd);
-        std::memcpy(vd, vs, d * sizeof(T));
+        if constexpr (quantized) {
+          llm_cpu_kv::quantize_row(rotated.data(), d, kd, F{});
+          for (int64_t i = 0; i < d; ++i) value[i] = to_float(vs[i]);
+          llm_cpu_kv::quantize_row(value.data(), d, vd, F{});
+        } else {
+          store_row(rotated.data(), 1.0f, d, kd);
+          std::memcpy(vd, vs, d * sizeof(T));
+        }
       }
       for (int64_t h = 0; h < heads; ++h) {
         float* qd = qf_ptr + (t * heads + h) * d;
@@ -946,12 +972,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   });
 
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  const int64_t kv_stride = kv_heads * d;  // between keys of one head in a page
+  const int64_t kv_stride = kv_heads * row;  // between keys of one head in a page
   // Decodes' scores on AMX tiles (tile_keys) where the build, the CPU and the kernel allow,
   // a page being whole tiles of keys.
   const int64_t tile_rows = std::min<int64_t>(16, block_size);
 #if LLM_CPU_AMX
-  const bool amx_decode = std::is_same_v<T, c10::BFloat16> && kVectorHead<kD> && group >= 2 &&
+  const bool amx_decode = std::is_same_v<C, c10::BFloat16> && kVectorHead<kD> && group >= 2 &&
                           group <= 4 && block_size % tile_rows == 0 &&
                           llm_cpu_amx::request_tiles();
 #endif
@@ -972,7 +998,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const int64_t last_page = last / block_size;
     bool decoded = false;  // by tile_keys
 #if LLM_CPU_AMX
-    if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (kVectorHead<kD> && std::is_same_v<C, c10::BFloat16>) {
       if (tile.len == 1 && amx_decode) {
         if (tiles_config != kDecodeTiles) {
           configure_decode_tiles(tile_rows);
@@ -990,14 +1016,14 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               const int64_t block = table[slot * table_stride + page];
               if (page < last_page) {  // the next page is elsewhere: fetch it meanwhile
                 prefetch_head(k_cache, v_cache, table[slot * table_stride + page + 1],
-                              block_size, kv_stride, g * d, d);
+                              block_size, kv_stride, g * row, row);
               } else if (g + 1 < kv_heads) {  // the next head's first page
                 prefetch_head(k_cache, v_cache, table[slot * table_stride + lo_first / block_size],
-                              block_size, kv_stride, (g + 1) * d, d);
+                              block_size, kv_stride, (g + 1) * row, row);
               }
               const int64_t j_lo = std::max(lo_first, page_start) - page_start;
               const int64_t j_hi = std::min(first, page_start + block_size - 1) - page_start + 1;
-              const int64_t at = block * block_size * kv_stride + g * d;
+              const int64_t at = block * block_size * kv_stride + g * row;
               tile_keys<kD, kG>(k_cache + at, v_cache + at, kv_stride, tile_rows, j_lo, j_hi,
                                 row_max + h0, row_sum + h0, acc + h0 * d, scores,
                                 block_size + 8, c, fcap);
@@ -1012,7 +1038,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
 #endif
     if (!decoded) {
-      if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (kVectorHead<kD> && std::is_same_v<C, c10::BFloat16>) {
         if (tile.len == 1 && group >= 2 && group <= 4) {  // group_keys reads them split in pairs
           float* qt = qf_ptr + tile.start * heads * d;
           for (int64_t e = 0; e < heads * d; e += 32) {
@@ -1031,8 +1057,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                         kv_stride);
         }
         for (int64_t g = 0; g < kv_heads; ++g) {
-          const T* kp = k_cache + block * block_size * kv_stride + g * d;
-          const T* vp = v_cache + block * block_size * kv_stride + g * d;
+          const C* kp = k_cache + block * block_size * kv_stride + g * row;
+          const C* vp = v_cache + block * block_size * kv_stride + g * row;
           // The tile's rows over this page's keys and values of head g (T, or float widened).
           auto attend = [&](const auto* keys, const auto* values, int64_t stride) {
             for (int64_t i = 0; i < tile.len; ++i) {
@@ -1052,8 +1078,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               }
             }
           };
-          if constexpr (kVectorHead<kD>) {
-            if (tile.len == 1 && group >= 2 && group <= 4) {  // a decode: its heads together
+          // A decode's query heads of head g together (group_keys), over the page's keys and
+          // values as given (in the cache, or widened).
+          const bool heads_together = kVectorHead<kD> && tile.len == 1 && group >= 2 &&
+                                      group <= 4;
+          auto decode_heads = [&](const auto* keys, const auto* values, int64_t stride) {
+            if constexpr (kVectorHead<kD>) {
               const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
               const int64_t j_lo = std::max(lo, page_start) - page_start;
               const int64_t j_hi = std::min(first, page_start + block_size - 1) - page_start + 1;
@@ -1062,26 +1092,41 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                 const float* qg = qf_ptr + (tile.start * heads + h0) * d;
                 auto run = [&](auto heads_of_group) {
                   group_keys<kD, decltype(heads_of_group)::value>(
-                      qg, kp, vp, kv_stride, j_lo, j_hi, row_max + h0, row_sum + h0, acc + h0 * d,
-                      scores, block_size + 8, fcap);
+                      qg, keys, values, stride, j_lo, j_hi, row_max + h0, row_sum + h0,
+                      acc + h0 * d, scores, block_size + 8, fcap);
                 };
                 if (group == 2) run(std::integral_constant<int, 2>{});
                 if (group == 3) run(std::integral_constant<int, 3>{});
                 if (group == 4) run(std::integral_constant<int, 4>{});
               }
+            }
+          };
+          if constexpr (quantized) {  // the page's rows of head g as float rows, then as float32
+            const int64_t used = std::min(block_size, last - page_start + 1);
+            float* page_v = page_kv + block_size * d;
+            llm_cpu_kv::widen_rows(kp, kv_stride, d, used, page_kv, F{});
+            llm_cpu_kv::widen_rows(vp, kv_stride, d, used, page_v, F{});
+            if (heads_together) {
+              decode_heads(page_kv, page_v, d);
+            } else {
+              attend(page_kv, page_v, d);
+            }
+          } else {
+            if (heads_together) {
+              decode_heads(kp, vp, kv_stride);
               continue;
             }
-          }
-          if constexpr (!std::is_same_v<T, float>) {
-            if (group > 1) {  // widened once for the group's query heads, not once per head
-              const int64_t used = std::min(block_size, last - page_start + 1);
-              widen_rows(kp, kv_stride, d, used, page_kv);
-              widen_rows(vp, kv_stride, d, used, page_kv + block_size * d);
-              attend(page_kv, page_kv + block_size * d, d);
-              continue;
+            if constexpr (!std::is_same_v<T, float>) {
+              if (group > 1) {  // widened once for the group's query heads, not once per head
+                const int64_t used = std::min(block_size, last - page_start + 1);
+                widen_rows(kp, kv_stride, d, used, page_kv);
+                widen_rows(vp, kv_stride, d, used, page_kv + block_size * d);
+                attend(page_kv, page_kv + block_size * d, d);
+                continue;
+              }
             }
+            attend(kp, vp, kv_stride);
           }
-          attend(kp, vp, kv_stride);
         }
       }
     }
@@ -1095,8 +1140,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // 3b. A tile of a prompt (kMatrixRows or more rows a KV head) in matrix form, one KV head g
   // at a time: its rows r = i * group + (h - g * group), token i and query head h, in vectors
   // of 16 lanes (see chunk_scores). The page's keys and values of head g are copied (float32)
-  // or widened (bf16, fp16) to contiguous float rows once for all its row vectors, 16 keys at
-  // a time.
+  // or widened (bf16, fp16, an 8-bit format) to contiguous float rows once for all its row
+  // vectors, 16 keys at a time.
   const int64_t max_vectors = (tile_len * group + 15) / 16;
   struct RowStats {  // per row vector: each lane's online softmax and which keys it sees
     std::vector<v16f> row_max, row_sum;
@@ -1174,8 +1219,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           prefetch_page(k_cache, v_cache, table[slot * table_stride + page + 1], block_size,
                         kv_stride);
         }
-        const T* kp = k_cache + block * block_size * kv_stride + g * d;
-        const T* vp = v_cache + block * block_size * kv_stride + g * d;
+        const C* kp = k_cache + block * block_size * kv_stride + g * row;
+        const C* vp = v_cache + block * block_size * kv_stride + g * row;
         const int64_t used = std::min(block_size, last - page_start + 1);
         for (int64_t j0 = 0; j0 < used; j0 += kChunk) {
           const int64_t n = std::min(kChunk, used - j0);
@@ -1185,8 +1230,13 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           // are masked below and never weigh a value.
           const float* keys = buf.keys.data();
           const float* values = buf.values.data();
-          widen_rows(kp + j0 * kv_stride, kv_stride, d, n, buf.keys.data());
-          widen_rows(vp + j0 * kv_stride, kv_stride, d, n, buf.values.data());
+          if constexpr (quantized) {
+            llm_cpu_kv::widen_rows(kp + j0 * kv_stride, kv_stride, d, n, buf.keys.data(), F{});
+            llm_cpu_kv::widen_rows(vp + j0 * kv_stride, kv_stride, d, n, buf.values.data(), F{});
+          } else {
+            widen_rows(kp + j0 * kv_stride, kv_stride, d, n, buf.keys.data());
+            widen_rows(vp + j0 * kv_stride, kv_stride, d, n, buf.values.data());
+          }
           const int64_t key0 = page_start + j0;
           for (int64_t b = 0; b < vectors; ++b) {
             if (sees_none(tile, b, key0, n)) continue;
@@ -1229,7 +1279,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // 3c. A bf16 prompt tile on AMX tiles (tile_chunk_scores, tile_chunk_values): the matrix
   // form's loop and softmax, its two products as tile products, keys and values read from
   // the cache in place; pages of whole chunks.
-  const bool amx_rows = std::is_same_v<T, c10::BFloat16> && kVectorHead<kD> &&
+  const bool amx_rows = std::is_same_v<C, c10::BFloat16> && kVectorHead<kD> &&
                         block_size % kChunk == 0 && llm_cpu_amx::request_tiles();
   struct TileRows {
     std::vector<uint32_t> qb;    // [vector][d / 32][256]: row_query_tiles
@@ -1240,7 +1290,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     RowStats stats;
   };
   auto work_rows_amx = [&](const Tile& tile, TileRows& buf, int& tiles_config) {
-    if constexpr (kVectorHead<kD> && std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (kVectorHead<kD> && std::is_same_v<C, c10::BFloat16>) {
       if (tiles_config != kRowTiles) {
         configure_row_tiles();
         tiles_config = kRowTiles;
@@ -1266,8 +1316,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             prefetch_page(k_cache, v_cache, table[slot * table_stride + page + 1], block_size,
                           kv_stride);
           }
-          const T* kp = k_cache + block * block_size * kv_stride + g * d;
-          const T* vp = v_cache + block * block_size * kv_stride + g * d;
+          const C* kp = k_cache + block * block_size * kv_stride + g * row;
+          const C* vp = v_cache + block * block_size * kv_stride + g * row;
           const int64_t used = std::min(block_size, last - page_start + 1);
           for (int64_t j0 = 0; j0 < used; j0 += kChunk) {
             const int64_t n = std::min(kChunk, used - j0);
@@ -1309,7 +1359,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const int64_t rows = tile_len * heads;
     std::vector<float> acc(rows * d), row_max(rows), row_sum(rows);
     std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + 8));
-    std::vector<float> page_kv(std::is_same_v<T, float> ? 0 : 2 * block_size * d);
+    std::vector<float> page_kv(std::is_same_v<C, float> ? 0 : 2 * block_size * d);
     int tiles_config = kNoTiles;  // how this thread's tiles are configured
     RowBuffers buf{std::vector<float>(max_vectors * d * 16), std::vector<float>(max_vectors * d * 16),
                    std::vector<float>(kChunk * d), std::vector<float>(kChunk * d), make_stats()};
@@ -1367,11 +1417,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "sinks: contiguous float32 [heads]");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [tokens, heads, dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(),
-              "kv_cache: contiguous [2, blocks, block_size, kv_heads, dim]");
+              "kv_cache: contiguous [2, blocks, block_size, kv_heads, row]");
   const int64_t d = q.size(2), kv_heads = k.size(1);
+  // The cache's format (kv_formats.h): q's dtype, or an 8-bit one whose rows carry its extra
+  // bytes.
+  const at::ScalarType cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(cache_type == q.scalar_type() || cache_type == at::kChar ||
+                  cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2,
+              "kv_cache: the model's dtype, int8, float8_e4m3fn or float8_e5m2, not ",
+              cache_type);
+  const int64_t row = d + (cache_type == at::kChar ? llm_cpu_kv::Int8Rows::kExtra : 0);
   TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(1) == kv_heads &&
-                  kv_cache.size(3) == kv_heads && kv_cache.size(4) == d && d % 2 == 0,
-              "q, k, v and kv_cache disagree on heads or head size");
+                  kv_cache.size(3) == kv_heads && kv_cache.size(4) == row && d % 2 == 0,
+              "q, k, v and kv_cache disagree on heads or head size (an int8 cache's rows: "
+              "head size + 2)");
   TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0,
               "query heads must be a multiple of KV heads");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
@@ -1379,7 +1438,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "q, k, v, token_slots and positions disagree on the number of tokens");
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == d, "q, k, v: each token's heads contiguous");
-    TORCH_CHECK(t->scalar_type() == kv_cache.scalar_type(), "q, k, v: the cache's dtype");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v: one dtype");
   }
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table: int32 rows");
@@ -1395,20 +1454,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   if (q.size(0) == 0) return out;
   dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) {
     using T = decltype(tag);
-    auto run = [&](auto head_size) {
-      attention_kernel<T, decltype(head_size)::value>(q, k, v, kv_cache, block_table,
-                                                      token_slots, positions, cos_table,
-                                                      sin_table, scale, window, softcap,
-                                                      has_sinks ? sinks->data_ptr<float>()
-                                                                : nullptr,
-                                                      out);
+    auto with_format = [&](auto format) {
+      using F = decltype(format);
+      auto run = [&](auto head_size) {
+        attention_kernel<T, F, decltype(head_size)::value>(
+            q, k, v, kv_cache, block_table, token_slots, positions, cos_table, sin_table, scale,
+            window, softcap, has_sinks ? sinks->data_ptr<float>() : nullptr, out);
+      };
+      if (d == 64) {
+        run(std::integral_constant<int64_t, 64>{});
+      } else if (d == 128) {
+        run(std::integral_constant<int64_t, 128>{});
+      } else {
+        run(std::integral_constant<int64_t, 0>{});
+      }
     };
-    if (d == 64) {
-      run(std::integral_constant<int64_t, 64>{});
-    } else if (d == 128) {
-      run(std::integral_constant<int64_t, 128>{});
-    } else {
-      run(std::integral_constant<int64_t, 0>{});
+    switch (cache_type) {
+      case at::kChar: with_format(llm_cpu_kv::Int8Rows{}); break;
+      case at::kFloat8_e4m3fn: with_format(llm_cpu_kv::E4M3Rows{}); break;
+      case at::kFloat8_e5m2: with_format(llm_cpu_kv::E5M2Rows{}); break;
+      default: with_format(T{});
     }
   });
   return out;

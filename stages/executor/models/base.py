@@ -18,6 +18,7 @@ from torch import nn
 
 from ipc.arch import ArchSpec
 from stages.executor.backends.base import AttentionBackend
+from stages.executor.kv_pool import KVShape
 from stages.executor.linear.base import LinearMethod
 from stages.executor.models.blocks import Attention, Backbone, DecoderLayer
 from stages.executor.sharding import ParallelLMHead, Shard
@@ -86,17 +87,10 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def new_kv_caches(self, num_blocks: int, block_size: int,
-                      device: torch.device) -> list[torch.Tensor]:
-        """Zeroed KV caches, per layer [2, num_blocks, block_size, kv_heads, head_dim], each
-        its own tensor (so that every layer's cache looks alike to the compiled layer).
-        Written whole now, at the start: memory from calloc (pages the kernel zeroes when a
-        block is first written) started 0.2 s sooner for 1 GiB but moved those page faults
-        into the first steps that reach each block: a fresh engine's 64 x 128 tokens in bf16
-        ran at 811-864 tok/s against 891-944 (in process, interleaved)."""
-        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=device)
-                for _ in range(self.num_layers)]
+    @property
+    def kv_shape(self) -> KVShape:
+        """What this model's (rank's) KV cache holds per token (kv_pool.py allocates it)."""
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def init_rope(self, max_len: int) -> None:
         """The rope tables of every position (rope_tables), in the model's dtype, one pair
