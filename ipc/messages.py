@@ -589,6 +589,10 @@ class SchedulerStats(Message):
     # Positions computed for a sequence that had already finished (its run-ahead steps'
     # tokens), dropped: up to depth - 1 per finished sequence.
     discarded_tokens: int = 0
+    # The KV cache's configuration (vLLM's cache_config_info): tokens a block, and its format
+    # as --kv-cache-dtype names it (auto: the model's dtype).
+    block_size: int = 0
+    cache_dtype: str = ""
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).

@@ -63,6 +63,7 @@ class LLM:
                  detokenizer_workers: int = PipelineConfig.num_detokenizers,
                  data_parallel_size: int = PipelineConfig.data_parallel_size,
                  quantization: str | None = ExecutorConfig.quantization,
+                 kv_cache_dtype: str = ExecutorConfig.kv_cache_dtype,
                  speculative: str | None = None) -> None:
         from pipeline.runtime.launcher import Pipeline
         from pipeline.tools.model_source import resolve_model
@@ -74,7 +75,8 @@ class LLM:
                                       speculative=parse_speculative(speculative)),
             executor=ExecutorConfig.for_device(device, dtype=dtype,
                                                kv_cache_memory=kv_cache_memory,
-                                               compile=compile, quantization=quantization),
+                                               compile=compile, quantization=quantization,
+                                               kv_cache_dtype=kv_cache_dtype),
             num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers,
             data_parallel_size=data_parallel_size)
         self._pipeline = Pipeline(cfg)

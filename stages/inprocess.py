@@ -41,7 +41,8 @@ class InProcessEngine:
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  compile: bool = False, graphs: bool | None = None,
                  cpu_kernels: bool | None = None, quantization: str | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         vocab_size = ModelInfo.from_dir(model_dir).vocab_size
         self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, block_size,
                                    max_model_len, vocab_size, eos_token_ids, depth,
@@ -50,7 +51,7 @@ class InProcessEngine:
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
                                            cpu_kernels=cpu_kernels, quantization=quantization,
-                                           speculative=speculative)
+                                           speculative=speculative, kv_cache_dtype=kv_cache_dtype)
         self.scheduler = Scheduler(self.limits, self.runner.num_blocks,
                                    speculative=speculative)
         specs = step_input_specs(self.limits)

@@ -117,9 +117,11 @@ def describe(pids: list[int]) -> list[str]:
 def server(tiny_model_dir: Path) -> Iterator[Server]:
     # With speculative decoding on (1-gram lookup: the tiny model's outputs repeat tokens
     # often enough to propose, seldom to accept), so every test here also runs rows with
-    # drafts through the served path and must see what it would see without them.
+    # drafts through the served path and must see what it would see without them. Its KV
+    # cache is int8 (--kv-cache-dtype): every served path runs over a quantized cache too.
     with serve(tiny_model_dir, "--api-key", KEY, "--api-workers", "2",
-               "--stats-interval", "0.5", "--speculative", "ngram:3:2:1") as s:
+               "--stats-interval", "0.5", "--speculative", "ngram:3:2:1",
+               "--kv-cache-dtype", "int8") as s:
         yield s
 
 
@@ -373,6 +375,10 @@ def test_metrics_parse_and_move_across_two_workers(server: Server) -> None:
     assert f"vllm:prefix_cache_queries_total{{{model}}}" in after
     assert f"vllm:num_preemptions_total{{{model}}}" in after
     assert f"vllm:gpu_cache_usage_perc{{{model}}}" in after
+    # vLLM's cache_config_info, as its Grafana dashboard reads it: the format and the blocks
+    info = [k for k in after if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and "cache_dtype=int8" in info[0] and "block_size=16" in info[0]
+    assert int(info[0].split("num_gpu_blocks=")[1].split(",")[0].rstrip("}")) > 0
     assert "llm_pipeline_device_idle_fraction{}" in after
     assert "llm_pipeline_steps_in_flight{}" in after
     # speculative decoding's counters, under vLLM's names (the server runs with drafts: a

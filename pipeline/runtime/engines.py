@@ -13,7 +13,7 @@ from ipc.messages import Histogram, SchedulerStats
 from ipc.ranks import RankLayout
 
 MEAN_FIELDS = ("device_idle_fraction",)  # a fraction: the engines' mean, not their sum
-MAX_FIELDS = ("uptime_s", "run_ahead_depth")
+MAX_FIELDS = ("uptime_s", "run_ahead_depth", "block_size")  # (block_size: the same in each)
 # Counts that only grow (Prometheus counters and histograms): an engine that went down keeps
 # its part, or the sums would fall, which a scraper reads as a reset.
 CUMULATIVE_FIELDS = ("num_preemptions", "num_steps", "prefix_cache_queries",
@@ -53,6 +53,8 @@ def _add(parts: list[Any]) -> Any:
         return {k: _add([p[k] for p in parts if k in p]) for k in keys}
     if isinstance(first, Histogram):
         return Histogram(_add([p.buckets for p in parts]), sum(p.sum for p in parts))
+    if isinstance(first, str):  # (a configuration's: every engine runs the same)
+        return first
     return sum(parts)
 
 

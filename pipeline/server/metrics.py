@@ -156,6 +156,11 @@ class StatusCollector:
         yield gauge(V + "kv_cache_usage_perc", "Fraction of KV blocks held (1 = all)", used)
         yield gauge(V + "gpu_cache_usage_perc", "Fraction of KV blocks held (vLLM's older "
                     "name, on any device)", used)
+        info = GaugeMetricFamily(V + "cache_config_info", "The KV cache's configuration (its "
+                                 "labels; the value is 1)",
+                                 labels=["block_size", "cache_dtype", "num_gpu_blocks"])
+        info.add_metric([str(s.block_size), s.cache_dtype, str(s.num_blocks)], 1.0)
+        yield info
         finished = CounterMetricFamily(V + "request_success", "Finished sequences (samples) "
                                        "and refused requests, by finish reason",
                                        labels=[*MODEL, "finished_reason"])

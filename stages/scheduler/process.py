@@ -252,7 +252,8 @@ class SchedulerShell:
     def stats(self) -> SchedulerStats:
         refused = self.inbox.num_refused + self.results.num_refused + self.remote.num_refused
         return dataclasses.replace(self.core.stats(), num_refused_messages=refused,
-                                   engine=self.cfg.engine)
+                                   engine=self.cfg.engine, block_size=self.cfg.limits.block_size,
+                                   cache_dtype=self.cfg.executor.kv_cache_dtype)
 
     def _shard(self, request_id: str, reply_to: str = "") -> int:
         """The detokenizer worker of a request: every message of it goes to the one chosen
