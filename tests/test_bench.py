@@ -92,17 +92,22 @@ def test_quality_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> N
         pytest.skip(f"quantized kernels: {kernel_missing()}")
     out = tmp_path / "q.json"
     rc = bench.main(["quality", "--model", str(tiny_model_dir), "--quantization", "int8,int4",
-                     "--output-len", "6", "--json", str(out)])
+                     "--kv-cache-dtype", "int8,fp8_e5m2", "--output-len", "6",
+                     "--json", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0 and report["config"]["prompts"] == 16 and report["config"]["text_tokens"] > 50
-    for name in ("int8", "int4"):
+    for name in ("int8", "int4", "kv int8", "kv fp8_e5m2"):
         r = report[name]
         assert 0 < r["mean_abs_dlogprob"] <= r["max_abs_dlogprob"] and r["mean_abs_dlogprob"] < 1
         assert 0 <= r["greedy_identical"] <= 16 and 0 <= r["mean_shared_prefix"] <= 6
     # 4-bit codes round the tiny model's random weights more than 8-bit ones
     assert report["int4"]["mean_abs_dlogprob"] > report["int8"]["mean_abs_dlogprob"]
+    # and e5m2's 2 mantissa bits a key more than int8's codes with a scale per token
+    assert report["kv fp8_e5m2"]["mean_abs_dlogprob"] > report["kv int8"]["mean_abs_dlogprob"]
     with pytest.raises(SystemExit, match="unknown formats"):
         bench.main(["quality", "--model", str(tiny_model_dir), "--quantization", "fp8"])
+    with pytest.raises(SystemExit, match="unknown KV cache formats"):
+        bench.main(["quality", "--model", str(tiny_model_dir), "--kv-cache-dtype", "q4_0"])
 
 
 def test_overlap_outputs_may_differ_only_where_cuda_batched_differently() -> None:

@@ -51,6 +51,7 @@ def _origins(text: str) -> tuple[str, ...]:
 FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "dtype": (ExecutorConfig, "dtype", _same),
     "quantization": (ExecutorConfig, "quantization", _same),
+    "kv_cache_dtype": (ExecutorConfig, "kv_cache_dtype", _same),
     "device": (ExecutorConfig, "device", _same),
     "kv_cache_memory": (ExecutorConfig, "kv_cache_memory", parse_bytes),
     "compile": (ExecutorConfig, "compile", _same),
@@ -271,7 +272,7 @@ BENCH_OWN = {
     ("dp", "data_parallel_size"),  # 2: the comparison it is for
     ("fairness", "device"), ("overload", "device"),  # the timed device: no model needed
     ("overload", "max_waiting"),  # below serve's, so refusals start sooner
-    ("quality", "quantization"),  # the formats it compares
+    ("quality", "quantization"), ("quality", "kv_cache_dtype"),  # the formats it compares
     ("throughput", "quantization"),  # a list of formats to run again with
 }
 

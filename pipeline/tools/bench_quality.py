@@ -1,5 +1,6 @@
-"""`scripts/bench quality`: what each weight format costs in accuracy, against float32 weights
-on the same model, in one process (stages/inprocess.py: the scheduler and executor cores):
+"""`scripts/bench quality`: what each weight format and each KV cache format costs in accuracy,
+against float32 weights and a KV cache in the activations' dtype on the same model, in one
+process (stages/inprocess.py: the scheduler and executor cores):
 
 - |Δ log-prob|: each token of a fixed text scored by the model (prompt logprobs), under the
   format and under float32; the mean and the largest difference over the text's tokens;
@@ -9,7 +10,9 @@ on the same model, in one process (stages/inprocess.py: the scheduler and execut
   shared prefix says more than the count alone).
 
 The activations are in --dtype in every row, so `--dtype bfloat16` measures what a format
-adds to bf16 (against float32 weights, which is what the targets compare with)."""
+adds to bf16 (against float32 weights, which is what the targets compare with). A KV format's
+row (`kv int8`, ...) has float32 weights and only its cache quantized: what it adds to a cache
+in --dtype."""
 
 from __future__ import annotations
 
@@ -76,18 +79,34 @@ def quantization_list(text: str) -> list[str]:
     return names
 
 
+def kv_dtype_list(text: str) -> list[str]:
+    """A --kv-cache-dtype comma list of ipc.config.KV_CACHE_DTYPES' names ("" none)."""
+    from ipc.config import KV_CACHE_DTYPES
+
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown KV cache formats {unknown}; choose from "
+                                         f"{list(KV_CACHE_DTYPES)}")
+    return names
+
+
 def add_quality_parser(sub: Any, add_common: Any) -> None:
-    p = sub.add_parser("quality", help="each --quantization against float32 weights: "
+    p = sub.add_parser("quality", help="each --quantization against float32 weights, each "
+                                       "--kv-cache-dtype against a cache in --dtype: "
                                        "|Δ log-prob| of a fixed text, greedy agreement")
     add_common(p, kv_cache_memory=1 << 28)
     p.add_argument("--quantization", default="int8,int4",
                    help="comma list of the formats to measure (ipc.config.QUANTIZATIONS)")
+    p.add_argument("--kv-cache-dtype", default="int8,fp8_e4m3,fp8_e5m2",
+                   help="comma list of the KV cache formats to measure "
+                        "(ipc.config.KV_CACHE_DTYPES; \"\" none)")
     p.add_argument("--output-len", type=int, default=32,
                    help="greedy tokens per prompt for the agreement")
     p.set_defaults(func=quality)
 
 
-def _engine(args: argparse.Namespace, quantization: str | None) -> Any:
+def _engine(args: argparse.Namespace, quantization: str | None, kv_cache_dtype: str) -> Any:
     import torch
 
     from stages.inprocess import InProcessEngine
@@ -95,16 +114,18 @@ def _engine(args: argparse.Namespace, quantization: str | None) -> Any:
     return InProcessEngine(args.model_dir, max_num_seqs=len(PROMPTS), max_num_batched_tokens=1024,
                            block_size=16, kv_cache_memory=args.kv_cache_memory, depth=2,
                            max_model_len=1024, dtype=getattr(torch, args.dtype),
-                           device=args.device, quantization=quantization)
+                           device=args.device, quantization=quantization,
+                           kv_cache_dtype=kv_cache_dtype)
 
 
 def _measure(args: argparse.Namespace, quantization: str | None, text_ids: list[int],
-             prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
+             prompts: list[list[int]],
+             kv_cache_dtype: str = "auto") -> tuple[list[float], list[list[int]]]:
     """The text's token logprobs (the first token has none) and each prompt's greedy
-    continuation, under one weight format."""
+    continuation, under one weight format and KV cache format."""
     from ipc.messages import SamplingParams
 
-    engine = _engine(args, quantization)
+    engine = _engine(args, quantization, kv_cache_dtype)
     scored = engine.run([("text", text_ids, SamplingParams(max_tokens=1, prompt_logprobs=0))])
     plp = scored["text", 0].prompt_logprobs
     assert plp is not None
@@ -131,6 +152,7 @@ def quality(args: argparse.Namespace) -> int:
     args.model_dir = str(resolve_model(args.model_dir))
     try:
         formats = quantization_list(args.quantization)
+        kv_formats = kv_dtype_list(args.kv_cache_dtype)
     except argparse.ArgumentTypeError as e:
         raise SystemExit(f"bench quality: {e}") from None
     tok: Any = AutoTokenizer.from_pretrained(args.model_dir)
@@ -143,10 +165,12 @@ def quality(args: argparse.Namespace) -> int:
         "config": {"model": args.model_dir, "dtype": args.dtype, "text_tokens": len(text_ids),
                    "prompts": len(prompts), "output_len": args.output_len},
         "float32 weights": {"perplexity": math.exp(-statistics.fmean(ref_lp))}}
-    for name in formats:
-        lp, greedy = _measure(args, name, text_ids, prompts)
+    rows = [(name, name, "auto") for name in formats]
+    rows += [(f"kv {name}", None, name) for name in kv_formats]
+    for row, quantization, kv_cache_dtype in rows:
+        lp, greedy = _measure(args, quantization, text_ids, prompts, kv_cache_dtype)
         delta = [abs(a - b) for a, b in zip(lp, ref_lp, strict=True)]
-        report[name] = {
+        report[row] = {
             "mean_abs_dlogprob": statistics.fmean(delta), "max_abs_dlogprob": max(delta),
             "perplexity": math.exp(-statistics.fmean(lp)),
             "greedy_identical": sum(g == r for g, r in zip(greedy, ref_greedy, strict=True)),
@@ -163,11 +187,11 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"quality: {cfg['text_tokens']} text tokens scored; {cfg['prompts']} prompts × "
           f"{cfg['output_len']} greedy tokens; activations {cfg['dtype']}; against float32 "
           f"weights (perplexity {report['float32 weights']['perplexity']:.3f})")
-    print(f"{'format':8}{'mean |Δ lp|':>13}{'max |Δ lp|':>12}{'perplexity':>12}"
+    print(f"{'format':12}{'mean |Δ lp|':>13}{'max |Δ lp|':>12}{'perplexity':>12}"
           f"{'greedy same':>13}{'shared prefix':>15}")
     for name, r in report.items():
         if name in ("config", "float32 weights"):
             continue
-        print(f"{name:8}{r['mean_abs_dlogprob']:>13.4f}{r['max_abs_dlogprob']:>12.4f}"
+        print(f"{name:12}{r['mean_abs_dlogprob']:>13.4f}{r['max_abs_dlogprob']:>12.4f}"
               f"{r['perplexity']:>12.3f}{r['greedy_identical']:>7}/{cfg['prompts']}"
               f"{r['mean_shared_prefix']:>12.1f}/{cfg['output_len']}")
