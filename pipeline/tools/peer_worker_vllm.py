@@ -33,8 +33,9 @@ def generate(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     longest = max(len(p) + n for p, n in zip(job["prompts"], job["output_lens"], strict=True))
+    # (job["kv_cache"]: "fp8", its 8-bit KV cache, which its CPU build stores as e5m2)
     llm = LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["batch_size"],
-              max_model_len=longest, seed=0)
+              max_model_len=longest, seed=0, kv_cache_dtype=job.get("kv_cache") or "auto")
     llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
                  SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
