@@ -94,6 +94,13 @@ def test_attention_reads_the_format_as_its_float_values(name: str, dtype: torch.
                                held.clone(), _meta_for(dtype, window, head_dim, block, heads),
                                head_dim ** -0.5)
     tol = TOLERANCE[dtype]
+    # A decode's heads together over int8 at head size 64 or 128, on a CPU with VNNI, score
+    # by integer dot products with each head's query quantized to int8 too: within that
+    # rounding (half a step of max|q| / 127 an element) of the float path.
+    decodes = torch.bincount(slots)[slots] == 1
+    if name == "int8" and head_dim % 64 == 0 and heads // 2 > 1 and dtype == torch.float32:
+        torch.testing.assert_close(got[decodes].float(), expected[decodes], atol=3e-2, rtol=0)
+        got, expected = got[~decodes], expected[~decodes]
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 
