@@ -51,6 +51,22 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+def hadamard(d: int) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of size d (Sylvester's; symmetric)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d ** 0.5
+
+
+def key_rotation(name: str, head_dim: int) -> torch.Tensor:
+    """What the cache's keys (and the queries against them) are rotated by: int8 at a head
+    size that is a power of 2 stores H k (H q . H k = q . k)."""
+    if name == "int8" and head_dim & (head_dim - 1) == 0:
+        return hadamard(head_dim)
+    return torch.eye(head_dim)
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [2, 6])  # 1 or 3 query heads a KV head
@@ -79,7 +95,8 @@ def test_attention_reads_the_format_as_its_float_values(name: str, dtype: torch.
 
     # This step's keys (roped in float32) and values, where the table says, within a step.
     c, s = cos.float()[positions].unsqueeze(1), sin.float()[positions].unsqueeze(1)
-    fresh_k, fresh_v = _rope(k.float(), c, s), v.float()
+    rotation = key_rotation(name, head_dim)
+    fresh_k, fresh_v = _rope(k.float(), c, s) @ rotation, v.float()
     at = (table[slots, positions // block].long(), positions % block)
     for written, fresh in ((held[0][at], fresh_k), (held[1][at], fresh_v)):
         if name == "int8":  # half a code's step, the step max|x| / 127 (fp16, rounded up)
@@ -90,7 +107,7 @@ def test_attention_reads_the_format_as_its_float_values(name: str, dtype: torch.
             assert ((written - fresh).abs() <= fresh.abs() * relative + least + 1e-7).all()
 
     # The attention over them: the torch path on the float values, this step's included.
-    expected = paged_attention(_rope(q.float(), c, s), held[0][at], held[1][at],
+    expected = paged_attention(_rope(q.float(), c, s) @ rotation, held[0][at], held[1][at],
                                held.clone(), _meta_for(dtype, window, head_dim, block, heads),
                                head_dim ** -0.5)
     tol = TOLERANCE[dtype]
@@ -132,6 +149,26 @@ def test_fp8_saturates_and_int8_keeps_zero_rows(name: str) -> None:
     kernel_paged_attention(q, k, zero_v, int8, meta, LayerAttention(0.125))
     at = (table[slots, positions // 16].long(), positions % 16)
     assert torch.equal(dequantize(int8, "int8")[1][at], torch.zeros_like(v))
+
+
+def test_int8_keys_are_rotated_so_an_outlier_channel_costs_its_row_little() -> None:
+    """Keys with one channel 50x the others (as models' keys have): stored rotated, every
+    channel keeps ~1/100 of a unit's precision; quantized as they are, the others' codes
+    would be steps of 50/127."""
+    q, k, v, native, table, slots, positions, meta = _step(torch.float32, None, 64, 16, 6)
+    k = k.clone()
+    k[..., 5] *= 50
+    cos, sin = _rope_tables(64, torch.float32, 64)
+    cache = torch.zeros((*native.shape[:-1], 66), dtype=torch.int8)
+    kernel_paged_attention(q, k, v, cache, KernelMetadata(table, slots, positions, [(cos, sin)]),
+                           LayerAttention(0.125))
+    at = (table[slots, positions // 16].long(), positions % 16)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    keys = dequantize(cache, "int8")[0][at] @ hadamard(64)  # (H H = I: back to the keys)
+    fresh = _rope(k, c, s)
+    error = (keys - fresh).abs()
+    assert error.max() < 0.5 * 50 / 127  # half a step of the plain row's scale at most
+    assert error.mean() < 0.05
 
 
 def test_the_pool_holds_what_its_format_says() -> None:

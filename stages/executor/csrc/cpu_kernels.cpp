@@ -976,6 +976,21 @@ constexpr bool kQuantized = std::is_same_v<F, llm_cpu_kv::Int8Rows> ||
                             std::is_same_v<F, llm_cpu_kv::E4M3Rows> ||
                             std::is_same_v<F, llm_cpu_kv::E5M2Rows>;
 
+// x [d] times the orthonormal Walsh-Hadamard matrix (d a power of 2), in place.
+inline void hadamard(float* x, int64_t d) {
+  for (int64_t h = 1; h < d; h *= 2) {
+    for (int64_t i = 0; i < d; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t j = 0; j < d; ++j) x[j] *= norm;
+}
+
 // kD: the head size as a constant (64 and 128, the common ones), so that the loops over it
 // unroll with no remainder; 0 reads it from the tensors. F: the cache's format (see above): an
 // 8-bit cache is written through quantize_row and read a page at a time widened to float rows
@@ -994,6 +1009,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t cache_half = kv_cache.stride(0);
   const int64_t table_stride = block_table.stride(0);
   constexpr bool quantized = kQuantized<F>;
+  // An int8 cache holds each key rotated by the Hadamard matrix H (orthonormal, head sizes that
+  // are powers of 2), and the queries are rotated alike, so that q . k is unchanged: a key's
+  // few outlier channels, which set its row's scale and left the rest of the row few codes, are
+  // spread over every channel (QuaRot's rotation, here on the keys alone).
+  const bool rotate_keys = std::is_same_v<F, llm_cpu_kv::Int8Rows> && d > 0 && (d & (d - 1)) == 0;
   // A decode over an int8 cache: scores by integer dot products (int8_group_keys) where the CPU
   // has VNNI and the head size is whole 64s; else its pages are widened as the fp8 ones are.
   constexpr bool int8_dot = std::is_same_v<F, llm_cpu_kv::Int8Rows> && LLM_CPU_INT8_DOT &&
@@ -1077,6 +1097,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         C* vd = v_cache + at + h * row;
         const T* vs = v_ptr + t * v_row + h * d;
         if constexpr (quantized) {
+          if (rotate_keys) hadamard(rotated.data(), d);
           llm_cpu_kv::quantize_row(rotated.data(), d, kd, F{});
           for (int64_t i = 0; i < d; ++i) value[i] = to_float(vs[i]);
           llm_cpu_kv::quantize_row(value.data(), d, vd, F{});
@@ -1090,6 +1111,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         rope(q_ptr + t * q_row + h * d, c, s, d, qd);
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) qd[i] *= fscale;
+        if (rotate_keys) hadamard(qd, d);
       }
     }
   });

@@ -6,7 +6,8 @@
 // 8-bit formats hold it as bytes (the cache tensor's dtype says which):
 //   int8 (torch.int8, rows of D + 2): D codes, then the row's scale as fp16 (its two bytes);
 //     value = code * scale, scale = max|x| / 127 rounded up to fp16 (so no code passes 127);
-//     llama.cpp's q8_0 keeps an fp16 scale per 32 elements, vLLM has none for int8.
+//     llama.cpp's q8_0 keeps an fp16 scale per 32 elements, vLLM has none for int8. (Keys
+//     are rotated before they are quantized: cpu_kernels.cpp, `rotate_keys`.)
 //   fp8_e4m3 (torch.float8_e4m3fn) and fp8_e5m2 (torch.float8_e5m2), rows of D: the code's own
 //     value, with no scale (1.0: vLLM's when a checkpoint carries no calibrated one); a value
 //     past the format's largest finite one (448, 57344) is stored as that one, as vLLM's
