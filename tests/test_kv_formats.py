@@ -205,3 +205,36 @@ def test_a_format_the_forward_cannot_read_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="needs a model"):
         ExecutorConfig.for_device("timed:2,0", kv_cache_dtype="int8")
 
+
+
+@needs_kernels
+def test_int8_prefix_hits_and_preemption_give_a_roomy_caches_outputs(tiny_model_dir) -> None:
+    """Over an int8 cache, a request that finds its prefix written by another, and sequences
+    preempted and resumed in a cache too small for them all, give the greedy outputs of one
+    roomy enough that neither happens (each prompt on its own)."""
+    from transformers import AutoTokenizer
+
+    from ipc.messages import SamplingParams
+    from stages.inprocess import InProcessEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    system = tok("You are a careful assistant. Answer briefly and exactly. " * 2)["input_ids"]
+    prompts = [system + tok(q)["input_ids"] for q in ("Why?", "How many?", "Where is it")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def engine(blocks: int, **kw) -> InProcessEngine:
+        return InProcessEngine(str(tiny_model_dir), block_size=4, kv_cache_dtype="int8",
+                               kv_cache_memory=blocks * per_block, **kw)
+
+    probe = InProcessEngine(str(tiny_model_dir), block_size=4, kv_cache_dtype="int8")
+    per_block = KVPool.bytes_per_block(kv_format("int8"), probe.runner.model.kv_shape, 4)
+    expected = [engine(64).generate([p], params)[0] for p in prompts]
+
+    shared = engine(64, max_num_seqs=4)
+    assert shared.generate(prompts[:1], params) == expected[:1]
+    assert shared.generate(prompts[1:], params) == expected[1:]
+    assert shared.scheduler.prefix_cache_hits >= len(system) // 4 * 4 - 4
+
+    small = engine(len(system) // 4 + 8, max_num_seqs=3)
+    assert small.generate(prompts, params) == expected
+    assert small.scheduler.num_preemptions > 0
