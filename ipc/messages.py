@@ -589,6 +589,9 @@ class SchedulerStats(Message):
     # Positions computed for a sequence that had already finished (its run-ahead steps'
     # tokens), dropped: up to depth - 1 per finished sequence.
     discarded_tokens: int = 0
+    # The most KV blocks one sequence held at once since the start: with a sliding window on
+    # every layer, about window / block_size however long the sequences grow.
+    max_seq_blocks: int = 0
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).

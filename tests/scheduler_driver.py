@@ -15,7 +15,7 @@ from ipc.messages import RequestRejected, SamplingParams, TokenDelta, TokenizedR
 from ipc.speculative import SpeculativeConfig
 from stages.scheduler.core import Scheduler
 from stages.scheduler.planned import PlannedStep
-from stages.scheduler.sequence import SeqStatus, Sequence
+from stages.scheduler.sequence import NO_BLOCK, SeqStatus, Sequence
 
 EOS = 2
 STOP = 3
@@ -58,13 +58,15 @@ class DriverLimits:
     depth: int = 2
     priority_range: tuple[int, int] = (-100, 100)
     speculative: SpeculativeConfig | None = None  # n-gram drafts, verified by the executor
+    window: int | None = None  # every layer's sliding window: blocks out of it go back
 
     @property
     def engine(self) -> EngineLimits:
         return EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
                             self.max_model_len, 1000, self.eos_token_ids, self.depth,
                             self.priority_range,
-                            self.speculative.num_tokens if self.speculative else 0)
+                            self.speculative.num_tokens if self.speculative else 0,
+                            uniform_window=self.window)
 
 
 def make_limits(**overrides: object) -> DriverLimits:
@@ -116,12 +118,14 @@ def freeze(step: PlannedStep) -> Step:
 
 class FakeExecutor:
     """Writes each row's tokens into paged KV through the block table, resolves -1 to the
-    slot's last sample, and checks the whole context read back before it samples. A row
-    with drafts is sampled after each of its last num_draft + 1 tokens and keeps its drafts
-    up to the first that differs from the token sampled before it, as the real one does."""
+    slot's last sample, and checks the whole context read back before it samples (with a
+    sliding window, what the row's queries read: from its first one's window on; a page
+    given back and written by another sequence shows its tokens). A row with drafts is
+    sampled after each of its last num_draft + 1 tokens and keeps its drafts up to the first
+    that differs from the token sampled before it, as the real one does."""
 
-    def __init__(self, block_size: int, token_fn: TokenFn) -> None:
-        self.block_size, self.token_fn = block_size, token_fn
+    def __init__(self, block_size: int, token_fn: TokenFn, window: int | None = None) -> None:
+        self.block_size, self.token_fn, self.window = block_size, token_fn, window
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token
         self.tables: dict[int, dict[int, int]] = {}  # slot -> index -> block
         self.last: dict[int, int] = {}  # slot -> last sampled token
@@ -162,9 +166,10 @@ class FakeExecutor:
             stand += 1
         # what the last standing sample saw: the prompt and the outputs before it
         seen = first + stand - 1
-        context = [self.kv[self._where(row.slot, p)] for p in range(seen)]
+        lo = 0 if self.window is None else max(0, start - self.window + 1)
+        context = [self.kv[self._where(row.slot, p)] for p in range(lo, seen)]
         assert context == [*row.prompt, *(self.token_fn(row.request_id, j)
-                                          for j in range(seen - len(row.prompt)))]
+                                          for j in range(seen - len(row.prompt)))][lo:]
         self.last[row.slot] = tokens[stand - 1]
         return tokens, stand
 
@@ -180,7 +185,7 @@ class Driver:
         self.core = Scheduler(limits.engine, limits.num_blocks,
                               speculative=limits.speculative)
         self.limits = limits
-        self.executor = FakeExecutor(limits.block_size, token_fn)
+        self.executor = FakeExecutor(limits.block_size, token_fn, limits.window)
         self.pending: deque[Step] = deque()
         self.history: list[Step] = []
         self.known: Counter[str] = Counter()  # output tokens reported to the core, per request
@@ -284,8 +289,15 @@ class Driver:
         held: list[int] = []
         all_seqs = [s for seqs in core.requests.values() for s in seqs]
         for seq in all_seqs:
-            held.extend(seq.blocks)
-            assert len(seq.blocks) == len(set(seq.blocks))
+            assert seq.blocks[:seq.num_trimmed] == [NO_BLOCK] * seq.num_trimmed
+            live = seq.blocks[seq.num_trimmed:]
+            held.extend(live)
+            assert len(live) == len(set(live)) and NO_BLOCK not in live
+            # Given back: only pages no query from the lowest position it may compute next
+            # reads (drafts in flight may all be rejected).
+            rollback = (limits.speculative.num_tokens
+                        if seq.num_drafted_inflight and limits.speculative else 0)
+            assert seq.num_trimmed <= core.kv.first_read_page(seq.num_computed - rollback)
             if seq.status in (SeqStatus.WAITING, SeqStatus.HELD):
                 assert not seq.blocks and seq.slot is None and seq.num_computed == 0
                 assert seq.num_inflight == 0
