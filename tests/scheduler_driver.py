@@ -105,15 +105,21 @@ class Step:
     rows: tuple[Row, ...]
     block_updates: tuple[tuple[int, int, int], ...]
     new_slots: tuple[int, ...]
+    # blocks a sliding window gave back while this step was planned, held by nobody else
+    # now: the executor overwrites them before the step runs, as their next owner may
+    poisoned: tuple[int, ...] = ()
 
 
-def freeze(step: PlannedStep) -> Step:
+def freeze(step: PlannedStep, poisoned: tuple[int, ...] = ()) -> Step:
     rows = tuple(Row(sample_key(r.seq.request_id, r.seq.index), tuple(r.seq.prompt_ids),
                      r.seq.slot, tuple(r.token_ids), r.context_len, r.do_sample,  # type: ignore[arg-type]
                      r.num_draft)
                  for r in step.rows)
     return Step(step.step_id, rows, tuple(step.block_updates),
-                tuple(slot for slot, _ in step.new_slots))
+                tuple(slot for slot, _ in step.new_slots), poisoned)
+
+
+POISON = -7  # what a block given back holds once the step that gave it back runs
 
 
 class FakeExecutor:
@@ -133,6 +139,9 @@ class FakeExecutor:
 
     def execute(self, step: Step) -> tuple[list[int], list[int]]:
         """(sampled ids, one per sampled position; positions that stand per drafted row)"""
+        for block in step.poisoned:
+            for offset in range(self.block_size):
+                self.kv[block, offset] = POISON
         for slot in step.new_slots:
             self.last.pop(slot, None)
             self.owner[slot] = ""
@@ -205,10 +214,14 @@ class Driver:
 
     def plan(self) -> list[Step]:
         planned = []
-        while (step := self.core.schedule()) is not None:
+        while True:
+            before = {seq: list(seq.blocks) for seq in self.core.running}
+            step = self.core.schedule()
+            if step is None:
+                break
             assert len(self.core.inflight) <= self.limits.depth
             self.check_placeholders(step)
-            planned.append(freeze(step))
+            planned.append(freeze(step, self.given_back(before, step)))
             self.check()
         self.pending.extend(planned)
         self.history.extend(planned)
@@ -264,6 +277,18 @@ class Driver:
             tick += 1
         self.collect()
 
+    def given_back(self, before: dict[Sequence, list[int]], step: PlannedStep
+                   ) -> tuple[int, ...]:
+        """The blocks of the pages a window gave back while `step` was planned (from each
+        running sequence's blocks `before`) that nobody else holds, or that step maps anew:
+        any step from it on that reads one reads POISON."""
+        mapped = {block for _, _, block in step.block_updates}
+        gone = {old[j] for seq, old in before.items()
+                for j in range(min(len(old), seq.num_trimmed))
+                if old[j] != NO_BLOCK and seq.blocks[j] == NO_BLOCK}
+        return tuple(sorted(b for b in gone
+                            if b in mapped or self.core.allocator.ref_count(b) == 0))
+
     # ------------------------------------------------------------ checks
 
     def check_placeholders(self, step: PlannedStep) -> None:
@@ -295,9 +320,13 @@ class Driver:
             assert len(live) == len(set(live)) and NO_BLOCK not in live
             # Given back: only pages no query from the lowest position it may compute next
             # reads (drafts in flight may all be rejected).
-            rollback = (limits.speculative.num_tokens
-                        if seq.num_drafted_inflight and limits.speculative else 0)
-            assert seq.num_trimmed <= core.kv.first_read_page(seq.num_computed - rollback)
+            if limits.window is not None:
+                rollback = (limits.speculative.num_tokens
+                            if seq.num_drafted_inflight and limits.speculative else 0)
+                lowest = seq.num_computed - rollback
+                assert seq.num_trimmed <= max(0, lowest - limits.window + 1) // limits.block_size
+            else:
+                assert seq.num_trimmed == 0
             if seq.status in (SeqStatus.WAITING, SeqStatus.HELD):
                 assert not seq.blocks and seq.slot is None and seq.num_computed == 0
                 assert seq.num_inflight == 0

@@ -188,9 +188,13 @@ class KVManager:
 
     def draft_room(self, step: PlannedStep, seq: Sequence, end: int) -> int:
         """Blocks for seq up to token `end` as far as free blocks and the step's updates
-        allow (a draft never preempts anything); returns the tokens its blocks now hold."""
+        allow (a draft never preempts anything), with a window first giving back its pages
+        out of it (trim: its row's blocks may be there already, so grow took none); returns
+        the tokens its pages now hold."""
         extra = self.blocks_for(end) - len(seq.blocks)
         if extra > 0:
+            if self.window is not None:
+                self.trim(seq)
             can = min(extra, self.allocator.num_free, self._updates_left(step))
             for block in self.allocator.allocate(max(can, 0)) or []:
                 self.map_block(step, seq, block)
