@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from pathlib import Path
 
 import pytest
 from scheduler_driver import (
@@ -318,3 +319,40 @@ def test_only_a_window_on_every_layer_gives_blocks_back() -> None:
     assert PipelineConfig(model=model, scheduler=draft).limits.uniform_window is None
     ngram = SchedulerConfig(speculative=SpeculativeConfig("ngram", 3))
     assert PipelineConfig(model=model, scheduler=ngram).limits.uniform_window == 4096
+
+
+# ---------------------------------------------------------------- a model
+
+
+@pytest.mark.parametrize("backend", [
+    "cpu_kernels", "torch", pytest.param("flex", marks=pytest.mark.slow)])
+def test_a_windowed_model_in_a_small_cache_matches_transformers(tmp_path: Path,
+                                                                 backend: str) -> None:
+    """A random Mistral with a window of 6 on every layer, in a cache of 12 blocks of 4
+    tokens (11 beside flex's scratch block): its sequences (the longest 27 pages) run on
+    blocks given back and mapped again to others while run-ahead steps may still read
+    them, each backend reading stale table entries only under its window (cpu_kernels
+    from the window's first page; torch and flex masking what they gather). Greedy
+    tokens equal transformers'."""
+    from tiny_model import hf_greedy
+
+    from pipeline.tools.random_model import build_random_llama
+    from stages.inprocess import InProcessEngine
+
+    folder = build_random_llama(tmp_path / "m", arch="mistral-window", heads=4, kv_heads=2)
+    assert ModelInfo.from_dir(folder).uniform_window == 6
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 85)]
+    expected = hf_greedy(folder, prompts, max_new_tokens=24)
+    per_block = 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, fp32
+    engine = InProcessEngine(str(folder), depth=2, max_num_batched_tokens=16,
+                             max_num_seqs=4, kv_cache_memory=12 * per_block,
+                             eos_token_ids=ModelInfo.from_dir(folder).eos_token_ids,
+                             compile=backend == "flex",
+                             cpu_kernels=backend == "cpu_kernels")
+    assert engine.runner.backend.name == backend
+    num_blocks = engine.runner.num_blocks
+    assert num_blocks <= 12 < -(-(85 + 24) // BS)
+    got = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    assert got == expected
+    kv = engine.scheduler.kv
+    assert kv.max_seq_blocks <= num_blocks and kv.allocator.num_free == num_blocks
