@@ -330,10 +330,10 @@ def test_a_windowed_model_in_a_small_cache_matches_transformers(tmp_path: Path,
                                                                  backend: str) -> None:
     """A random Mistral with a window of 6 on every layer, in a cache of 12 blocks of 4
     tokens (11 beside flex's scratch block): its sequences (the longest 27 pages) run on
-    blocks given back and mapped again to others while run-ahead steps may still read
-    them, each backend reading stale table entries only under its window (cpu_kernels
-    from the window's first page; torch and flex masking what they gather). Greedy
-    tokens equal transformers'."""
+    blocks given back and mapped again to others at once, each backend reading the stale
+    table entries of given-back pages only under its window (cpu_kernels from the
+    window's first page; torch and flex masking what they gather). Greedy tokens equal
+    transformers'. (The order of run-ahead steps: the fake executor's poisoned blocks.)"""
     from tiny_model import hf_greedy
 
     from pipeline.tools.random_model import build_random_llama
