@@ -275,8 +275,9 @@ def test_speculative_rollback_never_reads_a_block_given_back(depth: int) -> None
 
 
 def test_steady_decode_of_8192_tokens_in_a_window_of_1024() -> None:
-    """The figure docs/ARCHITECTURE.md gives: blocks of 16, depth 2, a context of 8192 with
-    a window of 1024 hold 65 blocks a sequence (1024 / 16 + 1) against 512 without."""
+    """The figure docs/ARCHITECTURE.md gives ("Windows that give their blocks back"): blocks
+    of 16, depth 2, a context of 8192 with a window of 1024 hold 65 blocks a sequence at
+    every decode step (1024 / 16 + 1) against 512 without."""
     for window, held in ((1024, 65), (None, 512)):
         limits = EngineLimits(4, 2048, 16, 8192, 1000, (), 2, uniform_window=window)
         core = Scheduler(limits, 1024)
