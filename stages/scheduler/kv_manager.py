@@ -223,8 +223,8 @@ class KVManager:
 
     def drop_rejected(self, seq: Sequence, num_rejected: int) -> None:
         """Forget the KV of a row's rejected drafts, and give back the blocks only they
-        filled: nothing else in flight writes them (the sequence was not planned again). The
-        pages kept cover the row's first position, so none of them was trimmed."""
+        filled: nothing else in flight writes them (the sequence was not planned again). They
+        lie past the row's first position, so past every page a window gave back."""
         seq.num_computed -= num_rejected
         # (a draft model's row: the block its last sample lands in too, see DraftPlanner)
         keep = self.blocks_for(seq.num_computed + int(seq.draft_model_kv))
