@@ -116,6 +116,15 @@ class ArchSpec:
         return tuple(sorted({k.window for k in self.layers if k.window is not None}))
 
     @property
+    def uniform_window(self) -> int | None:
+        """The window every layer has, where all have the same one (Mistral's, Phi-3's):
+        then no layer reads a key older than it, so the scheduler gives back the blocks that
+        fall out of it. None where a layer has none or another one (Gemma 2/3's global
+        layers read every key)."""
+        windows = {k.window for k in self.layers}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 

@@ -187,6 +187,10 @@ class EngineLimits:
     priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE
     num_speculative_tokens: int = 0  # K: drafts a row may carry (0: no speculation)
     auto_depth: bool = False  # in flight: 2, or `depth` while the device's steps are short
+    # The sliding window every layer of the model has (ModelInfo.uniform_window): the
+    # scheduler gives back a running sequence's blocks that fall out of it. None: every
+    # block is kept (no window, layers with different ones, or a draft model beside it).
+    uniform_window: int | None = None
 
     @property
     def max_sampled(self) -> int:
@@ -214,6 +218,15 @@ class EngineLimits:
         """(slot, id) pairs min_tokens may suppress in one step: each new sequence's
         stop_token_ids (validate_params bounds them) and the EOS ids."""
         return self.max_num_seqs * (MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
+
+
+def kept_window(model: ModelInfo, speculative: SpeculativeConfig | None) -> int | None:
+    """The window past which the scheduler may give a sequence's blocks back: the model's
+    uniform one, but none beside a draft model, whose own layers may read every key of its
+    KV (it shares the target's block ids)."""
+    if speculative is not None and speculative.is_draft_model:
+        return None
+    return model.uniform_window
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -367,7 +380,7 @@ class PipelineConfig(RunAddresses):
             depth=MAX_RUN_AHEAD_DEPTH if s.depth == "auto" else s.depth,
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
-            auto_depth=s.depth == "auto")
+            auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative))
 
     @property
     def ranks(self) -> RankLayout:

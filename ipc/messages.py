@@ -593,6 +593,9 @@ class SchedulerStats(Message):
     # as --kv-cache-dtype names it (auto: the model's dtype).
     block_size: int = 0
     cache_dtype: str = ""
+    # The most KV blocks one sequence held at once since the start: with a sliding window on
+    # every layer, about window / block_size however long the sequences grow.
+    max_seq_blocks: int = 0
 
 
 # Upper bounds of the scheduler's histogram buckets (the last bucket is +Inf).

@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from ipc.config import EngineLimits
+from ipc.config import EngineLimits, kept_window
 from ipc.messages import SamplingParams, TokenizedRequest
 from ipc.model_info import ModelInfo
 from ipc.outputs import SampleResult
@@ -43,11 +43,12 @@ class InProcessEngine:
                  cpu_kernels: bool | None = None, quantization: str | None = None,
                  speculative: SpeculativeConfig | None = None,
                  kv_cache_dtype: str = "auto") -> None:
-        vocab_size = ModelInfo.from_dir(model_dir).vocab_size
+        info = ModelInfo.from_dir(model_dir)
         self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, block_size,
-                                   max_model_len, vocab_size, eos_token_ids, depth,
+                                   max_model_len, info.vocab_size, eos_token_ids, depth,
                                    num_speculative_tokens=speculative.num_tokens
-                                   if speculative is not None else 0)
+                                   if speculative is not None else 0,
+                                   uniform_window=kept_window(info, speculative))
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
                                            cpu_kernels=cpu_kernels, quantization=quantization,

@@ -15,7 +15,7 @@ from ipc.messages import RequestRejected, SamplingParams, TokenDelta, TokenizedR
 from ipc.speculative import SpeculativeConfig
 from stages.scheduler.core import Scheduler
 from stages.scheduler.planned import PlannedStep
-from stages.scheduler.sequence import SeqStatus, Sequence
+from stages.scheduler.sequence import NO_BLOCK, SeqStatus, Sequence
 
 EOS = 2
 STOP = 3
@@ -58,13 +58,15 @@ class DriverLimits:
     depth: int = 2
     priority_range: tuple[int, int] = (-100, 100)
     speculative: SpeculativeConfig | None = None  # n-gram drafts, verified by the executor
+    window: int | None = None  # every layer's sliding window: blocks out of it go back
 
     @property
     def engine(self) -> EngineLimits:
         return EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
                             self.max_model_len, 1000, self.eos_token_ids, self.depth,
                             self.priority_range,
-                            self.speculative.num_tokens if self.speculative else 0)
+                            self.speculative.num_tokens if self.speculative else 0,
+                            uniform_window=self.window)
 
 
 def make_limits(**overrides: object) -> DriverLimits:
@@ -103,25 +105,33 @@ class Step:
     rows: tuple[Row, ...]
     block_updates: tuple[tuple[int, int, int], ...]
     new_slots: tuple[int, ...]
+    # blocks a sliding window gave back while this step was planned, held by nobody else
+    # now: the executor overwrites them before the step runs, as their next owner may
+    poisoned: tuple[int, ...] = ()
 
 
-def freeze(step: PlannedStep) -> Step:
+def freeze(step: PlannedStep, poisoned: tuple[int, ...] = ()) -> Step:
     rows = tuple(Row(sample_key(r.seq.request_id, r.seq.index), tuple(r.seq.prompt_ids),
                      r.seq.slot, tuple(r.token_ids), r.context_len, r.do_sample,  # type: ignore[arg-type]
                      r.num_draft)
                  for r in step.rows)
     return Step(step.step_id, rows, tuple(step.block_updates),
-                tuple(slot for slot, _ in step.new_slots))
+                tuple(slot for slot, _ in step.new_slots), poisoned)
+
+
+POISON = -7  # what a block given back holds once the step that gave it back runs
 
 
 class FakeExecutor:
     """Writes each row's tokens into paged KV through the block table, resolves -1 to the
-    slot's last sample, and checks the whole context read back before it samples. A row
-    with drafts is sampled after each of its last num_draft + 1 tokens and keeps its drafts
-    up to the first that differs from the token sampled before it, as the real one does."""
+    slot's last sample, and checks the whole context read back before it samples (with a
+    sliding window, what the row's queries read: from its first one's window on; a page
+    given back and written by another sequence shows its tokens). A row with drafts is
+    sampled after each of its last num_draft + 1 tokens and keeps its drafts up to the first
+    that differs from the token sampled before it, as the real one does."""
 
-    def __init__(self, block_size: int, token_fn: TokenFn) -> None:
-        self.block_size, self.token_fn = block_size, token_fn
+    def __init__(self, block_size: int, token_fn: TokenFn, window: int | None = None) -> None:
+        self.block_size, self.token_fn, self.window = block_size, token_fn, window
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token
         self.tables: dict[int, dict[int, int]] = {}  # slot -> index -> block
         self.last: dict[int, int] = {}  # slot -> last sampled token
@@ -129,6 +139,9 @@ class FakeExecutor:
 
     def execute(self, step: Step) -> tuple[list[int], list[int]]:
         """(sampled ids, one per sampled position; positions that stand per drafted row)"""
+        for block in step.poisoned:
+            for offset in range(self.block_size):
+                self.kv[block, offset] = POISON
         for slot in step.new_slots:
             self.last.pop(slot, None)
             self.owner[slot] = ""
@@ -162,9 +175,10 @@ class FakeExecutor:
             stand += 1
         # what the last standing sample saw: the prompt and the outputs before it
         seen = first + stand - 1
-        context = [self.kv[self._where(row.slot, p)] for p in range(seen)]
+        lo = 0 if self.window is None else max(0, start - self.window + 1)
+        context = [self.kv[self._where(row.slot, p)] for p in range(lo, seen)]
         assert context == [*row.prompt, *(self.token_fn(row.request_id, j)
-                                          for j in range(seen - len(row.prompt)))]
+                                          for j in range(seen - len(row.prompt)))][lo:]
         self.last[row.slot] = tokens[stand - 1]
         return tokens, stand
 
@@ -180,7 +194,7 @@ class Driver:
         self.core = Scheduler(limits.engine, limits.num_blocks,
                               speculative=limits.speculative)
         self.limits = limits
-        self.executor = FakeExecutor(limits.block_size, token_fn)
+        self.executor = FakeExecutor(limits.block_size, token_fn, limits.window)
         self.pending: deque[Step] = deque()
         self.history: list[Step] = []
         self.known: Counter[str] = Counter()  # output tokens reported to the core, per request
@@ -200,10 +214,14 @@ class Driver:
 
     def plan(self) -> list[Step]:
         planned = []
-        while (step := self.core.schedule()) is not None:
+        while True:
+            before = {seq: list(seq.blocks) for seq in self.core.running}
+            step = self.core.schedule()
+            if step is None:
+                break
             assert len(self.core.inflight) <= self.limits.depth
             self.check_placeholders(step)
-            planned.append(freeze(step))
+            planned.append(freeze(step, self.given_back(before, step)))
             self.check()
         self.pending.extend(planned)
         self.history.extend(planned)
@@ -259,6 +277,18 @@ class Driver:
             tick += 1
         self.collect()
 
+    def given_back(self, before: dict[Sequence, list[int]], step: PlannedStep
+                   ) -> tuple[int, ...]:
+        """The blocks of the pages a window gave back while `step` was planned (from each
+        running sequence's blocks `before`) that nobody else holds, or that step maps anew:
+        any step from it on that reads one reads POISON."""
+        mapped = {block for _, _, block in step.block_updates}
+        gone = {old[j] for seq, old in before.items()
+                for j in range(min(len(old), seq.num_trimmed))
+                if old[j] != NO_BLOCK and seq.blocks[j] == NO_BLOCK}
+        return tuple(sorted(b for b in gone
+                            if b in mapped or self.core.allocator.ref_count(b) == 0))
+
     # ------------------------------------------------------------ checks
 
     def check_placeholders(self, step: PlannedStep) -> None:
@@ -284,8 +314,19 @@ class Driver:
         held: list[int] = []
         all_seqs = [s for seqs in core.requests.values() for s in seqs]
         for seq in all_seqs:
-            held.extend(seq.blocks)
-            assert len(seq.blocks) == len(set(seq.blocks))
+            assert seq.blocks[:seq.num_trimmed] == [NO_BLOCK] * seq.num_trimmed
+            live = seq.blocks[seq.num_trimmed:]
+            held.extend(live)
+            assert len(live) == len(set(live)) and NO_BLOCK not in live
+            # Given back: only pages no query from the lowest position it may compute next
+            # reads (drafts in flight may all be rejected).
+            if limits.window is not None:
+                rollback = (limits.speculative.num_tokens
+                            if seq.num_drafted_inflight and limits.speculative else 0)
+                lowest = seq.num_computed - rollback
+                assert seq.num_trimmed <= max(0, lowest - limits.window + 1) // limits.block_size
+            else:
+                assert seq.num_trimmed == 0
             if seq.status in (SeqStatus.WAITING, SeqStatus.HELD):
                 assert not seq.blocks and seq.slot is None and seq.num_computed == 0
                 assert seq.num_inflight == 0

@@ -52,7 +52,9 @@ def test_compiled_greedy_matches_transformers(tmp_path: Path, arch: str) -> None
     engine = _engine(folder, depth=2, max_num_batched_tokens=16, max_num_seqs=4)
     got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert got == expected
-    assert engine.scheduler.prefix_cache_hits > 0  # the shared prompt was reused
+    # The shared prompt was reused; but with a window of 6 on every layer, the first one's
+    # pages went back, keys and all, as it moved past them (KVManager.trim): no hit then.
+    assert (engine.scheduler.prefix_cache_hits > 0) == (arch != "mistral-window")
     assert engine.runner.compile_stats.num_graphs <= len(token_buckets(engine.limits))
 
 

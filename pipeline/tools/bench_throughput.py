@@ -82,6 +82,9 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
         stats = pipe.idle_stats()
     print(f"  {_named('pipeline', args)}: device idle {stats.device_idle_fraction:.1%} of the "
           "last seconds of steps")
+    # (a model with one sliding window on every layer holds about window / block size)
+    print(f"  KV blocks per sequence: at most {stats.max_seq_blocks} of the cache's "
+          f"{stats.num_blocks}")
     if args.speculate is not None:
         drafts, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
         print(f"  speculative {args.speculate.describe()}: {stats.spec_num_drafts} rows with "

@@ -66,15 +66,22 @@ class BlockAllocator:
             blocks.append(block)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: list[int], forget: bool = False) -> None:
         """Drop one reference to each block; pass a sequence's blocks last first, so that the
-        start of a prefix, which more requests share, is evicted last."""
+        start of a prefix, which more requests share, is evicted last. forget: a block that
+        nobody holds any more loses its key too (it is no prefix-cache hit: it is handed out
+        again before any cached block is evicted)."""
         for b in blocks:
             if self._refs[b] <= 0:
                 raise RuntimeError(f"block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                if self._keys[b] is None:
+                key = self._keys[b]
+                if key is not None and forget:
+                    del self._by_key[key]
+                    self._keys[b] = None
+                    key = None
+                if key is None:
                     self._uncached.append(b)
                 else:
                     self._cached_free[b] = None

@@ -73,11 +73,14 @@ class Scheduler:
         if speculative is not None and speculative.num_tokens > limits.num_speculative_tokens:
             raise ValueError(f"speculative K {speculative.num_tokens} exceeds the rings' "
                              f"{limits.num_speculative_tokens}")
-        # A sequence may not outgrow the whole cache: past it, it could only preempt itself.
-        self.max_len = min(limits.max_model_len, num_blocks * limits.block_size)
-        self.queue = QueuePolicy(self.max_len, max_waiting)
         self.kv = KVManager(num_blocks, limits.block_size, limits.max_num_seqs,
-                            limits.max_block_updates)
+                            limits.max_block_updates, limits.uniform_window)
+        # A sequence may not outgrow the whole cache: past it, it could only preempt itself.
+        # With a window on every layer, one holds only the blocks its window spans.
+        self.max_len = (limits.max_model_len
+                        if self.kv.blocks_to_run(limits.max_model_len) <= num_blocks
+                        else num_blocks * limits.block_size)
+        self.queue = QueuePolicy(self.max_len, max_waiting)
         k = speculative.num_tokens if speculative is not None else 0
         self.spec = DraftCounts(accepted_per_pos=[0] * k)
         self.drafts = (DraftPlanner(speculative, self.max_len, limits.max_num_seqs, self.spec)
@@ -156,7 +159,7 @@ class Scheduler:
         overload = self.queue.overload(sum(map(len, book.held.values())), req.params.n)
         if overload is not None:
             return refuse(FinishReason.ERROR, overload, ErrorKind.UNAVAILABLE)
-        needed = self.kv.blocks_for(num_prompt + 1)
+        needed = self.kv.blocks_to_run(num_prompt + 1)
         if needed > self.num_blocks:
             return refuse(FinishReason.ERROR,
                           f"the prompt needs {needed} KV blocks but the cache has only "
@@ -431,7 +434,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec.accepted_per_pos),
-            run_ahead_depth=self.depth, discarded_tokens=self.discarded_tokens)
+            run_ahead_depth=self.depth, discarded_tokens=self.discarded_tokens,
+            max_seq_blocks=kv.max_seq_blocks)
 
     def take_outputs(self) -> StepOutputs:
         """New request infos, token deltas and rejections since the last call, in order."""

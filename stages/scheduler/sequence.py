@@ -16,6 +16,9 @@ from ipc.messages import FinishReason, SamplingParams, TokenLogprob
 from stages.scheduler.block_allocator import BlockKey
 from stages.scheduler.speculative import ProposalState
 
+# A page of Sequence.blocks given back once out of a sliding window (KVManager.trim).
+NO_BLOCK = -1
+
 
 class SeqStatus(enum.Enum):
     """A sample's state; every change goes through Sequence.move_to, which allows only
@@ -58,7 +61,10 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
     num_pending: int = 0  # sampled by in-flight steps, ids not yet known
     num_computed: int = 0  # tokens whose KV is written or being written
+    # its pages' blocks: entry j holds tokens [j * block_size, (j + 1) * block_size); the
+    # first num_trimmed fell out of a sliding window and were given back (NO_BLOCK)
     blocks: list[int] = field(default_factory=list)
+    num_trimmed: int = 0
     block_keys: list[BlockKey] = field(default_factory=list)  # of its leading full blocks
     num_registered: int = 0  # leading blocks offered to the prefix cache
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
@@ -112,6 +118,11 @@ class Sequence:
     def is_just_resumed(self) -> bool:
         """Re-admitted after a preemption and not one new token since: not the next victim."""
         return self.resumed_at == len(self.output_ids)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks it holds: its pages' but those given back (num_trimmed)."""
+        return len(self.blocks) - self.num_trimmed
 
     @property
     def num_known(self) -> int:

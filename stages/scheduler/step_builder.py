@@ -118,7 +118,7 @@ class StepBuilder:
     def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
         """Add seq's next chunk to step; returns the tokens used (0 if it must wait)."""
         start, num_tokens = seq.num_computed, seq.num_tokens
-        num_new = min(num_tokens - start, budget)
+        num_new = self.kv.chunk_end(start, min(num_tokens, start + budget)) - start
         if not self.kv.grow(step, seq, start + num_new, self.preempt):
             step.is_starved = True
             return 0
@@ -171,8 +171,9 @@ class StepBuilder:
             queue.promote_within_sender()
             seq = queue.waiting[0]
             hits = kv.cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(hits) * kv.block_size, budget)
-            if not kv.admits(step, hits, len(hits) * kv.block_size + num_new):
+            start = len(hits) * kv.block_size
+            if not kv.admits(step, hits, kv.chunk_end(start, min(seq.num_tokens,
+                                                                  start + budget))):
                 break
             queue.pop_admitted()
             if seq.admitted_at is None:
