@@ -13,8 +13,8 @@ from ipc.messages import Histogram, SchedulerStats
 from ipc.ranks import RankLayout
 
 MEAN_FIELDS = ("device_idle_fraction",)  # a fraction: the engines' mean, not their sum
-MAX_FIELDS = ("uptime_s", "run_ahead_depth", "max_seq_blocks", "block_size")  # (block_size: the
-# same in each)
+# (block_size: every engine's is the same)
+MAX_FIELDS = ("uptime_s", "run_ahead_depth", "max_seq_blocks", "block_size")
 # Counts that only grow (Prometheus counters and histograms): an engine that went down keeps
 # its part, or the sums would fall, which a scraper reads as a reset.
 CUMULATIVE_FIELDS = ("num_preemptions", "num_steps", "prefix_cache_queries",
