@@ -12,8 +12,11 @@
 //     value, with no scale (1.0: vLLM's when a checkpoint carries no calibrated one); a value
 //     past the format's largest finite one (448, 57344) is stored as that one, as vLLM's
 //     saturating conversion does.
-// Widening is integer work on vector lanes: no lookup table, and no float multiply of a
-// subnormal (which costs x86 a microcode assist a lane unless denormals are flushed).
+// int8 pages are widened into the thread's buffer (or, for a decode on VNNI, read in place:
+// cpu_kernels.cpp, int8_group_keys); fp8 elements are read in place as bf16's are, widened in
+// registers (cpu_kernels.cpp, widen_lanes: through fp16 where the CPU has F16C and AVX-512,
+// else fp8_lanes here: integer work on the lanes, with no lookup table and no float multiply
+// of a subnormal, which costs x86 a microcode assist a lane unless denormals are flushed).
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -56,56 +59,52 @@ inline v16f widen16(const uint8_t* p, float scale, Int8Rows) {
   std::memcpy(&codes, p, sizeof codes);
   return __builtin_convertvector(codes, v16f) * scale;
 }
-// e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits. A normal code's magnitude bits moved
-// into a float's place and its exponent rebased by 127 - 7; a subnormal one (exponent 0) is
-// its mantissa * 2^-9, exactly, from an integer.
-inline v16f widen16(const uint8_t* p, float, E4M3Rows) {
-  v16u8 codes;
-  std::memcpy(&codes, p, sizeof codes);
-  const v16u32 b = __builtin_convertvector(codes, v16u32);
-  const v16u32 mag = b & 0x7Fu, sign = (b & 0x80u) << 24;
-  const v16f normal = as_floats((mag << 20) + (120u << 23));
-  const v16f sub = __builtin_convertvector(mag & 7u, v16f) * (1.0f / 512.0f);
-  const v16f value = (mag >> 3) != 0u ? normal : sub;
-  v16u32 bits;
+
+// fp8 codes (in the lanes of b, one a lane) as floats, VF's lanes at a time. kMantissa: the
+// format's mantissa bits (e4m3: 3, e5m2: 2); kRebase: 127 less its exponent bias (120, 112).
+// A normal code's magnitude bits moved into a float's place and its exponent rebased; a
+// subnormal one (exponent 0) is its mantissa times the least subnormal, exactly, from an
+// integer; the sign bit moved to a float's.
+template <typename VF, typename VU32, int kMantissa, uint32_t kRebase>
+inline VF fp8_lanes(VU32 b) {
+  const VU32 mag = b & 0x7Fu, sign = (b & 0x80u) << 24;
+  const VU32 normal_bits = (mag << (23 - kMantissa)) + (kRebase << 23);
+  VF normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  // (the least subnormal: 2^(1 - bias - mantissa bits), bias = 127 - kRebase)
+  constexpr float unit = 1.0f / static_cast<float>(1u << (127 - kRebase + kMantissa - 1));
+  const VF sub = __builtin_convertvector(mag & ((1u << kMantissa) - 1), VF) * unit;
+  const VF value = (mag >> kMantissa) != 0u ? normal : sub;
+  VU32 bits;
   std::memcpy(&bits, &value, sizeof bits);
-  return as_floats(bits | sign);
+  bits |= sign;
+  VF out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
 }
-// e5m2: sign, 5 exponent bits (bias 15), 2 mantissa bits (fp16's upper byte); as e4m3.
-inline v16f widen16(const uint8_t* p, float, E5M2Rows) {
-  v16u8 codes;
+// N fp8 codes (N: VF's lanes) widened.
+template <typename VF, typename VU32, int kMantissa, uint32_t kRebase>
+inline VF widen_fp8(const uint8_t* p) {
+  constexpr int n = sizeof(VF) / sizeof(float);
+  typedef uint8_t VU8 __attribute__((vector_size(n)));
+  VU8 codes;
   std::memcpy(&codes, p, sizeof codes);
-  const v16u32 b = __builtin_convertvector(codes, v16u32);
-  const v16u32 mag = b & 0x7Fu, sign = (b & 0x80u) << 24;
-  const v16f normal = as_floats((mag << 21) + (112u << 23));
-  const v16f sub = __builtin_convertvector(mag & 3u, v16f) * (1.0f / 65536.0f);
-  const v16f value = (mag >> 2) != 0u ? normal : sub;
-  v16u32 bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return as_floats(bits | sign);
+  return fp8_lanes<VF, VU32, kMantissa, kRebase>(__builtin_convertvector(codes, VU32));
 }
 
-// One code widened (a head size that is not a multiple of 16: its tail).
+// One int8 code widened (a head size that is not a multiple of 16: its tail).
 inline float widen1(uint8_t code, float scale, Int8Rows) {
   return static_cast<float>(static_cast<int8_t>(code)) * scale;
 }
-inline float widen1(uint8_t code, float, E4M3Rows) {
-  return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()));
-}
-inline float widen1(uint8_t code, float, E5M2Rows) {
-  return static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits()));
-}
 
-// A row's scale: the fp16 after its D codes (int8), or none.
+// An int8 row's scale: the fp16 after its D codes.
 inline float row_scale(const uint8_t* row, int64_t d, Int8Rows) {
   c10::Half h;
   std::memcpy(&h.x, row + d, sizeof h.x);
   return static_cast<float>(h);
 }
-inline float row_scale(const uint8_t*, int64_t, E4M3Rows) { return 1.0f; }
-inline float row_scale(const uint8_t*, int64_t, E5M2Rows) { return 1.0f; }
 
-// rows x d values of rows `stride` bytes apart, as contiguous float rows in dst.
+// rows x d values of int8 rows `stride` bytes apart, as contiguous float rows in dst.
 template <typename F>
 inline void widen_rows(const uint8_t* src, int64_t stride, int64_t d, int64_t rows, float* dst,
                        F format) {
