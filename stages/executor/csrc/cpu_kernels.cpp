@@ -666,7 +666,6 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
 // scale, times its codes widened (the weights are probabilities many of which 8 bits would
 // round to 0). At 32 sequences x 4,096 tokens the bf16 cache's decode took 23.5 ms a layer
 // where widening int8 pages into a float buffer first took 42 (1.8x slower).
-constexpr int64_t kInt8Extra = llm_cpu_kv::Int8Rows::kExtra;
 
 // The group's queries q [kG][kD] (float) as u8 codes qu [kG][kD] (code + 128) and scales qs.
 template <int64_t kD, int kG>
@@ -681,12 +680,6 @@ inline void int8_queries(const float* q, uint8_t* qu, float* qs) {
       qu[r * kD + e] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(qr[e] * inv)) + 128);
     }
   }
-}
-
-inline float int8_row_scale(const uint8_t* row, int64_t d) {
-  uint16_t bits;
-  std::memcpy(&bits, row + d, sizeof bits);
-  return _cvtsh_ss(bits);
 }
 
 template <int64_t kD, int kG>
@@ -713,7 +706,7 @@ inline void int8_group_keys(const uint8_t* qu, const float* qs, const uint8_t* k
         continue;
       }
       const uint8_t* kj = k + j * stride;
-      key_scale[l] = int8_row_scale(kj, kD);
+      key_scale[l] = llm_cpu_kv::row_scale(kj, kD, llm_cpu_kv::Int8Rows{});
       __m512i sum_k = _mm512_setzero_si512(), dots[kG];
       for (int r = 0; r < kG; ++r) dots[r] = _mm512_setzero_si512();
       for (int64_t c = 0; c < kParts; ++c) {
@@ -752,7 +745,7 @@ inline void int8_group_keys(const uint8_t* qu, const float* qs, const uint8_t* k
   }
   for (int64_t j = j_lo; j < j_hi; ++j) {
     const uint8_t* vj = v + j * stride;
-    const float scale = int8_row_scale(vj, kD);
+    const float scale = llm_cpu_kv::row_scale(vj, kD, llm_cpu_kv::Int8Rows{});
     v16f vv[kVecs];
     for (int64_t c = 0; c < kVecs; ++c) {
       const __m512 f = _mm512_cvtepi32_ps(
@@ -1025,19 +1018,53 @@ constexpr bool kQuantized = std::is_same_v<F, llm_cpu_kv::Int8Rows> ||
                             std::is_same_v<F, llm_cpu_kv::E4M3Rows> ||
                             std::is_same_v<F, llm_cpu_kv::E5M2Rows>;
 
-// x [d] times the orthonormal Walsh-Hadamard matrix (d a power of 2), in place.
+// One butterfly stage of the Walsh-Hadamard transform within 16 lanes, lanes kH apart: lane i
+// becomes x[i] + x[i + kH] where bit kH of i is clear, x[i - kH] - x[i] where it is set, i.e.
+// x[i ^ kH] + sign * x[i].
+template <int kH, int... I>
+inline v16f hadamard_lanes(v16f v, std::integer_sequence<int, I...>) {
+  const v16f partner = __builtin_shufflevector(v, v, (I ^ kH)...);
+  const v16f sign = {((I & kH) ? -1.0f : 1.0f)...};
+  return partner + v * sign;
+}
+
+// x [d] times the orthonormal Walsh-Hadamard matrix (d a power of 2), in place: stages within
+// 16 lanes by shuffles, then across vectors (a scalar loop had taken a seventh of an int8
+// cache's prefill attention).
 inline void hadamard(float* x, int64_t d) {
-  for (int64_t h = 1; h < d; h *= 2) {
+  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
+  if (d % 16 != 0) {
+    for (int64_t h = 1; h < d; h *= 2) {
+      for (int64_t i = 0; i < d; i += 2 * h) {
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], b = x[j + h];
+          x[j] = a + b;
+          x[j + h] = a - b;
+        }
+      }
+    }
+    for (int64_t j = 0; j < d; ++j) x[j] *= norm;
+    return;
+  }
+  constexpr auto lanes = std::make_integer_sequence<int, 16>{};
+  for (int64_t e = 0; e < d; e += 16) {
+    v16f v = load16(x + e);
+    v = hadamard_lanes<1>(v, lanes);
+    v = hadamard_lanes<2>(v, lanes);
+    v = hadamard_lanes<4>(v, lanes);
+    v = hadamard_lanes<8>(v, lanes);
+    store16(x + e, v);
+  }
+  for (int64_t h = 16; h < d; h *= 2) {
     for (int64_t i = 0; i < d; i += 2 * h) {
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
+      for (int64_t j = i; j < i + h; j += 16) {
+        const v16f a = load16(x + j), b = load16(x + j + h);
+        store16(x + j, a + b);
+        store16(x + j + h, a - b);
       }
     }
   }
-  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
-  for (int64_t j = 0; j < d; ++j) x[j] *= norm;
+  for (int64_t e = 0; e < d; e += 16) store16(x + e, load16(x + e) * norm);
 }
 
 // kD: the head size as a constant (64 and 128, the common ones), so that the loops over it

@@ -23,6 +23,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -99,9 +101,13 @@ inline float widen1(uint8_t code, float scale, Int8Rows) {
 
 // An int8 row's scale: the fp16 after its D codes.
 inline float row_scale(const uint8_t* row, int64_t d, Int8Rows) {
-  c10::Half h;
-  std::memcpy(&h.x, row + d, sizeof h.x);
-  return static_cast<float>(h);
+  uint16_t bits;
+  std::memcpy(&bits, row + d, sizeof bits);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // rows x d values of int8 rows `stride` bytes apart, as contiguous float rows in dst.
@@ -124,13 +130,30 @@ inline void widen_rows(const uint8_t* src, int64_t stride, int64_t d, int64_t ro
 // x [d] (float) written as a row of the format at dst.
 inline void quantize_row(const float* x, int64_t d, uint8_t* dst, Int8Rows) {
   float amax = 0.0f;
-  for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(x[e]));
+  int64_t e0 = 0;
+#if defined(__AVX512F__)
+  __m512 top = _mm512_setzero_ps();
+  for (; e0 + 16 <= d; e0 += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + e0)));
+  amax = _mm512_reduce_max_ps(top);
+#endif
+  for (int64_t e = e0; e < d; ++e) amax = std::max(amax, std::fabs(x[e]));
   const float wanted = amax / 127.0f;
   c10::Half scale(std::min(wanted, 65504.0f));
   if (static_cast<float>(scale) < wanted && scale.x != 0x7BFF) ++scale.x;  // (rounded up)
   const float s = static_cast<float>(scale);
   const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-  for (int64_t e = 0; e < d; ++e) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  // (rounded to nearest even, as nearbyint; |x| * inv <= 127 by the scale's rounding up, and
+  // the saturating narrowing makes sure of it)
+  for (; e + 16 <= d; e += 16) {
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + e),
+                                                           _mm512_set1_ps(inv)));
+    const __m512i kept = _mm512_max_epi32(codes, _mm512_set1_epi32(-127));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), _mm512_cvtsepi32_epi8(kept));
+  }
+#endif
+  for (; e < d; ++e) {
     const float code = std::nearbyint(x[e] * inv);
     dst[e] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(code, -127.0f, 127.0f)));
   }
