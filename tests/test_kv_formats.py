@@ -51,6 +51,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+def on_int8_grid(q: torch.Tensor) -> torch.Tensor:
+    """Each head vector [..., D] rounded to the nearest multiple of max|q| / 127."""
+    step = q.abs().amax(-1, keepdim=True) / 127
+    return torch.round(q / step.clamp_min(1e-30)) * step
+
+
 def hadamard(d: int) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard matrix of size d (Sylvester's; symmetric)."""
     h = torch.ones(1, 1)
@@ -106,18 +112,17 @@ def test_attention_reads_the_format_as_its_float_values(name: str, dtype: torch.
             relative, least = FP8_STEP[name]
             assert ((written - fresh).abs() <= fresh.abs() * relative + least + 1e-7).all()
 
-    # The attention over them: the torch path on the float values, this step's included.
-    expected = paged_attention(_rope(q.float(), c, s) @ rotation, held[0][at], held[1][at],
-                               held.clone(), _meta_for(dtype, window, head_dim, block, heads),
-                               head_dim ** -0.5)
+    # The attention over them: the torch path on the float values, this step's included (over
+    # int8, the queries as the kernel has them: roped, scaled, rotated, on their int8 grid).
+    scale = head_dim ** -0.5
+    queries = _rope(q.float(), c, s) @ rotation
+    if name == "int8":
+        queries = on_int8_grid(queries * scale) / scale
+    expected = paged_attention(queries, held[0][at], held[1][at], held.clone(),
+                               _meta_for(dtype, window, head_dim, block, heads), scale)
     tol = TOLERANCE[dtype]
-    # A decode's heads together over int8 at head size 64 or 128, on a CPU with VNNI, score
-    # by integer dot products with each head's query quantized to int8 too: within that
-    # rounding (half a step of max|q| / 127 an element) of the float path.
-    decodes = torch.bincount(slots)[slots] == 1
-    if name == "int8" and head_dim % 64 == 0 and heads // 2 > 1 and dtype == torch.float32:
-        torch.testing.assert_close(got[decodes].float(), expected[decodes], atol=3e-2, rtol=0)
-        got, expected = got[~decodes], expected[~decodes]
+    if name == "int8":  # (a query element at a rounding tie may take the next code: the
+        tol = max(tol, 3e-3)  # kernel rotates by butterflies, this by a matrix product)
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 

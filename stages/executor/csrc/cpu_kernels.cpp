@@ -1028,6 +1028,16 @@ inline v16f hadamard_lanes(v16f v, std::integer_sequence<int, I...>) {
   return partner + v * sign;
 }
 
+// q [d] rounded to its int8 grid in place: each element to the nearest multiple of the head's
+// scale max|q| / 127 (what int8_queries makes codes of, exactly).
+inline void round_to_int8_grid(float* q, int64_t d) {
+  float amax = 0.0f;
+  for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(q[e]));
+  if (amax == 0.0f) return;
+  const float scale = amax / 127.0f, inv = 127.0f / amax;
+  for (int64_t e = 0; e < d; ++e) q[e] = std::nearbyint(q[e] * inv) * scale;
+}
+
 // x [d] times the orthonormal Walsh-Hadamard matrix (d a power of 2), in place: stages within
 // 16 lanes by shuffles, then across vectors (a scalar loop had taken a seventh of an int8
 // cache's prefill attention).
@@ -1194,6 +1204,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) qd[i] *= fscale;
         if (rotate_keys) hadamard(qd, d);
+        // Over an int8 cache every form attends with the query on its int8 grid: a decode's
+        // scores are integer dot products of its codes (int8_group_keys), and a prompt's rows
+        // or a row verifying drafts then score alike, up to float rounding (a prompt's
+        // logprobs are those its decodes would see; bench quality measures what decodes do).
+        if constexpr (std::is_same_v<F, llm_cpu_kv::Int8Rows>) round_to_int8_grid(qd, d);
       }
     }
   });
