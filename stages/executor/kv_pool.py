@@ -10,9 +10,9 @@ they write them and widen a page at a time as they read, so no caller passes a f
   the row's last two bytes: 1.94x the tokens of bf16 at head size 64 (an fp32 scale would give
   1.88x). Keys are stored rotated by the Hadamard matrix (queries alike: the scores are
   unchanged), which spreads a key's outlier channels over the row: on the default model the
-  mean |Δ log-prob| against a float32 cache fell from 0.031 to 0.016. A decode scores over it
-  by integer dot products (VNNI) with its query quantized to int8 too. Ours: vLLM has no int8
-  KV; llama.cpp's q8_0 keeps an fp16 scale per 32 elements.
+  mean |Δ log-prob| against a float32 cache fell from 0.031 to 0.016. Queries go on their int8
+  grid (0.0199 with it): a decode scores by integer dot products (VNNI), and every form scores
+  alike. Ours: vLLM has no int8 KV; llama.cpp's q8_0 keeps an fp16 scale per 32 elements.
 - `fp8_e4m3` (`fp8`), `fp8_e5m2`: vLLM's names, one byte an element with no scale (a scale of
   1.0, vLLM's when a checkpoint carries no calibrated one: not calibrated here either), values
   past the format's range saturate. 2x the tokens of bf16.
