@@ -165,7 +165,7 @@ def quality(args: argparse.Namespace) -> int:
         "config": {"model": args.model_dir, "dtype": args.dtype, "text_tokens": len(text_ids),
                    "prompts": len(prompts), "output_len": args.output_len},
         "float32 weights": {"perplexity": math.exp(-statistics.fmean(ref_lp))}}
-    rows = [(name, name, "auto") for name in formats]
+    rows: list[tuple[str, str | None, str]] = [(name, name, "auto") for name in formats]
     rows += [(f"kv {name}", None, name) for name in kv_formats]
     for row, quantization, kv_cache_dtype in rows:
         lp, greedy = _measure(args, quantization, text_ids, prompts, kv_cache_dtype)
