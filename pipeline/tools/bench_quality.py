@@ -66,29 +66,27 @@ PROMPTS = [
 ]
 
 
+def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {list(known)}")
+    return names
+
+
 def quantization_list(text: str) -> list[str]:
     """A --quantization comma list of ipc.config.QUANTIZATIONS' names (the type of the
     option here and in `bench throughput`)."""
     from ipc.config import QUANTIZATIONS
 
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in QUANTIZATIONS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown formats {unknown}; choose from "
-                                         f"{list(QUANTIZATIONS)}")
-    return names
+    return _names(text, QUANTIZATIONS, "formats")
 
 
 def kv_dtype_list(text: str) -> list[str]:
     """A --kv-cache-dtype comma list of ipc.config.KV_CACHE_DTYPES' names ("" none)."""
     from ipc.config import KV_CACHE_DTYPES
 
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown KV cache formats {unknown}; choose from "
-                                         f"{list(KV_CACHE_DTYPES)}")
-    return names
+    return _names(text, KV_CACHE_DTYPES, "KV cache formats")
 
 
 def add_quality_parser(sub: Any, add_common: Any) -> None:

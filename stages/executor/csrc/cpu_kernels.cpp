@@ -534,6 +534,20 @@ inline void join_floats(v16f even, v16f odd, float* p) {
                                           14, 30, 15, 31));
 }
 
+// The online-softmax step of a decode's kG heads over a page's scores (each head's row of
+// `scores`), whose 8-lane running maxima are best[r]: their corrections (softmax_page).
+template <int kG>
+inline void group_softmax(const v8f (&best)[kG], float* scores, int64_t score_stride,
+                          int64_t j_lo, int64_t j_hi, float* row_max, float* row_sum,
+                          float softcap, float (&correction)[kG]) {
+  for (int r = 0; r < kG; ++r) {
+    float top = row_max[r];
+    for (int l = 0; l < 8; ++l) top = std::max(top, best[r][l]);
+    correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top, row_max[r],
+                                 row_sum[r], softcap);
+  }
+}
+
 // The dot products of the group's queries with keys [j0, j0 + 8) (fewer at the page's end),
 // each head's 8 sums in parts[r][l] as 8 partial sums.
 template <int64_t kD, int kG, typename T>
@@ -645,12 +659,8 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
     }
   }
   float correction[kG];
-  for (int r = 0; r < kG; ++r) {
-    float top = row_max[r];
-    for (int l = 0; l < 8; ++l) top = std::max(top, best[r][l]);
-    correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top, row_max[r],
-                                 row_sum[r], softcap);
-  }
+  group_softmax<kG>(best, scores, score_stride, j_lo, j_hi, row_max, row_sum, softcap,
+                    correction);
   group_values<kD, kG>(acc, correction, v, stride, j_lo, j_hi, scores, score_stride);
 }
 
@@ -731,12 +741,8 @@ inline void int8_group_keys(const uint8_t* qu, const float* qs, const uint8_t* k
     }
   }
   float correction[kG];
-  for (int r = 0; r < kG; ++r) {
-    float top = row_max[r];
-    for (int l = 0; l < 8; ++l) top = std::max(top, best[r][l]);
-    correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top, row_max[r],
-                                 row_sum[r], softcap);
-  }
+  group_softmax<kG>(best, scores, score_stride, j_lo, j_hi, row_max, row_sum, softcap,
+                    correction);
   // acc[r] = acc[r] * correction[r] + sum over j of weight[r][j] * v_scale[j] * codes_j.
   constexpr int64_t kVecs = kD / 16;
   v16f a[kG][kVecs];
