@@ -38,7 +38,8 @@ pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[5 + i, 9, 13 + 2 * i] * (1 + 3 * i) for i in range(6)]  # 3 to 48 tokens
 
 
-def tp_config(folder: Path, size: int, kv_cache_memory: int = 1 << 22) -> PipelineConfig:
+def tp_config(folder: Path, size: int, kv_cache_memory: int = 1 << 22,
+              kv_cache_dtype: str = "auto") -> PipelineConfig:
     # 4 slots and a 16-token budget: prompts are chunked, steps mix chunks and decodes.
     return PipelineConfig(
         model=ModelInfo.from_dir(folder, 96),
@@ -46,16 +47,18 @@ def tp_config(folder: Path, size: int, kv_cache_memory: int = 1 << 22) -> Pipeli
                                   depth=2),
         executor=ExecutorConfig.for_device("cpu", dtype="float32",
                                            kv_cache_memory=kv_cache_memory, compile=False,
-                                           tensor_parallel_size=size),
+                                           tensor_parallel_size=size,
+                                           kv_cache_dtype=kv_cache_dtype),
         ready_timeout_s=120)
 
 
-def one_rank(folder: Path, max_tokens: int = 12) -> list[list[int]]:
+def one_rank(folder: Path, max_tokens: int = 12, kv_cache_dtype: str = "auto"
+             ) -> list[list[int]]:
     """The greedy tokens of one rank, from the same scheduler and executor cores wired in
     this process (stages/inprocess.py), with the pipeline's limits: the reference, without
     starting a second pipeline per case."""
     engine = InProcessEngine(str(folder), max_num_seqs=4, max_num_batched_tokens=16,
-                             block_size=4, max_model_len=96)
+                             block_size=4, max_model_len=96, kv_cache_dtype=kv_cache_dtype)
     return engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    ignore_eos=True))
 
@@ -90,6 +93,15 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str, vocab: int 
                                 vocab_size=vocab)
     two, _ = generate(tp_config(folder, 2))
     assert two == one_rank(folder)
+
+
+@pytest.mark.live
+def test_two_ranks_over_an_int8_cache_give_the_tokens_of_one(tmp_path: Path) -> None:
+    """Each rank's KV pool holds its own KV heads in the format (a row's scale is per token
+    and KV head, so splitting the heads splits nothing of it)."""
+    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
+    two, _ = generate(tp_config(folder, 2, kv_cache_dtype="int8"))
+    assert two == one_rank(folder, kv_cache_dtype="int8")
 
 
 @pytest.mark.parametrize(("model_type", "fields"), [
