@@ -273,7 +273,8 @@ BENCH_OWN = {
     ("fairness", "device"), ("overload", "device"),  # the timed device: no model needed
     ("overload", "max_waiting"),  # below serve's, so refusals start sooner
     ("quality", "quantization"), ("quality", "kv_cache_dtype"),  # the formats it compares
-    ("throughput", "quantization"),  # a list of formats to run again with
+    ("throughput", "quantization"), ("throughput", "kv_cache_dtype"),  # lists of formats to
+    # run again with
 }
 
 
