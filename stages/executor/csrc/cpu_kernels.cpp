@@ -677,18 +677,15 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
 // round to 0). At 32 sequences x 4,096 tokens the bf16 cache's decode took 23.5 ms a layer
 // where widening int8 pages into a float buffer first took 42 (1.8x slower).
 
-// The group's queries q [kG][kD] (float) as u8 codes qu [kG][kD] (code + 128) and scales qs.
-template <int64_t kD, int kG>
-inline void int8_queries(const float* q, uint8_t* qu, float* qs) {
-  for (int r = 0; r < kG; ++r) {
-    const float* qr = q + r * kD;
-    float amax = 0.0f;
-    for (int64_t e = 0; e < kD; ++e) amax = std::max(amax, std::fabs(qr[e]));
-    qs[r] = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t e = 0; e < kD; ++e) {
-      qu[r * kD + e] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(qr[e] * inv)) + 128);
-    }
+// A head's query q [d] (float, on its int8 grid: round_to_int8_grid) as u8 codes qu (code +
+// 128) and its scale qs.
+inline void int8_query(const float* q, int64_t d, uint8_t* qu, float* qs) {
+  float amax = 0.0f;
+  for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(q[e]));
+  *qs = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t e = 0; e < d; ++e) {
+    qu[e] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(q[e] * inv)) + 128);
   }
 }
 
@@ -716,7 +713,7 @@ inline void int8_group_keys(const uint8_t* qu, const float* qs, const uint8_t* k
         continue;
       }
       const uint8_t* kj = k + j * stride;
-      key_scale[l] = llm_cpu_kv::row_scale(kj, kD, llm_cpu_kv::Int8Rows{});
+      key_scale[l] = llm_cpu_kv::row_scale(kj, kD);
       __m512i sum_k = _mm512_setzero_si512(), dots[kG];
       for (int r = 0; r < kG; ++r) dots[r] = _mm512_setzero_si512();
       for (int64_t c = 0; c < kParts; ++c) {
@@ -751,7 +748,7 @@ inline void int8_group_keys(const uint8_t* qu, const float* qs, const uint8_t* k
   }
   for (int64_t j = j_lo; j < j_hi; ++j) {
     const uint8_t* vj = v + j * stride;
-    const float scale = llm_cpu_kv::row_scale(vj, kD, llm_cpu_kv::Int8Rows{});
+    const float scale = llm_cpu_kv::row_scale(vj, kD);
     v16f vv[kVecs];
     for (int64_t c = 0; c < kVecs; ++c) {
       const __m512 f = _mm512_cvtepi32_ps(
@@ -1035,7 +1032,7 @@ inline v16f hadamard_lanes(v16f v, std::integer_sequence<int, I...>) {
 }
 
 // q [d] rounded to its int8 grid in place: each element to the nearest multiple of the head's
-// scale max|q| / 127 (what int8_queries makes codes of, exactly).
+// scale max|q| / 127 (what int8_query makes codes of, exactly).
 inline void round_to_int8_grid(float* q, int64_t d) {
   float amax = 0.0f;
   for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(q[e]));
@@ -1293,11 +1290,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       if (tile.len == 1 && group >= 2 && group <= 4) {
         q_codes.resize(heads * d);
         q_scales.resize(heads);
-        for (int64_t h0 = 0; h0 < heads; h0 += group) {
-          const float* qg = qf_ptr + (tile.start * heads + h0) * d;
-          if (group == 2) int8_queries<kD, 2>(qg, q_codes.data() + h0 * d, q_scales.data() + h0);
-          if (group == 3) int8_queries<kD, 3>(qg, q_codes.data() + h0 * d, q_scales.data() + h0);
-          if (group == 4) int8_queries<kD, 4>(qg, q_codes.data() + h0 * d, q_scales.data() + h0);
+        for (int64_t h = 0; h < heads; ++h) {
+          int8_query(qf_ptr + (tile.start * heads + h) * d, d, q_codes.data() + h * d,
+                     q_scales.data() + h);
         }
       }
     }
@@ -1384,8 +1379,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             }
             const int64_t used = std::min(block_size, last - page_start + 1);
             float* page_v = page_kv + block_size * d;
-            llm_cpu_kv::widen_rows(kp, kv_stride, d, used, page_kv, F{});
-            llm_cpu_kv::widen_rows(vp, kv_stride, d, used, page_v, F{});
+            llm_cpu_kv::widen_int8_rows(kp, kv_stride, d, used, page_kv);
+            llm_cpu_kv::widen_int8_rows(vp, kv_stride, d, used, page_v);
             if (heads_together) {
               decode_heads(page_kv, page_v, d);
             } else {
@@ -1511,8 +1506,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           const float* keys = buf.keys.data();
           const float* values = buf.values.data();
           if constexpr (widen_pages) {
-            llm_cpu_kv::widen_rows(kp + j0 * kv_stride, kv_stride, d, n, buf.keys.data(), F{});
-            llm_cpu_kv::widen_rows(vp + j0 * kv_stride, kv_stride, d, n, buf.values.data(), F{});
+            llm_cpu_kv::widen_int8_rows(kp + j0 * kv_stride, kv_stride, d, n, buf.keys.data());
+            llm_cpu_kv::widen_int8_rows(vp + j0 * kv_stride, kv_stride, d, n, buf.values.data());
           } else {
             widen_rows(kp + j0 * kv_stride, kv_stride, d, n, buf.keys.data());
             widen_rows(vp + j0 * kv_stride, kv_stride, d, n, buf.values.data());

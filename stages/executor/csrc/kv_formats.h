@@ -55,8 +55,8 @@ inline v16f as_floats(v16u32 bits) {
   return f;
 }
 
-// 16 codes widened to floats.
-inline v16f widen16(const uint8_t* p, float scale, Int8Rows) {
+// 16 int8 codes widened to floats, times their row's scale.
+inline v16f widen16(const uint8_t* p, float scale) {
   v16i8 codes;
   std::memcpy(&codes, p, sizeof codes);
   return __builtin_convertvector(codes, v16f) * scale;
@@ -95,12 +95,12 @@ inline VF widen_fp8(const uint8_t* p) {
 }
 
 // One int8 code widened (a head size that is not a multiple of 16: its tail).
-inline float widen1(uint8_t code, float scale, Int8Rows) {
+inline float widen1(uint8_t code, float scale) {
   return static_cast<float>(static_cast<int8_t>(code)) * scale;
 }
 
 // An int8 row's scale: the fp16 after its D codes.
-inline float row_scale(const uint8_t* row, int64_t d, Int8Rows) {
+inline float row_scale(const uint8_t* row, int64_t d) {
   uint16_t bits;
   std::memcpy(&bits, row + d, sizeof bits);
 #if defined(__F16C__)
@@ -111,19 +111,18 @@ inline float row_scale(const uint8_t* row, int64_t d, Int8Rows) {
 }
 
 // rows x d values of int8 rows `stride` bytes apart, as contiguous float rows in dst.
-template <typename F>
-inline void widen_rows(const uint8_t* src, int64_t stride, int64_t d, int64_t rows, float* dst,
-                       F format) {
+inline void widen_int8_rows(const uint8_t* src, int64_t stride, int64_t d, int64_t rows,
+                            float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* from = src + r * stride;
-    const float scale = row_scale(from, d, format);
+    const float scale = row_scale(from, d);
     float* to = dst + r * d;
     int64_t e = 0;
     for (; e + 16 <= d; e += 16) {
-      const v16f v = widen16(from + e, scale, format);
+      const v16f v = widen16(from + e, scale);
       std::memcpy(to + e, &v, sizeof v);
     }
-    for (; e < d; ++e) to[e] = widen1(from[e], scale, format);
+    for (; e < d; ++e) to[e] = widen1(from[e], scale);
   }
 }
 
