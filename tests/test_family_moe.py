@@ -145,6 +145,7 @@ class Weights:
             return torch.randn(*shape, generator=g) * 0.2
 
         self.router = rand(moe.num_experts, h)
+        self.router_bias = rand(moe.num_experts) if moe.router_bias else None
         self.experts = [(rand(moe.intermediate, h), rand(moe.intermediate, h),
                          rand(h, moe.intermediate)) for _ in range(moe.num_experts)]
         self.shared = ((rand(moe.shared_intermediate, h), rand(moe.shared_intermediate, h),
@@ -160,6 +161,8 @@ class Weights:
         assert spec.moe is not None
         block = MoEBlock(spec, spec.moe, TORCH_OPS, linear or DenseMethod(), shard or Shard())
         block.gate.weight.data.copy_(self.router)
+        if self.router_bias is not None:  # (the Linear's bias is allocated, not initialised)
+            block.gate.bias.data.copy_(self.router_bias)
         pairs: list[tuple[Any, tuple[torch.Tensor, ...]]] = list(
             zip(block.experts, self.experts, strict=True))
         if block.shared_expert is not None and self.shared is not None:
@@ -186,7 +189,7 @@ class Weights:
         out = torch.zeros(x.shape, dtype=torch.float64)
         for t in range(len(x)):
             xt = x[t:t + 1]
-            probs = torch.softmax(F.linear(xt, self.router).float(), dim=-1)
+            probs = torch.softmax(F.linear(xt, self.router, self.router_bias).float(), dim=-1)
             top, chosen = torch.topk(probs, moe.top_k, dim=-1)
             if moe.norm_topk:
                 top = top / top.sum()
