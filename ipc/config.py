@@ -138,6 +138,10 @@ class ExecutorConfig:
     compile: bool | None = None  # torch.compile the model; None: the device's default
     cuda_graphs: bool = True  # on CUDA, compiled: replay decode steps as CUDA graphs
     tensor_parallel_size: int = 1  # executor ranks, each holding 1/K of the model
+    # Stages of consecutive layers, each of tensor_parallel_size ranks (ipc/ranks.py); the
+    # layers each stage holds: even, or these counts (--pipeline-layer-partition)
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: tuple[int, ...] | None = None
     quantization: str | None = None  # QUANTIZATIONS: weights quantized at load (CPU)
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: the KV cache's format
 
@@ -163,6 +167,15 @@ class ExecutorConfig:
             raise ConfigError("--tensor-parallel-size must be at least 1")
         if self.tensor_parallel_size > 1 and self.timed is not None:
             raise ConfigError("--tensor-parallel-size needs a model, not the timed device")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError("--pipeline-parallel-size must be at least 1")
+        if self.pipeline_parallel_size > 1 and self.timed is not None:
+            raise ConfigError("--pipeline-parallel-size needs a model, not the timed device")
+        given = self.pipeline_layer_partition
+        if given is not None and len(given) != self.pipeline_parallel_size:
+            raise ConfigError(f"--pipeline-layer-partition gives {len(given)} stage(s) "
+                              f"({','.join(map(str, given))}) for --pipeline-parallel-size "
+                              f"{self.pipeline_parallel_size}")
 
     @classmethod
     def for_device(cls, device: str, **fields: Any) -> ExecutorConfig:
@@ -334,8 +347,9 @@ class PipelineConfig(RunAddresses):
             if sched.get("speculative") is not None:
                 sched["speculative"] = SpeculativeConfig(**sched["speculative"])
             execu = dict(values.pop("executor"))  # type: ignore[call-overload]
-            if execu.get("timed") is not None:
-                execu["timed"] = tuple(execu["timed"])
+            for name in ("timed", "pipeline_layer_partition"):  # (tuples, sent as lists)
+                if execu.get(name) is not None:
+                    execu[name] = tuple(execu[name])
             return cls(model=ModelInfo(**model), scheduler=SchedulerConfig(**sched),
                        executor=ExecutorConfig(**execu), keys=keys,
                        remote=remote or RemoteSettings(), **values)  # type: ignore[arg-type]
@@ -385,7 +399,9 @@ class PipelineConfig(RunAddresses):
     @property
     def ranks(self) -> RankLayout:
         """Which global executor ranks each engine of this run owns."""
-        return RankLayout(self.data_parallel_size, self.executor.tensor_parallel_size)
+        ex = self.executor
+        return RankLayout(self.data_parallel_size, ex.tensor_parallel_size,
+                          ex.pipeline_parallel_size)
 
     def scheduler_addresses(self) -> list[str]:
         """Every engine's scheduler inbox (what the tokenizers route to, in engine order)."""

@@ -31,6 +31,7 @@ from ipc.errors import ConfigError
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
+from ipc.ranks import parse_partition
 from ipc.speculative import parse_speculative
 from ipc.units import format_bytes, parse_bytes
 from pipeline.runtime.client import KEY_ENV, CompletionOutput, PipelineClient, PipelineError
@@ -108,6 +109,16 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="K executor processes, each holding 1/K of every layer (heads, MLP "
                         "rows, vocabulary), summed by torch.distributed all-reduces (gloo on "
                         "the CPU, NCCL on CUDA, a GPU per rank); eager only")
+    p.add_argument("--pipeline-parallel-size", type=int,
+                   default=d(ExecutorConfig.pipeline_parallel_size), metavar="P",
+                   help="P stages of consecutive layers (each of --tensor-parallel-size ranks, "
+                        "P x K executor processes): each rank loads only its layers and their "
+                        "KV cache; hidden states pass stage to stage, and the scheduler keeps "
+                        "P steps of disjoint sequences in flight so every stage runs")
+    p.add_argument("--pipeline-layer-partition", type=layer_partition,
+                   default=d(ExecutorConfig.pipeline_layer_partition), metavar="N,N,...",
+                   help="the layers of each stage, in order (e.g. 9,7); default: even, the "
+                        "remainder to the stages before the last")
     p.add_argument("--data-parallel-size", type=int,
                    default=d(PipelineConfig.data_parallel_size), metavar="D",
                    help="D engines (a scheduler and its executor each, a whole model each) "
@@ -450,8 +461,17 @@ def executor_config(args: argparse.Namespace) -> ExecutorConfig:
     return ExecutorConfig.for_device(
         args.device, dtype=args.dtype, kv_cache_memory=parse_bytes(args.kv_cache_memory),
         compile=args.compile, cuda_graphs=args.cuda_graphs,
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_layer_partition=args.pipeline_layer_partition, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype)
+
+
+def layer_partition(text: str) -> tuple[int, ...]:
+    try:
+        return parse_partition(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def read_prompts(args: argparse.Namespace) -> list[tuple[int, str]]:

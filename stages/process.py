@@ -85,12 +85,13 @@ class StageContext:
 
 
 @contextmanager
-def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int
-                  ) -> Iterator[StageContext]:
-    """Run a stage body: name the process, handle signals, report a crash before dying."""
+def stage_process(stage: str, rank: int, cfg: PipelineConfig, parent_pid: int,
+                  detail: str = "") -> Iterator[StageContext]:
+    """Run a stage body: name the process (`detail`: after its name, an executor rank's place
+    in its engine), handle signals, report a crash before dying."""
     from setproctitle import setproctitle
 
-    setproctitle(f"llm-pipeline:{stage}:{rank}")
+    setproctitle(f"llm-pipeline:{stage}:{rank}" + (f" {detail}" if detail else ""))
     setup_logging(stage, rank)
     ctx = StageContext(stage, rank, cfg, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it

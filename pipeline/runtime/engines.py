@@ -80,10 +80,11 @@ class Engines:
     or fails the pipeline if no other engine serves. One that joined from another host and
     went silent is taken down for good."""
 
-    def __init__(self, num_engines: int, tensor_parallel_size: int) -> None:
+    def __init__(self, num_engines: int, tensor_parallel_size: int,
+                 pipeline_parallel_size: int = 1) -> None:
         self.num_engines = num_engines
         # Where each engine's executor ranks are (engines that join later follow the rule).
-        self.layout = RankLayout(num_engines, tensor_parallel_size)
+        self.layout = RankLayout(num_engines, tensor_parallel_size, pipeline_parallel_size)
         self.alive = [True] * num_engines
         self.ready = [True] * num_engines  # one joining from another host is not, at first
         self.stats: list[SchedulerStats | None] = [None] * num_engines

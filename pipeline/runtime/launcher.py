@@ -61,7 +61,8 @@ class Pipeline:
         self.supervisor = Supervisor()  # the stage processes (its config set by start())
         self.failure: str | None = None
         self.endpoints_path: Path | None = None  # <run dir>/pipeline.json, once started
-        self.engines = Engines(cfg.data_parallel_size, cfg.executor.tensor_parallel_size)
+        self.engines = Engines(cfg.data_parallel_size, cfg.executor.tensor_parallel_size,
+                               cfg.executor.pipeline_parallel_size)
         self.roster: Roster | None = None  # every stage and its address, once started
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()

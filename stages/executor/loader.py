@@ -72,11 +72,17 @@ def load_weights(model: nn.Module, model_dir: str | Path, tied: bool) -> None:
     blocks: dict[str, dict[int | None, QuantizedWeight]] = {}
     tied_head: QuantizedWeight | None = None
     rename = getattr(model, "checkpoint_name", lambda n: n)  # (the family's names)
+    on_stage = getattr(model, "on_stage", lambda n: n)  # (a pipeline stage's part of them)
     split = getattr(model, "checkpoint_entries", iter)  # (the family's parts of entries)
     for where, entry, value in split(checkpoint_entries(model_dir)):
         name = rename(entry)
         if name is None or name.endswith(SKIPPED) or (tied and name == HEAD
                                                       and not head_takes_blocks):
+            continue
+        if tied and name == EMBEDDING and head_takes_blocks:
+            tied_head = _as_blocks(value)  # (unless the file has a head of its own)
+        name = on_stage(name)
+        if name is None:
             continue
         target, part = target_of(name)
         module_name, _, leaf = target.rpartition(".")
@@ -84,8 +90,6 @@ def load_weights(model: nn.Module, model_dir: str | Path, tied: bool) -> None:
         if isinstance(module, Linear) and module.method.takes_blocks and leaf == "weight":
             blocks.setdefault(module_name, {})[part] = _as_blocks(value)
             continue
-        if tied and name == EMBEDDING and head_takes_blocks:
-            tied_head = _as_blocks(value)  # (unless the file has a head of its own)
         if isinstance(value, QuantizedWeight):
             value = value.dequantize()
         param = getattr(module, leaf, None) if module is not None else None
@@ -99,7 +103,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, tied: bool) -> None:
         except ValueError as exc:
             raise ValueError(f"{where}: {entry}: {exc}") from None
         filled.setdefault(target, set()).add(part)
-    if tied_head is not None:
+    if tied_head is not None and HEAD.rpartition(".")[0] in modules:
         blocks.setdefault(HEAD.rpartition(".")[0], {None: tied_head})
     _set_blocks(modules, blocks)
     _check_filled(model, modules, filled)

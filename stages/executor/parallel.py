@@ -1,28 +1,43 @@
-"""Tensor parallelism across executor ranks (Megatron-style), over torch.distributed: gloo on
-the CPU, NCCL on CUDA. Runs in each executor process of a `--tensor-parallel-size K` run.
+"""Tensor and pipeline parallelism across an engine's executor ranks, over torch.distributed:
+gloo on the CPU, NCCL on CUDA. Runs in each executor process of a run with
+`--tensor-parallel-size K` or `--pipeline-parallel-size P` (P x K ranks in one process group
+per engine; ipc/ranks.py lays them out, stage after stage of K tensor ranks).
 
-Each rank holds 1/K of every layer and loads only that: the layers own their sharding
-(sharding.py; model.load_model is the one load path for every K). The query and key/value
-heads and the MLP's intermediate rows of the column-parallel projections (qkv, gate/up), the
-matching input columns of the row-parallel ones (o, down), after which one all-reduce per
-attention block and one per MLP block sums the ranks' parts; 1/K of the vocabulary of the
-embedding and of the output layer (the logits are gathered on rank 0, which samples). Norms
-and RoPE tables are small and replicated, but for q/k norms over the whole projections (OLMo,
-OLMoE), split with the heads, their sums of squares all-reduced (blocks.Attention); each
-rank's KV cache holds its own heads.
+Tensor parallelism (Megatron-style): each rank holds 1/K of every layer of its stage and loads
+only that: the layers own their sharding (sharding.py; model.load_model is the one load path
+for every K). The query and key/value heads and the MLP's intermediate rows of the
+column-parallel projections (qkv, gate/up), the matching input columns of the row-parallel ones
+(o, down), after which one all-reduce per attention block and one per MLP block sums the ranks'
+parts; 1/K of the vocabulary of the embedding and of the output layer (the logits are gathered
+on the stage's first rank, which samples). Norms and RoPE tables are small and replicated, but
+for q/k norms over the whole projections (OLMo, OLMoE), split with the heads, their sums of
+squares all-reduced (blocks.Attention); each rank's KV cache holds its own heads. With
+pipeline stages each stage's K ranks are a group of their own.
 
-The scheduler still talks to rank 0 alone and the run-ahead protocol is unchanged: rank 0
-forwards each step plan to the other ranks, every rank reads the step's ring slot itself
-(one host) and runs the same forward; rank 0 samples and broadcasts the sampled ids, which
-the other ranks keep as their slots' last samples (the placeholders of the next steps).
-Collectives are issued only by each process's device thread, in step order.
+Pipeline parallelism: stage s holds a contiguous range of the layers (the first the embedding,
+the last the norm, the head and sampling) and their KV cache only. A step's hidden states
+[tokens, hidden] (the residual stream: every layer takes and returns it whole) go from each
+rank of stage s to the same tensor rank of stage s + 1 (point to point, sent without waiting);
+the last stage's first rank samples and reports to the scheduler (it writes the sampled-token
+ring: one host), and sends the sampled ids to every rank of stage 0, which resolves the next
+steps' placeholders from them: placeholders are resolved where the input ids are embedded.
+Stage 0 posts the receive of a step's samples as it finishes the step, and waits on it only
+when a later step has a placeholder of one of its slots (the scheduler plans P steps of
+disjoint sequences in flight, so in steady decode it never waits).
+
+The scheduler still talks to the engine's first rank alone and the run-ahead protocol is
+unchanged: that rank forwards each step plan to the other ranks, every rank reads the step's
+ring slot itself (one host) and runs its part of the same step. Collectives and point-to-point
+traffic are issued only by each process's device thread, in step order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,43 +47,163 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that died: the others fail, not hang
 
 
+def join_engine(rank: int, tensor_size: int, layers: list[range], store_path: str,
+                device: torch.device, vocab_size: int
+                ) -> tuple[TensorParallel | None, PipelineParallel | None]:
+    """Join the engine's process group as its rank `rank` (every rank must call it; the file
+    store is the run directory's): this rank's tensor-parallel group (None: K = 1) and its
+    pipeline stage (None: one stage), `layers` holding each stage's range."""
+    num_stages = len(layers)
+    size = tensor_size * num_stages
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
+                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    # Every rank has joined once this returns (NCCL would connect only at the first
+    # collective, and a follower maps the rings rank 0 made before it joined).
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    stage = rank // tensor_size
+    tp = None
+    if tensor_size > 1:
+        group = None
+        if num_stages > 1:  # (every rank makes every group, in the same order)
+            groups = [dist.new_group(list(range(s * tensor_size, (s + 1) * tensor_size)))
+                      for s in range(num_stages)]
+            group = groups[stage]
+        tp = TensorParallel(rank % tensor_size, tensor_size, vocab_size, group,
+                            stage * tensor_size)
+    pp = (PipelineParallel(stage, num_stages, layers[stage], rank % tensor_size, tensor_size)
+          if num_stages > 1 else None)
+    logger.info("executor rank %d of %d (%s): stage %d of %d (layers %d-%d), tensor rank %d "
+                "of %d", rank, size, backend, stage, num_stages, layers[stage].start,
+                layers[stage].stop - 1, rank % tensor_size, tensor_size)
+    return tp, pp
+
+
+def leave_engine() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @dataclasses.dataclass
 class TensorParallel:
-    rank: int
+    rank: int  # within its stage's group
     size: int
     vocab_size: int  # the model's, before padding to a multiple of size
-
-    @classmethod
-    def init(cls, rank: int, size: int, store_path: str, device: torch.device,
-             vocab_size: int) -> TensorParallel:
-        """Join the ranks' process group (every rank must call it; the file store is the
-        run directory's)."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
-                                world_size=size, timeout=COLLECTIVE_TIMEOUT)
-        # Every rank has joined once this returns (NCCL would connect only at the first
-        # collective, and a follower maps the rings rank 0 made before it joined).
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-        logger.info("tensor-parallel rank %d of %d (%s)", rank, size, backend)
-        return cls(rank, size, vocab_size)
+    group: Any = None  # the stage's ranks (None: the whole process group, one stage)
+    root: int = 0  # the group's first rank, in the process group (where logits gather)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """This rank's logits [S, V/K] -> all of them [S, V] on rank 0 (None elsewhere)."""
+        """This rank's logits [S, V/K] -> all of them [S, V] on the group's first rank (None
+        elsewhere)."""
         parts = ([torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0
                  else None)
-        dist.gather(logits.contiguous(), parts, dst=0)
+        dist.gather(logits.contiguous(), parts, dst=self.root, group=self.group)
         if parts is None:
             return None
         return torch.cat(parts, dim=1)[:, :self.vocab_size]
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(x, src=0)
+        dist.broadcast(x, src=self.root, group=self.group)
         return x
 
+
+# Tags of the two kinds of point-to-point traffic (each pair of ranks carries one kind in
+# each direction today; the tags keep them apart whatever the layout)
+HIDDEN_TAG, SAMPLES_TAG = 1, 2
+
+
+@dataclasses.dataclass
+class PipelineParallel:
+    """This rank's pipeline stage: its layers, and the traffic between stages (see the
+    module's docstring). Sends are not waited on at once: each keeps its tensor alive
+    until it completed (checked as later ones are sent)."""
+
+    stage: int
+    size: int
+    layers: range  # the model's layers this stage holds
+    tensor_rank: int = 0
+    tensor_size: int = 1
+
+    def __post_init__(self) -> None:
+        self._sends: deque[tuple[Any, torch.Tensor]] = deque()
+        # Stage 0: the samples of each step it ran, on their way: (step id, the slots that
+        # sampled, the receive, its buffer), in step order; and each slot's newest such step
+        # (an entry may outlive its receive: it then names a step already settled)
+        self._samples: deque[tuple[int, torch.Tensor, Any, torch.Tensor]] = deque()
+        self._pending_step: dict[int, int] = {}
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def _peer(self, stage: int, tensor_rank: int | None = None) -> int:
+        return stage * self.tensor_size + (self.tensor_rank if tensor_rank is None
+                                           else tensor_rank)
+
+    def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        self._sends.append((dist.isend(x, dst, tag=tag), x))
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+
+    def fewest(self, num_blocks: int, device: torch.device) -> int:
+        """The fewest KV blocks any rank of the engine holds (every rank calls it once, as it
+        sizes its cache): the scheduler plans with that many, and every rank allocates it."""
+        count = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        return int(count.item())
+
+    def send_hidden(self, x: torch.Tensor) -> None:
+        """A step's hidden states [T, hidden] to the next stage."""
+        self._send(x.contiguous(), self._peer(self.stage + 1), HIDDEN_TAG)
+
+    def recv_hidden(self, rows: int, hidden: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+        """The hidden states [rows, hidden] of this step, from the previous stage."""
+        x = torch.empty(rows, hidden, dtype=dtype, device=device)
+        dist.recv(x, self._peer(self.stage - 1), tag=HIDDEN_TAG)
+        return x
+
+    def send_samples(self, tokens: torch.Tensor) -> None:
+        """The last stage's first rank: a step's sampled ids [X] (int64) to every rank of
+        stage 0 (none when the step sampled nothing: stage 0 expects none then)."""
+        if len(tokens):
+            tokens = tokens.contiguous()
+            for rank in range(self.tensor_size):
+                self._send(tokens, self._peer(0, rank), SAMPLES_TAG)
+
+    def expect_samples(self, step_id: int, slots: torch.Tensor, host_slots: list[int]) -> None:
+        """Stage 0, as it finishes step `step_id`: post the receive of its samples, one per
+        sampled position (slots, on the device; host_slots, the same on the host)."""
+        if not host_slots:
+            return
+        buf = torch.empty(len(host_slots), dtype=torch.int64, device=slots.device)
+        work = dist.irecv(buf, self._peer(self.size - 1, 0), tag=SAMPLES_TAG)
+        # (slots is a view of the step's staging buffer, which a later step rewrites)
+        self._samples.append((step_id, slots.clone(), work, buf))
+        for slot in host_slots:
+            self._pending_step[slot] = step_id
+
+    def settle(self, slots: list[int], last_sampled: torch.Tensor) -> None:
+        """Stage 0, before a step whose placeholders are these slots': wait for the samples
+        of every step up to the newest one that sampled any of them, and keep them as the
+        slots' last samples (in step order, so the newest sample of a slot wins)."""
+        pending = self._pending_step
+        upto = max((pending.get(slot, -1) for slot in slots), default=-1)
+        while self._samples and self._samples[0][0] <= upto:
+            step_id, where, work, buf = self._samples.popleft()
+            work.wait()
+            last_sampled[where] = buf
+
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Wait for what this rank sent (its peers are still receiving while it stops)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()

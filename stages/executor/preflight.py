@@ -12,6 +12,7 @@ from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
 from ipc.families import read_config
 from ipc.gguf_source import GgufSource, gguf_source
+from ipc.ranks import partition_layers
 from ipc.speculative import SpeculativeConfig
 from stages.executor.backends.select import ForwardRequest, Selection, select_backend
 
@@ -39,12 +40,30 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         check_quantization(ex.quantization, ex.device, selection.compiled)
     if ex.tensor_parallel_size > 1:
         check_divisible(read_config(cfg.model.path)[1], ex.tensor_parallel_size)
+    if ex.pipeline_parallel_size > 1:
+        check_pipeline(cfg)
     num_ranks = cfg.ranks.num_ranks
     if num_ranks > 1:
         check_devices(ex.device, num_ranks)
     if draft is not None:
         check_draft(draft, cfg.model.vocab_size, selection, ex.tensor_parallel_size, ex.device)
     return selection
+
+
+def check_pipeline(cfg: PipelineConfig) -> None:
+    """Pipeline stages the model can be split into (each at least a layer, the partition
+    summing to its layers), and nothing the stages do not run: speculative decoding (its
+    drafts and verification run on one rank)."""
+    ex = cfg.executor
+    spec = read_config(cfg.model.path)[1]
+    try:
+        partition_layers(spec.num_layers, ex.pipeline_parallel_size, ex.pipeline_layer_partition)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.scheduler.speculative is not None:
+        raise ConfigError(f"--speculative {cfg.scheduler.speculative.describe()}: speculative "
+                          "decoding runs on one pipeline stage; leave out "
+                          "--pipeline-parallel-size or --speculative")
 
 
 def check_draft(draft: SpeculativeConfig, vocab_size: int, target: Selection,

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
@@ -17,12 +18,14 @@ import zmq
 from ipc.channels import PullChannel, PushChannel
 from ipc.codec import Codec
 from ipc.config import PipelineConfig
+from ipc.families import read_config
 from ipc.messages import LastStep, SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
+from ipc.ranks import partition_layers
 from ipc.shm import SharedRing
 from ipc.step import StepRings, sampled_specs
-from stages.executor.device import Device, make_device
-from stages.executor.parallel import TensorParallel
+from stages.executor.device import Device, OnDone, make_device
+from stages.executor.parallel import join_engine, leave_engine
 from stages.executor.runner import ModelRunner, Runner, TimedRunner
 from stages.executor.step_inputs import HostStep
 from stages.process import StageContext, stage_process
@@ -36,8 +39,8 @@ DRAIN_TIMEOUT_S = 5.0
 
 
 def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
-    """The runner of tensor-parallel rank `rank` of engine cfg.engine (ranks beyond 0:
-    tensor parallelism)."""
+    """The runner of rank `rank` of engine cfg.engine (its place in the engine's stages of
+    tensor ranks: ipc/ranks.py)."""
     ex, limits = cfg.executor, cfg.limits
     if ex.timed is not None:
         return TimedRunner(ex.timed[0], ex.timed[1], limits, ex.timed[2])
@@ -54,14 +57,16 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
         device = torch.device("cuda", first + rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
-    tp = None
-    if ex.tensor_parallel_size > 1:
-        tp = TensorParallel.init(rank, ex.tensor_parallel_size,
-                                 str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"), device,
-                                 limits.vocab_size)
+    tp = pp = None
+    if layout.ranks_per_engine > 1:
+        layers = partition_layers(read_config(cfg.model.path)[1].num_layers,
+                                  ex.pipeline_parallel_size, ex.pipeline_layer_partition)
+        tp, pp = join_engine(rank, ex.tensor_parallel_size, layers,
+                             str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"), device,
+                             limits.vocab_size)
     runner = ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
                                   ex.kv_cache_memory, ex.compile,
-                                  graphs=ex.cuda_graphs and device.type == "cuda", tp=tp,
+                                  graphs=ex.cuda_graphs and device.type == "cuda", tp=tp, pp=pp,
                                   quantization=ex.quantization,
                                   speculative=cfg.scheduler.speculative,
                                   kv_cache_dtype=ex.kv_cache_dtype)
@@ -91,15 +96,18 @@ class Reporter:
 
 
 def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
-    """Executor `rank` is tensor-parallel rank `rank % K` of engine `rank // K` (K: the
-    tensor-parallel size). Rank 0 of an engine receives its scheduler's plans (and forwards
-    each to the engine's other ranks, if any) and reports samples; the others follow it."""
+    """Executor `rank` is rank `rank % R` of engine `rank // R` (R: its ranks, P stages of K
+    tensor ranks; ipc/ranks.py). Rank 0 of an engine receives its scheduler's plans (and
+    forwards each to the engine's other ranks, if any); the last stage's first rank (rank 0
+    itself with one stage) reports samples; the others follow rank 0."""
     layout = cfg.ranks
     stage_rank, cfg = rank, cfg.for_engine(layout.engine_of(rank))
     rank = layout.local_rank(stage_rank)
-    with stage_process("executor", stage_rank, cfg, parent_pid) as ctx:
+    reporter = layout.local_rank(layout.reporter(cfg.engine))
+    detail = layout.describe(stage_rank) if layout.ranks_per_engine > 1 else ""
+    with stage_process("executor", stage_rank, cfg, parent_pid, detail) as ctx:
         if rank > 0:
-            _follow(ctx, cfg, rank)
+            _follow(ctx, cfg, rank, reports=rank == reporter)
             return
         rings = StepRings.open(cfg, create=True)  # before the ranks meet: they map it then
         runner = build_runner(cfg)
@@ -107,9 +115,11 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
                             secret=cfg.keys.run_secret)
         followers = [PushChannel(ctx.zmq, tp_plan_address(cfg, r), bind=False,
                                  secret=cfg.keys.run_secret)
-                     for r in range(1, cfg.executor.tensor_parallel_size)]
-        device = make_device(runner, rings.sampled, Reporter(ctx, cfg.sampled_address,
-                                                             cfg.keys.run_secret))
+                     for r in range(1, layout.ranks_per_engine)]
+        # (with pipeline stages this rank samples nothing: the last stage reports)
+        report: OnDone = (Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
+                          if reporter == 0 else _no_report)
+        device = make_device(runner, rings.sampled, report)
         ctx.ready(num_kv_blocks=runner.num_blocks)
         if runner.slots.matchers is not None:
             runner.slots.matchers.grammars.warm()
@@ -118,11 +128,15 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
                          ctx.stop)
         finally:
             device.close()
-            _close_tp(runner)
+            _leave(runner)
+
+
+def _no_report(*_: object) -> None:
+    """A first stage's finished step: the last stage reports it."""
 
 
 def tp_plan_address(cfg: PipelineConfig, rank: int) -> str:
-    """Where tensor-parallel rank `rank` receives the plans rank 0 forwards."""
+    """Where the engine's rank `rank` (> 0) receives the plans rank 0 forwards."""
     return cfg.engine_address(f"executor-tp-{rank}")
 
 
@@ -136,9 +150,11 @@ def _own_sampled_ring(cfg: PipelineConfig, rank: int) -> SharedRing:
     return ring
 
 
-def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
-    """A tensor-parallel rank beyond 0: the same steps as rank 0, in the same order, from
-    the plans it forwards; its samples are rank 0's (broadcast inside compute)."""
+def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, reports: bool) -> None:
+    """An engine's rank beyond 0: the same steps as rank 0, in the same order, from the plans
+    it forwards. A tensor rank of rank 0's stage has rank 0's samples (broadcast inside
+    compute); `reports`: the last stage's first rank, which samples, writes the sampled-token
+    ring and reports each step to the scheduler."""
     plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), Codec([StepPlan, LastStep]),
                         bind=True, secret=cfg.keys.run_secret)
     runner = build_runner(cfg, rank)  # meets the other ranks: rank 0 made the rings by then
@@ -164,20 +180,32 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int) -> None:
         free[plan.ring_slot].clear()
         return True
 
-    device = make_device(runner, _own_sampled_ring(cfg, rank), done)
+    on_done: OnDone = done
+    if reports:
+        reporter = Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
+
+        def on_done(step: HostStep, *counts: Any) -> None:
+            done(step)
+            reporter(step, *counts)
+
+    device = make_device(runner, rings.sampled if reports else _own_sampled_ring(cfg, rank),
+                         on_done)
     ctx.ready(num_kv_blocks=runner.num_blocks)
     try:
         device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device, [], take_slot),
                      ctx.stop)
     finally:
         device.close()
-        _close_tp(runner)
+        _leave(runner)
 
 
-def _close_tp(runner: Runner) -> None:
-    tp = getattr(runner, "tp", None)
-    if tp is not None:
-        tp.close()
+def _leave(runner: Runner) -> None:
+    """Leave the engine's process group (after what this rank sent went out)."""
+    pp = getattr(runner, "pp", None)
+    if pp is not None:
+        pp.close()
+    if getattr(runner, "tp", None) is not None or pp is not None:
+        leave_engine()
 
 
 def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: SharedRing,

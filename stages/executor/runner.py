@@ -34,7 +34,7 @@ from stages.executor.kv_pool import FORMATS, KVFormat, KVPool, kv_format
 from stages.executor.linear.select import select_linear_method
 from stages.executor.models import load_model
 from stages.executor.models.base import CausalLM
-from stages.executor.parallel import TensorParallel
+from stages.executor.parallel import PipelineParallel, TensorParallel
 from stages.executor.preflight import check_draft
 from stages.executor.sampler import (
     HostSlotParams,
@@ -253,12 +253,15 @@ class ModelRunner:
         self.backend = backend = model.backend
         self.selection = selection
         self.tp: TensorParallel | None = None
+        self.pp: PipelineParallel | None = model.stage
         bs = limits.block_size
         per_block = KVPool.bytes_per_block(kv_format, model.kv_shape, bs)
         if draft is not None:
             per_block += KVPool.bytes_per_block(kv_format, draft.kv_shape, bs)
         scratch = backend.scratch_blocks  # where padding tokens write
         self.num_blocks = kv_cache_memory // per_block - scratch
+        if self.pp is not None:  # stages of fewer layers fit more: the engine has the fewest
+            self.num_blocks = self.pp.fewest(self.num_blocks, device)
         if self.num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no KV block "
                              f"({per_block} bytes each{', and one of scratch' * scratch})")
@@ -282,7 +285,7 @@ class ModelRunner:
             graphs = device.type == "cuda"
         self.graphs = (DecodeGraphs(self._graph_forward, backend, self.slots.layout, device,
                                     device.type == "cuda")
-                       if graphs and backend.graph_fields else None)
+                       if graphs and backend.graph_fields and self.pp is None else None)
         assert self.graphs is None or self.drafter is None, "graphs beside a draft model"
         logger.info("forward: %s (%s); KV cache: %s, %d blocks of %d tokens (%.1f MiB)",
                     backend.name, selection.reason if selection else "given",
@@ -298,7 +301,7 @@ class ModelRunner:
                  limits: EngineLimits, kv_cache_memory: int,
                  compile: bool | None = False, pack: bool | None = None,
                  graphs: bool | None = None, tp: TensorParallel | None = None,
-                 cpu_kernels: bool | None = None,
+                 pp: PipelineParallel | None = None, cpu_kernels: bool | None = None,
                  quantization: str | None = None,
                  speculative: SpeculativeConfig | None = None,
                  kv_cache_dtype: str = "auto") -> ModelRunner:
@@ -317,10 +320,12 @@ class ModelRunner:
         backend = selection.load()(limits, device, spec.windows)
         linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,
                                       gguf_source(model_dir), selection.backend == "cpu_kernels")
-        model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp)
+        model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp,
+                           pp)
+        samples = (tp is None or tp.rank == 0) and (pp is None or pp.last)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
-                    if limits.eos_token_ids and (tp is None or tp.rank == 0) else None)
+                    if limits.eos_token_ids and samples else None)
         draft = None
         if speculative is not None and speculative.is_draft_model:
             draft = load_draft(speculative, limits.vocab_size, dtype, device, limits,
@@ -337,6 +342,8 @@ class ModelRunner:
     def compute(self, step: HostStep, packed: torch.Tensor) -> SampleOutput:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = self.slots.layout.unpack(packed, step.counts)
+        if self.pp is not None:
+            return self._compute_stage(step, v, self.pp)
         graph = self.graphs is not None and self.graphs.eligible(step)
         ids = self.slots.apply(step, v, resolve=not graph)
         grammar_work = self.slots.start_grammar(step)
@@ -365,6 +372,44 @@ class ModelRunner:
             out.began_ns = self.drafter.began_ns
         if self.tp is not None:  # what the other ranks keep as these slots' last samples
             self.tp.broadcast(self.slots.last_sampled[v.sample_slots])
+        if num_scored:
+            out.prompt = score_prompt(logits[num_sampled:], v.plp_target)
+        return out
+
+    def _compute_stage(self, step: HostStep, v: DeviceStep,
+                       pp: PipelineParallel) -> SampleOutput:
+        """This pipeline stage's part of `step` (parallel.py): the first resolves the ids
+        (once the samples they take have come from the last stage) and embeds them, the others
+        take the previous stage's hidden states; a stage before the last passes its own on and
+        returns no samples; the last samples, sends them to the first, and returns them (on
+        its first tensor rank; its other ranks return none)."""
+        if pp.first:
+            if step.placeholder_slots:
+                pp.settle(step.placeholder_slots, self.slots.last_sampled)
+            ids = self.slots.apply(step, v)
+            assert ids is not None
+            hidden = None
+        else:  # (the last stage's own samples are current: penalties count from them)
+            ids = self.slots.apply(step, v, resolve=False)
+            hidden = pp.recv_hidden(v.input_ids.shape[0], self.model.spec.hidden,
+                                    self.model.dtype, self.device)
+        meta = self.backend.metadata(v, step.attn_plan)
+        none = SampleOutput(v.sample_slots[:0])
+        if not pp.last:
+            pp.send_hidden(self.model(ids, self.kv_caches, meta, v.logits_indices, hidden))
+            if pp.first:
+                pp.expect_samples(step.plan.step_id, v.sample_slots, step.sample_slots.tolist())
+            return none
+        grammar_work = self.slots.start_grammar(step)
+        wanted, num_scored = v.logits_indices, step.counts["plp_index"]
+        if num_scored:
+            wanted = torch.cat([wanted, v.plp_index])
+        logits = self.model(v.input_ids, self.kv_caches, meta, wanted, hidden)
+        if logits is None:  # a tensor rank other than the stage's first: it samples nothing
+            return none
+        num_sampled = step.counts["logits_indices"]
+        out = self.slots.sample(step, v, logits[:num_sampled], grammar_work)
+        pp.send_samples(out.tokens)
         if num_scored:
             out.prompt = score_prompt(logits[num_sampled:], v.plp_target)
         return out

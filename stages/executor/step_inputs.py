@@ -44,10 +44,20 @@ class HostStep:
     # the rows with drafts, on the host: their slots [R] and drafts [R, K] (-1 past a row's
     # own), from which `drafts` is made
     spec_rows: tuple[np.ndarray, np.ndarray] | None = None
+    # the step's input ids and each one's slot, on the host (-1: a placeholder)
+    input_ids: np.ndarray | None = None
+    token_slots: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.plan.num_tokens
+
+    @functools.cached_property
+    def placeholder_slots(self) -> list[int]:
+        """The slots whose last sample this step's ids take (a pipeline's first stage waits
+        for those samples; asked only there)."""
+        assert self.input_ids is not None and self.token_slots is not None
+        return np.unique(self.token_slots[self.input_ids < 0]).tolist()  # type: ignore[no-any-return]
 
     @functools.cached_property
     def drafts(self) -> dict[int, list[int]] | None:
@@ -112,7 +122,8 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
     return HostStep(plan, staging[:nbytes], counts, attn.plan, sampling, decode_only,
                     positions.sample_slots, step.new_slot, spec_width=positions.spec_width,
                     last_drafts=bool(step.last_drafts.any()),
-                    spec_rows=(spec["spec_slots"], spec["spec_draft"]))
+                    spec_rows=(spec["spec_slots"], spec["spec_draft"]),
+                    input_ids=step.input_ids, token_slots=forward["token_slots"])
 
 
 class SampledPositions(NamedTuple):

@@ -19,7 +19,7 @@ from stages.executor.models.base import CausalLM
 from stages.executor.preflight import check_divisible
 
 if TYPE_CHECKING:
-    from stages.executor.parallel import TensorParallel
+    from stages.executor.parallel import PipelineParallel, TensorParallel
 
 
 
@@ -41,24 +41,28 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(cfg: dict, spec: ArchSpec, dtype: torch.dtype, backend: AttentionBackend,
-                linear: LinearMethod, tp: TensorParallel | None = None) -> CausalLM:
-    """The family's model with memory for every parameter (not yet filled)."""
+                linear: LinearMethod, tp: TensorParallel | None = None,
+                stage: PipelineParallel | None = None) -> CausalLM:
+    """The family's model (with `stage`: that pipeline stage's part) with memory for every
+    parameter (not yet filled)."""
     with torch.device("meta"), _default_dtype(dtype):
-        model = model_class(cfg)(cfg, spec, backend, linear, tp)
+        model = model_class(cfg)(cfg, spec, backend, linear, tp, stage)
     # Memory for every parameter and buffer, as model.to_empty(device="cpu") would give but
     # by torch.empty: to_empty's empty_like of a meta tensor goes through torch._refs, which
     # imports sympy (0.4 s of every executor's start).
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
-    if spec.tie_word_embeddings and not linear.takes_blocks:  # (that untied them)
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if model.lm_head is not None and spec.tie_word_embeddings and not linear.takes_blocks:
+        model.lm_head.weight = model.model.embed_tokens.weight  # (_apply untied them)
     return model
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_len: int, backend: AttentionBackend, linear: LinearMethod,
-               tp: TensorParallel | None = None) -> CausalLM:
+               tp: TensorParallel | None = None,
+               stage: PipelineParallel | None = None) -> CausalLM:
     """The model (with `tp`: that rank's shard, read slice by slice, no rank holding the
-    whole) on `device`, its weights in their linear method's format."""
+    whole; with `stage`: that pipeline stage's layers only, the others' entries skipped) on
+    `device`, its weights in their linear method's format."""
     from stages.executor.fused import FusedLayers
     from stages.executor.loader import load_weights
 
@@ -68,7 +72,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         if linear.takes_blocks:
             raise ValueError("a quantized GGUF file runs on one rank: leave out "
                              "--tensor-parallel-size")
-    model = build_model(cfg, spec, dtype, backend, linear, tp)
+    model = build_model(cfg, spec, dtype, backend, linear, tp, stage)
     load_weights(model, model_dir, spec.tie_word_embeddings)
     model = model.to(device).eval()
     model.init_rope(max_len)

@@ -10,6 +10,7 @@ parameters; the forward has no per-family branches, only modules that are there 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,9 @@ from stages.executor.sharding import ParallelLMHead, Shard
 
 if TYPE_CHECKING:
     from stages.executor.fused import FusedLayers
-    from stages.executor.parallel import TensorParallel
+    from stages.executor.parallel import PipelineParallel, TensorParallel
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 CheckpointEntry = tuple[str, str, Any]  # (file name, checkpoint name, a sliceable value)
@@ -35,20 +38,30 @@ class CausalLM(nn.Module):
     """forward(input_ids [T], kv_caches (one per layer), meta (the backend's metadata of the
     step), logits_indices [S]) -> [S, V]. `compile_layers` compiles each decoder layer (one
     graph serves every layer of a kind, one per padded step size) and leaves the rest eager.
-    With `tp`, this is one rank's shard (sharding.py); without, the whole model."""
+    With `tp`, this is one rank's shard (sharding.py); without, the whole model. With `stage`,
+    one pipeline stage's layers (parallel.py): the embedding on the first, the norm and the
+    head on the last (and the embedding there too when the head is tied to it)."""
 
     def __init__(self, cfg: dict, spec: ArchSpec, backend: AttentionBackend,
-                 linear: LinearMethod, tp: TensorParallel | None = None) -> None:
+                 linear: LinearMethod, tp: TensorParallel | None = None,
+                 stage: PipelineParallel | None = None) -> None:
         super().__init__()
-        self.cfg, self.spec, self.backend, self.tp = cfg, spec, backend, tp
+        self.cfg, self.spec, self.backend, self.tp, self.stage = cfg, spec, backend, tp, stage
+        first, last = stage is None or stage.first, stage is None or stage.last
+        tied = spec.tie_word_embeddings and not linear.takes_blocks
         shard = Shard(tp.rank, tp.size, tp) if tp is not None else Shard()
         self.model = Backbone(spec, backend, linear, shard, self.make_layer,
-                              self.make_final_norm(spec))
-        self.lm_head = ParallelLMHead(spec.hidden, spec.vocab_size, linear.for_head(), shard)
-        if spec.tie_word_embeddings and not linear.takes_blocks:
+                              self.make_final_norm(spec) if last else None,
+                              stage.layers if stage is not None else None,
+                              embed=first or (last and tied), final_norm=last)
+        self.lm_head = (ParallelLMHead(spec.hidden, spec.vocab_size, linear.for_head(), shard)
+                        if last else None)
+        if tied and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # (the model's dtype, wherever its parameters are: it follows .to(dtype) as they do)
+        self.register_buffer("_dtype", torch.empty(0), persistent=False)
         attn: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]
-        self.num_layers = spec.num_layers
+        self.num_layers = len(self.model.layers)  # (this stage's)
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_dim: int = attn.head_dim
         self.fused_layers: FusedLayers | None = None  # set once loaded (load_model)
@@ -74,6 +87,24 @@ class CausalLM(nn.Module):
         parts after this); None: an entry the model does not use (skipped)."""
         return name
 
+    def on_stage(self, name: str) -> str | None:
+        """A checkpoint name (the model's, after checkpoint_name) as this pipeline stage's
+        parameter: a layer's with its index in the stage, or None where the stage does not
+        hold it (another stage's layer; the embedding, the norm or the head elsewhere)."""
+        if self.stage is None:
+            return name
+        match = _LAYER.match(name)
+        if match is not None:
+            index = int(match.group(1))
+            if index not in self.stage.layers:
+                return None
+            return f"model.layers.{index - self.stage.layers.start}.{name[match.end():]}"
+        if name.startswith("model.embed_tokens."):
+            return name if self.model.embed_tokens is not None else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.stage.last else None
+        return name
+
     def checkpoint_entries(self, entries: Iterable[CheckpointEntry]
                            ) -> Iterator[CheckpointEntry]:
         """The checkpoint's entries as the model's: a family whose checkpoint fuses what the
@@ -85,7 +116,7 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self._dtype.dtype
 
     @property
     def kv_shape(self) -> KVShape:
@@ -95,7 +126,7 @@ class CausalLM(nn.Module):
     def init_rope(self, max_len: int) -> None:
         """The rope tables of every position (rope_tables), in the model's dtype, one pair
         per rope kind of the layers."""
-        device = self.model.embed_tokens.weight.device
+        device = self._dtype.device
         self.ropes = []
         for key in self.rope_keys:
             cos, sin = rope_tables(self.cfg, self.head_dim, max_len, key)
@@ -105,10 +136,19 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)  # type: ignore[no-any-return]
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """The logits [S, vocab] of the rows `logits_indices`, in the model's dtype (float32
-        with tensor parallelism, on rank 0; None on the others)."""
-        x = self.embed(input_ids)  # [T, hidden]
+        with tensor parallelism, on rank 0; None on the others). A pipeline stage after the
+        first takes the previous stage's `hidden` [T, hidden] in place of the embedding of
+        `input_ids`, and one before the last returns its own hidden states [T, hidden]."""
+        x = self.embed(input_ids) if hidden is None else hidden  # [T, hidden]
+        if self.stage is not None and not self.stage.last:
+            if self.fused_layers is not None:
+                return self.fused_layers(x, kv_caches, meta)
+            for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, cache, meta)
+            return x
         # A prompt chunk's rows other than its last feed only the next layers (their keys and
         # values): past the last layer's attention, only the logits' rows are needed. Its
         # output projection and MLP then run on those rows alone (a 128-token prompt's

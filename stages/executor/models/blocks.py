@@ -226,17 +226,22 @@ LayerFactory = Callable[[ArchSpec, int, AttentionBackend, LinearMethod, Shard], 
 
 class Backbone(nn.Module):
     """The embedding, the family's layers (`make_layer`) and the final norm (`norm`: the
-    family's RMSNorm of the hidden size)."""
+    family's RMSNorm of the hidden size). A pipeline stage's holds `layers` only (indexed from
+    0 here, built as the model's layers of those indices) and the embedding or the norm only
+    where it runs them (`embed`, `final_norm`)."""
 
     def __init__(self, spec: ArchSpec, backend: AttentionBackend, linear: LinearMethod,
                  shard: Shard, make_layer: LayerFactory,
-                 norm: nn.Module | None = None) -> None:
+                 norm: nn.Module | None = None, layers: range | None = None,
+                 embed: bool = True, final_norm: bool = True) -> None:
         super().__init__()
         # Built on the meta device, given memory and filled by the loader: no initial values.
         # (nn.Embedding, initialising itself on meta, would go through torch._refs, which
         # imports torch._dynamo: 1.5 s of every executor's start.)
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden, shard)
+        self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, spec.hidden, shard)
+                             if embed else None)
         self.layers = nn.ModuleList(make_layer(spec, i, backend, linear, shard)
-                                    for i in range(spec.num_layers))
-        self.norm = norm if norm is not None else RMSNorm(spec.hidden, spec.eps, backend.ops,
-                                                          spec.norm_offset)
+                                    for i in (layers or range(spec.num_layers)))
+        self.norm = ((norm if norm is not None else RMSNorm(spec.hidden, spec.eps, backend.ops,
+                                                             spec.norm_offset))
+                     if final_norm else None)

@@ -28,7 +28,7 @@ from stages.executor.models.blocks import (
 from stages.executor.sharding import Shard
 
 if TYPE_CHECKING:
-    from stages.executor.parallel import TensorParallel
+    from stages.executor.parallel import PipelineParallel, TensorParallel
 
 # A multimodal checkpoint's prefixes: its language model's (as transformers 5.25 saves them,
 # and as it loads them), the model's names for them; None: entries not loaded (the vision
@@ -78,9 +78,10 @@ class SandwichLayer(nn.Module):
 
 class Gemma(CausalLM):
     def __init__(self, cfg: dict, spec: ArchSpec, backend: AttentionBackend,
-                 linear: LinearMethod, tp: TensorParallel | None = None) -> None:
+                 linear: LinearMethod, tp: TensorParallel | None = None,
+                 stage: PipelineParallel | None = None) -> None:
         # (the rope tables read the language model's config: a multimodal one's text_config)
-        super().__init__(text_config(cfg), spec, backend, linear, tp)
+        super().__init__(text_config(cfg), spec, backend, linear, tp, stage)
         self.multimodal = cfg.get("model_type") == "gemma3"
 
     def make_layer(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,

@@ -32,7 +32,7 @@ from stages.executor.models.moe_block import sparse_mlp
 from stages.executor.sharding import Shard
 
 if TYPE_CHECKING:
-    from stages.executor.parallel import TensorParallel
+    from stages.executor.parallel import PipelineParallel, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,11 @@ class GptOss(CausalLM):
     self_attn.sinks."""
 
     def __init__(self, cfg: dict, spec: ArchSpec, backend: AttentionBackend,
-                 linear: LinearMethod, tp: TensorParallel | None = None) -> None:
+                 linear: LinearMethod, tp: TensorParallel | None = None,
+                 stage: PipelineParallel | None = None) -> None:
         # (set before the layers are built: make_layer reads it)
         self.expert_linear = _expert_method(cfg, backend, tp is not None and tp.size > 1)
-        super().__init__(cfg, spec, backend, linear, tp)
+        super().__init__(cfg, spec, backend, linear, tp, stage)
 
     def make_layer(self, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
                    linear: LinearMethod, shard: Shard) -> nn.Module:
