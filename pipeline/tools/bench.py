@@ -421,6 +421,10 @@ def add_throughput_parser(sub: Any) -> None:
     p.add_argument("--tensor-parallel-size", type=int,
                    default=ExecutorConfig.tensor_parallel_size, metavar="K",
                    help="the pipeline's executor ranks (on the CPU they share the cores)")
+    p.add_argument("--pipeline-parallel-size", type=int,
+                   default=ExecutorConfig.pipeline_parallel_size, metavar="P",
+                   help="the pipeline's stages (on the CPU they share the cores); the same "
+                        "run on one stage follows, as row pipeline-pp1")
     p.add_argument("--quantization", default=[], type=quantization_list,
                    help="a comma list of int8,int4: the pipeline and the limit run again with "
                         "each, as rows pipeline-int8, limit-int8, ... (the peers stay float)")

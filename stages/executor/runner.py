@@ -233,6 +233,18 @@ class SlotState:
         return out
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters and buffers as loaded (a tied weight once)."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        try:
+            key = t.data_ptr()
+        except RuntimeError:  # (an opaque tensor, oneDNN's: its own)
+            key = id(t)
+        seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
+    return sum(seen.values())
+
+
 WARM_UP_ROW = 256  # tokens a row of the warm-up step holds (more where the rows run out)
 
 
@@ -287,8 +299,11 @@ class ModelRunner:
                                     device.type == "cuda")
                        if graphs and backend.graph_fields and self.pp is None else None)
         assert self.graphs is None or self.drafter is None, "graphs beside a draft model"
-        logger.info("forward: %s (%s); KV cache: %s, %d blocks of %d tokens (%.1f MiB)",
-                    backend.name, selection.reason if selection else "given",
+        logger.info("forward: %s (%s); weights %.1f MiB%s; KV cache: %s, %d blocks of %d "
+                    "tokens (%.1f MiB)", backend.name,
+                    selection.reason if selection else "given", weight_bytes(model) / 2**20,
+                    f" (layers {self.pp.layers.start}-{self.pp.layers.stop - 1})"
+                    if self.pp is not None else "",
                     self.kv.describe(), self.num_blocks, limits.block_size,
                     self.num_blocks * per_block / 2**20)
 
