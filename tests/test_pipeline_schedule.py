@@ -143,13 +143,15 @@ def test_auto_depth_keeps_each_set_two_deep_to_start() -> None:
 # ---------------------------------------------------------------- random workloads
 
 
+@pytest.mark.parametrize("num_blocks", [40, 400])  # a thrashing cache, a roomy one
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_random_requests_match_one_stage_and_leave_no_bubble(seed: int, depth: int,
-                                                             stages: int) -> None:
+                                                             stages: int,
+                                                             num_blocks: int) -> None:
     arrivals, token_fn = random_arrivals(seed)
-    limits = pipeline_limits(stages, depth)
+    limits = pipeline_limits(stages, depth, num_blocks=num_blocks, max_model_len=72)
     staged = run_pipeline(limits, arrivals, token_fn)
     single = run_pipeline(dataclasses.replace(limits, pipeline_stages=1), arrivals, token_fn)
     # (c) the same tokens and finish reasons as one stage
@@ -158,6 +160,7 @@ def test_random_requests_match_one_stage_and_leave_no_bubble(seed: int, depth: i
     # (a) and (e)
     assert_no_bubble_but_fallback(staged, stages)
     assert staged.most_inflight == stages * depth
+    assert staged.core.num_preemptions > 0 or num_blocks > 40
 
 
 def steady_windows(history: list[Step], stages: int) -> list[list[Step]]:
