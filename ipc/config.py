@@ -196,7 +196,7 @@ class EngineLimits:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
-    depth: int = 2  # the most steps in flight
+    depth: int = 2  # the most steps in flight per micro-batch set (see pipeline_stages)
     priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE
     num_speculative_tokens: int = 0  # K: drafts a row may carry (0: no speculation)
     auto_depth: bool = False  # in flight: 2, or `depth` while the device's steps are short
@@ -204,6 +204,19 @@ class EngineLimits:
     # scheduler gives back a running sequence's blocks that fall out of it. None: every
     # block is kept (no window, layers with different ones, or a draft model beside it).
     uniform_window: int | None = None
+    # P: executor stages the model's layers are split over (pipeline parallelism). Each stage
+    # works on a different step at once, so P times `depth` steps may be in flight; the
+    # scheduler splits the running sequences into P sets that take turns (step_builder.py).
+    pipeline_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pipeline_stages < 1:
+            raise ConfigError(f"pipeline_stages must be at least 1, got {self.pipeline_stages}")
+
+    @property
+    def max_inflight(self) -> int:
+        """The most steps in flight: `depth` for each of the P stages' micro-batch sets."""
+        return self.pipeline_stages * self.depth
 
     @property
     def max_sampled(self) -> int:
@@ -224,7 +237,7 @@ class EngineLimits:
     @property
     def num_ring_slots(self) -> int:
         # A slot is rewritten only after the step that used it reported back.
-        return self.depth + 1
+        return self.max_inflight + 1
 
     @property
     def max_stop_ids(self) -> int:

@@ -59,6 +59,11 @@ class DriverLimits:
     priority_range: tuple[int, int] = (-100, 100)
     speculative: SpeculativeConfig | None = None  # n-gram drafts, verified by the executor
     window: int | None = None  # every layer's sliding window: blocks out of it go back
+    pipeline_stages: int = 1  # P: up to P * depth steps in flight
+
+    @property
+    def max_inflight(self) -> int:
+        return self.pipeline_stages * self.depth
 
     @property
     def engine(self) -> EngineLimits:
@@ -66,7 +71,8 @@ class DriverLimits:
                             self.max_model_len, 1000, self.eos_token_ids, self.depth,
                             self.priority_range,
                             self.speculative.num_tokens if self.speculative else 0,
-                            uniform_window=self.window)
+                            uniform_window=self.window,
+                            pipeline_stages=self.pipeline_stages)
 
 
 def make_limits(**overrides: object) -> DriverLimits:
@@ -187,8 +193,8 @@ class FakeExecutor:
 
 
 class Driver:
-    """Plays the scheduler process: plans up to `depth` steps ahead, reports the oldest step,
-    collects outputs, and checks the core's invariants after every move."""
+    """Plays the scheduler process: plans up to `max_inflight` steps ahead, reports the oldest
+    step, collects outputs, and checks the core's invariants after every move."""
 
     def __init__(self, limits: DriverLimits, token_fn: TokenFn = plain_token) -> None:
         self.core = Scheduler(limits.engine, limits.num_blocks,
@@ -219,7 +225,7 @@ class Driver:
             step = self.core.schedule()
             if step is None:
                 break
-            assert len(self.core.inflight) <= self.limits.depth
+            assert len(self.core.inflight) <= self.limits.max_inflight
             self.check_placeholders(step)
             planned.append(freeze(step, self.given_back(before, step)))
             self.check()
@@ -354,7 +360,7 @@ class Driver:
         assert not core.inflight and not core.requests and not self.pending
         assert not core.waiting and not core.running
         assert not core.queue.sender_samples  # (the fair queueing's count of live samples)
-        assert sorted(core.free_ring_slots) == list(range(self.limits.depth + 1))
+        assert sorted(core.free_ring_slots) == list(range(self.limits.max_inflight + 1))
 
 
 def expected_tokens(rid: str, count: int, token_fn: TokenFn = plain_token) -> list[int]:

@@ -149,7 +149,7 @@ def run(batch: int, num_steps: int, prompt_len: int = 128, output_len: int = 200
             t.append(clock())
             if profile:
                 profile.disable()
-            if planned is not None and len(core.inflight) < limits.depth:
+            if planned is not None and len(core.inflight) < limits.max_inflight:
                 planned = core.schedule()  # (a fresh engine fills the pipe)
                 if planned is not None:
                     planned.write(eng.steps.slot(planned.ring_slot))

@@ -1,7 +1,8 @@
 """Continuous batching core of the scheduler process: no sockets, unit-tested directly.
 
 One step reads as: `schedule()` plans the next step (it may run `depth` steps ahead of the
-executor), `on_sampled()` takes a step's sampled ids, `take_outputs()` hands token deltas on.
+executor, times the pipeline's stages: EngineLimits.max_inflight), `on_sampled()` takes a
+step's sampled ids, `take_outputs()` hands token deltas on.
 `Scheduler` composes its parts and moves samples between their states: the queue policy
 (queue_policy.py: fair queueing, priority, the waiting cap), the KV manager (kv_manager.py:
 slots, blocks, prefix cache, preemption room), the step builder (step_builder.py, with
@@ -90,10 +91,12 @@ class Scheduler:
         self.book = RequestBook()
         self.inflight: deque[PlannedStep] = deque()
         # A ring slot is rewritten only after the step that used it reported back.
-        self.free_ring_slots: list[int] = list(range(limits.depth, -1, -1))
-        # Steps that may be in flight now: limits.depth, or with auto_depth 2 until the shell
-        # sees the device's steps are short (pacing.py RunAheadDepth).
+        self.free_ring_slots: list[int] = list(range(limits.num_ring_slots - 1, -1, -1))
+        # The run-ahead depth of each micro-batch set: limits.depth, or with auto_depth 2
+        # until the shell sees the device's steps are short (pacing.py RunAheadDepth). With
+        # P pipeline stages, P sets take turns, so P times as many steps may be in flight.
         self.depth = min(2, limits.depth) if limits.auto_depth else limits.depth
+        self.stages = limits.pipeline_stages
         self.discarded_tokens = 0  # computed for a sequence that had finished: dropped
         self.next_step_id = 0
         self.num_preemptions = 0
@@ -217,7 +220,7 @@ class Scheduler:
 
     def schedule(self) -> PlannedStep | None:
         """Plan the next step, or None if there is nothing to run or too much in flight."""
-        if len(self.inflight) >= self.depth:
+        if len(self.inflight) >= self.depth * self.stages:
             return None
         step = PlannedStep(self.next_step_id)
         self.builder.fill(step)
@@ -421,7 +424,7 @@ class Scheduler:
         lim, m, kv = self.limits, self.step_metrics, self.kv
         return SchedulerStats(
             self.num_blocks, kv.allocator.num_free, lim.max_num_seqs, len(kv.free_slots),
-            lim.depth + 1, len(self.free_ring_slots), len(self.inflight),
+            lim.num_ring_slots, len(self.free_ring_slots), len(self.inflight),
             len(self.queue.waiting), len(kv.running), len(self.book.requests),
             self.num_preemptions, self.next_step_id, kv.prefix_cache_queries,
             kv.prefix_cache_hits, kv.allocator.num_cached_free, dict(self.book.finished),

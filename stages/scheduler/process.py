@@ -193,9 +193,12 @@ class SchedulerShell:
     def _plan_now(self) -> bool:
         """Whether to plan the next step now: at once with nothing in flight, or where an
         arrival could not join it anyway; behind a running step, at the pacer's time (else
-        that time is kept in _plan_at, and the loop waits for it or for a message)."""
+        that time is kept in _plan_at, and the loop waits for it or for a message). With
+        pipeline stages, never late: the pacer times the whole model's step, but the first
+        stage is free for the next step after its own share of it, and would idle."""
         core = self.core
-        if len(core.inflight) != 1 or core.depth < 2 or not core.has_room():
+        if (len(core.inflight) != 1 or core.depth < 2 or core.stages > 1
+                or not core.has_room()):
             return True
         at = self.pacer.plan_at(self._front_started, core.inflight[0].num_tokens)
         if time.monotonic() >= at:

@@ -97,6 +97,11 @@ class Sequence:
     # check; the defaults send every one to it.
     output_limit: int = 0
     stopping_ids: frozenset[int] = frozenset()
+    # With pipeline stages: the id of the last step that planned a sampled row for it. While
+    # that step is among the P - 1 before the one being planned, its sample is still in the
+    # pipeline and the sequence sits that step out (StepBuilder._fill_staged). Not kept
+    # with one stage.
+    sampled_in_step: int = -1
 
     def move_to(self, status: SeqStatus) -> None:
         if status not in _TRANSITIONS[self.status]:

@@ -1,10 +1,18 @@
 """Lays out the rows of one step, in the scheduler process: decodes first, then chunks of
 prompts (chunked prefill), then waiting samples admitted in the queue policy's order, with
-each row's drafts and the prompt positions whose logprobs the step computes."""
+each row's drafts and the prompt positions whose logprobs the step computes.
+
+With P pipeline stages (EngineLimits.pipeline_stages), the first stage runs step k while the
+later ones run steps k - 1 .. k - P + 1, whose samples it has not got yet: a sequence one of
+those steps samples sits step k out (else the first stage would wait for that sample, and the
+stages behind it idle), and the running sequences take turns in P sets of about equal size
+(StepBuilder._fill_staged)."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from operator import attrgetter
 
 from ipc.config import EngineLimits
 from ipc.messages import SlotGrammar
@@ -26,6 +34,7 @@ class StepBuilder:
                  drafts: DraftPlanner | None, preempt: Preempt) -> None:
         self.limits, self.max_len = limits, max_len
         self.queue, self.kv, self.drafts, self.preempt = queue, kv, drafts, preempt
+        self.stages = limits.pipeline_stages
 
     def fill(self, step: PlannedStep) -> None:
         budget = self.limits.max_num_batched_tokens
@@ -49,6 +58,9 @@ class StepBuilder:
                     seq.params, num_outputs, num_tokens, max_len):
                 continue
             (decodes if left == 1 else prefills).append(seq)
+        if self.stages > 1:
+            self._fill_staged(step, decodes, prefills, budget)
+            return
         # Decodes first (_plan_decodes), then prefill chunks. Only a preemption in this step
         # can make a sequence listed above not want its row any more: then each is asked.
         budget = self._plan_decodes(step, decodes, budget)
@@ -60,6 +72,55 @@ class StepBuilder:
             budget -= self._plan_row(step, seq, budget)
         if queue.waiting:
             self._admit(step, budget)
+
+    def _fill_staged(self, step: PlannedStep, decodes: list[Sequence],
+                     prefills: list[Sequence], budget: int) -> None:
+        """fill's rows with P > 1 stages. A decode whose pending sample comes from one of
+        the P - 1 steps before this one is held back (a prompt chunk's tokens are all known:
+        a sequence with a sample pending has exactly one token left, so it is a decode). The
+        rest are planned as with one stage, up to a cap on the rows: N candidates (running,
+        and waiting for which a slot is free) make P sets of N // P, N % P of them one more, so
+        a step takes N // P + 1 rows only while fewer than N % P of the steps in the
+        pipeline took as many (the held back show what each took). The sets come out within
+        a row of each other from the first P steps on, and again after sequences finish or
+        join: a set over its size leaves a sequence to the next step, which passes one on in
+        turn, up to a set under its size. If every candidate is held back, the oldest are
+        planned anyway, up to the same cap (so that fewer sequences than stages, or too few
+        for as many sets as the pipeline holds, spread out again): the first stage waits for
+        their samples, which beats an idle step (one stream still runs ahead)."""
+        stages, queue = self.stages, self.queue
+        last_in_pipeline = step.step_id - stages  # (its sample is back as this step starts)
+        ready: list[Sequence] = []
+        held: list[Sequence] = []
+        for seq in decodes:
+            if seq.num_pending and seq.sampled_in_step > last_in_pipeline:
+                held.append(seq)
+            else:
+                ready.append(seq)
+        # (waiting samples count where a slot is free for them now)
+        num_admissible = min(len(queue.waiting), len(self.kv.free_slots))
+        num_seqs = len(decodes) + len(prefills) + num_admissible
+        small, num_large = divmod(num_seqs, stages)  # P sets: num_large of small + 1
+        # A large set only while fewer than num_large of the steps in the pipeline hold one;
+        # what is left over joins the next step, and so on up to a small one.
+        held_sets = Counter(seq.sampled_in_step for seq in held)
+        is_large = sum(n > small for n in held_sets.values()) < num_large
+        max_rows = max(1, small + is_large)
+        if len(held) == num_seqs:
+            ready = sorted(held, key=attrgetter("sampled_in_step"))
+        budget = self._plan_decodes(step, ready[:max_rows], budget)
+        rows = step.rows
+        for seq in prefills:
+            if budget <= 0 or len(rows) >= max_rows:
+                break
+            if step.has_preempted and not self.wants_step(seq):
+                continue
+            budget -= self._plan_row(step, seq, budget)
+        if queue.waiting:
+            self._admit(step, budget, max_rows)
+        for row in rows:
+            if row.do_sample:
+                row.seq.sampled_in_step = step.step_id
 
     def wants_step(self, seq: Sequence) -> bool:
         if seq.status is not SeqStatus.RUNNING or seq.num_drafted_inflight:
@@ -162,12 +223,14 @@ class StepBuilder:
         step.plp_owners.append((seq, last - first))
         seq.num_plp_planned = last
 
-    def _admit(self, step: PlannedStep, budget: int) -> int:
+    def _admit(self, step: PlannedStep, budget: int, max_rows: int | None = None) -> int:
         """Admit waiting samples in the queue's order while the budget, slots and blocks
-        last; the first that does not fit ends admission (no overtaking)."""
+        last (and the step has fewer than max_rows rows, with pipeline stages); the first
+        that does not fit ends admission (no overtaking)."""
         queue, kv = self.queue, self.kv
         while (queue.waiting and budget > 0 and kv.free_slots and not step.is_starved
-               and not step.has_preempted):
+               and not step.has_preempted
+               and (max_rows is None or len(step.rows) < max_rows)):
             queue.promote_within_sender()
             seq = queue.waiting[0]
             hits = kv.cached_prefix(seq)
