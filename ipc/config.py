@@ -407,7 +407,8 @@ class PipelineConfig(RunAddresses):
             depth=MAX_RUN_AHEAD_DEPTH if s.depth == "auto" else s.depth,
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
-            auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative))
+            auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative),
+            pipeline_stages=self.executor.pipeline_parallel_size)
 
     @property
     def ranks(self) -> RankLayout:
