@@ -630,6 +630,9 @@ class PipelineStatus(Message):
     left: list[str] = field(default_factory=list)  # joined stages that have left (gone)
     engines_restarting: list[int] = field(default_factory=list)
     engines_down_why: dict[str, str] = field(default_factory=dict)  # "E" -> the death, in words
+    # An engine's executor ranks beyond one: "executor:R" -> its place, engine.stage.rank
+    # ("e0.s1.t0"; ipc/ranks.py RankLayout.describe)
+    ranks: dict[str, str] = field(default_factory=dict)
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

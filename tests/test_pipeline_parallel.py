@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from live import alive, running
@@ -65,6 +66,12 @@ def generate(cfg: PipelineConfig, max_tokens: int = 12) -> tuple[list[list[int]]
         outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=max_tokens,
                                                               temperature=0.0, ignore_eos=True))
         stats = pipe.idle_stats()
+        assert pipe.status().ranks == {f"executor:{r}": cfg.ranks.describe(r)
+                                       for r in range(cfg.ranks.ranks_per_engine)}
+        titles = {n: " ".join(psutil.Process(p).cmdline()) for n, p in pipe.stage_pids.items()}
+        for r in range(cfg.ranks.ranks_per_engine):  # (ps names each rank's place)
+            assert titles[f"executor:{r}"].split() == [f"llm-pipeline:executor:{r}",
+                                                       cfg.ranks.describe(r)]
         pids = list(pipe.stage_pids.values())
         names = sorted(pipe.stage_pids)
         pipe.stop()

@@ -39,7 +39,16 @@ def pipeline_status(supervisor: Supervisor, engines: Engines, roster: Roster | N
                           dict(supervisor.restarts.counts), engines.loads(),
                           list(engines.alive), joined, left=left,
                           engines_restarting=restarting,
-                          engines_down_why=dict(engines.down_why))
+                          engines_down_why=dict(engines.down_why), ranks=rank_places(engines))
+
+
+def rank_places(engines: Engines) -> dict[str, str]:
+    """Each executor rank's engine, stage and tensor rank, where an engine has several."""
+    layout = engines.layout
+    if layout.ranks_per_engine == 1:
+        return {}
+    return {f"executor:{r}": layout.describe(r)
+            for e in range(engines.num_engines) for r in layout.engine_ranks(e)}
 
 
 class StatusPublisher:

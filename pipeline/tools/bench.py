@@ -24,6 +24,7 @@ from ipc.messages import SamplingParams, StructuredOutputs
 from ipc.model_info import ModelInfo
 from ipc.speculative import parse_speculative
 from ipc.units import parse_bytes
+from pipeline.cli import layer_partition
 from pipeline.tools.bench_chain import ChainReport, chain_report, print_chain
 
 # bench overlap --structured: a JSON document that cannot end before --output-len tokens
@@ -425,6 +426,8 @@ def add_throughput_parser(sub: Any) -> None:
                    default=ExecutorConfig.pipeline_parallel_size, metavar="P",
                    help="the pipeline's stages (on the CPU they share the cores); the same "
                         "run on one stage follows, as row pipeline-pp1")
+    p.add_argument("--pipeline-layer-partition", type=layer_partition, default=None,
+                   metavar="N,N,...", help="the layers of each stage (default: even)")
     p.add_argument("--quantization", default=[], type=quantization_list,
                    help="a comma list of int8,int4: the pipeline and the limit run again with "
                         "each, as rows pipeline-int8, limit-int8, ... (the peers stay float)")

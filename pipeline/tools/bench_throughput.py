@@ -70,6 +70,9 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
                                            compile=args.compile,
                                            tensor_parallel_size=args.tensor_parallel_size,
                                            pipeline_parallel_size=args.pipeline_parallel_size,
+                                           pipeline_layer_partition=(
+                                               args.pipeline_layer_partition
+                                               if args.pipeline_parallel_size > 1 else None),
                                            quantization=args.quantize,
                                            kv_cache_dtype=args.kv))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -350,6 +353,7 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
                         "cpus": os.cpu_count(),
                         "tensor_parallel_size": args.tensor_parallel_size,
                         "pipeline_parallel_size": args.pipeline_parallel_size,
+                        "pipeline_layer_partition": args.pipeline_layer_partition,
                         "quantization": args.quantization,
                         "kv_cache_dtype": args.kv_cache_dtype,
                         "speculative": (args.speculative.describe()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -135,6 +136,10 @@ class PipelineParallel:
         # (an entry may outlive its receive: it then names a step already settled)
         self._samples: deque[tuple[int, torch.Tensor, Any, torch.Tensor]] = deque()
         self._pending_step: dict[int, int] = {}
+        # Seconds in steps, and of them blocked on the stage before (hidden states) or on the
+        # last one (samples): the stage's bubble, logged as it closes
+        self.stepped_s = self.waited_s = 0.0
+        self.num_steps = 0
 
     @property
     def first(self) -> bool:
@@ -153,6 +158,11 @@ class PipelineParallel:
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
+    def stepped(self, seconds: float) -> None:
+        """A step ran on this stage for `seconds` (waits included)."""
+        self.stepped_s += seconds
+        self.num_steps += 1
+
     def fewest(self, num_blocks: int, device: torch.device) -> int:
         """The fewest KV blocks any rank of the engine holds (every rank calls it once, as it
         sizes its cache): the scheduler plans with that many, and every rank allocates it."""
@@ -168,7 +178,9 @@ class PipelineParallel:
                     device: torch.device) -> torch.Tensor:
         """The hidden states [rows, hidden] of this step, from the previous stage."""
         x = torch.empty(rows, hidden, dtype=dtype, device=device)
+        began = time.perf_counter()
         dist.recv(x, self._peer(self.stage - 1), tag=HIDDEN_TAG)
+        self.waited_s += time.perf_counter() - began
         return x
 
     def send_samples(self, tokens: torch.Tensor) -> None:
@@ -199,11 +211,15 @@ class PipelineParallel:
         upto = max((pending.get(slot, -1) for slot in slots), default=-1)
         while self._samples and self._samples[0][0] <= upto:
             step_id, where, work, buf = self._samples.popleft()
+            began = time.perf_counter()
             work.wait()
+            self.waited_s += time.perf_counter() - began
             last_sampled[where] = buf
 
     def close(self) -> None:
         """Wait for what this rank sent (its peers are still receiving while it stops)."""
+        logger.info("pipeline stage %d: %d steps in %.2f s, of which %.2f s waiting on the "
+                    "other stages", self.stage, self.num_steps, self.stepped_s, self.waited_s)
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()

@@ -358,7 +358,10 @@ class ModelRunner:
         """Run `step` whose packed buffer is already on the device; returns its samples."""
         v = self.slots.layout.unpack(packed, step.counts)
         if self.pp is not None:
-            return self._compute_stage(step, v, self.pp)
+            began = time.perf_counter()
+            out = self._compute_stage(step, v, self.pp)
+            self.pp.stepped(time.perf_counter() - began)
+            return out
         graph = self.graphs is not None and self.graphs.eligible(step)
         ids = self.slots.apply(step, v, resolve=not graph)
         grammar_work = self.slots.start_grammar(step)
