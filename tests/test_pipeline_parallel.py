@@ -52,10 +52,11 @@ def pp_config(folder: Path, stages: int, tensor: int = 1, kv_cache_memory: int =
         ready_timeout_s=120)
 
 
-def one_rank(folder: Path, max_tokens: int = 12) -> list[list[int]]:
+def one_rank(folder: Path, max_tokens: int = 12, quantization: str | None = None
+             ) -> list[list[int]]:
     """The greedy tokens of one rank (the scheduler and executor cores in this process)."""
     engine = InProcessEngine(str(folder), max_num_seqs=4, max_num_batched_tokens=16,
-                             block_size=4, max_model_len=96)
+                             block_size=4, max_model_len=96, quantization=quantization)
     return engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    ignore_eos=True))
 
@@ -192,6 +193,20 @@ def test_two_stages_of_a_quantized_gguf_file_give_its_tokens_on_one(tmp_path: Pa
 
 
 @pytest.mark.live
+def test_two_stages_quantize_their_own_layers_as_one_rank_does(tmp_path: Path) -> None:
+    from stages.executor.linear.quantized import kernel_missing
+
+    if kernel_missing() is not None:
+        pytest.skip(str(kernel_missing()))
+    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=4)
+    cfg = pp_config(folder, 2)
+    cfg = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor,
+                                                                quantization="int8"))
+    got, _ = generate(cfg)
+    assert got == one_rank(folder, quantization="int8")
+
+
+@pytest.mark.live
 def test_an_uneven_partition_plans_with_the_fewest_blocks(tmp_path: Path) -> None:
     """3 layers and 1: the first stage's cache holds a third of the blocks the second's does;
     the scheduler gets the first's count, and the tokens are one rank's."""
@@ -246,3 +261,25 @@ def test_what_the_stages_cannot_run_is_refused_before_anything_starts(tmp_path: 
         assert pipe.stage_pids == {}
     with pytest.raises(ConfigError, match="needs a model"):
         ExecutorConfig.for_device("timed:1,0", pipeline_parallel_size=2)
+
+
+@pytest.mark.live
+def test_two_stages_of_the_default_model_give_its_greedy_and_seeded_tokens(
+        tmp_path: Path) -> None:
+    """SmolLM2 (30 layers, a tied head) on two stages: greedy and seeded sampling outputs
+    are one rank's."""
+    from pipeline.tools.model_cache import ensure_default_model
+
+    folder = ensure_default_model()
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7,
+                             ignore_eos=True)]
+    engine = InProcessEngine(str(folder), max_num_seqs=4, max_num_batched_tokens=16,
+                             block_size=4, max_model_len=96)
+    want = [engine.generate(PROMPTS, p) for p in params]
+    with running(pp_config(folder, 2)) as pipe:
+        client = pipe.client()
+        got = [[o.token_ids for o in client.generate(PROMPTS, p)] for p in params]
+        pids = list(pipe.stage_pids.values())
+    assert got == want
+    assert alive(pids) == []
