@@ -169,8 +169,6 @@ class ExecutorConfig:
             raise ConfigError("--tensor-parallel-size needs a model, not the timed device")
         if self.pipeline_parallel_size < 1:
             raise ConfigError("--pipeline-parallel-size must be at least 1")
-        if self.pipeline_parallel_size > 1 and self.timed is not None:
-            raise ConfigError("--pipeline-parallel-size needs a model, not the timed device")
         given = self.pipeline_layer_partition
         if given is not None and len(given) != self.pipeline_parallel_size:
             raise ConfigError(f"--pipeline-layer-partition gives {len(given)} stage(s) "

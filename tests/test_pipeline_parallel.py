@@ -259,8 +259,8 @@ def test_what_the_stages_cannot_run_is_refused_before_anything_starts(tmp_path: 
         with pytest.raises(ConfigError, match=match):
             pipe.start()
         assert pipe.stage_pids == {}
-    with pytest.raises(ConfigError, match="needs a model"):
-        ExecutorConfig.for_device("timed:1,0", pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="needs a model"):  # (its ranks would not split)
+        ExecutorConfig.for_device("timed:1,0", tensor_parallel_size=2)
 
 
 @pytest.mark.live
@@ -283,3 +283,24 @@ def test_two_stages_of_the_default_model_give_its_greedy_and_seeded_tokens(
         pids = list(pipe.stage_pids.values())
     assert got == want
     assert alive(pids) == []
+
+
+@pytest.mark.live
+def test_stages_of_the_timed_instrument_give_its_tokens_on_one(tmp_path: Path) -> None:
+    """The timed device (no model) on P = 3 stages: each stage takes the step time once the
+    stage before passed the step on, the first once the samples exist (device.py
+    TimedDevice); the tokens, a function of each context, are one stage's."""
+    folder = build_random_llama(tmp_path / "llama", num_layers=2)
+
+    def run(stages: int) -> list[list[int]]:
+        cfg = dataclasses.replace(pp_config(folder, 1), executor=ExecutorConfig.for_device(
+            "timed:0.2,0", pipeline_parallel_size=stages))
+        with running(cfg) as pipe:
+            outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=12,
+                                                                  ignore_eos=True))
+            pids = list(pipe.stage_pids.values())
+        assert alive(pids) == []
+        assert not [o.error for o in outs if o.error]
+        return [o.token_ids for o in outs]
+
+    assert run(3) == run(1)

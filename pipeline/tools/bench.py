@@ -55,6 +55,7 @@ class RunResult:
     step_shapes: list[tuple[int, int]] = field(default_factory=list)  # (seqs, tokens) each
     chain: ChainReport = field(default_factory=ChainReport)  # the run-ahead chain (steady)
     discarded_tokens: int = 0  # computed for sequences already finished
+    stage_idle: list[float] = field(default_factory=list)  # each pipeline stage's, steady
 
 
 def device_spans(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,7 +104,8 @@ def bench_config(args: argparse.Namespace, depth: int | Literal["auto"]) -> Pipe
                                   depth=depth, speculative=args.speculative),
         executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
                                            kv_cache_memory=args.kv_cache_memory,
-                                           compile=args.compile),
+                                           compile=args.compile,
+                                           pipeline_parallel_size=args.pipeline_parallel_size),
         num_tokenizers=args.tokenizer_workers, num_detokenizers=args.detokenizer_workers)
 
 
@@ -150,7 +152,20 @@ def run_once(args: argparse.Namespace, depth: int | Literal["auto"],
         [(e["args"]["seqs"], e["args"]["tokens"]) for e in device_spans(trace)],
         chain_report(trace, [e["args"]["step"] for e in steady], 2 if depth == "auto" else
                      int(depth)),
-        discarded)
+        discarded, stage_idle_fractions(trace, steady))
+
+
+def stage_idle_fractions(trace: list[dict[str, Any]], steady: list[dict[str, Any]]
+                         ) -> list[float]:
+    """Each pipeline stage's device idle over the steady steps (its "stage-device" spans,
+    stages/executor/process.py StageSpans); none without stages."""
+    steps = {e["args"]["step"] for e in steady}
+    by_stage: dict[int, list[dict[str, Any]]] = {}
+    for e in trace:
+        if e.get("name") == "stage-device" and e.get("args", {}).get("step") in steps:
+            by_stage.setdefault(e["args"]["stage"], []).append(e)
+    return [idle_fraction(sorted(by_stage[s], key=lambda e: e["ts"]))[0]
+            for s in sorted(by_stage)]
 
 
 def _median_run(runs: list[RunResult]) -> RunResult:
@@ -159,6 +174,9 @@ def _median_run(runs: list[RunResult]) -> RunResult:
     mid = ordered[(len(ordered) - 1) // 2]
     for key in ("device_idle_frac", "mean_step_ms", "seconds", "host_submit_ms"):
         setattr(mid, key, statistics.median(getattr(r, key) for r in runs))
+    if all(r.stage_idle for r in runs):
+        mid.stage_idle = [statistics.median(r.stage_idle[s] for r in runs)
+                          for s in range(len(mid.stage_idle))]
     return mid
 
 
@@ -173,6 +191,11 @@ def print_table(sync: RunResult, fast: RunResult, speedup: float) -> None:
     print(f"{'':24}{'sync':>14}{'async':>14}")
     for label, key, fmt in rows:
         print(f"{label:24}{fmt.format(getattr(sync, key)):>14}{fmt.format(getattr(fast, key)):>14}")
+    for stage in range(len(fast.stage_idle)):
+        label = f"stage {stage} idle (steady)"
+        idle = [f"{r.stage_idle[stage]:.2%}" if stage < len(r.stage_idle) else "-"
+                for r in (sync, fast)]
+        print(f"{label:24}{idle[0]:>14}{idle[1]:>14}")
     print(f"{'speedup (tok/s)':24}{'':>14}{speedup:>13.3f}x")
 
 
@@ -206,7 +229,7 @@ def overlap(args: argparse.Namespace) -> int:
     for name, run in (("sync", sync), ("async", fast)):
         print_chain(run.chain, name)
     keys = ("output_tok_s", "device_idle_frac", "mean_step_ms", "host_submit_ms", "steps",
-            "tokens_per_step", "seconds", "discarded_tokens")
+            "tokens_per_step", "seconds", "discarded_tokens", "stage_idle")
     report = {"sync": {k: getattr(sync, k) for k in keys},
               "async": {k: getattr(fast, k) for k in keys},
               "chain": {"sync": sync.chain.summary(), "async": fast.chain.summary()},
@@ -275,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SPEC", help="propose drafts, as run_pipeline's (e.g. ngram:3)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run sync and async this many times, interleaved; report medians")
+    p.add_argument("--pipeline-parallel-size", type=int,
+                   default=ExecutorConfig.pipeline_parallel_size, metavar="P",
+                   help="P pipeline stages (with the timed device: P instruments, each taking "
+                        "the step time); each stage's idle is reported")
     p.add_argument("--plot", default=None, metavar="PNG|DIR",
                    help="timeline PNG (a folder: device_timeline.png in it); default: the "
                         "JSON path with .png")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ipc.shm import SharedRing
+from stages.executor.parallel import PipelineParallel
 from stages.executor.runner import Runner, TimedRunner
 from stages.executor.sampler import SampleOutput
 from stages.executor.step_inputs import HostStep
@@ -272,9 +273,33 @@ class TimedDevice:
         out = self.runner.compute(step, step.packed)
         if self.runner.s_ms:
             hold_host(self.runner.s_ms)
-        start = max(self._free_at, now_ns())  # (launched now)
+        pp = self.runner.pp
+        ready = now_ns()  # (launched now)
+        if pp is not None:  # ... and its input exists
+            ready = max(ready, self._input_at(step, pp))
+        start = max(self._free_at, ready)
         self._free_at = start + int(self.runner.step_ms(step) * 1e6)
+        if pp is not None:
+            self._pass_on(step, out, pp)
         self._pending.put((step, out, start, self._free_at))
+
+    def _input_at(self, step: HostStep, pp: PipelineParallel) -> int:
+        """A pipeline stage's step starts once the previous stage's part of it ended, and
+        the first stage's once the samples its placeholders take exist (the times travel as
+        the hidden states and samples would: parallel.py)."""
+        if not pp.first:
+            return pp.recv_time()
+        slots = step.placeholder_slots
+        return pp.settle(slots, self.runner.slots.last_sampled) if slots else 0
+
+    def _pass_on(self, step: HostStep, out: SampleOutput, pp: PipelineParallel) -> None:
+        if not pp.last:
+            pp.send_time(self._free_at)
+        else:
+            pp.send_samples(out.tokens, self._free_at)
+        if pp.first:
+            pp.expect_samples(step.plan.step_id, torch.from_numpy(step.sample_slots),
+                              step.sample_slots.tolist(), timed=True)
 
     def _notify(self) -> None:
         try:

@@ -183,38 +183,58 @@ class PipelineParallel:
         self.waited_s += time.perf_counter() - began
         return x
 
-    def send_samples(self, tokens: torch.Tensor) -> None:
+    def send_samples(self, tokens: torch.Tensor, at_ns: int | None = None) -> None:
         """The last stage's first rank: a step's sampled ids [X] (int64) to every rank of
-        stage 0 (none when the step sampled nothing: stage 0 expects none then)."""
+        stage 0 (none when the step sampled nothing: stage 0 expects none then); `at_ns`:
+        the timed instrument's, when they exist on its clock (sent after them)."""
         if len(tokens):
+            if at_ns is not None:
+                tokens = torch.cat([tokens, tokens.new_tensor([at_ns])])
             tokens = tokens.contiguous()
             for rank in range(self.tensor_size):
                 self._send(tokens, self._peer(0, rank), SAMPLES_TAG)
 
-    def expect_samples(self, step_id: int, slots: torch.Tensor, host_slots: list[int]) -> None:
+    def expect_samples(self, step_id: int, slots: torch.Tensor, host_slots: list[int],
+                       timed: bool = False) -> None:
         """Stage 0, as it finishes step `step_id`: post the receive of its samples, one per
-        sampled position (slots, on the device; host_slots, the same on the host)."""
+        sampled position (slots, on the device; host_slots, the same on the host; `timed`:
+        and the time they exist at, on the timed instrument)."""
         if not host_slots:
             return
-        buf = torch.empty(len(host_slots), dtype=torch.int64, device=slots.device)
+        buf = torch.empty(len(host_slots) + timed, dtype=torch.int64, device=slots.device)
         work = dist.irecv(buf, self._peer(self.size - 1, 0), tag=SAMPLES_TAG)
         # (slots is a view of the step's staging buffer, which a later step rewrites)
         self._samples.append((step_id, slots.clone(), work, buf))
         for slot in host_slots:
             self._pending_step[slot] = step_id
 
-    def settle(self, slots: list[int], last_sampled: torch.Tensor) -> None:
+    def settle(self, slots: list[int], last_sampled: torch.Tensor) -> int:
         """Stage 0, before a step whose placeholders are these slots': wait for the samples
         of every step up to the newest one that sampled any of them, and keep them as the
-        slots' last samples (in step order, so the newest sample of a slot wins)."""
+        slots' last samples (in step order, so the newest sample of a slot wins). Returns
+        the time the newest of them exists at, on the timed instrument (else 0)."""
         pending = self._pending_step
         upto = max((pending.get(slot, -1) for slot in slots), default=-1)
+        at_ns = 0
         while self._samples and self._samples[0][0] <= upto:
             step_id, where, work, buf = self._samples.popleft()
             began = time.perf_counter()
             work.wait()
             self.waited_s += time.perf_counter() - began
+            if len(buf) > len(where):  # (the timed instrument's time, after the ids)
+                at_ns = max(at_ns, int(buf[-1]))
+                buf = buf[:-1]
             last_sampled[where] = buf
+        return at_ns
+
+    def send_time(self, at_ns: int) -> None:
+        """The timed instrument's stand-in for hidden states: when this stage's part of the
+        step ends, on the instrument's clock, to the next stage."""
+        self.send_hidden(torch.tensor([[at_ns]], dtype=torch.int64))
+
+    def recv_time(self) -> int:
+        """When the previous stage's part of this step ends (the timed instrument)."""
+        return int(self.recv_hidden(1, 1, torch.int64, torch.device("cpu"))[0, 0])
 
     def close(self) -> None:
         """Wait for what this rank sent (its peers are still receiving while it stops)."""

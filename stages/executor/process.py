@@ -42,10 +42,15 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     """The runner of rank `rank` of engine cfg.engine (its place in the engine's stages of
     tensor ranks: ipc/ranks.py)."""
     ex, limits = cfg.executor, cfg.limits
-    if ex.timed is not None:
-        return TimedRunner(ex.timed[0], ex.timed[1], limits, ex.timed[2])
-    device = torch.device(ex.device)
     layout = cfg.ranks
+    if ex.timed is not None:  # (pipeline stages of instruments pass each step on: device.py)
+        pp = None
+        if ex.pipeline_parallel_size > 1:
+            stages = [range(s, s + 1) for s in range(ex.pipeline_parallel_size)]
+            _, pp = join_engine(rank, 1, stages, str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"),
+                                torch.device("cpu"), limits.vocab_size)
+        return TimedRunner(ex.timed[0], ex.timed[1], limits, ex.timed[2], pp)
+    device = torch.device(ex.device)
     num_procs = layout.num_ranks
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
@@ -118,7 +123,7 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
                      for r in range(1, layout.ranks_per_engine)]
         # (with pipeline stages this rank samples nothing: the last stage reports)
         report: OnDone = (Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
-                          if reporter == 0 else _no_report)
+                          if reporter == 0 else StageSpans(ctx, 0))
         device = make_device(runner, rings.sampled, report)
         ctx.ready(num_kv_blocks=runner.num_blocks)
         if runner.slots.matchers is not None:
@@ -131,8 +136,18 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
             _leave(runner)
 
 
-def _no_report(*_: object) -> None:
-    """A first stage's finished step: the last stage reports it."""
+class StageSpans:
+    """A pipeline stage's finished steps as trace spans ("stage-device", its stage and the
+    step: bench overlap's idle per stage), on its first tensor rank; the last stage reports
+    too."""
+
+    def __init__(self, ctx: StageContext, stage: int) -> None:
+        self.ctx, self.stage = ctx, stage
+
+    def __call__(self, step: HostStep, num_sampled: int, has_logprobs: bool,
+                 num_prompt_logprobs: int, start_ns: int, end_ns: int) -> None:
+        self.ctx.tracer.span("stage-device", start_ns, end_ns, "device",
+                             {"step": step.plan.step_id, "stage": self.stage})
 
 
 def tp_plan_address(cfg: PipelineConfig, rank: int) -> str:
@@ -181,12 +196,17 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, reports: bool) ->
         return True
 
     on_done: OnDone = done
-    if reports:
-        reporter = Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
+    layout = cfg.ranks
+    if layout.pipeline_parallel_size > 1 and layout.tensor_rank(rank) == 0:
+        spans = StageSpans(ctx, layout.stage_of(rank))
+        reporter = (Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret) if reports
+                    else None)
 
         def on_done(step: HostStep, *counts: Any) -> None:
             done(step)
-            reporter(step, *counts)
+            spans(step, *counts)
+            if reporter is not None:
+                reporter(step, *counts)
 
     device = make_device(runner, rings.sampled if reports else _own_sampled_ring(cfg, rank),
                          on_done)

@@ -521,8 +521,11 @@ class TimedRunner:
     would expose it. Same slot protocol as the model."""
 
     def __init__(self, a_ms: float, b_ms: float, limits: EngineLimits,
-                 s_ms: float = 0.0) -> None:
+                 s_ms: float = 0.0, pp: PipelineParallel | None = None) -> None:
+        """pp: one stage of a pipeline of such instruments, each taking the step time (its
+        device passes each step on: device.py TimedDevice)."""
         self.a_ms, self.b_ms, self.s_ms = a_ms, b_ms, s_ms
+        self.pp = pp
         self.device = torch.device("cpu")
         self.vocab_size = limits.vocab_size
         self.num_blocks = limits.max_num_seqs * limits.max_blocks_per_seq
@@ -544,6 +547,9 @@ class TimedRunner:
         sampled positions are its tokens, skips the two gathers; the formula is three
         calls, in place.)"""
         v = self.slots.layout.unpack(packed, step.counts)
+        if self.pp is not None and not self.pp.last:  # (the last stage samples)
+            self.slots.apply(step, v, resolve=False)
+            return SampleOutput(v.sample_slots[:0])
         ids = self.slots.apply(step, v)
         assert ids is not None
         positions = v.positions
