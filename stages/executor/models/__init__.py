@@ -51,8 +51,10 @@ def build_model(cfg: dict, spec: ArchSpec, dtype: torch.dtype, backend: Attentio
     # by torch.empty: to_empty's empty_like of a meta tensor goes through torch._refs, which
     # imports sympy (0.4 s of every executor's start).
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
-    if model.lm_head is not None and spec.tie_word_embeddings and not linear.takes_blocks:
-        model.lm_head.weight = model.model.embed_tokens.weight  # (_apply untied them)
+    embed = model.model.embed_tokens
+    if model.lm_head is not None and embed is not None and spec.tie_word_embeddings \
+            and not linear.takes_blocks:
+        model.lm_head.weight = embed.weight  # (_apply untied them)
     return model
 
 

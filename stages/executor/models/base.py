@@ -57,6 +57,7 @@ class CausalLM(nn.Module):
         self.lm_head = (ParallelLMHead(spec.hidden, spec.vocab_size, linear.for_head(), shard)
                         if last else None)
         if tied and self.lm_head is not None:
+            assert self.model.embed_tokens is not None  # (kept on the last stage when tied)
             self.lm_head.weight = self.model.embed_tokens.weight
         # (the model's dtype, wherever its parameters are: it follows .to(dtype) as they do)
         self.register_buffer("_dtype", torch.empty(0), persistent=False)
@@ -133,6 +134,7 @@ class CausalLM(nn.Module):
             self.ropes.append((cos.to(device, self.dtype), sin.to(device, self.dtype)))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model.embed_tokens is not None  # (a pipeline's first stage embeds)
         return self.model.embed_tokens(input_ids)  # type: ignore[no-any-return]
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
@@ -157,21 +159,23 @@ class CausalLM(nn.Module):
         # quantized kernels; docs/ARCHITECTURE.md "The forward: eager or compiled").
         keep = (logits_indices if self.trim_last_layer
                 and logits_indices.shape[0] < x.shape[0] else None)
-        layers = self.model.layers
+        layers, norm = self.model.layers, self.model.norm
+        assert norm is not None  # (the last stage's)
         if self.fused_layers is not None:  # the same kernels, in one call (fused.py)
             x = self.fused_layers(x, kv_caches, meta, all_layers=keep is None)
         else:
             for i in range(len(layers) - (keep is not None)):
                 x = layers[i](x, kv_caches[i], meta)
         if keep is not None:
-            x = self.model.norm(layers[-1](x, kv_caches[-1], meta, keep))  # [S, hidden]
+            x = norm(layers[-1](x, kv_caches[-1], meta, keep))  # [S, hidden]
         else:
-            x = self.model.norm(x[logits_indices])  # [S, hidden]
+            x = norm(x[logits_indices])  # [S, hidden]
         logits = self.logits(x)  # [S, vocab], in the model's dtype (the sampler widens)
         return logits if self.tp is None else self.tp.gather_logits(  # type: ignore[return-value]
             logits.float())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None  # (the last stage's)
         return self.lm_head(x)  # type: ignore[no-any-return]
 
 

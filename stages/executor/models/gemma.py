@@ -99,11 +99,13 @@ class Gemma(CausalLM):
         return name
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model.embed_tokens is not None  # (a pipeline's first stage embeds)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         # sqrt(hidden) as transformers keeps it: a float32 tensor, rounded to the dtype
         return x * torch.tensor(self.spec.hidden**0.5).to(x.dtype)  # type: ignore[no-any-return]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None  # (the last stage's)
         logits = self.lm_head(x)
         cap = self.spec.final_softcap
         if cap is not None:
