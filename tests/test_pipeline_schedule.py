@@ -264,3 +264,19 @@ def test_fewer_sequences_than_stages_take_turns() -> None:
     assert names[:6] == [["a"], ["b"], ["a"], ["b"], ["a"], ["b"]]
     assert_no_bubble_but_fallback(driver, 4)
     assert results(driver) == results(run_pipeline(pipeline_limits(1, 2), arrivals))
+
+
+def test_a_lone_stream_runs_ahead_beside_a_request_short_of_blocks() -> None:
+    """A waiting request that has a slot but not the blocks it needs counts among the sets,
+    yet cannot run: the held-back stream is planned anyway, P x depth steps ahead, rather than
+    one step per round trip."""
+    arrivals = {0: [make_request("a", 40, max_tokens=6)], 1: [make_request("b", 30,
+                                                                           max_tokens=4)]}
+    limits = pipeline_limits(2, 2, num_blocks=12)
+    driver = run_pipeline(limits, arrivals)
+    alone = [s.step_id for s in driver.history
+             if [r.request_id for r in s.rows] == ["a"] and s.rows[0].token_ids == (-1,)]
+    assert len(alone) >= 4
+    assert max(len(driver.inflight_at[k]) for k in alone) == 4
+    assert results(driver) == results(run_pipeline(pipeline_limits(1, 2, num_blocks=12),
+                                                   arrivals))

@@ -84,8 +84,9 @@ class StepBuilder:
         pipeline took as many (the held back show what each took). The sets come out within
         a row of each other from the first P steps on, and again after sequences finish or
         join: a set over its size leaves a sequence to the next step, which passes one on in
-        turn, up to a set under its size. If every candidate is held back, the oldest are
-        planned anyway, up to the same cap (so that fewer sequences than stages, or too few
+        turn, up to a set under its size. If nothing else could run (every candidate held back,
+        or the waiting ones short of blocks), the oldest held back are planned anyway, up to
+        the same cap (so that fewer sequences than stages, or too few
         for as many sets as the pipeline holds, spread out again): the first stage waits for
         their samples, which beats an idle step (one stream still runs ahead)."""
         stages, queue = self.stages, self.queue
@@ -106,8 +107,6 @@ class StepBuilder:
         held_sets = Counter(seq.sampled_in_step for seq in held)
         is_large = sum(n > small for n in held_sets.values()) < num_large
         max_rows = max(1, small + is_large)
-        if len(held) == num_seqs:
-            ready = sorted(held, key=attrgetter("sampled_in_step"))
         budget = self._plan_decodes(step, ready[:max_rows], budget)
         rows = step.rows
         for seq in prefills:
@@ -118,6 +117,9 @@ class StepBuilder:
             budget -= self._plan_row(step, seq, budget)
         if queue.waiting:
             self._admit(step, budget, max_rows)
+        if not rows and held:  # (nothing else could run, admission included: see above)
+            self._plan_decodes(step, sorted(held, key=attrgetter("sampled_in_step"))[:max_rows],
+                               budget)
         for row in rows:
             if row.do_sample:
                 row.seq.sampled_in_step = step.step_id
