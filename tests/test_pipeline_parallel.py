@@ -304,3 +304,95 @@ def test_stages_of_the_timed_instrument_give_its_tokens_on_one(tmp_path: Path) -
         return [o.token_ids for o in outs]
 
     assert run(3) == run(1)
+
+
+@pytest.mark.live
+def test_two_stages_sample_score_and_constrain_as_one_rank(tmp_path: Path) -> None:
+    """What the last stage alone does (penalties from its own samples, logprobs, prompt
+    logprobs) through two stages: one rank's results, on the default model; and a structured
+    output's matcher, on the sampling rank, holds the output to its pattern (the in-process
+    engine has no matchers to compare with)."""
+    from ipc.messages import StructuredOutputs
+    from pipeline.tools.model_cache import ensure_default_model
+
+    folder = ensure_default_model()
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, presence_penalty=1.5,
+                       frequency_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3,
+                       prompt_logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0.0,
+                       structured_outputs=StructuredOutputs(regex="(yes|no)-[0-9]{3}")),
+    ]
+    engine = InProcessEngine(str(folder), max_num_seqs=4, max_num_batched_tokens=16,
+                             block_size=4, max_model_len=96)
+    want = engine.run([(f"{i}-{j}", prompt, p) for i, p in enumerate(params[:2])
+                       for j, prompt in enumerate(PROMPTS[:4])])
+    with running(pp_config(folder, 2)) as pipe:
+        client = pipe.client()
+        got = {(i, j): out for i, p in enumerate(params)
+               for j, out in enumerate(client.generate(PROMPTS[:4], p))}
+    for (i, j), out in got.items():
+        if i == 2:
+            import re
+
+            assert out.error is None and re.fullmatch("(yes|no)-[0-9]{3}", out.text), out.text
+            continue
+        ref = want[f"{i}-{j}", 0]
+        assert out.error is None and out.token_ids == ref.token_ids, (i, j)
+        assert [(x.token_id, x.top_ids) for x in out.logprobs] == [
+            (x.token_id, x.top_ids) for x in ref.logprobs]
+        assert [x.logprob for x in out.logprobs] == pytest.approx(
+            [x.logprob for x in ref.logprobs], abs=1e-4)
+        if i == 1:
+            assert out.samples[0].prompt_logprobs is not None and ref.prompt_logprobs
+            assert [x.logprob for x in out.samples[0].prompt_logprobs[1:]] == pytest.approx(
+                [x.logprob for x in ref.prompt_logprobs[1:]], abs=1e-4)
+
+
+@pytest.mark.live
+def test_two_stages_through_preemption(tmp_path: Path) -> None:
+    """A cache too small for every sequence at once: sequences are preempted and run again
+    (their slots taken by others while old samples are on their way), one rank's tokens."""
+    folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=4)
+    one = one_rank(folder, max_tokens=30)
+    # 30 blocks of 4 tokens a rank (2 layers each) for 4 sequences of up to 78 tokens
+    per_block = 2 * 2 * 4 * 2 * 16 * 4  # layers, K and V, positions, KV heads, dim, float32
+    with running(pp_config(folder, 2, kv_cache_memory=30 * per_block)) as pipe:
+        outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=30, temperature=0.0,
+                                                              ignore_eos=True))
+        stats = pipe.idle_stats()
+    assert [o.token_ids for o in outs] == one
+    assert stats.num_preemptions > 0
+
+
+@pytest.mark.live
+def test_a_stop_under_load_lets_every_stage_finish_its_steps(tmp_path: Path) -> None:
+    """SIGTERM while three stages stream: each runs up to the last step rank 0 forwarded,
+    the first waits for that step's samples before it leaves the group, and every executor
+    exits 0 (none fails its last send, none is killed past the stop timeout)."""
+    import contextlib
+    import threading
+
+    from pipeline.runtime.client import PipelineClient, PipelineError
+
+    folder = build_random_llama(tmp_path / "llama", heads=8, kv_heads=4, num_layers=6,
+                                hidden=256)
+    pipe = Pipeline(pp_config(folder, 3)).start()
+    client = pipe.client()
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+
+    def load(client: PipelineClient = client) -> None:
+        with contextlib.suppress(PipelineError):
+            client.generate(PROMPTS, params, timeout=60)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    pipe.stop()
+    took = time.monotonic() - start
+    thread.join(10)
+    codes = {n: p.exitcode for n, p in pipe.procs.items() if n.startswith("executor:")}
+    assert codes == {"executor:0": 0, "executor:1": 0, "executor:2": 0}, codes
+    assert took < 8, took

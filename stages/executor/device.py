@@ -299,7 +299,8 @@ class TimedDevice:
             pp.send_samples(out.tokens, self._free_at)
         if pp.first:
             pp.expect_samples(step.plan.step_id, torch.from_numpy(step.sample_slots),
-                              step.sample_slots.tolist(), timed=True)
+                              step.sample_slots.tolist(), self.runner.slots.last_sampled,
+                              timed=True)
 
     def _notify(self) -> None:
         try:

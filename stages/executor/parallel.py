@@ -46,6 +46,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that died: the others fail, not hang
+CLOSE_TIMEOUT_S = 5.0  # a stopping stage waits this long for each of its last transfers
 
 
 def join_engine(rank: int, tensor_size: int, layers: list[range], store_path: str,
@@ -72,8 +73,13 @@ def join_engine(rank: int, tensor_size: int, layers: list[range], store_path: st
             group = groups[stage]
         tp = TensorParallel(rank % tensor_size, tensor_size, vocab_size, group,
                             stage * tensor_size)
-    pp = (PipelineParallel(stage, num_stages, layers[stage], rank % tensor_size, tensor_size)
-          if num_stages > 1 else None)
+    pp = None
+    if num_stages > 1:
+        # The samples travel on a group of their own: NCCL ignores tags, and on one pair's
+        # communicator a sample going back would queue behind the next hidden states.
+        samples = dist.new_group(list(range(size)))
+        pp = PipelineParallel(stage, num_stages, layers[stage], rank % tensor_size,
+                              tensor_size, samples)
     logger.info("executor rank %d of %d (%s): stage %d of %d (layers %d-%d), tensor rank %d "
                 "of %d", rank, size, backend, stage, num_stages, layers[stage].start,
                 layers[stage].stop - 1, rank % tensor_size, tensor_size)
@@ -128,6 +134,7 @@ class PipelineParallel:
     layers: range  # the model's layers this stage holds
     tensor_rank: int = 0
     tensor_size: int = 1
+    samples_group: Any = None  # (None: the process group's)
 
     def __post_init__(self) -> None:
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()
@@ -140,6 +147,8 @@ class PipelineParallel:
         # last one (samples): the stage's bubble, logged as it closes
         self.stepped_s = self.waited_s = 0.0
         self.num_steps = 0
+        # (step, its samples' time on the timed instrument) of those kept before asked for
+        self._kept_at: deque[tuple[int, int]] = deque(maxlen=1024)
 
     @property
     def first(self) -> bool:
@@ -153,8 +162,8 @@ class PipelineParallel:
         return stage * self.tensor_size + (self.tensor_rank if tensor_rank is None
                                            else tensor_rank)
 
-    def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
-        self._sends.append((dist.isend(x, dst, tag=tag), x))
+    def _send(self, x: torch.Tensor, dst: int, tag: int, group: Any = None) -> None:
+        self._sends.append((dist.isend(x, dst, group=group, tag=tag), x))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
@@ -192,17 +201,22 @@ class PipelineParallel:
                 tokens = torch.cat([tokens, tokens.new_tensor([at_ns])])
             tokens = tokens.contiguous()
             for rank in range(self.tensor_size):
-                self._send(tokens, self._peer(0, rank), SAMPLES_TAG)
+                self._send(tokens, self._peer(0, rank), SAMPLES_TAG, self.samples_group)
 
     def expect_samples(self, step_id: int, slots: torch.Tensor, host_slots: list[int],
-                       timed: bool = False) -> None:
+                       last_sampled: torch.Tensor, timed: bool = False) -> None:
         """Stage 0, as it finishes step `step_id`: post the receive of its samples, one per
         sampled position (slots, on the device; host_slots, the same on the host; `timed`:
-        and the time they exist at, on the timed instrument)."""
+        and the time they exist at, on the timed instrument). Samples that came already are
+        kept as their slots' last ones now (steps no later step waits on, prompt scoring
+        alone, would otherwise pile up)."""
+        while self._samples and self._samples[0][2].is_completed():
+            self._keep(self._samples.popleft(), last_sampled)
         if not host_slots:
             return
         buf = torch.empty(len(host_slots) + timed, dtype=torch.int64, device=slots.device)
-        work = dist.irecv(buf, self._peer(self.size - 1, 0), tag=SAMPLES_TAG)
+        work = dist.irecv(buf, self._peer(self.size - 1, 0), group=self.samples_group,
+                          tag=SAMPLES_TAG)
         # (slots is a view of the step's staging buffer, which a later step rewrites)
         self._samples.append((step_id, slots.clone(), work, buf))
         for slot in host_slots:
@@ -216,15 +230,29 @@ class PipelineParallel:
         pending = self._pending_step
         upto = max((pending.get(slot, -1) for slot in slots), default=-1)
         at_ns = 0
+        kept = self._kept_at  # (samples kept already may be the newest it needs; in step
+        while kept and kept[0][0] <= upto:  # order, so their times are too)
+            at_ns = kept.popleft()[1]
         while self._samples and self._samples[0][0] <= upto:
-            step_id, where, work, buf = self._samples.popleft()
+            entry = self._samples.popleft()
             began = time.perf_counter()
-            work.wait()
+            entry[2].wait()
             self.waited_s += time.perf_counter() - began
-            if len(buf) > len(where):  # (the timed instrument's time, after the ids)
-                at_ns = max(at_ns, int(buf[-1]))
-                buf = buf[:-1]
-            last_sampled[where] = buf
+            at_ns = max(at_ns, self._keep(entry, last_sampled, early=False))
+        return at_ns
+
+    def _keep(self, entry: tuple[int, torch.Tensor, Any, torch.Tensor],
+              last_sampled: torch.Tensor, early: bool = True) -> int:
+        """A step's received samples as its slots' last ones; their time on the timed
+        instrument (else 0), which `early` (before a step asked for them) keeps for it."""
+        step_id, where, _, buf = entry
+        at_ns = 0
+        if len(buf) > len(where):  # (the timed instrument's time, after the ids)
+            at_ns = int(buf[-1])
+            if early:  # (a bounded record: one no step asks for is long past)
+                self._kept_at.append((step_id, at_ns))
+            buf = buf[:-1]
+        last_sampled[where] = buf
         return at_ns
 
     def send_time(self, at_ns: int) -> None:
@@ -236,10 +264,15 @@ class PipelineParallel:
         """When the previous stage's part of this step ends (the timed instrument)."""
         return int(self.recv_hidden(1, 1, torch.int64, torch.device("cpu"))[0, 0])
 
-    def close(self) -> None:
-        """Wait for what this rank sent (its peers are still receiving while it stops)."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Before the rank leaves the group: the first stage waits for the samples of every
+        step it ran (the last stage runs up to the same last step and sends them: leaving
+        before would fail its send), and every rank for what it sent to go out. Each wait is
+        bounded: a peer that died sends and receives nothing more."""
         logger.info("pipeline stage %d: %d steps in %.2f s, of which %.2f s waiting on the "
                     "other stages", self.stage, self.num_steps, self.stepped_s, self.waited_s)
-        for work, _ in self._sends:
-            work.wait()
+        bound = timedelta(seconds=timeout_s)
+        for work in [entry[2] for entry in self._samples] + [w for w, _ in self._sends]:
+            work.wait(bound)
+        self._samples.clear()
         self._sends.clear()

@@ -211,6 +211,8 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, reports: bool) ->
     device = make_device(runner, rings.sampled if reports else _own_sampled_ring(cfg, rank),
                          on_done)
     ctx.ready(num_kv_blocks=runner.num_blocks)
+    if reports and runner.slots.matchers is not None:  # (the sampling rank's, as rank 0's)
+        runner.slots.matchers.grammars.warm()
     try:
         device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device, [], take_slot),
                      ctx.stop)
@@ -220,12 +222,18 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, reports: bool) ->
 
 
 def _leave(runner: Runner) -> None:
-    """Leave the engine's process group (after what this rank sent went out)."""
+    """Leave the engine's process group (after this rank's last transfers: parallel.py
+    PipelineParallel.close). A peer already gone fails them: said, and left all the same."""
     pp = getattr(runner, "pp", None)
-    if pp is not None:
-        pp.close()
-    if getattr(runner, "tp", None) is not None or pp is not None:
-        leave_engine()
+    try:
+        if pp is not None:
+            pp.close()
+    except RuntimeError as exc:
+        logger.warning("pipeline stage %d: its last transfers failed as it stopped: %s",
+                       pp.stage, exc)
+    finally:
+        if getattr(runner, "tp", None) is not None or pp is not None:
+            leave_engine()
 
 
 def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: SharedRing,

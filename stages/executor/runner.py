@@ -416,7 +416,8 @@ class ModelRunner:
         if not pp.last:
             pp.send_hidden(self.model(ids, self.kv_caches, meta, v.logits_indices, hidden))
             if pp.first:
-                pp.expect_samples(step.plan.step_id, v.sample_slots, step.sample_slots.tolist())
+                pp.expect_samples(step.plan.step_id, v.sample_slots, step.sample_slots.tolist(),
+                                  self.slots.last_sampled)
             return none
         grammar_work = self.slots.start_grammar(step)
         wanted, num_scored = v.logits_indices, step.counts["plp_index"]
