@@ -455,6 +455,10 @@ def add_throughput_parser(sub: Any) -> None:
                         "run on one stage follows, as row pipeline-pp1")
     p.add_argument("--pipeline-layer-partition", type=layer_partition, default=None,
                    metavar="N,N,...", help="the layers of each stage (default: even)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_num_batched_tokens,
+                   help="the pipeline's per-step token budget (smaller steps: a shorter fill "
+                        "of a pipeline's stages)")
     p.add_argument("--quantization", default=[], type=quantization_list,
                    help="a comma list of int8,int4: the pipeline and the limit run again with "
                         "each, as rows pipeline-int8, limit-int8, ... (the peers stay float)")

@@ -64,7 +64,8 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     limit = ModelInfo.from_dir(args.model_dir).max_model_len
     cfg = PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
-        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, speculative=args.speculate),
+        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, speculative=args.speculate,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
         executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
                                            kv_cache_memory=args.kv_cache_memory,
                                            compile=args.compile,
@@ -354,6 +355,7 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
                         "tensor_parallel_size": args.tensor_parallel_size,
                         "pipeline_parallel_size": args.pipeline_parallel_size,
                         "pipeline_layer_partition": args.pipeline_layer_partition,
+                        "max_num_batched_tokens": args.max_num_batched_tokens,
                         "quantization": args.quantization,
                         "kv_cache_dtype": args.kv_cache_dtype,
                         "speculative": (args.speculative.describe()
