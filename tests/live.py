@@ -98,3 +98,59 @@ def running(cfg: PipelineConfig) -> Iterator[Pipeline]:
     finally:
         pipe.stop()
         kill_pids(list(pipe.stage_pids.values()))
+
+
+def kill_and_serve_again(cfg: PipelineConfig, victim: str, prompts: list[list[int]],
+                         max_tokens: int = 12) -> list[list[int]]:
+    """kill -9 of an engine's stage process `victim` (e.g. "executor:1"): waits until the
+    engine was started again as a group (one restart, healthy, nothing restarting), checks
+    that every process of the engine is new and the old ones gone, and returns the greedy
+    tokens the engine then gives; every process is gone once it returns."""
+    from ipc.messages import SamplingParams
+
+    with running(cfg) as pipe:
+        old = dict(pipe.stage_pids)
+        os.kill(old[victim], signal.SIGKILL)
+        client = pipe.client()
+        deadline = time.monotonic() + 60
+        while pipe.status().restarts != {"engine:0": 1} or not client.health().ok \
+                or pipe.engines.restarting:
+            assert pipe.is_alive and time.monotonic() < deadline, pipe.failure
+            time.sleep(0.05)
+        outs = client.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                       ignore_eos=True))
+        new = pipe.stage_pids
+        engine = [n for n in old if n.startswith(("scheduler:", "executor:"))]
+        assert all(new[n] != old[n] for n in engine)
+        assert alive([old[n] for n in engine]) == []
+        pids = list(new.values())
+    assert alive(pids) == []
+    return [o.token_ids for o in outs]
+
+
+def stop_under_load(cfg: PipelineConfig, prompts: list[list[int]]) -> tuple[dict[str, int | None],
+                                                                           float]:
+    """SIGTERM to every process while the prompts stream (0.4 s in): the executors' exit
+    codes and how long the stop took."""
+    import contextlib
+    import threading
+
+    from ipc.messages import SamplingParams
+    from pipeline.runtime.client import PipelineClient, PipelineError
+
+    pipe = Pipeline(cfg).start()
+    client = pipe.client()
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+
+    def load(client: PipelineClient = client) -> None:
+        with contextlib.suppress(PipelineError):
+            client.generate(prompts, params, timeout=60)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    time.sleep(0.4)
+    start = time.monotonic()
+    pipe.stop()
+    took = time.monotonic() - start
+    thread.join(10)
+    return {n: p.exitcode for n, p in pipe.procs.items() if n.startswith("executor:")}, took

@@ -9,15 +9,12 @@ starts."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from live import alive, running
+from live import alive, kill_and_serve_again, running, stop_under_load
 
 from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.errors import ConfigError
@@ -220,27 +217,10 @@ def test_an_uneven_partition_plans_with_the_fewest_blocks(tmp_path: Path) -> Non
 
 @pytest.mark.live
 def test_a_killed_stage_restarts_its_engine_as_a_group(tmp_path: Path) -> None:
-    """kill -9 of the last stage under load: its requests end with an error each, every rank
-    and the scheduler start again, and the engine gives one rank's tokens again."""
+    """kill -9 of the last stage: every rank and the scheduler start again, and the engine
+    gives one rank's tokens again."""
     folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=4)
-    one = one_rank(folder)
-    with running(pp_config(folder, 2)) as pipe:
-        old = dict(pipe.stage_pids)
-        os.kill(old["executor:1"], signal.SIGKILL)
-        client = pipe.client()
-        deadline = time.monotonic() + 60
-        while pipe.status().restarts != {"engine:0": 1} or not client.health().ok \
-                or pipe.engines.restarting:
-            assert pipe.is_alive and time.monotonic() < deadline, pipe.failure
-            time.sleep(0.05)
-        outs = client.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0,
-                                                       ignore_eos=True))
-        assert [o.token_ids for o in outs] == one
-        new = pipe.stage_pids
-        assert all(new[n] != old[n] for n in ("scheduler:0", "executor:0", "executor:1"))
-        assert alive([old["scheduler:0"], old["executor:0"], old["executor:1"]]) == []
-        pids = list(new.values())
-    assert alive(pids) == []
+    assert kill_and_serve_again(pp_config(folder, 2), "executor:1", PROMPTS) == one_rank(folder)
 
 
 def test_what_the_stages_cannot_run_is_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -371,28 +351,8 @@ def test_a_stop_under_load_lets_every_stage_finish_its_steps(tmp_path: Path) -> 
     """SIGTERM while three stages stream: each runs up to the last step rank 0 forwarded,
     the first waits for that step's samples before it leaves the group, and every executor
     exits 0 (none fails its last send, none is killed past the stop timeout)."""
-    import contextlib
-    import threading
-
-    from pipeline.runtime.client import PipelineClient, PipelineError
-
     folder = build_random_llama(tmp_path / "llama", heads=8, kv_heads=4, num_layers=6,
                                 hidden=256)
-    pipe = Pipeline(pp_config(folder, 3)).start()
-    client = pipe.client()
-    params = SamplingParams(max_tokens=80, ignore_eos=True)
-
-    def load(client: PipelineClient = client) -> None:
-        with contextlib.suppress(PipelineError):
-            client.generate(PROMPTS, params, timeout=60)
-
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
-    time.sleep(0.5)
-    start = time.monotonic()
-    pipe.stop()
-    took = time.monotonic() - start
-    thread.join(10)
-    codes = {n: p.exitcode for n, p in pipe.procs.items() if n.startswith("executor:")}
+    codes, took = stop_under_load(pp_config(folder, 3), PROMPTS)
     assert codes == {"executor:0": 0, "executor:1": 0, "executor:2": 0}, codes
     assert took < 8, took

@@ -8,23 +8,18 @@ starts; every rank ends with the pipeline, also when one of them dies."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from live import alive, running
+from live import alive, kill_and_serve_again, running, stop_under_load
 
 from ipc.arch import UnsupportedModel
 from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.messages import SamplingParams
 from ipc.model_info import ModelInfo
-from pipeline.runtime.client import PipelineClient, PipelineError
 from pipeline.runtime.launcher import Pipeline
 from pipeline.tools.random_model import build_random_llama
 from stages.executor.backends.torch_sdpa import TorchBackend
@@ -269,24 +264,7 @@ def test_a_killed_rank_restarts_its_engine_as_a_group(tmp_path: Path) -> None:
     """kill -9 of rank 1: both ranks and the scheduler are started again (a new process
     group, a new store), and the engine gives the tokens of one rank again."""
     folder = build_random_llama(tmp_path / "llama", heads=4, kv_heads=2, num_layers=2)
-    one = one_rank(folder)
-    with running(tp_config(folder, 2)) as pipe:
-        old = dict(pipe.stage_pids)
-        os.kill(old["executor:1"], signal.SIGKILL)
-        client = pipe.client()
-        deadline = time.monotonic() + 60
-        while pipe.status().restarts != {"engine:0": 1} or not client.health().ok \
-                or pipe.engines.restarting:
-            assert pipe.is_alive and time.monotonic() < deadline, pipe.failure
-            time.sleep(0.05)
-        outs = client.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0,
-                                                       ignore_eos=True))
-        assert [o.token_ids for o in outs] == one
-        new = pipe.stage_pids
-        assert all(new[n] != old[n] for n in ("scheduler:0", "executor:0", "executor:1"))
-        assert alive([old["scheduler:0"], old["executor:0"], old["executor:1"]]) == []
-        pids = list(new.values())
-    assert alive(pids) == []
+    assert kill_and_serve_again(tp_config(folder, 2), "executor:1", PROMPTS) == one_rank(folder)
 
 
 @pytest.mark.live
@@ -294,29 +272,11 @@ def test_a_stop_under_load_lets_every_rank_finish_its_steps(tmp_path: Path) -> N
     """SIGTERM to every process while two ranks stream: the first rank announces the last
     step it forwarded (LastStep) and each rank runs up to it, so none waits in a collective
     for one that left; every executor exits 0 (not killed past the stop timeout)."""
-    import threading
-
     folder = build_random_llama(tmp_path / "llama", heads=8, kv_heads=4, num_layers=4,
                                 hidden=256)
-    for delay in (0.4,):
-        pipe = Pipeline(tp_config(folder, 2)).start()
-        client = pipe.client()
-        params = SamplingParams(max_tokens=80, ignore_eos=True)
-
-        def load(client: PipelineClient = client, params: SamplingParams = params) -> None:
-            with contextlib.suppress(PipelineError):
-                client.generate(PROMPTS, params, timeout=60)
-
-        thread = threading.Thread(target=load, daemon=True)
-        thread.start()
-        time.sleep(delay)
-        start = time.monotonic()
-        pipe.stop()
-        took = time.monotonic() - start
-        thread.join(10)
-        codes = {n: p.exitcode for n, p in pipe.procs.items()}
-        assert codes["executor:0"] == 0 and codes["executor:1"] == 0, codes
-        assert took < 8, took
+    codes, took = stop_under_load(tp_config(folder, 2), PROMPTS)
+    assert codes == {"executor:0": 0, "executor:1": 0}, codes
+    assert took < 8, took
 
 
 def test_each_rank_loads_only_its_slices(tmp_path: Path) -> None:

@@ -293,14 +293,14 @@ class TimedDevice:
         return pp.settle(slots, self.runner.slots.last_sampled) if slots else 0
 
     def _pass_on(self, step: HostStep, out: SampleOutput, pp: PipelineParallel) -> None:
+        if pp.first:  # (before the step is on its way: see ModelRunner._compute_stage)
+            pp.expect_samples(step.plan.step_id, torch.from_numpy(step.sample_slots),
+                              step.sample_slots.tolist(), self.runner.slots.last_sampled,
+                              timed=True)
         if not pp.last:
             pp.send_time(self._free_at)
         else:
             pp.send_samples(out.tokens, self._free_at)
-        if pp.first:
-            pp.expect_samples(step.plan.step_id, torch.from_numpy(step.sample_slots),
-                              step.sample_slots.tolist(), self.runner.slots.last_sampled,
-                              timed=True)
 
     def _notify(self) -> None:
         try:

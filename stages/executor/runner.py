@@ -414,10 +414,12 @@ class ModelRunner:
         meta = self.backend.metadata(v, step.attn_plan)
         none = SampleOutput(v.sample_slots[:0])
         if not pp.last:
-            pp.send_hidden(self.model(ids, self.kv_caches, meta, v.logits_indices, hidden))
-            if pp.first:
+            x = self.model(ids, self.kv_caches, meta, v.logits_indices, hidden)
+            if pp.first:  # (before the send: once the step is on its way it may report, and
+                # this step's ring slot and staging buffer may be planned again at once)
                 pp.expect_samples(step.plan.step_id, v.sample_slots, step.sample_slots.tolist(),
                                   self.slots.last_sampled)
+            pp.send_hidden(x)
             return none
         grammar_work = self.slots.start_grammar(step)
         wanted, num_scored = v.logits_indices, step.counts["plp_index"]
