@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -356,3 +357,42 @@ def test_a_stop_under_load_lets_every_stage_finish_its_steps(tmp_path: Path) -> 
     codes, took = stop_under_load(pp_config(folder, 3), PROMPTS)
     assert codes == {"executor:0": 0, "executor:1": 0, "executor:2": 0}, codes
     assert took < 8, took
+
+
+def test_a_stage_reads_only_its_own_layers_blocks_of_a_gguf_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader asks the GGUF reader for a stage's own tensors only: the other stages'
+    layers' blocks are never converted (nor held), the embedding's only on the first stage
+    and the head's only on the last (untied here)."""
+    from pipeline.tools.gguf_export import export
+    from pipeline.tools.model_source import resolve_model
+    from ipc.gguf_source import gguf_source
+    from stages.executor import gguf_loader
+    from stages.executor.linear.select import select_linear_method
+
+    source = build_random_llama(tmp_path / "source", num_layers=4)  # (an untied head)
+    folder = resolve_model(export(source, tmp_path / "tiny-Q8_0.gguf", "Q8_0"))
+    read: list[int] = []
+    convert = gguf_loader.gguf_blocks
+
+    def counted(data: Any, kind: str, rows: int) -> Any:
+        read.append(rows)
+        return convert(data, kind, rows)
+
+    monkeypatch.setattr(gguf_loader, "gguf_blocks", counted)
+    cpu = torch.device("cpu")
+    backend = TorchBackend(EngineLimits(4, 16, 4, 64, 100), cpu)  # (not run)
+    ranges = partition_layers(4, 2)
+    per_stage = []
+    for s in (None, 0, 1):
+        read.clear()
+        linear = select_linear_method(torch.float32, cpu, False, None, None,
+                                      gguf_source(folder), False)
+        load_model(folder, torch.float32, cpu, 64, backend, linear,
+                   stage=None if s is None else PipelineParallel(s, 2, ranges[s]))
+        per_stage.append(len(read))
+    whole, first, last = per_stage
+    projections = 7  # q, k, v, o, gate, up, down a layer
+    assert first == 2 * projections + 1  # (its layers and the embedding)
+    assert last == 2 * projections + 1  # (its layers and the head)
+    assert whole == 4 * projections + 2

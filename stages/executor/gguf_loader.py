@@ -8,7 +8,7 @@ the converter can write from a w >= -2, so the model's 1 + w is the file's x aga
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,12 @@ def _floats(tensor: Any, data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(data, dtype=np.float32))
 
 
-def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str, Any]]:
-    """(file name, Hugging Face name, float tensor or QuantizedWeight) of every tensor; a
-    mixture of experts' stacked tensor as one entry per expert, kept in its blocks."""
+def gguf_entries(source: GgufSource, spec: ArchSpec,
+                 keep: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, str, Any]]:
+    """(file name, Hugging Face name, float tensor or QuantizedWeight) of every tensor (that
+    `keep` keeps, by name: a pipeline stage reads only its own layers' blocks); a mixture of
+    experts' stacked tensor as one entry per expert, kept in its blocks."""
     reader = GGUFReader(source.file)
     check_tensors(source.file, source.architecture,
                   {t.name: t.tensor_type.name for t in reader.tensors})
@@ -55,6 +58,8 @@ def gguf_entries(source: GgufSource, spec: ArchSpec) -> Iterator[tuple[str, str,
     for tensor in reader.tensors:
         name = hf_name(tensor.name, source.architecture)
         assert name is not None  # (check_tensors refused the others)
+        if keep is not None and not keep(name):
+            continue
         if EXPERT in name:
             for expert, part in enumerate(np.asarray(tensor.data)):
                 yield where, name.replace(EXPERT, str(expert)), _value(tensor, part)

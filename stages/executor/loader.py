@@ -8,7 +8,7 @@ place for, or a parameter no entry filled, is an error that names it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +45,16 @@ def target_of(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def checkpoint_entries(model_dir: str | Path) -> Iterator[Entry]:
+def checkpoint_entries(model_dir: str | Path,
+                       keep: Callable[[str], bool] | None = None) -> Iterator[Entry]:
     """The folder's entries: a GGUF file's tensors if the folder stands for one, else every
-    safetensors file's (lazily sliced)."""
+    safetensors file's (lazily sliced). keep: which of a GGUF file's tensors (by their
+    Hugging Face names) are read into blocks at all (a pipeline stage's)."""
     source = gguf_source(model_dir)
     if source is not None:
         from stages.executor.gguf_loader import gguf_entries
 
-        yield from gguf_entries(source, read_config(model_dir)[1])
+        yield from gguf_entries(source, read_config(model_dir)[1], keep)
         return
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -74,7 +76,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, tied: bool) -> None:
     rename = getattr(model, "checkpoint_name", lambda n: n)  # (the family's names)
     on_stage = getattr(model, "on_stage", lambda n: n)  # (a pipeline stage's part of them)
     split = getattr(model, "checkpoint_entries", iter)  # (the family's parts of entries)
-    for where, entry, value in split(checkpoint_entries(model_dir)):
+    holds = getattr(model, "holds_entry", None)  # (a pipeline stage's: the others not read)
+    for where, entry, value in split(checkpoint_entries(model_dir, holds)):
         name = rename(entry)
         if name is None or name.endswith(SKIPPED) or (tied and name == HEAD
                                                       and not head_takes_blocks):

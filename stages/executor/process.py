@@ -227,10 +227,11 @@ def _leave(runner: Runner) -> None:
     pp = getattr(runner, "pp", None)
     try:
         if pp is not None:
-            pp.close()
-    except RuntimeError as exc:
-        logger.warning("pipeline stage %d: its last transfers failed as it stopped: %s",
-                       pp.stage, exc)
+            try:
+                pp.close()
+            except RuntimeError as exc:
+                logger.warning("pipeline stage %d: its last transfers failed as it stopped: "
+                               "%s", pp.stage, exc)
     finally:
         if getattr(runner, "tp", None) is not None or pp is not None:
             leave_engine()

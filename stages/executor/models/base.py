@@ -88,6 +88,23 @@ class CausalLM(nn.Module):
         parts after this); None: an entry the model does not use (skipped)."""
         return name
 
+    def holds_entry(self, name: str) -> bool:
+        """Whether a checkpoint entry (by its Hugging Face name) may be this pipeline stage's:
+        not another stage's layer, nor the head before the last stage, nor the embedding
+        where it is neither looked up nor the tied head. The loader does not even read the
+        others (a GGUF file's blocks)."""
+        stage = self.stage
+        if stage is None:
+            return True
+        match = _LAYER.match(name)
+        if match is not None:
+            return int(match.group(1)) in stage.layers
+        if name.startswith("lm_head."):
+            return stage.last
+        if name.startswith("model.embed_tokens."):
+            return stage.first or (stage.last and self.spec.tie_word_embeddings)
+        return True
+
     def on_stage(self, name: str) -> str | None:
         """A checkpoint name (the model's, after checkpoint_name) as this pipeline stage's
         parameter: a layer's with its index in the stage, or None where the stage does not
