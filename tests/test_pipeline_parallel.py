@@ -364,9 +364,9 @@ def test_a_stage_reads_only_its_own_layers_blocks_of_a_gguf_file(
     """The loader asks the GGUF reader for a stage's own tensors only: the other stages'
     layers' blocks are never converted (nor held), the embedding's only on the first stage
     and the head's only on the last (untied here)."""
+    from ipc.gguf_source import gguf_source
     from pipeline.tools.gguf_export import export
     from pipeline.tools.model_source import resolve_model
-    from ipc.gguf_source import gguf_source
     from stages.executor import gguf_loader
     from stages.executor.linear.select import select_linear_method
 
