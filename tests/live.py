@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -154,3 +155,60 @@ def stop_under_load(cfg: PipelineConfig, prompts: list[list[int]]) -> tuple[dict
     took = time.monotonic() - start
     thread.join(10)
     return {n: p.exitcode for n, p in pipe.procs.items() if n.startswith("executor:")}, took
+
+
+def one_rank(folder: Path, prompts: list[list[int]], max_tokens: int = 12,
+             **engine: Any) -> list[list[int]]:
+    """The greedy tokens of one rank, from the scheduler and executor cores wired in this
+    process (stages/inprocess.py) with the parallel tests' limits (4 slots, a 16-token
+    budget: prompts chunked; blocks of 4, 96 positions): the reference of tensor and pipeline
+    parallelism, without starting a second pipeline per case. `engine`: InProcessEngine's
+    other options (quantization, kv_cache_dtype)."""
+    from ipc.messages import SamplingParams
+    from stages.inprocess import InProcessEngine
+
+    core = InProcessEngine(str(folder), max_num_seqs=4, max_num_batched_tokens=16,
+                           block_size=4, max_model_len=96, **engine)
+    return core.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                 ignore_eos=True))
+
+
+def ranks_config(folder: Path, kv_cache_memory: int = 1 << 22, **executor: Any
+                 ) -> PipelineConfig:
+    """The tensor and pipeline tests' run of a model on several executor ranks (`executor`:
+    ExecutorConfig's fields, e.g. tensor_parallel_size): 4 slots and a 16-token budget, so
+    prompts are chunked and steps mix chunks and decodes; float32, eager."""
+    return PipelineConfig(
+        model=ModelInfo.from_dir(folder, 96),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                                  depth=2),
+        executor=ExecutorConfig.for_device("cpu", dtype="float32",
+                                           kv_cache_memory=kv_cache_memory, compile=False,
+                                           **executor),
+        ready_timeout_s=120)
+
+
+def generate_on_ranks(cfg: PipelineConfig, prompts: list[list[int]], max_tokens: int = 12
+                      ) -> tuple[list[list[int]], Any]:
+    """Greedy outputs of the prompts and the scheduler's stats once idle. On the way: each
+    executor rank is named by its place in `ps` and the status (engine.stage.rank), the
+    engine's ranks are the processes started, and every one is gone once it returns."""
+    from ipc.messages import SamplingParams
+
+    layout = cfg.ranks
+    with running(cfg) as pipe:
+        outs = pipe.client().generate(prompts, SamplingParams(max_tokens=max_tokens,
+                                                              temperature=0.0, ignore_eos=True))
+        stats = pipe.idle_stats()
+        places = {f"executor:{r}": layout.describe(r) for r in range(layout.ranks_per_engine)}
+        assert pipe.status().ranks == places
+        for name, place in places.items():
+            title = " ".join(psutil.Process(pipe.stage_pids[name]).cmdline())
+            assert title.split() == [f"llm-pipeline:{name}", place]
+        pids = list(pipe.stage_pids.values())
+        names = sorted(n for n in pipe.stage_pids if n.startswith("executor:"))
+        pipe.stop()
+        assert alive(pids) == [], "a stage outlived its pipeline"
+    assert not [o.error for o in outs if o.error]
+    assert names == sorted(places)
+    return [o.token_ids for o in outs], stats

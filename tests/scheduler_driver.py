@@ -368,8 +368,8 @@ def expected_tokens(rid: str, count: int, token_fn: TokenFn = plain_token) -> li
 
 
 def run_all(limits: DriverLimits, arrivals: dict[int, list[TokenizedRequest]],
-            token_fn: TokenFn = plain_token) -> Driver:
-    driver = Driver(limits, token_fn)
+            token_fn: TokenFn = plain_token, driver_type: type[Driver] | None = None) -> Driver:
+    driver = (driver_type or Driver)(limits, token_fn)
     driver.run(arrivals)
     driver.check_idle()
     return driver

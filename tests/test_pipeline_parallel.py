@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import psutil
+import live
 import pytest
 import torch
 from live import alive, kill_and_serve_again, running, stop_under_load
@@ -20,7 +20,6 @@ from live import alive, kill_and_serve_again, running, stop_under_load
 from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerConfig
 from ipc.errors import ConfigError
 from ipc.messages import SamplingParams
-from ipc.model_info import ModelInfo
 from ipc.ranks import RankLayout, partition_layers
 from pipeline.runtime.launcher import Pipeline
 from pipeline.tools.random_model import build_random_llama, build_random_model
@@ -37,49 +36,19 @@ PROMPTS = [[5 + i, 9, 13 + 2 * i] * (1 + 3 * i) for i in range(6)]  # 3 to 48 to
 
 def pp_config(folder: Path, stages: int, tensor: int = 1, kv_cache_memory: int = 1 << 22,
               partition: tuple[int, ...] | None = None) -> PipelineConfig:
-    # 4 slots and a 16-token budget: prompts are chunked, steps mix chunks and decodes.
-    return PipelineConfig(
-        model=ModelInfo.from_dir(folder, 96),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-                                  depth=2),
-        executor=ExecutorConfig.for_device("cpu", dtype="float32",
-                                           kv_cache_memory=kv_cache_memory, compile=False,
-                                           tensor_parallel_size=tensor,
-                                           pipeline_parallel_size=stages,
-                                           pipeline_layer_partition=partition),
-        ready_timeout_s=120)
+    return live.ranks_config(folder, kv_cache_memory, tensor_parallel_size=tensor,
+                             pipeline_parallel_size=stages, pipeline_layer_partition=partition)
 
 
-def one_rank(folder: Path, max_tokens: int = 12, quantization: str | None = None
-             ) -> list[list[int]]:
-    """The greedy tokens of one rank (the scheduler and executor cores in this process)."""
-    engine = InProcessEngine(str(folder), max_num_seqs=4, max_num_batched_tokens=16,
-                             block_size=4, max_model_len=96, quantization=quantization)
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                   ignore_eos=True))
+def one_rank(folder: Path, max_tokens: int = 12, **engine: Any) -> list[list[int]]:
+    """The greedy tokens of one rank on PROMPTS (tests/live.py)."""
+    return live.one_rank(folder, PROMPTS, max_tokens, **engine)
 
 
 def generate(cfg: PipelineConfig, max_tokens: int = 12) -> tuple[list[list[int]], int]:
-    """Greedy outputs and the engine's KV blocks; every stage is gone once it returns."""
-    with running(cfg) as pipe:
-        outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=max_tokens,
-                                                              temperature=0.0, ignore_eos=True))
-        stats = pipe.idle_stats()
-        assert pipe.status().ranks == {f"executor:{r}": cfg.ranks.describe(r)
-                                       for r in range(cfg.ranks.ranks_per_engine)}
-        titles = {n: " ".join(psutil.Process(p).cmdline()) for n, p in pipe.stage_pids.items()}
-        for r in range(cfg.ranks.ranks_per_engine):  # (ps names each rank's place)
-            assert titles[f"executor:{r}"].split() == [f"llm-pipeline:executor:{r}",
-                                                       cfg.ranks.describe(r)]
-        pids = list(pipe.stage_pids.values())
-        names = sorted(pipe.stage_pids)
-        pipe.stop()
-        assert alive(pids) == [], "a stage outlived its pipeline"
-    assert not [o.error for o in outs if o.error]
-    ranks = cfg.ranks.ranks_per_engine
-    assert [n for n in names if n.startswith("executor:")] == [f"executor:{r}"
-                                                               for r in range(ranks)]
-    return [o.token_ids for o in outs], stats.num_blocks
+    """Greedy outputs and the engine's KV blocks (tests/live.py generate_on_ranks)."""
+    got, stats = live.generate_on_ranks(cfg, PROMPTS, max_tokens)
+    return got, stats.num_blocks
 
 
 def test_layers_split_evenly_with_the_remainder_before_the_last_stage() -> None:

@@ -20,6 +20,7 @@ from scheduler_driver import (
     make_request,
     plain_token,
     results,
+    run_all,
     stops_at,
 )
 
@@ -89,9 +90,8 @@ def pipeline_limits(stages: int, depth: int, **overrides: object) -> DriverLimit
 
 def run_pipeline(limits: DriverLimits, arrivals: dict[int, list[TokenizedRequest]],
                  token_fn: TokenFn = plain_token) -> PipelineDriver:
-    driver = PipelineDriver(limits, token_fn)
-    driver.run(arrivals)
-    driver.check_idle()
+    driver = run_all(limits, arrivals, token_fn, PipelineDriver)
+    assert isinstance(driver, PipelineDriver)
     return driver
 
 

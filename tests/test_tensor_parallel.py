@@ -11,22 +11,21 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
+from typing import Any
 
+import live
 import pytest
 import torch
-from live import alive, kill_and_serve_again, running, stop_under_load
+from live import kill_and_serve_again, stop_under_load
 
 from ipc.arch import UnsupportedModel
-from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerConfig
-from ipc.messages import SamplingParams
-from ipc.model_info import ModelInfo
+from ipc.config import EngineLimits, PipelineConfig
 from pipeline.runtime.launcher import Pipeline
 from pipeline.tools.random_model import build_random_llama
 from stages.executor.backends.torch_sdpa import TorchBackend
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.models import load_model
 from stages.executor.parallel import TensorParallel
-from stages.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,44 +34,19 @@ PROMPTS = [[5 + i, 9, 13 + 2 * i] * (1 + 3 * i) for i in range(6)]  # 3 to 48 to
 
 def tp_config(folder: Path, size: int, kv_cache_memory: int = 1 << 22,
               kv_cache_dtype: str = "auto") -> PipelineConfig:
-    # 4 slots and a 16-token budget: prompts are chunked, steps mix chunks and decodes.
-    return PipelineConfig(
-        model=ModelInfo.from_dir(folder, 96),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-                                  depth=2),
-        executor=ExecutorConfig.for_device("cpu", dtype="float32",
-                                           kv_cache_memory=kv_cache_memory, compile=False,
-                                           tensor_parallel_size=size,
-                                           kv_cache_dtype=kv_cache_dtype),
-        ready_timeout_s=120)
+    return live.ranks_config(folder, kv_cache_memory, tensor_parallel_size=size,
+                             kv_cache_dtype=kv_cache_dtype)
 
 
-def one_rank(folder: Path, max_tokens: int = 12, kv_cache_dtype: str = "auto"
-             ) -> list[list[int]]:
-    """The greedy tokens of one rank, from the same scheduler and executor cores wired in
-    this process (stages/inprocess.py), with the pipeline's limits: the reference, without
-    starting a second pipeline per case."""
-    engine = InProcessEngine(str(folder), max_num_seqs=4, max_num_batched_tokens=16,
-                             block_size=4, max_model_len=96, kv_cache_dtype=kv_cache_dtype)
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                   ignore_eos=True))
+def one_rank(folder: Path, max_tokens: int = 12, **engine: Any) -> list[list[int]]:
+    """The greedy tokens of one rank on PROMPTS (tests/live.py)."""
+    return live.one_rank(folder, PROMPTS, max_tokens, **engine)
 
 
 def generate(cfg: PipelineConfig, max_tokens: int = 12) -> tuple[list[list[int]], int]:
-    """Greedy outputs and the number of preemptions; every stage is gone once it returns."""
-    with running(cfg) as pipe:
-        outs = pipe.client().generate(PROMPTS, SamplingParams(max_tokens=max_tokens,
-                                                              temperature=0.0, ignore_eos=True))
-        stats = pipe.scheduler_stats
-        pids = list(pipe.stage_pids.values())
-        names = sorted(pipe.stage_pids)
-        pipe.stop()
-        assert alive(pids) == [], "a stage outlived its pipeline"
-    assert not [o.error for o in outs if o.error]
-    size = cfg.executor.tensor_parallel_size
-    assert [n for n in names if n.startswith("executor:")] == [f"executor:{r}"
-                                                               for r in range(size)]
-    return [o.token_ids for o in outs], stats.num_preemptions if stats is not None else 0
+    """Greedy outputs and the number of preemptions (tests/live.py generate_on_ranks)."""
+    got, stats = live.generate_on_ranks(cfg, PROMPTS, max_tokens)
+    return got, stats.num_preemptions
 
 
 @pytest.mark.parametrize(("arch", "vocab"), [
