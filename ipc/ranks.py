@@ -7,6 +7,7 @@ anything starts) and by each executor process (its engine, its stage, its rank, 
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 
@@ -70,13 +71,14 @@ class RankLayout:
 
 
 def parse_partition(text: str) -> tuple[int, ...]:
-    """--pipeline-layer-partition: a comma list of layer counts, one per stage (9,7)."""
+    """--pipeline-layer-partition (argparse's type, for run_pipeline and bench): a comma list
+    of layer counts, one per stage (9,7)."""
     try:
-        counts = tuple(int(part) for part in text.split(","))
+        return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"--pipeline-layer-partition must be a comma list of layer counts, "
-                         f"one per stage (e.g. 9,7), got {text!r}") from None
-    return counts
+        raise argparse.ArgumentTypeError(
+            f"--pipeline-layer-partition must be a comma list of layer counts, one per stage "
+            f"(e.g. 9,7), got {text!r}") from None
 
 
 def partition_layers(num_layers: int, num_stages: int,

@@ -115,7 +115,7 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "P x K executor processes): each rank loads only its layers and their "
                         "KV cache; hidden states pass stage to stage, and the scheduler keeps "
                         "P steps of disjoint sequences in flight so every stage runs")
-    p.add_argument("--pipeline-layer-partition", type=layer_partition,
+    p.add_argument("--pipeline-layer-partition", type=parse_partition,
                    default=d(ExecutorConfig.pipeline_layer_partition), metavar="N,N,...",
                    help="the layers of each stage, in order (e.g. 9,7); default: even, the "
                         "remainder to the stages before the last")
@@ -465,13 +465,6 @@ def executor_config(args: argparse.Namespace) -> ExecutorConfig:
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_layer_partition=args.pipeline_layer_partition, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype)
-
-
-def layer_partition(text: str) -> tuple[int, ...]:
-    try:
-        return parse_partition(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def read_prompts(args: argparse.Namespace) -> list[tuple[int, str]]:

@@ -424,13 +424,6 @@ def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], lis
     return parse
 
 
-def _partition(text: str) -> tuple[int, ...]:
-    try:
-        return parse_partition(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_throughput_parser(sub: Any) -> None:
     from pipeline.tools.bench_quality import kv_dtype_list, quantization_list
     from pipeline.tools.bench_throughput import DEFAULT_PEERS, throughput
@@ -460,7 +453,7 @@ def add_throughput_parser(sub: Any) -> None:
                    default=ExecutorConfig.pipeline_parallel_size, metavar="P",
                    help="the pipeline's stages (on the CPU they share the cores); the same "
                         "run on one stage follows, as row pipeline-pp1")
-    p.add_argument("--pipeline-layer-partition", type=_partition, default=None,
+    p.add_argument("--pipeline-layer-partition", type=parse_partition, default=None,
                    metavar="N,N,...", help="the layers of each stage (default: even)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig.max_num_batched_tokens,

@@ -43,12 +43,12 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     tensor ranks: ipc/ranks.py)."""
     ex, limits = cfg.executor, cfg.limits
     layout = cfg.ranks
+    store = str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}")  # (where the ranks meet)
     if ex.timed is not None:  # (pipeline stages of instruments pass each step on: device.py)
         pp = None
         if ex.pipeline_parallel_size > 1:
             stages = [range(s, s + 1) for s in range(ex.pipeline_parallel_size)]
-            _, pp = join_engine(rank, 1, stages, str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"),
-                                torch.device("cpu"), limits.vocab_size)
+            _, pp = join_engine(rank, 1, stages, store, torch.device("cpu"), limits.vocab_size)
         return TimedRunner(ex.timed[0], ex.timed[1], limits, ex.timed[2], pp)
     device = torch.device(ex.device)
     num_procs = layout.num_ranks
@@ -66,8 +66,7 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
     if layout.ranks_per_engine > 1:
         layers = partition_layers(read_config(cfg.model.path)[1].num_layers,
                                   ex.pipeline_parallel_size, ex.pipeline_layer_partition)
-        tp, pp = join_engine(rank, ex.tensor_parallel_size, layers,
-                             str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"), device,
+        tp, pp = join_engine(rank, ex.tensor_parallel_size, layers, store, device,
                              limits.vocab_size)
     runner = ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
                                   ex.kv_cache_memory, ex.compile,
