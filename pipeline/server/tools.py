@@ -3,8 +3,10 @@ output turned back into OpenAI's `tool_calls`, whole or streamed as deltas.
 
 `tool_choice` "required" and a named function are enforced by structured outputs (the output
 is JSON under a schema built here, so the arguments always parse); "auto" lets the model choose
-and the output is parsed for the tool-call format the prompt taught it
-(stages/chat_template.py: Hermes' `<tool_call>{...}</tool_call>`); "none" calls nothing.
+and the output is parsed for the tool-call format the prompt taught it (the request's
+parser, pipeline/server/tool_parsers.py: the one --tool-call-parser names, or Hermes'
+`<tool_call>{...}</tool_call>` and Llama 3.1's bare JSON after the format the chat template
+shows); "none" calls nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from ipc.messages import FinishReason, StructuredOutputs, ToolSpec
 from pipeline.server.errors import bad
-from stages.chat_template import TOOL_CALL_OPEN, parse_tool_calls
+from pipeline.server.tool_parsers import ParsedAnswer, ToolParser, default_parser
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -31,6 +33,9 @@ class ToolRequest:
     choice: str  # auto, none, required, or named
     name: str | None = None  # the function, when choice is named
     parallel: bool = True
+    # how auto's answers are read (the front end sets it from --tool-call-parser or the
+    # chat template)
+    parser: ToolParser = field(default_factory=lambda: default_parser(None))
 
     def structured(self) -> StructuredOutputs | None:
         """The format that enforces the choice (required, named), or None."""
@@ -102,30 +107,21 @@ def _tool(value: Any, where: str) -> ToolSpec:
     return ToolSpec(name, description, json.dumps(parameters))
 
 
-def auto_calls(req: ToolRequest, text: str) -> tuple[list[tuple[str, str]], str]:
-    """The calls in an answer the model was free to give: Hermes' `<tool_call>` blocks, or
-    else the whole answer as one bare JSON call of a known function (`{"name": ...,
-    "arguments"|"parameters": {...}}`, as Llama 3.1's template asks); and the rest."""
-    found, rest = parse_tool_calls(text)
-    if found:
-        return (found if req.parallel else found[:1]), rest
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return [], text
-    names = {t.name for t in req.tools}
-    if isinstance(value, dict) and value.get("name") in names:
-        args = value.get("arguments", value.get("parameters", {}))
-        return [(value["name"], args if isinstance(args, str) else json.dumps(args))], ""
-    return [], text
+def auto_calls(req: ToolRequest, text: str) -> ParsedAnswer:
+    """The calls in an answer the model was free to give (at most one unless parallel), as
+    the request's parser reads them, and the rest."""
+    found = req.parser.parse(text, req.tools)
+    if not req.parallel:
+        found.calls = found.calls[:1]
+    return found
 
 
 def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": call_id(), "type": "function",
+def _call(name: str, arguments: str, id_: str | None = None) -> dict[str, Any]:
+    return {"id": id_ or call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
@@ -135,6 +131,7 @@ def message(req: ToolRequest, text: str, finish: FinishReason | None
     model called a tool)."""
     content: str | None = text
     calls: list[dict[str, Any]] = []
+    reasoning = ""
     if req.choice == "named":
         assert req.name is not None
         calls, content = [_call(req.name, text)], None
@@ -146,11 +143,13 @@ def message(req: ToolRequest, text: str, finish: FinishReason | None
         except (ValueError, TypeError, KeyError):  # cut by max_tokens: leave the text
             calls = []
     else:
-        found, rest = auto_calls(req, text)
-        if found:
-            calls = [_call(name, args) for name, args in found]
-            content = rest if rest.strip() else None
+        found = auto_calls(req, text)
+        calls = [_call(c.name, c.arguments, req.parser.call_id()) for c in found.calls]
+        content = None if calls and not found.content.strip() else found.content
+        reasoning = found.reasoning
     out: dict[str, Any] = {"role": "assistant", "content": content}
+    if req.choice == "auto" and reasoning:  # harmony's analysis channel
+        out["reasoning_content"] = out["reasoning"] = reasoning
     if calls:
         out["tool_calls"] = calls
     reason = finish.value if finish is not None else None
@@ -162,14 +161,17 @@ def message(req: ToolRequest, text: str, finish: FinishReason | None
 @dataclass
 class ToolStream:
     """One choice's stream: text deltas in, OpenAI deltas out. A named function streams its
-    arguments as they come; required and auto hold what may be a call until it is complete
-    (auto streams plain content up to a possible `<tool_call>`)."""
+    arguments as they come; required holds the answer to the end; auto streams content up
+    to where a call may begin (one of the parser's markers, or an answer that opens as a
+    whole call may), then sends each call as the parser settles it (its id, type and name,
+    then its arguments) and the rest at the end. The deltas add up to `message` of the whole
+    text, wherever the text was split."""
 
     req: ToolRequest
     text: str = ""
     sent: int = 0  # characters of text already sent as content or arguments
     held: bool = False  # auto: a tool call may have begun; content is held from `sent` on
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    num_calls: int = 0  # auto: the calls sent
     started: bool = False  # named: the call's first delta (id, name) was sent
     _id: str = field(default_factory=call_id)
 
@@ -187,47 +189,65 @@ class ToolStream:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
             self.sent = len(self.text)
             return out
-        if self.req.choice == "required" or self.held:
+        if self.req.choice == "required":
             return []
-        # auto: content up to a possible start of a tool call (and none while it is only
-        # whitespace: an answer that is only calls has no content); an answer that opens
-        # with "{" may be a bare JSON call, so it is held to the end
-        if not self.sent and self.text.lstrip().startswith("{"):
+        out = [] if self.held else self._content()
+        if self.held:
+            found = auto_calls(self.req, self.text[self.sent:])
+            out += self._calls([c for c in found.calls if c.settled])
+        return out
+
+    def _content(self) -> list[dict[str, Any]]:
+        """auto: content up to a possible start of a call (and none while it is only
+        whitespace: an answer that is only calls has no content)."""
+        parser = self.req.parser
+        if not self.sent and self.text.lstrip()[:1] in tuple(parser.openers):
             self.held = True
             return []
-        at = self.text.find(TOOL_CALL_OPEN, self.sent)
-        if at >= 0:
+        marks = [i for m in parser.markers if (i := self.text.find(m, self.sent)) >= 0]
+        if marks:
             self.held = True
-            end = at
+            end = min(marks)
         else:
-            end = len(self.text) - _partial_marker(self.text)
+            end = len(self.text) - _partial_marker(self.text, parser.markers)
         if not self.text[:end].strip():
             return []
         chunk, self.sent = self.text[self.sent:end], max(self.sent, end)
         return [{"content": chunk}] if chunk else []
+
+    def _calls(self, calls: list[Any]) -> list[dict[str, Any]]:
+        """The deltas of the calls not sent yet: id, type and name, then the arguments."""
+        out = []
+        for i, c in enumerate(calls[self.num_calls:], self.num_calls):
+            out.append({"tool_calls": [{"index": i, "id": self.req.parser.call_id(),
+                                        "type": "function",
+                                        "function": {"name": c.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+        self.num_calls = max(self.num_calls, len(calls))
+        return out
 
     def finish(self, finish: FinishReason | None) -> tuple[list[dict[str, Any]], str | None]:
         """The last deltas once the output ended, and the finish reason."""
         msg, reason = message(self.req, self.text, finish)
         if self.req.choice == "named":
             return [], reason
+        if self.req.choice == "required":
+            if not msg.get("tool_calls"):  # cut short: the answer is content
+                return ([{"content": self.text}] if self.text else []), reason
+            return [{"tool_calls": [{"index": i, **call}]}
+                    for i, call in enumerate(msg["tool_calls"])], reason
+        found = auto_calls(self.req, self.text[self.sent:])
         out: list[dict[str, Any]] = []
-        calls = msg.get("tool_calls", [])
-        if not calls:  # nothing was a call after all: what was held is content
-            rest = self.text[self.sent:]
-            return ([{"content": rest}] if rest else []), reason
-        if self.req.choice == "auto":
-            _, rest = auto_calls(self.req, self.text[self.sent:])
-            if rest and (self.sent or rest.strip()):
-                out.append({"content": rest})
-        for i, call in enumerate(calls):
-            out.append({"tool_calls": [{"index": i, **call}]})
-        return out, reason
+        if found.reasoning:
+            out.append({"reasoning_content": found.reasoning, "reasoning": found.reasoning})
+        if found.content and (self.sent or found.content.strip() or not found.calls):
+            out.append({"content": found.content})
+        return out + self._calls(found.calls), reason
 
 
-def _partial_marker(text: str) -> int:
-    """How many characters at the end of text could begin TOOL_CALL_OPEN."""
-    for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-n:]):
+def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of text could begin one of the markers."""
+    for n in range(min(max((len(m) for m in markers), default=1) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
             return n
     return 0
