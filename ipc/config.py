@@ -97,6 +97,9 @@ class SchedulerConfig:
 # grows without end; a program's own batch (generate, LLM()) is queued whole, never refused.
 # (Also ServerOptions.max_waiting, the front end's admission.)
 SERVE_MAX_WAITING = 1024
+# The tool-call formats `serve` reads answers for (pipeline/server/tool_parsers.py), vLLM's
+# names; None: Hermes and Llama 3.1's JSON, after the one the chat template shows.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +119,7 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
     access_log: bool = True  # a line per request on stderr
     stats_interval: float = 10.0  # seconds between the engine's stats lines on stderr; 0: off
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS; None: from the template
 
 
 # Weight formats made at load from a float checkpoint (stages/executor/linear/quantized.py):

@@ -20,6 +20,7 @@ from ipc.addresses import RemoteSettings
 from ipc.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    TOOL_CALL_PARSERS,
     ExecutorConfig,
     PipelineConfig,
     RunKeys,
@@ -262,6 +263,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", default=",".join(o.allowed_origins), metavar="ORIGINS",
                    help="CORS: comma-separated origins that browsers may call the API from, "
                         "or '*' for any (default: none, CORS off)")
+    p.add_argument("--tool-call-parser", default=o.tool_call_parser, choices=TOOL_CALL_PARSERS,
+                   help="the format the model writes tool calls in (vLLM's names; default: "
+                        "Hermes' and Llama 3.1's, after the one the chat template shows)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

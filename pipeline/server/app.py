@@ -35,12 +35,14 @@ from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
 from pipeline.server.openai_parse import (
+    ParsedRequest,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
 )
 from pipeline.server.openai_render import new_id
+from pipeline.server.tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class FrontEnd:
         self.model_dir = model_dir
         self._tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
+        self._tool_parser: ToolParser | None = None
         self.metrics: Any = metrics
         workers = max(1, options.api_workers)
         self.limiter = RateLimiter(options.rate_limit_rps / workers,
@@ -328,10 +331,25 @@ class FrontEnd:
                             headers={"Retry-After": "1"})
         return None
 
+    async def _read_calls_with_parser(self, parsed: ParsedRequest) -> None:
+        """A free (auto) tool choice: its answer is read by --tool-call-parser's format, or
+        by the default with the one the chat template shows (the template read once); a
+        format of special tokens needs them in the answer's text (this request's only)."""
+        if self._tool_parser is None:
+            template = None
+            if self.options.tool_call_parser is None and self.model_dir is not None:
+                template = (await self.core()).tokenizer.chat_template
+            self._tool_parser = tool_parser(self.options.tool_call_parser, template)
+        parsed.tools.parser = self._tool_parser
+        if self._tool_parser.special_tokens:
+            parsed.params = dataclasses.replace(parsed.params, skip_special_tokens=False)
+
     async def _run(self, request: Request, chat: bool) -> Response:
         body = await self._read_json(request)
         self._check_model(body)
         parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
+        if parsed.tools is not None and parsed.tools.choice == "auto":
+            await self._read_calls_with_parser(parsed)
         # The scheduler shares the engine fairly between senders: here, each client address
         # and the user it names (OpenAI's `user`).
         host = request.client.host if request.client else "?"

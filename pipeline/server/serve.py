@@ -35,7 +35,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         api_workers=args.api_workers, max_body_bytes=parse_bytes(args.max_body_bytes),
         rate_limit_rps=args.rate_limit_rps, rate_limit_concurrent=args.rate_limit_concurrent,
         max_waiting=args.max_waiting, access_log=args.access_log,
-        stats_interval=args.stats_interval,
+        stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
 
 

@@ -341,10 +341,13 @@ TEMPLATE_SIGNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def default_parser(chat_template: str | None) -> ToolParser:
+def default_parser(chat_template: Any) -> ToolParser:
     """Without --tool-call-parser: Hermes and Llama 3.1's bare JSON, after the format the
-    chat template shows, if it shows one of the others."""
-    found = [Hermes(), Llama3Json()]
+    chat template shows, if it shows one of the others (a tokenizer's chat_template: a
+    string, or a dict of named templates)."""
+    if isinstance(chat_template, dict):
+        chat_template = "\n".join(str(t) for t in chat_template.values())
+    found: list[ToolParser] = [Hermes(), Llama3Json()]
     for sign, name in TEMPLATE_SIGNS:
         if isinstance(chat_template, str) and sign in chat_template:
             found.insert(0, TOOL_PARSERS[name]())
@@ -352,6 +355,6 @@ def default_parser(chat_template: str | None) -> ToolParser:
     return Either(found)
 
 
-def tool_parser(name: str | None, chat_template: str | None) -> ToolParser:
+def tool_parser(name: str | None, chat_template: Any) -> ToolParser:
     """The parser --tool-call-parser names (one of TOOL_PARSERS), or the default."""
     return default_parser(chat_template) if name is None else TOOL_PARSERS[name]()
