@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 TAGS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
-_RECIPIENT = re.compile(r"\bto=(\S+)")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 
 
@@ -75,22 +75,27 @@ def _header(text: str) -> HarmonyMessage:
 
 def parse_harmony(text: str) -> list[HarmonyMessage]:
     """Every message of an answer, in order (the last not `done` if the text stops inside
-    it; a header the text stops inside is not a message yet)."""
+    it; a header the text stops inside is not a message yet). Text outside any message
+    (before the first header, or between an end tag and the next `<|start|>`) is kept as a
+    message of channel None."""
     messages: list[HarmonyMessage] = []
-    at = 0
+    at, in_header = 0, False  # in_header: after a <|start|>
     while at < len(text):
-        body = text.find(MESSAGE, at)
-        head_starts = [i for i in (text.find(CHANNEL, at), text.find(START, at)) if i >= 0]
-        if not messages and at == 0 and (not head_starts or min(head_starts) > 0):
-            # text before any header: the tags were skipped, or the model wrote plain text
-            cut = min(head_starts) if head_starts else len(text)
-            messages.append(HarmonyMessage(None, content=text[:cut], done=cut < len(text)))
-            at = cut
+        if not in_header and not text.startswith(CHANNEL, at):
+            if text.startswith(START, at):
+                at, in_header = at + len(START), True
+                continue
+            tags = [(i, t) for t in (CHANNEL, START, *ENDS) if (i := text.find(t, at)) >= 0]
+            cut, tag = min(tags) if tags else (len(text), "")
+            if cut > at:
+                messages.append(HarmonyMessage(None, content=text[at:cut], done=bool(tag),
+                                               end=tag if tag in ENDS else None))
+            at = cut + (len(tag) if tag in ENDS else 0)  # a stray end tag ends it
             continue
+        body = text.find(MESSAGE, at)
         if body < 0:
             break  # a header still coming
-        msg = _header(text[at:body])
-        at = body + len(MESSAGE)
+        msg, at, in_header = _header(text[at:body]), body + len(MESSAGE), False
         ends = [(i, tag) for tag in (*ENDS, START) if (i := text.find(tag, at)) >= 0]
         if ends:
             end, tag = min(ends)
@@ -100,8 +105,6 @@ def parse_harmony(text: str) -> list[HarmonyMessage]:
         else:
             msg.content, at = text[at:], len(text)
         messages.append(msg)
-        if at < len(text) and text.startswith(START, at):
-            at += len(START)
     return messages
 
 
