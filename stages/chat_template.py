@@ -16,6 +16,8 @@ import json
 import re
 from typing import Any
 
+from jinja2 import TemplateError
+
 from ipc.messages import ChatMessage, ToolSpec
 from ipc.params import RequestError
 
@@ -63,9 +65,7 @@ def render(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolSpec]) -
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     if uses_tools and knows_tools(tokenizer):
         conversation = [_native(m) for m in messages]
-        return str(tokenizer.apply_chat_template(
-            conversation, tools=[tool_json(t) for t in tools] or None, tokenize=False,
-            add_generation_prompt=True))
+        return _apply(tokenizer, conversation, tools=[tool_json(t) for t in tools] or None)
     conversation = [_hermes(m) for m in messages]
     if tools:
         described = HERMES_TOOLS.format(tools="\n".join(json.dumps(tool_json(t))
@@ -74,8 +74,18 @@ def render(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolSpec]) -
             conversation[0]["content"] += "\n\n" + described
         else:
             conversation.insert(0, {"role": "system", "content": described})
-    return str(tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=True))
+    return _apply(tokenizer, conversation)
+
+
+def _apply(tokenizer: Any, conversation: list[dict[str, Any]], **kwargs: Any) -> str:
+    """The template applied; what it refuses (its raise_exception: roles that do not
+    alternate, Mistral's 9-character call ids) is the request's error."""
+    try:
+        return str(tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=True, **kwargs))
+    except TemplateError as exc:
+        raise RequestError(f"the model's chat template refused the conversation: {exc}"
+                           ) from None
 
 
 def _native(m: ChatMessage) -> dict[str, Any]:

@@ -29,6 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ipc.config import ServerOptions
+from ipc.errors import ConfigError
+from ipc.model_info import ModelInfo
 from ipc.params import RequestError
 from pipeline.runtime.client import PipelineClient
 from pipeline.server.errors import ApiError, bad, shutting_down
@@ -88,6 +90,7 @@ class FrontEnd:
         self._tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
         self._tool_parser: ToolParser | None = None
+        self._eos: tuple[int, ...] | None = None
         self.metrics: Any = metrics
         workers = max(1, options.api_workers)
         self.limiter = RateLimiter(options.rate_limit_rps / workers,
@@ -333,16 +336,34 @@ class FrontEnd:
 
     async def _read_calls_with_parser(self, parsed: ParsedRequest) -> None:
         """A free (auto) tool choice: its answer is read by --tool-call-parser's format, or
-        by the default with the one the chat template shows (the template read once); a
-        format of special tokens needs them in the answer's text (this request's only)."""
+        by the default with the one the chat template shows (the template read once). A
+        format of special tokens needs them in the answer's text (this request's only), all
+        but the EOS that ends it: EOS is made a stop token id, whose text is not output (so
+        such an answer reports EOS as its stop_reason)."""
         if self._tool_parser is None:
             template = None
             if self.options.tool_call_parser is None and self.model_dir is not None:
                 template = (await self.core()).tokenizer.chat_template
             self._tool_parser = tool_parser(self.options.tool_call_parser, template)
         parsed.tools.parser = self._tool_parser
-        if self._tool_parser.special_tokens:
-            parsed.params = dataclasses.replace(parsed.params, skip_special_tokens=False)
+        params = parsed.params
+        if self._tool_parser.special_tokens and params.skip_special_tokens:
+            eos = [] if params.ignore_eos else await self._eos_ids()
+            parsed.params = dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=[
+                *params.stop_token_ids, *(t for t in eos if t not in params.stop_token_ids)])
+
+    async def _eos_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids, as the scheduler reads them (its tokenizer's, for a folder
+        ModelInfo does not read)."""
+        if self._eos is None:
+            self._eos = ()
+            if self.model_dir is not None:
+                try:
+                    self._eos = ModelInfo.from_dir(self.model_dir).eos_token_ids
+                except ConfigError:
+                    eos = (await self.core()).tokenizer.eos_token_id
+                    self._eos = () if eos is None else (eos,)
+        return self._eos
 
     async def _run(self, request: Request, chat: bool) -> Response:
         body = await self._read_json(request)
