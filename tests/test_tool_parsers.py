@@ -13,6 +13,7 @@ from ipc.config import TOOL_CALL_PARSERS
 from ipc.messages import FinishReason, ToolSpec
 from pipeline.server.harmony import HarmonyStream, parse_harmony
 from pipeline.server.tool_parsers import (
+    HARMONY_SIGN,
     TEMPLATE_SIGNS,
     TOOL_PARSERS,
     default_parser,
@@ -89,6 +90,9 @@ CASES: dict[str, list[tuple[str, list[tuple[str, str]], str | None]]] = {
          'functions.search<|channel|>commentary json<|message|>{"query": "rain"}',
          [("search", '{"query": "rain"}')], "Looking it up."),
         ("plain text, no tags", [], "plain text, no tags"),
+        ("<|channel|>commentary to=functions.search<|message|>not json<|call|><|start|>"
+         "assistant<|channel|>final<|message|>ok<|end|><|start|>assistant<|channel|>fin",
+         [], "not jsonok"),  # what is not JSON stays, as content; a header cut short is none
     ],
 }
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
@@ -144,7 +148,8 @@ def whole(req: ToolRequest, text: str) -> dict:
 @pytest.mark.parametrize("name, text, calls, content", ALL)
 def test_streamed_at_every_split_and_per_character_it_is_the_whole_answer(
         name: str, text: str, calls: list, content: str | None) -> None:
-    sign = next((sign for sign, named in TEMPLATE_SIGNS if named == name), "")
+    sign = {named: sign for sign, named in TEMPLATE_SIGNS}.get(name, "")
+    sign = HARMONY_SIGN if name == "openai" else sign
     for parser in (tool_parser(name, None), default_parser(sign)):  # alone, and the default
         req = ToolRequest(TOOLS, "auto", parser=parser)
         expected = whole(req, text)
@@ -175,7 +180,6 @@ def test_one_call_when_parallel_calls_are_off() -> None:
 
 
 @pytest.mark.parametrize("template, first", [
-    ("{{ '<|start|>assistant<|channel|>final<|message|>' }}", "openai"),
     ("{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
      "{{ '[TOOL_CALLS]' }}", "mistral"),
     ("<tool_call>\n<function=example_function_name>\n<parameter=p>", "qwen3_coder"),
@@ -189,6 +193,20 @@ def test_the_default_reads_the_format_the_chat_template_shows(template: str | No
     names = [p.name for p in parser.parsers]  # type: ignore[attr-defined]
     assert names[0] == first and names[-2:] == ["hermes", "llama3_json"]
     assert parser.special_tokens == (first in ("mistral", "openai"))
+
+
+def test_a_harmony_template_is_read_as_harmony_alone_and_streams_as_it_comes() -> None:
+    parser = default_parser("{{ '<|start|>assistant<|channel|>final<|message|>' }}")
+    assert parser.name == "openai" and parser.special_tokens
+    stream = ToolStream(ToolRequest(TOOLS, "auto", parser=parser))
+    head = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
+            'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+            "<|call|><|start|>assistant<|channel|>final<|message|>It is sun")
+    deltas = [d for ch in head for d in stream.feed(ch)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need weather."
+    assert "".join(d.get("content", "") for d in deltas) == "It is sun"
+    assert [c["tool_calls"][0]["function"] for c in deltas if "tool_calls" in c] == [
+        {"name": "get_weather", "arguments": ""}, {"arguments": '{"city": "Oslo"}'}]
 
 
 def test_the_default_still_reads_hermes_when_the_template_shows_another_format() -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipc.messages import ToolSpec
-from pipeline.server.harmony import parse_harmony
+from pipeline.server.harmony import HarmonyMessage, parse_harmony, partial_tag
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ class ToolParser:
 
     def parse(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer:
         raise NotImplementedError
+
+    def stable(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer | None:
+        """What of an unfinished answer no later text changes (its content and reasoning
+        begin the whole answer's; its calls are settled), for a format whose content is
+        interleaved with calls; None: stream by the markers instead."""
+        return None
 
     def call_id(self) -> str:
         return "call_" + uuid.uuid4().hex[:24]
@@ -285,8 +291,19 @@ class OpenAIHarmony(ToolParser):
     name, markers, special_tokens = "openai", ("<|channel|>", "<|start|>"), True
 
     def parse(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer:
+        return self._read(parse_harmony(text))
+
+    def stable(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer | None:
+        """Every message but a partial tag at the end, and the last one unless it goes to a
+        function (a call still coming, or text if it is not JSON once it ends)."""
+        messages = parse_harmony(text[:len(text) - partial_tag(text)])
+        if messages and not messages[-1].done and messages[-1].function is not None:
+            messages.pop()
+        return self._read(messages)
+
+    def _read(self, messages: list[HarmonyMessage]) -> ParsedAnswer:
         out = ParsedAnswer()
-        for msg in parse_harmony(text):
+        for msg in messages:
             if msg.function is not None:
                 try:
                     out.calls.append(FoundCall(msg.function, json.dumps(
@@ -330,10 +347,10 @@ class Either(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (Hermes, Llama3Json, Mistral, Pythonic, Qwen3Coder, OpenAIHarmony)}
 
+HARMONY_SIGN = "<|channel|>"
 # What a chat template shows of its model's format: its own tags, or the instructions of
 # Llama 3.2/4's pythonic calls. In this order (Qwen3-Coder's template has `<tool_call>` too).
 TEMPLATE_SIGNS: tuple[tuple[str, str], ...] = (
-    ("<|channel|>", "openai"),
     ("[TOOL_CALLS]", "mistral"),
     ("<function=", "qwen3_coder"),
     ("func_name1(", "pythonic"),
@@ -344,9 +361,12 @@ TEMPLATE_SIGNS: tuple[tuple[str, str], ...] = (
 def default_parser(chat_template: Any) -> ToolParser:
     """Without --tool-call-parser: Hermes and Llama 3.1's bare JSON, after the format the
     chat template shows, if it shows one of the others (a tokenizer's chat_template: a
-    string, or a dict of named templates)."""
+    string, or a dict of named templates). A harmony template's model (gpt-oss) writes
+    nothing but harmony: its answers are read as harmony alone (so they stream)."""
     if isinstance(chat_template, dict):
         chat_template = "\n".join(str(t) for t in chat_template.values())
+    if isinstance(chat_template, str) and HARMONY_SIGN in chat_template:
+        return OpenAIHarmony()
     found: list[ToolParser] = [Hermes(), Llama3Json()]
     for sign, name in TEMPLATE_SIGNS:
         if isinstance(chat_template, str) and sign in chat_template:

@@ -172,6 +172,7 @@ class ToolStream:
     sent: int = 0  # characters of text already sent as content or arguments
     held: bool = False  # auto: a tool call may have begun; content is held from `sent` on
     num_calls: int = 0  # auto: the calls sent
+    sent_reasoning: int = 0  # auto, a parser with stable(): characters of reasoning sent
     started: bool = False  # named: the call's first delta (id, name) was sent
     _id: str = field(default_factory=call_id)
 
@@ -191,6 +192,9 @@ class ToolStream:
             return out
         if self.req.choice == "required":
             return []
+        stable = self.req.parser.stable(self.text, self.req.tools)
+        if stable is not None:  # sent counts the content's characters
+            return self._progress(stable, [c for c in stable.calls if c.settled])
         out = [] if self.held else self._content()
         if self.held:
             found = auto_calls(self.req, self.text[self.sent:])
@@ -215,6 +219,22 @@ class ToolStream:
         chunk, self.sent = self.text[self.sent:end], max(self.sent, end)
         return [{"content": chunk}] if chunk else []
 
+    def _progress(self, found: ParsedAnswer, calls: list[Any], end: bool = False
+                  ) -> list[dict[str, Any]]:
+        """A parser with stable(): the reasoning, content and calls of `found` not sent yet
+        (content only once it is more than whitespace, or at the end when it has no
+        calls)."""
+        out: list[dict[str, Any]] = []
+        if len(found.reasoning) > self.sent_reasoning:
+            more = found.reasoning[self.sent_reasoning:]
+            out.append({"reasoning_content": more, "reasoning": more})
+            self.sent_reasoning = len(found.reasoning)
+        rest = found.content[self.sent:]
+        if rest and (self.sent or found.content.strip() or (end and not calls)):
+            out.append({"content": rest})
+            self.sent = len(found.content)
+        return out + self._calls(calls if self.req.parallel else calls[:1])
+
     def _calls(self, calls: list[Any]) -> list[dict[str, Any]]:
         """The deltas of the calls not sent yet: id, type and name, then the arguments."""
         out = []
@@ -236,6 +256,9 @@ class ToolStream:
                 return ([{"content": self.text}] if self.text else []), reason
             return [{"tool_calls": [{"index": i, **call}]}
                     for i, call in enumerate(msg["tool_calls"])], reason
+        if self.req.parser.stable(self.text, self.req.tools) is not None:
+            whole = auto_calls(self.req, self.text)
+            return self._progress(whole, whole.calls, end=True), reason
         found = auto_calls(self.req, self.text[self.sent:])
         out: list[dict[str, Any]] = []
         if found.reasoning:
