@@ -242,3 +242,16 @@ def test_harmony_streamed_at_every_split_is_the_whole_parse(text: str) -> None:
                 assert not any(tag in d.text for tag in ("<|end|>", "<|channel|>"))
                 got.setdefault(d.index, [d.channel, d.recipient, ""])[2] += d.text
         assert [tuple(got[i]) for i in sorted(got)] == [e for e in expected if e[2]]
+
+
+def test_the_flag_reaches_the_server_options_and_beats_the_template(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.cli import build_parser
+    from pipeline.server.serve import server_options
+
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "pythonic"])
+    assert server_options(args).tool_call_parser == "pythonic"
+    assert tool_parser("pythonic", "[TOOL_CALLS] <|channel|>").name == "pythonic"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "llama4_json"])
+    assert "invalid choice: 'llama4_json'" in capsys.readouterr().err
