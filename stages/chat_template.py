@@ -1,19 +1,18 @@
 """A conversation as the model's prompt: its chat template, with tools. Used by the tokenizer
-stage (prompts) and the HTTP front end (/tokenize, and the parse of tool calls out of an
-answer, which must match how the prompt asked for them).
+stage (prompts) and the HTTP front end (/tokenize). The calls in an answer are read back by
+pipeline/server/tool_parsers.py, in the format the prompt asked for.
 
 A template that knows tools (it reads `tools`, as Qwen's, Hermes' and Llama 3.1's do) gets them
 and the conversation's tool calls and results as transformers passes them. For one that does
 not (SmolLM2's), the tools are described in the system message in the Hermes format that most
 tool-trained open models know, calls are written `<tool_call>{"name": ..., "arguments": ...}
-</tool_call>` and results come back as `<tool_response>` in a user turn. Answers are parsed
-for that same format.
+</tool_call>` and results come back as `<tool_response>` in a user turn (a format the
+default tool parser reads).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from jinja2 import TemplateError
@@ -23,8 +22,6 @@ from ipc.params import RequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE)
-                   + r"|$)", re.DOTALL)
 
 HERMES_TOOLS = """# Tools
 
@@ -114,22 +111,3 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text  # a client may send back what a model wrote; keep it as it is
-
-
-def parse_tool_calls(text: str) -> tuple[list[tuple[str, str]], str]:
-    """The (name, arguments as JSON text) of each well-formed tool call in an answer, and the
-    text around them, as it is (what is not a call stays, a malformed call included)."""
-    calls, kept, last = [], [], 0
-    for match in _CALL.finditer(text):
-        try:
-            value = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
-            continue
-        args = value.get("arguments", value.get("parameters", {}))
-        calls.append((value["name"], args if isinstance(args, str) else json.dumps(args)))
-        kept.append(text[last:match.start()])
-        last = match.end()
-    kept.append(text[last:])
-    return calls, "".join(kept)

@@ -13,8 +13,9 @@ import pytest
 from ipc.messages import ChatMessage, FinishReason, ToolCall, ToolSpec
 from pipeline.server.errors import ApiError
 from pipeline.server.openai_parse import parse_chat
+from pipeline.server.tool_parsers import Hermes
 from pipeline.server.tools import ToolRequest, ToolStream, message, parse_tools
-from stages.chat_template import HERMES_TOOLS, parse_tool_calls, render
+from stages.chat_template import HERMES_TOOLS, render
 
 WEATHER = ToolSpec("get_weather", "Weather now", json.dumps(
     {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))
@@ -79,7 +80,8 @@ def test_the_real_template_renders_a_tool_conversation(tiny_model_dir: Path) -> 
     ("plain answer", [], "plain answer"),
 ])
 def test_parse_tool_calls(text: str, calls: list, rest: str) -> None:
-    assert parse_tool_calls(text) == (calls, rest)
+    found = Hermes().parse(text, [WEATHER])
+    assert ([(c.name, c.arguments) for c in found.calls], found.content) == (calls, rest)
 
 
 def reassemble(req: ToolRequest, text: str, pieces: int) -> tuple[str, list, str | None]:
