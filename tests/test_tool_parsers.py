@@ -172,6 +172,21 @@ def test_calls_stream_as_each_one_settles_and_content_never_holds_part_of_a_call
     assert stream.feed('[TOOL_CALLS]search[ARGS]{"query"') == []
 
 
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+                    "</parameter>\n</function>"),
+    ("openai", "<|channel|>commentary to=functions.get_weather<|message|>"
+               '{"city": "Oslo"}<|call|>'),
+])
+def test_a_call_is_sent_as_soon_as_its_end_arrives(name: str, text: str) -> None:
+    stream = ToolStream(ToolRequest(TOOLS, "auto", parser=tool_parser(name, None)))
+    for i, ch in enumerate(text):
+        deltas = stream.feed(ch)
+        assert bool(deltas) == (i == len(text) - 1)
+    assert deltas[1]["tool_calls"][0]["function"]["arguments"] == OSLO[1]
+
+
 def test_one_call_when_parallel_calls_are_off() -> None:
     req = ToolRequest(TOOLS, "auto", parallel=False, parser=tool_parser("pythonic", None))
     text = '[get_weather(city="Oslo"), search(query="x")]'

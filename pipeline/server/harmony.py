@@ -111,7 +111,7 @@ def parse_harmony(text: str) -> list[HarmonyMessage]:
 def partial_tag(text: str) -> int:
     """How many characters at the end of text could begin a harmony tag."""
     for n in range(min(max(len(t) for t in TAGS) - 1, len(text)), 0, -1):
-        if any(t.startswith(text[-n:]) for t in TAGS):
+        if any(len(t) > n and t.startswith(text[-n:]) for t in TAGS):  # a proper prefix
             return n
     return 0
 

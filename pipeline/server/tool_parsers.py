@@ -47,12 +47,15 @@ class ToolParser:
     """One format. markers: where a call may begin (content streams up to the first);
     openers: first characters of an answer that may be one call as a whole (it is held to
     the end); special_tokens: the format's tags are special tokens, so the answer must be
-    decoded with them (skip_special_tokens false)."""
+    decoded with them (skip_special_tokens false); settle_marks: text whose arrival may
+    settle a call (a stream parses again only then: parsing at every token would cost the
+    square of the answer's length)."""
 
     name = ""
     markers: tuple[str, ...] = ()
     openers = ""
     special_tokens = False
+    settle_marks: tuple[str, ...] = ()
 
     def parse(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer:
         raise NotImplementedError
@@ -84,7 +87,7 @@ class Hermes(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen 2.5/3); an
     unclosed last one counts when its JSON is whole."""
 
-    name, markers = "hermes", ("<tool_call>",)
+    name, markers, settle_marks = "hermes", ("<tool_call>",), ("</tool_call>",)
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer:
@@ -133,6 +136,7 @@ class Mistral(ToolParser):
     of the calls sent back."""
 
     name, markers, special_tokens = "mistral", ("[TOOL_CALLS]",), True
+    settle_marks = ("]", "}")  # a JSON list or object closing
     TAG = "[TOOL_CALLS]"
     _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]")
     _decoder = json.JSONDecoder()
@@ -231,7 +235,7 @@ class Qwen3Coder(ToolParser):
     its parameter (a string stays as written, less one newline at each end). A call counts
     once `</function>` closes it."""
 
-    name, markers = "qwen3_coder", ("<tool_call>", "<function=")
+    name, markers, settle_marks = "qwen3_coder", ("<tool_call>", "<function="), ("</function>",)
     _CALL = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>"
                        r"(?:\s*</tool_call>)?", re.DOTALL)
     _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",

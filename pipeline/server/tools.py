@@ -195,11 +195,20 @@ class ToolStream:
         stable = self.req.parser.stable(self.text, self.req.tools)
         if stable is not None:  # sent counts the content's characters
             return self._progress(stable, [c for c in stable.calls if c.settled])
+        was_held = self.held
         out = [] if self.held else self._content()
-        if self.held:
+        if self.held and self._may_settle(len(delta) if was_held else len(self.text)):
             found = auto_calls(self.req, self.text[self.sent:])
             out += self._calls([c for c in found.calls if c.settled])
         return out
+
+    def _may_settle(self, num_new: int) -> bool:
+        """Whether the last num_new characters (with what a settle mark may have begun
+        before them) hold one of the parser's settle marks."""
+        marks = self.req.parser.settle_marks
+        longest = max((len(m) for m in marks), default=1)
+        tail = self.text[max(self.sent, len(self.text) - num_new - longest + 1):]
+        return any(m in tail for m in marks)
 
     def _content(self) -> list[dict[str, Any]]:
         """auto: content up to a possible start of a call (and none while it is only
@@ -271,6 +280,6 @@ class ToolStream:
 def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of text could begin one of the markers."""
     for n in range(min(max((len(m) for m in markers), default=1) - 1, len(text)), 0, -1):
-        if any(m.startswith(text[-n:]) for m in markers):
+        if any(len(m) > n and m.startswith(text[-n:]) for m in markers):
             return n
     return 0
