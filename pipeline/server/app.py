@@ -337,20 +337,27 @@ class FrontEnd:
     async def _read_calls_with_parser(self, parsed: ParsedRequest) -> None:
         """A free (auto) tool choice: its answer is read by --tool-call-parser's format, or
         by the default with the one the chat template shows (the template read once). A
-        format of special tokens needs them in the answer's text (this request's only), all
-        but the EOS that ends it: EOS is made a stop token id, whose text is not output (so
-        such an answer reports EOS as its stop_reason)."""
+        format of special tokens needs them in the answer's text."""
         if self._tool_parser is None:
             template = None
             if self.options.tool_call_parser is None and self.model_dir is not None:
                 template = (await self.core()).tokenizer.chat_template
             self._tool_parser = tool_parser(self.options.tool_call_parser, template)
         parsed.tools.parser = self._tool_parser
+        if self._tool_parser.special_tokens:
+            await self.keep_special_tokens(parsed)
+
+    async def keep_special_tokens(self, parsed: ParsedRequest) -> None:
+        """This request's answer decoded with its special tokens (a parser reads its tags),
+        all but the EOS that ends it: EOS becomes a stop token id, whose text is not output
+        (so the answer reports EOS as its stop_reason). Other requests are untouched; a
+        request that already keeps them is left as it asked."""
         params = parsed.params
-        if self._tool_parser.special_tokens and params.skip_special_tokens:
-            eos = [] if params.ignore_eos else await self._eos_ids()
-            parsed.params = dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=[
-                *params.stop_token_ids, *(t for t in eos if t not in params.stop_token_ids)])
+        if not params.skip_special_tokens:
+            return
+        eos = [] if params.ignore_eos else await self._eos_ids()
+        parsed.params = dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=[
+            *params.stop_token_ids, *(t for t in eos if t not in params.stop_token_ids)])
 
     async def _eos_ids(self) -> tuple[int, ...]:
         """The model's EOS ids, as the scheduler reads them (its tokenizer's, for a folder
