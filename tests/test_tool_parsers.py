@@ -247,7 +247,8 @@ def test_harmony_messages() -> None:
     assert msgs[2].function == "f" and msgs[0].function is None
 
 
-@pytest.mark.parametrize("text", [HARMONY, "plain <|chan", "<|channel|>final<|message|>a<|en"])
+@pytest.mark.parametrize("text", [HARMONY, "plain <|chan", "<|channel|>final<|message|>a<|en",
+                                  "<|channel|>final<|message|>x<y <|st<<|end|>z<|end|>"])
 def test_harmony_streamed_at_every_split_is_the_whole_parse(text: str) -> None:
     expected = [(m.channel, m.recipient, m.content) for m in parse_harmony(text)]
     for pieces in [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]:

@@ -16,11 +16,13 @@ Text before any header (the tags were skipped) is one message of channel None.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 TAGS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
+_TAG = re.compile("|".join(re.escape(t) for t in TAGS))
+_LONGEST = max(len(t) for t in TAGS)
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 
@@ -48,12 +50,14 @@ class HarmonyMessage:
 
 @dataclass(frozen=True)
 class HarmonyDelta:
-    """New content of message `index` (HarmonyStream.feed), with its header's fields."""
+    """New content of message `index` (HarmonyStream.feed), with its header's fields; done:
+    the message ended here (its last delta, whose text may be empty)."""
 
     index: int
     channel: str | None
     recipient: str | None
     text: str
+    done: bool = False
 
 
 def _header(text: str) -> HarmonyMessage:
@@ -74,72 +78,101 @@ def _header(text: str) -> HarmonyMessage:
 
 
 def parse_harmony(text: str) -> list[HarmonyMessage]:
-    """Every message of an answer, in order (the last not `done` if the text stops inside
-    it; a header the text stops inside is not a message yet). Text outside any message
-    (before the first header, or between an end tag and the next `<|start|>`) is kept as a
-    message of channel None."""
-    messages: list[HarmonyMessage] = []
-    at, in_header = 0, False  # in_header: after a <|start|>
-    while at < len(text):
-        if not in_header and not text.startswith(CHANNEL, at):
-            if text.startswith(START, at):
-                at, in_header = at + len(START), True
-                continue
-            tags = [(i, t) for t in (CHANNEL, START, *ENDS) if (i := text.find(t, at)) >= 0]
-            cut, tag = min(tags) if tags else (len(text), "")
-            if cut > at:
-                messages.append(HarmonyMessage(None, content=text[at:cut], done=bool(tag),
-                                               end=tag if tag in ENDS else None))
-            at = cut + (len(tag) if tag in ENDS else 0)  # a stray end tag ends it
-            continue
-        body = text.find(MESSAGE, at)
-        if body < 0:
-            break  # a header still coming
-        msg, at, in_header = _header(text[at:body]), body + len(MESSAGE), False
-        ends = [(i, tag) for tag in (*ENDS, START) if (i := text.find(tag, at)) >= 0]
-        if ends:
-            end, tag = min(ends)
-            msg.content, msg.done = text[at:end], True
-            msg.end = tag if tag != START else None
-            at = end + (len(tag) if tag != START else 0)
-        else:
-            msg.content, at = text[at:], len(text)
-        messages.append(msg)
-    return messages
+    """Every message of a whole answer, in order (the last not `done` if the text stops
+    inside it; a header the text stops inside is not a message)."""
+    stream = HarmonyStream()
+    stream.feed(text, final=True)
+    return stream.messages
 
 
 def partial_tag(text: str) -> int:
-    """How many characters at the end of text could begin a harmony tag."""
-    for n in range(min(max(len(t) for t in TAGS) - 1, len(text)), 0, -1):
-        if any(len(t) > n and t.startswith(text[-n:]) for t in TAGS):  # a proper prefix
-            return n
-    return 0
+    """How many characters at the end of text could begin a harmony tag (a proper prefix of
+    one: only from the last "<", as no tag has another)."""
+    at = text.rfind("<", max(0, len(text) - _LONGEST + 1))
+    if at < 0:
+        return 0
+    tail = text[at:]
+    return len(tail) if any(len(t) > len(tail) and t.startswith(tail) for t in TAGS) else 0
 
 
-@dataclass
 class HarmonyStream:
     """An answer's text in, each message's content out as it comes (never part of a tag):
-    feed(delta) returns the new content per message; `messages` is the parse so far. What
-    feed returns, joined per index, is each message's content in parse_harmony(whole text)."""
+    feed(delta) returns the new content per message, in order; joined per index, it is each
+    message's content in parse_harmony(whole text). Each piece of text is scanned once (a
+    possible tag at the end waits for the next delta, or `final`), so a stream costs what its
+    length does. Outside a message (before the first header, or between an end tag and the
+    next `<|start|>`) text is a message of channel None; inside a message's content, only an
+    end tag or `<|start|>` is a tag."""
 
-    text: str = ""
-    sent: list[int] = field(default_factory=list)  # characters of each message's content sent
+    def __init__(self) -> None:
+        self._pending = ""  # a possible tag at the end, not scanned yet
+        self._state = "outside"  # outside, header (after <|start|> or <|channel|>), body
+        self._header: list[str] = []
+        self._messages: list[HarmonyMessage] = []
+        self._parts: list[list[str]] = []  # each message's content, in pieces
 
     @property
     def messages(self) -> list[HarmonyMessage]:
-        return parse_harmony(self.text)
+        """The messages so far (the last one open unless done)."""
+        for msg, parts in zip(self._messages, self._parts, strict=True):
+            if len(parts) > 1:
+                parts[:] = ["".join(parts)]
+            msg.content = parts[0] if parts else ""
+        return self._messages
 
     def feed(self, delta: str, final: bool = False) -> list[HarmonyDelta]:
         """The content new since the last feed; final: the text is complete (what was held
         as a possible tag is content after all)."""
-        self.text += delta
-        safe = self.text if final else self.text[:len(self.text) - partial_tag(self.text)]
-        out = []
-        for i, msg in enumerate(parse_harmony(safe)):
-            if i == len(self.sent):
-                self.sent.append(0)
-            if len(msg.content) > self.sent[i]:
-                out.append(HarmonyDelta(i, msg.channel, msg.recipient,
-                                        msg.content[self.sent[i]:]))
-                self.sent[i] = len(msg.content)
+        text = self._pending + delta
+        safe = len(text) if final else len(text) - partial_tag(text)
+        chunk, self._pending = text[:safe], text[safe:]
+        out: list[HarmonyDelta] = []
+        at = 0
+        for tag in _TAG.finditer(chunk):
+            if tag.start() > at:
+                self._text(chunk[at:tag.start()], out)
+            self._tag(tag.group(), out)
+            at = tag.end()
+        if at < len(chunk):
+            self._text(chunk[at:], out)
         return out
+
+    def _open(self) -> HarmonyMessage | None:
+        last = self._messages[-1] if self._messages else None
+        return last if last is not None and not last.done else None
+
+    def _text(self, text: str, out: list[HarmonyDelta]) -> None:
+        if self._state == "header":
+            self._header.append(text)
+            return
+        msg = self._open()
+        if msg is None:  # outside: text of no message
+            msg = HarmonyMessage(None)
+            self._messages.append(msg)
+            self._parts.append([])
+        self._parts[-1].append(text)
+        out.append(HarmonyDelta(len(self._messages) - 1, msg.channel, msg.recipient, text))
+
+    def _end(self, end: str | None, out: list[HarmonyDelta]) -> None:
+        msg = self._open()
+        if msg is not None:
+            msg.done, msg.end = True, end
+            out.append(HarmonyDelta(len(self._messages) - 1, msg.channel, msg.recipient, "",
+                                    True))
+
+    def _tag(self, tag: str, out: list[HarmonyDelta]) -> None:
+        if self._state == "header":
+            if tag != MESSAGE:
+                self._header.append(tag)
+                return
+            self._messages.append(_header("".join(self._header)))
+            self._parts.append([])
+            self._state, self._header = "body", []
+        elif tag in ENDS:  # (outside, a stray end tag ends the text of no message)
+            self._end(tag, out)
+            self._state = "outside"
+        elif tag == START or (tag == CHANNEL and self._state == "outside"):
+            self._end(None, out)
+            self._state, self._header = "header", [] if tag == START else [tag]
+        else:  # <|channel|>, <|message|>, <|constrain|> inside content are content
+            self._text(tag, out)

@@ -17,10 +17,10 @@ import re
 import string
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ipc.messages import ToolSpec
-from pipeline.server.harmony import HarmonyMessage, parse_harmony, partial_tag
+from pipeline.server.harmony import HarmonyStream
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,9 @@ class ToolParser:
     def parse(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer:
         raise NotImplementedError
 
-    def stable(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer | None:
-        """What of an unfinished answer no later text changes (its content and reasoning
-        begin the whole answer's; its calls are settled), for a format whose content is
-        interleaved with calls; None: stream by the markers instead."""
+    def streamer(self) -> AnswerStream | None:
+        """A reader of one answer as it comes, for a format whose content and calls
+        interleave; None: a stream goes by the markers instead."""
         return None
 
     def call_id(self) -> str:
@@ -286,40 +285,60 @@ def _typed(value: str, schema: Any) -> Any:
         return value
 
 
+class AnswerStream(Protocol):
+    """One answer read as it comes: feed gives what is new (content, reasoning, calls as
+    each settles); what every feed and the final one gave adds up to parse(whole text)."""
+
+    def feed(self, delta: str, final: bool = False) -> ParsedAnswer: ...
+
+
 class OpenAIHarmony(ToolParser):
     """gpt-oss's harmony messages (pipeline/server/harmony.py): a message to
     `functions.NAME` with JSON content is a call (settled at its end tag); the final
     channel, commentary to no one (preambles) and untagged text are content; analysis is
-    reasoning."""
+    reasoning. Streamed as it comes (a call's message is held until it ends)."""
 
     name, markers, special_tokens = "openai", ("<|channel|>", "<|start|>"), True
 
     def parse(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer:
-        return self._read(parse_harmony(text))
+        return HarmonyCalls().feed(text, final=True)
 
-    def stable(self, text: str, tools: list[ToolSpec]) -> ParsedAnswer | None:
-        """Every message but a partial tag at the end, and the last one unless it goes to a
-        function (a call still coming, or text if it is not JSON once it ends)."""
-        messages = parse_harmony(text[:len(text) - partial_tag(text)])
-        if messages and not messages[-1].done and messages[-1].function is not None:
-            messages.pop()
-        return self._read(messages)
+    def streamer(self) -> AnswerStream:
+        return HarmonyCalls()
 
-    def _read(self, messages: list[HarmonyMessage]) -> ParsedAnswer:
+
+class HarmonyCalls:
+    """OpenAIHarmony's reading of one answer, fed as it comes."""
+
+    def __init__(self) -> None:
+        self.stream = HarmonyStream()
+        self.held: dict[int, list[str]] = {}  # a function message's content, to its end
+
+    def feed(self, delta: str, final: bool = False) -> ParsedAnswer:
         out = ParsedAnswer()
-        for msg in messages:
-            if msg.function is not None:
-                try:
-                    out.calls.append(FoundCall(msg.function, json.dumps(
-                        json.loads(msg.content), ensure_ascii=False), msg.done))
-                    continue
-                except ValueError:
-                    pass  # not a call after all: what the model wrote stays, as content
-            if msg.channel == "analysis":
-                out.reasoning += msg.content
+        for d in self.stream.feed(delta, final):
+            if d.recipient is not None and d.recipient.startswith("functions."):
+                self.held.setdefault(d.index, []).append(d.text)
+                if d.done:
+                    self._resolve(d.index, d.recipient, out, True)
+            elif d.channel == "analysis":
+                out.reasoning += d.text
             else:
-                out.content += msg.content
+                out.content += d.text
+        if final:  # a call the text stopped inside (its <|call|> was a stop token)
+            for index in list(self.held):
+                msg = self.stream.messages[index]
+                self._resolve(index, msg.recipient or "", out, False)
         return out
+
+    def _resolve(self, index: int, recipient: str, out: ParsedAnswer, settled: bool) -> None:
+        text = "".join(self.held.pop(index))
+        try:
+            arguments = json.dumps(json.loads(text), ensure_ascii=False)
+        except ValueError:  # not a call after all: what the model wrote stays, as content
+            out.content += text
+            return
+        out.calls.append(FoundCall(recipient[len("functions."):], arguments, settled))
 
 
 class Either(ToolParser):

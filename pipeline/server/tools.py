@@ -19,7 +19,13 @@ from typing import Any
 
 from ipc.messages import FinishReason, StructuredOutputs, ToolSpec
 from pipeline.server.errors import bad
-from pipeline.server.tool_parsers import ParsedAnswer, ToolParser, default_parser
+from pipeline.server.tool_parsers import (
+    AnswerStream,
+    FoundCall,
+    ParsedAnswer,
+    ToolParser,
+    default_parser,
+)
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -169,15 +175,25 @@ class ToolStream:
 
     req: ToolRequest
     text: str = ""
-    sent: int = 0  # characters of text already sent as content or arguments
+    sent: int = 0  # characters of text sent as content or arguments (_reader: of content)
     held: bool = False  # auto: a tool call may have begun; content is held from `sent` on
     num_calls: int = 0  # auto: the calls sent
-    sent_reasoning: int = 0  # auto, a parser with stable(): characters of reasoning sent
+    _reader: AnswerStream | None = None  # auto, a format read as it comes
+    _found: list[FoundCall] = field(default_factory=list)  # what _reader settled
+    _spaces: str = ""  # _reader's content while only whitespace, held
+    _pieces: list[str] = field(default_factory=list)  # the text, with a _reader
+
+    def __post_init__(self) -> None:
+        if self.req.choice == "auto":
+            self._reader = self.req.parser.streamer()
     started: bool = False  # named: the call's first delta (id, name) was sent
     _id: str = field(default_factory=call_id)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         """The deltas (chat.completion.chunk `delta` objects) to send for new text."""
+        if self._reader is not None:  # (the text is kept in pieces: += copies it all)
+            self._pieces.append(delta)
+            return self._progress(self._reader.feed(delta))
         self.text += delta
         if self.req.choice == "named":
             out = []
@@ -192,9 +208,6 @@ class ToolStream:
             return out
         if self.req.choice == "required":
             return []
-        stable = self.req.parser.stable(self.text, self.req.tools)
-        if stable is not None:  # sent counts the content's characters
-            return self._progress(stable, [c for c in stable.calls if c.settled])
         was_held = self.held
         out = [] if self.held else self._content()
         if self.held and self._may_settle(len(delta) if was_held else len(self.text)):
@@ -228,21 +241,21 @@ class ToolStream:
         chunk, self.sent = self.text[self.sent:end], max(self.sent, end)
         return [{"content": chunk}] if chunk else []
 
-    def _progress(self, found: ParsedAnswer, calls: list[Any], end: bool = False
-                  ) -> list[dict[str, Any]]:
-        """A parser with stable(): the reasoning, content and calls of `found` not sent yet
-        (content only once it is more than whitespace, or at the end when it has no
-        calls)."""
+    def _progress(self, found: ParsedAnswer, end: bool = False) -> list[dict[str, Any]]:
+        """A format read as it comes: the deltas of what _reader found new (content once it
+        is more than whitespace, or at the end when there are no calls)."""
         out: list[dict[str, Any]] = []
-        if len(found.reasoning) > self.sent_reasoning:
-            more = found.reasoning[self.sent_reasoning:]
-            out.append({"reasoning_content": more, "reasoning": more})
-            self.sent_reasoning = len(found.reasoning)
-        rest = found.content[self.sent:]
-        if rest and (self.sent or found.content.strip() or (end and not calls)):
-            out.append({"content": rest})
-            self.sent = len(found.content)
-        return out + self._calls(calls if self.req.parallel else calls[:1])
+        if found.reasoning:
+            out.append({"reasoning_content": found.reasoning, "reasoning": found.reasoning})
+        self._found += found.calls
+        calls = self._found if self.req.parallel else self._found[:1]
+        content = self._spaces + found.content
+        if content and (self.sent or content.strip() or (end and not calls)):
+            out.append({"content": content})
+            self.sent, self._spaces = self.sent + len(content), ""
+        else:
+            self._spaces = content
+        return out + self._calls(calls)
 
     def _calls(self, calls: list[Any]) -> list[dict[str, Any]]:
         """The deltas of the calls not sent yet: id, type and name, then the arguments."""
@@ -257,6 +270,8 @@ class ToolStream:
 
     def finish(self, finish: FinishReason | None) -> tuple[list[dict[str, Any]], str | None]:
         """The last deltas once the output ended, and the finish reason."""
+        if self._reader is not None:
+            self.text = "".join(self._pieces)
         msg, reason = message(self.req, self.text, finish)
         if self.req.choice == "named":
             return [], reason
@@ -265,9 +280,8 @@ class ToolStream:
                 return ([{"content": self.text}] if self.text else []), reason
             return [{"tool_calls": [{"index": i, **call}]}
                     for i, call in enumerate(msg["tool_calls"])], reason
-        if self.req.parser.stable(self.text, self.req.tools) is not None:
-            whole = auto_calls(self.req, self.text)
-            return self._progress(whole, whole.calls, end=True), reason
+        if self._reader is not None:
+            return self._progress(self._reader.feed("", final=True), end=True), reason
         found = auto_calls(self.req, self.text[self.sent:])
         out: list[dict[str, Any]] = []
         if found.reasoning:
