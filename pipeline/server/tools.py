@@ -171,30 +171,28 @@ class ToolStream:
     to where a call may begin (one of the parser's markers, or an answer that opens as a
     whole call may), then sends each call as the parser settles it (its id, type and name,
     then its arguments) and the rest at the end. The deltas add up to `message` of the whole
-    text, wherever the text was split."""
+    text, wherever the text was split. The text is kept in pieces (`+=` on a long answer
+    would copy it at every token)."""
 
     req: ToolRequest
-    text: str = ""
-    sent: int = 0  # characters of text sent as content or arguments (_reader: of content)
+    pieces: list[str] = field(default_factory=list)  # the text so far
+    unsent: str = ""  # auto: the text after what was sent as content
+    sent: int = 0  # auto: characters sent as content
     held: bool = False  # auto: a tool call may have begun; content is held from `sent` on
     num_calls: int = 0  # auto: the calls sent
+    started: bool = False  # named: the call's first delta (id, name) was sent
+    _id: str = field(default_factory=call_id)
     _reader: AnswerStream | None = None  # auto, a format read as it comes
     _found: list[FoundCall] = field(default_factory=list)  # what _reader settled
     _spaces: str = ""  # _reader's content while only whitespace, held
-    _pieces: list[str] = field(default_factory=list)  # the text, with a _reader
 
     def __post_init__(self) -> None:
         if self.req.choice == "auto":
             self._reader = self.req.parser.streamer()
-    started: bool = False  # named: the call's first delta (id, name) was sent
-    _id: str = field(default_factory=call_id)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         """The deltas (chat.completion.chunk `delta` objects) to send for new text."""
-        if self._reader is not None:  # (the text is kept in pieces: += copies it all)
-            self._pieces.append(delta)
-            return self._progress(self._reader.feed(delta))
-        self.text += delta
+        self.pieces.append(delta)
         if self.req.choice == "named":
             out = []
             if not self.started:
@@ -204,14 +202,16 @@ class ToolStream:
                                                          "arguments": ""}}]})
             if delta:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
-            self.sent = len(self.text)
             return out
         if self.req.choice == "required":
             return []
+        if self._reader is not None:
+            return self._progress(self._reader.feed(delta))
+        self.unsent += delta
         was_held = self.held
         out = [] if self.held else self._content()
-        if self.held and self._may_settle(len(delta) if was_held else len(self.text)):
-            found = auto_calls(self.req, self.text[self.sent:])
+        if self.held and self._may_settle(len(delta) if was_held else len(self.unsent)):
+            found = auto_calls(self.req, self.unsent)
             out += self._calls([c for c in found.calls if c.settled])
         return out
 
@@ -220,26 +220,26 @@ class ToolStream:
         before them) hold one of the parser's settle marks."""
         marks = self.req.parser.settle_marks
         longest = max((len(m) for m in marks), default=1)
-        tail = self.text[max(self.sent, len(self.text) - num_new - longest + 1):]
+        tail = self.unsent[max(0, len(self.unsent) - num_new - longest + 1):]
         return any(m in tail for m in marks)
 
     def _content(self) -> list[dict[str, Any]]:
         """auto: content up to a possible start of a call (and none while it is only
         whitespace: an answer that is only calls has no content)."""
-        parser = self.req.parser
-        if not self.sent and self.text.lstrip()[:1] in tuple(parser.openers):
+        parser, unsent = self.req.parser, self.unsent
+        if not self.sent and unsent.lstrip()[:1] in tuple(parser.openers):
             self.held = True
             return []
-        marks = [i for m in parser.markers if (i := self.text.find(m, self.sent)) >= 0]
+        marks = [i for m in parser.markers if (i := unsent.find(m)) >= 0]
         if marks:
             self.held = True
             end = min(marks)
         else:
-            end = len(self.text) - _partial_marker(self.text, parser.markers)
-        if not self.text[:end].strip():
+            end = len(unsent) - _partial_marker(unsent, parser.markers)
+        if not end or (not self.sent and not unsent[:end].strip()):  # (sent: not all spaces)
             return []
-        chunk, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return [{"content": chunk}] if chunk else []
+        self.sent, self.unsent = self.sent + end, unsent[end:]
+        return [{"content": unsent[:end]}]
 
     def _progress(self, found: ParsedAnswer, end: bool = False) -> list[dict[str, Any]]:
         """A format read as it comes: the deltas of what _reader found new (content once it
@@ -270,19 +270,18 @@ class ToolStream:
 
     def finish(self, finish: FinishReason | None) -> tuple[list[dict[str, Any]], str | None]:
         """The last deltas once the output ended, and the finish reason."""
-        if self._reader is not None:
-            self.text = "".join(self._pieces)
-        msg, reason = message(self.req, self.text, finish)
+        text = "".join(self.pieces)
+        msg, reason = message(self.req, text, finish)
         if self.req.choice == "named":
             return [], reason
         if self.req.choice == "required":
             if not msg.get("tool_calls"):  # cut short: the answer is content
-                return ([{"content": self.text}] if self.text else []), reason
+                return ([{"content": text}] if text else []), reason
             return [{"tool_calls": [{"index": i, **call}]}
                     for i, call in enumerate(msg["tool_calls"])], reason
         if self._reader is not None:
             return self._progress(self._reader.feed("", final=True), end=True), reason
-        found = auto_calls(self.req, self.text[self.sent:])
+        found = auto_calls(self.req, self.unsent)
         out: list[dict[str, Any]] = []
         if found.reasoning:
             out.append({"reasoning_content": found.reasoning, "reasoning": found.reasoning})
