@@ -5,7 +5,8 @@ and, first, the format the model's chat template shows (detect). Runs in the HTT
 
 Every parser is a pure function of the text (parse), so a stream and a whole answer agree:
 pipeline/server/tools.py streams content up to a parser's markers and sends each call once
-the parser says it is settled (no later text can change it).
+the parser says it is settled (no later text can change it); harmony, whose content and calls
+interleave, is read once as it comes (streamer), and its parse is that reader fed it whole.
 """
 
 from __future__ import annotations
