@@ -58,8 +58,8 @@ def build_calling_mistral(folder: Path) -> Path:
     embedding; each CHAIN token's embedding is a basis vector, and the head scores the next
     token of CHAIN (EOS after the last) on it alone."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from tiny_model import build_tiny_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     build_tiny_llama(folder, arch="mistral", max_len=1024)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -151,3 +151,11 @@ def test_the_call_goes_back_through_the_template_with_its_result(server: Server)
     wrong = [dict(history[1], tool_calls=[dict(call, id="call_" + "0" * 24)]), history[2]]
     r = ask(server, messages=[history[0], *wrong, history[3]], tools=TOOLS)
     assert r.status_code == 400 and "length 9" in r.json()["error"]["message"]
+
+
+def test_stop_token_ids_leave_room_for_eos_when_the_tags_are_kept(server: Server) -> None:
+    question = [{"role": "user", "content": "Weather?"}]
+    r = ask(server, messages=question, tools=TOOLS, stop_token_ids=list(range(3, 67)))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    assert "at most 63" in r.json()["error"]["message"]
+    assert ask(server, messages=question, stop_token_ids=list(range(3, 67))).status_code == 200

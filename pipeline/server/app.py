@@ -31,7 +31,7 @@ from starlette.routing import Route
 from ipc.config import ServerOptions
 from ipc.errors import ConfigError
 from ipc.model_info import ModelInfo
-from ipc.params import RequestError
+from ipc.params import MAX_STOP_TOKEN_IDS, RequestError
 from pipeline.runtime.client import PipelineClient
 from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
@@ -356,8 +356,13 @@ class FrontEnd:
         if not params.skip_special_tokens:
             return
         eos = [] if params.ignore_eos else await self._eos_ids()
-        parsed.params = dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=[
-            *params.stop_token_ids, *(t for t in eos if t not in params.stop_token_ids)])
+        stops = [*params.stop_token_ids, *(t for t in eos if t not in params.stop_token_ids)]
+        if len(stops) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - len(eos)} "
+                      "stop_token_ids here: the answer's EOS ids join them, as its special "
+                      "tokens are kept for its tool calls")
+        parsed.params = dataclasses.replace(params, skip_special_tokens=False,
+                                            stop_token_ids=stops)
 
     async def _eos_ids(self) -> tuple[int, ...]:
         """The model's EOS ids, as the scheduler reads them (its tokenizer's, for a folder
