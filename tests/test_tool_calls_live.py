@@ -109,6 +109,7 @@ def test_a_call_in_special_tokens_is_read_whole_and_streamed(server: Server) -> 
                                            tools=TOOLS, max_tokens=12, temperature=0)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.model_extra["stop_reason"] is None  # EOS ended it, as without tools
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == (NAME, {"city": "Oslo"})
     assert len(call.id) == 9 and call.id.isalnum()  # as Mistral's template demands

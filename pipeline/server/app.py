@@ -350,7 +350,7 @@ class FrontEnd:
     async def keep_special_tokens(self, parsed: ParsedRequest) -> None:
         """This request's answer decoded with its special tokens (a parser reads its tags),
         all but the EOS that ends it: EOS becomes a stop token id, whose text is not output
-        (so the answer reports EOS as its stop_reason). Other requests are untouched; a
+        (and which Generation reports as EOS: no stop_reason). Other requests are untouched; a
         request that already keeps them is left as it asked."""
         params = parsed.params
         if not params.skip_special_tokens:
@@ -363,6 +363,7 @@ class FrontEnd:
                       "tokens are kept for its tool calls")
         parsed.params = dataclasses.replace(params, skip_special_tokens=False,
                                             stop_token_ids=stops)
+        parsed.eos_stop_ids = tuple(t for t in eos if t not in params.stop_token_ids)
 
     async def _eos_ids(self) -> tuple[int, ...]:
         """The model's EOS ids, as the scheduler reads them (its tokenizer's, for a folder

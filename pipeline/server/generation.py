@@ -71,9 +71,12 @@ class Generation:
         tools = self.parsed.tools.tools if self.parsed.tools is not None else ()
         stream = self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
                                           f"{self.rid}-{i}", tools)
+        hidden = self.parsed.eos_stop_ids
         try:
             async with contextlib.aclosing(stream):  # closed (so aborted) however this ends
                 async for out in stream:
+                    if out.stop_reason is not None and out.stop_reason in hidden:
+                        out = dataclasses.replace(out, stop_reason=None)  # EOS's, as EOS
                     self.queue.put_nowait((i, out))
         except PipelineError as exc:
             self.queue.put_nowait((i, RequestOutput.refusal(
