@@ -360,7 +360,7 @@ class FrontEnd:
         if len(stops) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - len(eos)} "
                       "stop_token_ids here: the answer's EOS ids join them, as its special "
-                      "tokens are kept for its tool calls")
+                      "tokens are kept for the parser that reads its tags")
         parsed.params = dataclasses.replace(params, skip_special_tokens=False,
                                             stop_token_ids=stops)
         parsed.eos_stop_ids = tuple(t for t in eos if t not in params.stop_token_ids)
