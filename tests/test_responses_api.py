@@ -42,6 +42,8 @@ def test_fields_map_onto_the_chat_request() -> None:
     assert asked.conversation == [{"role": "user", "content": "hi"}]  # instructions not kept
     assert asked.echo["metadata"] == {"k": "v"} and asked.echo["instructions"] == "be brief"
     assert asked.echo["text"] == {"format": {"type": "text"}} and not asked.store
+    assert parse({"input": "x", "text": None, "tools": None}).echo["text"] == {
+        "format": {"type": "text"}}
 
 
 def test_input_items_become_chat_messages() -> None:

@@ -103,7 +103,7 @@ def test_a_named_tools_arguments_stream_as_deltas(server: Server) -> None:
     events = list(client.responses.create(
         model=server.model, input="Weather in Rome?", tools=[TOOL], stream=True,
         tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200,
-        temperature=1.0))
+        temperature=1.0, store=True))
     deltas = "".join(e.delta for e in events
                      if e.type == "response.function_call_arguments.delta")
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
@@ -111,6 +111,8 @@ def test_a_named_tools_arguments_stream_as_deltas(server: Server) -> None:
     jsonschema.validate(json.loads(deltas), WEATHER)
     (item,) = events[-1].response.output
     assert item.type == "function_call" and item.arguments == deltas
+    kept = client_of(server).responses.retrieve(events[-1].response.id)  # kept when complete
+    assert kept.output[0].arguments == deltas and kept.output[0].id == item.id
 
 
 def test_text_format_json_schema_validates(server: Server) -> None:

@@ -140,7 +140,7 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore,
             "tools": [_echo_tool(t) for t in body.get("tools") or []],
             "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "text": {"format": body.get("text", {}).get("format") or {"type": "text"}},
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "user": body.get("user"), "store": keep}
     return ResponsesRequest(parsed, conversation, echo, keep)
 

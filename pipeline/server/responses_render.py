@@ -192,7 +192,7 @@ class ResponsesStream:
         item["content"][0]["text"] += delta
         name = "response.reasoning_text.delta" if kind == "reasoning" else \
             "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         events.append(self._event(name, **self._where(), content_index=0, delta=delta, **extra))
         return events
 
