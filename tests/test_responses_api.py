@@ -34,7 +34,8 @@ def test_fields_map_onto_the_chat_request() -> None:
     asked = parse({"model": "m", "instructions": "be brief", "input": "hi",
                    "max_output_tokens": 9, "temperature": 0.5, "top_p": 0.9, "user": "u",
                    "metadata": {"k": "v"}, "stream": True, "store": False,
-                   "reasoning": {"effort": None}, "truncation": "disabled", "include": []})
+                   "reasoning": {"effort": None}, "truncation": "disabled",
+                   "include": ["reasoning.encrypted_content"]})
     p = asked.parsed
     assert p.prompts == [[ChatMessage("system", "be brief"), ChatMessage("user", "hi")]]
     assert (p.params.max_tokens, p.params.temperature, p.params.top_p) == (9, 0.5, 0.9)
@@ -122,7 +123,7 @@ BAD = [
     ({"conversation": "c"}, "conversation", "previous_response_id"),
     ({"frequency_penalty": 1}, "frequency_penalty", "unknown field"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning-parser"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
     ({"truncation": "auto"}, "truncation", "never cut"),
     ({"background": True}, "background", "background"),
     ({"store": "yes"}, "store", "boolean"),

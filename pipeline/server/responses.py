@@ -168,9 +168,13 @@ def _check_refused(body: dict[str, Any]) -> None:
     if body.get("truncation") not in (None, "disabled"):
         raise bad("truncation", "truncation must be disabled: a conversation longer than the "
                                 "context is refused, never cut")
-    if body.get("include"):
-        raise bad("include", f"include is not supported (asked {body['include']!r}): this "
-                             "server has no encrypted reasoning, logprobs or tool outputs to add")
+    include = body.get("include") or []
+    if not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise bad("include", "include must be an array of strings")
+    for name in include:  # (no reasoning is ever encrypted here: that one asks for nothing)
+        if name != "reasoning.encrypted_content":
+            raise bad("include", f"include {name!r} is not supported: this server has no "
+                                 "logprobs, images or built-in tool outputs to add")
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
