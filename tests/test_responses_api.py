@@ -183,6 +183,11 @@ def test_the_store_is_bounded_oldest_out_first() -> None:
     assert list(store.items) == ["r1", "r2"]
     with pytest.raises(ApiError):
         store.get("r0")
+    store.delete("r1")
+    assert list(store.items) == ["r2"] and store.num_chars == store.items["r2"].size
+    with pytest.raises(ApiError) as info:
+        store.delete("r1")
+    assert info.value.status == 404 and info.value.param == "response_id"
     small = ResponseStore(max_chars=200)
     small.put("a", {"text": "x" * 100}, [])
     small.put("b", {"text": "y" * 100}, [])

@@ -68,6 +68,8 @@ def test_plain_and_streamed_answers_are_the_chats(server: Server) -> None:
 
 
 def test_a_function_tool_round_trip(server: Server) -> None:
+    import openai
+
     client = client_of(server)
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.responses.create(model=server.model, input=ask, tools=[TOOL],
@@ -96,6 +98,9 @@ def test_a_function_tool_round_trip(server: Server) -> None:
     assert by_id.output_text == by_items.output_text
     assert by_id.usage.input_tokens == by_items.usage.input_tokens  # type: ignore[union-attr]
     assert by_id.previous_response_id == kept.id
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
 
 
 def test_a_named_tools_arguments_stream_as_deltas(server: Server) -> None:

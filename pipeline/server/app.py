@@ -4,7 +4,8 @@ listening socket and share one pipeline, each through its own PipelineClient, so
 one more client of the engine, not a way around it.
 
 Routes: POST /v1/completions, /v1/chat/completions and /v1/responses (plain JSON or
-server-sent events; a response kept with store: true is read back by GET /v1/responses/{id}),
+server-sent events; a response kept with store: true is read back by GET /v1/responses/{id},
+and forgotten by DELETE),
 GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /version, GET /health (200 only
 while every stage runs and answers), GET /metrics (Prometheus). A request whose client
 disconnects is aborted in the engine. With allowed_origins, browsers may call it (CORS).
@@ -166,7 +167,7 @@ class FrontEnd:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
-            Route("/v1/responses/{response_id}", self.kept_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.kept_response, methods=["GET", "DELETE"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -269,8 +270,11 @@ class FrontEnd:
 
     async def kept_response(self, request: Request) -> Response:
         self._authorize(request)
-        kept = self.kept.get(request.path_params["response_id"], "response_id")
-        return JSONResponse(kept.response)
+        rid = request.path_params["response_id"]
+        if request.method == "DELETE":
+            self.kept.delete(rid)
+            return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+        return JSONResponse(self.kept.get(rid, "response_id").response)
 
     def _keep(self, asked: ResponsesRequest, response: dict[str, Any]) -> None:
         """A finished response, kept for previous_response_id if its request asked."""

@@ -79,6 +79,10 @@ class ResponseStore:
             _, old = self.items.popitem(last=False)
             self.num_chars -= old.size
 
+    def delete(self, rid: str) -> None:
+        self.get(rid, "response_id")  # (the same 404)
+        self.num_chars -= self.items.pop(rid).size
+
     def get(self, rid: str, param: str = "previous_response_id") -> Stored:
         """The kept response, or a 404 saying it was never kept or is gone."""
         if rid not in self.items:
