@@ -100,6 +100,7 @@ BAD = [
     ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type",
      "file_search"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type", "code_interpreter"),
+    ({"tools": {}}, "tools", "array"),
     ({"tools": [{**TOOL, "name": "bad name"}]}, "tools[0].name", "name"),
     ({"tools": [{**TOOL, "parameters": 3}]}, "tools[0].parameters", "parameters"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
@@ -336,3 +337,50 @@ def test_a_failed_stream_ends_with_an_error_and_response_failed() -> None:
     assert [t.type for t in typed[-2:]] == ["error", "response.failed"]
     assert typed[-2].message == "the engine died"
     assert typed[-1].response.status == "failed" and typed[-1].response.error.message
+
+
+FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+          "tools", "tool_choice", "parallel_tool_calls", "text", "stream", "store",
+          "previous_response_id", "metadata", "user", "reasoning", "truncation", "include",
+          "background", "type", "role", "content", "call_id", "name", "arguments", "output",
+          "format", "schema", "parameters", "encrypted_content"]
+VALID = {"model": "m", "input": [
+    {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+    {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c", "output": "x"}],
+    "tools": [TOOL], "text": {"format": {"type": "json_object"}}, "max_output_tokens": 4}
+
+
+def parse_or_refuse(body: Any) -> None:
+    store = ResponseStore()
+    store.put("resp_1", {"id": "resp_1"}, [{"role": "user", "content": "x"}])
+    try:
+        parse(body, store)
+    except ApiError as exc:
+        assert 400 <= exc.status < 500, exc.message
+
+
+def test_arbitrary_and_mutated_bodies_are_parsed_or_refused_with_a_4xx() -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_http_fuzz import JSON
+
+    keys = st.sampled_from(FIELDS) | st.text(max_size=6)
+    fuzz = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+
+    @fuzz
+    @given(body=st.dictionaries(keys, JSON, max_size=6))
+    def arbitrary(body: dict[str, Any]) -> None:
+        parse_or_refuse(body)
+
+    @fuzz
+    @given(field=keys, value=JSON, where=st.sampled_from(["body", 0, 1, 2, "tool", "format"]))
+    def mutated(field: str, value: Any, where: Any) -> None:
+        body = json.loads(json.dumps(VALID))
+        target = {"body": body, "tool": body["tools"][0],
+                  "format": body["text"]["format"]}.get(where) or body["input"][where]
+        target[field] = value
+        parse_or_refuse(body)
+
+    arbitrary()
+    mutated()

@@ -126,7 +126,7 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore,
                          ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
-    if body.get("tools"):
+    if body.get("tools") is not None:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(_list(body, "tools"))]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
