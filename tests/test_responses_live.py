@@ -1,7 +1,8 @@
 """POST /v1/responses through `run_pipeline serve` and the official `openai` package, unchanged:
 plain and streamed answers (the same text a chat gives), the SDK's stream helper, a function
 tool round trip (by the call's output items, and by previous_response_id over the kept store),
-text.format json_schema answers that validate, and refusals by name."""
+text.format json_schema answers that validate, refusals by name, and LangChain's ChatOpenAI
+with use_responses_api (tool calls, and a streamed answer)."""
 
 from __future__ import annotations
 
@@ -153,3 +154,18 @@ def test_refusals_name_the_field(server: Server) -> None:
     r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={"input": [
         {"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]"
+
+
+def test_langchain_over_the_responses_api(server: Server) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=server.model,
+                     max_tokens=200, temperature=1.0, max_retries=0, use_responses_api=True)
+    answer = llm.bind_tools([TOOL], tool_choice="get_weather").invoke("Weather in Oslo?")
+    assert [c["name"] for c in answer.tool_calls] == ["get_weather"]
+    jsonschema.validate(answer.tool_calls[0]["args"], WEATHER)
+    greedy = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=server.model,
+                        max_tokens=10, temperature=0.0, max_retries=0, use_responses_api=True)
+    text = "".join(chunk.text for chunk in greedy.stream("Hello"))
+    assert text == client_of(server).responses.create(
+        model=server.model, input="Hello", max_output_tokens=10, temperature=0.0).output_text
