@@ -43,10 +43,9 @@ from pipeline.server.openai_parse import (
     parse_tokenize,
 )
 from pipeline.server.openai_render import new_id
-from pipeline.server.responses import ResponsesRequest, ResponseStore, parse_responses
+from pipeline.server.responses import ResponseStore, parse_responses
 from pipeline.server.responses_render import (
     ResponsesStream,
-    as_messages,
     new_response_id,
     response_sse,
     whole_response,
@@ -276,12 +275,6 @@ class FrontEnd:
             return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
         return JSONResponse(self.kept.get(rid, "response_id").response)
 
-    def _keep(self, asked: ResponsesRequest, response: dict[str, Any]) -> None:
-        """A finished response, kept for previous_response_id if its request asked."""
-        if asked.store:
-            self.kept.put(response["id"], response,
-                          asked.conversation + as_messages(response["output"]))
-
     async def _generate(self, request: Request, chat: bool, responses: bool = False
                         ) -> Response:
         key = self._authorize(request)
@@ -383,7 +376,7 @@ class FrontEnd:
                 self.metrics.HTTP.labels(request.url.path, "200").inc()
                 events = run.sse() if asked is None else response_sse(
                     run.chunks(), ResponsesStream(run.rid, self.model, asked.echo),
-                    lambda response: self._keep(asked, response))
+                    lambda response: self.kept.keep(asked, response))
                 return AbortingStreamingResponse(run, events, media_type="text/event-stream",
                                                  headers={"x-request-id": run.rid})
             result = await _unless_hung_up(run.collect(), hangup, run)
@@ -391,7 +384,7 @@ class FrontEnd:
             hangup.cancel()
         if asked is not None:
             result = whole_response(run.rid, self.model, asked.echo, result)
-            self._keep(asked, result)
+            self.kept.keep(asked, result)
         self.metrics.HTTP.labels(request.url.path, "200").inc()
         return JSONResponse(result, headers={"x-request-id": run.rid})
 

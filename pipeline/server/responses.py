@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.server.errors import ApiError, bad
 from pipeline.server.openai_parse import ParsedRequest, parse_chat
+from pipeline.server.responses_render import as_messages
 
 # Fields of a Responses request this server implements; the rest is refused by name.
 RESPONSES_FIELDS = frozenset({
@@ -78,6 +79,12 @@ class ResponseStore:
                               or self.num_chars > self.max_chars):
             _, old = self.items.popitem(last=False)
             self.num_chars -= old.size
+
+    def keep(self, asked: ResponsesRequest, response: dict[str, Any]) -> None:
+        """A finished response, kept for previous_response_id if its request asked."""
+        if asked.store:
+            self.put(response["id"], response,
+                     asked.conversation + as_messages(response["output"]))
 
     def delete(self, rid: str) -> None:
         self.get(rid, "response_id")  # (the same 404)
