@@ -154,6 +154,10 @@ def test_refusals_name_the_field(server: Server) -> None:
     r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={"input": [
         {"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]"
+    long = httpx.post(f"{server.url}/v1/responses", timeout=30, json={
+        "instructions": "Be brief.", "input": [{"role": "user", "content": "x " * 3000}]})
+    assert long.status_code == 400, long.text  # the tokenizer's refusal, renamed
+    assert long.json()["error"]["param"] == "input"
 
 
 def test_langchain_over_the_responses_api(server: Server) -> None:

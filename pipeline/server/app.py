@@ -370,7 +370,12 @@ class FrontEnd:
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.
         hangup = asyncio.create_task(_wait_for_disconnect(request))
         try:
-            await _unless_hung_up(run.start(), hangup, run)
+            try:
+                await _unless_hung_up(run.start(), hangup, run)
+            except ApiError as exc:  # (a refused prompt names the Responses field too)
+                if asked is not None:
+                    asked.renamed(exc)
+                raise
             if parsed.stream:
                 hangup.cancel()
                 self.metrics.HTTP.labels(request.url.path, "200").inc()

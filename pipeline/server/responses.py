@@ -48,6 +48,12 @@ class ResponsesRequest:
     conversation: list[dict[str, Any]]  # chat messages, instructions left out (what is kept)
     echo: dict[str, Any]  # fields the response object repeats (tools, tool_choice, text...)
     store: bool = False
+    origins: list[str] = field(default_factory=list)  # per chat message, its Responses field
+
+    def renamed(self, exc: ApiError) -> ApiError:
+        """An error the engine gave the chat request, naming the Responses field."""
+        exc.param = responses_param(exc.param, self.origins)
+        return exc
 
 
 @dataclass
@@ -153,7 +159,7 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "user": body.get("user"), "store": keep}
-    return ResponsesRequest(parsed, conversation, echo, keep)
+    return ResponsesRequest(parsed, conversation, echo, keep, origins)
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
