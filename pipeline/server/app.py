@@ -3,7 +3,9 @@ admission, and plain or streamed answers. Runs in each of K worker processes tha
 listening socket and share one pipeline, each through its own PipelineClient, so the server is
 one more client of the engine, not a way around it.
 
-Routes: POST /v1/completions and /v1/chat/completions (plain JSON or server-sent events),
+Routes: POST /v1/completions, /v1/chat/completions and /v1/responses (plain JSON or
+server-sent events; a response kept with store: true is read back by GET /v1/responses/{id},
+and forgotten by DELETE),
 GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /version, GET /health (200 only
 while every stage runs and answers), GET /metrics (Prometheus). A request whose client
 disconnects is aborted in the engine. With allowed_origins, browsers may call it (CORS).
@@ -44,6 +46,13 @@ from pipeline.server.openai_parse import (
     parse_tokenize,
 )
 from pipeline.server.openai_render import new_id
+from pipeline.server.responses import ResponseStore, parse_responses
+from pipeline.server.responses_render import (
+    ResponsesStream,
+    new_response_id,
+    response_sse,
+    whole_response,
+)
 from pipeline.server.tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger(__name__)
@@ -98,6 +107,7 @@ class FrontEnd:
         self.model = client.model_name
         self.created = int(time.time())
         self.generations: set[Generation] = set()  # requests running in this worker
+        self.kept = ResponseStore()  # /v1/responses with store: true, in this worker
         self.is_stopping = False
         self.num_admitted = 0  # generation requests this worker has taken and not answered
         self._trim_pending = False
@@ -161,6 +171,8 @@ class FrontEnd:
         return Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.kept_response, methods=["GET", "DELETE"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -258,7 +270,19 @@ class FrontEnd:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, chat=True, responses=True)
+
+    async def kept_response(self, request: Request) -> Response:
+        self._authorize(request)
+        rid = request.path_params["response_id"]
+        if request.method == "DELETE":
+            self.kept.delete(rid)
+            return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+        return JSONResponse(self.kept.get(rid, "response_id").response)
+
+    async def _generate(self, request: Request, chat: bool, responses: bool = False
+                        ) -> Response:
         key = self._authorize(request)
         identities = [f"addr:{request.client.host if request.client else '?'}"]
         if key is not None:
@@ -272,7 +296,7 @@ class FrontEnd:
                                    f"retry in {wait:.1f} s", None, "rate_limit_error",
                                    headers={"Retry-After": str(max(1, math.ceil(wait)))})
                 taken.append(identity)
-            response = await self._run(request, chat)
+            response = await self._run(request, chat, responses)
         except BaseException:
             for identity in taken:
                 self.limiter.release(identity)
@@ -378,10 +402,15 @@ class FrontEnd:
                     self._eos = () if eos is None else (eos,)
         return self._eos
 
-    async def _run(self, request: Request, chat: bool) -> Response:
+    async def _run(self, request: Request, chat: bool, responses: bool = False) -> Response:
         body = await self._read_json(request)
         self._check_model(body)
-        parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
+        asked = None
+        if responses:  # the Responses API runs as a chat, rendered as Responses items
+            asked = parse_responses(body, self.vocab_size, self.kept, self.options.api_workers)
+            parsed = asked.parsed
+        else:
+            parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
         if parsed.tools is not None and parsed.tools.choice == "auto":
             await self._read_calls_with_parser(parsed)
         # The scheduler shares the engine fairly between senders: here, each client address
@@ -389,24 +418,35 @@ class FrontEnd:
         host = request.client.host if request.client else "?"
         parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}")
         self._loop = asyncio.get_running_loop()
-        run = Generation(self, parsed, new_id(chat))
+        run = Generation(self, parsed, new_response_id() if asked else new_id(chat))
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.
         hangup = asyncio.create_task(_wait_for_disconnect(request))
         try:
-            await _unless_hung_up(run.start(), hangup, run)
+            try:
+                await _unless_hung_up(run.start(), hangup, run)
+            except ApiError as exc:  # (a refused prompt names the Responses field too)
+                if asked is not None:
+                    asked.renamed(exc)
+                raise
             if parsed.stream:
                 hangup.cancel()
                 self.metrics.HTTP.labels(request.url.path, "200").inc()
-                return AbortingStreamingResponse(run, run.sse(), media_type="text/event-stream",
+                events = run.sse() if asked is None else response_sse(
+                    run.chunks(), ResponsesStream(run.rid, self.model, asked.echo),
+                    lambda response: self.kept.keep(asked, response))
+                return AbortingStreamingResponse(run, events, media_type="text/event-stream",
                                                  headers={"x-request-id": run.rid})
             result = await _unless_hung_up(run.collect(), hangup, run)
         finally:
             hangup.cancel()
+        if asked is not None:
+            result = whole_response(run.rid, self.model, asked.echo, result)
+            self.kept.keep(asked, result)
         self.metrics.HTTP.labels(request.url.path, "200").inc()
         return JSONResponse(result, headers={"x-request-id": run.rid})
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 access_logger = logging.getLogger("llm_pipeline.access")
 
 

@@ -192,6 +192,13 @@ class Generation:
 
     async def sse(self) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+        async for chunk in self.chunks():
+            yield _event(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks (OpenAI's chunk objects; an error body for a failed choice, and
+        a last one if the worker stops), for sse() or another API's renderer (responses)."""
         p = self.parsed
         created = int(time.time())
         want_lp = p.params.logprobs is not None
@@ -202,19 +209,19 @@ class Generation:
         try:
             if p.chat:
                 for c in range(len(p.prompts) * self.n):
-                    yield _event(chunk_json(self.rid, self.front.model, True, c, None, want_lp,
-                                            created, role=True))
+                    yield chunk_json(self.rid, self.front.model, True, c, None, want_lp,
+                                     created, role=True)
             async for c, out in self.outputs():
                 completion_tokens += 0 if p.score_only else len(out.token_ids)
                 if out.finished and out.error:
-                    yield _event(ApiError(500, out.error, None, "server_error").body())
+                    yield ApiError(500, out.error, None, "server_error").body()
                     continue
                 if not p.chat and self._uses_prompts():
                     if out.prompt_logprobs is not None:
                         scored[c // self.n] = out.prompt_logprobs
                     if c not in offsets:  # the choice's first chunk says its prompt
                         chunk, offsets[c] = await self._prompt_chunk(c, scored, created)
-                        yield _event(chunk)
+                        yield chunk
                     if p.score_only:
                         out = dataclasses.replace(out, text="", token_ids=[], logprobs=None,
                                                   finish_reason=FinishReason.LENGTH,
@@ -225,22 +232,19 @@ class Generation:
                     continue
                 if p.tools is not None:
                     for chunk in self._tool_chunks(tool_streams, c, out, want_lp, created):
-                        yield _event(chunk)
+                        yield chunk
                     continue
-                yield _event(chunk_json(self.rid, self.front.model, p.chat, c, out, want_lp,
-                                        created, text_offset=offsets.get(c, 0)))
+                yield chunk_json(self.rid, self.front.model, p.chat, c, out, want_lp,
+                                 created, text_offset=offsets.get(c, 0))
                 offsets[c] = offsets.get(c, 0) + len(out.text)
             if p.include_usage:
-                yield _event(usage_chunk(self.rid, self.front.model, p.chat, created,
-                                         sum(self.prompt_tokens), completion_tokens,
-                                         sum(self.cached_tokens)))
-            yield "data: [DONE]\n\n"
+                yield usage_chunk(self.rid, self.front.model, p.chat, created,
+                                  sum(self.prompt_tokens), completion_tokens,
+                                  sum(self.cached_tokens))
         except ServerStopping:  # a final event, never a cut stream
-            yield _event(shutting_down().body())
-            yield "data: [DONE]\n\n"
+            yield shutting_down().body()
         finally:
             self.cancel()  # a disconnected client lands here: its requests are aborted
-
 
     async def _prompt_chunk(self, c: int, scored: dict[int, list[TokenLogprob]],
                             created: int) -> tuple[dict[str, Any], int]:
