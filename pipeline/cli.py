@@ -28,7 +28,7 @@ from ipc.config import (
     parse_depth,
 )
 from ipc.errors import ConfigError
-from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
+from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
 from ipc.ranks import parse_partition
@@ -300,6 +300,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--user", default=d.user, help="who the requests are for (fair sharing)")
     g.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="with --speculative on: these requests take one token a step")
+    g.add_argument("--logit-bias", action="append", type=_logit_bias, metavar="ID=BIAS",
+                   default=list(d.logit_bias),
+                   help="add BIAS (-100..100) to token ID's logit; repeatable")
     s = p.add_argument_group("structured output (at most one; TEXT or @FILE)")
     s.add_argument("--json-schema", metavar="SCHEMA", default=so.json,
                    help="the output is JSON valid under this JSON Schema")
@@ -309,6 +312,15 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--choice", action="append", default=so.choice,
                    help="the output is one of these strings; repeatable")
     s.add_argument("--grammar", default=so.grammar, help="the output follows this Lark grammar")
+
+
+def _logit_bias(text: str) -> LogitBias:
+    token, _, bias = text.partition("=")
+    try:
+        return LogitBias(int(token), float(bias))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give ID=BIAS (a token id and a number), not "
+                                         f"{text!r}") from None
 
 
 def _text_or_file(value: str | None, flag: str) -> str | None:

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, ToolCall
-from ipc.params import MAX_USER_CHARS, RequestError, validate_params
+from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutputs, ToolCall
+from ipc.params import MAX_LOGIT_BIAS, MAX_USER_CHARS, RequestError, validate_params
 from pipeline.server.errors import bad
 from pipeline.server.tools import parse_tools
 
@@ -242,8 +242,6 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
     the field that set logprobs, the name of the field that set a structured output)."""
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     structured, structured_param = parse_structured(body)
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "logit_bias is not supported")
     num = (int, float)
     max_tokens = _get(body, "max_tokens", (int,))
     if chat:
@@ -279,8 +277,25 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
         n=n, logprobs=logprobs, priority=_get(body, "priority", (int,), 0),
         user=_user(body), structured_outputs=structured,
-        prompt_logprobs=_get(body, "prompt_logprobs", (int,)))
+        prompt_logprobs=_get(body, "prompt_logprobs", (int,)), logit_bias=_logit_bias(body))
     return params, logprobs_param, structured_param
+
+
+def _logit_bias(body: dict[str, Any]) -> list[LogitBias]:
+    """OpenAI's logit_bias: {"<token id>": bias}; the ranges are validate_params' check."""
+    value = _get(body, "logit_bias", (dict,), {})
+    if len(value) > MAX_LOGIT_BIAS:  # (before converting a huge map)
+        raise bad("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got "
+                                f"{len(value)}")
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad("logit_bias", f"logit_bias keys must be token ids (integers), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a number, got "
+                                    f"{type(bias).__name__}")
+        out.append(LogitBias(int(key), float(bias)))
+    return out
 
 
 def api_param(param: str | None, parsed: ParsedRequest | None = None,

@@ -140,6 +140,8 @@ class SlotState:
         if step.counts["new_slot"]:
             self.sampling.init_slots(v.new_slot, v.new_fparams, v.new_iparams,
                                      v.stop_slot, v.stop_id)
+            if step.plan.logit_biases:
+                self.sampling.set_logit_biases(step.plan.logit_biases)
         if not (resolve or step.sampling.use_penalties):
             return None
         ids = self.resolve_ids(v)

@@ -15,7 +15,7 @@ from collections import Counter
 from operator import attrgetter
 
 from ipc.config import EngineLimits
-from ipc.messages import SlotGrammar
+from ipc.messages import SlotGrammar, SlotLogitBias
 from ipc.sampling import encode_slot
 from stages.scheduler.drafts import DraftPlanner
 from stages.scheduler.kv_manager import KVManager, Preempt
@@ -263,3 +263,7 @@ class StepBuilder:
             seq.params, self.limits.eos_token_ids, len(seq.output_ids))]
         if seq.grammar:
             step.grammars.append(SlotGrammar(slot, seq.grammar, list(seq.output_ids)))
+        if seq.params.logit_bias:
+            bias = seq.params.logit_bias
+            step.logit_biases.append(SlotLogitBias(slot, [b.token_id for b in bias],
+                                                   [b.bias for b in bias]))
