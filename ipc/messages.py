@@ -191,6 +191,9 @@ class AddRequest(Message):
     params: SamplingParams
     arrival_time: float
     tools: list[ToolSpec] = field(default_factory=list)  # shown to the model with messages
+    # a chat's extra variables for its template (JSON text of an object; "": none), as
+    # transformers' apply_chat_template takes them: {"enable_thinking": false}
+    chat_template_kwargs: str = ""
 
 
 # ---------------------------------------------------------------- client -> scheduler

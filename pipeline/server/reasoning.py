@@ -1,0 +1,165 @@
+"""Reasoning parsers (`--reasoning-parser`, vLLM's names): a thinking model's answer split into
+its reasoning (OpenAI-compatible servers' `reasoning_content`, and `reasoning`) and its
+content, whole or streamed. Pure text functions, no I/O; used by the HTTP front end.
+
+A parser is fed the answer's text deltas and returns (reasoning, content) deltas; a tag split
+over two deltas is held until it can be told apart, so it never leaks into either field, and
+feeding the text in any pieces gives the same fields as feeding it whole. Whether the answer
+starts inside the reasoning is the prompt's to say: a template may open `<think>` itself (then
+the model writes only `</think>`), or close it empty (Qwen3's enable_thinking=False).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+from ipc.errors import ConfigError
+
+
+class Split(NamedTuple):
+    reasoning: str
+    content: str
+
+
+class _State(enum.Enum):
+    START = "start"  # may open with the start tag; else the answer is all content
+    OPENING = "opening"  # reasoning already; a start tag the model writes anyway is dropped
+    REASONING = "reasoning"
+    AFTER = "after"  # just past the end tag: whitespace before the content is dropped
+    CONTENT = "content"
+
+
+class ReasoningParser:
+    """`<think>`-style reasoning: text between the start and the end tag is reasoning, the
+    rest content (its leading whitespace dropped). `in_reasoning`: the prompt left the
+    reasoning open (the answer begins inside it). Reasoning never ended (cut by max_tokens)
+    stays reasoning."""
+
+    name = ""
+    start_tag, end_tag = "<think>", "</think>"
+    tag_optional = False  # the answer starts inside the reasoning even with no start tag
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        opens = in_reasoning or self.tag_optional
+        self.state = _State.OPENING if opens else _State.START
+        self.held = ""  # text not yet told apart (a possible tag, or leading whitespace)
+        self.entered = opens  # whether any of the answer was reasoning
+        self.ended = False  # whether the reasoning ended (its end tag came)
+
+    def feed(self, delta: str) -> Split:
+        """The (reasoning, content) deltas that `delta` makes known."""
+        text, self.held = self.held + delta, ""
+        reasoning, content = [], []
+        while text:
+            state = self.state
+            if state in (_State.START, _State.OPENING):
+                head = text.lstrip()
+                if head.startswith(self.start_tag):
+                    text, self.state, self.entered = (head[len(self.start_tag):],
+                                                      _State.REASONING, True)
+                elif self.start_tag.startswith(head):  # (all whitespace, or part of the tag)
+                    self.held = text
+                    break
+                else:
+                    self.state = _State.CONTENT if state is _State.START else _State.REASONING
+            elif state is _State.REASONING:
+                at = text.find(self.end_tag)
+                if at >= 0:
+                    reasoning.append(text[:at])
+                    text, self.state, self.ended = (text[at + len(self.end_tag):],
+                                                    _State.AFTER, True)
+                else:
+                    keep = _partial_suffix(text, self.end_tag)
+                    reasoning.append(text[:len(text) - keep])
+                    self.held = text[len(text) - keep:]
+                    break
+            elif state is _State.AFTER:
+                text = text.lstrip()
+                if text:
+                    self.state = _State.CONTENT
+            else:
+                content.append(text)
+                break
+        return Split("".join(reasoning), "".join(content))
+
+    def finish(self) -> Split:
+        """What is still held once the answer has ended."""
+        held, self.held = self.held, ""
+        if self.state is _State.START:
+            return Split("", held)
+        if self.state in (_State.OPENING, _State.REASONING):
+            return Split(held, "")
+        return Split("", "")  # (whitespace after the end tag)
+
+    def split(self, text: str) -> Split:
+        """A whole answer at once."""
+        a, b = self.feed(text), self.finish()
+        return Split(a.reasoning + b.reasoning, a.content + b.content)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many characters at the end of text could begin tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class Qwen3Parser(ReasoningParser):
+    """Qwen3: the answer opens `<think>` itself (or the template did); with
+    enable_thinking=False the template closes an empty block, and the answer is content."""
+
+    name = "qwen3"
+
+
+class DeepSeekR1Parser(ReasoningParser):
+    """DeepSeek-R1: its template opens `<think>`, so the answer is reasoning up to
+    `</think>` whether or not it writes the start tag (as vLLM's parser assumes)."""
+
+    name = "deepseek_r1"
+    tag_optional = True
+
+
+PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (Qwen3Parser, DeepSeekR1Parser)}
+# vLLM's names that are not served, with why
+REFUSED = {"openai_gptoss": "gpt-oss's harmony channels are not split into reasoning yet "
+                            "(their tags are special tokens the detokenizer drops)"}
+
+
+def check_parser(name: str | None) -> str | None:
+    """A --reasoning-parser value, or a ConfigError naming it."""
+    if name is None or name in PARSERS:
+        return name
+    if name in REFUSED:
+        raise ConfigError(f"--reasoning-parser {name} is not supported: {REFUSED[name]}")
+    raise ConfigError(f"--reasoning-parser {name!r} is not known (use one of "
+                      f"{sorted(PARSERS)})")
+
+
+def prompt_opens_reasoning(prompt: str, parser: type[ReasoningParser]) -> bool:
+    """Whether a rendered chat prompt leaves the reasoning open: its last start tag comes
+    after its last end tag (a template that opens `<think>` for the model)."""
+    start = prompt.rfind(parser.start_tag)
+    return start >= 0 and prompt.find(parser.end_tag, start) < 0
+
+
+def tags_survive(tokenizer: Any, parser: type[ReasoningParser]) -> str | None:
+    """Why the detokenized answer would lose a tag (the tokenizer marks it special, and
+    special tokens are skipped), or None when both come through as text."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    lost = [t for t in (parser.start_tag, parser.end_tag) if t in special]
+    if lost:
+        return (f"the tokenizer marks {lost} as special tokens, which answers skip: "
+                f"--reasoning-parser {parser.name} cannot find them")
+    return None
+
+
+def reasoning_tokens(token_ids: list[int], parser: ReasoningParser, end_id: int | None) -> int:
+    """The answer's tokens that were reasoning: up to its end tag's (included), all of them
+    if the reasoning never ended, none if there was none."""
+    if not parser.entered:
+        return 0
+    if end_id is not None and end_id in token_ids:
+        return token_ids.index(end_id) + 1
+    return len(token_ids) if not parser.ended else 0

@@ -1,0 +1,88 @@
+"""Reasoning parsers (pipeline/server/reasoning.py): the fields each answer splits into, and
+the same fields however the answer is cut into deltas (every split into two, and one
+character at a time), so a tag split over deltas never leaks into either field."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipc.errors import ConfigError
+from pipeline.server.reasoning import (
+    DeepSeekR1Parser,
+    Qwen3Parser,
+    ReasoningParser,
+    Split,
+    check_parser,
+    prompt_opens_reasoning,
+    reasoning_tokens,
+)
+
+# (parser, the prompt left <think> open, answer, reasoning, content)
+CASES = [
+    (Qwen3Parser, False, "<think>\nI add 2 and 2.\n</think>\n\nIt is 4.", "\nI add 2 and 2.\n",
+     "It is 4."),
+    (Qwen3Parser, False, "It is 4.", "", "It is 4."),  # enable_thinking=False: no block
+    (Qwen3Parser, False, "  <thin", "", "  <thin"),  # cut inside a would-be tag: content
+    (Qwen3Parser, False, "\n<think>a < b </thin> c</think>x</think>", "a < b </thin> c",
+     "x</think>"),
+    (Qwen3Parser, True, "plan</think>\n\nanswer", "plan", "answer"),  # template opened it
+    (Qwen3Parser, True, "<think>plan</think>answer", "plan", "answer"),
+    (Qwen3Parser, True, "still thinking </thi", "still thinking </thi", ""),  # max_tokens
+    (Qwen3Parser, False, "<think></think>\n\n", "", ""),
+    (DeepSeekR1Parser, False, "no tag, thinking</think>done", "no tag, thinking", "done"),
+    (DeepSeekR1Parser, False, "<think>with tag</think> done", "with tag", "done"),
+    (DeepSeekR1Parser, False, "never ends", "never ends", ""),
+    (DeepSeekR1Parser, False, "", "", ""),
+]
+
+
+def streamed(parser: ReasoningParser, pieces: list[str]) -> Split:
+    reasoning, content = "", ""
+    for piece in [*pieces, None]:
+        part = parser.finish() if piece is None else parser.feed(piece)
+        reasoning, content = reasoning + part.reasoning, content + part.content
+    return Split(reasoning, content)
+
+
+@pytest.mark.parametrize("cls, opened, text, reasoning, content", CASES)
+def test_streamed_equals_whole_at_every_split(cls: type[ReasoningParser], opened: bool,
+                                              text: str, reasoning: str, content: str) -> None:
+    assert cls(opened).split(text) == (reasoning, content)
+    for at in range(len(text) + 1):
+        assert streamed(cls(opened), [text[:at], text[at:]]) == (reasoning, content), at
+    assert streamed(cls(opened), list(text)) == (reasoning, content)
+
+
+def test_a_tag_split_over_deltas_is_held_not_leaked() -> None:
+    p = Qwen3Parser()
+    assert p.feed("<th") == ("", "")
+    assert p.feed("ink>why</th") == ("why", "")
+    assert p.feed("ink>\n") == ("", "")
+    assert p.feed("\nso") == ("", "so")
+
+
+def test_prompt_opens_reasoning() -> None:
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n", Qwen3Parser)
+    assert not prompt_opens_reasoning("assistant\n<think>\n\n</think>\n\n", Qwen3Parser)
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n", Qwen3Parser)
+
+
+def test_reasoning_tokens_count_up_to_the_end_tag() -> None:
+    end = 9
+    done = Qwen3Parser()
+    done.split("<think>a</think>b")
+    assert reasoning_tokens([8, 1, end, 2, 3], done, end) == 3
+    cut = Qwen3Parser()
+    cut.split("<think>abc")
+    assert reasoning_tokens([8, 1, 2], cut, end) == 3
+    none = Qwen3Parser()
+    none.split("abc")
+    assert reasoning_tokens([1, 2], none, end) == 0
+
+
+def test_parser_names() -> None:
+    assert check_parser("qwen3") == "qwen3" and check_parser(None) is None
+    with pytest.raises(ConfigError, match="openai_gptoss is not supported"):
+        check_parser("openai_gptoss")
+    with pytest.raises(ConfigError, match="not known"):
+        check_parser("granite")
