@@ -116,6 +116,8 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
     access_log: bool = True  # a line per request on stderr
     stats_interval: float = 10.0  # seconds between the engine's stats lines on stderr; 0: off
+    # a thinking model's reasoning split out of chat answers (pipeline/server/reasoning.py)
+    reasoning_parser: str | None = None
 
 
 # Weight formats made at load from a float checkpoint (stages/executor/linear/quantized.py):

@@ -262,6 +262,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", default=",".join(o.allowed_origins), metavar="ORIGINS",
                    help="CORS: comma-separated origins that browsers may call the API from, "
                         "or '*' for any (default: none, CORS off)")
+    p.add_argument("--reasoning-parser", default=o.reasoning_parser, metavar="NAME",
+                   help="split a thinking model's reasoning out of chat answers into "
+                        "reasoning_content: qwen3 or deepseek_r1 (vLLM's names)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

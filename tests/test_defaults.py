@@ -82,6 +82,7 @@ FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "access_log": (ServerOptions, "access_log", _same),
     "stats_interval": (ServerOptions, "stats_interval", _same),
     "allowed_origins": (ServerOptions, "allowed_origins", _origins),
+    "reasoning_parser": (ServerOptions, "reasoning_parser", _same),
 }
 
 # Flags of no config field, and why. (`None` = not given: what the config then holds is

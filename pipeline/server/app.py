@@ -41,6 +41,7 @@ from pipeline.server.openai_parse import (
     parse_tokenize,
 )
 from pipeline.server.openai_render import new_id
+from pipeline.server.reasoning import reasoning_spec
 
 logger = logging.getLogger(__name__)
 
@@ -336,6 +337,9 @@ class FrontEnd:
         # and the user it names (OpenAI's `user`).
         host = request.client.host if request.client else "?"
         parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}")
+        if chat and self.options.reasoning_parser is not None:
+            parsed.reasoning = reasoning_spec((await self.core()).tokenizer,
+                                              self.options.reasoning_parser, parsed)
         self._loop = asyncio.get_running_loop()
         run = Generation(self, parsed, new_id(chat))
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.

@@ -19,6 +19,7 @@ from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutpu
 from ipc.params import MAX_LOGIT_BIAS, MAX_USER_CHARS, RequestError, validate_params
 from pipeline.server.errors import bad
 from pipeline.server.tools import parse_tools
+from stages.chat_template import template_kwargs
 
 Prompt = str | list[int] | list[ChatMessage]
 # One API request may not queue more than this: its prompts, and prompts times n.
@@ -84,7 +85,7 @@ SAMPLING_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                 "tool_choice", "parallel_tool_calls"}
+                                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 # Known fields we do not implement, with what to do instead.
 NOT_IMPLEMENTED = {
     "suffix": "suffix (insertion) is not supported",
@@ -96,7 +97,8 @@ NOT_IMPLEMENTED = {
     "guided_decoding_backend": "guided_decoding_backend cannot be chosen: this server has one",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "chat_template": "chat_template is not supported: the model's own template is used",
-    "chat_template_kwargs": "chat_template_kwargs is not supported",
+    "chat_template_kwargs": "chat_template_kwargs is not supported here (it is for "
+                            "/v1/chat/completions)",
     "continue_final_message": "continue_final_message is not supported",
     "add_generation_prompt": "add_generation_prompt is not supported (it is always on)",
 }
@@ -128,6 +130,8 @@ class ParsedRequest:
     score_only: bool = False  # max_tokens 0: the one token the engine samples is dropped
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as asked
     extra: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: str = ""  # a chat's extra template variables, JSON text ("": none)
+    reasoning: Any = None  # pipeline.server.reasoning.ReasoningSpec, with --reasoning-parser
 
 
 def _user(body: dict[str, Any]) -> str:
@@ -475,8 +479,23 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
         raise bad("prompt_logprobs", "prompt_logprobs on a chat is for plain answers, not "
                                      "streams (completions stream them)")
     parsed = ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param,
-                           so_param, tools=tools, prompt_logprobs=params.prompt_logprobs)
+                           so_param, tools=tools, prompt_logprobs=params.prompt_logprobs,
+                           chat_template_kwargs=_template_kwargs(body))
     return parsed
+
+
+def _template_kwargs(body: dict[str, Any]) -> str:
+    """chat_template_kwargs (vLLM's): an object of the template's extra variables, such as
+    {"enable_thinking": false}; as JSON text, checked as the tokenizer stage will."""
+    value = _get(body, "chat_template_kwargs", (dict,))
+    if not value:
+        return ""
+    text = json.dumps(value)
+    try:
+        template_kwargs(text)
+    except RequestError as exc:
+        raise bad("chat_template_kwargs", exc.message) from None
+    return text
 
 
 @dataclass

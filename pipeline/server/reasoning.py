@@ -12,6 +12,7 @@ the model writes only `</think>`), or close it empty (Qwen3's enable_thinking=Fa
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ipc.errors import ConfigError
@@ -127,6 +128,49 @@ REFUSED = {"openai_gptoss": "gpt-oss's harmony channels are not split into reaso
                             "(their tags are special tokens the detokenizer drops)"}
 
 
+@dataclass(frozen=True)
+class ReasoningSpec:
+    """A chat request's reasoning, as the front end found it: the parser, whether its prompt
+    left the reasoning open, and the end tag's token id (None: not one token)."""
+
+    parser: type[ReasoningParser]
+    opened: bool
+    end_id: int | None
+
+    def new(self) -> ReasoningParser:
+        return self.parser(self.opened)
+
+    def answer(self, text: str, token_ids: list[int]) -> Answer:
+        """A whole answer's fields, and how many of its tokens were reasoning."""
+        parser = self.new()
+        reasoning, content = parser.split(text)
+        return Answer(reasoning if parser.entered else None, content,
+                      reasoning_tokens(token_ids, parser, self.end_id))
+
+
+class Answer(NamedTuple):
+    reasoning: str | None  # None: the answer had no reasoning
+    content: str
+    num_reasoning_tokens: int
+
+
+def reasoning_spec(tokenizer: Any, name: str, parsed: Any) -> ReasoningSpec:
+    """A chat request's ReasoningSpec (parsed: its openai_parse.ParsedRequest): its prompt
+    rendered as the tokenizer stage will, to see whether the template opened the reasoning.
+    A template that fails here fails there too, and that error is the answer."""
+    from stages.chat_template import render, template_kwargs
+
+    parser = PARSERS[name]
+    tools = parsed.tools.tools if parsed.tools is not None else []
+    try:
+        prompt = render(tokenizer, parsed.prompts[0], tools,
+                        template_kwargs(parsed.chat_template_kwargs))
+    except Exception:  # noqa: BLE001 (the tokenizer stage answers with the error)
+        prompt = ""
+    return ReasoningSpec(parser, prompt_opens_reasoning(prompt, parser),
+                         end_token_id(tokenizer, parser))
+
+
 def check_parser(name: str | None) -> str | None:
     """A --reasoning-parser value, or a ConfigError naming it."""
     if name is None or name in PARSERS:
@@ -142,6 +186,11 @@ def prompt_opens_reasoning(prompt: str, parser: type[ReasoningParser]) -> bool:
     after its last end tag (a template that opens `<think>` for the model)."""
     start = prompt.rfind(parser.start_tag)
     return start >= 0 and prompt.find(parser.end_tag, start) < 0
+
+
+def end_token_id(tokenizer: Any, parser: type[ReasoningParser]) -> int | None:
+    ids = tokenizer(parser.end_tag, add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 else None
 
 
 def tags_survive(tokenizer: Any, parser: type[ReasoningParser]) -> str | None:
