@@ -83,6 +83,17 @@ class StructuredOutputs(Struct):
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningTags(Struct):
+    """Where a thinking model's reasoning is, so that a structured output applies after it:
+    the answer starts inside it (`opened`: the template opened it), or it may open it with
+    its first token (`start_id`, -1: it cannot); it ends with token `end_id`."""
+
+    start_id: int
+    end_id: int
+    opened: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class LogitBias(Struct):
     """OpenAI's logit_bias entry: `bias` is added to token `token_id`'s logit before sampling
     (greedy too); -100 bans the token, +100 all but forces it."""
@@ -139,6 +150,8 @@ class SamplingParams(Struct):
     speculate: bool = True
     # OpenAI's logit_bias; a {token id: bias} dict is taken too (vLLM's spelling)
     logit_bias: list[LogitBias] = field(default_factory=list)
+    # a thinking model's tags: the structured output constrains only what follows them
+    reasoning: ReasoningTags | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -490,6 +503,7 @@ class SlotGrammar(Struct):
     slot: int
     grammar: str
     output_ids: list[int] = field(default_factory=list)
+    reasoning: ReasoningTags | None = None  # the grammar starts after the reasoning
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,11 @@ def validate_params(p: SamplingParams, vocab_size: int,
         _validate_logit_bias(p, vocab_size)
     if p.structured_outputs is not None:
         _validate_structured(p)
+    if p.reasoning is not None:
+        tags = p.reasoning
+        _check(0 <= tags.end_id < vocab_size and -1 <= tags.start_id < vocab_size, "reasoning",
+               f"reasoning tag ids ({tags.start_id}, {tags.end_id}) are outside the "
+               f"vocabulary [0, {vocab_size})")
 
 
 def _validate_logit_bias(p: SamplingParams, vocab_size: int) -> None:

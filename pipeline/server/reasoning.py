@@ -11,11 +11,14 @@ the model writes only `</think>`), or close it empty (Qwen3's enable_thinking=Fa
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ipc.errors import ConfigError
+from ipc.messages import ReasoningTags
+from pipeline.server.errors import bad
 
 
 class Split(NamedTuple):
@@ -136,9 +139,18 @@ class ReasoningSpec:
     parser: type[ReasoningParser]
     opened: bool
     end_id: int | None
+    start_id: int | None = None
 
     def new(self) -> ReasoningParser:
         return self.parser(self.opened)
+
+    def tags(self) -> ReasoningTags | None:
+        """The tags a structured output waits for (None: the end tag is not one token)."""
+        if self.end_id is None:
+            return None
+        opened = self.opened or self.parser.tag_optional
+        return ReasoningTags(-1 if self.start_id is None else self.start_id, self.end_id,
+                             opened)
 
     def answer(self, text: str, token_ids: list[int]) -> Answer:
         """A whole answer's fields, and how many of its tokens were reasoning."""
@@ -157,7 +169,10 @@ class Answer(NamedTuple):
 def reasoning_spec(tokenizer: Any, name: str, parsed: Any) -> ReasoningSpec:
     """A chat request's ReasoningSpec (parsed: its openai_parse.ParsedRequest): its prompt
     rendered as the tokenizer stage will, to see whether the template opened the reasoning.
-    A template that fails here fails there too, and that error is the answer."""
+    A template that fails here fails there too, and that error is the answer. A structured
+    output (response_format, tool_choice required or named) gets the tags to wait for
+    (parsed.params.reasoning): it constrains the answer after the reasoning, not the
+    reasoning."""
     from stages.chat_template import render, template_kwargs
 
     parser = PARSERS[name]
@@ -167,8 +182,15 @@ def reasoning_spec(tokenizer: Any, name: str, parsed: Any) -> ReasoningSpec:
                         template_kwargs(parsed.chat_template_kwargs))
     except Exception:  # noqa: BLE001 (the tokenizer stage answers with the error)
         prompt = ""
-    return ReasoningSpec(parser, prompt_opens_reasoning(prompt, parser),
-                         end_token_id(tokenizer, parser))
+    spec = ReasoningSpec(parser, prompt_opens_reasoning(prompt, parser),
+                         token_id(tokenizer, parser.end_tag), token_id(tokenizer, parser.start_tag))
+    if parsed.params.structured_outputs is not None:  # (tools' required and named too)
+        tags = spec.tags()
+        if tags is None:
+            raise bad(parsed.structured_param, f"{parsed.structured_param} cannot follow the "
+                      f"reasoning: {parser.end_tag} is not one token of this tokenizer")
+        parsed.params = dataclasses.replace(parsed.params, reasoning=tags)
+    return spec
 
 
 def check_parser(name: str | None) -> str | None:
@@ -188,8 +210,9 @@ def prompt_opens_reasoning(prompt: str, parser: type[ReasoningParser]) -> bool:
     return start >= 0 and prompt.find(parser.end_tag, start) < 0
 
 
-def end_token_id(tokenizer: Any, parser: type[ReasoningParser]) -> int | None:
-    ids = tokenizer(parser.end_tag, add_special_tokens=False)["input_ids"]
+def token_id(tokenizer: Any, tag: str) -> int | None:
+    """The tag's token id, or None if the tag is not one token."""
+    ids = tokenizer(tag, add_special_tokens=False)["input_ids"]
     return ids[0] if len(ids) == 1 else None
 
 

@@ -179,7 +179,8 @@ class SlotState:
         given = {g.slot: g for g in step.plan.grammars}
         for slot in step.new_slot.tolist():
             g = given.get(slot)
-            m.admit(slot, g.grammar if g else "", g.output_ids if g else ())
+            m.admit(slot, g.grammar if g else "", g.output_ids if g else (),
+                    g.reasoning if g else None)
         rows, slots = m.rows(step.sample_slots)
         if not len(rows):
             return None

@@ -262,7 +262,8 @@ class StepBuilder:
         step.stop_ids += [(slot, t) for t in suppressed_ids(
             seq.params, self.limits.eos_token_ids, len(seq.output_ids))]
         if seq.grammar:
-            step.grammars.append(SlotGrammar(slot, seq.grammar, list(seq.output_ids)))
+            step.grammars.append(SlotGrammar(slot, seq.grammar, list(seq.output_ids),
+                                             seq.params.reasoning))
         if seq.params.logit_bias:
             bias = seq.params.logit_bias
             step.logit_biases.append(SlotLogitBias(slot, [b.token_id for b in bias],
