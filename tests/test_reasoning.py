@@ -86,3 +86,38 @@ def test_parser_names() -> None:
         check_parser("openai_gptoss")
     with pytest.raises(ConfigError, match="not known"):
         check_parser("granite")
+
+
+def test_tool_calls_are_parsed_after_the_thinking_only() -> None:
+    """A call the model only thought about is reasoning; the one after </think> is a call,
+    whole and streamed (the content deltas go through the tool stream)."""
+    from ipc.messages import FinishReason, ToolSpec
+    from ipc.outputs import SampleResult
+    from pipeline.server.openai_render import choice_json
+    from pipeline.server.reasoning import ReasoningSpec
+    from pipeline.server.tools import ToolRequest, ToolStream
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    text = f"<think>maybe {call.replace('1', '2')}?</think>\n\n{call}"
+    tools = ToolRequest([ToolSpec("add")], "auto")
+    spec = ReasoningSpec(Qwen3Parser, False, None)
+    result = SampleResult(0)
+    result.text, result.finish_reason = text, FinishReason.STOP
+    message = choice_json(result, True, False, tools, None, spec)["message"]
+    assert message["reasoning_content"] == f"maybe {call.replace('1', '2')}?"
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    for at in range(len(text) + 1):
+        parser, stream = spec.new(), ToolStream(tools)
+        deltas: list[dict] = []
+        thought = ""
+        for piece in (text[:at], text[at:]):
+            split = parser.feed(piece)
+            thought += split.reasoning
+            deltas += stream.feed(split.content)
+        thought += parser.finish().reasoning
+        more, reason = stream.finish(FinishReason.STOP)
+        deltas += more
+        assert thought == message["reasoning_content"] and reason == "tool_calls"
+        assert [d["tool_calls"][0]["function"] for d in deltas] == [
+            {"name": "add", "arguments": '{"a": 1}'}], at

@@ -170,3 +170,25 @@ def test_bad_chat_template_kwargs_are_a_400_naming_them(server: Server) -> None:
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "chat_template_kwargs", error
         assert words in error["message"], error
+
+
+def test_a_format_constrains_the_answer_after_the_thinking_not_the_thinking(
+        server: Server, tokenizer: Any) -> None:
+    """guided_regex with a thinking template: the thinking is free text (tags and all), the
+    answer after </think> is exactly the format."""
+    import re
+
+    end = str(tokenizer.convert_tokens_to_ids("</think>"))
+    chat = client(server).chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=40, temperature=1.0, seed=3, n=4,
+        logit_bias={end: 3}, extra_body={"chat_template_kwargs": {"open_think": True},
+                                         "guided_regex": "[0-9]{3}"})
+    answered = 0
+    for choice in chat.choices:
+        thinking = choice.message.model_extra["reasoning_content"]
+        assert thinking is not None
+        if choice.finish_reason == "stop":
+            assert re.fullmatch("[0-9]{3}", choice.message.content or ""), choice.message
+            answered += 1
+    assert answered >= 2 and any(re.search("[^0-9]", c.message.model_extra[
+        "reasoning_content"]) for c in chat.choices)  # the thinking was not held to digits
