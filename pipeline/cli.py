@@ -264,7 +264,8 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                         "or '*' for any (default: none, CORS off)")
     p.add_argument("--reasoning-parser", default=o.reasoning_parser, metavar="NAME",
                    help="split a thinking model's reasoning out of chat answers into "
-                        "reasoning_content: qwen3 or deepseek_r1 (vLLM's names)")
+                        "reasoning_content: qwen3, deepseek_r1 or openai_gptoss (vLLM's "
+                        "names)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

@@ -4,11 +4,14 @@ character at a time), so a tag split over deltas never leaks into either field."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ipc.errors import ConfigError
 from pipeline.server.reasoning import (
     DeepSeekR1Parser,
+    HarmonyParser,
     Qwen3Parser,
     ReasoningParser,
     Split,
@@ -33,6 +36,14 @@ CASES = [
     (DeepSeekR1Parser, False, "<think>with tag</think> done", "with tag", "done"),
     (DeepSeekR1Parser, False, "never ends", "never ends", ""),
     (DeepSeekR1Parser, False, "", "", ""),
+    (HarmonyParser, False, "<|channel|>analysis<|message|>2 + 2 < 5<|end|><|start|>assistant"
+     "<|channel|>final<|message|>It is 4.<|return|>", "2 + 2 < 5", "It is 4."),
+    (HarmonyParser, False, "<|channel|>analysis<|message|>cut short", "cut short", ""),
+    (HarmonyParser, False, "no harmony <at all>", "", "no harmony <at all>"),
+    (HarmonyParser, False, "<|channel|>analysis<|message|>call it<|end|><|start|>assistant"
+     "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 1}<|call|>",
+     "call it", "<|channel|>commentary to=functions.add <|constrain|>json<|message|>"
+     "{\"a\": 1}<|call|>"),
 ]
 
 
@@ -82,8 +93,7 @@ def test_reasoning_tokens_count_up_to_the_end_tag() -> None:
 
 def test_parser_names() -> None:
     assert check_parser("qwen3") == "qwen3" and check_parser(None) is None
-    with pytest.raises(ConfigError, match="openai_gptoss is not supported"):
-        check_parser("openai_gptoss")
+    assert check_parser("openai_gptoss") == "openai_gptoss"
     with pytest.raises(ConfigError, match="not known"):
         check_parser("granite")
 
@@ -121,3 +131,32 @@ def test_tool_calls_are_parsed_after_the_thinking_only() -> None:
         assert thought == message["reasoning_content"] and reason == "tool_calls"
         assert [d["tool_calls"][0]["function"] for d in deltas] == [
             {"name": "add", "arguments": '{"a": 1}'}], at
+
+
+def test_the_spec_of_a_request(tmp_path: Path) -> None:
+    """The front end's view: whether the template opened the reasoning; the tags a format
+    waits for; harmony's answers keep their special-token markers, and a format cannot
+    follow harmony's reasoning (refused by name)."""
+    from pipeline.server.errors import ApiError
+    from pipeline.server.openai_parse import parse_chat
+    from pipeline.server.reasoning import reasoning_spec
+    from pipeline.tools.random_model import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = "{{ messages[0]['content'] }}{% if think %}<think>{% endif %}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "[0-9]"}
+    parsed = parse_chat({**body, "chat_template_kwargs": {"think": True}}, len(tok))
+    spec = reasoning_spec(tok, "qwen3", parsed)
+    end = tok.convert_tokens_to_ids("</think>")
+    assert spec.opened and spec.end_id == end
+    assert parsed.params.reasoning is not None and parsed.params.reasoning.opened
+    closed = parse_chat(body, len(tok))
+    assert not reasoning_spec(tok, "qwen3", closed).opened
+    assert closed.params.reasoning == type(parsed.params.reasoning)(
+        tok.convert_tokens_to_ids("<think>"), end, False)
+    plain = parse_chat({"messages": body["messages"]}, len(tok))
+    reasoning_spec(tok, "openai_gptoss", plain)
+    assert plain.params.skip_special_tokens is False and plain.params.reasoning is None
+    with pytest.raises(ApiError, match="openai_gptoss"):
+        reasoning_spec(tok, "openai_gptoss", parse_chat(body, len(tok)))

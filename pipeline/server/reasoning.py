@@ -43,6 +43,7 @@ class ReasoningParser:
     name = ""
     start_tag, end_tag = "<think>", "</think>"
     tag_optional = False  # the answer starts inside the reasoning even with no start tag
+    needs_special_tokens = False  # its tags are special tokens: answers must keep them
 
     def __init__(self, in_reasoning: bool = False) -> None:
         opens = in_reasoning or self.tag_optional
@@ -125,10 +126,90 @@ class DeepSeekR1Parser(ReasoningParser):
     tag_optional = True
 
 
-PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (Qwen3Parser, DeepSeekR1Parser)}
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                   "<|call|>", "<|constrain|>")
+
+
+class HarmonyParser(ReasoningParser):
+    """gpt-oss's harmony format, minimally: a message on the `analysis` channel is reasoning,
+    one on `final` content, the markers and the role headers dropped. A message on any other
+    channel (`commentary`: tool calls, preambles) goes to content as written, markers and
+    all, for a tool parser to read. Text before any marker is content (a model not speaking
+    harmony). Its markers are special tokens: its answers are detokenized with them
+    (`needs_special_tokens`)."""
+
+    name = "openai_gptoss"
+    start_tag, end_tag = "<|channel|>analysis<|message|>", "<|end|>"
+    needs_special_tokens = True
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        super().__init__(False)
+        self.entered = self.ended = False
+        self.where = "outside"  # outside (a role header, or no harmony), header, body
+        self.channel = ""
+        self.header = ""
+        self.seen_marker = False
+
+    def feed(self, delta: str) -> Split:
+        text, self.held = self.held + delta, ""
+        reasoning, content = [], []
+        while text:
+            at, marker = min(((text.find(m), m) for m in HARMONY_MARKERS if m in text),
+                             default=(-1, ""))
+            if at < 0:
+                keep = max(_partial_suffix(text, m) for m in HARMONY_MARKERS)
+                if self.where == "header":
+                    keep = len(text)  # a header is read whole
+                self._text(text[:len(text) - keep], reasoning, content)
+                self.held = text[len(text) - keep:]
+                break
+            self._text(text[:at], reasoning, content)
+            self._marker(marker, content)
+            text = text[at + len(marker):]
+        return Split("".join(reasoning), "".join(content))
+
+    def _text(self, text: str, reasoning: list[str], content: list[str]) -> None:
+        if not text:
+            return
+        if self.where == "header":
+            self.header += text
+        elif self.where == "body":
+            (reasoning if self.channel == "analysis" else content).append(text)
+        elif not self.seen_marker:
+            content.append(text)
+
+    def _marker(self, marker: str, content: list[str]) -> None:
+        self.seen_marker = True
+        raw = self.where == "body" and self.channel not in ("analysis", "final")
+        if marker == "<|channel|>":
+            self.where, self.header = "header", ""
+        elif marker == "<|message|>" and self.where == "header":
+            self.channel = self.header.split()[0] if self.header.split() else ""
+            self.where = "body"
+            if self.channel == "analysis":
+                self.entered = True
+            elif self.channel != "final":  # kept as written, for a tool parser
+                content.append(f"<|channel|>{self.header}<|message|>")
+        elif marker == "<|constrain|>" and self.where == "header":
+            self.header += marker
+        elif marker in ("<|end|>", "<|return|>", "<|call|>", "<|start|>"):
+            if raw and marker != "<|start|>":
+                content.append(marker)
+            if self.where == "body" and self.channel == "analysis":
+                self.ended = True
+            self.where = "outside"
+
+    def finish(self) -> Split:
+        held, self.held = self.held, ""
+        if self.where == "body":
+            return Split(held, "") if self.channel == "analysis" else Split("", held)
+        return Split("", held if not self.seen_marker else "")
+
+
+PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (Qwen3Parser, DeepSeekR1Parser,
+                                                                 HarmonyParser)}
 # vLLM's names that are not served, with why
-REFUSED = {"openai_gptoss": "gpt-oss's harmony channels are not split into reasoning yet "
-                            "(their tags are special tokens the detokenizer drops)"}
+REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -145,8 +226,9 @@ class ReasoningSpec:
         return self.parser(self.opened)
 
     def tags(self) -> ReasoningTags | None:
-        """The tags a structured output waits for (None: the end tag is not one token)."""
-        if self.end_id is None:
+        """The tags a structured output waits for (None: the end tag is not one token, or
+        the reasoning does not end with one: harmony's)."""
+        if self.end_id is None or self.parser.needs_special_tokens:
             return None
         opened = self.opened or self.parser.tag_optional
         return ReasoningTags(-1 if self.start_id is None else self.start_id, self.end_id,
@@ -188,8 +270,11 @@ def reasoning_spec(tokenizer: Any, name: str, parsed: Any) -> ReasoningSpec:
         tags = spec.tags()
         if tags is None:
             raise bad(parsed.structured_param, f"{parsed.structured_param} cannot follow the "
-                      f"reasoning: {parser.end_tag} is not one token of this tokenizer")
+                      f"reasoning of --reasoning-parser {name}: it does not end with one "
+                      "token (not supported)")
         parsed.params = dataclasses.replace(parsed.params, reasoning=tags)
+    if parser.needs_special_tokens:  # (the markers are special tokens: keep their text)
+        parsed.params = dataclasses.replace(parsed.params, skip_special_tokens=False)
     return spec
 
 
@@ -219,6 +304,8 @@ def token_id(tokenizer: Any, tag: str) -> int | None:
 def tags_survive(tokenizer: Any, parser: type[ReasoningParser]) -> str | None:
     """Why the detokenized answer would lose a tag (the tokenizer marks it special, and
     special tokens are skipped), or None when both come through as text."""
+    if parser.needs_special_tokens:
+        return None  # (answers keep them)
     special = set(getattr(tokenizer, "all_special_tokens", ()))
     lost = [t for t in (parser.start_tag, parser.end_tag) if t in special]
     if lost:
