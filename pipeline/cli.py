@@ -373,7 +373,8 @@ def _max_tokens(text: str) -> int | None:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(SamplingParams)
-                             if f.name != "structured_outputs"},
+                             # (reasoning: set by the server's reasoning parser)
+                             if f.name not in ("structured_outputs", "reasoning")},
                           structured_outputs=structured_outputs(args))
 
 
