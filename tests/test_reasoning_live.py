@@ -145,6 +145,12 @@ def test_enable_thinking_false_gives_content_only(server: Server, tokenizer: Any
         assert choice.message.content == raw.text
         assert choice.message.model_extra["reasoning_content"] is None
     assert chat.usage.completion_tokens_details.reasoning_tokens == 0
+    # /tokenize renders the same prompt
+    import httpx
+
+    r = httpx.post(f"{server.url}/tokenize", timeout=30, json={
+        "messages": MESSAGES, "chat_template_kwargs": kwargs}).json()
+    assert tokenizer.decode(r["tokens"]).endswith("<think>\n\n</think>\n\n")
 
 
 def test_langchain_gets_a_clean_content(server: Server, tokenizer: Any) -> None:

@@ -42,6 +42,7 @@ from pipeline.server.openai_parse import (
 )
 from pipeline.server.openai_render import new_id
 from pipeline.server.reasoning import reasoning_spec
+from stages.chat_template import template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,8 @@ class FrontEnd:
         core = await self.core()
         try:
             if req.messages is not None:
-                ids = core.chat_ids(req.messages)
+                ids = core.chat_ids(req.messages, None,
+                                    template_kwargs(req.chat_template_kwargs))
             else:
                 ids = list(core.tokenizer(req.prompt,
                                           add_special_tokens=req.add_special_tokens)["input_ids"])

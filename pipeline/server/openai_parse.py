@@ -505,11 +505,12 @@ class TokenizeRequest:
     prompt: str | None
     messages: list[ChatMessage] | None
     add_special_tokens: bool
+    chat_template_kwargs: str = ""  # with messages: the template's variables (JSON text)
 
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
-                                  "add_generation_prompt"}))
+                                  "add_generation_prompt", "chat_template_kwargs"}))
     if _get(body, "add_generation_prompt", (bool,), True) is not True:
         raise bad("add_generation_prompt", "add_generation_prompt must be true (the only "
                                            "template this server applies)")
@@ -517,8 +518,11 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     if ("prompt" in body) == ("messages" in body):
         raise bad("prompt", "give exactly one of prompt and messages")
     if "prompt" in body:
+        if body.get("chat_template_kwargs") is not None:
+            raise bad("chat_template_kwargs", "chat_template_kwargs go with messages, not "
+                                              "with a prompt")
         return TokenizeRequest(_get(body, "prompt", (str,), ""), None, add_special)
-    return TokenizeRequest(None, parse_messages(body), add_special)
+    return TokenizeRequest(None, parse_messages(body), add_special, _template_kwargs(body))
 
 
 def parse_detokenize(body: dict[str, Any], vocab_size: int) -> list[int]:
