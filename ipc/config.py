@@ -120,6 +120,8 @@ class ServerOptions:
     access_log: bool = True  # a line per request on stderr
     stats_interval: float = 10.0  # seconds between the engine's stats lines on stderr; 0: off
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS; None: from the template
+    # a thinking model's reasoning split out of chat answers (pipeline/server/reasoning.py)
+    reasoning_parser: str | None = None
 
 
 # Weight formats made at load from a float checkpoint (stages/executor/linear/quantized.py):

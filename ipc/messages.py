@@ -83,6 +83,26 @@ class StructuredOutputs(Struct):
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningTags(Struct):
+    """Where a thinking model's reasoning is, so that a structured output applies after it:
+    the answer starts inside it (`opened`: the template opened it), or it may open it with
+    its first token (`start_id`, -1: it cannot); it ends with token `end_id`."""
+
+    start_id: int
+    end_id: int
+    opened: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LogitBias(Struct):
+    """OpenAI's logit_bias entry: `bias` is added to token `token_id`'s logit before sampling
+    (greedy too); -100 bans the token, +100 all but forces it."""
+
+    token_id: int
+    bias: float
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams(Struct):
     """What the client asks of one request; validated by the tokenizer stage
     (ipc/params.py validate_params), with the meanings vLLM's users expect.
@@ -128,6 +148,15 @@ class SamplingParams(Struct):
     # With speculative decoding on (--speculative), False keeps this request out of it: one
     # token a step, as without. Its outputs are the same either way.
     speculate: bool = True
+    # OpenAI's logit_bias; a {token id: bias} dict is taken too (vLLM's spelling)
+    logit_bias: list[LogitBias] = field(default_factory=list)
+    # a thinking model's tags: the structured output constrains only what follows them
+    reasoning: ReasoningTags | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", [LogitBias(int(t), float(b))
+                                                    for t, b in self.logit_bias.items()])
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +204,9 @@ class AddRequest(Message):
     params: SamplingParams
     arrival_time: float
     tools: list[ToolSpec] = field(default_factory=list)  # shown to the model with messages
+    # a chat's extra variables for its template (JSON text of an object; "": none), as
+    # transformers' apply_chat_template takes them: {"enable_thinking": false}
+    chat_template_kwargs: str = ""
 
 
 # ---------------------------------------------------------------- client -> scheduler
@@ -449,6 +481,17 @@ class StepPlan(Message):
     num_stop_ids: int
     grammars: list[SlotGrammar] = field(default_factory=list)
     num_prompt_logprobs: int = 0  # positions whose logits score the next prompt token
+    logit_biases: list[SlotLogitBias] = field(default_factory=list)  # new slots with one
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLogitBias(Struct):
+    """A sequence with a logit_bias takes executor slot `slot` (with a StepPlan): the ids and
+    the biases its sampler adds (a step without one carries nothing: most steps)."""
+
+    slot: int
+    token_ids: list[int]
+    biases: list[float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,6 +503,7 @@ class SlotGrammar(Struct):
     slot: int
     grammar: str
     output_ids: list[int] = field(default_factory=list)
+    reasoning: ReasoningTags | None = None  # the grammar starts after the reasoning
 
 
 @dataclass(frozen=True, slots=True)

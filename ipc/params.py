@@ -19,6 +19,10 @@ MAX_USER_CHARS = 256  # SamplingParams.user: the scheduler keeps one entry per a
 # A structured output's schema, regex or grammar (its text), and its number of choices.
 MAX_STRUCTURED_CHARS = 1 << 17
 MAX_CHOICES = 1024
+# logit_bias entries per request: OpenAI's own limit (300). Each executor slot keeps this many
+# (id, bias) pairs on the device, so it bounds that table and a step's work.
+MAX_LOGIT_BIAS = 300
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
 # The priorities a caller may use unless the engine is started with another --priority-range:
 # a caller may make its own requests less urgent (batch work), never jump ahead of others.
 DEFAULT_PRIORITY_RANGE = (0, 10)
@@ -95,8 +99,31 @@ def validate_params(p: SamplingParams, vocab_size: int,
     bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
     _check(not bad, "stop_token_ids",
            f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    if p.logit_bias:
+        _validate_logit_bias(p, vocab_size)
     if p.structured_outputs is not None:
         _validate_structured(p)
+    if p.reasoning is not None:
+        tags = p.reasoning
+        _check(0 <= tags.end_id < vocab_size and -1 <= tags.start_id < vocab_size, "reasoning",
+               f"reasoning tag ids ({tags.start_id}, {tags.end_id}) are outside the "
+               f"vocabulary [0, {vocab_size})")
+
+
+def _validate_logit_bias(p: SamplingParams, vocab_size: int) -> None:
+    biases = p.logit_bias
+    _check(len(biases) <= MAX_LOGIT_BIAS, "logit_bias",
+           f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(biases)}")
+    outside = [b.token_id for b in biases if not 0 <= b.token_id < vocab_size]
+    _check(not outside, "logit_bias",
+           f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
+    wrong = [b.bias for b in biases
+             if not (math.isfinite(b.bias) and abs(b.bias) <= MAX_ABS_LOGIT_BIAS)]
+    _check(not wrong, "logit_bias",
+           f"logit_bias values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, "
+           f"{MAX_ABS_LOGIT_BIAS:g}], got {wrong[:5]}")
+    ids = [b.token_id for b in biases]
+    _check(len(set(ids)) == len(ids), "logit_bias", "logit_bias names a token id twice")
 
 
 def _validate_structured(p: SamplingParams) -> None:

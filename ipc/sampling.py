@@ -34,6 +34,7 @@ class I(enum.IntEnum):  # noqa: E742 (I for int columns, beside F)
     SEED = 3
     HAS_SEED = 4
     LOGPROBS = 5  # -1: none
+    LOGIT_BIAS = 6  # how many (id, bias) pairs the slot's row of the bias table holds
 
 
 NUM_F, NUM_I = len(F), len(I)
@@ -55,7 +56,7 @@ def encode_slot(p: SamplingParams, num_prompt_tokens: int = 0, index: int = 0) -
     floats = [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
               p.frequency_penalty]
     ints = [max(p.top_k, 0), p.min_tokens, num_prompt_tokens, 0 if seed is None else seed,
-            seed is not None, -1 if p.logprobs is None else p.logprobs]
+            seed is not None, -1 if p.logprobs is None else p.logprobs, len(p.logit_bias)]
     return floats, ints
 
 

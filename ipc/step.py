@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ipc.config import EngineLimits, PipelineConfig
-from ipc.messages import SlotGrammar, StepPlan
+from ipc.messages import SlotGrammar, SlotLogitBias, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import NUM_F, NUM_I, SlotRow
 from ipc.shm import BufferSpec, SharedRing, unlink_segment
@@ -257,7 +257,8 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
                new_slots: Sequence[NewSlot] = (),
                stop_ids: Sequence[tuple[int, int]] = (),
                prompt_logprobs: Sequence[tuple[int, int]] = (),
-               grammars: list[SlotGrammar] | None = None, num_plain: int = 0) -> StepPlan:
+               grammars: list[SlotGrammar] | None = None, num_plain: int = 0,
+               logit_biases: list[SlotLogitBias] | None = None) -> StepPlan:
     """Lay a step into ring slot `buf`; returns the plan that names it. `rows` give the ROWS
     fields and the input ids; each entry list is the columns of its count's fields, in the
     table's order: block_updates (slot, index, block), new_slots (slot, its encoded sampling
@@ -294,6 +295,7 @@ def write_step(buf: dict[str, np.ndarray], step_id: int, ring_slot: int,
     buf["stamp"][1] = step_id
     sizes = {TOKENS: num_tokens, ROWS: num_rows} | {c: len(v) for c, v in entries.items()}
     return StepPlan(step_id=step_id, ring_slot=ring_slot, grammars=grammars or [],
+                    logit_biases=logit_biases or [],
                     **{c.plan_field: n for c, n in sizes.items()})
 
 

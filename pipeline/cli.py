@@ -29,7 +29,7 @@ from ipc.config import (
     parse_depth,
 )
 from ipc.errors import ConfigError
-from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, TokenLogprob
+from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
 from ipc.ranks import parse_partition
@@ -266,6 +266,10 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=o.tool_call_parser, choices=TOOL_CALL_PARSERS,
                    help="the format the model writes tool calls in (vLLM's names; default: "
                         "Hermes' and Llama 3.1's, after the one the chat template shows)")
+    p.add_argument("--reasoning-parser", default=o.reasoning_parser, metavar="NAME",
+                   help="split a thinking model's reasoning out of chat answers into "
+                        "reasoning_content: qwen3, deepseek_r1 or openai_gptoss (vLLM's "
+                        "names)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -304,6 +308,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--user", default=d.user, help="who the requests are for (fair sharing)")
     g.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="with --speculative on: these requests take one token a step")
+    g.add_argument("--logit-bias", action="append", type=_logit_bias, metavar="ID=BIAS",
+                   default=list(d.logit_bias),
+                   help="add BIAS (-100..100) to token ID's logit; repeatable")
     s = p.add_argument_group("structured output (at most one; TEXT or @FILE)")
     s.add_argument("--json-schema", metavar="SCHEMA", default=so.json,
                    help="the output is JSON valid under this JSON Schema")
@@ -313,6 +320,15 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--choice", action="append", default=so.choice,
                    help="the output is one of these strings; repeatable")
     s.add_argument("--grammar", default=so.grammar, help="the output follows this Lark grammar")
+
+
+def _logit_bias(text: str) -> LogitBias:
+    token, _, bias = text.partition("=")
+    try:
+        return LogitBias(int(token), float(bias))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give ID=BIAS (a token id and a number), not "
+                                         f"{text!r}") from None
 
 
 def _text_or_file(value: str | None, flag: str) -> str | None:
@@ -361,7 +377,8 @@ def _max_tokens(text: str) -> int | None:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(SamplingParams)
-                             if f.name != "structured_outputs"},
+                             # (reasoning: set by the server's reasoning parser)
+                             if f.name not in ("structured_outputs", "reasoning")},
                           structured_outputs=structured_outputs(args))
 
 

@@ -50,8 +50,39 @@ def tool_json(t: ToolSpec) -> dict[str, Any]:
                                              "parameters": json.loads(t.parameters)}}
 
 
-def render(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolSpec]) -> str:
-    """The prompt text of a conversation, ready for the assistant's turn."""
+# apply_chat_template's own arguments, and what the template is already given: not a
+# chat_template_kwargs variable a request may set
+RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
+                             "add_generation_prompt", "continue_final_message", "chat_template",
+                             "return_dict", "return_tensors", "padding", "truncation",
+                             "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+                             "bos_token", "eos_token"})
+
+
+def template_kwargs(text: str) -> dict[str, Any]:
+    """A request's chat_template_kwargs (JSON text of an object; "": none), checked: an
+    object, whose names are not apply_chat_template's own."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise RequestError("chat_template_kwargs must be a JSON object",
+                           "chat_template_kwargs") from None
+    if not isinstance(value, dict):
+        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    taken = sorted(RESERVED_KWARGS & value.keys())
+    if taken:
+        raise RequestError(f"chat_template_kwargs may not set {taken}: the server sets them",
+                           "chat_template_kwargs")
+    return value
+
+
+def render(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolSpec],
+           kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of a conversation, ready for the assistant's turn; kwargs: the
+    template's extra variables (template_kwargs)."""
+    kwargs = kwargs or {}
     if not messages:
         raise RequestError("messages is empty")
     for m in messages:
@@ -62,7 +93,8 @@ def render(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolSpec]) -
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     if uses_tools and knows_tools(tokenizer):
         conversation = [_native(m) for m in messages]
-        return _apply(tokenizer, conversation, tools=[tool_json(t) for t in tools] or None)
+        return _apply(tokenizer, conversation, tools=[tool_json(t) for t in tools] or None,
+                      **kwargs)
     conversation = [_hermes(m) for m in messages]
     if tools:
         described = HERMES_TOOLS.format(tools="\n".join(json.dumps(tool_json(t))
@@ -71,7 +103,7 @@ def render(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolSpec]) -
             conversation[0]["content"] += "\n\n" + described
         else:
             conversation.insert(0, {"role": "system", "content": described})
-    return _apply(tokenizer, conversation)
+    return _apply(tokenizer, conversation, **kwargs)
 
 
 def _apply(tokenizer: Any, conversation: list[dict[str, Any]], **kwargs: Any) -> str:

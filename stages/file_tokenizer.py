@@ -100,10 +100,11 @@ class FileTokenizer:
 
     def apply_chat_template(self, conversation: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None, tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
+                            add_generation_prompt: bool = False, **kwargs: Any) -> str:
         """The conversation rendered by transformers' own Jinja environment (its module
         imports no torch), with the special tokens as template variables, as transformers
-        renders it."""
+        renders it; kwargs: the template's extra variables (a request's
+        chat_template_kwargs)."""
         if tokenize:
             raise ValueError("FileTokenizer renders text only (tokenize=False)")
         template = self.chat_template
@@ -116,7 +117,7 @@ class FileTokenizer:
 
         rendered, _ = render_jinja_template(
             conversations=[conversation], tools=tools, chat_template=template,
-            add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+            add_generation_prompt=add_generation_prompt, **self.special_tokens_map, **kwargs)
         return str(rendered[0])
 
     def backend_json(self) -> str:

@@ -27,7 +27,7 @@ from ipc.messages import (
     ToolSpec,
 )
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
-from stages.chat_template import render
+from stages.chat_template import render, template_kwargs
 from stages.dispatch import Dispatcher, error_output
 from stages.file_tokenizer import load_tokenizer
 from stages.grammar import Grammars
@@ -98,13 +98,14 @@ class TokenizerCore:
 
     def _chat_ids(self, req: AddRequest) -> list[int]:
         assert req.messages is not None
-        return self.chat_ids(req.messages, req.tools)
+        return self.chat_ids(req.messages, req.tools, template_kwargs(req.chat_template_kwargs))
 
-    def chat_ids(self, messages: list[ChatMessage], tools: list[ToolSpec] | None = None
-                 ) -> list[int]:
+    def chat_ids(self, messages: list[ChatMessage], tools: list[ToolSpec] | None = None,
+                 kwargs: dict[str, Any] | None = None) -> list[int]:
         """A conversation (and the tools it may call) through the model's chat template,
-        ready for the assistant's turn (stages/chat_template.py)."""
-        text = render(self.tokenizer, messages, tools or [])
+        ready for the assistant's turn (stages/chat_template.py); kwargs: the template's
+        extra variables."""
+        text = render(self.tokenizer, messages, tools or [], kwargs)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

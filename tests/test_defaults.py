@@ -83,6 +83,7 @@ FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "stats_interval": (ServerOptions, "stats_interval", _same),
     "allowed_origins": (ServerOptions, "allowed_origins", _origins),
     "tool_call_parser": (ServerOptions, "tool_call_parser", _same),
+    "reasoning_parser": (ServerOptions, "reasoning_parser", _same),
 }
 
 # Flags of no config field, and why. (`None` = not given: what the config then holds is
@@ -107,7 +108,7 @@ NOT_CONFIG = {
 # generate's per-request flags: SamplingParams's fields (GENERATE_SAMPLING's defaults) and
 # the structured output's (StructuredOutputs', --json-schema being its `json`).
 SAMPLING = {f.name: f.name for f in dataclasses.fields(SamplingParams)
-            if f.name != "structured_outputs"}
+            if f.name not in ("structured_outputs", "reasoning")}  # (reasoning: the server's)
 STRUCTURED = {"json_schema": "json", "json_object": "json_object", "regex": "regex",
               "choice": "choice", "grammar": "grammar"}
 

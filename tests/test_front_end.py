@@ -46,7 +46,8 @@ class FakePipeline:
         return Health(stats=self.stats)
 
     async def stream(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
-                     tools: Any = ()) -> AsyncIterator[RequestOutput]:
+                     tools: Any = (), chat_template_kwargs: str = ""
+                     ) -> AsyncIterator[RequestOutput]:
         self.submitted.append(request_id or "")
         await asyncio.sleep(self.seconds)
         yield RequestOutput(request_id or "", "ok", [5, 6], True, FinishReason.LENGTH, None,

@@ -27,13 +27,15 @@ def test_every_completion_field_maps_onto_sampling_params() -> None:
         "frequency_penalty": 0.2, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
         "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [4], "best_of": 2,
         "include_stop_str_in_output": True, "skip_special_tokens": False, "priority": 3,
-        "stream": True, "stream_options": {"include_usage": True}, "user": "x"}, V)
+        "stream": True, "stream_options": {"include_usage": True}, "user": "x",
+        "logit_bias": {"5": -100, "12": 2.5}}, V)
     assert parsed.prompts == ["a", "b"] and parsed.stream and parsed.include_usage
     assert parsed.params == SamplingParams(
         max_tokens=9, temperature=0.5, stop_token_ids=[4], ignore_eos=True,
         skip_special_tokens=False, min_tokens=2, top_p=0.9, top_k=5, min_p=0.05, seed=7,
         repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.2, stop=["END"],
-        include_stop_str_in_output=True, n=2, logprobs=3, priority=3, user="x")
+        include_stop_str_in_output=True, n=2, logprobs=3, priority=3, user="x",
+        logit_bias={5: -100.0, 12: 2.5})
 
 
 def test_completion_defaults_and_prompt_forms() -> None:
@@ -68,8 +70,12 @@ BAD = [
     ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"n": True}, "n"), ({"stop": [1]}, "stop"),
     ({"seed": 1.5}, "seed"), ({"logprobs": 30}, "logprobs"), ({"top_k": -3}, "top_k"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"best_of": 3}, "best_of"),
-    ({"echo": 1}, "echo"), ({"suffix": "x"}, "suffix"), ({"logit_bias": {"1": 2}},
+    ({"echo": 1}, "echo"), ({"suffix": "x"}, "suffix"), ({"logit_bias": {"x": 2}},
                                                            "logit_bias"),
+    ({"logit_bias": {"1": 100.5}}, "logit_bias"), ({"logit_bias": {str(V): 1}}, "logit_bias"),
+    ({"logit_bias": {"1": "2"}}, "logit_bias"), ({"logit_bias": {"1": True}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+    ({"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stop_token_ids": [V]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"),
     ({"top_k": 2**70}, "top_k"), ({"max_tokens": 2**64}, "max_tokens"),

@@ -97,6 +97,7 @@ class _ReferenceParams:
             use_seed=bool((is_[:, I.HAS_SEED] != 0)[sampling].any()),
             use_min_tokens=any_stop_ids or bool((is_[:, I.MIN_TOKENS] > 0).any()),
             use_logprobs=bool((is_[:, I.LOGPROBS] >= 0).any()),
+            use_logit_bias=bool((is_[:, I.LOGIT_BIAS] > 0).any()),
         )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,3 +214,36 @@ def test_logprobs_of_a_vocabulary_smaller_than_twenty_are_padded(vocab: int) -> 
     assert out.top_ids is not None and out.top_ids.shape == (1, 20)
     assert out.top_ids[0, :vocab].sort().values.tolist() == list(range(vocab))
     assert (out.top_ids[0, vocab:] == -1).all()
+
+
+def test_logit_bias_is_added_before_greedy_and_draws_and_only_to_its_slot() -> None:
+    """+100 forces a token (greedy and sampled rows), -100 bans the favourite; an unbiased row
+    beside them, and a slot a biased sequence held before, sample as without."""
+    from ipc.messages import SlotLogitBias
+    from stages.executor.sampler import HostSlotParams
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    logits[:, 7] = 20.0  # every row's favourite
+    rows = [Slot(0, 0.0, logit_bias={11: 100.0}), Slot(1, 1.0, logit_bias={11: 100.0}),
+            Slot(2, 0.0, logit_bias={7: -100.0, 12: 3.5}), Slot(3, 0.0)]
+    state = state_with(rows)
+    state.set_logit_biases([SlotLogitBias(0, [11], [100.0]), SlotLogitBias(1, [11], [100.0]),
+                            SlotLogitBias(2, [7, 12], [-100.0, 3.5])])
+    host = HostSlotParams(4)
+    host.update(np.arange(4), np.array([r[1][0] for r in rows], np.float32),
+                np.array([r[1][1] for r in rows], np.int64))
+    flags = host.step_sampling(np.arange(4), np.arange(4), False)
+    assert flags.use_logit_bias and not host.step_sampling(np.array([3]), np.array([3]),
+                                                           False).use_logit_bias
+    out = state.sample(logits, torch.arange(4), torch.tensor([5, 5, 5, 5]), flags)
+    biased = logits[2].clone()
+    biased[7] -= 100.0
+    biased[12] += 3.5
+    assert out.tokens.tolist() == [11, 11, int(biased.argmax()), 7]
+    # slot 0 taken again by a sequence without a bias: its old row adds nothing any more
+    plain = encode_slot(SamplingParams(temperature=0.0))
+    state.init_slots(torch.tensor([0]), torch.tensor(plain[0]), torch.tensor(plain[1]),
+                     torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
+    again = state.sample(logits, torch.arange(4), torch.tensor([5, 5, 5, 5]), flags)
+    assert again.tokens[0] == 7 and again.tokens[1] == 11

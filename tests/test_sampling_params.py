@@ -65,14 +65,16 @@ def test_every_parameter_has_a_cli_flag() -> None:
             "--frequency-penalty", "0.3", "--stop", "a", "--stop", "b c", "--stop-token-ids",
             "5", "6", "--ignore-eos", "--include-stop-str-in-output",
             "--no-skip-special-tokens", "--n", "2", "--logprobs", "4", "--priority", "-1",
-            "--user", "u", "--regex", "a+", "--prompt-logprobs", "3"]
+            "--user", "u", "--regex", "a+", "--prompt-logprobs", "3", "--logit-bias", "5=-100",
+            "--logit-bias", "7=2.5"]
     params = sampling_params(build_parser().parse_args(argv))
     assert params == SamplingParams(
         max_tokens=9, temperature=0.5, stop_token_ids=[5, 6], ignore_eos=True,
         skip_special_tokens=False, min_tokens=2, top_p=0.9, top_k=7, min_p=0.05, seed=3,
         repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, stop=["a", "b c"],
         include_stop_str_in_output=True, n=2, logprobs=4, priority=-1, user="u",
-        structured_outputs=StructuredOutputs(regex="a+"), prompt_logprobs=3)
+        structured_outputs=StructuredOutputs(regex="a+"), prompt_logprobs=3,
+        logit_bias={5: -100.0, 7: 2.5})
     defaults = sampling_params(build_parser().parse_args(["generate", "--prompt", "hi"]))
     # the CLI is greedy and bounds the length by default
     assert defaults == dataclasses.replace(SamplingParams(), temperature=0.0, max_tokens=256)

@@ -161,13 +161,16 @@ class PipelineError(RuntimeError):
 
 
 def make_add_request(request_id: str, reply_to: str, prompt: Prompt,
-                     params: SamplingParams, tools: Sequence[ToolSpec] = ()) -> AddRequest:
-    """tools: the functions a chat's model may call (shown to it through the template)."""
+                     params: SamplingParams, tools: Sequence[ToolSpec] = (),
+                     chat_template_kwargs: str = "") -> AddRequest:
+    """tools: the functions a chat's model may call (shown to it through the template);
+    chat_template_kwargs: a chat's extra template variables (JSON text of an object)."""
     now, tools = time.time(), list(tools)
     if isinstance(prompt, str):
         return AddRequest(request_id, reply_to, prompt, None, None, params, now, tools)
     if prompt and all(isinstance(m, ChatMessage) for m in prompt):
-        return AddRequest(request_id, reply_to, None, None, list(prompt), params, now, tools)  # type: ignore[arg-type]
+        return AddRequest(request_id, reply_to, None, None, list(prompt), params, now, tools,  # type: ignore[arg-type]
+                          chat_template_kwargs)
     return AddRequest(request_id, reply_to, None, list(prompt), None, params, now, tools)  # type: ignore[arg-type]
 
 
@@ -406,10 +409,12 @@ class PipelineClient:
         return routed
 
     def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None,
-                deliver: Deliver, tools: Sequence[ToolSpec] = ()) -> str:
+                deliver: Deliver, tools: Sequence[ToolSpec] = (),
+                chat_template_kwargs: str = "") -> str:
         request_id = request_id or uuid.uuid4().hex
         self._check_open()
-        msg = make_add_request(request_id, self.reply_to, prompt, params, tools)
+        msg = make_add_request(request_id, self.reply_to, prompt, params, tools,
+                               chat_template_kwargs)
         # The route and the send under one lock: a Reconcile either follows this request on
         # its socket or does not name it (see _reconcile).
         with self._send_lock:
@@ -509,8 +514,8 @@ class PipelineClient:
     # ------------------------------------------------------------ streaming API
 
     async def stream(self, prompt: Prompt, params: SamplingParams,
-                     request_id: str | None = None, tools: Sequence[ToolSpec] = ()
-                     ) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, tools: Sequence[ToolSpec] = (),
+                     chat_template_kwargs: str = "") -> AsyncIterator[RequestOutput]:
         """Yield one request's deltas as they come (each names its sample: `index`), until
         every sample has finished. Leaving the loop early aborts the request. tools: the
         functions a chat's model may call."""
@@ -522,7 +527,8 @@ class PipelineClient:
                 inbox.put_nowait(out)
 
         rid = self._submit(prompt, params, request_id,
-                           lambda outs: loop.call_soon_threadsafe(put, outs), tools)
+                           lambda outs: loop.call_soon_threadsafe(put, outs), tools,
+                           chat_template_kwargs)
         remaining = max(params.n, 1)
         finished = False
         try:

@@ -46,6 +46,7 @@ from pipeline.server.openai_parse import (
     parse_tokenize,
 )
 from pipeline.server.openai_render import new_id
+from pipeline.server.reasoning import reasoning_spec
 from pipeline.server.responses import ResponseStore, parse_responses
 from pipeline.server.responses_render import (
     ResponsesStream,
@@ -54,6 +55,7 @@ from pipeline.server.responses_render import (
     whole_response,
 )
 from pipeline.server.tool_parsers import ToolParser, tool_parser
+from stages.chat_template import template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +234,8 @@ class FrontEnd:
         core = await self.core()
         try:
             if req.messages is not None:
-                ids = core.chat_ids(req.messages)
+                ids = core.chat_ids(req.messages, None,
+                                    template_kwargs(req.chat_template_kwargs))
             else:
                 ids = list(core.tokenizer(req.prompt,
                                           add_special_tokens=req.add_special_tokens)["input_ids"])
@@ -417,6 +420,9 @@ class FrontEnd:
         # and the user it names (OpenAI's `user`).
         host = request.client.host if request.client else "?"
         parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}")
+        if chat and self.options.reasoning_parser is not None:
+            parsed.reasoning = reasoning_spec((await self.core()).tokenizer,
+                                              self.options.reasoning_parser, parsed)
         self._loop = asyncio.get_running_loop()
         run = Generation(self, parsed, new_response_id() if asked else new_id(chat))
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.

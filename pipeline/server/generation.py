@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ipc.messages import WHOLE_REQUEST, ErrorKind, FinishReason, RequestOutput, TokenLogprob
@@ -27,6 +28,7 @@ from pipeline.server.openai_render import (
     usage_chunk,
     vllm_prompt_logprobs,
 )
+from pipeline.server.reasoning import ReasoningParser, Split, reasoning_tokens
 from pipeline.server.tools import ToolStream
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ class Generation:
     async def _feed(self, i: int) -> None:
         tools = self.parsed.tools.tools if self.parsed.tools is not None else ()
         stream = self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
-                                          f"{self.rid}-{i}", tools)
+                                          f"{self.rid}-{i}", tools,
+                                          self.parsed.chat_template_kwargs)
         hidden = self.parsed.eos_stop_ids
         try:
             async with contextlib.aclosing(stream):  # closed (so aborted) however this ends
@@ -173,7 +176,7 @@ class Generation:
                        for i in range(len(p.prompts))]
         return response_json(self.rid, self.front.model, p.chat, choices, sum(self.prompt_tokens),
                              p.params.logprobs is not None, sum(self.cached_tokens), p.tools,
-                             prompts)
+                             prompts, p.reasoning)
 
     def _uses_prompts(self) -> bool:
         """Whether the answer says something of its prompts: echo, prompt logprobs, or a
@@ -205,6 +208,7 @@ class Generation:
         completion_tokens = 0
         offsets: dict[int, int] = {}
         tool_streams: dict[int, ToolStream] = {}
+        thinking: dict[int, ThinkingChoice] = {}  # a chat's choices, with a reasoning parser
         scored: dict[int, list[TokenLogprob]] = {}  # prompt index -> its prompt logprobs
         try:
             if p.chat:
@@ -230,6 +234,19 @@ class Generation:
                             continue
                 if not (out.text or out.token_ids or out.finished):
                     continue
+                if p.reasoning is not None:
+                    choice = thinking.setdefault(c, ThinkingChoice(p.reasoning.new()))
+                    thought, out = choice.feed(out)
+                    if thought:
+                        yield chunk_json(
+                            self.rid, self.front.model, True, c, dataclasses.replace(
+                                out, finished=False, finish_reason=None), want_lp, created,
+                            delta={"reasoning_content": thought, "reasoning": thought})
+                        out = dataclasses.replace(out, logprobs=None)
+                        if not (out.text or out.finished):
+                            continue
+                    elif not (out.text or out.finished or (want_lp and out.logprobs)):
+                        continue  # (all held: a tag may be coming)
                 if p.tools is not None:
                     for chunk in self._tool_chunks(tool_streams, c, out, want_lp, created):
                         yield chunk
@@ -240,7 +257,10 @@ class Generation:
             if p.include_usage:
                 yield usage_chunk(self.rid, self.front.model, p.chat, created,
                                   sum(self.prompt_tokens), completion_tokens,
-                                  sum(self.cached_tokens))
+                                  sum(self.cached_tokens),
+                                  None if p.reasoning is None else sum(
+                                      t.num_reasoning_tokens(p.reasoning.end_id)
+                                      for t in thinking.values()))
         except ServerStopping:  # a final event, never a cut stream
             yield shutting_down().body()
         finally:
@@ -289,6 +309,26 @@ class Generation:
             chunks.append(chunk_json(self.rid, self.front.model, True, c, first, True, created,
                                      delta={}))
         return chunks
+
+
+@dataclass
+class ThinkingChoice:
+    """A streamed chat choice's reasoning parser, and its tokens so far (for usage)."""
+
+    parser: ReasoningParser
+    token_ids: list[int] = field(default_factory=list)
+
+    def feed(self, out: RequestOutput) -> tuple[str, RequestOutput]:
+        """(the reasoning this output adds, the output with its text the content it adds)."""
+        self.token_ids += out.token_ids
+        split = self.parser.feed(out.text)
+        if out.finished:
+            last = self.parser.finish()
+            split = Split(split.reasoning + last.reasoning, split.content + last.content)
+        return split.reasoning, dataclasses.replace(out, text=split.content)
+
+    def num_reasoning_tokens(self, end_id: int | None) -> int:
+        return reasoning_tokens(self.token_ids, self.parser, end_id)
 
 
 def _event(obj: dict[str, Any]) -> str:

@@ -15,10 +15,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipc.messages import ChatMessage, SamplingParams, StructuredOutputs, ToolCall
-from ipc.params import MAX_USER_CHARS, RequestError, validate_params
+from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutputs, ToolCall
+from ipc.params import MAX_LOGIT_BIAS, MAX_USER_CHARS, RequestError, validate_params
 from pipeline.server.errors import bad
 from pipeline.server.tools import parse_tools
+from stages.chat_template import template_kwargs
 
 Prompt = str | list[int] | list[ChatMessage]
 # One API request may not queue more than this: its prompts, and prompts times n.
@@ -84,7 +85,7 @@ SAMPLING_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                 "tool_choice", "parallel_tool_calls"}
+                                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 # Known fields we do not implement, with what to do instead.
 NOT_IMPLEMENTED = {
     "suffix": "suffix (insertion) is not supported",
@@ -96,7 +97,8 @@ NOT_IMPLEMENTED = {
     "guided_decoding_backend": "guided_decoding_backend cannot be chosen: this server has one",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "chat_template": "chat_template is not supported: the model's own template is used",
-    "chat_template_kwargs": "chat_template_kwargs is not supported",
+    "chat_template_kwargs": "chat_template_kwargs is not supported here (it is for "
+                            "/v1/chat/completions)",
     "continue_final_message": "continue_final_message is not supported",
     "add_generation_prompt": "add_generation_prompt is not supported (it is always on)",
 }
@@ -131,6 +133,8 @@ class ParsedRequest:
     # EOS ids the server made stop token ids (FrontEnd.keep_special_tokens): an answer they
     # end reports no stop_reason, as one ended by EOS does
     eos_stop_ids: tuple[int, ...] = ()
+    chat_template_kwargs: str = ""  # a chat's extra template variables, JSON text ("": none)
+    reasoning: Any = None  # pipeline.server.reasoning.ReasoningSpec, with --reasoning-parser
 
 
 def _user(body: dict[str, Any]) -> str:
@@ -245,8 +249,6 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
     the field that set logprobs, the name of the field that set a structured output)."""
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     structured, structured_param = parse_structured(body)
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "logit_bias is not supported")
     num = (int, float)
     max_tokens = _get(body, "max_tokens", (int,))
     if chat:
@@ -282,8 +284,25 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
         n=n, logprobs=logprobs, priority=_get(body, "priority", (int,), 0),
         user=_user(body), structured_outputs=structured,
-        prompt_logprobs=_get(body, "prompt_logprobs", (int,)))
+        prompt_logprobs=_get(body, "prompt_logprobs", (int,)), logit_bias=_logit_bias(body))
     return params, logprobs_param, structured_param
+
+
+def _logit_bias(body: dict[str, Any]) -> list[LogitBias]:
+    """OpenAI's logit_bias: {"<token id>": bias}; the ranges are validate_params' check."""
+    value = _get(body, "logit_bias", (dict,), {})
+    if len(value) > MAX_LOGIT_BIAS:  # (before converting a huge map)
+        raise bad("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got "
+                                f"{len(value)}")
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad("logit_bias", f"logit_bias keys must be token ids (integers), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a number, got "
+                                    f"{type(bias).__name__}")
+        out.append(LogitBias(int(key), float(bias)))
+    return out
 
 
 def api_param(param: str | None, parsed: ParsedRequest | None = None,
@@ -463,8 +482,23 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
         raise bad("prompt_logprobs", "prompt_logprobs on a chat is for plain answers, not "
                                      "streams (completions stream them)")
     parsed = ParsedRequest([chat], params, stream, _stream_options(body, stream), True, lp_param,
-                           so_param, tools=tools, prompt_logprobs=params.prompt_logprobs)
+                           so_param, tools=tools, prompt_logprobs=params.prompt_logprobs,
+                           chat_template_kwargs=_template_kwargs(body))
     return parsed
+
+
+def _template_kwargs(body: dict[str, Any]) -> str:
+    """chat_template_kwargs (vLLM's): an object of the template's extra variables, such as
+    {"enable_thinking": false}; as JSON text, checked as the tokenizer stage will."""
+    value = _get(body, "chat_template_kwargs", (dict,))
+    if not value:
+        return ""
+    text = json.dumps(value)
+    try:
+        template_kwargs(text)
+    except RequestError as exc:
+        raise bad("chat_template_kwargs", exc.message) from None
+    return text
 
 
 @dataclass
@@ -474,11 +508,12 @@ class TokenizeRequest:
     prompt: str | None
     messages: list[ChatMessage] | None
     add_special_tokens: bool
+    chat_template_kwargs: str = ""  # with messages: the template's variables (JSON text)
 
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
-                                  "add_generation_prompt"}))
+                                  "add_generation_prompt", "chat_template_kwargs"}))
     if _get(body, "add_generation_prompt", (bool,), True) is not True:
         raise bad("add_generation_prompt", "add_generation_prompt must be true (the only "
                                            "template this server applies)")
@@ -486,8 +521,11 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     if ("prompt" in body) == ("messages" in body):
         raise bad("prompt", "give exactly one of prompt and messages")
     if "prompt" in body:
+        if body.get("chat_template_kwargs") is not None:
+            raise bad("chat_template_kwargs", "chat_template_kwargs go with messages, not "
+                                              "with a prompt")
         return TokenizeRequest(_get(body, "prompt", (str,), ""), None, add_special)
-    return TokenizeRequest(None, parse_messages(body), add_special)
+    return TokenizeRequest(None, parse_messages(body), add_special, _template_kwargs(body))
 
 
 def parse_detokenize(body: dict[str, Any], vocab_size: int) -> list[int]:

@@ -26,10 +26,16 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """reasoning_tokens: those of completion_tokens that were reasoning (None: a request
+    with no reasoning parser, which says nothing of them)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -86,9 +92,12 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
-                tools: Any = None, prompt: PromptPart | None = None) -> dict[str, Any]:
-    """tools: the chat's ToolRequest (pipeline/server/tools.py), whose calls the text holds;
-    prompt: what a completion echoes or scores of its prompt."""
+                tools: Any = None, prompt: PromptPart | None = None,
+                reasoning: Any = None) -> dict[str, Any]:
+    """tools: the chat's ToolRequest (pipeline/server/tools.py), whose calls the text holds
+    (after the reasoning); prompt: what a completion echoes or scores of its prompt;
+    reasoning: the chat's ReasoningSpec (pipeline/server/reasoning.py), which splits the
+    reasoning out of the content."""
     if prompt is not None and not chat:
         return _completion_choice(c, want_logprobs, prompt)
     logprobs = None
@@ -96,10 +105,16 @@ def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
         logprobs = chat_logprobs(c.logprobs) if chat else completion_logprobs(c.logprobs, 0)
     body: dict[str, Any] = {"index": c.index}
     finish: Any = c.finish_reason
+    text, thought = c.text, None
+    if chat and reasoning is not None:
+        thought, text, _ = reasoning.answer(c.text, c.token_ids)
     if chat and tools is not None:
-        body["message"], finish = tool_message(tools, c.text, c.finish_reason)
+        body["message"], finish = tool_message(tools, text, c.finish_reason)
     elif chat:
-        body["message"] = {"role": "assistant", "content": c.text}
+        body["message"] = {"role": "assistant",
+                           "content": None if thought is not None and not text else text}
+    if chat and reasoning is not None:  # (both names: vLLM's older and newer)
+        body["message"].update(reasoning_content=thought, reasoning=thought)
     else:
         body["text"] = c.text
     body.update(logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
@@ -126,18 +141,23 @@ def _completion_choice(c: SampleResult, want_logprobs: bool,
 def response_json(rid: str, model: str, chat: bool, choices: list[SampleResult],
                   prompt_tokens: int, want_logprobs: bool,
                   cached_tokens: int = 0, tools: Any = None,
-                  prompts: list[PromptPart] | None = None) -> dict[str, Any]:
+                  prompts: list[PromptPart] | None = None, reasoning: Any = None
+                  ) -> dict[str, Any]:
     """prompts: one per prompt (choices are prompt-major), when a completion echoes or
-    scores them; a chat's prompt_logprobs go at the top, as vLLM has them."""
+    scores them; a chat's prompt_logprobs go at the top, as vLLM has them. reasoning: a
+    chat's ReasoningSpec."""
     n = len(choices) // max(1, len(prompts or [None]))
     parts = [prompts[i // n] if prompts else None for i in range(len(choices))]
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model,
-            "choices": [choice_json(c, chat, want_logprobs, tools, part)
+            "choices": [choice_json(c, chat, want_logprobs, tools, part, reasoning)
                         for c, part in zip(choices, parts, strict=True)],
             "usage": usage(prompt_tokens,
                            0 if prompts and prompts[0].score_only
-                           else sum(len(c.token_ids) for c in choices), cached_tokens)}
+                           else sum(len(c.token_ids) for c in choices), cached_tokens,
+                           None if reasoning is None or not chat else sum(
+                               reasoning.answer(c.text, c.token_ids).num_reasoning_tokens
+                               for c in choices))}
     if chat and prompts and prompts[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = vllm_prompt_logprobs(prompts[0].entries,
                                                        prompts[0].prompt_logprobs)
@@ -175,10 +195,11 @@ def chunk_json(rid: str, model: str, chat: bool, index: int, out: RequestOutput 
 
 
 def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int,
-                completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+                completion_tokens: int, cached_tokens: int = 0,
+                reasoning_tokens: int | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
 
 
 def output_error(out: RequestOutput, prompt_param: str,

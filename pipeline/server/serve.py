@@ -19,6 +19,7 @@ from ipc.units import parse_bytes
 from pipeline.runtime.launcher import Pipeline
 from pipeline.runtime.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 from pipeline.runtime.supervisor import Report, Supervisor
+from pipeline.server.reasoning import PARSERS, check_parser, tags_survive
 from pipeline.server.worker import listening_socket, ready_file, run_api_worker
 
 WORKER_READY_TIMEOUT_S = 60.0
@@ -36,11 +37,23 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         rate_limit_rps=args.rate_limit_rps, rate_limit_concurrent=args.rate_limit_concurrent,
         max_waiting=args.max_waiting, access_log=args.access_log,
         stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        reasoning_parser=check_parser(args.reasoning_parser))
+
+
+def check_reasoning_tags(model_dir: str, name: str) -> None:
+    """Refuse to serve a reasoning parser whose tags the model's answers would not show."""
+    from transformers import AutoTokenizer
+
+    why = tags_survive(AutoTokenizer.from_pretrained(model_dir), PARSERS[name])
+    if why is not None:
+        raise ConfigError(why)
 
 
 def run_serve(pipe: Pipeline, args: argparse.Namespace) -> int:
     options = server_options(args)
+    if options.reasoning_parser is not None:
+        check_reasoning_tags(pipe.cfg.model.path, options.reasoning_parser)
     run_dir = pipe.cfg.run_dir
     metrics_dir = Path(run_dir) / "metrics"
     metrics_dir.mkdir()

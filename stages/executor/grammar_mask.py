@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ipc.messages import ReasoningTags
 from stages.grammar import Grammars, load_llguidance
 
 logger = logging.getLogger(__name__)
 
 
+FIRST, THINKING = "first", "thinking"  # SlotGrammars.waiting's states
 _BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -67,20 +69,29 @@ class SlotGrammars:
         self.grammars = grammars
         self.matchers: dict[int, Any] = {}
         self.failed: dict[int, str] = {}  # slot -> why its matcher failed
+        # Slots whose grammar waits for a thinking model's reasoning to end (ReasoningTags):
+        # THINKING ones allow every token and their matcher takes none until the end tag; a
+        # FIRST one's first token may open the reasoning (its mask allows the start tag too).
+        self.waiting: dict[int, tuple[str, ReasoningTags]] = {}
         self._executor: Any = None
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
 
-    def admit(self, slot: int, text: str, output_ids: Sequence[int]) -> None:
+    def admit(self, slot: int, text: str, output_ids: Sequence[int],
+              reasoning: ReasoningTags | None = None) -> None:
         """Slot `slot` is taken by a sequence with grammar `text` ("" for none) that has
-        already produced output_ids (a preempted sequence resuming)."""
+        already produced output_ids (a preempted sequence resuming); reasoning: the grammar
+        applies after the model's reasoning."""
         self.matchers.pop(slot, None)
         self.failed.pop(slot, None)
+        self.waiting.pop(slot, None)
         if not text:
             return
         matcher = self.grammars.matcher(text)
         self.matchers[slot] = matcher
+        if reasoning is not None:
+            self.waiting[slot] = (THINKING if reasoning.opened else FIRST, reasoning)
         for token in output_ids:
             self._consume(slot, matcher, int(token))
 
@@ -98,6 +109,17 @@ class SlotGrammars:
     def _consume(self, slot: int, matcher: Any, token: int) -> None:
         if slot in self.failed:
             return
+        wait = self.waiting.get(slot)
+        if wait is not None:
+            state, tags = wait
+            if state == FIRST and token == tags.start_id:
+                self.waiting[slot] = (THINKING, tags)
+                return
+            del self.waiting[slot]  # (FIRST: the answer did not think; its grammar takes it)
+            if state == THINKING:
+                if token != tags.end_id:
+                    self.waiting[slot] = wait
+                return
         if token in self.grammars.end_token_ids:  # the model's other end tokens are its end
             token = self.grammars.eos_token_id
         if matcher.is_error():  # (is_stopped is true then too: it is not an end)
@@ -117,7 +139,8 @@ class SlotGrammars:
         self.failed[slot] = why
 
     def rows(self, sample_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(sampled row indices, their slots) of the rows that have a matcher."""
+        """(sampled row indices, their slots) of the rows that have a matcher (a thinking
+        one's too: its mask allows every token, and its tokens come back to consume)."""
         has = np.fromiter((s in self.matchers for s in sample_slots.tolist()), bool,
                           len(sample_slots))
         rows = np.flatnonzero(has)
@@ -133,7 +156,7 @@ class SlotGrammars:
             self._executor = load_llguidance().LLExecutor(1)
         mask = buffer[:len(slots)]
         assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
-        live = []
+        live, first_rows = [], []
         order = slots.tolist()
         i = 0
         while i < len(order):
@@ -142,6 +165,13 @@ class SlotGrammars:
             while i + width < len(order) and order[i + width] == slot:
                 width += 1
             matcher = self.matchers[slot]
+            state, tags = self.waiting.get(slot, ("", None))
+            if state == THINKING:  # no constraint until the reasoning ends
+                mask[i:i + width] = -1
+                i += width
+                continue
+            if state == FIRST and tags is not None and tags.start_id >= 0:
+                first_rows.append((i, tags.start_id))  # it may open the reasoning instead
             if slot in self.failed or matcher.is_stopped() or matcher.is_error():
                 for row in range(i, i + width):
                     self._only_eos(mask, row)
@@ -157,6 +187,8 @@ class SlotGrammars:
         for end in self.grammars.end_token_ids:  # allowed wherever EOS is
             ends_here = (mask[:, eos // 32] >> (eos % 32)) & 1
             mask[:, end // 32] |= ends_here << (end % 32)
+        for row, token in first_rows:  # (after the ends: a thinking row's -1 is all ones)
+            mask[row, token // 32] |= _bit(token % 32)
         return mask
 
     def _only_eos(self, mask: torch.Tensor, row: int) -> None:

@@ -140,6 +140,8 @@ class SlotState:
         if step.counts["new_slot"]:
             self.sampling.init_slots(v.new_slot, v.new_fparams, v.new_iparams,
                                      v.stop_slot, v.stop_id)
+            if step.plan.logit_biases:
+                self.sampling.set_logit_biases(step.plan.logit_biases)
         if not (resolve or step.sampling.use_penalties):
             return None
         ids = self.resolve_ids(v)
@@ -177,7 +179,8 @@ class SlotState:
         given = {g.slot: g for g in step.plan.grammars}
         for slot in step.new_slot.tolist():
             g = given.get(slot)
-            m.admit(slot, g.grammar if g else "", g.output_ids if g else ())
+            m.admit(slot, g.grammar if g else "", g.output_ids if g else (),
+                    g.reasoning if g else None)
         rows, slots = m.rows(step.sample_slots)
         if not len(rows):
             return None

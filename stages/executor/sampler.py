@@ -1,11 +1,10 @@
 """Sampling on the device, batched over sequences. Runs in the executor process.
 
 Every executor slot has its sampling parameters on the device (encoded by
-ipc/sampling.py, set when a sequence takes the slot); a step samples
-all its rows at once: a structured output's token mask, penalties, min_tokens, temperature,
-top-k/top-p, min-p, then a draw. No
-Python loop over rows or over the vocabulary; the host only passes which features the step's
-rows use (StepSampling), so a plain greedy batch costs one argmax.
+ipc/sampling.py, set when a sequence takes the slot); a step samples all its rows at once: a
+structured output's token mask, logit_bias, penalties, min_tokens, temperature, top-k/top-p,
+min-p, then a draw. No Python loop over rows or over the vocabulary; the host only passes
+which features the step's rows use (StepSampling), so a plain greedy batch costs one argmax.
 
 Draws use the exponential race (argmax of p / Exp(1)), which samples from p exactly and needs
 no host synchronisation, unlike torch.multinomial. A seeded row takes its Exp(1) noise from a
@@ -20,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ipc.params import MAX_TOP_LOGPROBS
+from ipc.messages import SlotLogitBias
+from ipc.params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from ipc.sampling import GREEDY_SLOT, NUM_F, NUM_I, F, I, penalty_rows
 from stages.executor import kernels
 from stages.executor.grammar_mask import apply_bitmask
@@ -37,6 +37,7 @@ class StepSampling:
     use_seed: bool = False
     use_min_tokens: bool = False
     use_logprobs: bool = False
+    use_logit_bias: bool = False
 
 
 class HostSlotParams:
@@ -74,7 +75,8 @@ class HostSlotParams:
                 all_greedy=not bits & _FLAG_SAMPLING, use_top_k_p=bool(bits & _FLAG_TOP_K_P),
                 use_min_p=bool(bits & _FLAG_MIN_P), use_penalties=bool(bits & _FLAG_PENALTIES),
                 use_seed=bool(bits & _FLAG_SEED), use_min_tokens=bool(bits & _FLAG_MIN_TOKENS),
-                use_logprobs=bool(bits & _FLAG_LOGPROBS))
+                use_logprobs=bool(bits & _FLAG_LOGPROBS),
+                use_logit_bias=bool(bits & _FLAG_LOGIT_BIAS))
         return made
 
 
@@ -86,6 +88,7 @@ _FLAG_PENALTIES = 8
 _FLAG_SEED = 16  # sampling, seeded
 _FLAG_MIN_TOKENS = 32
 _FLAG_LOGPROBS = 64
+_FLAG_LOGIT_BIAS = 128
 
 
 def slot_flags(f: np.ndarray, i: np.ndarray) -> np.ndarray:
@@ -97,7 +100,8 @@ def slot_flags(f: np.ndarray, i: np.ndarray) -> np.ndarray:
             | penalty_rows(f) * _FLAG_PENALTIES
             | (sampling & (i[:, I.HAS_SEED] != 0)) * _FLAG_SEED
             | (i[:, I.MIN_TOKENS] > 0) * _FLAG_MIN_TOKENS
-            | (i[:, I.LOGPROBS] >= 0) * _FLAG_LOGPROBS)
+            | (i[:, I.LOGPROBS] >= 0) * _FLAG_LOGPROBS
+            | (i[:, I.LOGIT_BIAS] > 0) * _FLAG_LOGIT_BIAS)
     return bits.astype(np.uint8)
 
 
@@ -135,6 +139,9 @@ class SamplingState:
         self.output_counts: torch.Tensor | None = None  # [slots, V] int32
         self.prompt_counts: torch.Tensor | None = None  # [slots, V] int32
         self.stop_mask: torch.Tensor | None = None  # [slots, V] bool
+        # logit_bias: each slot's (id, bias) pairs, padded with (0, 0.0), which adds nothing
+        self.bias_ids: torch.Tensor | None = None  # [slots, MAX_LOGIT_BIAS] int64
+        self.bias_values: torch.Tensor | None = None  # [slots, MAX_LOGIT_BIAS] float32
         self._hashed_vocab = hash32(torch.arange(vocab_size, device=device) * 0x9E3779B1
                                     & 0xFFFFFFFF)
 
@@ -154,10 +161,31 @@ class SamplingState:
             self.prompt_counts.index_fill_(0, slots, 0)
         if self.stop_mask is not None:
             self.stop_mask.index_fill_(0, slots, False)
+        if self.bias_values is not None:  # (a slot's new sequence may share a biased step)
+            self.bias_values.index_fill_(0, slots, 0.0)
         if stop_slots.numel():
             if self.stop_mask is None:
                 self.stop_mask = self._table(torch.bool)
             self.stop_mask.view(-1).index_fill_(0, stop_slots * self.vocab_size + stop_ids, True)
+
+    def set_logit_biases(self, biases: list[SlotLogitBias]) -> None:
+        """New sequences with a logit_bias took these slots (after init_slots). Only steps
+        that carry one pay for it: a small copy, made on first use."""
+        if self.bias_ids is None or self.bias_values is None:
+            shape = (self.num_slots, MAX_LOGIT_BIAS)
+            self.bias_ids = torch.zeros(shape, dtype=torch.int64, device=self.device)
+            self.bias_values = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        ids = torch.zeros(len(biases), MAX_LOGIT_BIAS, dtype=torch.int64)
+        values = torch.zeros(len(biases), MAX_LOGIT_BIAS, dtype=torch.float32)
+        for row, b in enumerate(biases):
+            ids[row, :len(b.token_ids)] = torch.tensor(b.token_ids, dtype=torch.int64)
+            values[row, :len(b.biases)] = torch.tensor(b.biases, dtype=torch.float32)
+        slots = torch.tensor([b.slot for b in biases], dtype=torch.int64)
+        if self.device.type == "cuda":  # pinned, so the copy does not wait for the queue
+            ids, values, slots = ids.pin_memory(), values.pin_memory(), slots.pin_memory()
+        slots = slots.to(self.device, non_blocking=True)
+        self.bias_ids.index_copy_(0, slots, ids.to(self.device, non_blocking=True))
+        self.bias_values.index_copy_(0, slots, values.to(self.device, non_blocking=True))
 
     def count_tokens(self, ids: torch.Tensor, token_slots: torch.Tensor,
                      positions: torch.Tensor) -> None:
@@ -181,6 +209,10 @@ class SamplingState:
         if grammar is not None:
             logits = apply_bitmask(logits, *grammar)
         f, i = self.f[slots], self.i[slots]
+        if flags.use_logit_bias:
+            assert self.bias_ids is not None and self.bias_values is not None
+            logits = logits.float().scatter_add(1, self.bias_ids[slots],
+                                                self.bias_values[slots])
         if flags.use_penalties:
             assert self.output_counts is not None and self.prompt_counts is not None
             logits = apply_penalties(logits.float(), self.output_counts[slots],

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.messages import SlotGrammar, StepPlan
+from ipc.messages import SlotGrammar, SlotLogitBias, StepPlan
 from ipc.step import NewSlot, StepRow, write_step
 from stages.scheduler.sequence import Sequence
 
@@ -29,6 +29,7 @@ class PlannedStep:
     new_slots: list[NewSlot] = field(default_factory=list)  # sequences taking a slot
     stop_ids: list[tuple[int, int]] = field(default_factory=list)  # (slot, id) min_tokens masks
     grammars: list[SlotGrammar] = field(default_factory=list)  # new slots with a grammar
+    logit_biases: list[SlotLogitBias] = field(default_factory=list)  # new slots with one
     # (token index in the step, prompt token it scores), and whose they are, in order
     prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)
     plp_owners: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -55,4 +56,5 @@ class PlannedStep:
         return write_step(buf, self.step_id, self.ring_slot, self.rows,
                           block_updates=self.block_updates, new_slots=self.new_slots,
                           stop_ids=self.stop_ids, prompt_logprobs=self.prompt_logprobs,
-                          grammars=self.grammars, num_plain=self.num_plain)
+                          grammars=self.grammars, num_plain=self.num_plain,
+                          logit_biases=self.logit_biases)

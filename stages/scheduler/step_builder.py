@@ -15,7 +15,7 @@ from collections import Counter
 from operator import attrgetter
 
 from ipc.config import EngineLimits
-from ipc.messages import SlotGrammar
+from ipc.messages import SlotGrammar, SlotLogitBias
 from ipc.sampling import encode_slot
 from stages.scheduler.drafts import DraftPlanner
 from stages.scheduler.kv_manager import KVManager, Preempt
@@ -262,4 +262,9 @@ class StepBuilder:
         step.stop_ids += [(slot, t) for t in suppressed_ids(
             seq.params, self.limits.eos_token_ids, len(seq.output_ids))]
         if seq.grammar:
-            step.grammars.append(SlotGrammar(slot, seq.grammar, list(seq.output_ids)))
+            step.grammars.append(SlotGrammar(slot, seq.grammar, list(seq.output_ids),
+                                             seq.params.reasoning))
+        if seq.params.logit_bias:
+            bias = seq.params.logit_bias
+            step.logit_biases.append(SlotLogitBias(slot, [b.token_id for b in bias],
+                                                   [b.bias for b in bias]))
