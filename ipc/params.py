@@ -97,6 +97,25 @@ def validate_params(p: SamplingParams, vocab_size: int,
            f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
     if p.structured_outputs is not None:
         _validate_structured(p)
+    if p.pooling:
+        _validate_pooling(p)
+
+
+POOLING_MODES = ("last", "mean", "cls")  # ipc/pooling.py POOLING_CODES
+
+
+def _validate_pooling(p: SamplingParams) -> None:
+    """An embedding request computes its prompt once and samples nothing it keeps: what
+    only a generation means is refused by name."""
+    _check(p.pooling in POOLING_MODES, "pooling",
+           f"pooling must be one of {list(POOLING_MODES)} (or empty to generate), "
+           f"got {p.pooling!r}")
+    _check(p.n == 1, "n", "an embedding request has one result: n must be 1")
+    _check(p.max_tokens == 1, "max_tokens",
+           "an embedding request computes its prompt only: max_tokens must be 1 (the one "
+           "position after the prompt that its last chunk samples and drops)")
+    for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+        _check(getattr(p, name) is None, name, f"{name} cannot be asked of an embedding")
 
 
 def _validate_structured(p: SamplingParams) -> None:
