@@ -4,8 +4,9 @@ listening socket and share one pipeline, each through its own PipelineClient, so
 one more client of the engine, not a way around it.
 
 Routes: POST /v1/completions and /v1/chat/completions (plain JSON or server-sent events),
-GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /version, GET /health (200 only
-while every stage runs and answers), GET /metrics (Prometheus). A request whose client
+POST /v1/embeddings (embeddings.py), GET /v1/models, POST /tokenize and /detokenize (vLLM's),
+GET /version, GET /health (200 only while every stage runs and answers), GET /metrics
+(Prometheus). A request whose client
 disconnects is aborted in the engine. With allowed_origins, browsers may call it (CORS).
 """
 
@@ -29,8 +30,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ipc.config import ServerOptions
+from ipc.errors import ConfigError
 from ipc.params import RequestError
+from ipc.pooling import PoolingConfig
 from pipeline.runtime.client import PipelineClient
+from pipeline.server.embeddings import collect_embeddings, new_embedding_id, parse_embeddings
 from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
@@ -85,6 +89,7 @@ class FrontEnd:
         self.model_dir = model_dir
         self._tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
+        self._pooling: PoolingConfig | None = None
         self.metrics: Any = metrics
         workers = max(1, options.api_workers)
         self.limiter = RateLimiter(options.rate_limit_rps / workers,
@@ -155,6 +160,7 @@ class FrontEnd:
         return Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -252,7 +258,47 @@ class FrontEnd:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    async def embeddings(self, request: Request) -> Response:
+        return await self._generate(request, chat=False, embed=True)
+
+    def pooling(self) -> PoolingConfig:
+        """How the model pools an embedding (its folder's sentence-transformers modules, else
+        the last token, normalised); a pooling the engine lacks is a 400 naming `model`."""
+        if self._pooling is None:
+            try:
+                self._pooling = (PoolingConfig.from_dir(self.model_dir)
+                                 if self.model_dir is not None else PoolingConfig())
+            except ConfigError as exc:
+                raise bad("model", f"this model's embeddings cannot be served: {exc}") from None
+        return self._pooling
+
+    async def _embed(self, request: Request) -> Response:
+        """POST /v1/embeddings: one pooling request per input, through a Generation."""
+        body = await self._read_json(request)
+        self._check_model(body)
+        pooling = self.pooling()
+        req = parse_embeddings(body, self.vocab_size, pooling)
+        host = request.client.host if request.client else "?"
+        req.parsed.params = dataclasses.replace(req.parsed.params,
+                                                user=f"{host}/{req.parsed.params.user}")
+        self._loop = asyncio.get_running_loop()
+        run = Generation(self, req.parsed, new_embedding_id())
+        hangup = asyncio.create_task(_wait_for_disconnect(request))
+        try:
+            try:
+                await _unless_hung_up(run.start(), hangup, run)
+            except ApiError as exc:  # (the engine names the prompt: here it is the input)
+                if exc.param == "prompt":
+                    exc.param = "input"
+                raise
+            result = await _unless_hung_up(collect_embeddings(run, req, pooling, self.model),
+                                           hangup, run)
+        finally:
+            hangup.cancel()
+        self.metrics.HTTP.labels(request.url.path, "200").inc()
+        return JSONResponse(result, headers={"x-request-id": run.rid})
+
+    async def _generate(self, request: Request, chat: bool, embed: bool = False) -> Response:
         key = self._authorize(request)
         identities = [f"addr:{request.client.host if request.client else '?'}"]
         if key is not None:
@@ -266,7 +312,7 @@ class FrontEnd:
                                    f"retry in {wait:.1f} s", None, "rate_limit_error",
                                    headers={"Retry-After": str(max(1, math.ceil(wait)))})
                 taken.append(identity)
-            response = await self._run(request, chat)
+            response = await (self._embed(request) if embed else self._run(request, chat))
         except BaseException:
             for identity in taken:
                 self.limiter.release(identity)
@@ -354,7 +400,7 @@ class FrontEnd:
         return JSONResponse(result, headers={"x-request-id": run.rid})
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 access_logger = logging.getLogger("llm_pipeline.access")
 
 
