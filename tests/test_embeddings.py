@@ -129,3 +129,27 @@ def test_in_process_vectors_match_sentence_transformers(st_folders: dict[str, Pa
             cosine = float(got @ want[i] / np.linalg.norm(want[i]))
             assert cosine >= 0.9999, (mode, i, cosine)
     assert [first[f"g{i}", 0].token_ids for i in range(2)] == alone
+
+
+def test_runs_that_cannot_pool_refuse_by_name(st_folders: dict[str, Path]) -> None:
+    """Tensor and pipeline parallelism and the timed device refuse embeddings at the
+    tokenizer stage (PipelineConfig.embedding_refusal), naming `pooling`."""
+    from ipc.config import ExecutorConfig, PipelineConfig
+    from ipc.messages import AddRequest
+    from ipc.model_info import ModelInfo
+    from stages.tokenizer import TokenizerCore
+
+    info = ModelInfo.from_dir(st_folders["last"])
+    assert PipelineConfig(model=info).embedding_refusal is None
+    for executor in (ExecutorConfig(tensor_parallel_size=2),
+                     ExecutorConfig(pipeline_parallel_size=2),
+                     ExecutorConfig(timed=(1.0, 0.0, 0.0))):
+        why = PipelineConfig(model=info, executor=executor).embedding_refusal
+        assert why is not None
+        core = TokenizerCore(info.path, info.max_model_len, info.vocab_size,
+                             embedding_refusal=why)
+        with pytest.raises(RequestError) as err:
+            core.process(AddRequest("r", "", "hello", None, None, embed_params("last"), 0.0))
+        assert err.value.param == "pooling" and err.value.message == why
+        core.process(AddRequest("g", "", "hello", None, None, SamplingParams(max_tokens=2),
+                                0.0))

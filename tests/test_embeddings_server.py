@@ -93,3 +93,17 @@ def test_llm_embed(folder: Path) -> None:
             assert float(np.asarray(out.embedding) @ unit(w)) >= 0.9999
         with pytest.raises(ValueError, match="Matryoshka"):
             llm.embed("x", dimensions=8)
+
+
+def test_the_bench_row(folder: Path, tmp_path: Path) -> None:
+    """`scripts/bench embed`, tiny: its rows come out and its vectors are the reference's."""
+    from pipeline.tools.bench import main
+
+    out = tmp_path / "embed.json"
+    assert main(["embed", "--model", str(folder), "--num-texts", "8", "--input-len", "24",
+                 "--batch-size", "4", "--num-generations", "2", "--output-len", "4",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["pooling"] == "mean" and report["texts_per_s"] > 0
+    assert report["min_cosine"] >= 0.9999 and set(report["seconds"]) == {"embed", "generate",
+                                                                         "mixed"}
