@@ -129,6 +129,11 @@ def test_in_process_vectors_match_sentence_transformers(st_folders: dict[str, Pa
             cosine = float(got @ want[i] / np.linalg.norm(want[i]))
             assert cosine >= 0.9999, (mode, i, cosine)
     assert [first[f"g{i}", 0].token_ids for i in range(2)] == alone
+    cached = [again[f"e{i}", 0].num_cached_tokens for i in range(len(TEXTS))]
+    if mode == "mean":  # (computed in full: the cache holds no hidden states)
+        assert cached == [0] * len(TEXTS)
+    else:  # (the long prompts' full blocks came from the cache)
+        assert max(cached) >= 16
 
 
 def test_runs_that_cannot_pool_refuse_by_name(st_folders: dict[str, Path]) -> None:

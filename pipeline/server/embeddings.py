@@ -57,7 +57,7 @@ def _inputs(given: Any, vocab_size: int) -> list[Prompt]:
         return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
     if isinstance(given, str) and given:
-        prompts: list[Prompt] = [given]
+        prompts: list[Any] = [given]  # (strings and token-id lists: Prompt without chats)
     elif is_ids(given):
         prompts = [list(given)]
     elif isinstance(given, list) and given and all(isinstance(s, str) and s for s in given):

@@ -449,7 +449,7 @@ class CudaDevice:
                 host.copy_(data, non_blocking=True)
                 copies.append((host, fields))
             pooled = None
-            if out.pooled is not None:  # (embeddings' vectors: a page-locked copy each)
+            if out.pooled is not None:  # (embeddings' vectors: one page-locked copy)
                 out.pooled.record_stream(self.d2h_stream)
                 pooled = torch.empty(out.pooled.shape, dtype=torch.float32, pin_memory=True)
                 pooled.copy_(out.pooled, non_blocking=True)

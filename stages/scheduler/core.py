@@ -367,6 +367,7 @@ class Scheduler:
         if seq.status is SeqStatus.FINISHED:  # (aborted meanwhile)
             return
         seq.embedding = vector
+        self.kv.register_blocks(seq)  # (its prompt's KV serves later prompts, as any)
         self._finish(seq, FinishReason.STOP)
 
     def _take_token(self, seq: Sequence, token: int, logprobs: StepLogprobs | None,
