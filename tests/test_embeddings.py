@@ -1,5 +1,5 @@
 """Embeddings (pooling requests): the pooling a model folder declares (ipc/pooling.py), and the
-in-process engine's vectors against sentence-transformers on the same folder (last-token and
+in-process engine's vectors against sentence-transformers on the same folder (last-token, cls and
 mean pooling, prompts prefilled in chunks, sharing the batch with generation, over the prefix
 cache), the scheduler's and tokenizer's refusals."""
 
@@ -31,7 +31,7 @@ def st_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny random Llama as a sentence-transformers folder, once per pooling mode (the
     same weights: the same seed)."""
     folders = {}
-    for mode in ("last", "mean"):
+    for mode in ("last", "mean", "cls"):
         folder = build_random_llama(tmp_path_factory.mktemp(f"st-{mode}"), num_layers=2,
                                     hidden=64, weight_std=0.05, seed=3)
         folders[mode] = add_pooling_modules(folder, mode)
@@ -94,7 +94,7 @@ def test_a_pooling_request_refuses_what_only_generation_means() -> None:
 # ---------------------------------------------------------------- the engine's vectors
 
 
-@pytest.mark.parametrize("mode", ["last", "mean"])
+@pytest.mark.parametrize("mode", ["last", "mean", "cls"])
 def test_in_process_vectors_match_sentence_transformers(st_folders: dict[str, Path],
                                                         mode: str) -> None:
     """Embeddings beside generations, prompts longer than the step's token budget (prefilled
@@ -130,7 +130,7 @@ def test_in_process_vectors_match_sentence_transformers(st_folders: dict[str, Pa
             assert cosine >= 0.9999, (mode, i, cosine)
     assert [first[f"g{i}", 0].token_ids for i in range(2)] == alone
     cached = [again[f"e{i}", 0].num_cached_tokens for i in range(len(TEXTS))]
-    if mode == "mean":  # (computed in full: the cache holds no hidden states)
+    if mode != "last":  # (computed in full: the cache holds no hidden states)
         assert cached == [0] * len(TEXTS)
     else:  # (the long prompts' full blocks came from the cache)
         assert max(cached) >= 16
