@@ -415,6 +415,18 @@ class PipelineConfig(RunAddresses):
             pipeline_stages=self.executor.pipeline_parallel_size)
 
     @property
+    def embedding_refusal(self) -> str | None:
+        """Why this run refuses embeddings (pooling requests), if it does: the pooled hidden
+        states are kept by a single executor rank's model path only."""
+        ex = self.executor
+        if ex.timed is not None:
+            return "embeddings need a model: the timed device computes no hidden states"
+        if ex.tensor_parallel_size > 1 or ex.pipeline_parallel_size > 1:
+            return ("embeddings are not served with --tensor-parallel-size or "
+                    "--pipeline-parallel-size above 1 (one executor rank pools them)")
+        return None
+
+    @property
     def ranks(self) -> RankLayout:
         """Which global executor ranks each engine of this run owns."""
         ex = self.executor

@@ -152,6 +152,9 @@ class SamplingParams(Struct):
     logit_bias: list[LogitBias] = field(default_factory=list)
     # a thinking model's tags: the structured output constrains only what follows them
     reasoning: ReasoningTags | None = None
+    # An embedding request (ipc/pooling.py): "last", "mean" or "cls" pools the final norm's
+    # hidden states of the prompt into one vector (TokenDelta.embedding); "" generates.
+    pooling: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -382,6 +385,7 @@ class TokenDelta(Struct):
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     stop_token_id: int | None = None  # the stop_token_ids entry that finished it
     prompt_logprobs: list[TokenLogprob] | None = None  # once, all; the first's logprob is NaN
+    embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,6 +445,7 @@ class RequestOutput(Struct):
     error_kind: ErrorKind | None = None
     error_param: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # see SamplingParams.prompt_logprobs
+    embedding: bytes | None = None  # a pooling request's vector, raw (float32; see pooling)
 
     @classmethod
     def refusal(cls, request_id: str, kind: ErrorKind | None, message: str | None,
@@ -520,6 +525,9 @@ class SampledTokens(Message):
     device_end: float = 0.0
     num_top_logprobs: int = -1  # -1: no logprobs this step; k: logprob + k alternatives
     num_prompt_logprobs: int = 0  # prompt-token logprobs in the ring (StepPlan's count)
+    # One pooled vector (float32 bytes) per row that ended a pooling request's prompt, in
+    # row order: carried here, not in the ring, since it goes on to the client as bytes.
+    pooled: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,12 +21,15 @@ class SampleResult:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # when asked for (sample 0)
+    embedding: bytes | None = None  # a pooling request's raw vector (ipc/pooling.py)
 
     def add(self, out: RequestOutput | TokenDelta) -> None:
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs or ())
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.embedding is not None:
+            self.embedding = out.embedding
         self.num_cached_tokens = out.num_cached_tokens
         if isinstance(out, TokenDelta):
             if out.finish_reason is not None:

@@ -108,6 +108,8 @@ def validate_params(p: SamplingParams, vocab_size: int,
         _check(0 <= tags.end_id < vocab_size and -1 <= tags.start_id < vocab_size, "reasoning",
                f"reasoning tag ids ({tags.start_id}, {tags.end_id}) are outside the "
                f"vocabulary [0, {vocab_size})")
+    if p.pooling:
+        _validate_pooling(p)
 
 
 def _validate_logit_bias(p: SamplingParams, vocab_size: int) -> None:
@@ -124,6 +126,24 @@ def _validate_logit_bias(p: SamplingParams, vocab_size: int) -> None:
            f"{MAX_ABS_LOGIT_BIAS:g}], got {wrong[:5]}")
     ids = [b.token_id for b in biases]
     _check(len(set(ids)) == len(ids), "logit_bias", "logit_bias names a token id twice")
+
+
+
+POOLING_MODES = ("last", "mean", "cls")  # ipc/pooling.py POOLING_CODES
+
+
+def _validate_pooling(p: SamplingParams) -> None:
+    """An embedding request computes its prompt once and samples nothing it keeps: what
+    only a generation means is refused by name."""
+    _check(p.pooling in POOLING_MODES, "pooling",
+           f"pooling must be one of {list(POOLING_MODES)} (or empty to generate), "
+           f"got {p.pooling!r}")
+    _check(p.n == 1, "n", "an embedding request has one result: n must be 1")
+    _check(p.max_tokens == 1, "max_tokens",
+           "an embedding request computes its prompt only: max_tokens must be 1 (the one "
+           "position after the prompt that its last chunk samples and drops)")
+    for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+        _check(getattr(p, name) is None, name, f"{name} cannot be asked of an embedding")
 
 
 def _validate_structured(p: SamplingParams) -> None:

@@ -72,6 +72,9 @@ class StepInputs:
     draft_kv: np.ndarray = _per(ROWS, "bool")  # a draft model keeps the row's KV (runs it too)
     last_drafts: np.ndarray = _per(ROWS, "bool")  # if all stand, it may draft no more
     adapter_id: np.ndarray = _per(ROWS, "int32")  # the row's LoRA adapter; 0: the base model
+    # an embedding's prompt chunk: its pooling's code (ipc/pooling.py; 0: none); the chunk
+    # that samples ends the prompt, and its pooled vector comes back (SampledTokens.pooled)
+    pooling: np.ndarray = _per(ROWS, "int32")
     bt_slot: np.ndarray = _per(BLOCK_UPDATES, "int32", staged=True)  # block_table[slot,
     bt_index: np.ndarray = _per(BLOCK_UPDATES, "int32", staged=True)  # index] = block
     bt_block: np.ndarray = _per(BLOCK_UPDATES, "int32", staged=True)
@@ -117,6 +120,7 @@ class StepRow:
     draft_kv: bool = False
     last_drafts: bool = False
     adapter_id: int = 0
+    pooling: int = 0
 
     @property
     def query_len(self) -> int:

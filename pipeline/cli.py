@@ -375,10 +375,11 @@ def _max_tokens(text: str) -> int | None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    # (pooling: an embedding is asked through POST /v1/embeddings or LLM.embed, not here)
     return SamplingParams(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(SamplingParams)
                              # (reasoning: set by the server's reasoning parser)
-                             if f.name not in ("structured_outputs", "reasoning")},
+                             if f.name not in ("structured_outputs", "reasoning", "pooling")},
                           structured_outputs=structured_outputs(args))
 
 

@@ -6,6 +6,7 @@
     for out in llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=32)):
         print(out.prompt, out.outputs[0].text)
     llm.chat([{"role": "user", "content": "Hi!"}])
+    llm.embed(["Hello", "Bonjour"])  # one vector each, pooled as the model says
 
 Works from a plain script without a `__main__` guard (the stages are spawned without
 re-running the script: see supervisor.main_hidden) and from a notebook (nothing here needs an event
@@ -18,6 +19,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
@@ -27,6 +29,16 @@ from ipc.speculative import parse_speculative
 from pipeline.runtime.client import CompletionOutput
 
 Conversation = Sequence[dict[str, str] | ChatMessage]
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (LLM.embed): the vector, or None with the error."""
+
+    prompt: Any
+    embedding: list[float] | None
+    num_prompt_tokens: int
+    error: str | None = None
 
 
 def _text(content: Any) -> str:
@@ -98,6 +110,27 @@ class LLM:
         Errors are per output (`error`)."""
         batch: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)
         return self._run(batch, batch, sampling_params, use_tqdm)
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],
+              dimensions: int | None = None, use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in their order, pooled as the model
+        folder says (ipc/pooling.py: its sentence-transformers modules, else the last token,
+        normalised); dimensions: a Matryoshka size the model declares (else ValueError).
+        Errors are per output (`error`, and `embedding` None)."""
+        from ipc.pooling import PoolingConfig
+
+        pooling = PoolingConfig.from_dir(self._pipeline.cfg.model.path)
+        why = pooling.check_dimensions(dimensions)
+        if why is not None:
+            raise ValueError(why)
+        batch: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling.mode,
+                                speculate=False)
+        outs = self._run(batch, batch, params, use_tqdm)
+        return [EmbeddingOutput(
+            out.prompt, None if out.samples[0].embedding is None
+            else pooling.finish(out.samples[0].embedding, dimensions).tolist(),
+            out.num_prompt_tokens, out.error) for out in outs]
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -226,7 +226,8 @@ class Detokenizer:
         return RequestOutput(
             delta.request_id, text, ids, finished, finish_reason, delta.error,
             info.num_prompt_tokens, num_out, state.index, stop_reason, logprobs,
-            delta.num_cached_tokens, prompt_logprobs=self._with_texts(delta.prompt_logprobs))
+            delta.num_cached_tokens, prompt_logprobs=self._with_texts(delta.prompt_logprobs),
+            embedding=delta.embedding)
 
     def _plain_output(self, state: _SampleState, delta: TokenDelta) -> RequestOutput:
         """The output of a sample without stop strings (the common case): no text kept,
@@ -247,7 +248,8 @@ class Detokenizer:
         return RequestOutput(
             delta.request_id, text, ids, finishing, delta.finish_reason, delta.error,
             info.num_prompt_tokens, state.num_output_tokens, state.index, delta.stop_token_id,
-            logprobs, delta.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+            logprobs, delta.num_cached_tokens, prompt_logprobs=prompt_logprobs,
+            embedding=delta.embedding)
 
     def _logprobs(self, delta: TokenDelta, count: int) -> list[TokenLogprob]:
         """The delta's logprobs for its first `count` tokens, with each token's text."""

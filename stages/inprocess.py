@@ -13,6 +13,7 @@ from ipc.model_info import ModelInfo
 from ipc.outputs import SampleResult
 from ipc.speculative import SpeculativeConfig
 from ipc.step import PromptLogprobs, StepLogprobs, local_buffers, step_input_specs
+from stages.executor.pooling import vector_bytes
 from stages.executor.runner import ModelRunner
 from stages.executor.sampler import SampleOutput
 from stages.scheduler.core import Scheduler
@@ -90,7 +91,9 @@ class InProcessEngine:
             step_id, out = inflight.popleft()
             self.scheduler.on_sampled(step_id, out.tokens.tolist(), logprobs_lists(out),
                                       prompt_lists(out),
-                                      out.accepted.tolist() if out.accepted is not None else None)
+                                      out.accepted.tolist() if out.accepted is not None else None,
+                                      vector_bytes(out.pooled) if out.pooled is not None
+                                      else None)
             for delta in self.scheduler.take_outputs().deltas:
                 results[delta.request_id, delta.index].add(delta)
         return results

@@ -44,8 +44,12 @@ class TokenizerCore:
 
     def __init__(self, model_dir: str, max_model_len: int, vocab_size: int,
                  priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (),
+                 embedding_refusal: str | None = None) -> None:
+        """embedding_refusal: why this run refuses pooling requests (None: it serves them;
+        PipelineConfig.embedding_refusal)."""
         self.tokenizer: Any = load_tokenizer(model_dir)
+        self.embedding_refusal = embedding_refusal
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.priority_range = priority_range
         self.eos_token_ids = eos_token_ids
@@ -54,6 +58,8 @@ class TokenizerCore:
 
     def process(self, req: AddRequest) -> TokenizedRequest:
         validate_params(req.params, self.vocab_size, self.priority_range)
+        if req.params.pooling and self.embedding_refusal is not None:
+            raise RequestError(self.embedding_refusal, "pooling")
         ids = self._prompt_ids(req)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -140,7 +146,8 @@ class TokenizerShell:
                  members: Members | None = None, stage_port: int = 0) -> None:
         self.cfg, self.rank, self.ctx = cfg, rank, ctx
         self.core = TokenizerCore(cfg.model.path, cfg.model.max_model_len, cfg.model.vocab_size,
-                                  cfg.scheduler.priority_range, cfg.model.eos_token_ids)
+                                  cfg.scheduler.priority_range, cfg.model.eos_token_ids,
+                                  cfg.embedding_refusal)
         self.inbox = PullChannel(ctx.zmq, cfg.tokenizer_address(rank),
                                  Codec([AddRequest, Reconcile]), bind=True,
                                  secret=cfg.keys.client_key.encode())

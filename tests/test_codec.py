@@ -210,7 +210,7 @@ def test_known_tag_on_the_wrong_channel_raises() -> None:
     scheduler_inbox = Codec([TokenizedRequest, AbortRequest])
     with pytest.raises(ProtocolError) as info:
         scheduler_inbox.decode(encode(SampledTokens(1, 0, 1)))
-    assert info.value.raw == [SampledTokens.TAG, 1, 0, 1, 0.0, 0.0, -1, 0]
+    assert info.value.raw == [SampledTokens.TAG, 1, 0, 1, 0.0, 0.0, -1, 0, []]
     assert scheduler_inbox.decode(encode(AbortRequest("x"))) == AbortRequest("x")
 
 

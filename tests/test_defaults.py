@@ -108,7 +108,8 @@ NOT_CONFIG = {
 # generate's per-request flags: SamplingParams's fields (GENERATE_SAMPLING's defaults) and
 # the structured output's (StructuredOutputs', --json-schema being its `json`).
 SAMPLING = {f.name: f.name for f in dataclasses.fields(SamplingParams)
-            if f.name not in ("structured_outputs", "reasoning")}  # (reasoning: the server's)
+            # (reasoning: the server's; pooling: an embedding request's, not generate's)
+            if f.name not in ("structured_outputs", "reasoning", "pooling")}
 STRUCTURED = {"json_schema": "json", "json_object": "json_object", "regex": "regex",
               "choice": "choice", "grammar": "grammar"}
 

@@ -5,7 +5,7 @@ one more client of the engine, not a way around it.
 
 Routes: POST /v1/completions, /v1/chat/completions and /v1/responses (plain JSON or
 server-sent events; a response kept with store: true is read back by GET /v1/responses/{id},
-and forgotten by DELETE),
+and forgotten by DELETE), POST /v1/embeddings (embeddings.py),
 GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /version, GET /health (200 only
 while every stage runs and answers), GET /metrics (Prometheus). A request whose client
 disconnects is aborted in the engine. With allowed_origins, browsers may call it (CORS).
@@ -34,7 +34,9 @@ from ipc.config import ServerOptions
 from ipc.errors import ConfigError
 from ipc.model_info import ModelInfo
 from ipc.params import MAX_STOP_TOKEN_IDS, RequestError
+from ipc.pooling import PoolingConfig
 from pipeline.runtime.client import PipelineClient
+from pipeline.server.embeddings import collect_embeddings, new_embedding_id, parse_embeddings
 from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
@@ -102,6 +104,7 @@ class FrontEnd:
         self._tokenizer_lock = asyncio.Lock()
         self._tool_parser: ToolParser | None = None
         self._eos: tuple[int, ...] | None = None
+        self._pooling: PoolingConfig | None = None
         self.metrics: Any = metrics
         workers = max(1, options.api_workers)
         self.limiter = RateLimiter(options.rate_limit_rps / workers,
@@ -175,6 +178,7 @@ class FrontEnd:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.kept_response, methods=["GET", "DELETE"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -284,8 +288,48 @@ class FrontEnd:
             return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
         return JSONResponse(self.kept.get(rid, "response_id").response)
 
-    async def _generate(self, request: Request, chat: bool, responses: bool = False
-                        ) -> Response:
+    async def embeddings(self, request: Request) -> Response:
+        return await self._generate(request, chat=False, embed=True)
+
+    def pooling(self) -> PoolingConfig:
+        """How the model pools an embedding (its folder's sentence-transformers modules, else
+        the last token, normalised); a pooling the engine lacks is a 400 naming `model`."""
+        if self._pooling is None:
+            try:
+                self._pooling = (PoolingConfig.from_dir(self.model_dir)
+                                 if self.model_dir is not None else PoolingConfig())
+            except ConfigError as exc:
+                raise bad("model", f"this model's embeddings cannot be served: {exc}") from None
+        return self._pooling
+
+    async def _embed(self, request: Request) -> Response:
+        """POST /v1/embeddings: one pooling request per input, through a Generation."""
+        body = await self._read_json(request)
+        self._check_model(body)
+        pooling = self.pooling()
+        req = parse_embeddings(body, self.vocab_size, pooling)
+        host = request.client.host if request.client else "?"
+        req.parsed.params = dataclasses.replace(req.parsed.params,
+                                                user=f"{host}/{req.parsed.params.user}")
+        self._loop = asyncio.get_running_loop()
+        run = Generation(self, req.parsed, new_embedding_id())
+        hangup = asyncio.create_task(_wait_for_disconnect(request))
+        try:
+            try:
+                await _unless_hung_up(run.start(), hangup, run)
+            except ApiError as exc:  # (the engine names the prompt: here it is the input)
+                if exc.param == "prompt":
+                    exc.param = "input"
+                raise
+            result = await _unless_hung_up(collect_embeddings(run, req, pooling, self.model),
+                                           hangup, run)
+        finally:
+            hangup.cancel()
+        self.metrics.HTTP.labels(request.url.path, "200").inc()
+        return JSONResponse(result, headers={"x-request-id": run.rid})
+
+    async def _generate(self, request: Request, chat: bool, responses: bool = False,
+                        embed: bool = False) -> Response:
         key = self._authorize(request)
         identities = [f"addr:{request.client.host if request.client else '?'}"]
         if key is not None:
@@ -299,7 +343,8 @@ class FrontEnd:
                                    f"retry in {wait:.1f} s", None, "rate_limit_error",
                                    headers={"Retry-After": str(max(1, math.ceil(wait)))})
                 taken.append(identity)
-            response = await self._run(request, chat, responses)
+            response = await (self._embed(request) if embed
+                              else self._run(request, chat, responses))
         except BaseException:
             for identity in taken:
                 self.limiter.release(identity)
@@ -452,7 +497,8 @@ class FrontEnd:
         return JSONResponse(result, headers={"x-request-id": run.rid})
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                    "/v1/embeddings")
 access_logger = logging.getLogger("llm_pipeline.access")
 
 

@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.tools.bench_host import add_host_parser
 
     add_host_parser(sub)
+    from pipeline.tools.bench_embed import add_embed_parser
+
+    add_embed_parser(sub, _add_common)
     return parser
 
 

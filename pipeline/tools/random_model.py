@@ -140,6 +140,34 @@ def build_random_model(folder: Path, model_type: str, *, weight_std: float = 0.2
     return folder
 
 
+def add_pooling_modules(folder: Path, mode: str, *, normalize: bool = True) -> Path:
+    """Make a model folder a sentence-transformers one too, pooling by `mode` (last, mean or
+    cls) and normalising if asked: modules.json, 1_Pooling/config.json, 2_Normalize (what
+    ipc/pooling.py reads, and sentence-transformers loads). Returns folder."""
+    import json
+
+    key = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
+           "cls": "pooling_mode_cls_token"}[mode]
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False,
+               "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False,
+               "include_prompt": True, key: True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    return folder
+
+
 # Shapes of real models, for benchmarks on random weights of their size (`--like`).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"num_layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8,

@@ -32,6 +32,7 @@ import torch
 
 from ipc.shm import SharedRing
 from stages.executor.parallel import PipelineParallel
+from stages.executor.pooling import vector_bytes
 from stages.executor.runner import Runner, TimedRunner
 from stages.executor.sampler import SampleOutput
 from stages.executor.step_inputs import HostStep
@@ -235,6 +236,8 @@ def report_steps(done: queue.SimpleQueue[Done | None], sampled: SharedRing, on_d
         if at_end and (wait := (end - now_ns()) / 1e9) > 0:
             time.sleep(wait)
         counts = write_ring(sampled.slot(step.plan.ring_slot), out)
+        if out.pooled is not None:  # (embeddings' vectors travel in the report: pooling.py)
+            step.pooled = vector_bytes(out.pooled)
         on_done(step, *counts, start, end)
 
 
@@ -445,14 +448,21 @@ class CudaDevice:
                 host = bounce[:data.numel()].view(data.shape)
                 host.copy_(data, non_blocking=True)
                 copies.append((host, fields))
+            pooled = None
+            if out.pooled is not None:  # (embeddings' vectors: one page-locked copy)
+                out.pooled.record_stream(self.d2h_stream)
+                pooled = torch.empty(out.pooled.shape, dtype=torch.float32, pin_memory=True)
+                pooled.copy_(out.pooled, non_blocking=True)
             done.record()
-        self._pending.put((step, _counts(out), copies, (copied, start, end, done)))
+        self._pending.put((step, _counts(out), copies, pooled, (copied, start, end, done)))
 
     def _notify(self) -> None:
         try:
             while (item := self._pending.get()) is not None:
-                step, counts, copies, (copied, start, end, done) = item
+                step, counts, copies, pooled, (copied, start, end, done) = item
                 done.synchronize()  # this thread waits; the host loop and the device do not
+                if pooled is not None:
+                    step.pooled = vector_bytes(pooled)
                 t0, t1, previous_end = self._clock.place(start, end, now_ns())
                 ring = self.sampled.slot(step.plan.ring_slot)
                 for host, fields in copies:

@@ -93,7 +93,7 @@ class Reporter:
         self._chan.send(SampledTokens(plan.step_id, plan.ring_slot, num_sampled,
                                       start_ns / 1e9, end_ns / 1e9,
                                       MAX_TOP_LOGPROBS if has_logprobs else -1,
-                                      num_prompt_logprobs))
+                                      num_prompt_logprobs, step.pooled))
         self.ctx.tracer.span("device", start_ns, end_ns, "device",
                              {"step": plan.step_id, "tokens": plan.num_tokens,
                               "seqs": plan.num_seqs})

@@ -35,6 +35,7 @@ from stages.executor.linear.select import select_linear_method
 from stages.executor.models import load_model
 from stages.executor.models.base import CausalLM
 from stages.executor.parallel import PipelineParallel, TensorParallel
+from stages.executor.pooling import Pooler, PoolRows
 from stages.executor.preflight import check_draft
 from stages.executor.sampler import (
     HostSlotParams,
@@ -286,6 +287,7 @@ class ModelRunner:
         self.slots = SlotState(limits, device, device.type == "cuda", backend,
                                pad_block=self.num_blocks if scratch else 0, grammars=grammars,
                                drafting=draft is not None)
+        self.pooler = Pooler(limits.max_num_seqs + 1, device)  # (embeddings' sums)
         backend.bind(ForwardTables(self.slots.block_table, model.ropes,
                                    self.num_blocks + scratch))
         self.drafter = self.slots.drafter = (
@@ -365,7 +367,8 @@ class ModelRunner:
             out = self._compute_stage(step, v, self.pp)
             self.pp.stepped(time.perf_counter() - began)
             return out
-        graph = self.graphs is not None and self.graphs.eligible(step)
+        # (an embedding's one-token prompt is a decode-shaped step, but it pools: no graph)
+        graph = self.graphs is not None and step.pool is None and self.graphs.eligible(step)
         ids = self.slots.apply(step, v, resolve=not graph)
         grammar_work = self.slots.start_grammar(step)
         if self.drafter is not None:  # (beside the CPU kernels: never a graph, ids resolved)
@@ -383,11 +386,16 @@ class ModelRunner:
         wanted, num_scored = v.logits_indices, step.counts["plp_index"]
         if num_scored:  # prompt logprobs: the logits of the positions that score them too
             wanted = torch.cat([wanted, v.plp_index])
-        logits = self.model(ids, self.kv_caches, meta, wanted)
+        pooled = None
+        if step.pool is None:
+            logits = self.model(ids, self.kv_caches, meta, wanted)
+        else:
+            logits, pooled = self._forward_pooling(ids, meta, wanted, step.pool)
         num_sampled = step.counts["logits_indices"]
         if logits is None:  # a tensor-parallel rank other than 0: its samples come from 0
             return self._follow(v)
         out = self.slots.sample(step, v, logits[:num_sampled], grammar_work)
+        out.pooled = pooled
         if self.drafter is not None:
             self.drafter.keep_prev(v, ids, out, step.spec_width)
             out.began_ns = self.drafter.began_ns
@@ -396,6 +404,17 @@ class ModelRunner:
         if num_scored:
             out.prompt = score_prompt(logits[num_sampled:], v.plp_target)
         return out
+
+    def _forward_pooling(self, ids: torch.Tensor, meta: Any, wanted: torch.Tensor,
+                         pool: PoolRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of a step with embeddings' rows: the final hidden states of the wanted
+        rows and of the pooled tokens in one pass, the first turned into logits, the others
+        added to their slots' sums (pooling.py); returns (logits, the vectors of the
+        embeddings whose prompt ended, if any)."""
+        index = torch.from_numpy(pool.token_index).to(self.device, wanted.dtype)
+        x = self.model.hidden_states(ids, self.kv_caches, meta, torch.cat([wanted, index]))
+        n = wanted.shape[0]
+        return self.model.head(x[:n]), self.pooler.pool(x[n:], pool)
 
     def _compute_stage(self, step: HostStep, v: DeviceStep,
                        pp: PipelineParallel) -> SampleOutput:

@@ -125,6 +125,7 @@ class SampleOutput:
     accepted: torch.Tensor | None = None  # [R] int32: positions that stand, per row with drafts
     stands: torch.Tensor | None = None  # [X] bool: whether each sampled position stands
     began_ns: int | None = None  # its device work began before it came (drafts run ahead)
+    pooled: torch.Tensor | None = None  # [R, hidden] float32: embeddings whose prompt ended
 
 
 class SamplingState:

@@ -6,6 +6,7 @@ The arrays every forward needs are made here; the attention backend adds its own
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -16,6 +17,7 @@ import torch
 from ipc.messages import StepPlan
 from ipc.step import STEP_FIELDS, StepInputs, read_step
 from stages.executor.backends.base import AttentionBackend, HostInputs, StepRows
+from stages.executor.pooling import PoolRows, plan_pooling
 from stages.executor.sampler import HostSlotParams, StepSampling
 from stages.executor.staging import StagingLayout
 
@@ -47,6 +49,9 @@ class HostStep:
     # the step's input ids and each one's slot, on the host (-1: a placeholder)
     input_ids: np.ndarray | None = None
     token_slots: np.ndarray | None = None
+    pool: PoolRows | None = None  # what its embeddings' rows pool (None: no such row)
+    # their vectors (float32 bytes), written by the device's reporter once computed
+    pooled: list[bytes] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +128,8 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
                     positions.sample_slots, step.new_slot, spec_width=positions.spec_width,
                     last_drafts=bool(step.last_drafts.any()),
                     spec_rows=(spec["spec_slots"], spec["spec_draft"]),
-                    input_ids=step.input_ids, token_slots=forward["token_slots"])
+                    input_ids=step.input_ids, token_slots=forward["token_slots"],
+                    pool=plan_pooling(step, starts))
 
 
 class SampledPositions(NamedTuple):

@@ -266,11 +266,14 @@ class Scheduler:
     def on_sampled(self, step_id: int, token_ids: list[int],
                    logprobs: StepLogprobs | None = None,
                    prompt_logprobs: PromptLogprobs | None = None,
-                   accepted: list[int] | None = None) -> None:
+                   accepted: list[int] | None = None,
+                   pooled: list[bytes] | None = None) -> None:
         """Step `step_id` finished; token_ids has one id per sampled position, in row order
         (a row's, and one more per draft of a row with drafts), and logprobs (if the step
         computed them) one entry per position as well; accepted how many positions stand in
-        each row with drafts; prompt_logprobs one per pair of the step's prompt_logprobs."""
+        each row with drafts; prompt_logprobs one per pair of the step's prompt_logprobs;
+        pooled one vector per sampled row of an embedding (its prompt's end), in row
+        order: that row's token is dropped and the embedding finishes with its vector."""
         step = self.inflight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"executor reported step {step_id}, expected {step.step_id}")
@@ -287,6 +290,7 @@ class Scheduler:
         touched, finished = self.book.touched, SeqStatus.FINISHED
         bs, register = self.kv.block_size, self.kv.register_blocks
         stands = iter(accepted or ())
+        vectors = iter(pooled or ())
         num_taken = 0
         j = 0  # the row's first position among token_ids
         for row in step.rows:
@@ -300,6 +304,9 @@ class Scheduler:
             seq.num_pending -= 1
             token = token_ids[j]
             j += 1
+            if row.pooling:  # an embedding's prompt is computed: its vector, not the token
+                self._take_embedding(step_id, seq, next(vectors, None))
+                continue
             if seq.status is finished:  # a finished one's extra token is dropped
                 self.discarded_tokens += 1
                 continue
@@ -351,6 +358,17 @@ class Scheduler:
         assert self.drafts is not None  # (rows carry drafts only with a proposer)
         self.drafts.count_accepted(seq, num_stand - 1)
         return num_stand
+
+    def _take_embedding(self, step_id: int, seq: Sequence, vector: bytes | None) -> None:
+        """An embedding's last prompt chunk is in: it finishes (stop) with its vector; the
+        token its row sampled is dropped (the sampler runs over every sampled row alike)."""
+        if vector is None:
+            raise RuntimeError(f"step {step_id}: no pooled vector for an embedding's row")
+        if seq.status is SeqStatus.FINISHED:  # (aborted meanwhile)
+            return
+        seq.embedding = vector
+        self.kv.register_blocks(seq)  # (its prompt's KV serves later prompts, as any)
+        self._finish(seq, FinishReason.STOP)
 
     def _take_token(self, seq: Sequence, token: int, logprobs: StepLogprobs | None,
                     j: int) -> bool:

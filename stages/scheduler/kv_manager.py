@@ -79,8 +79,9 @@ class KVManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached full blocks that seq may reuse; at least its last token is computed (for
         its logits). None with penalties (the executor counts a sequence's tokens as they
-        are computed) nor with prompt logprobs (every prompt position's logits are needed)."""
-        if uses_penalties(seq.params) or seq.scores_prompt:
+        are computed) nor with prompt logprobs (every prompt position's logits are needed)
+        nor for a mean or cls embedding (every prompt position's hidden state is)."""
+        if uses_penalties(seq.params) or seq.scores_prompt or seq.pools_every_token:
             return []
         bs = self.block_size
         return self.allocator.lookup(seq.keys_for((seq.num_known - 1) // bs, bs))

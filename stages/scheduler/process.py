@@ -119,7 +119,8 @@ class SchedulerShell:
             num_drafted = step.num_drafted_rows
             self.core.on_sampled(msg.step_id, ids, logprobs,
                                  read_prompt_logprobs(ring, msg.num_prompt_logprobs),
-                                 read_accepted(ring, num_drafted) if num_drafted else None)
+                                 read_accepted(ring, num_drafted) if num_drafted else None,
+                                 msg.pooled)
             self.core.step_metrics.record(step.num_tokens, msg.device_start, msg.device_end)
             self.pacer.observe(step.num_tokens, msg.device_end - msg.device_start)
             if self.run_ahead is not None:

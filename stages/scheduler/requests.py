@@ -212,7 +212,8 @@ class RequestBook:
                 seq.request_id, ids[start:], reason, error, seq.index,
                 None if p.logprobs is None else seq.output_logprobs[start:],
                 seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0, seq.stop_token,
-                None if p.prompt_logprobs is None else prompt_logprobs_to_send(seq)))
+                None if p.prompt_logprobs is None else prompt_logprobs_to_send(seq),
+                seq.embedding))
         out = StepOutputs(self.new_infos, deltas, self.rejected)
         self.new_infos, self.rejected, self.touched = [], [], {}
         return out

@@ -83,6 +83,7 @@ class Sequence:
     num_plp_planned: int = 0
     plp_sent: bool = False
     error: str | None = None  # why it finished with an error, if it did
+    embedding: bytes | None = None  # a pooling request's vector, once its prompt is computed
     # Speculative decoding: its back-off and n-gram index (made on its first proposal), and
     # its steps in flight that carry drafts (while one is, it is not planned again: how many
     # tokens stand is not known yet, so neither is where the next one goes)
@@ -118,6 +119,12 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """Whether its prompt logprobs are computed (sample 0 of a request that asks)."""
         return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def pools_every_token(self) -> bool:
+        """An embedding pooled over its prompt's tokens (mean) or its first (cls): computed
+        in full, never from the prefix cache, whose blocks hold KV but not hidden states."""
+        return self.params.pooling in ("mean", "cls")
 
     @property
     def is_just_resumed(self) -> bool:

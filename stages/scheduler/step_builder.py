@@ -16,6 +16,7 @@ from operator import attrgetter
 
 from ipc.config import EngineLimits
 from ipc.messages import SlotGrammar, SlotLogitBias
+from ipc.pooling import POOLING_CODES
 from ipc.sampling import encode_slot
 from stages.scheduler.drafts import DraftPlanner
 from stages.scheduler.kv_manager import KVManager, Preempt
@@ -57,7 +58,13 @@ class StepBuilder:
             if left <= 0 or num_outputs >= seq.output_limit and reaches_length(
                     seq.params, num_outputs, num_tokens, max_len):
                 continue
-            (decodes if left == 1 else prefills).append(seq)
+            if left != 1:
+                prefills.append(seq)
+            elif not seq.params.pooling:
+                decodes.append(seq)
+            elif not seq.num_pending:  # an embedding's last prompt token: a pooled row
+                prefills.append(seq)
+            # (else an embedding's prompt is all planned: it waits for its vector, no more)
         if self.stages > 1:
             self._fill_staged(step, decodes, prefills, budget)
             return
@@ -193,7 +200,8 @@ class StepBuilder:
         if seq.draft_model_kv and dp is not None and dp.over_batch(len(self.kv.running)):
             seq.draft_model_kv = False  # (for good: its draft KV would have holes)
         drafts = (dp.drafts(step, seq, budget - num_new, self.kv)
-                  if dp is not None and num_tokens - start == 1 else [])
+                  if dp is not None and num_tokens - start == 1 and not seq.params.pooling
+                  else [])
         seq.num_computed = start + num_new + len(drafts)
         do_sample = seq.num_computed >= num_tokens
         assert seq.slot is not None  # (a running sequence holds its slot from admission)
@@ -202,6 +210,8 @@ class StepBuilder:
             seq.slot, tokens + drafts, seq.num_computed, do_sample, len(drafts),
             seq.draft_model_kv,
             bool(drafts) and dp is not None and dp.is_last(seq, len(drafts)), seq=seq))
+        if seq.params.pooling:  # (an embedding's chunk: the executor pools its tokens)
+            step.rows[-1].pooling = POOLING_CODES[seq.params.pooling]
         step.num_tokens += num_new + len(drafts)
         if do_sample:
             seq.num_pending += 1 + len(drafts)

@@ -161,6 +161,23 @@ class CausalLM(nn.Module):
         with tensor parallelism, on rank 0; None on the others). A pipeline stage after the
         first takes the previous stage's `hidden` [T, hidden] in place of the embedding of
         `input_ids`, and one before the last returns its own hidden states [T, hidden]."""
+        x = self.hidden_states(input_ids, kv_caches, meta, logits_indices, hidden)
+        if self.stage is not None and not self.stage.last:
+            return x
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits [S, vocab] of final hidden states x [S, hidden] (see forward)."""
+        logits = self.logits(x)  # [S, vocab], in the model's dtype (the sampler widens)
+        return logits if self.tp is None else self.tp.gather_logits(  # type: ignore[return-value]
+            logits.float())
+
+    def hidden_states(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: Any, logits_indices: torch.Tensor,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output [S, hidden] of the rows `logits_indices` (what forward
+        turns into logits, and an embedding pools); a pipeline stage before the last: its
+        own hidden states [T, hidden], as forward."""
         x = self.embed(input_ids) if hidden is None else hidden  # [T, hidden]
         if self.stage is not None and not self.stage.last:
             if self.fused_layers is not None:
@@ -187,9 +204,7 @@ class CausalLM(nn.Module):
             x = norm(layers[-1](x, kv_caches[-1], meta, keep))  # [S, hidden]
         else:
             x = norm(x[logits_indices])  # [S, hidden]
-        logits = self.logits(x)  # [S, vocab], in the model's dtype (the sampler widens)
-        return logits if self.tp is None else self.tp.gather_logits(  # type: ignore[return-value]
-            logits.float())
+        return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None  # (the last stage's)
