@@ -134,18 +134,20 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[CompletionOutput]:
+             use_tqdm: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[CompletionOutput]:
         """Answers for one conversation or several (lists of {"role", "content"}), through
-        the model's chat template."""
+        the model's chat template; chat_template_kwargs: its extra variables (vLLM's), e.g.
+        {"enable_thinking": False}."""
         one = bool(messages) and isinstance(messages[0], (dict, ChatMessage))
         conversations = [messages] if one else list(messages)  # type: ignore[list-item]
         batch = [[m if isinstance(m, ChatMessage) else ChatMessage(m["role"], _text(m["content"]))
                   for m in c] for c in conversations]  # type: ignore[union-attr]
-        return self._run(batch, conversations, sampling_params, use_tqdm)
+        return self._run(batch, conversations, sampling_params, use_tqdm, chat_template_kwargs)
 
     def _run(self, batch: list[Any], shown: list[Any],
              params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[CompletionOutput]:
+             use_tqdm: bool, template: dict[str, Any] | None = None) -> list[CompletionOutput]:
         from tqdm.auto import tqdm
 
         params = params if params is not None else SamplingParams()
@@ -159,7 +161,8 @@ class LLM:
             bar.set_postfix_str(f"{rate:.1f} tok/s")
 
         try:
-            outs = self._client.generate(batch, params, on_finished=finished)
+            outs = self._client.generate(batch, params, on_finished=finished,
+                                         chat_template_kwargs=template)
         finally:
             bar.close()
         for out, prompt in zip(outs, shown, strict=True):

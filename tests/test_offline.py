@@ -65,6 +65,13 @@ def test_close_and_garbage_collection_end_the_processes(tiny_model_dir: Path) ->
     with LLM(model=str(tiny_model_dir)) as llm:
         pids = list(llm._pipeline.stage_pids.values())
         assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].error is None
+        # chat_template_kwargs reach the template, checked by the tokenizer stage
+        chat = [{"role": "user", "content": "hi"}]
+        assert llm.chat(chat, SamplingParams(max_tokens=2), use_tqdm=False,
+                        chat_template_kwargs={"x": 1})[0].error is None
+        refused = llm.chat(chat, SamplingParams(max_tokens=2), use_tqdm=False,
+                           chat_template_kwargs={"tools": []})[0]
+        assert "chat_template_kwargs may not set ['tools']" in (refused.error or "")
     assert alive(pids) == [] and not leaked_segments(before)
     llm = LLM(model=str(tiny_model_dir))
     pids = list(llm._pipeline.stage_pids.values())

@@ -470,10 +470,13 @@ class PipelineClient:
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
                  timeout: float | None = None,
-                 on_finished: Callable[[CompletionOutput], Any] | None = None
+                 on_finished: Callable[[CompletionOutput], Any] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None
                  ) -> list[CompletionOutput]:
         """Run all prompts concurrently; outputs in input order. Errors are per output.
-        on_finished: called with each output as it finishes (a progress bar)."""
+        on_finished: called with each output as it finishes (a progress bar);
+        chat_template_kwargs: the chat template's extra variables, for conversations."""
+        template = json.dumps(chat_template_kwargs) if chat_template_kwargs else ""
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
@@ -483,7 +486,7 @@ class PipelineClient:
         for prompt, p in zip(prompts, all_params, strict=True):
             rid = uuid.uuid4().hex
             results[rid] = CompletionOutput(rid, max(p.n, 1), arrival_time=time.monotonic())
-            order.append(self._submit(prompt, p, rid, inbox.put))
+            order.append(self._submit(prompt, p, rid, inbox.put, (), template))
         self._collect(inbox, results, timeout, on_finished)
         return [results[rid] for rid in order]
 
