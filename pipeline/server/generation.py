@@ -71,11 +71,11 @@ class Generation:
 
     async def _feed(self, i: int) -> None:
         tools = self.parsed.tools.tools if self.parsed.tools is not None else ()
-        stream = self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
-                                          f"{self.rid}-{i}", tools,
-                                          self.parsed.chat_template_kwargs)
         hidden = self.parsed.eos_stop_ids
-        try:
+        try:  # (the stream made inside: a call that raises at once still reports)
+            stream = self.front.client.stream(self.parsed.prompts[i], self.parsed.params,
+                                              f"{self.rid}-{i}", tools,
+                                              self.parsed.chat_template_kwargs)
             async with contextlib.aclosing(stream):  # closed (so aborted) however this ends
                 async for out in stream:
                     if out.stop_reason is not None and out.stop_reason in hidden:
