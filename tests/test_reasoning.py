@@ -4,6 +4,7 @@ character at a time), so a tag split over deltas never leaks into either field."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,22 @@ def test_the_spec_of_a_request(tmp_path: Path) -> None:
     assert plain.params.skip_special_tokens is False and plain.params.reasoning is None
     with pytest.raises(ApiError, match="openai_gptoss"):
         reasoning_spec(tok, "openai_gptoss", parse_chat(body, len(tok)))
+
+
+def test_reasoning_effort_is_the_templates_variable() -> None:
+    """OpenAI's reasoning_effort reaches the chat template as `reasoning_effort` (vLLM's way;
+    gpt-oss's template reads it), checked, and never at odds with chat_template_kwargs."""
+    from pipeline.server.errors import ApiError
+    from pipeline.server.openai_parse import parse_chat
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    parsed = parse_chat({**body, "reasoning_effort": "low"}, 100)
+    assert json.loads(parsed.chat_template_kwargs) == {"reasoning_effort": "low"}
+    both = parse_chat({**body, "reasoning_effort": "low",
+                       "chat_template_kwargs": {"reasoning_effort": "low", "x": 1}}, 100)
+    assert json.loads(both.chat_template_kwargs) == {"reasoning_effort": "low", "x": 1}
+    odds = {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
+    for wrong in ({"reasoning_effort": "max"}, {"reasoning_effort": 3}, odds):
+        with pytest.raises(ApiError) as info:
+            parse_chat({**body, **wrong}, 100)
+        assert info.value.param == "reasoning_effort"

@@ -123,7 +123,9 @@ BAD = [
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs"),
     ({"conversation": "c"}, "conversation", "previous_response_id"),
     ({"frequency_penalty": 1}, "frequency_penalty", "unknown field"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning-parser"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "extreme"),
+    ({"reasoning": {"summary": "long"}}, "reasoning.summary", "long"),
+    ({"reasoning": {"budget": 5}}, "reasoning.budget", "not supported"),
     ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
     ({"truncation": "auto"}, "truncation", "never cut"),
     ({"background": True}, "background", "background"),
@@ -139,6 +141,12 @@ def test_a_bad_field_is_a_400_naming_the_responses_field(fields: dict[str, Any],
         parse({"input": "x", **fields})
     assert info.value.status == 400 and info.value.param == param
     assert words in info.value.message
+
+
+def test_reasoning_effort_reaches_the_template_and_a_summary_is_taken() -> None:
+    asked = parse({"input": "x", "reasoning": {"effort": "high", "summary": "auto"}})
+    assert json.loads(asked.parsed.chat_template_kwargs) == {"reasoning_effort": "high"}
+    assert parse({"input": "x"}).parsed.chat_template_kwargs == ""
 
 
 def test_chat_fields_are_renamed_back_to_where_they_came_from() -> None:

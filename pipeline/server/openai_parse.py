@@ -85,7 +85,8 @@ SAMPLING_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
+                                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                 "reasoning_effort"}
 # Known fields we do not implement, with what to do instead.
 NOT_IMPLEMENTED = {
     "suffix": "suffix (insertion) is not supported",
@@ -487,10 +488,23 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
     return parsed
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's
+
+
 def _template_kwargs(body: dict[str, Any]) -> str:
     """chat_template_kwargs (vLLM's): an object of the template's extra variables, such as
-    {"enable_thinking": false}; as JSON text, checked as the tokenizer stage will."""
-    value = _get(body, "chat_template_kwargs", (dict,))
+    {"enable_thinking": false}; as JSON text, checked as the tokenizer stage will. OpenAI's
+    reasoning_effort joins them as the template's `reasoning_effort` (as vLLM passes it:
+    gpt-oss's template reads it; a template that does not ignores it)."""
+    value = dict(_get(body, "chat_template_kwargs", (dict,)) or {})
+    effort = _get(body, "reasoning_effort", (str,))
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad("reasoning_effort", f"reasoning_effort must be one of "
+                                          f"{list(REASONING_EFFORTS)}, got {effort!r}")
+        if value.setdefault("reasoning_effort", effort) != effort:
+            raise bad("reasoning_effort", "reasoning_effort and chat_template_kwargs."
+                                          "reasoning_effort differ")
     if not value:
         return ""
     text = json.dumps(value)

@@ -143,6 +143,7 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore,
         chat["tools"] = [_tool(t, i) for i, t in enumerate(_list(body, "tools"))]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    _reasoning_options(body, chat)
     text_format = _text_format(body.get("text"))
     if text_format is not None:
         chat["response_format"] = text_format
@@ -192,15 +193,32 @@ def _check_refused(body: dict[str, Any]) -> None:
         if name != "reasoning.encrypted_content":
             raise bad("include", f"include {name!r} is not supported: this server has no "
                                  "logprobs, images or built-in tool outputs to add")
+
+
+SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _reasoning_options(body: dict[str, Any], chat: dict[str, Any]) -> None:
+    """reasoning.effort becomes the chat's reasoning_effort (the template's variable, as
+    vLLM passes it); reasoning.summary is taken, and answered with the whole reasoning text
+    (a reasoning item's `content`, its `summary` empty: no model here summarises, vLLM
+    answers the same), so clients that ask for one by default (Codex) are served."""
     reasoning = body.get("reasoning")
-    if reasoning is not None:
-        if not isinstance(reasoning, dict):
-            raise bad("reasoning", "reasoning must be an object")
-        for key, value in reasoning.items():
-            if value is not None:
-                raise bad(f"reasoning.{key}", f"reasoning.{key} is not supported: whether and "
-                          "how long the model thinks is its chat template's (see "
-                          "--reasoning-parser)")
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict):
+        raise bad("reasoning", "reasoning must be an object")
+    for key, value in reasoning.items():
+        if value is None:
+            continue
+        if key == "effort":
+            chat["reasoning_effort"] = value  # (checked by the chat's parse, renamed back)
+        elif key in ("summary", "generate_summary"):
+            if value not in SUMMARIES:
+                raise bad(f"reasoning.{key}", f"reasoning.{key} must be one of "
+                                              f"{list(SUMMARIES)}, got {value!r}")
+        else:
+            raise bad(f"reasoning.{key}", f"reasoning.{key} is not supported")
 
 
 def _instructions(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -364,7 +382,8 @@ _RENAMES = [(re.compile(r"^max_tokens$"), "max_output_tokens"),
             (re.compile(r"^response_format\.json_schema"), "text.format"),
             (re.compile(r"^response_format"), "text.format"),
             (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
-            (re.compile(r"^tool_choice\.function"), "tool_choice")]
+            (re.compile(r"^tool_choice\.function"), "tool_choice"),
+            (re.compile(r"^reasoning_effort$"), "reasoning.effort")]
 _MESSAGE = re.compile(r"^messages\[(\d+)\]")
 
 
