@@ -185,3 +185,20 @@ def test_reasoning_effort_is_the_templates_variable() -> None:
         with pytest.raises(ApiError) as info:
             parse_chat({**body, **wrong}, 100)
         assert info.value.param == "reasoning_effort"
+
+
+def test_harmony_reasoning_leaves_the_calls_to_the_openai_tool_parser() -> None:
+    """With --reasoning-parser openai_gptoss the analysis channel is taken out first; the
+    commentary call it writes back in harmony is what the openai tool parser reads, at every
+    split of the answer."""
+    from ipc.messages import ToolSpec
+    from pipeline.server.tool_parsers import tool_parser
+
+    text = ("<|channel|>analysis<|message|>add them<|end|><|start|>assistant<|channel|>"
+            "commentary to=functions.add <|constrain|>json<|message|>{\"a\": 1}<|call|>")
+    for at in range(len(text) + 1):
+        split = streamed(HarmonyParser(), [text[:at], text[at:]])
+        assert split.reasoning == "add them", at
+        found = tool_parser("openai", None).parse(split.content, [ToolSpec("add")])
+        assert [(c.name, c.arguments) for c in found.calls] == [("add", '{"a": 1}')], at
+        assert found.content == "" and found.reasoning == "", at

@@ -77,6 +77,13 @@ def _header(text: str) -> HarmonyMessage:
                           recipient.group(1) if recipient else None, content_type)
 
 
+def write_header(message: HarmonyMessage) -> str:
+    """A message's header in harmony, as a model writes it (up to its `<|message|>`)."""
+    to = f" to={message.recipient}" if message.recipient else ""
+    constrain = f" {CONSTRAIN}{message.content_type}" if message.content_type else ""
+    return f"{CHANNEL}{message.channel or ''}{to}{constrain}{MESSAGE}"
+
+
 def parse_harmony(text: str) -> list[HarmonyMessage]:
     """Every message of a whole answer, in order (the last not `done` if the text stops
     inside it; a header the text stops inside is not a message)."""
@@ -119,6 +126,11 @@ class HarmonyStream:
                 parts[:] = ["".join(parts)]
             msg.content = parts[0] if parts else ""
         return self._messages
+
+    def header(self, index: int) -> HarmonyMessage:
+        """Message `index` as its header and end tag say (its content is not kept up to date
+        here: `messages` joins it)."""
+        return self._messages[index]
 
     def feed(self, delta: str, final: bool = False) -> list[HarmonyDelta]:
         """The content new since the last feed; final: the text is complete (what was held

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from ipc.errors import ConfigError
 from ipc.messages import ReasoningTags
 from pipeline.server.errors import bad
+from pipeline.server.harmony import ENDS, HarmonyDelta, HarmonyStream, write_header
 
 
 class Split(NamedTuple):
@@ -126,17 +127,13 @@ class DeepSeekR1Parser(ReasoningParser):
     tag_optional = True
 
 
-HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
-                   "<|call|>", "<|constrain|>")
-
-
 class HarmonyParser(ReasoningParser):
-    """gpt-oss's harmony format, minimally: a message on the `analysis` channel is reasoning,
-    one on `final` content, the markers and the role headers dropped. A message on any other
-    channel (`commentary`: tool calls, preambles) goes to content as written, markers and
-    all, for a tool parser to read. Text before any marker is content (a model not speaking
-    harmony). Its markers are special tokens: its answers are detokenized with them
-    (`needs_special_tokens`)."""
+    """gpt-oss's harmony format, read by harmony.HarmonyStream (the one harmony reader, the
+    openai tool parser's too): a message on the `analysis` channel is reasoning, one on
+    `final` (or text outside any message: a model not speaking harmony) content. A message on
+    another channel (`commentary`: tool calls, preambles) goes to content written back in
+    harmony, header and end tag, for a tool parser to read. Its markers are special tokens:
+    its answers are detokenized with them (`needs_special_tokens`)."""
 
     name = "openai_gptoss"
     start_tag, end_tag = "<|channel|>analysis<|message|>", "<|end|>"
@@ -145,65 +142,33 @@ class HarmonyParser(ReasoningParser):
     def __init__(self, in_reasoning: bool = False) -> None:
         super().__init__(False)
         self.entered = self.ended = False
-        self.where = "outside"  # outside (a role header, or no harmony), header, body
-        self.channel = ""
-        self.header = ""
-        self.seen_marker = False
+        self.stream = HarmonyStream()
+        self._written = -1  # the last message written back whole (its header sent)
 
     def feed(self, delta: str) -> Split:
-        text, self.held = self.held + delta, ""
-        reasoning, content = [], []
-        while text:
-            at, marker = min(((text.find(m), m) for m in HARMONY_MARKERS if m in text),
-                             default=(-1, ""))
-            if at < 0:
-                keep = max(_partial_suffix(text, m) for m in HARMONY_MARKERS)
-                if self.where == "header":
-                    keep = len(text)  # a header is read whole
-                self._text(text[:len(text) - keep], reasoning, content)
-                self.held = text[len(text) - keep:]
-                break
-            self._text(text[:at], reasoning, content)
-            self._marker(marker, content)
-            text = text[at + len(marker):]
-        return Split("".join(reasoning), "".join(content))
-
-    def _text(self, text: str, reasoning: list[str], content: list[str]) -> None:
-        if not text:
-            return
-        if self.where == "header":
-            self.header += text
-        elif self.where == "body":
-            (reasoning if self.channel == "analysis" else content).append(text)
-        elif not self.seen_marker:
-            content.append(text)
-
-    def _marker(self, marker: str, content: list[str]) -> None:
-        self.seen_marker = True
-        raw = self.where == "body" and self.channel not in ("analysis", "final")
-        if marker == "<|channel|>":
-            self.where, self.header = "header", ""
-        elif marker == "<|message|>" and self.where == "header":
-            self.channel = self.header.split()[0] if self.header.split() else ""
-            self.where = "body"
-            if self.channel == "analysis":
-                self.entered = True
-            elif self.channel != "final":  # kept as written, for a tool parser
-                content.append(f"<|channel|>{self.header}<|message|>")
-        elif marker == "<|constrain|>" and self.where == "header":
-            self.header += marker
-        elif marker in ("<|end|>", "<|return|>", "<|call|>", "<|start|>"):
-            if raw and marker != "<|start|>":
-                content.append(marker)
-            if self.where == "body" and self.channel == "analysis":
-                self.ended = True
-            self.where = "outside"
+        return self._split(self.stream.feed(delta))
 
     def finish(self) -> Split:
-        held, self.held = self.held, ""
-        if self.where == "body":
-            return Split(held, "") if self.channel == "analysis" else Split("", held)
-        return Split("", held if not self.seen_marker else "")
+        return self._split(self.stream.feed("", final=True))
+
+    def _split(self, deltas: list[HarmonyDelta]) -> Split:
+        reasoning, content = [], []
+        for d in deltas:
+            if d.channel == "analysis":
+                self.entered = True
+                self.ended |= d.done
+                reasoning.append(d.text)
+            elif d.channel in (None, "final"):
+                content.append(d.text)
+            else:  # kept as written, for a tool parser
+                message = self.stream.header(d.index)
+                if d.index != self._written:
+                    self._written = d.index
+                    content.append(write_header(message))
+                content.append(d.text)
+                if d.done:
+                    content.append(message.end or ENDS[0])
+        return Split("".join(reasoning), "".join(content))
 
 
 PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (Qwen3Parser, DeepSeekR1Parser,
