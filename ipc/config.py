@@ -21,6 +21,7 @@ from ipc.addresses import RemoteSettings, RunAddresses
 from ipc.device import TIMED_SYNTAX, parse_device
 from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
+from ipc.lora import LoraConfig
 from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
 from ipc.ranks import RankLayout
@@ -206,6 +207,8 @@ class EngineLimits:
     # works on a different step at once, so P times `depth` steps may be in flight; the
     # scheduler splits the running sequences into P sets that take turns (step_builder.py).
     pipeline_stages: int = 1
+    # The served LoRA adapters (--lora-modules), adapter id i + 1 for entry i (ipc/lora.py)
+    lora_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pipeline_stages < 1:
@@ -302,6 +305,7 @@ class PipelineConfig(RunAddresses):
     # --listen's host, and in a stage that joined from another host the launcher's status
     # publisher (ipc/addresses.py): what this host is reached on, not a scheduling setting.
     remote: RemoteSettings = field(default_factory=RemoteSettings)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (ipc/lora.py)
 
     def for_engine(self, engine: int) -> PipelineConfig:
         """The config a stage of engine `engine` runs with: its addresses and rings."""
@@ -361,8 +365,10 @@ class PipelineConfig(RunAddresses):
             for name in ("timed", "pipeline_layer_partition"):  # (tuples, sent as lists)
                 if execu.get(name) is not None:
                     execu[name] = tuple(execu[name])
+            lora = dict(values.pop("lora", {}))  # type: ignore[call-overload]
+            lora["modules"] = tuple(tuple(m) for m in lora.get("modules", ()))
             return cls(model=ModelInfo(**model), scheduler=SchedulerConfig(**sched),
-                       executor=ExecutorConfig(**execu), keys=keys,
+                       executor=ExecutorConfig(**execu), keys=keys, lora=LoraConfig(**lora),
                        remote=remote or RemoteSettings(), **values)  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"the launcher sent a config this version cannot read: {exc}"
@@ -406,7 +412,7 @@ class PipelineConfig(RunAddresses):
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
             auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative),
-            pipeline_stages=self.executor.pipeline_parallel_size)
+            pipeline_stages=self.executor.pipeline_parallel_size, lora_names=self.lora.names)
 
     @property
     def ranks(self) -> RankLayout:

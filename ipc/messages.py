@@ -128,6 +128,9 @@ class SamplingParams(Struct):
     # With speculative decoding on (--speculative), False keeps this request out of it: one
     # token a step, as without. Its outputs are the same either way.
     speculate: bool = True
+    # The LoRA adapter the request runs under, by its served name (--lora-modules); "": the
+    # base model. The server takes it from the request's `model`.
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import torch
 from ipc.messages import StepPlan
 from ipc.step import STEP_FIELDS, StepInputs, read_step
 from stages.executor.backends.base import AttentionBackend, HostInputs, StepRows
+from stages.executor.lora import StepAdapters, step_adapters
 from stages.executor.sampler import HostSlotParams, StepSampling
 from stages.executor.staging import StagingLayout
 
@@ -47,6 +48,7 @@ class HostStep:
     # the step's input ids and each one's slot, on the host (-1: a placeholder)
     input_ids: np.ndarray | None = None
     token_slots: np.ndarray | None = None
+    lora: StepAdapters | None = None  # its rows by LoRA adapter (None: all the base model's)
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +125,8 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
                     positions.sample_slots, step.new_slot, spec_width=positions.spec_width,
                     last_drafts=bool(step.last_drafts.any()),
                     spec_rows=(spec["spec_slots"], spec["spec_draft"]),
-                    input_ids=step.input_ids, token_slots=forward["token_slots"])
+                    input_ids=step.input_ids, token_slots=forward["token_slots"],
+                    lora=step_adapters(step.adapter_id, q))
 
 
 class SampledPositions(NamedTuple):
