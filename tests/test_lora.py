@@ -167,3 +167,16 @@ def test_refused_by_name(folders: dict[str, Path], tmp_path: Path) -> None:
     spec = read_adapter("beta", str(folders["beta"]), 8)
     assert spec.rank == 8 and spec.scale == pytest.approx(4 / 8 ** 0.5)  # rslora
     assert spec.targets == ("down_proj", "q_proj", "v_proj")
+
+
+def test_router_keys_depend_on_the_adapter() -> None:
+    from stages.router import EngineRouter, block_keys
+
+    ids = list(range(8))
+    assert block_keys(ids, 4, 1) != block_keys(ids, 4) != block_keys(ids, 4, 2)
+    router = EngineRouter(2, 4, lora_names=("alpha",))
+    first = router.route(ids, 8)
+    router.set_loads([100, 0] if first == 0 else [0, 100], [True, True])
+    # the base model's blocks went to `first`; the adapter's prompt matches nothing there
+    assert router.match(ids).num_blocks == 2
+    assert router.route(ids, 8, "alpha") != first
