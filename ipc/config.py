@@ -382,7 +382,7 @@ class PipelineConfig(RunAddresses):
                          tuple(self.for_engine(e).abort_address
                                for e in range(self.data_parallel_size)),
                          self.status_address, self.client_reply_prefix, self.keys.client_key,
-                         server_key=self._server_key())
+                         server_key=self._server_key(), lora_names=self.lora.names)
 
     def _server_key(self) -> str:
         """The public half of the run's CURVE server key ("" without --listen): a client

@@ -6,6 +6,7 @@ loads the weights (stages/executor/lora.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -41,7 +42,7 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     """--lora-modules NAME=PATH (argparse's type): the adapter's served name and its folder."""
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise ConfigError(f"--lora-modules takes NAME=PATH (a PEFT adapter folder), got {text!r}")
+        raise argparse.ArgumentTypeError(f"takes NAME=PATH (a PEFT adapter folder), got {text!r}")
     return name, path
 
 
