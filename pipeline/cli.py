@@ -310,6 +310,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--user", default=d.user, help="who the requests are for (fair sharing)")
     g.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="with --speculative on: these requests take one token a step")
+    g.add_argument("--lora-name", default=d.lora_name, metavar="NAME",
+                   help="run the prompts under this adapter of --lora-modules")
     s = p.add_argument_group("structured output (at most one; TEXT or @FILE)")
     s.add_argument("--json-schema", metavar="SCHEMA", default=so.json,
                    help="the output is JSON valid under this JSON Schema")

@@ -180,3 +180,25 @@ def test_router_keys_depend_on_the_adapter() -> None:
     # the base model's blocks went to `first`; the adapter's prompt matches nothing there
     assert router.match(ids).num_blocks == 2
     assert router.route(ids, 8, "alpha") != first
+
+
+def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path]) -> None:
+    import dataclasses
+
+    from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+    from ipc.model_info import ModelInfo
+    from ipc.speculative import parse_speculative
+    from stages.executor.preflight import check_executor
+
+    cfg = PipelineConfig(model=ModelInfo.from_dir(str(folders[""])), lora=lora_config(folders))
+    check_executor(cfg)  # (the adapters as they are: accepted)
+    for change, what in (
+            ({"executor": ExecutorConfig(tensor_parallel_size=2)}, "--tensor-parallel-size"),
+            ({"executor": ExecutorConfig(compile=True)}, "--compile"),
+            ({"executor": ExecutorConfig(device="cuda")}, "--device cuda"),
+            ({"scheduler": SchedulerConfig(speculative=parse_speculative("ngram:2"))},
+             "--speculative"),
+            ({"lora": LoraConfig(modules=(("beta", str(folders["beta"])),), max_lora_rank=4)},
+             "exceeds --max-lora-rank 4")):
+        with pytest.raises(ConfigError, match=what):
+            check_executor(dataclasses.replace(cfg, **change))
