@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.tools.bench_host import add_host_parser
 
     add_host_parser(sub)
+    from pipeline.tools.bench_lora import add_lora_parser
+
+    add_lora_parser(sub)
     return parser
 
 
