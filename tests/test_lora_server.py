@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_lora import merge_adapter, make_adapter
+from test_lora import make_adapter, merge_adapter
 from test_server import Server, serve
 
 from ipc.messages import SamplingParams

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ from stages.executor.backends.base import AttentionBackend
 from stages.executor.linear.base import LinearMethod, process_weights
 from stages.executor.models.base import CausalLM
 from stages.executor.preflight import check_divisible
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ipc.lora import LoraConfig
@@ -95,6 +98,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         model.lora = state
         for i, adapter in enumerate(adapters):
             load_adapter(model, i + 1, adapter)
+        logger.info("LoRA adapters: the CPU's fused decoder layers and the last layer's row "
+                    "trimming are off (their kernels take no adapter); the layers run one by one")
         return model
     model.fused_layers = FusedLayers.build(model)
     model.trim_last_layer = device.type == "cpu"  # (ModelRunner unsets it if it compiles)
