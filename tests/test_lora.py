@@ -121,7 +121,7 @@ def test_segmented_product_equals_dense() -> None:
     deltas = {}
     for adapter, rank in ((1, 2), (3, 5)):
         a, b = torch.randn(rank, 16, generator=g), torch.randn(24, rank, generator=g)
-        layer.lora_weights[adapter] = LoraWeights(a, b)
+        state.weights.setdefault(layer, {})[adapter] = LoraWeights(a, b)
         deltas[adapter] = b @ a
     adapters = np.array([0, 3, 1, 0, 3], dtype=np.int32)
     query = np.array([2, 1, 3, 1, 2], dtype=np.int32)

@@ -34,7 +34,7 @@ def random_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = PeftLoraConfig(r=rank, lora_alpha=rank, target_modules=ALL_PROJECTIONS,
                          init_lora_weights=False)
-    get_peft_model(model, cfg).save_pretrained(out)
+    get_peft_model(model, cfg).save_pretrained(str(out))
     return out
 
 

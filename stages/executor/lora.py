@@ -67,13 +67,14 @@ def step_adapters(adapter_id: np.ndarray, query_len: np.ndarray) -> StepAdapters
 
 @dataclass
 class LoraState:
-    """The model's adapters: each adapted projection's weights by adapter id (on the
-    layers, `lora_weights`), and the step the forward runs (`step`, set by the runner before
-    each forward; None: the base model alone)."""
+    """The model's adapters: each adapted projection's weights by adapter id (`weights`, by
+    the layer), and the step the forward runs (`step`, set by the runner before each
+    forward; None: the base model alone)."""
 
     max_loras: int
     step: StepAdapters | None = None
     loaded: dict[int, AdapterSpec] = field(default_factory=dict)
+    weights: dict[Linear, dict[int, LoraWeights]] = field(default_factory=dict)
 
     def add_deltas(self, layer: Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base product of x [T, in]) plus each adapter's product on its rows."""
@@ -82,7 +83,7 @@ class LoraState:
             return y
         if x.shape[0] != step.num_tokens:
             raise RuntimeError(f"LoRA: {x.shape[0]} rows where the step has {step.num_tokens}")
-        weights: dict[int, LoraWeights] = layer.lora_weights  # type: ignore[assignment]
+        weights = self.weights.get(layer, {})
         for adapter, rows in step.rows:
             w = weights.get(adapter)
             if w is None:  # (this adapter does not target this projection)
@@ -103,7 +104,6 @@ class LoraMethod(LinearMethod):
     def process(self, layer: Linear) -> None:
         layer.gated = False  # (the adapter adds to gate and up before the activation)
         self.base.process(layer)
-        layer.lora_weights = {}  # adapter id -> LoraWeights
 
     def for_head(self) -> LinearMethod:
         return self.base.for_head()
@@ -140,7 +140,9 @@ def load_adapter(model: CausalLM, adapter: int, spec: AdapterSpec) -> None:
         by_layer.setdefault((index, module), {})[part] = (ab["A"], ab["B"])
     for (index, module), parts in by_layer.items():
         layer = model.model.layers[index].get_submodule(module)
-        layer.lora_weights[adapter] = _fused_pair(layer, parts, spec, model.dtype)
+        assert isinstance(layer, Linear) and isinstance(layer.method, LoraMethod)
+        state.weights.setdefault(layer, {})[adapter] = _fused_pair(layer, parts, spec,
+                                                                   model.dtype)
     state.loaded[adapter] = spec
     logger.info("LoRA adapter %r (rank %d, scale %g, %s) as adapter %d", spec.name, spec.rank,
                 spec.scale, "/".join(spec.targets), adapter)
