@@ -133,6 +133,9 @@ def test_segmented_product_equals_dense() -> None:
         w = layer.weight + deltas.get(a, 0)
         torch.testing.assert_close(y[t], x[t] @ w.T + layer.bias, rtol=1e-5, atol=1e-5)
     assert step_adapters(np.zeros(4, dtype=np.int32), query[:4]) is None
+    state.step = step_adapters(np.full(5, 3, dtype=np.int32), query)  # (every row one's)
+    torch.testing.assert_close(layer(x), x @ (layer.weight + deltas[3]).T + layer.bias,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_prefix_keys_depend_on_the_adapter() -> None:

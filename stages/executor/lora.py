@@ -88,7 +88,10 @@ class LoraState:
             w = weights.get(adapter)
             if w is None:  # (this adapter does not target this projection)
                 continue
-            y.index_add_(0, rows, (x.index_select(0, rows) @ w.a.T) @ w.b.T)
+            if rows.shape[0] == step.num_tokens:  # (every row this adapter's: no gather)
+                y.addmm_(x @ w.a.T, w.b.T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ w.a.T) @ w.b.T)
         return y
 
 
