@@ -205,3 +205,15 @@ def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path
              "exceeds --max-lora-rank 4")):
         with pytest.raises(ConfigError, match=what):
             check_executor(dataclasses.replace(cfg, **change))
+
+
+def test_bench_lora_runs_every_row(folders: dict[str, Path], tmp_path: Path) -> None:
+    from pipeline.tools.bench import main
+
+    out = tmp_path / "lora.json"
+    assert main(["lora", "--model", str(folders[""]), "--batch", "3", "--input-len", "8",
+                 "--output-len", "4", "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["base alone", "base, adapters loaded", "base + 2 adapters mixed",
+                          "one adapter every row"]
+    assert all(rate > 0 for rate in rows.values())
