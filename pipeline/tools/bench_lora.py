@@ -57,7 +57,7 @@ def lora(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model_dir)
     info = ModelInfo.from_dir(str(model_dir))
     with tempfile.TemporaryDirectory() as tmp:
-        modules = list(args.lora_modules or ())
+        modules = list(args.lora_modules)
         for i in range(len(modules), 2):
             name = f"random{i}"
             modules.append((name, str(random_adapter(model_dir, Path(tmp) / name, 16, i))))
@@ -98,6 +98,7 @@ def add_lora_parser(sub: Any) -> None:
     p.add_argument("--model", dest="model_dir", default=None,
                    help="local HF folder; default: the converted SmolLM2")
     p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
+                   default=LoraConfig.modules,
                    help="two adapters to run (default: random ones of rank 16)")
     p.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank)
     p.add_argument("--batch", type=int, default=32)

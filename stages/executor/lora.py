@@ -17,16 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ipc.lora import ENTRY, AdapterSpec
 from stages.executor.linear.base import Linear, LinearMethod
-
-if TYPE_CHECKING:
-    from stages.executor.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +116,12 @@ class LoraMethod(LinearMethod):
         return silu_and_mul(self.apply(layer, x))
 
 
-def load_adapter(model: CausalLM, adapter: int, spec: AdapterSpec) -> None:
-    """Adapter `spec`'s weights into every projection it targets, under id `adapter`."""
+def load_adapter(layers: torch.nn.ModuleList, state: LoraState, adapter: int,
+                 spec: AdapterSpec, dtype: torch.dtype) -> None:
+    """Adapter `spec`'s weights, in `dtype`, for every projection of the decoder `layers` it
+    targets, into `state` under id `adapter`."""
     from safetensors import safe_open
 
-    state = model.lora
-    assert state is not None  # (a model built with adapters: load_model's `lora`)
     if not 1 <= adapter <= state.max_loras:
         raise ValueError(f"adapter id {adapter} outside 1..{state.max_loras}")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -142,10 +139,9 @@ def load_adapter(model: CausalLM, adapter: int, spec: AdapterSpec) -> None:
         module, part = PROJECTIONS[target]
         by_layer.setdefault((index, module), {})[part] = (ab["A"], ab["B"])
     for (index, module), parts in by_layer.items():
-        layer = model.model.layers[index].get_submodule(module)
+        layer = layers[index].get_submodule(module)
         assert isinstance(layer, Linear) and isinstance(layer.method, LoraMethod)
-        state.weights.setdefault(layer, {})[adapter] = _fused_pair(layer, parts, spec,
-                                                                   model.dtype)
+        state.weights.setdefault(layer, {})[adapter] = _fused_pair(layer, parts, spec, dtype)
     state.loaded[adapter] = spec
     logger.info("LoRA adapter %r (rank %d, scale %g, %s) as adapter %d", spec.name, spec.rank,
                 spec.scale, "/".join(spec.targets), adapter)

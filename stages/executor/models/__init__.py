@@ -97,7 +97,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if state is not None:
         model.lora = state
         for i, adapter in enumerate(adapters):
-            load_adapter(model, i + 1, adapter)
+            load_adapter(model.model.layers, state, i + 1, adapter, model.dtype)
         logger.info("LoRA adapters: the CPU's fused decoder layers and the last layer's row "
                     "trimming are off (their kernels take no adapter); the layers run one by one")
         return model
