@@ -21,6 +21,7 @@ from ipc.addresses import RemoteSettings, RunAddresses
 from ipc.device import TIMED_SYNTAX, parse_device
 from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
+from ipc.lora import LoraConfig
 from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
 from ipc.ranks import RankLayout
@@ -212,6 +213,8 @@ class EngineLimits:
     # works on a different step at once, so P times `depth` steps may be in flight; the
     # scheduler splits the running sequences into P sets that take turns (step_builder.py).
     pipeline_stages: int = 1
+    # The served LoRA adapters (--lora-modules), adapter id i + 1 for entry i (ipc/lora.py)
+    lora_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pipeline_stages < 1:
@@ -308,6 +311,7 @@ class PipelineConfig(RunAddresses):
     # --listen's host, and in a stage that joined from another host the launcher's status
     # publisher (ipc/addresses.py): what this host is reached on, not a scheduling setting.
     remote: RemoteSettings = field(default_factory=RemoteSettings)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (ipc/lora.py)
 
     def for_engine(self, engine: int) -> PipelineConfig:
         """The config a stage of engine `engine` runs with: its addresses and rings."""
@@ -367,8 +371,10 @@ class PipelineConfig(RunAddresses):
             for name in ("timed", "pipeline_layer_partition"):  # (tuples, sent as lists)
                 if execu.get(name) is not None:
                     execu[name] = tuple(execu[name])
+            lora = dict(values.pop("lora", {}))  # type: ignore[call-overload]
+            lora["modules"] = tuple(tuple(m) for m in lora.get("modules", ()))
             return cls(model=ModelInfo(**model), scheduler=SchedulerConfig(**sched),
-                       executor=ExecutorConfig(**execu), keys=keys,
+                       executor=ExecutorConfig(**execu), keys=keys, lora=LoraConfig(**lora),
                        remote=remote or RemoteSettings(), **values)  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"the launcher sent a config this version cannot read: {exc}"
@@ -382,7 +388,7 @@ class PipelineConfig(RunAddresses):
                          tuple(self.for_engine(e).abort_address
                                for e in range(self.data_parallel_size)),
                          self.status_address, self.client_reply_prefix, self.keys.client_key,
-                         server_key=self._server_key())
+                         server_key=self._server_key(), lora_names=self.lora.names)
 
     def _server_key(self) -> str:
         """The public half of the run's CURVE server key ("" without --listen): a client
@@ -412,7 +418,7 @@ class PipelineConfig(RunAddresses):
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
             auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative),
-            pipeline_stages=self.executor.pipeline_parallel_size)
+            pipeline_stages=self.executor.pipeline_parallel_size, lora_names=self.lora.names)
 
     @property
     def embedding_refusal(self) -> str | None:

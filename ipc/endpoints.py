@@ -33,6 +33,9 @@ class Endpoints:
     # The rank of each of `tokenizers` (empty: 0, 1, ...): stages that joined from other
     # hosts come after the launcher's own, and one that left leaves a gap.
     tokenizer_ranks: tuple[int, ...] = ()
+    # The LoRA adapters served beside the model (--lora-modules): a request's `model` may
+    # name one of them (ipc/lora.py).
+    lora_names: tuple[str, ...] = ()
 
     def save(self, run_dir: str) -> Path:
         path = Path(run_dir) / ENDPOINTS_FILE
@@ -50,6 +53,7 @@ class Endpoints:
         fields["tokenizers"] = tuple(fields["tokenizers"])
         fields["schedulers"] = tuple(fields["schedulers"])
         fields["tokenizer_ranks"] = tuple(fields.get("tokenizer_ranks", ()))
+        fields["lora_names"] = tuple(fields.get("lora_names", ()))
         return cls(**fields)
 
     @classmethod

@@ -155,6 +155,9 @@ class SamplingParams(Struct):
     # An embedding request (ipc/pooling.py): "last", "mean" or "cls" pools the final norm's
     # hidden states of the prompt into one vector (TokenDelta.embedding); "" generates.
     pooling: str = ""
+    # The LoRA adapter the request runs under, by its served name (--lora-modules); "": the
+    # base model. The server takes it from the request's `model`.
+    lora_name: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):

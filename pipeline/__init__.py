@@ -18,6 +18,7 @@ _EXPORTS = {
     "SchedulerConfig": "ipc.config",
     "ExecutorConfig": "ipc.config",
     "LLM": "pipeline.offline",
+    "LoRARequest": "pipeline.offline",
     "SamplingParams": "ipc.messages",
     "StructuredOutputs": "ipc.messages",
     "ChatMessage": "ipc.messages",

@@ -29,6 +29,7 @@ from ipc.config import (
     parse_depth,
 )
 from ipc.errors import ConfigError
+from ipc.lora import LoraConfig, parse_lora_module
 from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
@@ -151,6 +152,15 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
                         "4}' or '{\"method\": \"draft_model\", \"model\": PATH, "
                         "\"num_speculative_tokens\": 4, \"disable_by_batch_size\": 4}'")
+    p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
+                   default=d(LoraConfig.modules),
+                   help="LoRA adapters (PEFT folders: q/k/v/o and gate/up/down projections) "
+                        "served beside the model: a request's model NAME runs under that "
+                        "adapter; several adapters and the base model share a batch")
+    p.add_argument("--max-loras", type=int, default=d(LoraConfig.max_loras),
+                   help="LoRA adapters resident at once (every --lora-modules adapter is)")
+    p.add_argument("--max-lora-rank", type=int, default=d(LoraConfig.max_lora_rank),
+                   help="the highest LoRA rank an adapter may have")
     p.add_argument("--run-ahead-depth", default=d(SchedulerConfig.depth),
                    metavar="{auto,1,2,3}",
                    help="steps planned ahead of the device's results: 1 is synchronous "
@@ -311,6 +321,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logit-bias", action="append", type=_logit_bias, metavar="ID=BIAS",
                    default=list(d.logit_bias),
                    help="add BIAS (-100..100) to token ID's logit; repeatable")
+    g.add_argument("--lora-name", default=d.lora_name, metavar="NAME",
+                   help="run the prompts under this adapter of --lora-modules")
     s = p.add_argument_group("structured output (at most one; TEXT or @FILE)")
     s.add_argument("--json-schema", metavar="SCHEMA", default=so.json,
                    help="the output is JSON valid under this JSON Schema")
@@ -457,6 +469,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         data_parallel_size=args.data_parallel_size, router=args.router,
         served_model_name=getattr(args, "served_model_name", PipelineConfig.served_model_name),
         remote=RemoteSettings(listen_host=listen_host(args.listen)),
+        lora=LoraConfig(modules=tuple(args.lora_modules), max_loras=args.max_loras,
+                        max_lora_rank=args.max_lora_rank),
         keys=RunKeys(client_key=client_key(args.listen_key), stage_key=stage_key(args.stage_key)))
 
 

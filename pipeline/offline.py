@@ -16,13 +16,16 @@ the interpreter exits.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+from ipc.lora import LoraConfig
 from ipc.messages import ChatMessage, SamplingParams
 from ipc.model_info import ModelInfo
 from ipc.speculative import parse_speculative
@@ -60,6 +63,15 @@ def _text(content: Any) -> str:
     return "".join(parts)
 
 
+class LoRARequest(NamedTuple):
+    """vLLM's: the adapter a generate() runs under, by its name in `lora_modules` (its id is
+    the engine's own; a path, if given, must be the served one)."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
 class LLM:
     """One running pipeline, for a program's own prompts. Keyword options are the CLI's
     global ones (see `run_pipeline --help`)."""
@@ -76,7 +88,10 @@ class LLM:
                  data_parallel_size: int = PipelineConfig.data_parallel_size,
                  quantization: str | None = ExecutorConfig.quantization,
                  kv_cache_dtype: str = ExecutorConfig.kv_cache_dtype,
-                 speculative: str | None = None) -> None:
+                 speculative: str | None = None,
+                 lora_modules: Sequence[tuple[str, str]] = LoraConfig.modules,
+                 max_loras: int = LoraConfig.max_loras,
+                 max_lora_rank: int = LoraConfig.max_lora_rank) -> None:
         from pipeline.runtime.launcher import Pipeline
         from pipeline.tools.model_source import resolve_model
 
@@ -90,7 +105,9 @@ class LLM:
                                                compile=compile, quantization=quantization,
                                                kv_cache_dtype=kv_cache_dtype),
             num_tokenizers=tokenizer_workers, num_detokenizers=detokenizer_workers,
-            data_parallel_size=data_parallel_size)
+            data_parallel_size=data_parallel_size,
+            lora=LoraConfig(modules=tuple((n, str(p)) for n, p in lora_modules),
+                            max_loras=max_loras, max_lora_rank=max_lora_rank))
         self._pipeline = Pipeline(cfg)
         # Stops when this object goes, or at the interpreter's exit, whichever comes first
         # (registered first: a start that fails half-way stops what it started too).
@@ -104,12 +121,31 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[CompletionOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | None = None) -> list[CompletionOutput]:
         """Answers for prompts (texts or token ids), in their order; each has `prompt`,
         `outputs` (its n samples: `text`, `token_ids`, `finish_reason`), and the counts.
-        Errors are per output (`error`)."""
+        Errors are per output (`error`). lora_request: every prompt runs under that adapter
+        (one of `lora_modules`)."""
         batch: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)
-        return self._run(batch, batch, sampling_params, use_tqdm)
+        return self._run(batch, batch, self._with_lora(sampling_params, lora_request),
+                         use_tqdm)
+
+    def _with_lora(self, params: SamplingParams | Sequence[SamplingParams] | None,
+                   lora: LoRARequest | None) -> SamplingParams | Sequence[SamplingParams] | None:
+        """The params with lora's adapter named (ValueError for one not served)."""
+        if lora is None:
+            return params
+        served = dict(self._pipeline.cfg.lora.modules)
+        if lora.lora_name not in served:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} is not among lora_modules "
+                             f"({', '.join(served) or 'none'}); adapters load at start only")
+        if lora.lora_path and Path(lora.lora_path) != Path(served[lora.lora_name]):
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} is served from "
+                             f"{served[lora.lora_name]}, not {lora.lora_path}")
+        if params is None or isinstance(params, SamplingParams):
+            return dataclasses.replace(params or SamplingParams(), lora_name=lora.lora_name)
+        return [dataclasses.replace(p, lora_name=lora.lora_name) for p in params]
 
     def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],
               dimensions: int | None = None, use_tqdm: bool = True) -> list[EmbeddingOutput]:

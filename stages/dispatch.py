@@ -70,7 +70,8 @@ class Dispatcher:
     def forward(self, req: TokenizedRequest) -> None:
         try:
             engine = self.router.route(req.prompt_token_ids,
-                                       len(req.prompt_token_ids) * req.params.n)
+                                       len(req.prompt_token_ids) * req.params.n,
+                                       req.params.lora_name)
         except NoEngine as exc:
             self._reply(req.reply_to, error_output(req.request_id, ErrorKind.UNAVAILABLE,
                                                    str(exc)))

@@ -8,6 +8,7 @@ from collections import deque
 import torch
 
 from ipc.config import EngineLimits, kept_window
+from ipc.lora import LoraConfig
 from ipc.messages import SamplingParams, TokenizedRequest
 from ipc.model_info import ModelInfo
 from ipc.outputs import SampleResult
@@ -43,17 +44,19 @@ class InProcessEngine:
                  compile: bool = False, graphs: bool | None = None,
                  cpu_kernels: bool | None = None, quantization: str | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", lora: LoraConfig | None = None) -> None:
         info = ModelInfo.from_dir(model_dir)
         self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, block_size,
                                    max_model_len, info.vocab_size, eos_token_ids, depth,
                                    num_speculative_tokens=speculative.num_tokens
                                    if speculative is not None else 0,
-                                   uniform_window=kept_window(info, speculative))
+                                   uniform_window=kept_window(info, speculative),
+                                   lora_names=lora.names if lora is not None else ())
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
                                            cpu_kernels=cpu_kernels, quantization=quantization,
-                                           speculative=speculative, kv_cache_dtype=kv_cache_dtype)
+                                           speculative=speculative, kv_cache_dtype=kv_cache_dtype,
+                                           lora=lora)
         self.scheduler = Scheduler(self.limits, self.runner.num_blocks,
                                    speculative=speculative)
         specs = step_input_specs(self.limits)

@@ -8,6 +8,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from ipc.lora import adapter_id
+
 POLICIES = ("prefix", "load")
 # Cache affinity yields to load only when the holder is clearly overloaded, both in absolute
 # and in relative terms: the rule of SGLang's cache-aware router (balance_abs_threshold=64
@@ -25,12 +27,14 @@ class PrefixMatch(NamedTuple):
     engine_mask: int  # bit e set: alive engine e was sent all of those blocks
 
 
-def block_keys(prompt_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained keys of the prompt's full blocks (the partial last block has none). Python
-    hashes ints and tuples of ints without the per-process seed used for str and bytes, so
-    every tokenizer worker computes the same keys and learns the same table."""
+def block_keys(prompt_ids: Sequence[int], block_size: int, adapter_id: int = 0) -> list[int]:
+    """Chained keys of the prompt's full blocks (the partial last block has none), the chain
+    seeded by the request's LoRA adapter id (0: the base model), as the engines' prefix caches
+    are: one adapter's blocks are not another's. Python hashes ints and tuples of ints
+    without the per-process seed used for str and bytes, so every tokenizer worker computes
+    the same keys and learns the same table."""
     keys: list[int] = []
-    key = 0
+    key = adapter_id
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
         key = hash((key, tuple(prompt_ids[start:start + block_size])))
         keys.append(key)
@@ -46,7 +50,7 @@ class EngineRouter:
     """
 
     def __init__(self, num_engines: int, block_size: int, policy: str = "prefix",
-                 max_blocks: int = 1 << 16) -> None:
+                 max_blocks: int = 1 << 16, lora_names: tuple[str, ...] = ()) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}: expected one of {POLICIES}")
         if num_engines < 1 or block_size < 1 or max_blocks < 1:
@@ -55,6 +59,7 @@ class EngineRouter:
         self.block_size = block_size
         self.policy = policy
         self.max_blocks = max_blocks
+        self.lora_names = lora_names  # the served adapters: a name's id seeds its keys
         self._base = [0] * num_engines  # tokens of work, as last published
         self._added = [0] * num_engines  # tokens routed here since that publication
         self._alive = [True] * num_engines
@@ -95,8 +100,9 @@ class EngineRouter:
         walk stops at the first block no alive engine was sent)."""
         return self._match(block_keys(prompt_ids, self.block_size))
 
-    def route(self, prompt_ids: Sequence[int], cost: int) -> int:
-        """The engine for this request; `cost` (its tokens of work) joins that engine's load."""
+    def route(self, prompt_ids: Sequence[int], cost: int, lora_name: str = "") -> int:
+        """The engine for this request; `cost` (its tokens of work) joins that engine's load.
+        `lora_name`: its LoRA adapter ("": the base model), part of its blocks' keys."""
         alive = [e for e in range(self.num_engines) if self._alive[e]]
         if not alive:
             what = "the engine is" if self.num_engines == 1 else \
@@ -109,7 +115,8 @@ class EngineRouter:
         elif self.policy == "load":
             chosen = self._least_loaded(alive)
         else:
-            keys = block_keys(prompt_ids, self.block_size)
+            keys = block_keys(prompt_ids, self.block_size,
+                              adapter_id(self.lora_names, lora_name) or 0)
             chosen = self._choose_by_prefix(alive, keys)
         self._added[chosen] += cost
         self._remember(keys, chosen)

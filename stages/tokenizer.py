@@ -156,7 +156,8 @@ class TokenizerShell:
                                    secret=cfg.keys.run_secret)
         self.engines = Peers(ctx.zmq, cfg.keys.run_secret, members or local_members(cfg))
         self.replies = ReplySockets(ctx.zmq, is_client=cfg.is_client_address)
-        router = EngineRouter(self.engines.num_engines, cfg.scheduler.block_size, cfg.router)
+        router = EngineRouter(self.engines.num_engines, cfg.scheduler.block_size, cfg.router,
+                              lora_names=cfg.lora.names)
         self.dispatcher = Dispatcher(router, rank, self.engines.to_engine, self.replies.send)
         self.dispatcher.set_engines([self.engines.engine_up(e)
                                      for e in range(self.engines.num_engines)])

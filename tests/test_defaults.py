@@ -26,6 +26,7 @@ from ipc.config import (
     ServerOptions,
     parse_depth,
 )
+from ipc.lora import LoraConfig
 from ipc.messages import SamplingParams, StructuredOutputs
 from ipc.units import parse_bytes
 from pipeline.cli import (
@@ -70,6 +71,9 @@ FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "data_parallel_size": (PipelineConfig, "data_parallel_size", _same),
     "router": (PipelineConfig, "router", _same),
     "served_model_name": (PipelineConfig, "served_model_name", _same),
+    "lora_modules": (LoraConfig, "modules", tuple),
+    "max_loras": (LoraConfig, "max_loras", _same),
+    "max_lora_rank": (LoraConfig, "max_lora_rank", _same),
     # serve's: the front end's options (its --max-waiting is the scheduler's too)
     "host": (ServerOptions, "host", _same),
     "port": (ServerOptions, "port", _same),

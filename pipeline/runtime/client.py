@@ -201,6 +201,7 @@ class PipelineClient:
         self._is_alive = is_alive
         self.endpoints = endpoints
         self.model_name, self.max_model_len = endpoints.model_name, endpoints.max_model_len
+        self.lora_names = endpoints.lora_names  # adapters a request's model may name
         if endpoints.server_key:  # (--listen) every tcp:// socket under CURVE
             curve.install(self._ctx, CurveKeys.for_client(endpoints.key,
                                                           endpoints.server_key.encode()))

@@ -180,6 +180,8 @@ class FrontEnd:
             Route("/v1/responses/{response_id}", self.kept_response, methods=["GET", "DELETE"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.lora_update, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.lora_update, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
@@ -207,10 +209,25 @@ class FrontEnd:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> Response:
+        """The model, then each LoRA adapter with the model as its parent and root (vLLM's
+        listing)."""
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created,
-            "owned_by": "llm-pipeline", "max_model_len": self.client.max_model_len}]})
+        card = {"object": "model", "created": self.created, "owned_by": "llm-pipeline",
+                "max_model_len": self.client.max_model_len}
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, **card, "root": self.model, "parent": None},
+            *({"id": name, **card, "root": self.model, "parent": self.model}
+              for name in self.client.lora_names)]})
+
+    async def lora_update(self, request: Request) -> Response:
+        """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): refused. The
+        adapters are the ones --lora-modules loads at start; loading or unloading them while
+        the server runs is not implemented (vLLM serves these routes only with
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING set)."""
+        self._authorize(request)
+        raise ApiError(501, f"{request.url.path}: adapters cannot be loaded or unloaded while "
+                            "the server runs; they are the ones --lora-modules names at start",
+                       None, "invalid_request_error", "not_implemented")
 
     async def version(self, request: Request) -> Response:
         import pipeline
@@ -257,17 +274,19 @@ class FrontEnd:
         core = await self.core()
         return JSONResponse({"prompt": core.tokenizer.decode(tokens)})
 
-    def _check_model(self, body: dict[str, Any]) -> None:
-        """`model` may be left out (one model is served); if given it must be this one."""
+    def _check_model(self, body: dict[str, Any]) -> str:
+        """`model` may be left out (one model is served); if given it must be this one or
+        one of its LoRA adapters. Returns the adapter's name ("": the model itself)."""
         model = body.get("model")
-        if model is None:
-            return
+        if model is None or model == self.model:
+            return ""
         if not isinstance(model, str):
             raise bad("model", "model must be a string naming the model (see GET /v1/models)")
-        if model != self.model:
-            raise ApiError(404, f"the model {model!r} does not exist; this server has "
-                                f"{self.model!r}", "model", "invalid_request_error",
-                           "model_not_found")
+        if model in self.client.lora_names:
+            return model
+        served = ", ".join(repr(m) for m in (self.model, *self.client.lora_names))
+        raise ApiError(404, f"the model {model!r} does not exist; this server has {served}",
+                       "model", "invalid_request_error", "model_not_found")
 
     # ------------------------------------------------------------ generation routes
 
@@ -305,7 +324,9 @@ class FrontEnd:
     async def _embed(self, request: Request) -> Response:
         """POST /v1/embeddings: one pooling request per input, through a Generation."""
         body = await self._read_json(request)
-        self._check_model(body)
+        if self._check_model(body):
+            raise bad("model", "embeddings are served for the model itself, not under a LoRA "
+                               "adapter")
         pooling = self.pooling()
         req = parse_embeddings(body, self.vocab_size, pooling)
         host = request.client.host if request.client else "?"
@@ -452,7 +473,7 @@ class FrontEnd:
 
     async def _run(self, request: Request, chat: bool, responses: bool = False) -> Response:
         body = await self._read_json(request)
-        self._check_model(body)
+        lora_name = self._check_model(body)
         asked = None
         if responses:  # the Responses API runs as a chat, rendered as Responses items
             asked = parse_responses(body, self.vocab_size, self.kept, self.options.api_workers)
@@ -464,7 +485,8 @@ class FrontEnd:
         # The scheduler shares the engine fairly between senders: here, each client address
         # and the user it names (OpenAI's `user`).
         host = request.client.host if request.client else "?"
-        parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}")
+        parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}",
+                                            lora_name=lora_name)
         if chat and self.options.reasoning_parser is not None:
             parsed.reasoning = reasoning_spec((await self.core()).tokenizer,
                                               self.options.reasoning_parser, parsed)
@@ -483,7 +505,7 @@ class FrontEnd:
                 hangup.cancel()
                 self.metrics.HTTP.labels(request.url.path, "200").inc()
                 events = run.sse() if asked is None else response_sse(
-                    run.chunks(), ResponsesStream(run.rid, self.model, asked.echo),
+                    run.chunks(), ResponsesStream(run.rid, run.model, asked.echo),
                     lambda response: self.kept.keep(asked, response))
                 return AbortingStreamingResponse(run, events, media_type="text/event-stream",
                                                  headers={"x-request-id": run.rid})
@@ -491,7 +513,7 @@ class FrontEnd:
         finally:
             hangup.cancel()
         if asked is not None:
-            result = whole_response(run.rid, self.model, asked.echo, result)
+            result = whole_response(run.rid, run.model, asked.echo, result)
             self.kept.keep(asked, result)
         self.metrics.HTTP.labels(request.url.path, "200").inc()
         return JSONResponse(result, headers={"x-request-id": run.rid})

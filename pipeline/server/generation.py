@@ -60,6 +60,7 @@ class Generation:
     def __init__(self, front: FrontEnd, parsed: ParsedRequest, rid: str) -> None:
         self.front, self.parsed, self.rid = front, parsed, rid
         self.n = parsed.params.n
+        self.model = parsed.params.lora_name or front.model  # (the id it answers under)
         self.queue: asyncio.Queue[Any] = asyncio.Queue()  # (i, output), None, or _STOPPING
         self.tasks: list[asyncio.Task[None]] = []
         self._early: list[tuple[int, RequestOutput]] = []  # read by start(), yielded first
@@ -174,7 +175,7 @@ class Generation:
         if self._uses_prompts():
             prompts = [await self._prompt_part(i, choices[i * self.n].prompt_logprobs)
                        for i in range(len(p.prompts))]
-        return response_json(self.rid, self.front.model, p.chat, choices, sum(self.prompt_tokens),
+        return response_json(self.rid, self.model, p.chat, choices, sum(self.prompt_tokens),
                              p.params.logprobs is not None, sum(self.cached_tokens), p.tools,
                              prompts, p.reasoning)
 
@@ -213,7 +214,7 @@ class Generation:
         try:
             if p.chat:
                 for c in range(len(p.prompts) * self.n):
-                    yield chunk_json(self.rid, self.front.model, True, c, None, want_lp,
+                    yield chunk_json(self.rid, self.model, True, c, None, want_lp,
                                      created, role=True)
             async for c, out in self.outputs():
                 completion_tokens += 0 if p.score_only else len(out.token_ids)
@@ -239,7 +240,7 @@ class Generation:
                     thought, out = choice.feed(out)
                     if thought:
                         yield chunk_json(
-                            self.rid, self.front.model, True, c, dataclasses.replace(
+                            self.rid, self.model, True, c, dataclasses.replace(
                                 out, finished=False, finish_reason=None), want_lp, created,
                             delta={"reasoning_content": thought, "reasoning": thought})
                         out = dataclasses.replace(out, logprobs=None)
@@ -251,11 +252,11 @@ class Generation:
                     for chunk in self._tool_chunks(tool_streams, c, out, want_lp, created):
                         yield chunk
                     continue
-                yield chunk_json(self.rid, self.front.model, p.chat, c, out, want_lp,
+                yield chunk_json(self.rid, self.model, p.chat, c, out, want_lp,
                                  created, text_offset=offsets.get(c, 0))
                 offsets[c] = offsets.get(c, 0) + len(out.text)
             if p.include_usage:
-                yield usage_chunk(self.rid, self.front.model, p.chat, created,
+                yield usage_chunk(self.rid, self.model, p.chat, created,
                                   sum(self.prompt_tokens), completion_tokens,
                                   sum(self.cached_tokens),
                                   None if p.reasoning is None else sum(
@@ -281,7 +282,7 @@ class Generation:
         if part.prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(part.entries, part.prompt_logprobs)
         return ({"id": self.rid, "object": "text_completion", "created": created,
-                 "model": self.front.model, "choices": [choice]}, len(choice["text"]))
+                 "model": self.model, "choices": [choice]}, len(choice["text"]))
 
     def _tool_chunks(self, streams: dict[int, ToolStream], c: int, out: RequestOutput,
                      want_lp: bool, created: int) -> list[dict[str, Any]]:
@@ -297,16 +298,16 @@ class Generation:
         # The output's logprobs go with its first chunk (held text reports them too).
         first = dataclasses.replace(out, finished=False, finish_reason=None)
         bare = dataclasses.replace(first, logprobs=None)
-        chunks = [chunk_json(self.rid, self.front.model, True, c, bare if k else first,
+        chunks = [chunk_json(self.rid, self.model, True, c, bare if k else first,
                              want_lp and not k, created, delta=delta)
                   for k, delta in enumerate(deltas)]
         if out.finished:
             last = dataclasses.replace(out, logprobs=None) if deltas else out
-            chunks.append(chunk_json(self.rid, self.front.model, True, c, last,
+            chunks.append(chunk_json(self.rid, self.model, True, c, last,
                                      want_lp and not deltas, created, delta={},
                                      finish_reason=reason))
         elif not deltas and want_lp and out.logprobs:
-            chunks.append(chunk_json(self.rid, self.front.model, True, c, first, True, created,
+            chunks.append(chunk_json(self.rid, self.model, True, c, first, True, created,
                                      delta={}))
         return chunks
 

@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.tools.bench_embed import add_embed_parser
 
     add_embed_parser(sub, _add_common)
+    from pipeline.tools.bench_lora import add_lora_parser
+
+    add_lora_parser(sub)
     return parser
 
 

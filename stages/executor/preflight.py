@@ -24,6 +24,8 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
     draft = cfg.scheduler.speculative
     if draft is not None and not draft.is_draft_model:
         draft = None
+    if cfg.lora.enabled:
+        check_lora(cfg)
     if ex.timed is not None:
         if draft is not None:
             raise ConfigError("a draft model (--speculative draft:...) needs a model, not the "
@@ -48,6 +50,37 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
     if draft is not None:
         check_draft(draft, cfg.model.vocab_size, selection, ex.tensor_parallel_size, ex.device)
     return selection
+
+
+def check_lora(cfg: PipelineConfig) -> None:
+    """LoRA adapters (stages/executor/lora.py) run in the CPU's eager forward of one rank of a
+    dense model in float weights, without speculative decoding; each adapter folder is
+    checked (ipc/lora.py). Everything else is refused here, by name."""
+    ex, flag = cfg.executor, "--lora-modules"
+    refusals = [
+        (ex.timed is not None, "the timed device runs no model"),
+        (ex.device != "cpu", f"--device {ex.device}: adapters run on the CPU only (the "
+                             "segmented products are not written for CUDA or its graphs)"),
+        (ex.compile is True, "--compile: the adapters' rows vary step to step; they run in "
+                             "the eager forward"),
+        (ex.tensor_parallel_size > 1, "--tensor-parallel-size: adapters are not sharded"),
+        (ex.pipeline_parallel_size > 1, "--pipeline-parallel-size: adapters are not split "
+                                        "into stages"),
+        (ex.quantization is not None, f"--quantization {ex.quantization}: adapters run over "
+                                      "float weights only"),
+        (cfg.scheduler.speculative is not None, "--speculative: a draft's rows would need "
+                                                "their adapter too; not implemented"),
+        (cfg.model.mixture_of_experts, "a mixture of experts (adapters of experts are not "
+                                       "implemented)"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{flag}: {why}")
+    gguf = gguf_source(cfg.model.path)
+    if gguf is not None and gguf.quantized:
+        raise ConfigError(f"{flag}: {gguf.describe()} is quantized; adapters run over float "
+                          "weights only")
+    cfg.lora.adapters(read_config(cfg.model.path)[1].num_layers)
 
 
 def check_pipeline(cfg: PipelineConfig) -> None:

@@ -73,7 +73,7 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
                                   graphs=ex.cuda_graphs and device.type == "cuda", tp=tp, pp=pp,
                                   quantization=ex.quantization,
                                   speculative=cfg.scheduler.speculative,
-                                  kv_cache_dtype=ex.kv_cache_dtype)
+                                  kv_cache_dtype=ex.kv_cache_dtype, lora=cfg.lora)
     runner.warm_up()  # (before the stage says it is ready: the first requests find it warm)
     return runner
 

@@ -19,6 +19,7 @@ import torch
 from ipc.config import EngineLimits
 from ipc.families import read_config
 from ipc.gguf_source import gguf_source
+from ipc.lora import LoraConfig
 from ipc.messages import StepPlan
 from ipc.sampling import GREEDY_SLOT
 from ipc.speculative import SpeculativeConfig
@@ -324,13 +325,14 @@ class ModelRunner:
                  pp: PipelineParallel | None = None, cpu_kernels: bool | None = None,
                  quantization: str | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 kv_cache_dtype: str = "auto") -> ModelRunner:
+                 kv_cache_dtype: str = "auto", lora: LoraConfig | None = None) -> ModelRunner:
         """The forward is chosen first (select_backend: `compile` and `cpu_kernels` as asked,
         None for the default), then the weight format (select_linear_method: `quantization`
         as asked, else `pack` None packs for oneDNN where it can), then the model is built
         with both. tp: this rank's shard of the model (parallel.py); rank 0 samples.
         speculative: with a draft model, that model is loaded too (load_draft).
-        kv_cache_dtype: the KV cache's format (kv_pool.py), which the forward must read."""
+        kv_cache_dtype: the KV cache's format (kv_pool.py), which the forward must read.
+        lora: the run's LoRA adapters, loaded with the model (stages/executor/lora.py)."""
         if device.type == "cpu":  # (the forward's activations: reused, not faulted in again)
             keep_freed_memory()
         _, spec = read_config(model_dir)
@@ -341,7 +343,7 @@ class ModelRunner:
         linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,
                                       gguf_source(model_dir), selection.backend == "cpu_kernels")
         model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp,
-                           pp)
+                           pp, lora)
         samples = (tp is None or tp.rank == 0) and (pp is None or pp.last)
         grammars = (Grammars(model_dir, limits.vocab_size, limits.eos_token_ids[0],
                              end_token_ids=limits.eos_token_ids)
@@ -383,6 +385,8 @@ class ModelRunner:
         if ids is None:  # (its bucket's first step: the ordinary path)
             ids = self.slots.resolve_ids(v)
         meta = self.backend.metadata(v, step.attn_plan)
+        if self.model.lora is not None:  # (which rows take which adapter: lora.py)
+            self.model.lora.step = step.lora
         wanted, num_scored = v.logits_indices, step.counts["plp_index"]
         if num_scored:  # prompt logprobs: the logits of the positions that score them too
             wanted = torch.cat([wanted, v.plp_index])

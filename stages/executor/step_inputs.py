@@ -17,6 +17,7 @@ import torch
 from ipc.messages import StepPlan
 from ipc.step import STEP_FIELDS, StepInputs, read_step
 from stages.executor.backends.base import AttentionBackend, HostInputs, StepRows
+from stages.executor.lora import StepAdapters, step_adapters
 from stages.executor.pooling import PoolRows, plan_pooling
 from stages.executor.sampler import HostSlotParams, StepSampling
 from stages.executor.staging import StagingLayout
@@ -52,6 +53,7 @@ class HostStep:
     pool: PoolRows | None = None  # what its embeddings' rows pool (None: no such row)
     # their vectors (float32 bytes), written by the device's reporter once computed
     pooled: list[bytes] = dataclasses.field(default_factory=list)
+    lora: StepAdapters | None = None  # its rows by LoRA adapter (None: all the base model's)
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +131,8 @@ def prepare_host_step(plan: StepPlan, ring: dict[str, np.ndarray], staging: torc
                     last_drafts=bool(step.last_drafts.any()),
                     spec_rows=(spec["spec_slots"], spec["spec_draft"]),
                     input_ids=step.input_ids, token_slots=forward["token_slots"],
-                    pool=plan_pooling(step, starts))
+                    pool=plan_pooling(step, starts),
+                    lora=step_adapters(step.adapter_id, q))
 
 
 class SampledPositions(NamedTuple):

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ipc.config import EngineLimits
+from ipc.lora import adapter_id
 from ipc.messages import (
     DetokRequestInfo,
     ErrorKind,
@@ -53,6 +54,9 @@ def invalid_reason(req: TokenizedRequest, lim: EngineLimits) -> str | None:
         validate_params(req.params, lim.vocab_size, lim.priority_range)
     except RequestError as exc:
         return exc.message
+    if adapter_id(lim.lora_names, req.params.lora_name) is None:
+        served = ", ".join(lim.lora_names) or "none"
+        return f"no LoRA adapter {req.params.lora_name!r} is served (adapters: {served})"
     if (req.params.structured_outputs is not None) != bool(req.grammar):
         return "a structured output must come with its grammar (from a tokenizer stage)"
     return None

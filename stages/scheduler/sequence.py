@@ -103,6 +103,9 @@ class Sequence:
     # pipeline and the sequence sits that step out (StepBuilder._fill_staged). Not kept
     # with one stage.
     sampled_in_step: int = -1
+    # Its LoRA adapter's id (ipc/lora.py; 0: the base model): its rows' adapter_id, and the
+    # seed of its prefix-cache keys, so the KV computed under one adapter is never another's.
+    adapter_id: int = 0
 
     def move_to(self, status: SeqStatus) -> None:
         if status not in _TRANSITIONS[self.status]:
@@ -172,9 +175,16 @@ class Sequence:
             i = len(self.block_keys)
             tokens = self.tokens(i * block_size, (i + 1) * block_size)
             assert -1 not in tokens
-            self.block_keys.append(block_key(self.block_keys[-1] if self.block_keys else b"",
-                                             tokens))
+            parent = (self.block_keys[-1] if self.block_keys
+                      else adapter_seed(self.adapter_id))
+            self.block_keys.append(block_key(parent, tokens))
         return self.block_keys[:num_blocks]
+
+
+def adapter_seed(adapter_id: int) -> BlockKey:
+    """The parent of a sequence's first block key: b"" for the base model, the adapter's id
+    otherwise (ids are never reused for another adapter within a run)."""
+    return b"" if adapter_id == 0 else b"lora" + adapter_id.to_bytes(4, "little")
 
 
 def block_key(parent: BlockKey, tokens: list[int]) -> BlockKey:

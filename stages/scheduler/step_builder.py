@@ -156,7 +156,7 @@ class StepBuilder:
             return budget
         kv, bs, rows, members = self.kv, self.kv.block_size, step.rows, step.members
         is_leading = not rows  # (then its rows are the step's first: write_step's num_plain)
-        num_planned = 0
+        num_planned, num_plain = 0, -1
         for seq in decodes:
             if num_planned >= budget:
                 break
@@ -176,13 +176,16 @@ class StepBuilder:
             seq.num_computed = start + 1
             assert seq.slot is not None  # (a running sequence holds its slot from admission)
             # (plain: without drafts, draft_model_kv is False: _init_slot)
-            rows.append(PlannedRow(seq.slot, [token], start + 1, True, seq=seq))
+            rows.append(PlannedRow(seq.slot, [token], start + 1, True, seq=seq,
+                                   adapter_id=seq.adapter_id))
+            if seq.adapter_id and num_plain < 0:  # (a plain row is the base model's)
+                num_plain = num_planned
             seq.num_pending += 1
             num_planned += 1
         step.num_tokens += num_planned
         step.num_sampled += num_planned
         if is_leading:
-            step.num_plain = num_planned
+            step.num_plain = num_planned if num_plain < 0 else num_plain
         return budget - num_planned
 
     def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
@@ -209,7 +212,8 @@ class StepBuilder:
         step.rows.append(PlannedRow(
             seq.slot, tokens + drafts, seq.num_computed, do_sample, len(drafts),
             seq.draft_model_kv,
-            bool(drafts) and dp is not None and dp.is_last(seq, len(drafts)), seq=seq))
+            bool(drafts) and dp is not None and dp.is_last(seq, len(drafts)), seq.adapter_id,
+            seq=seq))
         if seq.params.pooling:  # (an embedding's chunk: the executor pools its tokens)
             step.rows[-1].pooling = POOLING_CODES[seq.params.pooling]
         step.num_tokens += num_new + len(drafts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,10 @@ from stages.executor.linear.base import LinearMethod, process_weights
 from stages.executor.models.base import CausalLM
 from stages.executor.preflight import check_divisible
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
+    from ipc.lora import LoraConfig
     from stages.executor.parallel import PipelineParallel, TensorParallel
 
 
@@ -61,14 +65,25 @@ def build_model(cfg: dict, spec: ArchSpec, dtype: torch.dtype, backend: Attentio
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_len: int, backend: AttentionBackend, linear: LinearMethod,
                tp: TensorParallel | None = None,
-               stage: PipelineParallel | None = None) -> CausalLM:
+               stage: PipelineParallel | None = None,
+               lora: LoraConfig | None = None) -> CausalLM:
     """The model (with `tp`: that rank's shard, read slice by slice, no rank holding the
     whole; with `stage`: that pipeline stage's layers only, the others' entries skipped) on
-    `device`, its weights in their linear method's format."""
+    `device`, its weights in their linear method's format. `lora`: with its adapters loaded
+    (stages/executor/lora.py), each projection's format wrapped to add them; the fused CPU
+    call and the last layer's trimming then stay off (their kernels take no adapter)."""
     from stages.executor.fused import FusedLayers
     from stages.executor.loader import load_weights
+    from stages.executor.lora import LoraMethod, LoraState, load_adapter
 
     cfg, spec = read_config(model_dir)
+    state = None
+    if lora is not None and lora.enabled:
+        adapters = lora.adapters(spec.num_layers)  # (checked again: ConfigError by name)
+        if tp is not None or stage is not None or spec.moe is not None:
+            raise ValueError("LoRA adapters run on one rank of a dense model")
+        state = LoraState(lora.max_loras)
+        linear = LoraMethod(linear, state)
     if tp is not None:
         check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
         if linear.takes_blocks:
@@ -79,6 +94,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model = model.to(device).eval()
     model.init_rope(max_len)
     process_weights(model)
+    if state is not None:
+        model.lora = state
+        for i, adapter in enumerate(adapters):
+            load_adapter(model.model.layers, state, i + 1, adapter, model.dtype)
+        logger.info("LoRA adapters: the CPU's fused decoder layers and the last layer's row "
+                    "trimming are off (their kernels take no adapter); the layers run one by one")
+        return model
     model.fused_layers = FusedLayers.build(model)
     model.trim_last_layer = device.type == "cpu"  # (ModelRunner unsets it if it compiles)
     return model

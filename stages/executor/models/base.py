@@ -26,6 +26,7 @@ from stages.executor.sharding import ParallelLMHead, Shard
 
 if TYPE_CHECKING:
     from stages.executor.fused import FusedLayers
+    from stages.executor.lora import LoraState
     from stages.executor.parallel import PipelineParallel, TensorParallel
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -66,6 +67,7 @@ class CausalLM(nn.Module):
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_dim: int = attn.head_dim
         self.fused_layers: FusedLayers | None = None  # set once loaded (load_model)
+        self.lora: LoraState | None = None  # its adapters, where built with them (load_model)
         # Whether the last layer runs past its attention for the logits' rows only (see
         # forward); on the eager CPU forward (load_model), not in a compiled layer or a graph.
         self.trim_last_layer = False

@@ -1,0 +1,168 @@
+"""LoRA adapters in the forward, in the executor process: several adapters and the base model
+in one batch, without merged copies of the weights.
+
+Each projection of a decoder layer runs its base product once over every row of the step
+(its own linear method, any format), then, per adapter present in the step, a segmented
+product over that adapter's rows only: y[rows] += (x[rows] @ A^T) @ B^T, with the scale
+folded into B at load. A fused projection (q/k/v, gate/up) holds one (A, B) pair per adapter:
+the parts' A stacked [sum r, in] and their B as a block-diagonal [out, sum r] (a part the
+adapter does not target: zero rows), so one pair of products serves every part.
+
+Which rows take which adapter is the step's (`StepAdapters`, made by prepare from the step's
+per-row adapter ids); the model's `LoraState` holds it for the forward, as vLLM's punica
+wrapper does, since a projection has no other way to see the rows' adapters."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ipc.lora import ENTRY, AdapterSpec
+from stages.executor.linear.base import Linear, LinearMethod
+
+logger = logging.getLogger(__name__)
+
+# Which of a decoder layer's projections holds each adapter target, and which of its parts
+# (CausalLM's fused layers: blocks.py)
+PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+               "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+               "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+               "down_proj": ("mlp.down_proj", 0)}
+
+
+class LoraWeights(NamedTuple):
+    """One adapter's pair for one projection: a [R, in] and b [out, R], b scaled."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepAdapters:
+    """A step's rows by adapter: for each adapter id present (not 0), the indices [n] of its
+    tokens among the step's `num_tokens`."""
+
+    num_tokens: int
+    rows: tuple[tuple[int, torch.Tensor], ...]
+
+
+def step_adapters(adapter_id: np.ndarray, query_len: np.ndarray) -> StepAdapters | None:
+    """The step's StepAdapters from its rows' adapter ids and query lengths; None where every
+    row is the base model's (the common case: one check)."""
+    if not adapter_id.any():
+        return None
+    per_token = np.repeat(adapter_id, query_len)
+    rows = tuple((int(a), torch.from_numpy(np.flatnonzero(per_token == a)))
+                 for a in np.unique(adapter_id) if a)
+    return StepAdapters(len(per_token), rows)
+
+
+@dataclass
+class LoraState:
+    """The model's adapters: each adapted projection's weights by adapter id (`weights`, by
+    the layer), and the step the forward runs (`step`, set by the runner before each
+    forward; None: the base model alone)."""
+
+    max_loras: int
+    step: StepAdapters | None = None
+    loaded: dict[int, AdapterSpec] = field(default_factory=dict)
+    weights: dict[Linear, dict[int, LoraWeights]] = field(default_factory=dict)
+
+    def add_deltas(self, layer: Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] (the base product of x [T, in]) plus each adapter's product on its rows."""
+        step = self.step
+        if step is None:
+            return y
+        if x.shape[0] != step.num_tokens:
+            raise RuntimeError(f"LoRA: {x.shape[0]} rows where the step has {step.num_tokens}")
+        weights = self.weights.get(layer, {})
+        for adapter, rows in step.rows:
+            w = weights.get(adapter)
+            if w is None:  # (this adapter does not target this projection)
+                continue
+            if rows.shape[0] == step.num_tokens:  # (every row this adapter's: no gather)
+                y.addmm_(x @ w.a.T, w.b.T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ w.a.T) @ w.b.T)
+        return y
+
+
+class LoraMethod(LinearMethod):
+    """A layer's own format (`base`) plus the adapters' products (LoraState.add_deltas). The
+    head keeps the base format alone (adapters of the head are refused: ipc/lora.py)."""
+
+    def __init__(self, base: LinearMethod, state: LoraState) -> None:
+        self.base, self.state = base, state
+        self.name = f"{base.name}+lora"
+        self.takes_blocks = base.takes_blocks
+
+    def process(self, layer: Linear) -> None:
+        layer.gated = False  # (the adapter adds to gate and up before the activation)
+        self.base.process(layer)
+
+    def for_head(self) -> LinearMethod:
+        return self.base.for_head()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.state.add_deltas(layer, x, self.base.apply(layer, x))
+
+    def apply_gated(self, layer: Linear, x: torch.Tensor,
+                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return silu_and_mul(self.apply(layer, x))
+
+
+def load_adapter(layers: torch.nn.ModuleList, state: LoraState, adapter: int,
+                 spec: AdapterSpec, dtype: torch.dtype) -> None:
+    """Adapter `spec`'s weights, in `dtype`, for every projection of the decoder `layers` it
+    targets, into `state` under id `adapter`."""
+    from safetensors import safe_open
+
+    if not 1 <= adapter <= state.max_loras:
+        raise ValueError(f"adapter id {adapter} outside 1..{state.max_loras}")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(f"{spec.path}/adapter_model.safetensors", "pt") as f:
+        for entry in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            match = ENTRY.fullmatch(entry)
+            assert match is not None  # (read_adapter checked every entry)
+            key = (int(match.group(1)), match.group(3))
+            pairs.setdefault(key, {})[match.group(4)] = f.get_tensor(entry)
+    by_layer: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (index, target), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {spec.name!r}: layer {index} {target} lacks "
+                             f"lora_{'B' if 'A' in ab else 'A'}")
+        module, part = PROJECTIONS[target]
+        by_layer.setdefault((index, module), {})[part] = (ab["A"], ab["B"])
+    for (index, module), parts in by_layer.items():
+        layer = layers[index].get_submodule(module)
+        assert isinstance(layer, Linear) and isinstance(layer.method, LoraMethod)
+        state.weights.setdefault(layer, {})[adapter] = _fused_pair(layer, parts, spec, dtype)
+    state.loaded[adapter] = spec
+    logger.info("LoRA adapter %r (rank %d, scale %g, %s) as adapter %d", spec.name, spec.rank,
+                spec.scale, "/".join(spec.targets), adapter)
+
+
+def _fused_pair(layer: Linear, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                spec: AdapterSpec, dtype: torch.dtype) -> LoraWeights:
+    """One (A, B) pair for `layer` from its parts' pairs: the A's stacked, the B's as a
+    block-diagonal (rows of the part's outputs, columns of its rank), B scaled."""
+    sizes = getattr(layer, "parts", (layer.out_features,))
+    rank = spec.rank
+    a = torch.zeros(rank * len(parts), layer.in_features, dtype=torch.float32)
+    b = torch.zeros(layer.out_features, rank * len(parts), dtype=torch.float32)
+    for j, (part, (pa, pb)) in enumerate(sorted(parts.items())):
+        start = sum(sizes[:part])
+        if tuple(pa.shape) != (rank, layer.in_features) or tuple(pb.shape) != (sizes[part], rank):
+            raise ValueError(f"LoRA adapter {spec.name!r}: shapes {tuple(pa.shape)} and "
+                             f"{tuple(pb.shape)} for a projection of {layer.in_features} "
+                             f"inputs and {sizes[part]} outputs")
+        a[j * rank:(j + 1) * rank] = pa.float()
+        b[start:start + sizes[part], j * rank:(j + 1) * rank] = pb.float() * spec.scale
+    held = next(iter([*layer.parameters(), *layer.buffers()]), None)
+    where = held.device if held is not None else torch.device("cpu")
+    return LoraWeights(a.to(where, dtype).contiguous(), b.to(where, dtype).contiguous())

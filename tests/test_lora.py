@@ -1,0 +1,219 @@
+"""LoRA adapters (ipc/lora.py, stages/executor/lora.py): a batch mixing the base model and two
+PEFT adapters gives, per request, the greedy tokens of that adapter merged into the weights
+(peft's merge_and_unload) and run alone; the segmented product equals the dense one; an
+adapter's prefix-cache keys are its own; what is not run is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_model import build_tiny_llama
+
+from ipc.errors import ConfigError
+from ipc.lora import LoraConfig, read_adapter
+from ipc.messages import SamplingParams, TokenizedRequest
+from stages.executor import kernels
+from stages.executor.linear.base import Linear
+from stages.executor.linear.dense import DenseMethod
+from stages.executor.lora import LoraMethod, LoraState, LoraWeights, step_adapters
+from stages.inprocess import InProcessEngine
+from stages.scheduler.sequence import Sequence
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (name, rank, alpha, targets, rslora)
+ADAPTERS = [("alpha", 4, 8, ALL, False), ("beta", 8, 4, ["q_proj", "v_proj", "down_proj"], True)]
+PROMPTS = [[1, 5, 9, 23, 42, 7], [3, 3, 8, 100, 64, 12, 9, 31, 2, 77, 15], [200, 11, 4],
+           [17, 29, 5, 61, 88, 90, 13, 6, 44]]
+
+
+def make_adapter(base: Path, out: Path, rank: int, alpha: int, targets: list[str],
+                 rslora: bool, seed: int) -> None:
+    """A PEFT adapter over `base` with random, non-zero lora_B (init_lora_weights=False)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_cfg = PeftLoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                              init_lora_weights=False, use_rslora=rslora)
+    get_peft_model(model, peft_cfg).save_pretrained(out)
+
+
+def merge_adapter(base: Path, adapter: Path, out: Path) -> None:
+    """The reference: the adapter merged into a copy of the base model's weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(out)
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, out / f.name)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = build_tiny_llama(root / "base")
+    out = {"": base}
+    for i, (name, rank, alpha, targets, rslora) in enumerate(ADAPTERS):
+        make_adapter(base, root / name, rank, alpha, targets, rslora, seed=10 + i)
+        merge_adapter(base, root / name, root / f"{name}-merged")
+        out[name] = root / name
+        out[f"{name}-merged"] = root / f"{name}-merged"
+    return out
+
+
+def lora_config(folders: dict[str, Path]) -> LoraConfig:
+    return LoraConfig(modules=tuple((name, str(folders[name])) for name, *_ in ADAPTERS),
+                      max_loras=2, max_lora_rank=8)
+
+
+def engine(folder: Path, **kw: object) -> InProcessEngine:
+    return InProcessEngine(str(folder), max_num_seqs=8, max_num_batched_tokens=32,
+                           **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
+                                            cpu_kernels: bool) -> None:
+    if cpu_kernels and not kernels.available():
+        pytest.skip("no CPU kernels here")
+    greedy = {name: SamplingParams(max_tokens=12, temperature=0.0, lora_name=name)
+              for name in ("", "alpha", "beta")}
+    want = {}
+    for name in greedy:
+        alone = engine(folders[f"{name}-merged" if name else ""], cpu_kernels=cpu_kernels)
+        want[name] = alone.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+    assert want["alpha"] != want[""] and want["beta"] != want[""]  # (the adapters matter)
+    eng = engine(folders[""], cpu_kernels=cpu_kernels, lora=lora_config(folders))
+    # every prompt under every adapter and the base model, interleaved in one batch
+    requests = [(f"{name}-{i}", ids, greedy[name]) for i, ids in enumerate(PROMPTS)
+                for name in greedy]
+    results = eng.run(requests)
+    for name in greedy:
+        got = [results[f"{name}-{i}", 0].token_ids for i in range(len(PROMPTS))]
+        assert got == want[name], name
+    # again: each prompt's blocks are now cached under its own adapter's keys only
+    hits = eng.scheduler.prefix_cache_hits
+    again = eng.run([(f"again-{rid}", ids, p) for rid, ids, p in requests])
+    assert eng.scheduler.prefix_cache_hits > hits
+    for name in greedy:
+        got = [again[f"again-{name}-{i}", 0].token_ids for i in range(len(PROMPTS))]
+        assert got == want[name], name
+
+
+def test_segmented_product_equals_dense() -> None:
+    """Each row's output is x (W + B_a A_a)^T of its own adapter a (0: W alone), fused
+    parts' block-diagonal B included."""
+    g = torch.Generator().manual_seed(0)
+    state = LoraState(max_loras=3)
+    layer = Linear(16, 24, True, LoraMethod(DenseMethod(), state))
+    layer.weight.data = torch.randn(24, 16, generator=g)
+    layer.bias.data = torch.randn(24, generator=g)
+    layer.method.process(layer)
+    deltas = {}
+    for adapter, rank in ((1, 2), (3, 5)):
+        a, b = torch.randn(rank, 16, generator=g), torch.randn(24, rank, generator=g)
+        state.weights.setdefault(layer, {})[adapter] = LoraWeights(a, b)
+        deltas[adapter] = b @ a
+    adapters = np.array([0, 3, 1, 0, 3], dtype=np.int32)
+    query = np.array([2, 1, 3, 1, 2], dtype=np.int32)
+    x = torch.randn(int(query.sum()), 16, generator=g)
+    state.step = step_adapters(adapters, query)
+    y = layer(x)
+    per_token = np.repeat(adapters, query)
+    for t, a in enumerate(per_token.tolist()):
+        w = layer.weight + deltas.get(a, 0)
+        torch.testing.assert_close(y[t], x[t] @ w.T + layer.bias, rtol=1e-5, atol=1e-5)
+    assert step_adapters(np.zeros(4, dtype=np.int32), query[:4]) is None
+    state.step = step_adapters(np.full(5, 3, dtype=np.int32), query)  # (every row one's)
+    torch.testing.assert_close(layer(x), x @ (layer.weight + deltas[3]).T + layer.bias,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_keys_depend_on_the_adapter() -> None:
+    params = SamplingParams()
+    keys = [Sequence("r", list(range(8)), params, 0.0, adapter_id=a).keys_for(2, 4)
+            for a in (0, 1, 2)]
+    assert len({k[0] for k in keys}) == 3 and len({k[1] for k in keys}) == 3
+    assert Sequence("s", list(range(8)), params, 0.0).keys_for(2, 4) == keys[0]
+
+
+def test_unknown_adapter_is_refused(folders: dict[str, Path]) -> None:
+    eng = engine(folders[""], cpu_kernels=False, lora=lora_config(folders))
+    params = SamplingParams(max_tokens=2, lora_name="gamma")
+    eng.scheduler.add_request(TokenizedRequest("x", "", PROMPTS[0], params, 0.0))
+    (rejected,) = eng.scheduler.take_outputs().rejected
+    assert rejected.error == ("no LoRA adapter 'gamma' is served (adapters: alpha, beta)")
+
+
+def test_refused_by_name(folders: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="exceeds --max-lora-rank 4"):
+        read_adapter("beta", str(folders["beta"]), 4)
+    with pytest.raises(ConfigError, match="raise --max-loras"):
+        LoraConfig(modules=(("a", "x"), ("b", "y")), max_loras=1)
+    for key, value, what in (("use_dora", True, "DoRA"), ("bias", "all", "bias 'all'"),
+                             ("modules_to_save", ["lm_head"], "modules_to_save")):
+        bad = tmp_path / key
+        shutil.copytree(folders["alpha"], bad)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ConfigError, match=what):
+            read_adapter("bad", str(bad), 16)
+    spec = read_adapter("beta", str(folders["beta"]), 8)
+    assert spec.rank == 8 and spec.scale == pytest.approx(4 / 8 ** 0.5)  # rslora
+    assert spec.targets == ("down_proj", "q_proj", "v_proj")
+
+
+def test_router_keys_depend_on_the_adapter() -> None:
+    from stages.router import EngineRouter, block_keys
+
+    ids = list(range(8))
+    assert block_keys(ids, 4, 1) != block_keys(ids, 4) != block_keys(ids, 4, 2)
+    router = EngineRouter(2, 4, lora_names=("alpha",))
+    first = router.route(ids, 8)
+    router.set_loads([100, 0] if first == 0 else [0, 100], [True, True])
+    # the base model's blocks went to `first`; the adapter's prompt matches nothing there
+    assert router.match(ids).num_blocks == 2
+    assert router.route(ids, 8, "alpha") != first
+
+
+def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path]) -> None:
+    import dataclasses
+
+    from ipc.config import ExecutorConfig, PipelineConfig, SchedulerConfig
+    from ipc.model_info import ModelInfo
+    from ipc.speculative import parse_speculative
+    from stages.executor.preflight import check_executor
+
+    cfg = PipelineConfig(model=ModelInfo.from_dir(str(folders[""])), lora=lora_config(folders))
+    check_executor(cfg)  # (the adapters as they are: accepted)
+    for change, what in (
+            ({"executor": ExecutorConfig(tensor_parallel_size=2)}, "--tensor-parallel-size"),
+            ({"executor": ExecutorConfig(compile=True)}, "--compile"),
+            ({"executor": ExecutorConfig(device="cuda")}, "--device cuda"),
+            ({"scheduler": SchedulerConfig(speculative=parse_speculative("ngram:2"))},
+             "--speculative"),
+            ({"lora": LoraConfig(modules=(("beta", str(folders["beta"])),), max_lora_rank=4)},
+             "exceeds --max-lora-rank 4")):
+        with pytest.raises(ConfigError, match=what):
+            check_executor(dataclasses.replace(cfg, **change))
+
+
+def test_bench_lora_runs_every_row(folders: dict[str, Path], tmp_path: Path) -> None:
+    from pipeline.tools.bench import main
+
+    out = tmp_path / "lora.json"
+    assert main(["lora", "--model", str(folders[""]), "--batch", "3", "--input-len", "8",
+                 "--output-len", "4", "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["base alone", "base, adapters loaded", "base + 2 adapters mixed",
+                          "one adapter every row"]
+    assert all(rate > 0 for rate in rows.values())
