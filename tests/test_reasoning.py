@@ -162,8 +162,8 @@ def test_the_spec_of_a_request(tmp_path: Path) -> None:
     assert closed.params.reasoning == type(parsed.params.reasoning)(
         tok.convert_tokens_to_ids("<think>"), end, False)
     plain = parse_chat({"messages": body["messages"]}, len(tok))
-    reasoning_spec(tok, "openai_gptoss", plain)
-    assert plain.params.skip_special_tokens is False and plain.params.reasoning is None
+    assert reasoning_spec(tok, "openai_gptoss", plain).parser.needs_special_tokens
+    assert plain.params.reasoning is None  # (answers.AnswerReading keeps the markers)
     with pytest.raises(ApiError, match="openai_gptoss"):
         reasoning_spec(tok, "openai_gptoss", parse_chat(body, len(tok)))
 

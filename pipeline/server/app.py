@@ -14,7 +14,6 @@ disconnects is aborted in the engine. With allowed_origins, browsers may call it
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import hmac
 import json
@@ -27,28 +26,37 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ipc.config import ServerOptions
-from ipc.errors import ConfigError
-from ipc.model_info import ModelInfo
-from ipc.params import MAX_STOP_TOKEN_IDS, RequestError
-from ipc.pooling import PoolingConfig
+from ipc.params import RequestError
 from pipeline.runtime.client import PipelineClient
-from pipeline.server.embeddings import collect_embeddings, new_embedding_id, parse_embeddings
+from pipeline.server.answers import AnswerReading
+from pipeline.server.asgi import (
+    AbortingStreamingResponse,
+    AccessLog,
+    libc,
+    send_error,
+    unless_hung_up,
+    wait_for_disconnect,
+)
+from pipeline.server.embeddings import (
+    collect_embeddings,
+    model_pooling,
+    new_embedding_id,
+    parse_embeddings,
+)
 from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
 from pipeline.server.openai_parse import (
-    ParsedRequest,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
 )
 from pipeline.server.openai_render import new_id
-from pipeline.server.reasoning import reasoning_spec
 from pipeline.server.responses import ResponseStore, parse_responses
 from pipeline.server.responses_render import (
     ResponsesStream,
@@ -56,7 +64,6 @@ from pipeline.server.responses_render import (
     response_sse,
     whole_response,
 )
-from pipeline.server.tool_parsers import ToolParser, tool_parser
 from stages.chat_template import template_kwargs
 
 logger = logging.getLogger(__name__)
@@ -102,9 +109,7 @@ class FrontEnd:
         self.model_dir = model_dir
         self._tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
-        self._tool_parser: ToolParser | None = None
-        self._eos: tuple[int, ...] | None = None
-        self._pooling: PoolingConfig | None = None
+        self.reading = AnswerReading(options, model_dir, self.core)
         self.metrics: Any = metrics
         workers = max(1, options.api_workers)
         self.limiter = RateLimiter(options.rate_limit_rps / workers,
@@ -144,14 +149,14 @@ class FrontEnd:
             refusal = self._refusal()
             if refusal is not None:
                 self.metrics.HTTP.labels(path, str(refusal.status)).inc()
-                await _send_error(send, refusal)
+                await send_error(send, refusal)
                 return
             self.num_admitted += 1
             try:
                 await routes(scope, receive, send)
             finally:
                 self.num_admitted -= 1
-                if not self.num_admitted and not self._trim_pending and _libc is not None:
+                if not self.num_admitted and not self._trim_pending and libc is not None:
                     self._trim_pending = True  # once the connections have closed too
                     asyncio.get_running_loop().call_later(1.0, self._trim_memory)
 
@@ -170,7 +175,7 @@ class FrontEnd:
         milliseconds, at most once a second."""
         self._trim_pending = False
         if not self.num_admitted:
-            _libc.malloc_trim(0)
+            libc.malloc_trim(0)
 
     def _routes(self) -> Starlette:
         return Starlette(routes=[
@@ -310,39 +315,28 @@ class FrontEnd:
     async def embeddings(self, request: Request) -> Response:
         return await self._generate(request, chat=False, embed=True)
 
-    def pooling(self) -> PoolingConfig:
-        """How the model pools an embedding (its folder's sentence-transformers modules, else
-        the last token, normalised); a pooling the engine lacks is a 400 naming `model`."""
-        if self._pooling is None:
-            try:
-                self._pooling = (PoolingConfig.from_dir(self.model_dir)
-                                 if self.model_dir is not None else PoolingConfig())
-            except ConfigError as exc:
-                raise bad("model", f"this model's embeddings cannot be served: {exc}") from None
-        return self._pooling
-
     async def _embed(self, request: Request) -> Response:
         """POST /v1/embeddings: one pooling request per input, through a Generation."""
         body = await self._read_json(request)
         if self._check_model(body):
             raise bad("model", "embeddings are served for the model itself, not under a LoRA "
                                "adapter")
-        pooling = self.pooling()
+        pooling = model_pooling(self.model_dir)
         req = parse_embeddings(body, self.vocab_size, pooling)
         host = request.client.host if request.client else "?"
         req.parsed.params = dataclasses.replace(req.parsed.params,
                                                 user=f"{host}/{req.parsed.params.user}")
         self._loop = asyncio.get_running_loop()
         run = Generation(self, req.parsed, new_embedding_id())
-        hangup = asyncio.create_task(_wait_for_disconnect(request))
+        hangup = asyncio.create_task(wait_for_disconnect(request))
         try:
             try:
-                await _unless_hung_up(run.start(), hangup, run)
+                await unless_hung_up(run.start(), hangup, run)
             except ApiError as exc:  # (the engine names the prompt: here it is the input)
                 if exc.param == "prompt":
                     exc.param = "input"
                 raise
-            result = await _unless_hung_up(collect_embeddings(run, req, pooling, self.model),
+            result = await unless_hung_up(collect_embeddings(run, req, pooling, self.model),
                                            hangup, run)
         finally:
             hangup.cancel()
@@ -427,50 +421,6 @@ class FrontEnd:
                             headers={"Retry-After": "1"})
         return None
 
-    async def _read_calls_with_parser(self, parsed: ParsedRequest) -> None:
-        """A free (auto) tool choice: its answer is read by --tool-call-parser's format, or
-        by the default with the one the chat template shows (the template read once). A
-        format of special tokens needs them in the answer's text."""
-        if self._tool_parser is None:
-            template = None
-            if self.options.tool_call_parser is None and self.model_dir is not None:
-                template = (await self.core()).tokenizer.chat_template
-            self._tool_parser = tool_parser(self.options.tool_call_parser, template)
-        parsed.tools.parser = self._tool_parser
-        if self._tool_parser.special_tokens:
-            await self.keep_special_tokens(parsed)
-
-    async def keep_special_tokens(self, parsed: ParsedRequest) -> None:
-        """This request's answer decoded with its special tokens (a parser reads its tags),
-        all but the EOS that ends it: EOS becomes a stop token id, whose text is not output
-        (and which Generation reports as EOS: no stop_reason). Other requests are untouched; a
-        request that already keeps them is left as it asked."""
-        params = parsed.params
-        if not params.skip_special_tokens:
-            return
-        eos = [] if params.ignore_eos else await self._eos_ids()
-        stops = [*params.stop_token_ids, *(t for t in eos if t not in params.stop_token_ids)]
-        if len(stops) > MAX_STOP_TOKEN_IDS:
-            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - len(eos)} "
-                      "stop_token_ids here: the answer's EOS ids join them, as its special "
-                      "tokens are kept for the parser that reads its tags")
-        parsed.params = dataclasses.replace(params, skip_special_tokens=False,
-                                            stop_token_ids=stops)
-        parsed.eos_stop_ids = tuple(t for t in eos if t not in params.stop_token_ids)
-
-    async def _eos_ids(self) -> tuple[int, ...]:
-        """The model's EOS ids, as the scheduler reads them (its tokenizer's, for a folder
-        ModelInfo does not read)."""
-        if self._eos is None:
-            self._eos = ()
-            if self.model_dir is not None:
-                try:
-                    self._eos = ModelInfo.from_dir(self.model_dir).eos_token_ids
-                except ConfigError:
-                    eos = (await self.core()).tokenizer.eos_token_id
-                    self._eos = () if eos is None else (eos,)
-        return self._eos
-
     async def _run(self, request: Request, chat: bool, responses: bool = False) -> Response:
         body = await self._read_json(request)
         lora_name = self._check_model(body)
@@ -480,23 +430,19 @@ class FrontEnd:
             parsed = asked.parsed
         else:
             parsed = (parse_chat if chat else parse_completion)(body, self.vocab_size)
-        if parsed.tools is not None and parsed.tools.choice == "auto":
-            await self._read_calls_with_parser(parsed)
         # The scheduler shares the engine fairly between senders: here, each client address
         # and the user it names (OpenAI's `user`).
         host = request.client.host if request.client else "?"
         parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}",
                                             lora_name=lora_name)
-        if chat and self.options.reasoning_parser is not None:
-            parsed.reasoning = reasoning_spec((await self.core()).tokenizer,
-                                              self.options.reasoning_parser, parsed)
+        await self.reading.prepare(parsed, chat)
         self._loop = asyncio.get_running_loop()
         run = Generation(self, parsed, new_response_id() if asked else new_id(chat))
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.
-        hangup = asyncio.create_task(_wait_for_disconnect(request))
+        hangup = asyncio.create_task(wait_for_disconnect(request))
         try:
             try:
-                await _unless_hung_up(run.start(), hangup, run)
+                await unless_hung_up(run.start(), hangup, run)
             except ApiError as exc:  # (a refused prompt names the Responses field too)
                 if asked is not None:
                     asked.renamed(exc)
@@ -509,7 +455,7 @@ class FrontEnd:
                     lambda response: self.kept.keep(asked, response))
                 return AbortingStreamingResponse(run, events, media_type="text/event-stream",
                                                  headers={"x-request-id": run.rid})
-            result = await _unless_hung_up(run.collect(), hangup, run)
+            result = await unless_hung_up(run.collect(), hangup, run)
         finally:
             hangup.cancel()
         if asked is not None:
@@ -521,91 +467,3 @@ class FrontEnd:
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
                     "/v1/embeddings")
-access_logger = logging.getLogger("llm_pipeline.access")
-
-
-class AccessLog:
-    """One line per HTTP request: client, method and path, status, seconds (for a stream,
-    until its last byte), and the request id of a generation."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, status, rid = time.perf_counter(), 0, ""
-
-        async def sending(message: Any) -> None:
-            nonlocal status, rid
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                rid = next((v.decode() for k, v in message.get("headers", ())
-                            if k == b"x-request-id"), "")
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            client = scope.get("client") or ("?", 0)
-            access_logger.info('%s "%s %s" %d %.3fs%s', client[0], scope["method"],
-                               scope["path"], status, time.perf_counter() - start,
-                               f" {rid}" if rid else "")
-
-
-def _load_libc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim  # noqa: B018 (glibc only)
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()
-
-
-async def _send_error(send: Any, error: ApiError) -> None:
-    """An error answer in raw ASGI (no request read, no Starlette objects: cheap)."""
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    """Returns once the client has gone (the body is already read: nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_hung_up(work: Any, hangup: asyncio.Task[None], run: Generation) -> Any:
-    """Await `work`, unless the client disconnects first: then abort everything it started."""
-    task = asyncio.ensure_future(work)
-    await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
-    if not task.done():
-        task.cancel()
-        run.cancel()  # the engine aborts the requests
-        raise ApiError(499, "the client closed the connection")
-    return task.result()
-
-
-class AbortingStreamingResponse(StreamingResponse):
-    """A stream whose requests are aborted however it ends. Starlette cancels the streaming
-    task on a disconnect, which can leave the body generator suspended (not closed) until it
-    is garbage collected; so the requests are cancelled here, not in the generator."""
-
-    def __init__(self, run: Generation, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.run = run
-        self.on_close: list[Callable[[], object]] = []  # run however the response ends
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.run.cancel()
-            for callback in self.on_close:
-                callback()

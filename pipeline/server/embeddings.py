@@ -6,12 +6,14 @@ rate limits, a hang-up aborts)."""
 from __future__ import annotations
 
 import base64
+import functools
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ipc.errors import ConfigError
 from ipc.messages import SamplingParams
 from ipc.pooling import PoolingConfig
 from pipeline.server.errors import ApiError, bad
@@ -28,6 +30,16 @@ class EmbeddingRequest:
     parsed: ParsedRequest  # one prompt per input, pooling as the model does
     encoding_format: str  # float or base64
     dimensions: int | None  # a Matryoshka size (checked), None: the model's
+
+
+@functools.cache
+def model_pooling(model_dir: str | None) -> PoolingConfig:
+    """How the model pools an embedding (its folder's sentence-transformers modules, else the
+    last token, normalised), read once; a pooling the engine lacks is a 400 naming `model`."""
+    try:
+        return PoolingConfig.from_dir(model_dir) if model_dir is not None else PoolingConfig()
+    except ConfigError as exc:
+        raise bad("model", f"this model's embeddings cannot be served: {exc}") from None
 
 
 def parse_embeddings(body: dict[str, Any], vocab_size: int,

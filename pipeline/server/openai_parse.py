@@ -131,7 +131,7 @@ class ParsedRequest:
     score_only: bool = False  # max_tokens 0: the one token the engine samples is dropped
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as asked
     extra: dict[str, Any] = field(default_factory=dict)
-    # EOS ids the server made stop token ids (FrontEnd.keep_special_tokens): an answer they
+    # EOS ids the server made stop token ids (AnswerReading.keep_special_tokens): an answer they
     # end reports no stop_reason, as one ended by EOS does
     eos_stop_ids: tuple[int, ...] = ()
     chat_template_kwargs: str = ""  # a chat's extra template variables, JSON text ("": none)

@@ -238,8 +238,6 @@ def reasoning_spec(tokenizer: Any, name: str, parsed: Any) -> ReasoningSpec:
                       f"reasoning of --reasoning-parser {name}: it does not end with one "
                       "token (not supported)")
         parsed.params = dataclasses.replace(parsed.params, reasoning=tags)
-    if parser.needs_special_tokens:  # (the markers are special tokens: keep their text)
-        parsed.params = dataclasses.replace(parsed.params, skip_special_tokens=False)
     return spec
 
 
