@@ -133,6 +133,13 @@ def test_segmented_product_equals_dense() -> None:
         w = layer.weight + deltas.get(a, 0)
         torch.testing.assert_close(y[t], x[t] @ w.T + layer.bias, rtol=1e-5, atol=1e-5)
     assert step_adapters(np.zeros(4, dtype=np.int32), query[:4]) is None
+    a, b = torch.randn(3, 16, generator=g), torch.randn(24, 3, generator=g)
+    state.weights[layer][2] = LoraWeights(a, b)  # (loaded later: the stack is made again)
+    state.step = step_adapters(np.array([2, 1, 0], dtype=np.int32), query[:3])
+    y = layer(x[:6])
+    for t, w in enumerate([b @ a] * 2 + [deltas[1]] + [0] * 3):
+        torch.testing.assert_close(y[t], x[t] @ (layer.weight + w).T + layer.bias,
+                                   rtol=1e-5, atol=1e-5)
     state.step = step_adapters(np.full(5, 3, dtype=np.int32), query)  # (every row one's)
     torch.testing.assert_close(layer(x), x @ (layer.weight + deltas[3]).T + layer.bias,
                                rtol=1e-5, atol=1e-5)
