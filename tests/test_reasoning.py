@@ -114,7 +114,8 @@ def test_tool_calls_are_parsed_after_the_thinking_only() -> None:
     spec = ReasoningSpec(Qwen3Parser, False, None)
     result = SampleResult(0)
     result.text, result.finish_reason = text, FinishReason.STOP
-    message = choice_json(result, True, False, tools, None, spec)["message"]
+    message = choice_json(result, True, False, tools, None,
+                          spec.answer(result.text, result.token_ids))["message"]
     assert message["reasoning_content"] == f"maybe {call.replace('1', '2')}?"
     assert message["content"] is None and len(message["tool_calls"]) == 1
     assert message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
@@ -202,3 +203,22 @@ def test_harmony_reasoning_leaves_the_calls_to_the_openai_tool_parser() -> None:
         found = tool_parser("openai", None).parse(split.content, [ToolSpec("add")])
         assert [(c.name, c.arguments) for c in found.calls] == [("add", '{"a": 1}')], at
         assert found.content == "" and found.reasoning == "", at
+
+
+def test_a_chat_answer_is_a_message_only() -> None:
+    """A chat choice carries its message and no completion `text` (with or without tools or
+    a reasoning parser: the raw text would undo the split and the tool parse)."""
+    from ipc.messages import FinishReason, ToolSpec
+    from ipc.outputs import SampleResult
+    from pipeline.server.openai_render import choice_json
+    from pipeline.server.reasoning import ReasoningSpec
+    from pipeline.server.tools import ToolRequest
+
+    result = SampleResult(0)
+    result.text, result.finish_reason = "<think>x</think>hi", FinishReason.STOP
+    spec = ReasoningSpec(Qwen3Parser, False, None)
+    for tools in (None, ToolRequest([ToolSpec("add")], "auto")):
+        for answer in (None, spec.answer(result.text, result.token_ids)):
+            body = choice_json(result, True, False, tools, None, answer)
+            assert "text" not in body and body["message"]["role"] == "assistant"
+    assert choice_json(result, False, False)["text"] == result.text

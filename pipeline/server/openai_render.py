@@ -93,11 +93,11 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
                 tools: Any = None, prompt: PromptPart | None = None,
-                reasoning: Any = None) -> dict[str, Any]:
+                answer: Any = None) -> dict[str, Any]:
     """tools: the chat's ToolRequest (pipeline/server/tools.py), whose calls the text holds
     (after the reasoning); prompt: what a completion echoes or scores of its prompt;
-    reasoning: the chat's ReasoningSpec (pipeline/server/reasoning.py), which splits the
-    reasoning out of the content."""
+    answer: a chat's text split into reasoning and content (pipeline/server/reasoning.py
+    Answer, by its ReasoningSpec), None without a reasoning parser."""
     if prompt is not None and not chat:
         return _completion_choice(c, want_logprobs, prompt)
     logprobs = None
@@ -105,18 +105,17 @@ def choice_json(c: SampleResult, chat: bool, want_logprobs: bool,
         logprobs = chat_logprobs(c.logprobs) if chat else completion_logprobs(c.logprobs, 0)
     body: dict[str, Any] = {"index": c.index}
     finish: Any = c.finish_reason
-    text, thought = c.text, None
-    if chat and reasoning is not None:
-        thought, text, _ = reasoning.answer(c.text, c.token_ids)
-    if chat and tools is not None:
-        body["message"], finish = tool_message(tools, text, c.finish_reason)
-    elif chat:
-        body["message"] = {"role": "assistant",
-                           "content": None if thought is not None and not text else text}
-    if chat and reasoning is not None:  # (both names: vLLM's older and newer)
-        body["message"].update(reasoning_content=thought, reasoning=thought)
-    else:
+    if not chat:
         body["text"] = c.text
+    else:
+        text, thought = (c.text, None) if answer is None else (answer.content, answer.reasoning)
+        if tools is not None:
+            body["message"], finish = tool_message(tools, text, c.finish_reason)
+        else:
+            body["message"] = {"role": "assistant",
+                               "content": None if thought is not None and not text else text}
+        if answer is not None:  # (both names: vLLM's older and newer)
+            body["message"].update(reasoning_content=thought, reasoning=thought)
     body.update(logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
     return body
 
@@ -148,16 +147,17 @@ def response_json(rid: str, model: str, chat: bool, choices: list[SampleResult],
     chat's ReasoningSpec."""
     n = len(choices) // max(1, len(prompts or [None]))
     parts = [prompts[i // n] if prompts else None for i in range(len(choices))]
+    answers = [reasoning.answer(c.text, c.token_ids) if chat and reasoning is not None
+               else None for c in choices]  # (each answer split once)
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model,
-            "choices": [choice_json(c, chat, want_logprobs, tools, part, reasoning)
-                        for c, part in zip(choices, parts, strict=True)],
+            "choices": [choice_json(c, chat, want_logprobs, tools, part, answer)
+                        for c, part, answer in zip(choices, parts, answers, strict=True)],
             "usage": usage(prompt_tokens,
                            0 if prompts and prompts[0].score_only
                            else sum(len(c.token_ids) for c in choices), cached_tokens,
-                           None if reasoning is None or not chat else sum(
-                               reasoning.answer(c.text, c.token_ids).num_reasoning_tokens
-                               for c in choices))}
+                           None if not chat or reasoning is None else sum(
+                               a.num_reasoning_tokens for a in answers))}
     if chat and prompts and prompts[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = vllm_prompt_logprobs(prompts[0].entries,
                                                        prompts[0].prompt_logprobs)
