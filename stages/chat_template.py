@@ -56,7 +56,9 @@ RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "
                              "add_generation_prompt", "continue_final_message", "chat_template",
                              "return_dict", "return_tensors", "padding", "truncation",
                              "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
-                             "bos_token", "eos_token"})
+                             # the special tokens every template is given
+                             "bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                             "cls_token", "mask_token", "additional_special_tokens"})
 
 
 def template_kwargs(text: str) -> dict[str, Any]:

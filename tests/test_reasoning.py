@@ -222,3 +222,15 @@ def test_a_chat_answer_is_a_message_only() -> None:
             body = choice_json(result, True, False, tools, None, answer)
             assert "text" not in body and body["message"]["role"] == "assistant"
     assert choice_json(result, False, False)["text"] == result.text
+
+
+def test_chat_template_kwargs_may_not_set_what_the_template_is_given() -> None:
+    """apply_chat_template's own arguments and the special tokens every template is given are
+    refused by name (a 400), not passed twice (a TypeError, once a 500)."""
+    from ipc.params import RequestError
+    from stages.chat_template import template_kwargs
+
+    assert template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+    for name in ("tools", "pad_token", "unk_token", "additional_special_tokens"):
+        with pytest.raises(RequestError, match=f"may not set \\['{name}'\\]"):
+            template_kwargs(json.dumps({name: "x"}))
