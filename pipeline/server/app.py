@@ -435,7 +435,12 @@ class FrontEnd:
         host = request.client.host if request.client else "?"
         parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}",
                                             lora_name=lora_name)
-        await self.reading.prepare(parsed, chat)
+        try:
+            await self.reading.prepare(parsed, chat)
+        except ApiError as exc:  # (a Responses request hears of its own fields)
+            if asked is not None:
+                asked.renamed(exc)
+            raise
         self._loop = asyncio.get_running_loop()
         run = Generation(self, parsed, new_response_id() if asked else new_id(chat))
         # Until the response streams (Starlette then listens itself), a hang-up aborts here.
