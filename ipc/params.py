@@ -142,8 +142,13 @@ def _validate_pooling(p: SamplingParams) -> None:
     _check(p.max_tokens == 1, "max_tokens",
            "an embedding request computes its prompt only: max_tokens must be 1 (the one "
            "position after the prompt that its last chunk samples and drops)")
-    for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+    for name in ("logprobs", "prompt_logprobs", "structured_outputs", "reasoning"):
         _check(getattr(p, name) is None, name, f"{name} cannot be asked of an embedding")
+    for name in ("logit_bias", "stop", "stop_token_ids", "min_tokens"):
+        _check(not getattr(p, name), name, f"{name} cannot be asked of an embedding (it "
+                                           "samples no token it keeps)")
+    _check(not p.lora_name, "lora_name", "embeddings are the model's own, not a LoRA "
+                                         "adapter's (not supported)")
 
 
 def _validate_structured(p: SamplingParams) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ipc.errors import ConfigError
+from ipc.messages import SamplingParams
 from ipc.params import POOLING_MODES
 
 # A row's pooling in the step ring (ipc/step.py StepRow.pooling); 0: the row generates.
@@ -62,6 +63,12 @@ class PoolingConfig:
             raise ConfigError(f"{pool_file} asks for pooling {bad or modes or 'none'}: the "
                               "engine pools by exactly one of lasttoken, mean_tokens, cls_token")
         return cls(modes[0], normalize, dims, str(pool_file))
+
+    def params(self, user: str = "") -> SamplingParams:
+        """An embedding request's SamplingParams: its prompt computed, pooled this way, the
+        one token its last chunk samples dropped (the server's and LLM.embed's)."""
+        return SamplingParams(max_tokens=1, temperature=0.0, user=user, pooling=self.mode,
+                              speculate=False)
 
     def check_dimensions(self, dimensions: int | None) -> str | None:
         """Why `dimensions` cannot be served (None: it can, or none was asked)."""

@@ -160,8 +160,7 @@ class LLM:
         if why is not None:
             raise ValueError(why)
         batch: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling.mode,
-                                speculate=False)
+        params = pooling.params()
         outs = self._run(batch, batch, params, use_tqdm)
         return [EmbeddingOutput(
             out.prompt, None if out.samples[0].embedding is None

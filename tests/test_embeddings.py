@@ -85,7 +85,12 @@ def test_a_pooling_request_refuses_what_only_generation_means() -> None:
                           (SamplingParams(max_tokens=1, pooling="last", n=2), "n"),
                           (SamplingParams(max_tokens=5, pooling="last"), "max_tokens"),
                           (SamplingParams(max_tokens=1, pooling="last", logprobs=1),
-                           "logprobs")]:
+                           "logprobs"),
+                          (SamplingParams(max_tokens=1, pooling="last", logit_bias={3: 1.0}),
+                           "logit_bias"),
+                          (SamplingParams(max_tokens=1, pooling="last", stop=["x"]), "stop"),
+                          (SamplingParams(max_tokens=1, pooling="last", lora_name="a"),
+                           "lora_name")]:
         with pytest.raises(RequestError) as err:
             validate_params(params, 100)
         assert err.value.param == field

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ipc.errors import ConfigError
-from ipc.messages import SamplingParams
 from ipc.pooling import PoolingConfig
 from pipeline.server.errors import ApiError, bad
 from pipeline.server.openai_parse import MAX_PROMPTS, ParsedRequest, Prompt, _get, check_fields
@@ -57,8 +56,7 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int,
     if why is not None:
         raise bad("dimensions", why)
     user = _get(body, "user", (str,), "")
-    params = SamplingParams(max_tokens=1, temperature=0.0, user=user, pooling=pooling.mode,
-                            speculate=False)
+    params = pooling.params(user)
     return EmbeddingRequest(ParsedRequest(prompts, params), fmt, dimensions)
 
 
