@@ -95,10 +95,14 @@ class EngineRouter:
         self._added = [0] * self.num_engines
         self._alive = [bool(x) for x in alive]
 
-    def match(self, prompt_ids: Sequence[int]) -> PrefixMatch:
+    def match(self, prompt_ids: Sequence[int], lora_name: str = "") -> PrefixMatch:
         """The deepest leading run of blocks some alive engine holds (keys are chained, so the
-        walk stops at the first block no alive engine was sent)."""
-        return self._match(block_keys(prompt_ids, self.block_size))
+        walk stops at the first block no alive engine was sent), under adapter `lora_name`."""
+        return self._match(self._keys(prompt_ids, lora_name))
+
+    def _keys(self, prompt_ids: Sequence[int], lora_name: str) -> list[int]:
+        return block_keys(prompt_ids, self.block_size,
+                          adapter_id(self.lora_names, lora_name) or 0)
 
     def route(self, prompt_ids: Sequence[int], cost: int, lora_name: str = "") -> int:
         """The engine for this request; `cost` (its tokens of work) joins that engine's load.
@@ -115,8 +119,7 @@ class EngineRouter:
         elif self.policy == "load":
             chosen = self._least_loaded(alive)
         else:
-            keys = block_keys(prompt_ids, self.block_size,
-                              adapter_id(self.lora_names, lora_name) or 0)
+            keys = self._keys(prompt_ids, lora_name)
             chosen = self._choose_by_prefix(alive, keys)
         self._added[chosen] += cost
         self._remember(keys, chosen)

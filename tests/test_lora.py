@@ -188,8 +188,9 @@ def test_router_keys_depend_on_the_adapter() -> None:
     first = router.route(ids, 8)
     router.set_loads([100, 0] if first == 0 else [0, 100], [True, True])
     # the base model's blocks went to `first`; the adapter's prompt matches nothing there
-    assert router.match(ids).num_blocks == 2
+    assert router.match(ids).num_blocks == 2 and router.match(ids, "alpha").num_blocks == 0
     assert router.route(ids, 8, "alpha") != first
+    assert router.match(ids, "alpha").num_blocks == 2
 
 
 def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path]) -> None:
