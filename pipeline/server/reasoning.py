@@ -20,6 +20,7 @@ from ipc.errors import ConfigError
 from ipc.messages import ReasoningTags
 from pipeline.server.errors import bad
 from pipeline.server.harmony import ENDS, HarmonyDelta, HarmonyStream, write_header
+from pipeline.server.tools import partial_marker
 
 
 class Split(NamedTuple):
@@ -76,7 +77,7 @@ class ReasoningParser:
                     text, self.state, self.ended = (text[at + len(self.end_tag):],
                                                     _State.AFTER, True)
                 else:
-                    keep = _partial_suffix(text, self.end_tag)
+                    keep = partial_marker(text, (self.end_tag,))
                     reasoning.append(text[:len(text) - keep])
                     self.held = text[len(text) - keep:]
                     break
@@ -102,14 +103,6 @@ class ReasoningParser:
         """A whole answer at once."""
         a, b = self.feed(text), self.finish()
         return Split(a.reasoning + b.reasoning, a.content + b.content)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many characters at the end of text could begin tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class Qwen3Parser(ReasoningParser):

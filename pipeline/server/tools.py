@@ -235,7 +235,7 @@ class ToolStream:
             self.held = True
             end = min(marks)
         else:
-            end = len(unsent) - _partial_marker(unsent, parser.markers)
+            end = len(unsent) - partial_marker(unsent, parser.markers)
         if not end or (not self.sent and not unsent[:end].strip()):  # (sent: not all spaces)
             return []
         self.sent, self.unsent = self.sent + end, unsent[end:]
@@ -290,7 +290,7 @@ class ToolStream:
         return out + self._calls(found.calls), reason
 
 
-def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
+def partial_marker(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of text could begin one of the markers."""
     for n in range(min(max((len(m) for m in markers), default=1) - 1, len(text)), 0, -1):
         if any(len(m) > n and m.startswith(text[-n:]) for m in markers):
