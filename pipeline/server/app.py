@@ -332,9 +332,9 @@ class FrontEnd:
         try:
             try:
                 await unless_hung_up(run.start(), hangup, run)
-            except ApiError as exc:  # (the engine names the prompt: here it is the input;
-                exc.param = {"prompt": "input", "pooling": "model"}.get(  # and its pooling)
-                    exc.param or "", exc.param)
+            except ApiError as exc:  # (the engine's names: the prompt is the input here,
+                renamed = {"prompt": "input", "pooling": "model"}  # and pooling the model's)
+                exc.param = renamed.get(exc.param or "", exc.param)
                 raise
             result = await unless_hung_up(collect_embeddings(run, req, pooling, self.model),
                                            hangup, run)
