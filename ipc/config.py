@@ -123,6 +123,10 @@ class ServerOptions:
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS; None: from the template
     # a thinking model's reasoning split out of chat answers (pipeline/server/reasoning.py)
     reasoning_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter served (--enable-lora-updating,
+    # LoraConfig.runtime_updating), and the rank an adapter they load may have
+    lora_updating: bool = False
+    max_lora_rank: int = 16
 
 
 # Weight formats made at load from a float checkpoint (stages/executor/linear/quantized.py):
@@ -215,6 +219,8 @@ class EngineLimits:
     pipeline_stages: int = 1
     # The served LoRA adapters (--lora-modules), adapter id i + 1 for entry i (ipc/lora.py)
     lora_names: tuple[str, ...] = ()
+    # Slots for adapters loaded at run time (LoraConfig.runtime_slots; 0: none are taken)
+    runtime_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.pipeline_stages < 1:
@@ -418,7 +424,8 @@ class PipelineConfig(RunAddresses):
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
             auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative),
-            pipeline_stages=self.executor.pipeline_parallel_size, lora_names=self.lora.names)
+            pipeline_stages=self.executor.pipeline_parallel_size, lora_names=self.lora.names,
+            runtime_loras=self.lora.runtime_slots)
 
     @property
     def embedding_refusal(self) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any
 
 from ipc.errors import ConfigError
 
+# vLLM's gate of the runtime load/unload routes, honoured beside --enable-lora-updating
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The projections an adapter may target, by the module that holds them in a decoder layer.
@@ -36,6 +39,12 @@ _REFUSED = {"use_dora": "DoRA (weight-decomposed LoRA)",
             "target_parameters": "target_parameters (LoRA on parameters, not modules)",
             "trainable_token_indices": "trainable_token_indices (trained embedding rows)",
             "lora_bias": "lora_bias (a bias in lora_B)"}
+
+
+def runtime_updating(flag: bool) -> bool:
+    """Whether adapters may be loaded and unloaded at run time: --enable-lora-updating, or
+    $VLLM_ALLOW_RUNTIME_LORA_UPDATING set to 1 or true (as vLLM reads it)."""
+    return flag or os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in ("1", "true")
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -129,6 +138,10 @@ class LoraConfig:
     modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter served (--enable-lora-updating,
+    # or VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters loaded at run time take the slots that
+    # `modules` leave, swapped in as their requests arrive (stages/scheduler/adapters.py).
+    runtime_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -141,11 +154,21 @@ class LoraConfig:
         if len(names) > self.max_loras:
             raise ConfigError(f"--lora-modules gives {len(names)} adapters and --max-loras is "
                               f"{self.max_loras}: every adapter stays resident (swapping them "
-                              "in and out is not implemented); raise --max-loras")
+                              "in and out is done only for adapters loaded at run time); "
+                              "raise --max-loras")
+        if self.runtime_updating and self.runtime_slots < 1:
+            raise ConfigError(f"--enable-lora-updating needs a free adapter slot: --max-loras "
+                              f"{self.max_loras} is taken by the {len(names)} --lora-modules "
+                              "adapters; raise --max-loras")
 
     @property
     def enabled(self) -> bool:
-        return bool(self.modules)
+        return bool(self.modules) or self.runtime_updating
+
+    @property
+    def runtime_slots(self) -> int:
+        """Adapter slots for adapters loaded at run time (0: runtime updating off)."""
+        return self.max_loras - len(self.modules) if self.runtime_updating else 0
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from ipc.config import (
     parse_depth,
 )
 from ipc.errors import ConfigError
-from ipc.lora import LoraConfig, parse_lora_module
+from ipc.lora import LoraConfig, parse_lora_module, runtime_updating
 from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
@@ -280,6 +280,11 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="split a thinking model's reasoning out of chat answers into "
                         "reasoning_content: qwen3, deepseek_r1 or openai_gptoss (vLLM's "
                         "names)")
+    p.add_argument("--enable-lora-updating", action="store_true", default=o.lora_updating,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: "
+                        "adapters loaded at run time share the --max-loras slots that "
+                        "--lora-modules leave, swapped in as requests need them (also "
+                        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's gate; one API worker)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -470,7 +475,9 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         served_model_name=getattr(args, "served_model_name", PipelineConfig.served_model_name),
         remote=RemoteSettings(listen_host=listen_host(args.listen)),
         lora=LoraConfig(modules=tuple(args.lora_modules), max_loras=args.max_loras,
-                        max_lora_rank=args.max_lora_rank),
+                        max_lora_rank=args.max_lora_rank,
+                        runtime_updating=runtime_updating(
+                            getattr(args, "enable_lora_updating", False))),
         keys=RunKeys(client_key=client_key(args.listen_key), stage_key=stage_key(args.stage_key)))
 
 

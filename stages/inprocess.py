@@ -51,7 +51,8 @@ class InProcessEngine:
                                    num_speculative_tokens=speculative.num_tokens
                                    if speculative is not None else 0,
                                    uniform_window=kept_window(info, speculative),
-                                   lora_names=lora.names if lora is not None else ())
+                                   lora_names=lora.names if lora is not None else (),
+                                   runtime_loras=lora.runtime_slots if lora is not None else 0)
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
                                            cpu_kernels=cpu_kernels, quantization=quantization,

@@ -74,6 +74,7 @@ FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "lora_modules": (LoraConfig, "modules", tuple),
     "max_loras": (LoraConfig, "max_loras", _same),
     "max_lora_rank": (LoraConfig, "max_lora_rank", _same),
+    "enable_lora_updating": (ServerOptions, "lora_updating", _same),
     # serve's: the front end's options (its --max-waiting is the scheduler's too)
     "host": (ServerOptions, "host", _same),
     "port": (ServerOptions, "port", _same),

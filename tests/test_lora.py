@@ -16,12 +16,13 @@ from tiny_model import build_tiny_llama
 
 from ipc.errors import ConfigError
 from ipc.lora import LoraConfig, read_adapter
-from ipc.messages import SamplingParams, TokenizedRequest
+from ipc.messages import LoraLoad, SamplingParams, TokenizedRequest
 from stages.executor import kernels
 from stages.executor.linear.base import Linear
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.lora import LoraMethod, LoraState, LoraWeights, step_adapters
 from stages.inprocess import InProcessEngine
+from stages.scheduler.adapters import AdapterSlots
 from stages.scheduler.sequence import Sequence
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -107,6 +108,59 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
     for name in greedy:
         got = [again[f"again-{name}-{i}", 0].token_ids for i in range(len(PROMPTS))]
         assert got == want[name], name
+
+
+def test_runtime_adapters_swap_through_one_slot(folders: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    """Adapters loaded at run time (a folder in the params, --enable-lora-updating) share one
+    slot: alpha's and beta's requests never run together, each gets its merged tokens; a
+    name loaded again from another folder takes a new id (its old KV is never served)."""
+    greedy = {name: SamplingParams(max_tokens=8, temperature=0.0, lora_name=name,
+                                   lora_path=str(folders[name]) if name else "")
+              for name in ("", "alpha", "beta")}
+    want = {name: engine(folders[f"{name}-merged" if name else ""], cpu_kernels=False).generate(
+        PROMPTS, SamplingParams(max_tokens=8, temperature=0.0)) for name in greedy}
+    eng = engine(folders[""], cpu_kernels=False,
+                 lora=LoraConfig(max_loras=1, max_lora_rank=8, runtime_updating=True))
+    requests = [(f"{name}-{i}", ids, greedy[name]) for i, ids in enumerate(PROMPTS)
+                for name in greedy]
+    results = eng.run(requests)
+    for name in greedy:
+        assert [results[f"{name}-{i}", 0].token_ids for i in range(len(PROMPTS))] == want[name]
+    state = eng.runner.model.lora
+    assert state is not None and len(state.loaded) == 1  # (one slot: swapped, never both)
+    # "alpha" again, now from beta's weights: a new id, beta's tokens, none of alpha's KV
+    shutil.copytree(folders["beta"], tmp_path / "alpha2")
+    again = SamplingParams(max_tokens=8, temperature=0.0, lora_name="alpha",
+                           lora_path=str(tmp_path / "alpha2"))
+    results = eng.run([(f"re-{i}", ids, again) for i, ids in enumerate(PROMPTS)])
+    assert [results[f"re-{i}", 0].token_ids for i in range(len(PROMPTS))] == want["beta"]
+    assert sorted(eng.scheduler.builder.adapters.resident) == [3]
+
+
+def test_runtime_slots_wait_for_an_idle_adapter() -> None:
+    slots = AdapterSlots(("fixed",), 1)
+    one = SamplingParams(lora_name="a", lora_path="/a")
+    two = SamplingParams(lora_name="b", lora_path="/b")
+    assert (slots.id_of(SamplingParams(lora_name="fixed")), slots.id_of(one),
+            slots.id_of(two), slots.id_of(one)) == (1, 2, 3, 2)
+    loads: list[LoraLoad] = []
+    evictions: list[int] = []
+    assert slots.take(1, SamplingParams(lora_name="fixed"), [], loads, evictions)
+    assert slots.take(2, one, [], loads, evictions) and loads == [LoraLoad(2, "a", "/a")]
+    assert not slots.take(3, two, [2, 0], loads, evictions)  # (a running sequence uses 2)
+    assert slots.take(3, two, [0, 1], loads, evictions) and evictions == [2]
+    assert list(slots.resident) == [3]
+
+
+def test_runtime_adapters_refused_unless_enabled(folders: dict[str, Path]) -> None:
+    eng = engine(folders[""], cpu_kernels=False, lora=lora_config(folders))
+    params = SamplingParams(max_tokens=2, lora_name="gamma", lora_path=str(folders["alpha"]))
+    eng.scheduler.add_request(TokenizedRequest("x", "", PROMPTS[0], params, 0.0))
+    (rejected,) = eng.scheduler.take_outputs().rejected
+    assert "--enable-lora-updating" in rejected.error
+    with pytest.raises(ConfigError, match="needs a free adapter slot"):
+        LoraConfig(modules=(("a", "x"),), max_loras=1, runtime_updating=True)
 
 
 def test_segmented_product_equals_dense() -> None:

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ipc.lora import ENTRY, AdapterSpec
+from ipc.lora import ENTRY, AdapterSpec, read_adapter
+from ipc.messages import LoraLoad
 from stages.executor.linear.base import Linear, LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -69,9 +70,30 @@ class LoraState:
     forward; None: the base model alone)."""
 
     max_loras: int
+    max_rank: int = 16
     step: StepAdapters | None = None
     loaded: dict[int, AdapterSpec] = field(default_factory=dict)
     weights: dict[Linear, dict[int, LoraWeights]] = field(default_factory=dict)
+
+    def unload(self, adapter: int) -> None:
+        """Drop adapter `adapter`'s weights (its id is not used again: adapters.py)."""
+        for pairs in self.weights.values():
+            pairs.pop(adapter, None)
+        spec = self.loaded.pop(adapter, None)
+        if spec is not None:
+            logger.info("LoRA adapter %r (adapter %d) evicted", spec.name, adapter)
+
+    def swap(self, layers: torch.nn.ModuleList, dtype: torch.dtype, loads: list[LoraLoad],
+             evictions: list[int]) -> None:
+        """A step's runtime adapters (StepPlan.lora_loads, stages/scheduler/adapters.py):
+        `evictions` dropped, then each of `loads` read from its folder, before the forward
+        that needs it. The server checked each folder when it was loaded (read_adapter);
+        it is checked again here, and a folder that changed since then raises."""
+        for adapter in evictions:
+            self.unload(adapter)
+        for load in loads:
+            spec = read_adapter(load.name, load.path, self.max_rank, len(layers))
+            load_adapter(layers, self, load.adapter_id, spec, dtype)
 
     def add_deltas(self, layer: Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base product of x [T, in]) plus each adapter's product on its rows."""
@@ -122,8 +144,9 @@ def load_adapter(layers: torch.nn.ModuleList, state: LoraState, adapter: int,
     targets, into `state` under id `adapter`."""
     from safetensors import safe_open
 
-    if not 1 <= adapter <= state.max_loras:
-        raise ValueError(f"adapter id {adapter} outside 1..{state.max_loras}")
+    if adapter < 1 or (adapter not in state.loaded and len(state.loaded) >= state.max_loras):
+        raise ValueError(f"adapter id {adapter}: {len(state.loaded)} adapters of "
+                         f"{state.max_loras} loaded")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(f"{spec.path}/adapter_model.safetensors", "pt") as f:
         for entry in f.keys():  # noqa: SIM118 (safe_open has no __iter__)

@@ -82,7 +82,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         adapters = lora.adapters(spec.num_layers)  # (checked again: ConfigError by name)
         if tp is not None or stage is not None or spec.moe is not None:
             raise ValueError("LoRA adapters run on one rank of a dense model")
-        state = LoraState(lora.max_loras)
+        state = LoraState(lora.max_loras, lora.max_lora_rank)
         linear = LoraMethod(linear, state)
     if tp is not None:
         check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
