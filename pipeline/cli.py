@@ -395,8 +395,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     # (pooling: an embedding is asked through POST /v1/embeddings or LLM.embed, not here)
     return SamplingParams(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(SamplingParams)
-                             # (reasoning: set by the server's reasoning parser)
-                             if f.name not in ("structured_outputs", "reasoning", "pooling")},
+                             # (reasoning: set by the server's reasoning parser; lora_path:
+                             # by the server, for an adapter loaded at run time)
+                             if f.name not in ("structured_outputs", "reasoning", "pooling",
+                                               "lora_path")},
                           structured_outputs=structured_outputs(args))
 
 
