@@ -21,7 +21,7 @@ from ipc.addresses import RemoteSettings, RunAddresses
 from ipc.device import TIMED_SYNTAX, parse_device
 from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
-from ipc.lora import LoraConfig
+from ipc.lora import LoraConfig, lora_limits
 from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
 from ipc.ranks import RankLayout
@@ -219,8 +219,12 @@ class EngineLimits:
     pipeline_stages: int = 1
     # The served LoRA adapters (--lora-modules), adapter id i + 1 for entry i (ipc/lora.py)
     lora_names: tuple[str, ...] = ()
-    # Slots for adapters loaded at run time (LoraConfig.runtime_slots; 0: none are taken)
-    runtime_loras: int = 0
+    lora_paths: tuple[str, ...] = ()  # their folders, in the same order
+    # The executor's adapter slots when adapters are swapped (LoraConfig.swap_slots; 0: the
+    # --lora-modules adapters stay loaded), and whether a request may bring an adapter's
+    # folder (SamplingParams.lora_path: one loaded at run time)
+    lora_slots: int = 0
+    lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_stages < 1:
@@ -424,8 +428,7 @@ class PipelineConfig(RunAddresses):
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
             auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative),
-            pipeline_stages=self.executor.pipeline_parallel_size, lora_names=self.lora.names,
-            runtime_loras=self.lora.runtime_slots)
+            pipeline_stages=self.executor.pipeline_parallel_size, **lora_limits(self.lora))
 
     @property
     def embedding_refusal(self) -> str | None:

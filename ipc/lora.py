@@ -131,16 +131,16 @@ def read_adapter(name: str, path: str, max_rank: int, num_layers: int | None = N
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
-    """The run's adapters: `modules` (served name, PEFT folder), loaded at start, each in a
-    slot of its own (adapter id i + 1; 0 is the base model), at most `max_loras` of them;
-    ranks up to `max_lora_rank`."""
+    """The run's adapters: `modules` (served name, PEFT folder; adapter id i + 1, 0 is the
+    base model), at most `max_loras` of them in the executor at once (all loaded at start
+    where they fit and none loads at run time; else swapped: `swap_slots`); ranks up to
+    `max_lora_rank`."""
 
     modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter served (--enable-lora-updating,
-    # or VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters loaded at run time take the slots that
-    # `modules` leave, swapped in as their requests arrive (stages/scheduler/adapters.py).
+    # or VLLM_ALLOW_RUNTIME_LORA_UPDATING): every adapter is then swapped (`swap_slots`).
     runtime_updating: bool = False
 
     def __post_init__(self) -> None:
@@ -151,24 +151,19 @@ class LoraConfig:
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names):
             raise ConfigError(f"--lora-modules names an adapter twice: {names}")
-        if len(names) > self.max_loras:
-            raise ConfigError(f"--lora-modules gives {len(names)} adapters and --max-loras is "
-                              f"{self.max_loras}: every adapter stays resident (swapping them "
-                              "in and out is done only for adapters loaded at run time); "
-                              "raise --max-loras")
-        if self.runtime_updating and self.runtime_slots < 1:
-            raise ConfigError(f"--enable-lora-updating needs a free adapter slot: --max-loras "
-                              f"{self.max_loras} is taken by the {len(names)} --lora-modules "
-                              "adapters; raise --max-loras")
 
     @property
     def enabled(self) -> bool:
         return bool(self.modules) or self.runtime_updating
 
     @property
-    def runtime_slots(self) -> int:
-        """Adapter slots for adapters loaded at run time (0: runtime updating off)."""
-        return self.max_loras - len(self.modules) if self.runtime_updating else 0
+    def swap_slots(self) -> int:
+        """The executor's adapter slots when adapters are swapped in and out (more of them
+        than --max-loras, or loading at run time on: every adapter then loads as its
+        requests are admitted, stages/scheduler/adapters.py); 0: every adapter of `modules`
+        is loaded at start and stays."""
+        swapped = self.runtime_updating or len(self.modules) > self.max_loras
+        return self.max_loras if swapped else 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -189,3 +184,11 @@ def adapter_id(names: tuple[str, ...], name: str) -> int | None:
         return names.index(name) + 1
     except ValueError:
         return None
+
+
+def lora_limits(lora: LoraConfig | None) -> dict[str, Any]:
+    """EngineLimits' LoRA fields for `lora` (the scheduler's view: names, folders, slots)."""
+    if lora is None:
+        return {}
+    return {"lora_names": lora.names, "lora_paths": tuple(p for _, p in lora.modules),
+            "lora_slots": lora.swap_slots, "lora_updating": lora.runtime_updating}

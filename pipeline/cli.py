@@ -158,7 +158,9 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "served beside the model: a request's model NAME runs under that "
                         "adapter; several adapters and the base model share a batch")
     p.add_argument("--max-loras", type=int, default=d(LoraConfig.max_loras),
-                   help="LoRA adapters resident at once (every --lora-modules adapter is)")
+                   help="LoRA adapters in the executor at once: with more (--lora-modules or "
+                        "loaded at run time), each is loaded as its requests are admitted "
+                        "and the least recently used idle one evicted")
     p.add_argument("--max-lora-rank", type=int, default=d(LoraConfig.max_lora_rank),
                    help="the highest LoRA rank an adapter may have")
     p.add_argument("--run-ahead-depth", default=d(SchedulerConfig.depth),

@@ -5,6 +5,7 @@ adapter's prefix-cache keys are its own; what is not run is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -114,7 +115,8 @@ def test_runtime_adapters_swap_through_one_slot(folders: dict[str, Path],
                                                 tmp_path: Path) -> None:
     """Adapters loaded at run time (a folder in the params, --enable-lora-updating) share one
     slot: alpha's and beta's requests never run together, each gets its merged tokens; a
-    name loaded again from another folder takes a new id (its old KV is never served)."""
+    name loaded again from another folder takes a new id (its old KV is never served).
+    Start-time adapters beyond --max-loras swap the same way."""
     greedy = {name: SamplingParams(max_tokens=8, temperature=0.0, lora_name=name,
                                    lora_path=str(folders[name]) if name else "")
               for name in ("", "alpha", "beta")}
@@ -136,21 +138,32 @@ def test_runtime_adapters_swap_through_one_slot(folders: dict[str, Path],
     results = eng.run([(f"re-{i}", ids, again) for i, ids in enumerate(PROMPTS)])
     assert [results[f"re-{i}", 0].token_ids for i in range(len(PROMPTS))] == want["beta"]
     assert sorted(eng.scheduler.builder.adapters.resident) == [3]
+    # more --lora-modules than --max-loras: swapped the same way, by their own folders
+    eng = engine(folders[""], cpu_kernels=False,
+                 lora=dataclasses.replace(lora_config(folders), max_loras=1))
+    results = eng.run([(rid, ids, dataclasses.replace(p, lora_path=""))
+                       for rid, ids, p in requests])
+    for name in greedy:
+        assert [results[f"{name}-{i}", 0].token_ids for i in range(len(PROMPTS))] == want[name]
 
 
 def test_runtime_slots_wait_for_an_idle_adapter() -> None:
-    slots = AdapterSlots(("fixed",), 1)
+    slots = AdapterSlots(("fixed",), ("/fixed",), 2)
+    fixed = SamplingParams(lora_name="fixed")
     one = SamplingParams(lora_name="a", lora_path="/a")
     two = SamplingParams(lora_name="b", lora_path="/b")
-    assert (slots.id_of(SamplingParams(lora_name="fixed")), slots.id_of(one),
-            slots.id_of(two), slots.id_of(one)) == (1, 2, 3, 2)
+    assert (slots.id_of(fixed), slots.id_of(one), slots.id_of(two), slots.id_of(one),
+            slots.id_of(SamplingParams())) == (1, 2, 3, 2, 0)
     loads: list[LoraLoad] = []
     evictions: list[int] = []
-    assert slots.take(1, SamplingParams(lora_name="fixed"), [], loads, evictions)
-    assert slots.take(2, one, [], loads, evictions) and loads == [LoraLoad(2, "a", "/a")]
-    assert not slots.take(3, two, [2, 0], loads, evictions)  # (a running sequence uses 2)
-    assert slots.take(3, two, [0, 1], loads, evictions) and evictions == [2]
-    assert list(slots.resident) == [3]
+    assert slots.take(1, fixed, [], loads, evictions)
+    assert slots.take(2, one, [1], loads, evictions)
+    assert loads == [LoraLoad(1, "fixed", "/fixed"), LoraLoad(2, "a", "/a")]
+    assert not slots.take(3, two, [2, 0, 1], loads, evictions)  # (both slots' run)
+    assert slots.take(3, two, [0, 1], loads, evictions) and evictions == [2]  # (2: idle)
+    assert list(slots.resident) == [1, 3] and loads[-1] == LoraLoad(3, "b", "/b")
+    assert AdapterSlots(("fixed",), ("/fixed",), 0).take(1, fixed, [], loads, evictions)
+    assert len(loads) == 3  # (no swapping: --lora-modules adapters stay loaded)
 
 
 def test_runtime_adapters_refused_unless_enabled(folders: dict[str, Path]) -> None:
@@ -159,8 +172,9 @@ def test_runtime_adapters_refused_unless_enabled(folders: dict[str, Path]) -> No
     eng.scheduler.add_request(TokenizedRequest("x", "", PROMPTS[0], params, 0.0))
     (rejected,) = eng.scheduler.take_outputs().rejected
     assert "--enable-lora-updating" in rejected.error
-    with pytest.raises(ConfigError, match="needs a free adapter slot"):
-        LoraConfig(modules=(("a", "x"),), max_loras=1, runtime_updating=True)
+    assert LoraConfig(modules=(("a", "x"),), max_loras=1).swap_slots == 0  # (all stay)
+    assert LoraConfig(modules=(("a", "x"), ("b", "y")), max_loras=1).swap_slots == 1
+    assert LoraConfig(modules=(("a", "x"),), max_loras=2, runtime_updating=True).swap_slots == 2
 
 
 def test_segmented_product_equals_dense() -> None:
@@ -211,8 +225,6 @@ def test_unknown_adapter_is_refused(folders: dict[str, Path]) -> None:
 def test_refused_by_name(folders: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="exceeds --max-lora-rank 4"):
         read_adapter("beta", str(folders["beta"]), 4)
-    with pytest.raises(ConfigError, match="raise --max-loras"):
-        LoraConfig(modules=(("a", "x"), ("b", "y")), max_loras=1)
     for key, value, what in (("use_dora", True, "DoRA"), ("bias", "all", "bias 'all'"),
                              ("modules_to_save", ["lm_head"], "modules_to_save")):
         bad = tmp_path / key

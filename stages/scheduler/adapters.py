@@ -1,6 +1,7 @@
 """Which LoRA adapters the executor holds, in the scheduler process: the adapter id of each
-request's adapter, and the slots of adapters loaded at run time (POST /v1/load_lora_adapter),
-swapped in as their requests are admitted and out, least recently used, when idle.
+request's adapter and, where adapters are swapped (more --lora-modules than --max-loras, or
+adapters loaded at run time: POST /v1/load_lora_adapter), the executor's slots: an adapter
+is loaded as its requests are admitted and evicted, least recently used, once idle.
 
 Ids: an adapter of --lora-modules is id i + 1 for ever (resident from the executor's start);
 an adapter loaded at run time takes a new id for each (name, folder) the scheduler sees,
@@ -18,12 +19,14 @@ from ipc.messages import LoraLoad, SamplingParams
 
 
 class AdapterSlots:
-    """The adapter ids (`id_of`) and the executor's runtime slots (`take`): at most
-    `num_slots` runtime adapters resident, a slot freed only from an adapter no running
-    sequence uses, so rows of one adapter never run under another's weights."""
+    """The adapter ids (`id_of`) and the executor's slots (`take`): at most `num_slots`
+    adapters resident (0: no swapping, the --lora-modules adapters of `names` and `paths`
+    stay loaded), a slot freed only from an adapter no running sequence uses, so rows of
+    one adapter never run under another's weights."""
 
-    def __init__(self, names: tuple[str, ...], num_slots: int) -> None:
-        self.names, self.num_slots = names, num_slots
+    def __init__(self, names: tuple[str, ...], paths: tuple[str, ...], num_slots: int
+                 ) -> None:
+        self.names, self.paths, self.num_slots = names, paths, num_slots
         self._ids: dict[tuple[str, str], int] = {}  # (name, folder) -> id, never reused
         self._next_id = len(names) + 1
         self.resident: OrderedDict[int, LoraLoad] = OrderedDict()  # least recent first
@@ -44,7 +47,7 @@ class AdapterSlots:
         and the eviction that made room, appended to the step's `loads` and `evictions`),
         False when every slot holds an adapter that a running sequence (ids `running`) uses:
         the sequence waits."""
-        if adapter <= len(self.names):  # (the base model or an adapter of --lora-modules)
+        if not self.num_slots:  # (every adapter is loaded at start: none is swapped)
             return True
         if adapter in self.resident:
             self.resident.move_to_end(adapter)
@@ -56,7 +59,9 @@ class AdapterSlots:
                 return False
             del self.resident[idle]
             evictions.append(idle)
-        load = LoraLoad(adapter, params.lora_name, params.lora_path)
+        static = adapter <= len(self.names)  # (an adapter of --lora-modules)
+        load = LoraLoad(adapter, params.lora_name,
+                        self.paths[adapter - 1] if static else params.lora_path)
         self.resident[adapter] = load
         loads.append(load)
         return True

@@ -37,7 +37,8 @@ class StepBuilder:
         self.limits, self.max_len = limits, max_len
         self.queue, self.kv, self.drafts, self.preempt = queue, kv, drafts, preempt
         self.stages = limits.pipeline_stages
-        self.adapters = AdapterSlots(limits.lora_names, limits.runtime_loras)
+        self.adapters = AdapterSlots(limits.lora_names, limits.lora_paths,
+                                     limits.lora_slots)
 
     def fill(self, step: PlannedStep) -> None:
         budget = self.limits.max_num_batched_tokens
