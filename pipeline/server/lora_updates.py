@@ -56,7 +56,7 @@ class RuntimeLoras:
                                 lora_name=name, lora_path=str(Path(folder).resolve()))
         async for out in client.stream([0], params):
             if out.error is not None:
-                raise ApiError(400 if out.error_kind == ErrorKind.INVALID else 500,
+                raise ApiError(400 if out.error_kind == ErrorKind.INVALID_REQUEST else 500,
                                f"the LoRA adapter {name!r} could not serve: {out.error}",
                                "lora_path", "invalid_request_error")
         self.folders[name] = params.lora_path
