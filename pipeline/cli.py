@@ -480,8 +480,9 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         remote=RemoteSettings(listen_host=listen_host(args.listen)),
         lora=LoraConfig(modules=tuple(args.lora_modules), max_loras=args.max_loras,
                         max_lora_rank=args.max_lora_rank,
-                        runtime_updating=runtime_updating(
-                            getattr(args, "enable_lora_updating", False))),
+                        # (serve's flag; the env var too, read for serve only)
+                        runtime_updating=hasattr(args, "enable_lora_updating")
+                        and runtime_updating(args.enable_lora_updating)),
         keys=RunKeys(client_key=client_key(args.listen_key), stage_key=stage_key(args.stage_key)))
 
 
@@ -712,6 +713,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
         if args.command == "generate":  # what can be checked is, before anything starts
             check_generate(args, cfg.model.vocab_size)
+        if args.command == "serve":  # (its refusals, e.g. runtime LoRA with several workers)
+            from pipeline.server.serve import server_options
+
+            server_options(args)
         start = time.monotonic()
         pipe = Pipeline(cfg, trace_path=args.trace)
         with pipe:
