@@ -5,6 +5,7 @@ at run time serves its merged tokens, is listed, and is gone (404) once unloaded
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,7 +103,17 @@ def test_an_adapter_loaded_at_run_time_serves_until_unloaded(
     assert got["choices"][0]["text"] == greedy_text(adapter["beta-merged"], PROMPT, 10)
     r = post("unload_lora_adapter", lora_name="alpha")
     assert r.status_code == 400 and "--lora-modules" in r.json()["error"]["message"]
-    assert post("unload_lora_adapter", lora_name="beta").status_code == 200
+    # unloaded while a request runs under it: that request finishes, under the adapter
+    long = {**body, "model": "beta", "max_tokens": 64, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert post("unload_lora_adapter", lora_name="beta").status_code == 200
+        chunks = [first, *(line for line in lines if line.startswith("data: "))]
+    assert chunks[-1] == "data: [DONE]"
+    text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1]
+                   if json.loads(c[6:])["choices"])
+    assert text == greedy_text(adapter["beta-merged"], PROMPT, 64)
     r = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "beta"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert post("unload_lora_adapter", lora_name="beta").status_code == 404
