@@ -4,6 +4,7 @@ A pure core with no sockets; each tokenizer worker process holds one EngineRoute
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -115,8 +116,11 @@ class EngineRouter:
         elif self.policy == "load":
             chosen = self._least_loaded(alive)
         else:
-            keys = block_keys(prompt_ids, self.block_size,
-                              adapter_id(self.lora_names, lora_name) or 0)
+            served = adapter_id(self.lora_names, lora_name)
+            # (an adapter loaded at run time: a seed of its name, past every served id; the
+            # router's keys only steer, the engines' caches are keyed by their own ids)
+            keys = block_keys(prompt_ids, self.block_size, served if served is not None
+                              else (1 << 32) + zlib.crc32(lora_name.encode()))
             chosen = self._choose_by_prefix(alive, keys)
         self._added[chosen] += cost
         self._remember(keys, chosen)

@@ -249,6 +249,8 @@ def test_router_keys_depend_on_the_adapter() -> None:
     # the base model's blocks went to `first`; the adapter's prompt matches nothing there
     assert router.match(ids).num_blocks == 2
     assert router.route(ids, 8, "alpha") != first
+    router.set_loads([100, 0] if first == 0 else [0, 100], [True, True])
+    assert router.route(ids, 8, "gamma") != first  # (loaded at run time: its own keys too)
 
 
 def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path]) -> None:
