@@ -273,6 +273,11 @@ def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path
              "exceeds --max-lora-rank 4")):
         with pytest.raises(ConfigError, match=what):
             check_executor(dataclasses.replace(cfg, **change))
+    # runtime loading alone (no --lora-modules) is refused the same way, under its own flag
+    runtime = dataclasses.replace(cfg, lora=LoraConfig(runtime_updating=True),
+                                  executor=ExecutorConfig(compile=True))
+    with pytest.raises(ConfigError, match="--enable-lora-updating: --compile"):
+        check_executor(runtime)
 
 
 def test_bench_lora_runs_every_row(folders: dict[str, Path], tmp_path: Path) -> None:
