@@ -21,7 +21,7 @@ from ipc.addresses import RemoteSettings, RunAddresses
 from ipc.device import TIMED_SYNTAX, parse_device
 from ipc.endpoints import Endpoints
 from ipc.errors import ConfigError
-from ipc.lora import LoraConfig
+from ipc.lora import LoraConfig, lora_limits
 from ipc.model_info import ModelInfo
 from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_STOP_TOKEN_IDS
 from ipc.ranks import RankLayout
@@ -123,6 +123,10 @@ class ServerOptions:
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS; None: from the template
     # a thinking model's reasoning split out of chat answers (pipeline/server/reasoning.py)
     reasoning_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter served (--enable-lora-updating,
+    # LoraConfig.runtime_updating), and the rank an adapter they load may have
+    lora_updating: bool = False
+    max_lora_rank: int = 16
 
 
 # Weight formats made at load from a float checkpoint (stages/executor/linear/quantized.py):
@@ -215,6 +219,12 @@ class EngineLimits:
     pipeline_stages: int = 1
     # The served LoRA adapters (--lora-modules), adapter id i + 1 for entry i (ipc/lora.py)
     lora_names: tuple[str, ...] = ()
+    lora_paths: tuple[str, ...] = ()  # their folders, in the same order
+    # The executor's adapter slots when adapters are swapped (LoraConfig.swap_slots; 0: the
+    # --lora-modules adapters stay loaded), and whether a request may bring an adapter's
+    # folder (SamplingParams.lora_path: one loaded at run time)
+    lora_slots: int = 0
+    lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_stages < 1:
@@ -418,7 +428,7 @@ class PipelineConfig(RunAddresses):
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
             auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative),
-            pipeline_stages=self.executor.pipeline_parallel_size, lora_names=self.lora.names)
+            pipeline_stages=self.executor.pipeline_parallel_size, **lora_limits(self.lora))
 
     @property
     def embedding_refusal(self) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any
 
 from ipc.errors import ConfigError
 
+# vLLM's gate of the runtime load/unload routes, honoured beside --enable-lora-updating
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The projections an adapter may target, by the module that holds them in a decoder layer.
@@ -36,6 +39,12 @@ _REFUSED = {"use_dora": "DoRA (weight-decomposed LoRA)",
             "target_parameters": "target_parameters (LoRA on parameters, not modules)",
             "trainable_token_indices": "trainable_token_indices (trained embedding rows)",
             "lora_bias": "lora_bias (a bias in lora_B)"}
+
+
+def runtime_updating(flag: bool) -> bool:
+    """Whether adapters may be loaded and unloaded at run time: --enable-lora-updating, or
+    $VLLM_ALLOW_RUNTIME_LORA_UPDATING set to 1 or true (as vLLM reads it)."""
+    return flag or os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in ("1", "true")
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -122,13 +131,17 @@ def read_adapter(name: str, path: str, max_rank: int, num_layers: int | None = N
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
-    """The run's adapters: `modules` (served name, PEFT folder), loaded at start, each in a
-    slot of its own (adapter id i + 1; 0 is the base model), at most `max_loras` of them;
-    ranks up to `max_lora_rank`."""
+    """The run's adapters: `modules` (served name, PEFT folder; adapter id i + 1, 0 is the
+    base model), at most `max_loras` of them in the executor at once (all loaded at start
+    where they fit and none loads at run time; else swapped: `swap_slots`); ranks up to
+    `max_lora_rank`."""
 
     modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter served (--enable-lora-updating,
+    # or VLLM_ALLOW_RUNTIME_LORA_UPDATING): every adapter is then swapped (`swap_slots`).
+    runtime_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -138,14 +151,19 @@ class LoraConfig:
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names):
             raise ConfigError(f"--lora-modules names an adapter twice: {names}")
-        if len(names) > self.max_loras:
-            raise ConfigError(f"--lora-modules gives {len(names)} adapters and --max-loras is "
-                              f"{self.max_loras}: every adapter stays resident (swapping them "
-                              "in and out is not implemented); raise --max-loras")
 
     @property
     def enabled(self) -> bool:
-        return bool(self.modules)
+        return bool(self.modules) or self.runtime_updating
+
+    @property
+    def swap_slots(self) -> int:
+        """The executor's adapter slots when adapters are swapped in and out (more of them
+        than --max-loras, or loading at run time on: every adapter then loads as its
+        requests are admitted, stages/scheduler/adapters.py); 0: every adapter of `modules`
+        is loaded at start and stays."""
+        swapped = self.runtime_updating or len(self.modules) > self.max_loras
+        return self.max_loras if swapped else 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -166,3 +184,11 @@ def adapter_id(names: tuple[str, ...], name: str) -> int | None:
         return names.index(name) + 1
     except ValueError:
         return None
+
+
+def lora_limits(lora: LoraConfig | None) -> dict[str, Any]:
+    """EngineLimits' LoRA fields for `lora` (the scheduler's view: names, folders, slots)."""
+    if lora is None:
+        return {}
+    return {"lora_names": lora.names, "lora_paths": tuple(p for _, p in lora.modules),
+            "lora_slots": lora.swap_slots, "lora_updating": lora.runtime_updating}

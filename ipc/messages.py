@@ -158,6 +158,9 @@ class SamplingParams(Struct):
     # The LoRA adapter the request runs under, by its served name (--lora-modules); "": the
     # base model. The server takes it from the request's `model`.
     lora_name: str = ""
+    # An adapter loaded at run time (POST /v1/load_lora_adapter): its PEFT folder, which the
+    # scheduler keys it by (a new id for each (name, path)) and the executor loads it from.
+    lora_path: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -490,6 +493,20 @@ class StepPlan(Message):
     grammars: list[SlotGrammar] = field(default_factory=list)
     num_prompt_logprobs: int = 0  # positions whose logits score the next prompt token
     logit_biases: list[SlotLogitBias] = field(default_factory=list)  # new slots with one
+    # Adapters loaded at run time that this step's rows need, loaded before its forward,
+    # and the ids evicted first to make room (stages/scheduler/adapters.py)
+    lora_loads: list[LoraLoad] = field(default_factory=list)
+    lora_evictions: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraLoad(Struct):
+    """An adapter loaded at run time takes adapter id `adapter_id` in the executor: its
+    served name and PEFT folder (checked by the server before it was taken)."""
+
+    adapter_id: int
+    name: str
+    path: str
 
 
 @dataclass(frozen=True, slots=True)

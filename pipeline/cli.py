@@ -29,7 +29,7 @@ from ipc.config import (
     parse_depth,
 )
 from ipc.errors import ConfigError
-from ipc.lora import LoraConfig, parse_lora_module
+from ipc.lora import LoraConfig, parse_lora_module, runtime_updating
 from ipc.messages import ChatMessage, LogitBias, SamplingParams, StructuredOutputs, TokenLogprob
 from ipc.model_info import ModelInfo
 from ipc.params import RequestError, validate_params
@@ -158,7 +158,9 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                         "served beside the model: a request's model NAME runs under that "
                         "adapter; several adapters and the base model share a batch")
     p.add_argument("--max-loras", type=int, default=d(LoraConfig.max_loras),
-                   help="LoRA adapters resident at once (every --lora-modules adapter is)")
+                   help="LoRA adapters in the executor at once: with more (--lora-modules or "
+                        "loaded at run time), each is loaded as its requests are admitted "
+                        "and the least recently used idle one evicted")
     p.add_argument("--max-lora-rank", type=int, default=d(LoraConfig.max_lora_rank),
                    help="the highest LoRA rank an adapter may have")
     p.add_argument("--run-ahead-depth", default=d(SchedulerConfig.depth),
@@ -280,6 +282,11 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="split a thinking model's reasoning out of chat answers into "
                         "reasoning_content: qwen3, deepseek_r1 or openai_gptoss (vLLM's "
                         "names)")
+    p.add_argument("--enable-lora-updating", action="store_true", default=o.lora_updating,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: "
+                        "adapters loaded at run time share the --max-loras slots that "
+                        "--lora-modules leave, swapped in as requests need them (also "
+                        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's gate; one API worker)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -390,8 +397,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     # (pooling: an embedding is asked through POST /v1/embeddings or LLM.embed, not here)
     return SamplingParams(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(SamplingParams)
-                             # (reasoning: set by the server's reasoning parser)
-                             if f.name not in ("structured_outputs", "reasoning", "pooling")},
+                             # (reasoning: set by the server's reasoning parser; lora_path:
+                             # by the server, for an adapter loaded at run time)
+                             if f.name not in ("structured_outputs", "reasoning", "pooling",
+                                               "lora_path")},
                           structured_outputs=structured_outputs(args))
 
 
@@ -470,7 +479,10 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         served_model_name=getattr(args, "served_model_name", PipelineConfig.served_model_name),
         remote=RemoteSettings(listen_host=listen_host(args.listen)),
         lora=LoraConfig(modules=tuple(args.lora_modules), max_loras=args.max_loras,
-                        max_lora_rank=args.max_lora_rank),
+                        max_lora_rank=args.max_lora_rank,
+                        # (serve's flag; the env var too, read for serve only)
+                        runtime_updating=hasattr(args, "enable_lora_updating")
+                        and runtime_updating(args.enable_lora_updating)),
         keys=RunKeys(client_key=client_key(args.listen_key), stage_key=stage_key(args.stage_key)))
 
 
@@ -701,6 +713,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
         if args.command == "generate":  # what can be checked is, before anything starts
             check_generate(args, cfg.model.vocab_size)
+        if args.command == "serve":  # (its refusals, e.g. runtime LoRA with several workers)
+            from pipeline.server.serve import server_options
+
+            server_options(args)
         start = time.monotonic()
         pipe = Pipeline(cfg, trace_path=args.trace)
         with pipe:

@@ -8,7 +8,7 @@ from collections import deque
 import torch
 
 from ipc.config import EngineLimits, kept_window
-from ipc.lora import LoraConfig
+from ipc.lora import LoraConfig, lora_limits
 from ipc.messages import SamplingParams, TokenizedRequest
 from ipc.model_info import ModelInfo
 from ipc.outputs import SampleResult
@@ -51,7 +51,7 @@ class InProcessEngine:
                                    num_speculative_tokens=speculative.num_tokens
                                    if speculative is not None else 0,
                                    uniform_window=kept_window(info, speculative),
-                                   lora_names=lora.names if lora is not None else ())
+                                   **lora_limits(lora))
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,
                                            cpu_kernels=cpu_kernels, quantization=quantization,

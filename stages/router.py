@@ -4,6 +4,7 @@ A pure core with no sockets; each tokenizer worker process holds one EngineRoute
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -101,8 +102,11 @@ class EngineRouter:
         return self._match(self._keys(prompt_ids, lora_name))
 
     def _keys(self, prompt_ids: Sequence[int], lora_name: str) -> list[int]:
-        return block_keys(prompt_ids, self.block_size,
-                          adapter_id(self.lora_names, lora_name) or 0)
+        served = adapter_id(self.lora_names, lora_name)
+        # (an adapter loaded at run time: a seed of its name, past every served id; the
+        # router's keys only steer, the engines' caches are keyed by their own ids)
+        return block_keys(prompt_ids, self.block_size, served if served is not None
+                          else (1 << 32) + zlib.crc32(lora_name.encode()))
 
     def route(self, prompt_ids: Sequence[int], cost: int, lora_name: str = "") -> int:
         """The engine for this request; `cost` (its tokens of work) joins that engine's load.

@@ -74,6 +74,7 @@ FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "lora_modules": (LoraConfig, "modules", tuple),
     "max_loras": (LoraConfig, "max_loras", _same),
     "max_lora_rank": (LoraConfig, "max_lora_rank", _same),
+    "enable_lora_updating": (ServerOptions, "lora_updating", _same),
     # serve's: the front end's options (its --max-waiting is the scheduler's too)
     "host": (ServerOptions, "host", _same),
     "port": (ServerOptions, "port", _same),
@@ -112,8 +113,9 @@ NOT_CONFIG = {
 # generate's per-request flags: SamplingParams's fields (GENERATE_SAMPLING's defaults) and
 # the structured output's (StructuredOutputs', --json-schema being its `json`).
 SAMPLING = {f.name: f.name for f in dataclasses.fields(SamplingParams)
-            # (reasoning: the server's; pooling: an embedding request's, not generate's)
-            if f.name not in ("structured_outputs", "reasoning", "pooling")}
+            # (reasoning: the server's; pooling: an embedding request's, not generate's;
+            # lora_path: an adapter loaded at run time, the server's)
+            if f.name not in ("structured_outputs", "reasoning", "pooling", "lora_path")}
 STRUCTURED = {"json_schema": "json", "json_object": "json_object", "regex": "regex",
               "choice": "choice", "grammar": "grammar"}
 

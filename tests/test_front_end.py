@@ -162,3 +162,31 @@ def test_serve_flags_reach_the_server_options(capsys: pytest.CaptureFixture[str]
         log._last = (time.monotonic() - 60, IDLE)  # a minute since the last line
         log.maybe_log(IDLE)
     assert capsys.readouterr().err.count("engine: prompt") == 1  # the 0.5 s one's
+
+
+def test_runtime_lora_routes_are_gated(tmp_path: Any, monkeypatch: Any) -> None:
+    """Without --enable-lora-updating (or vLLM's env var) the routes answer 404 naming the
+    flag; the flag takes one API worker."""
+    from ipc.errors import ConfigError
+    from pipeline.cli import build_parser
+    from pipeline.server.serve import server_options
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    app, fake = front_end(tmp_path, monkeypatch)
+
+    async def go(route: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(f"/v1/{route}", json={"lora_name": "a", "lora_path": "/x"})
+
+    for route in ("load_lora_adapter", "unload_lora_adapter"):
+        r = asyncio.run(go(route))
+        assert r.status_code == 404 and "--enable-lora-updating" in r.json()["error"]["message"]
+    assert fake.submitted == []
+    parse = build_parser().parse_args
+    assert server_options(parse(["serve"])).lora_updating is False
+    assert server_options(parse(["serve", "--enable-lora-updating"])).lora_updating is True
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    assert server_options(parse(["serve"])).lora_updating is True
+    with pytest.raises(ConfigError, match="--api-workers 2"):
+        server_options(parse(["serve", "--api-workers", "2"]))

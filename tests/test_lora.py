@@ -5,6 +5,7 @@ adapter's prefix-cache keys are its own; what is not run is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,12 +17,13 @@ from tiny_model import build_tiny_llama
 
 from ipc.errors import ConfigError
 from ipc.lora import LoraConfig, read_adapter
-from ipc.messages import SamplingParams, TokenizedRequest
+from ipc.messages import LoraLoad, SamplingParams, TokenizedRequest
 from stages.executor import kernels
 from stages.executor.linear.base import Linear
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.lora import LoraMethod, LoraState, LoraWeights, step_adapters
 from stages.inprocess import InProcessEngine
+from stages.scheduler.adapters import AdapterSlots
 from stages.scheduler.sequence import Sequence
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -109,6 +111,72 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
         assert got == want[name], name
 
 
+def test_runtime_adapters_swap_through_one_slot(folders: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    """Adapters loaded at run time (a folder in the params, --enable-lora-updating) share one
+    slot: alpha's and beta's requests never run together, each gets its merged tokens; a
+    name loaded again from another folder takes a new id (its old KV is never served).
+    Start-time adapters beyond --max-loras swap the same way."""
+    greedy = {name: SamplingParams(max_tokens=8, temperature=0.0, lora_name=name,
+                                   lora_path=str(folders[name]) if name else "")
+              for name in ("", "alpha", "beta")}
+    want = {name: engine(folders[f"{name}-merged" if name else ""], cpu_kernels=False).generate(
+        PROMPTS, SamplingParams(max_tokens=8, temperature=0.0)) for name in greedy}
+    eng = engine(folders[""], cpu_kernels=False,
+                 lora=LoraConfig(max_loras=1, max_lora_rank=8, runtime_updating=True))
+    requests = [(f"{name}-{i}", ids, greedy[name]) for i, ids in enumerate(PROMPTS)
+                for name in greedy]
+    results = eng.run(requests)
+    for name in greedy:
+        assert [results[f"{name}-{i}", 0].token_ids for i in range(len(PROMPTS))] == want[name]
+    state = eng.runner.model.lora
+    assert state is not None and len(state.loaded) == 1  # (one slot: swapped, never both)
+    # "alpha" again, now from beta's weights: a new id, beta's tokens, none of alpha's KV
+    shutil.copytree(folders["beta"], tmp_path / "alpha2")
+    again = SamplingParams(max_tokens=8, temperature=0.0, lora_name="alpha",
+                           lora_path=str(tmp_path / "alpha2"))
+    results = eng.run([(f"re-{i}", ids, again) for i, ids in enumerate(PROMPTS)])
+    assert [results[f"re-{i}", 0].token_ids for i in range(len(PROMPTS))] == want["beta"]
+    assert sorted(eng.scheduler.builder.adapters.resident) == [3]
+    # more --lora-modules than --max-loras: swapped the same way, by their own folders
+    eng = engine(folders[""], cpu_kernels=False,
+                 lora=dataclasses.replace(lora_config(folders), max_loras=1))
+    results = eng.run([(rid, ids, dataclasses.replace(p, lora_path=""))
+                       for rid, ids, p in requests])
+    for name in greedy:
+        assert [results[f"{name}-{i}", 0].token_ids for i in range(len(PROMPTS))] == want[name]
+
+
+def test_runtime_slots_wait_for_an_idle_adapter() -> None:
+    slots = AdapterSlots(("fixed",), ("/fixed",), 2)
+    fixed = SamplingParams(lora_name="fixed")
+    one = SamplingParams(lora_name="a", lora_path="/a")
+    two = SamplingParams(lora_name="b", lora_path="/b")
+    assert (slots.id_of(fixed), slots.id_of(one), slots.id_of(two), slots.id_of(one),
+            slots.id_of(SamplingParams())) == (1, 2, 3, 2, 0)
+    loads: list[LoraLoad] = []
+    evictions: list[int] = []
+    assert slots.take(1, fixed, [], loads, evictions)
+    assert slots.take(2, one, [1], loads, evictions)
+    assert loads == [LoraLoad(1, "fixed", "/fixed"), LoraLoad(2, "a", "/a")]
+    assert not slots.take(3, two, [2, 0, 1], loads, evictions)  # (both slots' run)
+    assert slots.take(3, two, [0, 1], loads, evictions) and evictions == [2]  # (2: idle)
+    assert list(slots.resident) == [1, 3] and loads[-1] == LoraLoad(3, "b", "/b")
+    assert AdapterSlots(("fixed",), ("/fixed",), 0).take(1, fixed, [], loads, evictions)
+    assert len(loads) == 3  # (no swapping: --lora-modules adapters stay loaded)
+
+
+def test_runtime_adapters_refused_unless_enabled(folders: dict[str, Path]) -> None:
+    eng = engine(folders[""], cpu_kernels=False, lora=lora_config(folders))
+    params = SamplingParams(max_tokens=2, lora_name="gamma", lora_path=str(folders["alpha"]))
+    eng.scheduler.add_request(TokenizedRequest("x", "", PROMPTS[0], params, 0.0))
+    (rejected,) = eng.scheduler.take_outputs().rejected
+    assert "--enable-lora-updating" in rejected.error
+    assert LoraConfig(modules=(("a", "x"),), max_loras=1).swap_slots == 0  # (all stay)
+    assert LoraConfig(modules=(("a", "x"), ("b", "y")), max_loras=1).swap_slots == 1
+    assert LoraConfig(modules=(("a", "x"),), max_loras=2, runtime_updating=True).swap_slots == 2
+
+
 def test_segmented_product_equals_dense() -> None:
     """Each row's output is x (W + B_a A_a)^T of its own adapter a (0: W alone), fused
     parts' block-diagonal B included."""
@@ -164,8 +232,6 @@ def test_unknown_adapter_is_refused(folders: dict[str, Path]) -> None:
 def test_refused_by_name(folders: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="exceeds --max-lora-rank 4"):
         read_adapter("beta", str(folders["beta"]), 4)
-    with pytest.raises(ConfigError, match="raise --max-loras"):
-        LoraConfig(modules=(("a", "x"), ("b", "y")), max_loras=1)
     for key, value, what in (("use_dora", True, "DoRA"), ("bias", "all", "bias 'all'"),
                              ("modules_to_save", ["lm_head"], "modules_to_save")):
         bad = tmp_path / key
@@ -191,6 +257,8 @@ def test_router_keys_depend_on_the_adapter() -> None:
     assert router.match(ids).num_blocks == 2 and router.match(ids, "alpha").num_blocks == 0
     assert router.route(ids, 8, "alpha") != first
     assert router.match(ids, "alpha").num_blocks == 2
+    router.set_loads([100, 0] if first == 0 else [0, 100], [True, True])
+    assert router.route(ids, 8, "gamma") != first  # (loaded at run time: its own keys too)
 
 
 def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path]) -> None:
@@ -213,6 +281,11 @@ def test_preflight_refuses_what_adapters_do_not_run_with(folders: dict[str, Path
              "exceeds --max-lora-rank 4")):
         with pytest.raises(ConfigError, match=what):
             check_executor(dataclasses.replace(cfg, **change))
+    # runtime loading alone (no --lora-modules) is refused the same way, under its own flag
+    runtime = dataclasses.replace(cfg, lora=LoraConfig(runtime_updating=True),
+                                  executor=ExecutorConfig(compile=True))
+    with pytest.raises(ConfigError, match="--enable-lora-updating: --compile"):
+        check_executor(runtime)
 
 
 def test_bench_lora_runs_every_row(folders: dict[str, Path], tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """LoRA adapters served (live): a request's model names an adapter and gets that adapter's
 greedy tokens (those of peft's merged weights), /v1/models lists it under the model, an
-unknown model is a 404 naming what is served, and the runtime load/unload routes are refused."""
+unknown model is a 404 naming what is served; with --enable-lora-updating an adapter loaded
+at run time serves its merged tokens, is listed, and is gone (404) once unloaded."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,12 +27,18 @@ def adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     make_adapter(tiny_model_dir, root / "alpha", 4, 8, ["q_proj", "v_proj", "down_proj"],
                  False, seed=3)
     merge_adapter(tiny_model_dir, root / "alpha", root / "merged")
-    return {"alpha": root / "alpha", "merged": root / "merged"}
+    make_adapter(tiny_model_dir, root / "beta", 8, 16, ["k_proj", "o_proj", "up_proj"],
+                 False, seed=4)
+    merge_adapter(tiny_model_dir, root / "beta", root / "beta-merged")
+    return {"alpha": root / "alpha", "merged": root / "merged", "beta": root / "beta",
+            "beta-merged": root / "beta-merged"}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, adapter: dict[str, Path]) -> Iterator[Server]:
-    with serve(tiny_model_dir, "--lora-modules", f"alpha={adapter['alpha']}") as s:
+    # one slot for alpha, one for the adapters loaded at run time
+    with serve(tiny_model_dir, "--lora-modules", f"alpha={adapter['alpha']}",
+               "--enable-lora-updating", "--max-loras", "2") as s:
         yield s
 
 
@@ -65,13 +73,49 @@ def test_models_lists_the_adapters(server: Server) -> None:
         (server.model, None, server.model), ("alpha", server.model, server.model)]
 
 
-def test_unknown_models_and_runtime_updates_are_refused(server: Server) -> None:
+def test_unknown_models_are_refused(server: Server) -> None:
     r = httpx.post(f"{server.url}/v1/completions", timeout=10,
                    json={"model": "beta", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 404
     error = r.json()["error"]
     assert error["code"] == "model_not_found" and "'alpha'" in error["message"]
-    for route in ("load_lora_adapter", "unload_lora_adapter"):
-        r = httpx.post(f"{server.url}/v1/{route}", timeout=10,
-                       json={"lora_name": "beta", "lora_path": "/nowhere"})
-        assert r.status_code == 501 and "--lora-modules" in r.json()["error"]["message"]
+
+
+def test_an_adapter_loaded_at_run_time_serves_until_unloaded(
+        server: Server, adapter: dict[str, Path]) -> None:
+    def post(route: str, **body: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
+
+    r = post("load_lora_adapter", lora_name="gamma", lora_path=str(adapter["beta"] / "none"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert "adapter_config.json" in r.json()["error"]["message"]
+    r = post("load_lora_adapter", lora_name="beta", lora_path=str(adapter["beta"]))
+    assert r.status_code == 200 and "beta" in r.text
+    for name in ("beta", "alpha"):  # (loaded already: now, or at start)
+        r = post("load_lora_adapter", lora_name=name, lora_path=str(adapter["beta"]))
+        assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+    models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [server.model, "alpha", "beta"]
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "beta"},
+                     timeout=60).json()
+    assert got["model"] == "beta"
+    assert got["choices"][0]["text"] == greedy_text(adapter["beta-merged"], PROMPT, 10)
+    r = post("unload_lora_adapter", lora_name="alpha")
+    assert r.status_code == 400 and "--lora-modules" in r.json()["error"]["message"]
+    # unloaded while a request runs under it: that request finishes, under the adapter
+    long = {**body, "model": "beta", "max_tokens": 64, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert post("unload_lora_adapter", lora_name="beta").status_code == 200
+        chunks = [first, *(line for line in lines if line.startswith("data: "))]
+    assert chunks[-1] == "data: [DONE]"
+    text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1]
+                   if json.loads(c[6:])["choices"])
+    assert text == greedy_text(adapter["beta-merged"], PROMPT, 64)
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "beta"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert post("unload_lora_adapter", lora_name="beta").status_code == 404
+    models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [server.model, "alpha"]

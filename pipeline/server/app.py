@@ -50,6 +50,7 @@ from pipeline.server.embeddings import (
 from pipeline.server.errors import ApiError, bad, shutting_down
 from pipeline.server.generation import Generation
 from pipeline.server.limits import RateLimiter
+from pipeline.server.lora_updates import RuntimeLoras
 from pipeline.server.openai_parse import (
     parse_chat,
     parse_completion,
@@ -118,6 +119,7 @@ class FrontEnd:
         self.created = int(time.time())
         self.generations: set[Generation] = set()  # requests running in this worker
         self.kept = ResponseStore()  # /v1/responses with store: true, in this worker
+        self.runtime_loras = RuntimeLoras(options.max_lora_rank, model_dir)  # (at run time)
         self.is_stopping = False
         self.num_admitted = 0  # generation requests this worker has taken and not answered
         self._trim_pending = False
@@ -215,24 +217,39 @@ class FrontEnd:
 
     async def models(self, request: Request) -> Response:
         """The model, then each LoRA adapter with the model as its parent and root (vLLM's
-        listing)."""
+        listing): those of --lora-modules, then those loaded at run time."""
         self._authorize(request)
         card = {"object": "model", "created": self.created, "owned_by": "llm-pipeline",
                 "max_model_len": self.client.max_model_len}
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, **card, "root": self.model, "parent": None},
             *({"id": name, **card, "root": self.model, "parent": self.model}
-              for name in self.client.lora_names)]})
+              for name in (*self.client.lora_names, *self.runtime_loras.folders))]})
 
     async def lora_update(self, request: Request) -> Response:
-        """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): refused. The
-        adapters are the ones --lora-modules loads at start; loading or unloading them while
-        the server runs is not implemented (vLLM serves these routes only with
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING set)."""
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter
+        {"lora_name"} (vLLM's), served only with --enable-lora-updating (vLLM's gate is
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING, also honoured; without it vLLM has no such routes:
+        404). A load checks the PEFT folder (read_adapter) and answers once a one-token
+        request under the adapter has run: the scheduler gave it a slot and an id, the
+        executor loaded its weights. An unload hides the name from new requests at once;
+        requests already running under it finish (the scheduler evicts its weights once idle
+        and its slot is wanted)."""
         self._authorize(request)
-        raise ApiError(501, f"{request.url.path}: adapters cannot be loaded or unloaded while "
-                            "the server runs; they are the ones --lora-modules names at start",
-                       None, "invalid_request_error", "not_implemented")
+        path = request.url.path
+        if not self.options.lora_updating:
+            raise ApiError(404, f"{path}: loading and unloading LoRA adapters at run time is "
+                                "off; start the server with --enable-lora-updating (or "
+                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+                           None, "invalid_request_error", "not_found")
+        body = await self._read_json(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad("lora_name", "lora_name must be a non-empty string naming the adapter")
+        if path.endswith("/unload_lora_adapter"):
+            return Response(self.runtime_loras.unload(self.client.lora_names, name))
+        return Response(await self.runtime_loras.load(
+            self.client, (self.model, *self.client.lora_names), name, body.get("lora_path")))
 
     async def version(self, request: Request) -> Response:
         import pipeline
@@ -287,9 +304,10 @@ class FrontEnd:
             return ""
         if not isinstance(model, str):
             raise bad("model", "model must be a string naming the model (see GET /v1/models)")
-        if model in self.client.lora_names:
+        if model in self.client.lora_names or model in self.runtime_loras.folders:
             return model
-        served = ", ".join(repr(m) for m in (self.model, *self.client.lora_names))
+        served = ", ".join(repr(m) for m in (self.model, *self.client.lora_names,
+                                             *self.runtime_loras.folders))
         raise ApiError(404, f"the model {model!r} does not exist; this server has {served}",
                        "model", "invalid_request_error", "model_not_found")
 
@@ -434,7 +452,8 @@ class FrontEnd:
         # and the user it names (OpenAI's `user`).
         host = request.client.host if request.client else "?"
         parsed.params = dataclasses.replace(parsed.params, user=f"{host}/{parsed.params.user}",
-                                            lora_name=lora_name)
+                                            lora_name=lora_name,
+                                            lora_path=self.runtime_loras.path_of(lora_name))
         try:
             await self.reading.prepare(parsed, chat)
         except ApiError as exc:  # (a Responses request hears of its own fields)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ipc.config import ServerOptions
 from ipc.errors import ConfigError
+from ipc.lora import runtime_updating
 from ipc.messages import ForgetClient, SchedulerStats
 from ipc.units import parse_bytes
 from pipeline.runtime.launcher import Pipeline
@@ -31,6 +32,11 @@ ENGINE_FAILURE_GRACE_S = 2.0
 def server_options(args: argparse.Namespace) -> ServerOptions:
     if args.api_workers < 1:
         raise ConfigError("--api-workers must be at least 1")
+    lora_updating = runtime_updating(args.enable_lora_updating)
+    if lora_updating and args.api_workers > 1:
+        raise ConfigError(f"--enable-lora-updating takes one API worker, not --api-workers "
+                          f"{args.api_workers}: the adapters loaded at run time are known to "
+                          "the worker that loaded them")
     return ServerOptions(
         host=args.host, port=args.port, api_key=args.api_key,
         api_workers=args.api_workers, max_body_bytes=parse_bytes(args.max_body_bytes),
@@ -38,7 +44,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_waiting=args.max_waiting, access_log=args.access_log,
         stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-        reasoning_parser=check_parser(args.reasoning_parser))
+        reasoning_parser=check_parser(args.reasoning_parser),
+        lora_updating=lora_updating, max_lora_rank=args.max_lora_rank)
 
 
 def check_reasoning_tags(model_dir: str, name: str) -> None:

@@ -4,9 +4,10 @@ in one batch, without merged copies of the weights.
 Each projection of a decoder layer runs its base product once over every row of the step
 (its own linear method, any format), then the adapters' products, with the scale folded into
 B at load: one adapter's rows alone, y += (x @ A^T) @ B^T; a mix, the projection's adapters
-stacked and each token's other columns masked out (LoraState.add_deltas). A fused projection (q/k/v, gate/up) holds one (A, B) pair per adapter:
-the parts' A stacked [sum r, in] and their B as a block-diagonal [out, sum r] (a part the
-adapter does not target: zero rows), so one pair of products serves every part.
+stacked and each token's other columns masked out (LoraState.add_deltas). A fused projection
+(q/k/v, gate/up) holds one (A, B) pair per adapter: the parts' A stacked [sum r, in] and their
+B as a block-diagonal [out, sum r] (a part the adapter does not target: zero rows), so one
+pair of products serves every part.
 
 Which rows take which adapter is the step's (`StepAdapters`, made by prepare from the step's
 per-row adapter ids); the model's `LoraState` holds it for the forward, as vLLM's punica
@@ -22,7 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ipc.lora import ENTRY, AdapterSpec
+from ipc.lora import ENTRY, AdapterSpec, read_adapter
+from ipc.messages import LoraLoad
 from stages.executor.linear.base import Linear, LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class Stacked(NamedTuple):
     b: torch.Tensor
     owner: torch.Tensor
     layout: tuple[tuple[int, int], ...]
-    made_from: tuple[tuple[int, int], ...]  # (adapter, id of its LoraWeights): still true?
+    made_from: tuple[tuple[int, LoraWeights], ...]  # (held: their ids stay theirs)
 
 
 @dataclass
@@ -92,10 +94,32 @@ class LoraState:
     forward; None: the base model alone)."""
 
     max_loras: int
+    max_rank: int = 16
     step: StepAdapters | None = None
     loaded: dict[int, AdapterSpec] = field(default_factory=dict)
     weights: dict[Linear, dict[int, LoraWeights]] = field(default_factory=dict)
     stacks: dict[Linear, Stacked] = field(default_factory=dict)  # made from `weights`
+
+    def unload(self, adapter: int) -> None:
+        """Drop adapter `adapter`'s weights (its id is not used again: adapters.py)."""
+        for pairs in self.weights.values():
+            pairs.pop(adapter, None)
+        self.stacks.clear()  # (made again as steps need them, without its weights)
+        spec = self.loaded.pop(adapter, None)
+        if spec is not None:
+            logger.info("LoRA adapter %r (adapter %d) evicted", spec.name, adapter)
+
+    def swap(self, layers: torch.nn.ModuleList, dtype: torch.dtype, loads: list[LoraLoad],
+             evictions: list[int]) -> None:
+        """A step's runtime adapters (StepPlan.lora_loads, stages/scheduler/adapters.py):
+        `evictions` dropped, then each of `loads` read from its folder, before the forward
+        that needs it. The server checked each folder when it was loaded (read_adapter);
+        it is checked again here, and a folder that changed since then raises."""
+        for adapter in evictions:
+            self.unload(adapter)
+        for load in loads:
+            spec = read_adapter(load.name, load.path, self.max_rank, len(layers))
+            load_adapter(layers, self, load.adapter_id, spec, dtype)
 
     def add_deltas(self, layer: Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base product of x [T, in]) plus each row's adapter's product. A step
@@ -122,15 +146,15 @@ class LoraState:
 
     def _stack(self, layer: Linear, weights: dict[int, LoraWeights]) -> Stacked:
         """The layer's Stacked, made again when its adapters changed (a load or unload)."""
-        made_from = tuple(sorted((a, id(w)) for a, w in weights.items()))
+        pairs = sorted(weights.items(), key=lambda pair: pair[0])
         stack = self.stacks.get(layer)
-        if stack is None or stack.made_from != made_from:
-            pairs = [(a, weights[a]) for a, _ in made_from]
+        if stack is None or [(a, id(w)) for a, w in stack.made_from] != [
+                (a, id(w)) for a, w in pairs]:
             layout = tuple((a, w.a.shape[0]) for a, w in pairs)
             owner = torch.cat([torch.full((n,), a, dtype=torch.int64) for a, n in layout])
             stack = Stacked(torch.cat([w.a for _, w in pairs]).contiguous(),
                             torch.cat([w.b for _, w in pairs], dim=1).contiguous(),
-                            owner.to(pairs[0][1].a.device), layout, made_from)
+                            owner.to(pairs[0][1].a.device), layout, tuple(pairs))
             self.stacks[layer] = stack
         return stack
 
@@ -165,8 +189,9 @@ def load_adapter(layers: torch.nn.ModuleList, state: LoraState, adapter: int,
     targets, into `state` under id `adapter`."""
     from safetensors import safe_open
 
-    if not 1 <= adapter <= state.max_loras:
-        raise ValueError(f"adapter id {adapter} outside 1..{state.max_loras}")
+    if adapter < 1 or (adapter not in state.loaded and len(state.loaded) >= state.max_loras):
+        raise ValueError(f"adapter id {adapter}: {len(state.loaded)} adapters of "
+                         f"{state.max_loras} loaded")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(f"{spec.path}/adapter_model.safetensors", "pt") as f:
         for entry in f.keys():  # noqa: SIM118 (safe_open has no __iter__)

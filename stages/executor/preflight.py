@@ -56,7 +56,8 @@ def check_lora(cfg: PipelineConfig) -> None:
     """LoRA adapters (stages/executor/lora.py) run in the CPU's eager forward of one rank of a
     dense model in float weights, without speculative decoding; each adapter folder is
     checked (ipc/lora.py). Everything else is refused here, by name."""
-    ex, flag = cfg.executor, "--lora-modules"
+    ex = cfg.executor
+    flag = "--lora-modules" if cfg.lora.modules else "--enable-lora-updating"
     refusals = [
         (ex.timed is not None, "the timed device runs no model"),
         (ex.device != "cpu", f"--device {ex.device}: adapters run on the CPU only (the "

@@ -386,6 +386,9 @@ class ModelRunner:
             ids = self.slots.resolve_ids(v)
         meta = self.backend.metadata(v, step.attn_plan)
         if self.model.lora is not None:  # (which rows take which adapter: lora.py)
+            if step.plan.lora_loads:  # (adapters loaded at run time, in step order)
+                self.model.lora.swap(self.model.model.layers, self.model.dtype,
+                                     step.plan.lora_loads, step.plan.lora_evictions)
             self.model.lora.step = step.lora
         wanted, num_scored = v.logits_indices, step.counts["plp_index"]
         if num_scored:  # prompt logprobs: the logits of the positions that score them too

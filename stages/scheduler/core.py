@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from ipc.config import EngineLimits
-from ipc.lora import adapter_id
 from ipc.messages import (
     ErrorKind,
     FinishReason,
@@ -141,7 +140,7 @@ class Scheduler:
                          inner_start=tags.inner, inner_finish=tags.inner + tags.cost,
                          status=SeqStatus.HELD if i else SeqStatus.WAITING,
                          output_limit=limit, stopping_ids=stop_ids,
-                         adapter_id=adapter_id(self.limits.lora_names, p.lora_name) or 0)
+                         adapter_id=self.builder.adapters.id_of(p) or 0)
                 for i in range(p.n)]
         self.book.add(req, seqs)
         self.queue.enqueue(seqs[0])

@@ -3,11 +3,12 @@ write_step. Runs in the scheduler process (and in the in-process engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.messages import SlotGrammar, SlotLogitBias, StepPlan
+from ipc.messages import LoraLoad, SlotGrammar, SlotLogitBias, StepPlan
 from ipc.step import NewSlot, StepRow, write_step
 from stages.scheduler.sequence import Sequence
 
@@ -30,6 +31,9 @@ class PlannedStep:
     stop_ids: list[tuple[int, int]] = field(default_factory=list)  # (slot, id) min_tokens masks
     grammars: list[SlotGrammar] = field(default_factory=list)  # new slots with a grammar
     logit_biases: list[SlotLogitBias] = field(default_factory=list)  # new slots with one
+    # runtime LoRA adapters its rows need loaded, and those evicted for them (adapters.py)
+    lora_loads: list[LoraLoad] = field(default_factory=list)
+    lora_evictions: list[int] = field(default_factory=list)
     # (token index in the step, prompt token it scores), and whose they are, in order
     prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)
     plp_owners: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -53,8 +57,12 @@ class PlannedStep:
 
     def write(self, buf: dict[str, np.ndarray]) -> StepPlan:
         """Lay this step into its step-input ring slot; returns the plan to send."""
-        return write_step(buf, self.step_id, self.ring_slot, self.rows,
+        plan = write_step(buf, self.step_id, self.ring_slot, self.rows,
                           block_updates=self.block_updates, new_slots=self.new_slots,
                           stop_ids=self.stop_ids, prompt_logprobs=self.prompt_logprobs,
                           grammars=self.grammars, num_plain=self.num_plain,
                           logit_biases=self.logit_biases)
+        if self.lora_loads:
+            plan = dataclasses.replace(plan, lora_loads=self.lora_loads,
+                                       lora_evictions=self.lora_evictions)
+        return plan

@@ -54,7 +54,10 @@ def invalid_reason(req: TokenizedRequest, lim: EngineLimits) -> str | None:
         validate_params(req.params, lim.vocab_size, lim.priority_range)
     except RequestError as exc:
         return exc.message
-    if adapter_id(lim.lora_names, req.params.lora_name) is None:
+    if req.params.lora_path and not lim.lora_updating:
+        return (f"LoRA adapter {req.params.lora_name!r} is loaded at run time, which this "
+                "engine does not take (--enable-lora-updating)")
+    if not req.params.lora_path and adapter_id(lim.lora_names, req.params.lora_name) is None:
         served = ", ".join(lim.lora_names) or "none"
         return f"no LoRA adapter {req.params.lora_name!r} is served (adapters: {served})"
     if (req.params.structured_outputs is not None) != bool(req.grammar):

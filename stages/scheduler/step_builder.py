@@ -18,6 +18,7 @@ from ipc.config import EngineLimits
 from ipc.messages import SlotGrammar, SlotLogitBias
 from ipc.pooling import POOLING_CODES
 from ipc.sampling import encode_slot
+from stages.scheduler.adapters import AdapterSlots
 from stages.scheduler.drafts import DraftPlanner
 from stages.scheduler.kv_manager import KVManager, Preempt
 from stages.scheduler.planned import PlannedRow, PlannedStep
@@ -36,6 +37,8 @@ class StepBuilder:
         self.limits, self.max_len = limits, max_len
         self.queue, self.kv, self.drafts, self.preempt = queue, kv, drafts, preempt
         self.stages = limits.pipeline_stages
+        self.adapters = AdapterSlots(limits.lora_names, limits.lora_paths,
+                                     limits.lora_slots)
 
     def fill(self, step: PlannedStep) -> None:
         budget = self.limits.max_num_batched_tokens
@@ -254,6 +257,10 @@ class StepBuilder:
             if not kv.admits(step, hits, kv.chunk_end(start, min(seq.num_tokens,
                                                                   start + budget))):
                 break
+            if seq.adapter_id and not self.adapters.take(
+                    seq.adapter_id, seq.params, (s.adapter_id for s in kv.running),
+                    step.lora_loads, step.lora_evictions):
+                break  # (its adapter waits for a slot that a running adapter holds)
             queue.pop_admitted()
             if seq.admitted_at is None:
                 seq.admitted_at = time.time()

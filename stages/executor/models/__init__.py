@@ -82,7 +82,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         adapters = lora.adapters(spec.num_layers)  # (checked again: ConfigError by name)
         if tp is not None or stage is not None or spec.moe is not None:
             raise ValueError("LoRA adapters run on one rank of a dense model")
-        state = LoraState(lora.max_loras)
+        state = LoraState(lora.max_loras, lora.max_lora_rank)
         linear = LoraMethod(linear, state)
     if tp is not None:
         check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
@@ -96,7 +96,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     process_weights(model)
     if state is not None:
         model.lora = state
-        for i, adapter in enumerate(adapters):
+        for i, adapter in enumerate(adapters if lora is not None and not lora.swap_slots
+                                         else ()):
             load_adapter(model.model.layers, state, i + 1, adapter, model.dtype)
         logger.info("LoRA adapters: the CPU's fused decoder layers and the last layer's row "
                     "trimming are off (their kernels take no adapter); the layers run one by one")
