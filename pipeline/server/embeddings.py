@@ -16,7 +16,7 @@ import numpy as np
 from ipc.errors import ConfigError
 from ipc.pooling import PoolingConfig
 from pipeline.server.errors import ApiError, bad
-from pipeline.server.openai_parse import MAX_PROMPTS, ParsedRequest, Prompt, _get, check_fields
+from pipeline.server.openai_parse import ParsedRequest, _get, check_fields, parse_prompts
 
 if TYPE_CHECKING:
     from pipeline.server.generation import Generation
@@ -45,7 +45,7 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int,
                      pooling: PoolingConfig) -> EmbeddingRequest:
     """The request, or a 400 naming the field at fault."""
     check_fields(body, EMBEDDING_FIELDS)
-    prompts = _inputs(body.get("input"), vocab_size)
+    prompts = parse_prompts(body.get("input"), vocab_size, "input", empty_text=False)
     fmt = _get(body, "encoding_format", (str,), "float")
     if fmt not in ("float", "base64"):
         raise bad("encoding_format", f"encoding_format must be float or base64, got {fmt!r}")
@@ -58,33 +58,6 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int,
     user = _get(body, "user", (str,), "")
     params = pooling.params(user)
     return EmbeddingRequest(ParsedRequest(prompts, params), fmt, dimensions)
-
-
-def _inputs(given: Any, vocab_size: int) -> list[Prompt]:
-    """`input`: a string, an array of strings, an array of token ids or an array of arrays
-    of token ids, none empty, at most MAX_PROMPTS of them."""
-    def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
-
-    if isinstance(given, str) and given:
-        prompts: list[Any] = [given]  # (strings and token-id lists: Prompt without chats)
-    elif is_ids(given):
-        prompts = [list(given)]
-    elif isinstance(given, list) and given and all(isinstance(s, str) and s for s in given):
-        prompts = list(given)
-    elif isinstance(given, list) and given and all(is_ids(p) for p in given):
-        prompts = [list(p) for p in given]
-    else:
-        raise bad("input", "input must be a non-empty string, an array of them, an array of "
-                           "token ids or an array of arrays of token ids (none empty)")
-    if len(prompts) > MAX_PROMPTS:
-        raise bad("input", f"at most {MAX_PROMPTS} inputs in one request, got {len(prompts)}")
-    for p in prompts:
-        outside = [t for t in p if not 0 <= t < vocab_size] if isinstance(p, list) else []
-        if outside:
-            raise bad("input", f"token ids {outside[:5]} are outside the vocabulary "
-                               f"[0, {vocab_size})")
-    return prompts
 
 
 async def collect_embeddings(run: Generation, req: EmbeddingRequest, pooling: PoolingConfig,

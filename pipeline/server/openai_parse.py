@@ -249,6 +249,41 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return include
 
 
+def parse_prompts(value: Any, vocab_size: int, param: str, *,
+                  empty_text: bool) -> list[Prompt]:
+    """A completion's `prompt` or an embedding's `input`: a string, an array of strings, an
+    array of token ids or an array of arrays of token ids (no empty array; empty_text: an
+    empty string too), at most MAX_PROMPTS, every id in the vocabulary; else a 400 naming
+    `param`."""
+    def is_text(x: Any) -> bool:
+        return isinstance(x, str) and (empty_text or bool(x))
+
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+    prompts: list[Any]  # (strings and token-id lists: Prompt without chats)
+    if is_text(value):
+        prompts = [value]
+    elif is_ids(value):
+        prompts = [list(value)]
+    elif isinstance(value, list) and value and all(is_text(p) for p in value):
+        prompts = list(value)
+    elif isinstance(value, list) and value and all(is_ids(p) for p in value):
+        prompts = [list(p) for p in value]
+    else:
+        raise bad(param, f"{param} must be a {'' if empty_text else 'non-empty '}string, an "
+                  "array of them, an array of token ids or an array of arrays of token ids "
+                  "(none empty)")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(param, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
+    for p in prompts:
+        outside = [t for t in p if not 0 <= t < vocab_size] if isinstance(p, list) else []
+        if outside:
+            raise bad(param, f"token ids {outside[:5]} are outside the vocabulary "
+                             f"[0, {vocab_size})")
+    return prompts
+
+
 def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
     echo = _get(body, "echo", (bool,), False)
     score_only = body.get("max_tokens") == 0 and type(body.get("max_tokens")) is int
@@ -257,27 +292,7 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> ParsedRequest:
             raise bad("max_tokens", "max_tokens may be 0 only with echo or prompt_logprobs "
                                     "(to score the prompt); otherwise at least 1")
         body = {**body, "max_tokens": 1}  # the engine samples one token, which is dropped
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts: list[Prompt] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        prompts = [list(prompt)]
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(p, str) for p in prompt)):
-        prompts = list(prompt)
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt)):
-        prompts = [list(p) for p in prompt]
-    else:
-        raise bad("prompt", "prompt must be a string, an array of strings, an array of token "
-                            "ids or an array of arrays of token ids (none empty)")
-    if len(prompts) > MAX_PROMPTS:
-        raise bad("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
-    for p in prompts:
-        bad_ids = [t for t in p if not 0 <= t < vocab_size] if isinstance(p, list) else []
-        if bad_ids:
-            raise bad("prompt", f"token ids {bad_ids[:5]} are outside the vocabulary "
-                                f"[0, {vocab_size})")
+    prompts = parse_prompts(body.get("prompt"), vocab_size, "prompt", empty_text=True)
     params, lp_param, so_param = parse_sampling(body, chat=False)
     asked_plp = params.prompt_logprobs
     if echo and params.logprobs is not None:  # the prompt's tokens come with logprobs too
