@@ -157,7 +157,7 @@ def response_json(rid: str, model: str, chat: bool, choices: list[SampleResult],
                            0 if prompts and prompts[0].score_only
                            else sum(len(c.token_ids) for c in choices), cached_tokens,
                            None if not chat or reasoning is None else sum(
-                               a.num_reasoning_tokens for a in answers))}
+                               a.num_reasoning_tokens for a in answers if a is not None))}
     if chat and prompts and prompts[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = vllm_prompt_logprobs(prompts[0].entries,
                                                        prompts[0].prompt_logprobs)
