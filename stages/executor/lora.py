@@ -125,8 +125,8 @@ class LoraState:
         """y [T, out] (the base product of x [T, in]) plus each row's adapter's product. A step
         of one adapter's rows alone: its pair, on every row. Else the projection's adapters
         stacked, in two products over every row, the columns of other rows' adapters masked
-        out: three calls however many adapters the step mixes (a gather, two products and a
-        scatter per adapter cost a sixth of a batch's time in calls alone)."""
+        out: three calls however many adapters the step mixes, for products over every
+        resident adapter's columns (docs/BENCHMARKS.md counts what that costs)."""
         step = self.step
         if step is None:
             return y
