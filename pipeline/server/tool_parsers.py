@@ -67,7 +67,12 @@ class ToolParser:
         return None
 
     def call_id(self) -> str:
-        return "call_" + uuid.uuid4().hex[:24]
+        return new_call_id()
+
+
+def new_call_id() -> str:
+    """A call's id, as OpenAI's look (a format with ids of its own overrides call_id)."""
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def _args(value: Any) -> str:

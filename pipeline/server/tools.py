@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +24,7 @@ from pipeline.server.tool_parsers import (
     ParsedAnswer,
     ToolParser,
     default_parser,
+    new_call_id,
 )
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -122,12 +122,8 @@ def auto_calls(req: ToolRequest, text: str) -> ParsedAnswer:
     return found
 
 
-def call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
 def _call(name: str, arguments: str, id_: str | None = None) -> dict[str, Any]:
-    return {"id": id_ or call_id(), "type": "function",
+    return {"id": id_ or new_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
@@ -181,7 +177,7 @@ class ToolStream:
     held: bool = False  # auto: a tool call may have begun; content is held from `sent` on
     num_calls: int = 0  # auto: the calls sent
     started: bool = False  # named: the call's first delta (id, name) was sent
-    _id: str = field(default_factory=call_id)
+    _id: str = field(default_factory=new_call_id)
     _reader: AnswerStream | None = None  # auto, a format read as it comes
     _found: list[FoundCall] = field(default_factory=list)  # what _reader settled
     _spaces: str = ""  # _reader's content while only whitespace, held
