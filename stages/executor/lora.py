@@ -46,15 +46,18 @@ class LoraWeights(NamedTuple):
 
 @dataclass(frozen=True)
 class StepAdapters:
-    """A step's rows by adapter: for each adapter id present (not 0), the indices [n] of its
-    tokens among the step's `num_tokens`; each token's adapter id (`token_adapter` [T]); and
-    the step's column masks, made once per layout of stacked adapters (`masks`)."""
+    """A step's rows by adapter: each token's adapter id (`token_adapter` [T], 0 the base
+    model's), the one adapter of every token where there is one (`only`, else None), and the
+    step's column masks, made once per layout of stacked adapters (`masks`)."""
 
-    num_tokens: int
-    rows: tuple[tuple[int, torch.Tensor], ...]
     token_adapter: torch.Tensor
+    only: int | None
     masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict,
                                                                     compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_adapter.shape[0])
 
     def mask(self, stack: Stacked, dtype: torch.dtype) -> torch.Tensor:
         """[T, C]: 1 where column c of `stack` is the adapter of token t's row, else 0."""
@@ -70,10 +73,10 @@ def step_adapters(adapter_id: np.ndarray, query_len: np.ndarray) -> StepAdapters
     row is the base model's (the common case: one check)."""
     if not adapter_id.any():
         return None
-    per_token = np.repeat(adapter_id, query_len)
-    rows = tuple((int(a), torch.from_numpy(np.flatnonzero(per_token == a)))
-                 for a in np.unique(adapter_id) if a)
-    return StepAdapters(len(per_token), rows, torch.from_numpy(per_token.astype(np.int64)))
+    first = int(adapter_id[0])
+    only = first if (adapter_id == first).all() else None
+    per_token = np.repeat(adapter_id.astype(np.int64), query_len)
+    return StepAdapters(torch.from_numpy(per_token), only)
 
 
 class Stacked(NamedTuple):
@@ -135,8 +138,8 @@ class LoraState:
         weights = self.weights.get(layer)
         if not weights:
             return y
-        if len(step.rows) == 1 and step.rows[0][1].shape[0] == step.num_tokens:
-            w = weights.get(step.rows[0][0])
+        if step.only is not None:
+            w = weights.get(step.only)
             if w is not None:  # (None: this adapter does not target this projection)
                 y.addmm_(x @ w.a.T, w.b.T)
             return y
