@@ -95,6 +95,8 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
         want[name] = alone.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
     assert want["alpha"] != want[""] and want["beta"] != want[""]  # (the adapters matter)
     eng = engine(folders[""], cpu_kernels=cpu_kernels, lora=lora_config(folders))
+    lora = eng.runner.model.lora
+    assert lora is not None and lora.kernel == cpu_kernels  # (the segmented kernel, or torch)
     # every prompt under every adapter and the base model, interleaved in one batch
     requests = [(f"{name}-{i}", ids, greedy[name]) for i, ids in enumerate(PROMPTS)
                 for name in greedy]
@@ -109,6 +111,51 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
     for name in greedy:
         got = [again[f"again-{name}-{i}", 0].token_ids for i in range(len(PROMPTS))]
         assert got == want[name], name
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_gives_each_part_its_own_block(dtype: torch.dtype) -> None:
+    """The kernel on a fused projection (parts of 40, 24 and 24 outputs; 37 inputs: a tail
+    past the last whole vector) with adapters on some parts only: each token gets its own
+    adapter's parts, the others' outputs untouched, and a token's result does not depend on
+    the step's other tokens (alone, it is the same to the bit)."""
+    from stages.executor.lora import _fused_pair
+
+    g = torch.Generator().manual_seed(1)
+    state = LoraState(max_loras=2, kernel=True)
+    layer = Linear(37, 88, False, LoraMethod(DenseMethod(), state))
+    layer.parts = (40, 24, 24)
+    layer.weight.data = torch.randn(88, 37, generator=g).to(dtype)
+    layer.method.process(layer)
+    dense = {}
+    for adapter, rank, parts in ((1, 3, (0, 2)), (2, 5, (1,))):
+        pairs = {p: (torch.randn(rank, 37, generator=g),
+                     torch.randn(layer.parts[p], rank, generator=g)) for p in parts}
+        spec = dataclasses.make_dataclass("Spec", ["name", "rank", "scale"])("x", rank, 0.5)
+        w = _fused_pair(layer, pairs, spec, dtype)  # type: ignore[arg-type]
+        state.weights.setdefault(layer, {})[adapter] = w
+        dense[adapter] = (w.b.float() @ w.a.float())
+        for p in range(3):  # (a part it does not target: its outputs' rows of B are zero)
+            start = sum(layer.parts[:p])
+            assert (dense[adapter][start:start + layer.parts[p]] != 0).any() == (p in parts)
+    adapters = np.array([2, 0, 1, 1, 2, 1, 1, 1, 2], dtype=np.int32)
+    query = np.array([1, 2, 1, 3, 1, 1, 1, 1, 2], dtype=np.int32)
+    x = torch.randn(int(query.sum()), 37, generator=g).to(dtype)
+    state.step = step_adapters(adapters, query)
+    y = layer(x)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    pack = state.packs[layer][:3]
+    deltas = torch.zeros(len(x), 88, dtype=dtype)
+    torch.ops.llm_cpu.lora_add(deltas, x, state.step.rows, state.step.groups, *pack)
+    for t, a in enumerate(np.repeat(adapters, query).tolist()):
+        w = layer.weight.float() + dense.get(a, 0)
+        torch.testing.assert_close(y[t].float(), x[t].float() @ w.T, **tol)  # type: ignore[arg-type]
+        alone = step_adapters(np.array([a], dtype=np.int32), np.array([1], dtype=np.int32))
+        delta = torch.zeros(1, 88, dtype=dtype)
+        if alone is not None:
+            torch.ops.llm_cpu.lora_add(delta, x[t:t + 1], alone.rows, alone.groups, *pack)
+        assert torch.equal(delta[0], deltas[t])
 
 
 def test_runtime_adapters_swap_through_one_slot(folders: dict[str, Path],
@@ -177,11 +224,14 @@ def test_runtime_adapters_refused_unless_enabled(folders: dict[str, Path]) -> No
     assert LoraConfig(modules=(("a", "x"),), max_loras=2, runtime_updating=True).swap_slots == 2
 
 
-def test_segmented_product_equals_dense() -> None:
-    """Each row's output is x (W + B_a A_a)^T of its own adapter a (0: W alone), fused
-    parts' block-diagonal B included."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_segmented_product_equals_dense(kernel: bool) -> None:
+    """Each row's output is x (W + B_a A_a)^T of its own adapter a (0: W alone), in torch's
+    products and the kernel's."""
+    if kernel and not kernels.available():
+        pytest.skip("no CPU kernels here")
     g = torch.Generator().manual_seed(0)
-    state = LoraState(max_loras=3)
+    state = LoraState(max_loras=3, kernel=kernel)
     layer = Linear(16, 24, True, LoraMethod(DenseMethod(), state))
     layer.weight.data = torch.randn(24, 16, generator=g)
     layer.bias.data = torch.randn(24, generator=g)

@@ -1,8 +1,8 @@
 """The executor's CPU kernels (csrc/cpu_kernels.cpp: attention, norms, rotary, sampling helpers;
 csrc/quant_kernels.cpp: quantized linear layers; csrc/amx_linear.cpp: bf16 products on AMX
 tiles; csrc/mkl_linear.cpp: float32 products on MKL's packed sgemm; csrc/decoder_layers.cpp:
-every layer in one call), built once per machine and loaded as
-torch.ops.llm_cpu. Runs in the executor process.
+every layer in one call; csrc/lora_products.cpp: LoRA adapters' segmented products), built
+once per machine and loaded as torch.ops.llm_cpu. Runs in the executor process.
 
 The sources are compiled with the machine's C++ compiler against the installed torch's headers
 and libraries, `-march=native`, into `$LLM_PIPELINE_CACHE/kernels/<key>/`, where the key
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "amx_linear.cpp",
                               "mkl_linear.cpp", "decoder_layers.cpp", "bf16_vector.cpp",
-                              "moe_experts.cpp"))
+                              "moe_experts.cpp", "lora_products.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("vector_math.h", "amx_tiles.h", "work_queue.h", "bf16_vector.h",
                               "moe_routes.h", "kv_formats.h"))

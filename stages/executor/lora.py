@@ -3,11 +3,14 @@ in one batch, without merged copies of the weights.
 
 Each projection of a decoder layer runs its base product once over every row of the step
 (its own linear method, any format), then the adapters' products, with the scale folded into
-B at load: one adapter's rows alone, y += (x @ A^T) @ B^T; a mix, the projection's adapters
-stacked and each token's other columns masked out (LoraState.add_deltas). A fused projection
-(q/k/v, gate/up) holds one (A, B) pair per adapter: the parts' A stacked [sum r, in] and their
-B as a block-diagonal [out, sum r] (a part the adapter does not target: zero rows), so one
-pair of products serves every part.
+B at load. With the CPU kernels (float32, bf16): one call per projection,
+torch.ops.llm_cpu.lora_add (csrc/lora_products.cpp), which gives each token only its own
+adapter's products, part by part (vLLM's punica/SGMV on the CPU). Without them, in torch: one
+adapter's rows alone, y += (x @ A^T) @ B^T; a mix, the projection's adapters stacked and each
+token's other columns masked out (LoraState.add_deltas). A fused projection (q/k/v, gate/up)
+holds one (A, B) pair per adapter: the parts' A stacked [sum r, in] and their B as a
+block-diagonal [out, sum r] (a part the adapter does not target: zero rows), so one pair of
+torch products serves every part; the kernel reads each part's block alone (`parts`).
 
 Which rows take which adapter is the step's (`StepAdapters`, made by prepare from the step's
 per-row adapter ids); the model's `LoraState` holds it for the forward, as vLLM's punica
@@ -38,20 +41,30 @@ PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_pr
 
 
 class LoraWeights(NamedTuple):
-    """One adapter's pair for one projection: a [R, in] and b [out, R], b scaled."""
+    """One adapter's pair for one projection: a [R, in] and b [out, R], b scaled; `parts`,
+    where b is a fused projection's block-diagonal: each part's (first column of a, its
+    rank, first output, end of its outputs). Empty: one part, every column and output."""
 
     a: torch.Tensor
     b: torch.Tensor
+    parts: tuple[tuple[int, int, int, int], ...] = ()
+
+    def blocks(self) -> tuple[tuple[int, int, int, int], ...]:
+        return self.parts or ((0, self.a.shape[0], 0, self.b.shape[0]),)
 
 
 @dataclass(frozen=True)
 class StepAdapters:
     """A step's rows by adapter: each token's adapter id (`token_adapter` [T], 0 the base
-    model's), the one adapter of every token where there is one (`only`, else None), and the
-    step's column masks, made once per layout of stacked adapters (`masks`)."""
+    model's), the one adapter of every token where there is one (`only`, else None), the
+    adapted tokens grouped by adapter for the kernel (`rows` int32 [n]; `groups` int64 [G, 3]:
+    adapter, begin, end of rows), and the torch path's column masks, made once per layout of
+    stacked adapters (`masks`)."""
 
     token_adapter: torch.Tensor
     only: int | None
+    rows: torch.Tensor
+    groups: torch.Tensor
     masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict,
                                                                     compare=False)
 
@@ -76,7 +89,23 @@ def step_adapters(adapter_id: np.ndarray, query_len: np.ndarray) -> StepAdapters
     first = int(adapter_id[0])
     only = first if (adapter_id == first).all() else None
     per_token = np.repeat(adapter_id.astype(np.int64), query_len)
-    return StepAdapters(torch.from_numpy(per_token), only)
+    order = np.argsort(per_token, kind="stable")
+    order = order[per_token[order] != 0]
+    ids, begins, counts = np.unique(per_token[order], return_index=True, return_counts=True)
+    groups = np.stack([ids, begins, begins + counts], axis=1).astype(np.int64)
+    return StepAdapters(torch.from_numpy(per_token), only,
+                        torch.from_numpy(order.astype(np.int32)), torch.from_numpy(groups))
+
+
+class Packed(NamedTuple):
+    """A projection's adapters as the kernel reads them: a [C, in] (their A's stacked), b
+    (each part's B block transposed, [rank, its outputs], flat), parts int64 [P, 6] (adapter,
+    first column of a, rank, first output, end of outputs, offset in b)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    parts: torch.Tensor
+    made_from: tuple[tuple[int, LoraWeights], ...]  # (held: their ids stay theirs)
 
 
 class Stacked(NamedTuple):
@@ -98,16 +127,20 @@ class LoraState:
 
     max_loras: int
     max_rank: int = 16
+    kernel: bool = False  # torch.ops.llm_cpu.lora_add (the CPU kernels are loaded)
     step: StepAdapters | None = None
     loaded: dict[int, AdapterSpec] = field(default_factory=dict)
     weights: dict[Linear, dict[int, LoraWeights]] = field(default_factory=dict)
-    stacks: dict[Linear, Stacked] = field(default_factory=dict)  # made from `weights`
+    # made from `weights`, as steps need them
+    stacks: dict[Linear, Stacked] = field(default_factory=dict)
+    packs: dict[Linear, Packed] = field(default_factory=dict)
 
     def unload(self, adapter: int) -> None:
         """Drop adapter `adapter`'s weights (its id is not used again: adapters.py)."""
         for pairs in self.weights.values():
             pairs.pop(adapter, None)
         self.stacks.clear()  # (made again as steps need them, without its weights)
+        self.packs.clear()
         spec = self.loaded.pop(adapter, None)
         if spec is not None:
             logger.info("LoRA adapter %r (adapter %d) evicted", spec.name, adapter)
@@ -125,8 +158,9 @@ class LoraState:
             load_adapter(layers, self, load.adapter_id, spec, dtype)
 
     def add_deltas(self, layer: Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] (the base product of x [T, in]) plus each row's adapter's product. A step
-        of one adapter's rows alone: its pair, on every row. Else the projection's adapters
+        """y [T, out] (the base product of x [T, in]) plus each row's adapter's product. With
+        the kernel: one call, each token its own adapter's parts alone. In torch, a step of
+        one adapter's rows alone: its pair, on every row; else the projection's adapters
         stacked, in two products over every row, the columns of other rows' adapters masked
         out: three calls however many adapters the step mixes, for products over every
         resident adapter's columns (docs/BENCHMARKS.md counts what that costs)."""
@@ -138,6 +172,10 @@ class LoraState:
         weights = self.weights.get(layer)
         if not weights:
             return y
+        if self.kernel:
+            pack = self._pack(layer, weights)
+            torch.ops.llm_cpu.lora_add(y, x, step.rows, step.groups, *pack[:3])
+            return y
         if step.only is not None:
             w = weights.get(step.only)
             if w is not None:  # (None: this adapter does not target this projection)
@@ -146,6 +184,26 @@ class LoraState:
         stack = self._stack(layer, weights)
         y.addmm_((x @ stack.a.T).mul_(step.mask(stack, x.dtype)), stack.b.T)
         return y
+
+    def _pack(self, layer: Linear, weights: dict[int, LoraWeights]) -> Packed:
+        """The layer's Packed, made again when its adapters changed (a load or unload)."""
+        pairs = sorted(weights.items(), key=lambda pair: pair[0])
+        pack = self.packs.get(layer)
+        if pack is not None and [(a, id(w)) for a, w in pack.made_from] == [
+                (a, id(w)) for a, w in pairs]:
+            return pack
+        blocks, rows, column, offset = [], [], 0, 0
+        for adapter, w in pairs:
+            for c0, rank, o0, o1 in w.blocks():
+                block = w.b[o0:o1, c0:c0 + rank].T.contiguous().reshape(-1)
+                blocks.append(block)
+                rows.append((adapter, column + c0, rank, o0, o1, offset))
+                offset += block.numel()
+            column += w.a.shape[0]
+        pack = Packed(torch.cat([w.a for _, w in pairs]).contiguous(), torch.cat(blocks),
+                      torch.tensor(rows, dtype=torch.int64), tuple(pairs))
+        self.packs[layer] = pack
+        return pack
 
     def _stack(self, layer: Linear, weights: dict[int, LoraWeights]) -> Stacked:
         """The layer's Stacked, made again when its adapters changed (a load or unload)."""
@@ -226,6 +284,7 @@ def _fused_pair(layer: Linear, parts: dict[int, tuple[torch.Tensor, torch.Tensor
     rank = spec.rank
     a = torch.zeros(rank * len(parts), layer.in_features, dtype=torch.float32)
     b = torch.zeros(layer.out_features, rank * len(parts), dtype=torch.float32)
+    blocks = []
     for j, (part, (pa, pb)) in enumerate(sorted(parts.items())):
         start = sum(sizes[:part])
         if tuple(pa.shape) != (rank, layer.in_features) or tuple(pb.shape) != (sizes[part], rank):
@@ -234,6 +293,8 @@ def _fused_pair(layer: Linear, parts: dict[int, tuple[torch.Tensor, torch.Tensor
                              f"inputs and {sizes[part]} outputs")
         a[j * rank:(j + 1) * rank] = pa.float()
         b[start:start + sizes[part], j * rank:(j + 1) * rank] = pb.float() * spec.scale
+        blocks.append((j * rank, rank, start, start + sizes[part]))
     held = next(iter([*layer.parameters(), *layer.buffers()]), None)
     where = held.device if held is not None else torch.device("cpu")
-    return LoraWeights(a.to(where, dtype).contiguous(), b.to(where, dtype).contiguous())
+    return LoraWeights(a.to(where, dtype).contiguous(), b.to(where, dtype).contiguous(),
+                       tuple(blocks))

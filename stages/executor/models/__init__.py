@@ -82,7 +82,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         adapters = lora.adapters(spec.num_layers)  # (checked again: ConfigError by name)
         if tp is not None or stage is not None or spec.moe is not None:
             raise ValueError("LoRA adapters run on one rank of a dense model")
-        state = LoraState(lora.max_loras, lora.max_lora_rank)
+        # (the segmented kernel: float32 and bf16 on the CPU kernels; else torch's products)
+        kernel = backend.name == "cpu_kernels" and dtype in (torch.float32, torch.bfloat16)
+        state = LoraState(lora.max_loras, lora.max_lora_rank, kernel)
         linear = LoraMethod(linear, state)
     if tp is not None:
         check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
