@@ -97,6 +97,9 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
     eng = engine(folders[""], cpu_kernels=cpu_kernels, lora=lora_config(folders))
     lora = eng.runner.model.lora
     assert lora is not None and lora.kernel == cpu_kernels  # (the segmented kernel, or torch)
+    # (steps of the base model's rows alone keep the fused call; the last layer is trimmed)
+    assert (eng.runner.model.fused_layers is not None) == cpu_kernels
+    assert eng.runner.model.trim_last_layer
     # every prompt under every adapter and the base model, interleaved in one batch
     requests = [(f"{name}-{i}", ids, greedy[name]) for i, ids in enumerate(PROMPTS)
                 for name in greedy]
@@ -104,6 +107,8 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
     for name in greedy:
         got = [results[f"{name}-{i}", 0].token_ids for i in range(len(PROMPTS))]
         assert got == want[name], name
+    # the base model's rows alone (on the kernels: the fused call) on the adapters' engine
+    assert eng.generate(PROMPTS[::-1], greedy[""]) == want[""][::-1]
     # again: each prompt's blocks are now cached under its own adapter's keys only
     hits = eng.scheduler.prefix_cache_hits
     again = eng.run([(f"again-{rid}", ids, p) for rid, ids, p in requests])

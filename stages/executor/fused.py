@@ -23,6 +23,7 @@ import torch
 
 from stages.executor.backends.base import LayerAttention
 from stages.executor.linear.base import Linear
+from stages.executor.lora import LoraMethod
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,10 @@ QUANTIZED_METHODS = ("int8", "int4", "gguf")
 
 def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
     """(weight, bias, [kind, bits, outputs]) as decoder_layers takes a projection; None for a
-    format it does not run."""
-    name = layer.method.name
+    format it does not run. A projection with LoRA adapters gives its base format's weights:
+    the call runs the steps without adapted rows (CausalLM.hidden_states)."""
+    method = layer.method
+    name = (method.base if isinstance(method, LoraMethod) else method).name
     if name == "onednn-packed":
         return layer.packed_weight, layer.bias, [PACKED, 0, layer.out_features]
     if name in QUANTIZED_METHODS:

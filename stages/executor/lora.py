@@ -81,14 +81,24 @@ class StepAdapters:
         return mask
 
 
+    def select(self, keep: torch.Tensor) -> StepAdapters:
+        """The StepAdapters of the tokens `keep` (their order): the rows of the last layer's
+        output projection and MLP, where the forward trims it (CausalLM.hidden_states)."""
+        return _grouped(self.token_adapter[keep].numpy())
+
+
 def step_adapters(adapter_id: np.ndarray, query_len: np.ndarray) -> StepAdapters | None:
     """The step's StepAdapters from its rows' adapter ids and query lengths; None where every
     row is the base model's (the common case: one check)."""
     if not adapter_id.any():
         return None
-    first = int(adapter_id[0])
-    only = first if (adapter_id == first).all() else None
-    per_token = np.repeat(adapter_id.astype(np.int64), query_len)
+    return _grouped(np.repeat(adapter_id.astype(np.int64), query_len))
+
+
+def _grouped(per_token: np.ndarray) -> StepAdapters:
+    """StepAdapters of tokens whose adapter ids (int64) are `per_token`."""
+    first = int(per_token[0]) if len(per_token) else 0
+    only = first if (per_token == first).all() else None
     order = np.argsort(per_token, kind="stable")
     order = order[per_token[order] != 0]
     ids, begins, counts = np.unique(per_token[order], return_index=True, return_counts=True)
@@ -129,6 +139,7 @@ class LoraState:
     max_rank: int = 16
     kernel: bool = False  # torch.ops.llm_cpu.lora_add (the CPU kernels are loaded)
     step: StepAdapters | None = None
+    kept: StepAdapters | None = None  # the step's trimmed rows (StepAdapters.select)
     loaded: dict[int, AdapterSpec] = field(default_factory=dict)
     weights: dict[Linear, dict[int, LoraWeights]] = field(default_factory=dict)
     # made from `weights`, as steps need them
@@ -167,8 +178,11 @@ class LoraState:
         step = self.step
         if step is None:
             return y
-        if x.shape[0] != step.num_tokens:
-            raise RuntimeError(f"LoRA: {x.shape[0]} rows where the step has {step.num_tokens}")
+        if x.shape[0] != step.num_tokens:  # (the last layer's rows past its attention)
+            step = self.kept
+            if step is None or x.shape[0] != step.num_tokens:
+                raise RuntimeError(f"LoRA: {x.shape[0]} rows where the step has "
+                                   f"{self.step.num_tokens}")
         weights = self.weights.get(layer)
         if not weights:
             return y

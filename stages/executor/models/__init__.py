@@ -70,8 +70,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     """The model (with `tp`: that rank's shard, read slice by slice, no rank holding the
     whole; with `stage`: that pipeline stage's layers only, the others' entries skipped) on
     `device`, its weights in their linear method's format. `lora`: with its adapters loaded
-    (stages/executor/lora.py), each projection's format wrapped to add them; the fused CPU
-    call and the last layer's trimming then stay off (their kernels take no adapter)."""
+    (stages/executor/lora.py), each projection's format wrapped to add them; a step with
+    adapted rows then runs the layers one by one (the fused CPU call takes no adapter)."""
     from stages.executor.fused import FusedLayers
     from stages.executor.loader import load_weights
     from stages.executor.lora import LoraMethod, LoraState, load_adapter
@@ -101,9 +101,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         for i, adapter in enumerate(adapters if lora is not None and not lora.swap_slots
                                          else ()):
             load_adapter(model.model.layers, state, i + 1, adapter, model.dtype)
-        logger.info("LoRA adapters: the CPU's fused decoder layers and the last layer's row "
-                    "trimming are off (their kernels take no adapter); the layers run one by one")
-        return model
+        logger.info("LoRA adapters: a step with adapted rows runs the layers one by one (the "
+                    "fused CPU call takes no adapter), in %s", "the segmented kernel"
+                    if state.kernel else "torch's products")
     model.fused_layers = FusedLayers.build(model)
     model.trim_last_layer = device.type == "cpu"  # (ModelRunner unsets it if it compiles)
     return model

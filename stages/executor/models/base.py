@@ -197,8 +197,12 @@ class CausalLM(nn.Module):
                 and logits_indices.shape[0] < x.shape[0] else None)
         layers, norm = self.model.layers, self.model.norm
         assert norm is not None  # (the last stage's)
-        if self.fused_layers is not None:  # the same kernels, in one call (fused.py)
-            x = self.fused_layers(x, kv_caches, meta, all_layers=keep is None)
+        fused = self.fused_layers
+        if self.lora is not None and self.lora.step is not None:  # (a step with adapters)
+            fused = None  # (the fused call takes none)
+            self.lora.kept = None if keep is None else self.lora.step.select(keep)
+        if fused is not None:  # the same kernels, in one call (fused.py)
+            x = fused(x, kv_caches, meta, all_layers=keep is None)
         else:
             for i in range(len(layers) - (keep is not None)):
                 x = layers[i](x, kv_caches[i], meta)
