@@ -108,9 +108,10 @@ def _grouped(per_token: np.ndarray) -> StepAdapters:
 
 
 class Packed(NamedTuple):
-    """A projection's adapters as the kernel reads them: a [C, in] (their A's stacked), b
-    (each part's B block transposed, [rank, its outputs], flat), parts int64 [P, 6] (adapter,
-    first column of a, rank, first output, end of outputs, offset in b)."""
+    """A projection's adapters as the kernel reads them: a (each adapter's A transposed,
+    [in, its columns rounded up to 16], flat), b (each part's B block transposed, [rank, its
+    outputs], flat), parts int64 [P, 8] (adapter, its offset in a, its width there, first
+    column, rank, first output, end of outputs, offset in b)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -206,15 +207,20 @@ class LoraState:
         if pack is not None and [(a, id(w)) for a, w in pack.made_from] == [
                 (a, id(w)) for a, w in pairs]:
             return pack
-        blocks, rows, column, offset = [], [], 0, 0
+        a_blocks, b_blocks, rows, a_offset, b_offset = [], [], [], 0, 0
         for adapter, w in pairs:
+            columns, inputs = w.a.shape
+            width = -(-columns // 16) * 16  # (the kernel's vectors of 16 columns)
+            at = w.a.new_zeros(inputs, width)
+            at[:, :columns] = w.a.T
+            a_blocks.append(at.reshape(-1))
             for c0, rank, o0, o1 in w.blocks():
                 block = w.b[o0:o1, c0:c0 + rank].T.contiguous().reshape(-1)
-                blocks.append(block)
-                rows.append((adapter, column + c0, rank, o0, o1, offset))
-                offset += block.numel()
-            column += w.a.shape[0]
-        pack = Packed(torch.cat([w.a for _, w in pairs]).contiguous(), torch.cat(blocks),
+                b_blocks.append(block)
+                rows.append((adapter, a_offset, width, c0, rank, o0, o1, b_offset))
+                b_offset += block.numel()
+            a_offset += at.numel()
+        pack = Packed(torch.cat(a_blocks), torch.cat(b_blocks),
                       torch.tensor(rows, dtype=torch.int64), tuple(pairs))
         self.packs[layer] = pack
         return pack

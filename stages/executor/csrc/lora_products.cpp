@@ -33,7 +33,11 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // floats a vector
-constexpr int kTile = 4;        // tokens a tile: A and B read once for them
+// Tokens a tile: A and B read once for them. A block of a tile's sums is 8 tokens x 3 vectors
+// (24 of the 32 vector registers): 8 or more independent sums even at one vector (a rank-16
+// adapter's single part), enough to keep both FMA pipes busy.
+constexpr int kTile = 8;
+constexpr int kBlock = 3;  // vectors of columns (shrink) or outputs (expand) a block
 
 typedef float Vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint32_t Vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -75,57 +79,55 @@ inline float lanes_sum(Vf v) {
   return s;
 }
 
-// One adapter's part: its shrink columns [c0, c0 + cn) of the layer's A feed outputs
-// [o0, o1) through the B block at b (cn rows of o1 - o0, B transposed and scaled).
+// One adapter's part: its shrink columns [c0, c0 + cn) feed outputs [o0, o1) through the
+// B block at b_offset (cn rows of o1 - o0: B transposed, scaled).
 struct Part {
-  int64_t c0, cn, o0, o1;
-  int64_t b_offset;
+  int64_t c0, cn, o0, o1, b_offset;
 };
 
-// A tile's shrink over K columns at once: s[j * cols + k] = x[t_j] . A[c + k] for its N
-// tokens, each sum over the inputs in order (the tail past the last whole vector after it).
-// N x K sums in registers: each vector of A or x read feeds N or K multiply-adds.
-template <typename T, int N, int K>
-inline void shrink_block(const T* const* x, const T* a, int64_t in, int64_t c, float* s,
-                         int64_t cols, int64_t k0) {
-  const int64_t whole = in - in % kLanes;
-  Vf acc[N][K] = {};
-  for (int64_t i = 0; i < whole; i += kLanes) {
-    Vf w[K];
-    for (int k = 0; k < K; ++k) w[k] = load(a + (c + k) * in + i);
+// A tile's shrink for V vectors of columns: s[j * width + c] = x[t_j] . A[c] for its N tokens
+// and columns [c, c + V * kLanes), from A transposed (`at`: [in, width]). Each sum runs over
+// the inputs in order in one lane: N x V sums in registers, and no sum across lanes.
+template <typename T, int N, int V>
+inline void shrink_block(const T* const* x, const T* at, int64_t in, int64_t width,
+                         int64_t c, float* s) {
+  Vf acc[N][V] = {};
+  for (int64_t i = 0; i < in; ++i) {
+    Vf w[V];
+    for (int v = 0; v < V; ++v) w[v] = load(at + i * width + c + v * kLanes);
     for (int j = 0; j < N; ++j) {
-      const Vf v = load(x[j] + i);
-      for (int k = 0; k < K; ++k) acc[j][k] += w[k] * v;
+      const float f = scalar(x[j][i]);
+      for (int v = 0; v < V; ++v) acc[j][v] += f * w[v];
     }
   }
   for (int j = 0; j < N; ++j) {
-    for (int k = 0; k < K; ++k) {
-      float sum = lanes_sum(acc[j][k]);
-      for (int64_t i = whole; i < in; ++i) sum += scalar(a[(c + k) * in + i]) * scalar(x[j][i]);
-      s[j * cols + k0 + k] = sum;
-    }
+    for (int v = 0; v < V; ++v) std::memcpy(s + j * width + c + v * kLanes, &acc[j][v], sizeof(Vf));
   }
 }
 
 template <typename T, int N>
-void shrink(const T* const* x, const T* a, int64_t in, int64_t c_begin, int64_t cols,
-            float* s) {
-  int64_t k = 0;
-  for (; k + 4 <= cols; k += 4) shrink_block<T, N, 4>(x, a, in, c_begin + k, s, cols, k);
-  for (; k < cols; ++k) shrink_block<T, N, 1>(x, a, in, c_begin + k, s, cols, k);
+void shrink(const T* const* x, const T* at, int64_t in, int64_t width, float* s) {
+  int64_t c = 0;
+  for (; c + kBlock * kLanes <= width; c += kBlock * kLanes)
+    shrink_block<T, N, kBlock>(x, at, in, width, c, s);
+  switch ((width - c) / kLanes) {
+    case 2: shrink_block<T, N, 2>(x, at, in, width, c, s); break;
+    case 1: shrink_block<T, N, 1>(x, at, in, width, c, s); break;
+    default: break;
+  }
 }
 
 // A tile's expand of V vectors of outputs [o, o + V * kLanes) of one part:
 // y[t_j] += s_j[part's columns] @ the part's B there.
 template <typename T, int N, int V>
 inline void expand_block(T* const* y, const T* b, int64_t width, int64_t cn, int64_t o,
-                         int64_t o_abs, const float* sp, int64_t cols) {
+                         int64_t o_abs, const float* sp, int64_t s_width) {
   Vf acc[N][V] = {};
   for (int64_t k = 0; k < cn; ++k) {
     Vf w[V];
     for (int v = 0; v < V; ++v) w[v] = load(b + k * width + o + v * kLanes);
     for (int j = 0; j < N; ++j) {
-      const float f = sp[j * cols + k];
+      const float f = sp[j * s_width + k];
       for (int v = 0; v < V; ++v) acc[j][v] += f * w[v];
     }
   }
@@ -138,30 +140,36 @@ inline void expand_block(T* const* y, const T* b, int64_t width, int64_t cn, int
 }
 
 template <typename T, int N>
-void expand(T* const* y, const T* b, const Part& part, const float* s, int64_t cols,
-            int64_t first_col) {
+void expand(T* const* y, const T* b, const Part& part, const float* s, int64_t s_width) {
   const int64_t width = part.o1 - part.o0;
-  const float* sp = s + (part.c0 - first_col);
+  const float* sp = s + part.c0;
   int64_t o = 0;
-  for (; o + 4 * kLanes <= width; o += 4 * kLanes)
-    expand_block<T, N, 4>(y, b, width, part.cn, o, part.o0 + o, sp, cols);
+  for (; o + kBlock * kLanes <= width; o += kBlock * kLanes)
+    expand_block<T, N, kBlock>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
   for (; o + kLanes <= width; o += kLanes)
-    expand_block<T, N, 1>(y, b, width, part.cn, o, part.o0 + o, sp, cols);
+    expand_block<T, N, 1>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
   for (; o < width; ++o) {
     for (int j = 0; j < N; ++j) {
       float sum = 0.0f;
-      for (int64_t k = 0; k < part.cn; ++k) sum += sp[j * cols + k] * scalar(b[k * width + o]);
+      for (int64_t k = 0; k < part.cn; ++k) sum += sp[j * s_width + k] * scalar(b[k * width + o]);
       T& out = y[j][part.o0 + o];
       out = static_cast<T>(scalar(out) + sum);
     }
   }
 }
 
+// A step's adapter: its tokens (rows [begin, end)), its A transposed (at + a_offset, [in,
+// width]) and its parts.
+struct Group {
+  std::vector<Part> parts;
+  int64_t a_offset = 0, width = 0, begin = 0, end = 0;
+};
+
 template <typename T, int N>
-void tile(const T* const* x, T* const* y, const T* a, const T* b, int64_t in,
-          const std::vector<Part>& parts, int64_t first_col, int64_t cols, float* s) {
-  shrink<T, N>(x, a, in, first_col, cols, s);
-  for (const Part& part : parts) expand<T, N>(y, b + part.b_offset, part, s, cols, first_col);
+void tile(const T* const* x, T* const* y, const T* a, const T* b, int64_t in, const Group& g,
+          float* s) {
+  shrink<T, N>(x, a + g.a_offset, in, g.width, s);
+  for (const Part& part : g.parts) expand<T, N>(y, b + part.b_offset, part, s, g.width);
 }
 
 template <typename T>
@@ -172,32 +180,27 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
   const int32_t* row = rows.data_ptr<int32_t>();
   const int64_t* group = groups.data_ptr<int64_t>();
   const int64_t* part = parts.data_ptr<int64_t>();
-  // Each group's parts, its columns, and its tiles (units of the queue)
-  struct Group {
-    std::vector<Part> parts;
-    int64_t first_col = 0, cols = 0, begin = 0, end = 0;
-  };
   std::vector<Group> work;
-  std::vector<std::pair<int64_t, int64_t>> units;  // (group, first token of its tile)
+  std::vector<std::pair<int64_t, int64_t>> units;  // (group, first row of its tile)
   for (int64_t g = 0; g < groups.size(0); ++g) {
     Group entry;
     for (int64_t p = 0; p < parts.size(0); ++p) {
-      const int64_t* q = part + p * 6;
+      const int64_t* q = part + p * 8;  // (adapter, a_offset, width, c0, cn, o0, o1, b_offset)
       if (q[0] != group[g * 3]) continue;
-      TORCH_CHECK(q[1] >= 0 && q[2] > 0 && q[1] + q[2] <= a.size(0) && q[3] >= 0 &&
-                      q[3] < q[4] && q[4] <= out && q[5] >= 0 &&
-                      q[5] + q[2] * (q[4] - q[3]) <= b.numel(),
-                  "lora_add: part ", p, " lies outside A, B or y");
-      entry.parts.push_back(Part{q[1], q[2], q[3], q[4], q[5]});
+      if (entry.parts.empty()) {
+        entry.a_offset = q[1];
+        entry.width = q[2];
+      }
+      TORCH_CHECK(q[1] == entry.a_offset && q[2] == entry.width && q[2] > 0 &&
+                      q[2] % kLanes == 0 && q[1] >= 0 && q[1] + in * q[2] <= a.numel(),
+                  "lora_add: part ", p, ": its adapter's A^T lies outside a, or its "
+                  "width is not a multiple of ", kLanes);
+      TORCH_CHECK(q[3] >= 0 && q[4] > 0 && q[3] + q[4] <= q[2] && q[5] >= 0 && q[5] < q[6] &&
+                      q[6] <= out && q[7] >= 0 && q[7] + q[4] * (q[6] - q[5]) <= b.numel(),
+                  "lora_add: part ", p, " lies outside its adapter's columns, y or b");
+      entry.parts.push_back(Part{q[3], q[4], q[5], q[6], q[7]});
     }
     if (entry.parts.empty()) continue;  // (this adapter does not target this projection)
-    int64_t last = 0;
-    entry.first_col = entry.parts[0].c0;
-    for (const Part& p : entry.parts) {
-      entry.first_col = std::min(entry.first_col, p.c0);
-      last = std::max(last, p.c0 + p.cn);
-    }
-    entry.cols = last - entry.first_col;
     entry.begin = group[g * 3 + 1];
     entry.end = group[g * 3 + 2];
     TORCH_CHECK(0 <= entry.begin && entry.begin <= entry.end && entry.end <= rows.size(0),
@@ -232,12 +235,16 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
               xs[j] = xp + row[first + j] * in;
               ys[j] = yp + row[first + j] * y_stride;
             }
-            s.resize(kTile * g.cols);
+            s.resize(kTile * g.width);
             switch (count) {
-              case 4: tile<T, 4>(xs, ys, ap, bp, in, g.parts, g.first_col, g.cols, s.data()); break;
-              case 3: tile<T, 3>(xs, ys, ap, bp, in, g.parts, g.first_col, g.cols, s.data()); break;
-              case 2: tile<T, 2>(xs, ys, ap, bp, in, g.parts, g.first_col, g.cols, s.data()); break;
-              default: tile<T, 1>(xs, ys, ap, bp, in, g.parts, g.first_col, g.cols, s.data());
+              case 8: tile<T, 8>(xs, ys, ap, bp, in, g, s.data()); break;
+              case 7: tile<T, 7>(xs, ys, ap, bp, in, g, s.data()); break;
+              case 6: tile<T, 6>(xs, ys, ap, bp, in, g, s.data()); break;
+              case 5: tile<T, 5>(xs, ys, ap, bp, in, g, s.data()); break;
+              case 4: tile<T, 4>(xs, ys, ap, bp, in, g, s.data()); break;
+              case 3: tile<T, 3>(xs, ys, ap, bp, in, g, s.data()); break;
+              case 2: tile<T, 2>(xs, ys, ap, bp, in, g, s.data()); break;
+              default: tile<T, 1>(xs, ys, ap, bp, in, g, s.data());
             }
           }
         }
@@ -245,9 +252,11 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
 }
 
 // y [T, out] += each adapted token's own adapter's products. rows int32 [n]: the adapted
-// tokens, grouped by adapter; groups int64 [G, 3]: (adapter, begin, end) of rows; a [C, in]:
-// the layer's adapters' A stacked; b: their parts' B blocks, each [cn, o1 - o0] (B
-// transposed, scaled), flat; parts int64 [P, 6]: (adapter, c0, cn, o0, o1, offset in b).
+// tokens, grouped by adapter; groups int64 [G, 3]: (adapter, begin, end) of rows; a: each
+// adapter's A transposed, [in, width] (width its columns rounded up to a multiple of 16,
+// zeros past them), flat; b: the parts' B blocks, each [cn, o1 - o0] (B transposed, scaled),
+// flat; parts int64 [P, 8]: (adapter, its A^T's offset in a, its width, c0, cn, o0, o1,
+// offset in b).
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& rows,
               const at::Tensor& groups, const at::Tensor& a, const at::Tensor& b,
               const at::Tensor& parts) {
@@ -258,14 +267,13 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& rows,
   TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == x.scalar_type() &&
                   b.scalar_type() == x.scalar_type(),
               "lora_add: x, y, A and B must share one dtype");
-  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) == x.size(1) && b.is_contiguous(),
-              "lora_add: A must be a contiguous [C, ", x.size(1), "] matrix and B contiguous");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "lora_add: a and b must be contiguous");
   TORCH_CHECK(rows.scalar_type() == at::kInt && rows.dim() == 1 && rows.is_contiguous() &&
                   groups.scalar_type() == at::kLong && groups.dim() == 2 &&
                   groups.size(1) == 3 && groups.is_contiguous() &&
                   parts.scalar_type() == at::kLong && parts.dim() == 2 &&
-                  parts.size(1) == 6 && parts.is_contiguous(),
-              "lora_add: rows int32 [n], groups int64 [G, 3], parts int64 [P, 6]");
+                  parts.size(1) == 8 && parts.is_contiguous(),
+              "lora_add: rows int32 [n], groups int64 [G, 3], parts int64 [P, 8]");
   if (x.scalar_type() == at::kFloat) {
     lora_add_typed<float>(y, x, rows, groups, a, b, parts);
   } else {
