@@ -15,10 +15,12 @@ from pipeline.server.reasoning import (
     HarmonyParser,
     Qwen3Parser,
     ReasoningParser,
+    ReasoningSpec,
     Split,
     check_parser,
     prompt_opens_reasoning,
     reasoning_tokens,
+    token_id,
 )
 
 # (parser, the prompt left <think> open, answer, reasoning, content)
@@ -90,6 +92,28 @@ def test_reasoning_tokens_count_up_to_the_end_tag() -> None:
     none = Qwen3Parser()
     none.split("abc")
     assert reasoning_tokens([1, 2], none, end) == 0
+    # an end tag of several tokens, or merged with the text beside it: found in the text
+    pieces = {1: "<think>", 2: "ab", 3: "c</", 4: "think", 5: ">\n", 6: "d"}
+    split = Qwen3Parser()
+    split.split("<think>abc</think>\nd")
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    assert reasoning_tokens([1, 2, 3, 4, 5, 6], split, None, decode) == 5
+    assert reasoning_tokens([1, 2, 3, 4, 5, 6, 6, 6], split, None, decode) == 5
+
+
+def test_reasoning_tokens_of_a_tag_of_several_tokens(tmp_path: Path) -> None:
+    """A tokenizer without `</think>` as one token: the spec counts the answer's tokens up to
+    the one that completes the tag, through the tokenizer's own decode."""
+    from pipeline.tools.random_model import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    assert token_id(tok, "</think>") is None
+    ids = tok("<think>plan it</think>\nthe answer", add_special_tokens=False)["input_ids"]
+    within = len(tok("<think>plan it</think>", add_special_tokens=False)["input_ids"])
+    spec = ReasoningSpec(Qwen3Parser, False, None, None, lambda i: tok.decode(i))
+    answer = spec.answer(tok.decode(ids), ids)
+    assert (answer.reasoning, answer.content) == ("plan it", "the answer")
+    assert answer.num_reasoning_tokens == within < len(ids)
 
 
 def test_parser_names() -> None:

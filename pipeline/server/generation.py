@@ -28,7 +28,7 @@ from pipeline.server.openai_render import (
     usage_chunk,
     vllm_prompt_logprobs,
 )
-from pipeline.server.reasoning import ReasoningParser, Split, reasoning_tokens
+from pipeline.server.reasoning import ReasoningParser, Split
 from pipeline.server.tools import ToolStream
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class Generation:
                                   sum(self.prompt_tokens), completion_tokens,
                                   sum(self.cached_tokens),
                                   None if p.reasoning is None else sum(
-                                      t.num_reasoning_tokens(p.reasoning.end_id)
+                                      p.reasoning.count(t.token_ids, t.parser)
                                       for t in thinking.values()))
         except ServerStopping:  # a final event, never a cut stream
             yield shutting_down().body()
@@ -327,9 +327,6 @@ class ThinkingChoice:
             last = self.parser.finish()
             split = Split(split.reasoning + last.reasoning, split.content + last.content)
         return split.reasoning, dataclasses.replace(out, text=split.content)
-
-    def num_reasoning_tokens(self, end_id: int | None) -> int:
-        return reasoning_tokens(self.token_ids, self.parser, end_id)
 
 
 def _event(obj: dict[str, Any]) -> str:

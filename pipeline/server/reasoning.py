@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ipc.errors import ConfigError
@@ -21,6 +23,8 @@ from ipc.messages import ReasoningTags
 from pipeline.server.errors import bad
 from pipeline.server.harmony import ENDS, HarmonyDelta, HarmonyStream, write_header
 from pipeline.server.tools import partial_marker
+
+logger = logging.getLogger(__name__)
 
 
 class Split(NamedTuple):
@@ -173,12 +177,14 @@ REFUSED: dict[str, str] = {}
 @dataclass(frozen=True)
 class ReasoningSpec:
     """A chat request's reasoning, as the front end found it: the parser, whether its prompt
-    left the reasoning open, and the end tag's token id (None: not one token)."""
+    left the reasoning open, the end tag's token id (None: not one token), and the tokenizer's
+    decode, as answers are detokenized (to count the tokens of an end tag of several)."""
 
     parser: type[ReasoningParser]
     opened: bool
     end_id: int | None
     start_id: int | None = None
+    decode: Callable[[list[int]], str] | None = field(default=None, compare=False)
 
     def new(self) -> ReasoningParser:
         return self.parser(self.opened)
@@ -197,7 +203,11 @@ class ReasoningSpec:
         parser = self.new()
         reasoning, content = parser.split(text)
         return Answer(reasoning if parser.entered else None, content,
-                      reasoning_tokens(token_ids, parser, self.end_id))
+                      self.count(token_ids, parser))
+
+    def count(self, token_ids: list[int], parser: ReasoningParser) -> int:
+        """How many of an answer's tokens were reasoning (`parser`: the one that read it)."""
+        return reasoning_tokens(token_ids, parser, self.end_id, self.decode)
 
 
 class Answer(NamedTuple):
@@ -222,8 +232,10 @@ def reasoning_spec(tokenizer: Any, name: str, parsed: Any) -> ReasoningSpec:
                         template_kwargs(parsed.chat_template_kwargs))
     except Exception:  # noqa: BLE001 (the tokenizer stage answers with the error)
         prompt = ""
+    skip = not parser.needs_special_tokens  # (as the detokenizer writes answers)
     spec = ReasoningSpec(parser, prompt_opens_reasoning(prompt, parser),
-                         token_id(tokenizer, parser.end_tag), token_id(tokenizer, parser.start_tag))
+                         token_id(tokenizer, parser.end_tag), token_id(tokenizer, parser.start_tag),
+                         lambda ids: tokenizer.decode(ids, skip_special_tokens=skip))
     if parsed.params.structured_outputs is not None:  # (tools' required and named too)
         tags = spec.tags()
         if tags is None:
@@ -270,11 +282,27 @@ def tags_survive(tokenizer: Any, parser: type[ReasoningParser]) -> str | None:
     return None
 
 
-def reasoning_tokens(token_ids: list[int], parser: ReasoningParser, end_id: int | None) -> int:
+def reasoning_tokens(token_ids: list[int], parser: ReasoningParser, end_id: int | None,
+                     decode: Callable[[list[int]], str] | None = None) -> int:
     """The answer's tokens that were reasoning: up to its end tag's (included), all of them
-    if the reasoning never ended, none if there was none."""
+    if the reasoning never ended, none if there was none. An end tag of several tokens (or
+    one the tokenizer merged with the text beside it): the fewest first tokens whose text
+    (`decode`) holds it, found by bisection."""
     if not parser.entered:
         return 0
+    if not parser.ended:
+        return len(token_ids)
     if end_id is not None and end_id in token_ids:
         return token_ids.index(end_id) + 1
-    return len(token_ids) if not parser.ended else 0
+    if decode is None or parser.end_tag not in decode(token_ids):  # (the parser saw it)
+        logger.warning("the reasoning ended, but %r is not in the answer's tokens: all %d "
+                       "counted as reasoning", parser.end_tag, len(token_ids))
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # (hi holds the tag)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if parser.end_tag in decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
