@@ -151,6 +151,16 @@ def _validate_pooling(p: SamplingParams) -> None:
                                          "adapter's (not supported)")
 
 
+def room_for(p: SamplingParams) -> str:
+    """What a prompt must leave room for in the context (its error's words): an output
+    token, or an embedding's one position past the prompt (sampled and dropped: the engine
+    computes every request alike)."""
+    if p.pooling:
+        return ("the one position past the prompt that an embedding's last chunk computes "
+                "and drops")
+    return "at least one output token"
+
+
 def _validate_structured(p: SamplingParams) -> None:
     """The shape of a structured output (whether it compiles is the tokenizer stage's check,
     stages/grammar.py), and the parameters it cannot be combined with."""

@@ -26,7 +26,13 @@ from ipc.messages import (
     TokenizedRequest,
     ToolSpec,
 )
-from ipc.params import DEFAULT_PRIORITY_RANGE, MAX_RECONCILE_IDS, RequestError, validate_params
+from ipc.params import (
+    DEFAULT_PRIORITY_RANGE,
+    MAX_RECONCILE_IDS,
+    RequestError,
+    room_for,
+    validate_params,
+)
 from stages.chat_template import render, template_kwargs
 from stages.dispatch import Dispatcher, error_output
 from stages.file_tokenizer import load_tokenizer
@@ -69,7 +75,7 @@ class TokenizerCore:
         limit = self.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"the prompt has {len(ids)} tokens; this model's context holds "
-                               f"{limit}, which must leave room for at least one output token")
+                               f"{limit}, which must leave room for {room_for(req.params)}")
         max_tokens = req.params.max_tokens
         if max_tokens is not None and len(ids) + max_tokens > limit:
             raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "

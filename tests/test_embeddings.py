@@ -163,3 +163,11 @@ def test_runs_that_cannot_pool_refuse_by_name(st_folders: dict[str, Path]) -> No
         assert err.value.param == "pooling" and err.value.message == why
         core.process(AddRequest("g", "", "hello", None, None, SamplingParams(max_tokens=2),
                                 0.0))
+    # a prompt the context cannot hold: the error says what room an embedding needs
+    core = TokenizerCore(info.path, 4, info.vocab_size)
+    for params, room in ((embed_params("last"), "an embedding's last chunk computes"),
+                         (SamplingParams(max_tokens=1), "at least one output token")):
+        with pytest.raises(RequestError) as err:
+            core.process(AddRequest("r", "", "one two three four five", None, None, params,
+                                    0.0))
+        assert "context holds 4" in err.value.message and room in err.value.message

@@ -21,7 +21,7 @@ from ipc.messages import (
     TokenizedRequest,
     TokenLogprob,
 )
-from ipc.params import MAX_RECONCILE_IDS, RequestError, validate_params
+from ipc.params import MAX_RECONCILE_IDS, RequestError, room_for, validate_params
 from ipc.step import PromptLogprobs
 from stages.scheduler.planned import PlannedStep
 from stages.scheduler.sequence import SeqStatus, Sequence
@@ -49,7 +49,7 @@ def invalid_reason(req: TokenizedRequest, lim: EngineLimits) -> str | None:
         return f"the prompt has token ids outside the vocabulary [0, {lim.vocab_size})"
     if len(ids) >= lim.max_model_len:
         return (f"the prompt has {len(ids)} tokens; the context holds {lim.max_model_len}, "
-                "which must leave room for at least one output token")
+                f"which must leave room for {room_for(req.params)}")
     try:
         validate_params(req.params, lim.vocab_size, lim.priority_range)
     except RequestError as exc:
