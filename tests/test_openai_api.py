@@ -40,6 +40,9 @@ def test_every_completion_field_maps_onto_sampling_params() -> None:
 
 def test_completion_defaults_and_prompt_forms() -> None:
     assert parse_completion({"prompt": "x"}, V).params.max_tokens == 16  # OpenAI's default
+    # (hints that change nothing here: the prefix cache keys by tokens; one tier)
+    assert parse_completion({"prompt": "x", "prompt_cache_key": "k", "service_tier": "default"},
+                            V).params == parse_completion({"prompt": "x"}, V).params
     assert parse_completion({"prompt": [1, 2]}, V).prompts == [[1, 2]]
     assert parse_completion({"prompt": [[1], [2, 3]]}, V).prompts == [[1], [2, 3]]
     # (an empty string is the tokenizer stage's to refuse, with its own message)
@@ -81,6 +84,7 @@ BAD = [
     ({"top_k": 2**70}, "top_k"), ({"max_tokens": 2**64}, "max_tokens"),
     ({"priority": -(2**40)}, "priority"), ({"seed": 2**64}, "seed"),
     ({"prompt": [1, 2**64]}, "prompt"), ({"prompt": [[5], [-1]]}, "prompt"),
+    ({"service_tier": "priority"}, "service_tier"), ({"prompt_cache_key": 3}, "prompt_cache_key"),
 ]
 
 

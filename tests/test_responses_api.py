@@ -131,6 +131,8 @@ BAD = [
     ({"background": True}, "background", "background"),
     ({"store": "yes"}, "store", "boolean"),
     ({"metadata": {"k": 1}}, "metadata", "metadata"),
+    ({"service_tier": "flex"}, "service_tier", "one tier"),
+    ({"prompt_cache_key": 7}, "prompt_cache_key", "string"),
 ]
 
 
@@ -141,6 +143,15 @@ def test_a_bad_field_is_a_400_naming_the_responses_field(fields: dict[str, Any],
         parse({"input": "x", **fields})
     assert info.value.status == 400 and info.value.param == param
     assert words in info.value.message
+
+
+def test_the_cache_and_tier_hints_are_taken_and_echoed() -> None:
+    """Codex CLI's prompt_cache_key and the SDK's service_tier: taken (they change nothing
+    here: the prefix cache finds a shared prefix by its tokens; one tier), and echoed."""
+    asked = parse({"input": "x", "prompt_cache_key": "conversation-7", "service_tier": "auto"})
+    assert asked.echo["prompt_cache_key"] == "conversation-7"
+    assert asked.echo["service_tier"] == "default"
+    assert parse({"input": "x"}).echo["prompt_cache_key"] is None
 
 
 def test_reasoning_effort_reaches_the_template_and_a_summary_is_taken() -> None:

@@ -77,6 +77,9 @@ def _int_list(body: dict[str, Any], name: str) -> list[int]:
 SAMPLING_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "seed", "user",
+    # hints that change nothing here (checked: _check_hints): the prefix cache finds shared
+    # prefixes by their tokens, and there is one tier
+    "prompt_cache_key", "service_tier",
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
     "stop_token_ids", "include_stop_str_in_output", "priority",
@@ -173,6 +176,7 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
     else:
         logprobs_param = "logprobs"
         logprobs = _get(body, "logprobs", (int,))
+    _check_hints(body)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=float(_get(body, "temperature", num, 1.0)),
         stop_token_ids=_int_list(body, "stop_token_ids"),
@@ -190,6 +194,20 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> tuple[SamplingParams,
         user=_user(body), structured_outputs=structured,
         prompt_logprobs=_get(body, "prompt_logprobs", (int,)), logit_bias=_logit_bias(body))
     return params, logprobs_param, structured_param
+
+
+SERVICE_TIERS = ("auto", "default")  # this server's one tier, by the names OpenAI gives it
+
+
+def _check_hints(body: dict[str, Any]) -> None:
+    """OpenAI's prompt_cache_key (a string) and service_tier (auto or default), checked.
+    Neither changes what is run: the prefix cache keys a prompt's blocks by their tokens (a
+    shared prefix is found without a key), and every request has the one tier."""
+    _get(body, "prompt_cache_key", (str,))
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise bad("service_tier", f"service_tier {tier!r} is not supported: this server has "
+                                  f"one tier ({' or '.join(SERVICE_TIERS)})")
 
 
 def _logit_bias(body: dict[str, Any]) -> list[LogitBias]:

@@ -22,13 +22,13 @@ from pipeline.server.responses_render import as_messages
 RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
     "tool_choice", "parallel_tool_calls", "text", "stream", "store", "previous_response_id",
-    "metadata", "user", "reasoning", "truncation", "include", "background"})
+    "metadata", "user", "reasoning", "truncation", "include", "background",
+    "prompt_cache_key", "service_tier"})
 NOT_IMPLEMENTED = {
     "top_logprobs": "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
     "conversation": "conversation objects are not kept; use previous_response_id",
     "prompt": "stored prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported",
-    "service_tier": "service_tier is not supported: this server has one tier",
 }
 # OpenAI's built-in tools: this server runs none of them (function tools only).
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26",
@@ -136,6 +136,8 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore,
         chat["stream_options"] = {"include_usage": True}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("user", "user"),
+                         ("prompt_cache_key", "prompt_cache_key"),
+                         ("service_tier", "service_tier"),
                          ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
@@ -159,7 +161,8 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore,
             "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "user": body.get("user"), "store": keep}
+            "user": body.get("user"), "store": keep,
+            "prompt_cache_key": body.get("prompt_cache_key"), "service_tier": "default"}
     return ResponsesRequest(parsed, conversation, echo, keep, origins)
 
 
