@@ -88,16 +88,8 @@ inline v8f load8(const float* p) {
   return v;
 }
 // N bf16 or fp16 values widened to a vector of N floats (VF; VU16, VU32: N lanes of 16 and
-// 32 bits): bf16's bits shifted into place, fp16 lane by lane.
-template <typename VF, typename VU16, typename VU32>
-inline VF widen_lanes(const c10::BFloat16* p) {
-  VU16 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const VU32 bits = __builtin_convertvector(raw, VU32) << 16;
-  VF v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+// 32 bits): bf16's bits shifted into place (vector_math.h), fp16 lane by lane.
+using llm_cpu_vec::widen_lanes;
 template <typename VF, typename VU16, typename VU32>
 inline VF widen_lanes(const c10::Half* p) {
   VF v;

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "vector_math.h"
 #include "work_queue.h"
 
 namespace {
@@ -49,14 +50,7 @@ inline Vf load(const float* p) {
   return v;
 }
 
-inline Vf load(const c10::BFloat16* p) {
-  Vh h;
-  std::memcpy(&h, p, sizeof h);
-  const Vu wide = __builtin_convertvector(h, Vu) << 16;
-  Vf v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
-}
+inline Vf load(const c10::BFloat16* p) { return llm_cpu_vec::widen_lanes<Vf, Vh, Vu>(p); }
 
 inline void store(float* p, Vf v) { std::memcpy(p, &v, sizeof v); }
 

@@ -1,10 +1,25 @@
-// Vector math shared by the CPU kernels (cpu_kernels.cpp, amx_linear.cpp), on GCC vector
-// extension types: AVX-512 registers where the CPU has them, narrower ones otherwise.
+// Vector math shared by the CPU kernels (cpu_kernels.cpp, amx_linear.cpp, lora_products.cpp),
+// on GCC vector extension types: AVX-512 registers where the CPU has them, narrower ones
+// otherwise.
 #pragma once
+
+#include <c10/util/BFloat16.h>
 
 #include <cstring>
 
 namespace llm_cpu_vec {
+
+// N bf16 values widened to a vector of N floats (VF; VU16, VU32: N lanes of 16 and 32 bits):
+// their bits shifted into place.
+template <typename VF, typename VU16, typename VU32>
+inline VF widen_lanes(const c10::BFloat16* p) {
+  VU16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const VU32 bits = __builtin_convertvector(raw, VU32) << 16;
+  VF v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 
 // exp on N lanes (VF: N floats, VI: N int32): Cephes' single-precision polynomial, written
 // with vector operations (a loop over std::exp does not vectorize). Relative error ~1e-7;
