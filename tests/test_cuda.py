@@ -104,3 +104,30 @@ def test_no_host_sync_on_cuda_and_run_ahead_equals_synchronised(tiny_model_dir: 
     slowed, _ = run.run(requests, slow_cycles=2_000_000)
     assert comparable(ahead) == comparable(synced) == comparable(slowed)
     assert stats.preemptions > 0
+
+
+def test_embeddings_on_cuda_equal_the_cpu_ones(tmp_path: Path) -> None:
+    """Pooled rows on CUDA (the hidden states the executor returns for them): each text's
+    vector, mean pooled over a prompt prefilled in chunks, has cosine >= 0.9999 with the CPU
+    engine's (which tests/test_embeddings.py holds to sentence-transformers')."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from ipc.pooling import PoolingConfig
+    from pipeline.tools.random_model import add_pooling_modules, build_random_llama
+
+    folder = add_pooling_modules(build_random_llama(tmp_path, num_layers=2, hidden=64,
+                                                    weight_std=0.05, seed=3), "mean")
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling="mean")
+    cfg = PoolingConfig.from_dir(folder)
+    vectors = {}
+    for device in ("cpu", "cuda"):
+        engine = InProcessEngine(str(folder), max_num_batched_tokens=16, block_size=16,
+                                 device=device)
+        results = engine.run([(f"e{i}", ids, params) for i, ids in enumerate(prompts)])
+        vectors[device] = [cfg.finish(results[f"e{i}", 0].embedding)
+                           for i in range(len(prompts))]
+    for cpu, cuda in zip(vectors["cpu"], vectors["cuda"], strict=True):
+        assert float(np.dot(cpu, cuda)) >= 0.9999
