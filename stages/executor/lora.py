@@ -80,7 +80,6 @@ class StepAdapters:
             self.masks[stack.layout] = mask
         return mask
 
-
     def select(self, keep: torch.Tensor) -> StepAdapters:
         """The StepAdapters of the tokens `keep` (their order): the rows of the last layer's
         output projection and MLP, where the forward trims it (CausalLM.hidden_states)."""
