@@ -348,7 +348,8 @@ def test_bench_lora_runs_every_row(folders: dict[str, Path], tmp_path: Path) -> 
 
     out = tmp_path / "lora.json"
     assert main(["lora", "--model", str(folders[""]), "--batch", "3", "--input-len", "8",
-                 "--output-len", "4", "--rounds", "1", "--json", str(out)]) == 0
+                 "--output-len", "4", "--rounds", "1", "--dtype", "bfloat16",
+                 "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == ["base alone", "base, adapters loaded", "base + 2 adapters mixed",
                           "one adapter every row"]

@@ -51,6 +51,8 @@ def _timed(engine: Any, prompts: list[list[int]], names: list[str], output_len: 
 
 
 def lora(args: argparse.Namespace) -> int:
+    import torch
+
     from pipeline.tools.model_source import resolve_model
     from stages.inprocess import InProcessEngine
 
@@ -65,7 +67,8 @@ def lora(args: argparse.Namespace) -> int:
                          max_lora_rank=max(16, args.max_lora_rank))
         engine = dict(max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.input_len,
                       block_size=16, kv_cache_memory=args.kv_cache_memory,
-                      max_model_len=args.input_len + args.output_len + 16)
+                      max_model_len=args.input_len + args.output_len + 16,
+                      dtype=getattr(torch, args.dtype))
         a, b = cfg.names
         split = [("", a, b)[i % 3] for i in range(args.batch)]
         base = InProcessEngine(str(model_dir), **engine)  # type: ignore[arg-type]
@@ -85,7 +88,7 @@ def lora(args: argparse.Namespace) -> int:
                 rows[name] = max(rows.get(name, 0.0), rate)
     first = rows["base alone"]
     print(f"batch {args.batch}, {args.input_len} prompt + {args.output_len} output tokens, "
-          f"{model_dir.name}, adapters {', '.join(cfg.names)}:")
+          f"{model_dir.name} in {args.dtype}, adapters {', '.join(cfg.names)}:")
     for name, rate in rows.items():
         print(f"  {name:26s} {rate:8.1f} tok/s  {rate / first:6.3f}x")
     if args.json:
@@ -101,6 +104,7 @@ def add_lora_parser(sub: Any) -> None:
                    default=LoraConfig.modules,
                    help="two adapters to run (default: random ones of rank 16)")
     p.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
