@@ -119,26 +119,30 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
 
 
 @pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_gives_each_part_its_own_block(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "pairs"), [(torch.float32, False), (torch.bfloat16, False),
+                                              (torch.bfloat16, True)])
+def test_kernel_gives_each_part_its_own_block(dtype: torch.dtype, pairs: bool) -> None:
     """The kernel on a fused projection (parts of 40, 24 and 24 outputs; 37 inputs: a tail
-    past the last whole vector) with adapters on some parts only: each token gets its own
-    adapter's parts, the others' outputs untouched, and a token's result does not depend on
-    the step's other tokens (alone, it is the same to the bit)."""
+    past the last whole vector, and an odd count for bf16 pairs; ranks 3 and 5) with adapters
+    on some parts only: each token gets its own adapter's parts, the others' outputs
+    untouched, and a token's result does not depend on the step's other tokens (alone, it is
+    the same to the bit)."""
     from stages.executor.lora import _fused_pair
 
+    if pairs and not torch.ops.llm_cpu.lora_bf16_pairs():
+        pytest.skip("this CPU has no AVX512-BF16")
     g = torch.Generator().manual_seed(1)
-    state = LoraState(max_loras=2, kernel=True)
+    state = LoraState(max_loras=2, kernel=True, pairs=pairs)
     layer = Linear(37, 88, False, LoraMethod(DenseMethod(), state))
     layer.parts = (40, 24, 24)
     layer.weight.data = torch.randn(88, 37, generator=g).to(dtype)
     layer.method.process(layer)
     dense = {}
     for adapter, rank, parts in ((1, 3, (0, 2)), (2, 5, (1,))):
-        pairs = {p: (torch.randn(rank, 37, generator=g),
-                     torch.randn(layer.parts[p], rank, generator=g)) for p in parts}
+        ab = {p: (torch.randn(rank, 37, generator=g),
+                  torch.randn(layer.parts[p], rank, generator=g)) for p in parts}
         spec = dataclasses.make_dataclass("Spec", ["name", "rank", "scale"])("x", rank, 0.5)
-        w = _fused_pair(layer, pairs, spec, dtype)  # type: ignore[arg-type]
+        w = _fused_pair(layer, ab, spec, dtype)  # type: ignore[arg-type]
         state.weights.setdefault(layer, {})[adapter] = w
         dense[adapter] = (w.b.float() @ w.a.float())
         for p in range(3):  # (a part it does not target: its outputs' rows of B are zero)
@@ -152,15 +156,35 @@ def test_kernel_gives_each_part_its_own_block(dtype: torch.dtype) -> None:
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     pack = state.packs[layer][:3]
     deltas = torch.zeros(len(x), 88, dtype=dtype)
-    torch.ops.llm_cpu.lora_add(deltas, x, state.step.rows, state.step.groups, *pack)
+    torch.ops.llm_cpu.lora_add(deltas, x, state.step.rows, state.step.groups, *pack, pairs)
     for t, a in enumerate(np.repeat(adapters, query).tolist()):
         w = layer.weight.float() + dense.get(a, 0)
         torch.testing.assert_close(y[t].float(), x[t].float() @ w.T, **tol)  # type: ignore[arg-type]
         alone = step_adapters(np.array([a], dtype=np.int32), np.array([1], dtype=np.int32))
         delta = torch.zeros(1, 88, dtype=dtype)
         if alone is not None:
-            torch.ops.llm_cpu.lora_add(delta, x[t:t + 1], alone.rows, alone.groups, *pack)
+            torch.ops.llm_cpu.lora_add(delta, x[t:t + 1], alone.rows, alone.groups, *pack,
+                                       pairs)
         assert torch.equal(delta[0], deltas[t])
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+def test_bf16_adapters_mixed_give_their_tokens_alone(folders: dict[str, Path]) -> None:
+    """bf16 on the kernels (AVX512-BF16's pairs where the CPU has them): each request's tokens
+    in a batch mixing both adapters and the base model are those it gets alone, a row's
+    products not depending on the rows beside it."""
+    eng = engine(folders[""], dtype=torch.bfloat16, lora=lora_config(folders))
+    lora = eng.runner.model.lora
+    assert lora is not None and lora.kernel
+    assert lora.pairs == bool(torch.ops.llm_cpu.lora_bf16_pairs())
+    greedy = {name: SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                   lora_name=name) for name in ("", "alpha", "beta")}
+    alone = {name: eng.generate(PROMPTS, p) for name, p in greedy.items()}
+    assert alone["alpha"] != alone[""] and alone["beta"] != alone[""]
+    mixed = eng.run([(f"{name}-{i}", ids, greedy[name]) for i, ids in enumerate(PROMPTS)
+                     for name in greedy])
+    for name in greedy:
+        assert [mixed[f"{name}-{i}", 0].token_ids for i in range(len(PROMPTS))] == alone[name]
 
 
 def test_runtime_adapters_swap_through_one_slot(folders: dict[str, Path],

@@ -110,7 +110,10 @@ class Packed(NamedTuple):
     """A projection's adapters as the kernel reads them: a (each adapter's A transposed,
     [in, its columns rounded up to 16], flat), b (each part's B block transposed, [rank, its
     outputs], flat), parts int64 [P, 8] (adapter, its offset in a, its width there, first
-    column, rank, first output, end of outputs, offset in b)."""
+    column, rank, first output, end of outputs, offset in b). With bf16 pairs
+    (LoraState.pairs), a and each B block hold their rows two by two, each value beside the
+    next row's ([rows / 2, columns, 2], an odd count padded with a zero row), as AVX512-BF16's
+    pair products read them (csrc/lora_products.cpp)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -138,6 +141,7 @@ class LoraState:
     max_loras: int
     max_rank: int = 16
     kernel: bool = False  # torch.ops.llm_cpu.lora_add (the CPU kernels are loaded)
+    pairs: bool = False  # the kernel's bf16 pairs (AVX512-BF16: Packed)
     step: StepAdapters | None = None
     kept: StepAdapters | None = None  # the step's trimmed rows (StepAdapters.select)
     loaded: dict[int, AdapterSpec] = field(default_factory=dict)
@@ -188,7 +192,7 @@ class LoraState:
             return y
         if self.kernel:
             pack = self._pack(layer, weights)
-            torch.ops.llm_cpu.lora_add(y, x, step.rows, step.groups, *pack[:3])
+            torch.ops.llm_cpu.lora_add(y, x, step.rows, step.groups, *pack[:3], self.pairs)
             return y
         if step.only is not None:
             w = weights.get(step.only)
@@ -212,9 +216,11 @@ class LoraState:
             width = -(-columns // 16) * 16  # (the kernel's vectors of 16 columns)
             at = w.a.new_zeros(inputs, width)
             at[:, :columns] = w.a.T
+            at = _as_pairs(at) if self.pairs else at
             a_blocks.append(at.reshape(-1))
             for c0, rank, o0, o1 in w.blocks():
-                block = w.b[o0:o1, c0:c0 + rank].T.contiguous().reshape(-1)
+                block = w.b[o0:o1, c0:c0 + rank].T
+                block = (_as_pairs(block) if self.pairs else block).contiguous().reshape(-1)
                 b_blocks.append(block)
                 rows.append((adapter, a_offset, width, c0, rank, o0, o1, b_offset))
                 b_offset += block.numel()
@@ -237,6 +243,13 @@ class LoraState:
                             owner.to(pairs[0][1].a.device), layout, tuple(pairs))
             self.stacks[layer] = stack
         return stack
+
+
+def _as_pairs(m: torch.Tensor) -> torch.Tensor:
+    """[R, C] as [ceil(R / 2), C, 2]: rows 2i and 2i + 1 side by side (R odd: a zero row)."""
+    if m.shape[0] % 2:
+        m = torch.cat([m, m.new_zeros(1, m.shape[1])])
+    return m.reshape(m.shape[0] // 2, 2, m.shape[1]).transpose(1, 2).contiguous()
 
 
 class LoraMethod(LinearMethod):

@@ -26,8 +26,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "bf16_vector.h"  // (LLM_CPU_BF16_VECTOR: AVX512-BF16's pair products)
 #include "vector_math.h"
 #include "work_queue.h"
 
@@ -152,6 +154,119 @@ void expand(T* const* y, const T* b, const Part& part, const float* s, int64_t s
   }
 }
 
+#if LLM_CPU_BF16_VECTOR
+// bf16 on AVX512-BF16: VDPBF16PS multiplies 16 pairs of bf16 by a broadcast pair and adds both
+// products into 16 float32 sums, half the instructions of widening each value. A and B are
+// then held as pairs along their sums' dimension (`pairs`): A transposed as [ceil(in / 2),
+// width, 2], a part's B block as [ceil(cn / 2), its outputs, 2] (an odd count's last pair's
+// second value zero), and the shrink's sums rounded to bf16 before the expand (as torch's
+// bf16 products round x A^T before multiplying it by B).
+
+// Two bf16 values (the first in the low half, as memory holds a pair) in every 32-bit lane;
+// `last_alone`: p[0] is the last value, its pair's other half zero.
+template <bool last_alone = false>
+inline __m512bh pair_lanes(const c10::BFloat16* p) {
+  uint32_t bits;
+  if constexpr (last_alone) {
+    bits = p[0].x;
+  } else {
+    std::memcpy(&bits, p, sizeof bits);
+  }
+  return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+}
+
+inline __m512bh load_pairs(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+template <int N, int V>
+inline void shrink_pairs_block(const c10::BFloat16* const* x, const c10::BFloat16* at,
+                               int64_t in, int64_t width, int64_t c, float* s) {
+  __m512 acc[N][V];
+  for (int j = 0; j < N; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+  const auto step = [&]<bool last_alone>(int64_t i) {
+    __m512bh w[V];
+    for (int v = 0; v < V; ++v) w[v] = load_pairs(at + ((i / 2) * width + c + v * kLanes) * 2);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh xv = pair_lanes<last_alone>(x[j] + i);
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w[v], xv);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 2 <= in; i += 2) step.template operator()<false>(i);
+  if (i < in) step.template operator()<true>(i);
+  for (int j = 0; j < N; ++j)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(s + j * width + c + v * kLanes, acc[j][v]);
+}
+
+template <int N>
+void shrink_pairs(const c10::BFloat16* const* x, const c10::BFloat16* at, int64_t in,
+                  int64_t width, float* s) {
+  int64_t c = 0;
+  for (; c + kBlock * kLanes <= width; c += kBlock * kLanes)
+    shrink_pairs_block<N, kBlock>(x, at, in, width, c, s);
+  switch ((width - c) / kLanes) {
+    case 2: shrink_pairs_block<N, 2>(x, at, in, width, c, s); break;
+    case 1: shrink_pairs_block<N, 1>(x, at, in, width, c, s); break;
+    default: break;
+  }
+}
+
+// sp: token j's shrink, rounded to bf16, at sp + j * s_width (the part's first column).
+template <int N, int V>
+inline void expand_pairs_block(c10::BFloat16* const* y, const c10::BFloat16* b, int64_t width,
+                               int64_t cn, int64_t o, int64_t o_abs, const c10::BFloat16* sp,
+                               int64_t s_width) {
+  __m512 acc[N][V];
+  for (int j = 0; j < N; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+  const auto step = [&]<bool last_alone>(int64_t k) {
+    __m512bh w[V];
+    for (int v = 0; v < V; ++v) w[v] = load_pairs(b + ((k / 2) * width + o + v * kLanes) * 2);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh sv = pair_lanes<last_alone>(sp + j * s_width + k);
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w[v], sv);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= cn; k += 2) step.template operator()<false>(k);
+  if (k < cn) step.template operator()<true>(k);
+  for (int j = 0; j < N; ++j) {
+    for (int v = 0; v < V; ++v) {  // (VCVTNEPS2BF16: to nearest even in one instruction)
+      c10::BFloat16* out = y[j] + o_abs + v * kLanes;
+      const __m512 sum = _mm512_add_ps((__m512)load(out), acc[j][v]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+  }
+}
+
+template <int N>
+void expand_pairs(c10::BFloat16* const* y, const c10::BFloat16* b, const Part& part,
+                  const c10::BFloat16* s, int64_t s_width) {
+  const int64_t width = part.o1 - part.o0;
+  const c10::BFloat16* sp = s + part.c0;
+  int64_t o = 0;
+  for (; o + kBlock * kLanes <= width; o += kBlock * kLanes)
+    expand_pairs_block<N, kBlock>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
+  for (; o + kLanes <= width; o += kLanes)
+    expand_pairs_block<N, 1>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
+  for (; o < width; ++o) {
+    for (int j = 0; j < N; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < part.cn; ++k) {
+        sum += static_cast<float>(sp[j * s_width + k]) *
+               static_cast<float>(b[((k / 2) * width + o) * 2 + k % 2]);
+      }
+      c10::BFloat16& out = y[j][part.o0 + o];
+      out = c10::BFloat16(static_cast<float>(out) + sum);
+    }
+  }
+}
+#endif  // LLM_CPU_BF16_VECTOR
+
+bool lora_bf16_pairs() { return LLM_CPU_BF16_VECTOR; }
+
 // A step's adapter: its tokens (rows [begin, end)), its A transposed (at + a_offset, [in,
 // width]) and its parts.
 struct Group {
@@ -161,7 +276,21 @@ struct Group {
 
 template <typename T, int N>
 void tile(const T* const* x, T* const* y, const T* a, const T* b, int64_t in, const Group& g,
-          float* s) {
+          bool pairs, float* s, c10::BFloat16* rounded) {
+#if LLM_CPU_BF16_VECTOR
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pairs) {
+      shrink_pairs<N>(x, a + g.a_offset, in, g.width, s);
+      for (int64_t i = 0; i < N * g.width; i += kLanes) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
+      }
+      for (const Part& part : g.parts)
+        expand_pairs<N>(y, b + part.b_offset, part, rounded, g.width);
+      return;
+    }
+  }
+#endif
   shrink<T, N>(x, a + g.a_offset, in, g.width, s);
   for (const Part& part : g.parts) expand<T, N>(y, b + part.b_offset, part, s, g.width);
 }
@@ -169,7 +298,7 @@ void tile(const T* const* x, T* const* y, const T* a, const T* b, int64_t in, co
 template <typename T>
 void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
                     const at::Tensor& groups, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& parts) {
+                    const at::Tensor& parts, bool pairs) {
   const int64_t in = x.size(1), out = y.size(1);
   const int32_t* row = rows.data_ptr<int32_t>();
   const int64_t* group = groups.data_ptr<int64_t>();
@@ -185,12 +314,14 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
         entry.a_offset = q[1];
         entry.width = q[2];
       }
+      const int64_t in_held = pairs ? (in + 1) / 2 * 2 : in;  // (pairs: an odd one padded)
+      const int64_t cn_held = pairs ? (q[4] + 1) / 2 * 2 : q[4];
       TORCH_CHECK(q[1] == entry.a_offset && q[2] == entry.width && q[2] > 0 &&
-                      q[2] % kLanes == 0 && q[1] >= 0 && q[1] + in * q[2] <= a.numel(),
+                      q[2] % kLanes == 0 && q[1] >= 0 && q[1] + in_held * q[2] <= a.numel(),
                   "lora_add: part ", p, ": its adapter's A^T lies outside a, or its "
                   "width is not a multiple of ", kLanes);
       TORCH_CHECK(q[3] >= 0 && q[4] > 0 && q[3] + q[4] <= q[2] && q[5] >= 0 && q[5] < q[6] &&
-                      q[6] <= out && q[7] >= 0 && q[7] + q[4] * (q[6] - q[5]) <= b.numel(),
+                      q[6] <= out && q[7] >= 0 && q[7] + cn_held * (q[6] - q[5]) <= b.numel(),
                   "lora_add: part ", p, " lies outside its adapter's columns, y or b");
       entry.parts.push_back(Part{q[3], q[4], q[5], q[6], q[7]});
     }
@@ -217,6 +348,7 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
   llm_cpu_work::parallel_queue(
       n, 1, llm_cpu_work::Order::kShared, [&](llm_cpu_work::WorkQueue& queue, int64_t w) {
         std::vector<float> s;
+        std::vector<c10::BFloat16> rounded;  // (pairs: the shrink's sums in bf16)
         int64_t begin = 0, end = 0;
         while (queue.take(w, begin, end)) {
           for (int64_t u = begin; u < end; ++u) {
@@ -230,15 +362,18 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
               ys[j] = yp + row[first + j] * y_stride;
             }
             s.resize(kTile * g.width);
+            rounded.resize(pairs ? kTile * g.width : 0);
+            float* sd = s.data();
+            c10::BFloat16* rd = rounded.data();
             switch (count) {
-              case 8: tile<T, 8>(xs, ys, ap, bp, in, g, s.data()); break;
-              case 7: tile<T, 7>(xs, ys, ap, bp, in, g, s.data()); break;
-              case 6: tile<T, 6>(xs, ys, ap, bp, in, g, s.data()); break;
-              case 5: tile<T, 5>(xs, ys, ap, bp, in, g, s.data()); break;
-              case 4: tile<T, 4>(xs, ys, ap, bp, in, g, s.data()); break;
-              case 3: tile<T, 3>(xs, ys, ap, bp, in, g, s.data()); break;
-              case 2: tile<T, 2>(xs, ys, ap, bp, in, g, s.data()); break;
-              default: tile<T, 1>(xs, ys, ap, bp, in, g, s.data());
+              case 8: tile<T, 8>(xs, ys, ap, bp, in, g, pairs, sd, rd); break;
+              case 7: tile<T, 7>(xs, ys, ap, bp, in, g, pairs, sd, rd); break;
+              case 6: tile<T, 6>(xs, ys, ap, bp, in, g, pairs, sd, rd); break;
+              case 5: tile<T, 5>(xs, ys, ap, bp, in, g, pairs, sd, rd); break;
+              case 4: tile<T, 4>(xs, ys, ap, bp, in, g, pairs, sd, rd); break;
+              case 3: tile<T, 3>(xs, ys, ap, bp, in, g, pairs, sd, rd); break;
+              case 2: tile<T, 2>(xs, ys, ap, bp, in, g, pairs, sd, rd); break;
+              default: tile<T, 1>(xs, ys, ap, bp, in, g, pairs, sd, rd);
             }
           }
         }
@@ -250,10 +385,11 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
 // adapter's A transposed, [in, width] (width its columns rounded up to a multiple of 16,
 // zeros past them), flat; b: the parts' B blocks, each [cn, o1 - o0] (B transposed, scaled),
 // flat; parts int64 [P, 8]: (adapter, its A^T's offset in a, its width, c0, cn, o0, o1,
-// offset in b).
+// offset in b). pairs: bf16 held as pairs (above; lora_bf16_pairs() says whether this build
+// has them).
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& rows,
               const at::Tensor& groups, const at::Tensor& a, const at::Tensor& b,
-              const at::Tensor& parts) {
+              const at::Tensor& parts, bool pairs) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.stride(1) == 1 &&
                   y.size(0) == x.size(0),
               "lora_add: x must be a contiguous [T, in] matrix and y [T, out] with rows of "
@@ -268,20 +404,23 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& rows,
                   parts.scalar_type() == at::kLong && parts.dim() == 2 &&
                   parts.size(1) == 8 && parts.is_contiguous(),
               "lora_add: rows int32 [n], groups int64 [G, 3], parts int64 [P, 8]");
+  TORCH_CHECK(!pairs || (x.scalar_type() == at::kBFloat16 && lora_bf16_pairs()),
+              "lora_add: pairs are bf16's, on a CPU with AVX512-BF16");
   if (x.scalar_type() == at::kFloat) {
-    lora_add_typed<float>(y, x, rows, groups, a, b, parts);
+    lora_add_typed<float>(y, x, rows, groups, a, b, parts, false);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_add: float32 or bf16, not ",
                 x.scalar_type());
-    lora_add_typed<c10::BFloat16>(y, x, rows, groups, a, b, parts);
+    lora_add_typed<c10::BFloat16>(y, x, rows, groups, a, b, parts, pairs);
   }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
+  m.def("lora_bf16_pairs() -> bool", &lora_bf16_pairs);
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, Tensor groups, Tensor a, Tensor b, "
-        "Tensor parts) -> ()");
+        "Tensor parts, bool pairs=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) { m.impl("lora_add", TORCH_FN(lora_add)); }

@@ -84,7 +84,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             raise ValueError("LoRA adapters run on one rank of a dense model")
         # (the segmented kernel: float32 and bf16 on the CPU kernels; else torch's products)
         kernel = backend.name == "cpu_kernels" and dtype in (torch.float32, torch.bfloat16)
-        state = LoraState(lora.max_loras, lora.max_lora_rank, kernel)
+        pairs = kernel and dtype == torch.bfloat16 and torch.ops.llm_cpu.lora_bf16_pairs()
+        state = LoraState(lora.max_loras, lora.max_lora_rank, kernel, pairs)
         linear = LoraMethod(linear, state)
     if tp is not None:
         check_divisible(spec, tp.size, str(Path(model_dir) / "config.json"))
