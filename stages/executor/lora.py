@@ -179,14 +179,9 @@ class LoraState:
         stacked, in two products over every row, the columns of other rows' adapters masked
         out: three calls however many adapters the step mixes, for products over every
         resident adapter's columns (docs/BENCHMARKS.md counts what that costs)."""
-        step = self.step
+        step = self._rows_of(x)
         if step is None:
             return y
-        if x.shape[0] != step.num_tokens:  # (the last layer's rows past its attention)
-            step = self.kept
-            if step is None or x.shape[0] != step.num_tokens:
-                raise RuntimeError(f"LoRA: {x.shape[0]} rows where the step has "
-                                   f"{self.step.num_tokens}")
         weights = self.weights.get(layer)
         if not weights:
             return y
@@ -202,6 +197,16 @@ class LoraState:
         stack = self._stack(layer, weights)
         y.addmm_((x @ stack.a.T).mul_(step.mask(stack, x.dtype)), stack.b.T)
         return y
+
+    def _rows_of(self, x: torch.Tensor) -> StepAdapters | None:
+        """The step's StepAdapters for the rows x holds: the step's, or past the last layer's
+        attention where it is trimmed, its kept rows' (None: the base model alone)."""
+        step = self.step
+        if step is None or x.shape[0] == step.num_tokens:
+            return step
+        if self.kept is None or x.shape[0] != self.kept.num_tokens:
+            raise RuntimeError(f"LoRA: {x.shape[0]} rows where the step has {step.num_tokens}")
+        return self.kept
 
     def _pack(self, layer: Linear, weights: dict[int, LoraWeights]) -> Packed:
         """The layer's Packed, made again when its adapters changed (a load or unload)."""
