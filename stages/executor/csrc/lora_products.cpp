@@ -179,23 +179,32 @@ inline __m512bh load_pairs(const c10::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
 
+// N x V sums of pair products: acc[j][v] = sum over k < count of src[j][k] * w's row k at
+// columns [col + v * 16, col + v * 16 + 16), w held as pairs ([count / 2, width, 2]).
+template <int N, int V>
+inline void pair_sums(__m512 (&acc)[N][V], const c10::BFloat16* w, int64_t width, int64_t col,
+                      const c10::BFloat16* const* src, int64_t count) {
+  for (int j = 0; j < N; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+  const auto step = [&]<bool last_alone>(int64_t k) {
+    __m512bh pairs[V];
+    for (int v = 0; v < V; ++v)
+      pairs[v] = load_pairs(w + ((k / 2) * width + col + v * kLanes) * 2);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh values = pair_lanes<last_alone>(src[j] + k);
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], pairs[v], values);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= count; k += 2) step.template operator()<false>(k);
+  if (k < count) step.template operator()<true>(k);
+}
+
 template <int N, int V>
 inline void shrink_pairs_block(const c10::BFloat16* const* x, const c10::BFloat16* at,
                                int64_t in, int64_t width, int64_t c, float* s) {
   __m512 acc[N][V];
-  for (int j = 0; j < N; ++j)
-    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
-  const auto step = [&]<bool last_alone>(int64_t i) {
-    __m512bh w[V];
-    for (int v = 0; v < V; ++v) w[v] = load_pairs(at + ((i / 2) * width + c + v * kLanes) * 2);
-    for (int j = 0; j < N; ++j) {
-      const __m512bh xv = pair_lanes<last_alone>(x[j] + i);
-      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w[v], xv);
-    }
-  };
-  int64_t i = 0;
-  for (; i + 2 <= in; i += 2) step.template operator()<false>(i);
-  if (i < in) step.template operator()<true>(i);
+  pair_sums<N, V>(acc, at, width, c, x, in);
   for (int j = 0; j < N; ++j)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(s + j * width + c + v * kLanes, acc[j][v]);
 }
@@ -218,20 +227,10 @@ template <int N, int V>
 inline void expand_pairs_block(c10::BFloat16* const* y, const c10::BFloat16* b, int64_t width,
                                int64_t cn, int64_t o, int64_t o_abs, const c10::BFloat16* sp,
                                int64_t s_width) {
+  const c10::BFloat16* src[N];
+  for (int j = 0; j < N; ++j) src[j] = sp + j * s_width;
   __m512 acc[N][V];
-  for (int j = 0; j < N; ++j)
-    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
-  const auto step = [&]<bool last_alone>(int64_t k) {
-    __m512bh w[V];
-    for (int v = 0; v < V; ++v) w[v] = load_pairs(b + ((k / 2) * width + o + v * kLanes) * 2);
-    for (int j = 0; j < N; ++j) {
-      const __m512bh sv = pair_lanes<last_alone>(sp + j * s_width + k);
-      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w[v], sv);
-    }
-  };
-  int64_t k = 0;
-  for (; k + 2 <= cn; k += 2) step.template operator()<false>(k);
-  if (k < cn) step.template operator()<true>(k);
+  pair_sums<N, V>(acc, b, width, o, src, cn);
   for (int j = 0; j < N; ++j) {
     for (int v = 0; v < V; ++v) {  // (VCVTNEPS2BF16: to nearest even in one instruction)
       c10::BFloat16* out = y[j] + o_abs + v * kLanes;
