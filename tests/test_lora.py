@@ -168,6 +168,48 @@ def test_kernel_gives_each_part_its_own_block(dtype: torch.dtype, pairs: bool) -
         assert torch.equal(delta[0], deltas[t])
 
 
+def test_fused_gate_up_keeps_its_activation_and_takes_adapters_interleaved() -> None:
+    """bf16's packed gate/up product (amx.py: gate and up interleaved 16 at a time, silu in
+    its pass) with adapters on the kernel: a step without adapted rows is the product without
+    LoRA, to the bit; a step with them adds each token's adapter to its gate and up columns,
+    wherever the interleaving put them."""
+    from stages.executor.linear.amx import packed_method
+    from stages.executor.lora import _fused_pair
+
+    method = packed_method() if kernels.available() else None
+    if method is None:
+        pytest.skip("no packed bf16 form on this CPU")
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(128, 64, generator=g).to(torch.bfloat16)
+    plain = Linear(64, 128, False, method())
+    state = LoraState(max_loras=1, kernel=True, pairs=bool(torch.ops.llm_cpu.lora_bf16_pairs()))
+    layer = Linear(64, 128, False, LoraMethod(method(), state))
+    for each in (plain, layer):
+        each.gated, each.parts = True, (64, 64)
+        each.weight.data = weight.clone()
+        each.method.process(each)
+    assert layer.fused_gate
+    ab = {p: (torch.randn(4, 64, generator=g), torch.randn(64, 4, generator=g)) for p in (0, 1)}
+    spec = dataclasses.make_dataclass("Spec", ["name", "rank", "scale"])("x", 4, 0.5)
+    w = _fused_pair(layer, ab, spec, torch.bfloat16)  # type: ignore[arg-type]
+    state.weights[layer] = {1: w}
+
+    def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+        gate, up = y.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up).to(y.dtype)
+
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(layer.gated_forward(x, silu_and_mul), plain.gated_forward(x, silu_and_mul))
+    state.step = step_adapters(np.array([1, 0, 1], dtype=np.int32),
+                               np.array([2, 1, 2], dtype=np.int32))
+    got = layer.gated_forward(x, silu_and_mul).float()
+    merged = weight.float() + w.b.float() @ w.a.float()
+    for t, adapter in enumerate([1, 1, 0, 1, 1]):
+        want = silu_and_mul(x[t:t + 1].float() @ (merged if adapter else weight.float()).T)
+        scale = float(want.abs().max())  # (bf16 rounds gate and up before their product)
+        torch.testing.assert_close(got[t], want[0], rtol=0.0, atol=2e-2 * scale)
+
+
 @pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
 def test_bf16_adapters_mixed_give_their_tokens_alone(folders: dict[str, Path]) -> None:
     """bf16 on the kernels (AVX512-BF16's pairs where the CPU has them): each request's tokens

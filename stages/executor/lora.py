@@ -28,6 +28,7 @@ import torch
 
 from ipc.lora import ENTRY, AdapterSpec, read_adapter
 from ipc.messages import LoraLoad
+from stages.executor.linear.amx import GATE_BLOCK, AmxMethod
 from stages.executor.linear.base import Linear, LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,9 @@ def _grouped(per_token: np.ndarray) -> StepAdapters:
 class Packed(NamedTuple):
     """A projection's adapters as the kernel reads them: a (each adapter's A transposed,
     [in, its columns rounded up to 16], flat), b (each part's B block transposed, [rank, its
-    outputs], flat), parts int64 [P, 8] (adapter, its offset in a, its width there, first
-    column, rank, first output, end of outputs, offset in b). With bf16 pairs
+    outputs], flat), parts int64 [P, 9] (adapter, its offset in a, its width there, first
+    column, rank, first output, outputs, offset in b, and the stride of its chunks of 16
+    outputs: 16, or 32 for a fused gate/up product's interleaved gate and up). With bf16 pairs
     (LoraState.pairs), a and each B block hold their rows two by two, each value beside the
     next row's ([rows / 2, columns, 2], an odd count padded with a zero row), as AVX512-BF16's
     pair products read them (csrc/lora_products.cpp)."""
@@ -198,6 +200,10 @@ class LoraState:
         y.addmm_((x @ stack.a.T).mul_(step.mask(stack, x.dtype)), stack.b.T)
         return y
 
+    def adapts(self, layer: Linear) -> bool:
+        """Whether this step adds any adapter's products to `layer`'s outputs."""
+        return self.step is not None and bool(self.weights.get(layer))
+
     def _rows_of(self, x: torch.Tensor) -> StepAdapters | None:
         """The step's StepAdapters for the rows x holds: the step's, or past the last layer's
         attention where it is trimmed, its kept rows' (None: the base model alone)."""
@@ -227,7 +233,11 @@ class LoraState:
                 block = w.b[o0:o1, c0:c0 + rank].T
                 block = (_as_pairs(block) if self.pairs else block).contiguous().reshape(-1)
                 b_blocks.append(block)
-                rows.append((adapter, a_offset, width, c0, rank, o0, o1, b_offset))
+                first, stride = o0, 16
+                if getattr(layer, "fused_gate", False):  # (amx.py interleave_gate_up)
+                    first, stride = (0 if o0 < layer.out_features // 2 else GATE_BLOCK), 32
+                rows.append((adapter, a_offset, width, c0, rank, first, o1 - o0, b_offset,
+                             stride))
                 b_offset += block.numel()
             a_offset += at.numel()
         pack = Packed(torch.cat(a_blocks), torch.cat(b_blocks),
@@ -267,7 +277,8 @@ class LoraMethod(LinearMethod):
         self.takes_blocks = base.takes_blocks
 
     def process(self, layer: Linear) -> None:
-        layer.gated = False  # (the adapter adds to gate and up before the activation)
+        if not self.state.kernel:  # (torch's products add to gate and up in their own order)
+            layer.gated = False
         self.base.process(layer)
 
     def for_head(self) -> LinearMethod:
@@ -278,7 +289,18 @@ class LoraMethod(LinearMethod):
 
     def apply_gated(self, layer: Linear, x: torch.Tensor,
                     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return silu_and_mul(self.apply(layer, x))
+        """A fused gate/up product (bf16's packed forms: amx.py) keeps its fused activation
+        where the step adds no adapter here; else its gate and up columns come interleaved
+        (16 of each in turn), the kernel adds each token's adapter to them in that order,
+        and they are put back in order (gate, then up) for the activation."""
+        if not getattr(layer, "fused_gate", False):
+            return silu_and_mul(self.apply(layer, x))
+        if not self.state.adapts(layer):
+            return self.base.apply_gated(layer, x, silu_and_mul)
+        assert isinstance(self.base, AmxMethod)
+        y = self.state.add_deltas(layer, x, self.base.apply_interleaved(layer, x))
+        rows = y.shape[0]
+        return silu_and_mul(y.view(rows, -1, 2, GATE_BLOCK).transpose(1, 2).reshape(rows, -1))
 
 
 def load_adapter(layers: torch.nn.ModuleList, state: LoraState, adapter: int,

@@ -2,7 +2,7 @@
 // torch.ops.llm_cpu.lora_add, which stages/executor/lora.py calls once per adapted projection.
 //
 // What it adds: y[t] += sum over the parts p of token t's adapter of
-//   (x[t] . A[c0_p .. c0_p + r_p)) @ B_p^T  into outputs [o0_p, o1_p),
+//   (x[t] . A[c0_p .. c0_p + r_p)) @ B_p^T  into the part's outputs (Part::at),
 // each token only its own adapter's columns (a fused q/k/v or gate/up projection's parts each
 // their own rank's; tokens of the base model untouched). This is the segmented product of
 // vLLM's punica kernels (SGMV: shrink, then expand per segment): in torch the step's adapters
@@ -75,10 +75,13 @@ inline float lanes_sum(Vf v) {
   return s;
 }
 
-// One adapter's part: its shrink columns [c0, c0 + cn) feed outputs [o0, o1) through the
-// B block at b_offset (cn rows of o1 - o0: B transposed, scaled).
+// One adapter's part: its shrink columns [c0, c0 + cn) feed `width` outputs through the B
+// block at b_offset (cn rows of width: B transposed, scaled). Output o is y's column at(o):
+// chunks of 16 outputs `stride` columns apart from o0 (16: contiguous; 32: a fused gate/up
+// product's gate or up chunks, interleaved with the other's, amx.py interleave_gate_up).
 struct Part {
-  int64_t c0, cn, o0, o1, b_offset;
+  int64_t c0, cn, o0, width, b_offset, stride;
+  int64_t at(int64_t o) const { return o0 + (o / kLanes) * stride + o % kLanes; }
 };
 
 // A tile's shrink for V vectors of columns: s[j * width + c] = x[t_j] . A[c] for its N tokens
@@ -116,8 +119,9 @@ void shrink(const T* const* x, const T* at, int64_t in, int64_t width, float* s)
 // A tile's expand of V vectors of outputs [o, o + V * kLanes) of one part:
 // y[t_j] += s_j[part's columns] @ the part's B there.
 template <typename T, int N, int V>
-inline void expand_block(T* const* y, const T* b, int64_t width, int64_t cn, int64_t o,
-                         int64_t o_abs, const float* sp, int64_t s_width) {
+inline void expand_block(T* const* y, const T* b, const Part& part, int64_t o, const float* sp,
+                         int64_t s_width) {
+  const int64_t width = part.width, cn = part.cn;
   Vf acc[N][V] = {};
   for (int64_t k = 0; k < cn; ++k) {
     Vf w[V];
@@ -129,7 +133,7 @@ inline void expand_block(T* const* y, const T* b, int64_t width, int64_t cn, int
   }
   for (int j = 0; j < N; ++j) {
     for (int v = 0; v < V; ++v) {
-      T* out = y[j] + o_abs + v * kLanes;
+      T* out = y[j] + part.at(o + v * kLanes);
       store(out, load(out) + acc[j][v]);
     }
   }
@@ -137,18 +141,17 @@ inline void expand_block(T* const* y, const T* b, int64_t width, int64_t cn, int
 
 template <typename T, int N>
 void expand(T* const* y, const T* b, const Part& part, const float* s, int64_t s_width) {
-  const int64_t width = part.o1 - part.o0;
+  const int64_t width = part.width;
   const float* sp = s + part.c0;
   int64_t o = 0;
   for (; o + kBlock * kLanes <= width; o += kBlock * kLanes)
-    expand_block<T, N, kBlock>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
-  for (; o + kLanes <= width; o += kLanes)
-    expand_block<T, N, 1>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
+    expand_block<T, N, kBlock>(y, b, part, o, sp, s_width);
+  for (; o + kLanes <= width; o += kLanes) expand_block<T, N, 1>(y, b, part, o, sp, s_width);
   for (; o < width; ++o) {
     for (int j = 0; j < N; ++j) {
       float sum = 0.0f;
       for (int64_t k = 0; k < part.cn; ++k) sum += sp[j * s_width + k] * scalar(b[k * width + o]);
-      T& out = y[j][part.o0 + o];
+      T& out = y[j][part.at(o)];
       out = static_cast<T>(scalar(out) + sum);
     }
   }
@@ -224,16 +227,16 @@ void shrink_pairs(const c10::BFloat16* const* x, const c10::BFloat16* at, int64_
 
 // sp: token j's shrink, rounded to bf16, at sp + j * s_width (the part's first column).
 template <int N, int V>
-inline void expand_pairs_block(c10::BFloat16* const* y, const c10::BFloat16* b, int64_t width,
-                               int64_t cn, int64_t o, int64_t o_abs, const c10::BFloat16* sp,
+inline void expand_pairs_block(c10::BFloat16* const* y, const c10::BFloat16* b,
+                               const Part& part, int64_t o, const c10::BFloat16* sp,
                                int64_t s_width) {
   const c10::BFloat16* src[N];
   for (int j = 0; j < N; ++j) src[j] = sp + j * s_width;
   __m512 acc[N][V];
-  pair_sums<N, V>(acc, b, width, o, src, cn);
+  pair_sums<N, V>(acc, b, part.width, o, src, part.cn);
   for (int j = 0; j < N; ++j) {
     for (int v = 0; v < V; ++v) {  // (VCVTNEPS2BF16: to nearest even in one instruction)
-      c10::BFloat16* out = y[j] + o_abs + v * kLanes;
+      c10::BFloat16* out = y[j] + part.at(o + v * kLanes);
       const __m512 sum = _mm512_add_ps((__m512)load(out), acc[j][v]);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(sum));
     }
@@ -243,13 +246,12 @@ inline void expand_pairs_block(c10::BFloat16* const* y, const c10::BFloat16* b, 
 template <int N>
 void expand_pairs(c10::BFloat16* const* y, const c10::BFloat16* b, const Part& part,
                   const c10::BFloat16* s, int64_t s_width) {
-  const int64_t width = part.o1 - part.o0;
+  const int64_t width = part.width;
   const c10::BFloat16* sp = s + part.c0;
   int64_t o = 0;
   for (; o + kBlock * kLanes <= width; o += kBlock * kLanes)
-    expand_pairs_block<N, kBlock>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
-  for (; o + kLanes <= width; o += kLanes)
-    expand_pairs_block<N, 1>(y, b, width, part.cn, o, part.o0 + o, sp, s_width);
+    expand_pairs_block<N, kBlock>(y, b, part, o, sp, s_width);
+  for (; o + kLanes <= width; o += kLanes) expand_pairs_block<N, 1>(y, b, part, o, sp, s_width);
   for (; o < width; ++o) {
     for (int j = 0; j < N; ++j) {
       float sum = 0.0f;
@@ -257,7 +259,7 @@ void expand_pairs(c10::BFloat16* const* y, const c10::BFloat16* b, const Part& p
         sum += static_cast<float>(sp[j * s_width + k]) *
                static_cast<float>(b[((k / 2) * width + o) * 2 + k % 2]);
       }
-      c10::BFloat16& out = y[j][part.o0 + o];
+      c10::BFloat16& out = y[j][part.at(o)];
       out = c10::BFloat16(static_cast<float>(out) + sum);
     }
   }
@@ -307,7 +309,8 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
   for (int64_t g = 0; g < groups.size(0); ++g) {
     Group entry;
     for (int64_t p = 0; p < parts.size(0); ++p) {
-      const int64_t* q = part + p * 8;  // (adapter, a_offset, width, c0, cn, o0, o1, b_offset)
+      // (adapter, a_offset, a_width, c0, cn, o0, width, b_offset, stride)
+      const int64_t* q = part + p * 9;
       if (q[0] != group[g * 3]) continue;
       if (entry.parts.empty()) {
         entry.a_offset = q[1];
@@ -319,10 +322,15 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
                       q[2] % kLanes == 0 && q[1] >= 0 && q[1] + in_held * q[2] <= a.numel(),
                   "lora_add: part ", p, ": its adapter's A^T lies outside a, or its "
                   "width is not a multiple of ", kLanes);
-      TORCH_CHECK(q[3] >= 0 && q[4] > 0 && q[3] + q[4] <= q[2] && q[5] >= 0 && q[5] < q[6] &&
-                      q[6] <= out && q[7] >= 0 && q[7] + cn_held * (q[6] - q[5]) <= b.numel(),
+      const Part piece{q[3], q[4], q[5], q[6], q[7], q[8]};
+      TORCH_CHECK(piece.stride >= kLanes && (piece.stride == kLanes || piece.width % kLanes == 0),
+                  "lora_add: part ", p, ": chunks of 16 outputs ", piece.stride,
+                  " columns apart, or a width of ", piece.width, " not in whole chunks");
+      TORCH_CHECK(piece.c0 >= 0 && piece.cn > 0 && piece.c0 + piece.cn <= q[2] &&
+                      piece.o0 >= 0 && piece.width > 0 && piece.at(piece.width - 1) < out &&
+                      piece.b_offset >= 0 && piece.b_offset + cn_held * piece.width <= b.numel(),
                   "lora_add: part ", p, " lies outside its adapter's columns, y or b");
-      entry.parts.push_back(Part{q[3], q[4], q[5], q[6], q[7]});
+      entry.parts.push_back(piece);
     }
     if (entry.parts.empty()) continue;  // (this adapter does not target this projection)
     entry.begin = group[g * 3 + 1];
@@ -382,9 +390,9 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
 // y [T, out] += each adapted token's own adapter's products. rows int32 [n]: the adapted
 // tokens, grouped by adapter; groups int64 [G, 3]: (adapter, begin, end) of rows; a: each
 // adapter's A transposed, [in, width] (width its columns rounded up to a multiple of 16,
-// zeros past them), flat; b: the parts' B blocks, each [cn, o1 - o0] (B transposed, scaled),
-// flat; parts int64 [P, 8]: (adapter, its A^T's offset in a, its width, c0, cn, o0, o1,
-// offset in b). pairs: bf16 held as pairs (above; lora_bf16_pairs() says whether this build
+// zeros past them), flat; b: the parts' B blocks, each [cn, width] (B transposed, scaled),
+// flat; parts int64 [P, 9]: (adapter, its A^T's offset in a, its width, c0, cn, o0, the
+// part's outputs, offset in b, its chunks' stride: Part). pairs: bf16 held as pairs (above; lora_bf16_pairs() says whether this build
 // has them).
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& rows,
               const at::Tensor& groups, const at::Tensor& a, const at::Tensor& b,
@@ -401,8 +409,8 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& rows,
                   groups.scalar_type() == at::kLong && groups.dim() == 2 &&
                   groups.size(1) == 3 && groups.is_contiguous() &&
                   parts.scalar_type() == at::kLong && parts.dim() == 2 &&
-                  parts.size(1) == 8 && parts.is_contiguous(),
-              "lora_add: rows int32 [n], groups int64 [G, 3], parts int64 [P, 8]");
+                  parts.size(1) == 9 && parts.is_contiguous(),
+              "lora_add: rows int32 [n], groups int64 [G, 3], parts int64 [P, 9]");
   TORCH_CHECK(!pairs || (x.scalar_type() == at::kBFloat16 && lora_bf16_pairs()),
               "lora_add: pairs are bf16's, on a CPU with AVX512-BF16");
   if (x.scalar_type() == at::kFloat) {

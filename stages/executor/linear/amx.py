@@ -117,6 +117,12 @@ class AmxMethod(LinearMethod):
             return super().apply_gated(layer, x, silu_and_mul)
         return self._run(layer, x, True)
 
+    def apply_interleaved(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A fused gate/up layer's product without its activation: [T, out], its gate and
+        up columns interleaved 16 at a time (interleave_gate_up), for a caller that adds to
+        them before the activation (LoRA: stages/executor/lora.py)."""
+        return self._run(layer, x, False)
+
     @staticmethod
     def _run(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         return over_rows(x, lambda rows: torch.ops.llm_cpu.amx_linear(
