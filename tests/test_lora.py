@@ -200,6 +200,11 @@ def test_fused_gate_up_keeps_its_activation_and_takes_adapters_interleaved() -> 
 
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     assert torch.equal(layer.gated_forward(x, silu_and_mul), plain.gated_forward(x, silu_and_mul))
+    # (the activation reads interleaved columns in place: the bits of them put back in order)
+    y = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    in_order = y.view(3, -1, 2, 16).transpose(1, 2).reshape(3, -1).contiguous()
+    assert torch.equal(torch.ops.llm_cpu.silu_and_mul(y, True),
+                       torch.ops.llm_cpu.silu_and_mul(in_order))
     state.step = step_adapters(np.array([1, 0, 1], dtype=np.int32),
                                np.array([2, 1, 2], dtype=np.int32))
     got = layer.gated_forward(x, silu_and_mul).float()

@@ -292,15 +292,15 @@ class LoraMethod(LinearMethod):
         """A fused gate/up product (bf16's packed forms: amx.py) keeps its fused activation
         where the step adds no adapter here; else its gate and up columns come interleaved
         (16 of each in turn), the kernel adds each token's adapter to them in that order,
-        and they are put back in order (gate, then up) for the activation."""
+        and the activation reads them so (silu_and_mul's `interleaved`: fused gates are
+        silu's, blocks.py)."""
         if not getattr(layer, "fused_gate", False):
             return silu_and_mul(self.apply(layer, x))
         if not self.state.adapts(layer):
             return self.base.apply_gated(layer, x, silu_and_mul)
         assert isinstance(self.base, AmxMethod)
         y = self.state.add_deltas(layer, x, self.base.apply_interleaved(layer, x))
-        rows = y.shape[0]
-        return silu_and_mul(y.view(rows, -1, 2, GATE_BLOCK).transpose(1, 2).reshape(rows, -1))
+        return torch.ops.llm_cpu.silu_and_mul(y, True)  # type: ignore[no-any-return]
 
 
 def load_adapter(layers: torch.nn.ModuleList, state: LoraState, adapter: int,

@@ -1882,11 +1882,15 @@ struct GeluTanh {
 // [rows, 2 * width] (gate, then up) -> act(gate) * up, [rows, width]; rounded as
 // F.silu(gate) * up (F.gelu(gate, approximate="tanh") * up) rounds: the activation to the
 // dtype, then the product.
+// interleaved: a row's gate and up columns come 16 of each in turn (amx.py
+// interleave_gate_up's order, as a fused gate/up product writes them without its activation).
 template <typename Act>
-at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
+at::Tensor act_and_mul(const at::Tensor& x, const char* name, bool interleaved = false) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
               name, ": contiguous [rows, 2 * width]");
   const int64_t rows = x.size(0), width = x.size(1) / 2;
+  TORCH_CHECK(!interleaved || width % 16 == 0, name, ": interleaved gate and up columns come "
+              "16 at a time; ", width, " is not a multiple of 16");
   at::Tensor out = at::empty({rows, width}, x.options());
   dispatch_float_types(x.scalar_type(), name, [&](auto tag) {
     using T = decltype(tag);
@@ -1897,6 +1901,12 @@ at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
         const T* g = in + r * 2 * width;
         const T* u = g + width;
         T* orow = o + r * width;
+        if (interleaved) {
+          for (int64_t e = 0; e < width; e += 16) {
+            store16(orow + e, round16<T>(Act::lanes(load16(g + 2 * e))) * load16(g + 2 * e + 16));
+          }
+          continue;
+        }
         int64_t e = 0;
         for (; e + 16 <= width; e += 16) {  // exp and both roundings on 16 lanes
           store16(orow + e, round16<T>(Act::lanes(load16(g + e))) * load16(u + e));
@@ -1911,7 +1921,9 @@ at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
   return out;
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<Silu>(x, "silu_and_mul"); }
+at::Tensor silu_and_mul(const at::Tensor& x, bool interleaved) {
+  return act_and_mul<Silu>(x, "silu_and_mul", interleaved);
+}
 
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
   return act_and_mul<GeluTanh>(x, "gelu_tanh_and_mul");
@@ -2027,7 +2039,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_offset(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_offset(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("silu_and_mul(Tensor x, bool interleaved=False) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("work_queue_takes(int n, int grain, int runs, int[] selves) -> Tensor",

@@ -65,7 +65,7 @@ struct Ops {
       rms_norm_offset;
   c10::TypedOperatorHandle<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
       add_rms_norm_offset;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, bool)> silu_and_mul;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> gelu_tanh_and_mul;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -102,7 +102,8 @@ const Ops& ops() {
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
         d.findSchemaOrThrow("llm_cpu::add_rms_norm_offset", "")
             .typed<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(),
-        d.findSchemaOrThrow("llm_cpu::silu_and_mul", "").typed<at::Tensor(const at::Tensor&)>(),
+        d.findSchemaOrThrow("llm_cpu::silu_and_mul", "")
+            .typed<at::Tensor(const at::Tensor&, bool)>(),
         d.findSchemaOrThrow("llm_cpu::gelu_tanh_and_mul", "")
             .typed<at::Tensor(const at::Tensor&)>(),
         d.findSchemaOrThrow("llm_cpu::paged_attention", "")
@@ -227,7 +228,7 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     h = project(h, w(kGateUpW), w(kGateUpB), gate_up);
     if (gate_up[0] != kAmxGated && gate_up[0] != kVectorGated) {
       h = spec[kActivation] == kGeluTanh ? op.gelu_tanh_and_mul.call(h)
-                                         : op.silu_and_mul.call(h);
+                                         : op.silu_and_mul.call(h, false);
     }
     h = project(h, w(kDownW), w(kDownB), spec + 3 * kPerProjection);
     if (w(kPostMlpNorm).has_value()) h = norm(h, *w(kPostMlpNorm));
