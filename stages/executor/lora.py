@@ -216,11 +216,10 @@ class LoraState:
 
     def _pack(self, layer: Linear, weights: dict[int, LoraWeights]) -> Packed:
         """The layer's Packed, made again when its adapters changed (a load or unload)."""
-        pairs = sorted(weights.items(), key=lambda pair: pair[0])
         pack = self.packs.get(layer)
-        if pack is not None and [(a, id(w)) for a, w in pack.made_from] == [
-                (a, id(w)) for a, w in pairs]:
+        if pack is not None and _made_from(pack.made_from, weights):
             return pack
+        pairs = sorted(weights.items(), key=lambda pair: pair[0])
         a_blocks, b_blocks, rows, a_offset, b_offset = [], [], [], 0, 0
         for adapter, w in pairs:
             columns, inputs = w.a.shape
@@ -247,10 +246,9 @@ class LoraState:
 
     def _stack(self, layer: Linear, weights: dict[int, LoraWeights]) -> Stacked:
         """The layer's Stacked, made again when its adapters changed (a load or unload)."""
-        pairs = sorted(weights.items(), key=lambda pair: pair[0])
         stack = self.stacks.get(layer)
-        if stack is None or [(a, id(w)) for a, w in stack.made_from] != [
-                (a, id(w)) for a, w in pairs]:
+        if stack is None or not _made_from(stack.made_from, weights):
+            pairs = sorted(weights.items(), key=lambda pair: pair[0])
             layout = tuple((a, w.a.shape[0]) for a, w in pairs)
             owner = torch.cat([torch.full((n,), a, dtype=torch.int64) for a, n in layout])
             stack = Stacked(torch.cat([w.a for _, w in pairs]).contiguous(),
@@ -258,6 +256,13 @@ class LoraState:
                             owner.to(pairs[0][1].a.device), layout, tuple(pairs))
             self.stacks[layer] = stack
         return stack
+
+
+def _made_from(made_from: tuple[tuple[int, LoraWeights], ...],
+               weights: dict[int, LoraWeights]) -> bool:
+    """Whether a layer's Packed or Stacked was made from exactly its adapters now (each
+    projection asks, every step: a few dict lookups, no sort)."""
+    return len(made_from) == len(weights) and all(weights.get(a) is w for a, w in made_from)
 
 
 def _as_pairs(m: torch.Tensor) -> torch.Tensor:
