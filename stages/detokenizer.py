@@ -28,7 +28,7 @@ from ipc.messages import (
 )
 from stages.peers import Peers, local_members
 from stages.process import stage_process
-from stages.text_stream import TextStream, text_streams
+from stages.text_stream import TextStream, hold_back, text_streams
 from stages.trace import now_ns
 
 logger = logging.getLogger(__name__)
@@ -56,18 +56,6 @@ def _split_stop_token(delta: TokenDelta, include: bool) -> tuple[list[int], list
     if delta.stop_token_id is None or include or not delta.token_ids:
         return delta.token_ids, []
     return delta.token_ids[:-1], delta.token_ids[-1:]
-
-
-def hold_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of text that could still become a stop string: the longest
-    suffix of text that is a proper prefix of one of them."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
 
 
 def find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:

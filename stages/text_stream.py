@@ -5,7 +5,7 @@ table built once per tokenizer, at a dict lookup for a token made of whole chara
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tokenizers import Tokenizer, decoders
@@ -191,3 +191,16 @@ class ByteLevelText:
     def flush(self) -> str | None:
         held, self.held = self.held, None
         return None if held is None else held.decode("utf-8", "replace")
+
+
+def hold_back(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of text that could still become one of `stops` (stop strings,
+    a tool call's or a reasoning tag's markers): the longest suffix of text that is a proper
+    prefix of one of them."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

@@ -22,7 +22,7 @@ from ipc.errors import ConfigError
 from ipc.messages import ReasoningTags
 from pipeline.server.errors import bad
 from pipeline.server.harmony import ENDS, HarmonyDelta, HarmonyStream, write_header
-from pipeline.server.tools import partial_marker
+from stages.text_stream import hold_back
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class ReasoningParser:
                     text, self.state, self.ended = (text[at + len(self.end_tag):],
                                                     _State.AFTER, True)
                 else:
-                    keep = partial_marker(text, (self.end_tag,))
+                    keep = hold_back(text, (self.end_tag,))
                     reasoning.append(text[:len(text) - keep])
                     self.held = text[len(text) - keep:]
                     break

@@ -26,6 +26,7 @@ from pipeline.server.tool_parsers import (
     default_parser,
     new_call_id,
 )
+from stages.text_stream import hold_back
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -231,7 +232,7 @@ class ToolStream:
             self.held = True
             end = min(marks)
         else:
-            end = len(unsent) - partial_marker(unsent, parser.markers)
+            end = len(unsent) - hold_back(unsent, parser.markers)
         if not end or (not self.sent and not unsent[:end].strip()):  # (sent: not all spaces)
             return []
         self.sent, self.unsent = self.sent + end, unsent[end:]
@@ -286,9 +287,3 @@ class ToolStream:
         return out + self._calls(found.calls), reason
 
 
-def partial_marker(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of text could begin one of the markers."""
-    for n in range(min(max((len(m) for m in markers), default=1) - 1, len(text)), 0, -1):
-        if any(len(m) > n and m.startswith(text[-n:]) for m in markers):
-            return n
-    return 0
