@@ -215,6 +215,30 @@ def test_fused_gate_up_keeps_its_activation_and_takes_adapters_interleaved() -> 
         torch.testing.assert_close(got[t], want[0], rtol=0.0, atol=2e-2 * scale)
 
 
+def test_a_layer_its_format_hands_on_keeps_its_adapters() -> None:
+    """bf16's packed forms hand a layer whose inputs are not a multiple of 32 to oneDNN's
+    (OneDnnPackedMethod.take): the layer stays wrapped, and its adapter is added."""
+    from stages.executor.linear.amx import packed_method
+
+    method = packed_method() if kernels.available() else None
+    if method is None:
+        pytest.skip("no packed bf16 form on this CPU")
+    g = torch.Generator().manual_seed(3)
+    state = LoraState(max_loras=1, kernel=True, pairs=bool(torch.ops.llm_cpu.lora_bf16_pairs()))
+    layer = Linear(40, 32, False, LoraMethod(method(), state))
+    layer.weight.data = torch.randn(32, 40, generator=g).to(torch.bfloat16)
+    weight = layer.weight.data.float()
+    layer.method.process(layer)
+    assert isinstance(layer.method, LoraMethod) and layer.method.base.name == "onednn-packed"
+    a, b = torch.randn(4, 40, generator=g), torch.randn(32, 4, generator=g)
+    state.weights[layer] = {1: LoraWeights(a.to(torch.bfloat16), b.to(torch.bfloat16))}
+    state.step = step_adapters(np.array([1], dtype=np.int32), np.array([2], dtype=np.int32))
+    x = torch.randn(2, 40, generator=g).to(torch.bfloat16)
+    want = x.float() @ (weight + b.to(torch.bfloat16).float() @ a.to(torch.bfloat16).float()).T
+    scale = float(want.abs().max())
+    torch.testing.assert_close(layer(x).float(), want, rtol=0.0, atol=2e-2 * scale)
+
+
 @pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
 def test_bf16_adapters_mixed_give_their_tokens_alone(folders: dict[str, Path]) -> None:
     """bf16 on the kernels (AVX512-BF16's pairs where the CPU has them): each request's tokens

@@ -285,6 +285,8 @@ class LoraMethod(LinearMethod):
         if not self.state.kernel:  # (torch's products add to gate and up in their own order)
             layer.gated = False
         self.base.process(layer)
+        if layer.method is not self:  # (the base format handed the layer on: OneDnn's take)
+            layer.method = LoraMethod(layer.method, self.state)
 
     def for_head(self) -> LinearMethod:
         return self.base.for_head()

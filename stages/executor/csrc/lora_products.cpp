@@ -69,12 +69,6 @@ inline void store(c10::BFloat16* p, Vf v) {
 inline float scalar(float v) { return v; }
 inline float scalar(c10::BFloat16 v) { return static_cast<float>(v); }
 
-inline float lanes_sum(Vf v) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
 // One adapter's part: its shrink columns [c0, c0 + cn) feed `width` outputs through the B
 // block at b_offset (cn rows of width: B transposed, scaled). Output o is y's column at(o):
 // chunks of 16 outputs `stride` columns apart from o0 (16: contiguous; 32: a fused gate/up
