@@ -153,6 +153,8 @@ class ExecutorConfig:
     # layers each stage holds: even, or these counts (--pipeline-layer-partition)
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] | None = None
+    # The last N stages run on a host that joins (run_pipeline stage pipeline): ipc/ranks.py
+    joined_pipeline_stages: int = 0
     quantization: str | None = None  # QUANTIZATIONS: weights quantized at load (CPU)
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: the KV cache's format
 
@@ -180,6 +182,12 @@ class ExecutorConfig:
             raise ConfigError("--tensor-parallel-size needs a model, not the timed device")
         if self.pipeline_parallel_size < 1:
             raise ConfigError("--pipeline-parallel-size must be at least 1")
+        if not 0 <= self.joined_pipeline_stages < self.pipeline_parallel_size:
+            raise ConfigError(f"--joined-pipeline-stages {self.joined_pipeline_stages}: at least "
+                              f"0 and below --pipeline-parallel-size "
+                              f"{self.pipeline_parallel_size} (the first stage runs here)")
+        if self.joined_pipeline_stages and self.timed is not None:
+            raise ConfigError("--joined-pipeline-stages needs a model, not the timed device")
         given = self.pipeline_layer_partition
         if given is not None and len(given) != self.pipeline_parallel_size:
             raise ConfigError(f"--pipeline-layer-partition gives {len(given)} stage(s) "
@@ -416,6 +424,9 @@ class PipelineConfig(RunAddresses):
             raise ConfigError("--data-parallel-size must be at least 1")
         if self.router not in ("prefix", "load"):
             raise ConfigError(f"--router must be prefix or load, got {self.router!r}")
+        if self.executor.joined_pipeline_stages and not self.accepts_stages:
+            raise ConfigError("--joined-pipeline-stages: those stages join from another host, "
+                              "so the pipeline needs --listen HOST and --stage-key KEY")
 
     @property
     def limits(self) -> EngineLimits:
@@ -447,7 +458,7 @@ class PipelineConfig(RunAddresses):
         """Which global executor ranks each engine of this run owns."""
         ex = self.executor
         return RankLayout(self.data_parallel_size, ex.tensor_parallel_size,
-                          ex.pipeline_parallel_size)
+                          ex.pipeline_parallel_size, ex.joined_pipeline_stages)
 
     def scheduler_addresses(self) -> list[str]:
         """Every engine's scheduler inbox (what the tokenizers route to, in engine order)."""

@@ -560,6 +560,27 @@ class LastStep(Message):
     step_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteStep(Message):
+    """A step plan and its ring slot's contents (ipc/step.py step_columns), from an engine's
+    first executor rank to a rank of a pipeline stage on another host, which maps no ring."""
+
+    TAG: ClassVar[int] = 23
+    plan: StepPlan
+    columns: dict[str, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSampled(Message):
+    """A step's samples from a sampling rank on another host to the engine's first rank,
+    which writes `columns` (ipc/step.py sampled_columns) into the sampled-token ring and
+    passes `tokens` on to the scheduler."""
+
+    TAG: ClassVar[int] = 24
+    tokens: SampledTokens
+    columns: dict[str, bytes]
+
+
 # ---------------------------------------------------------------- stages -> launcher
 
 
@@ -705,6 +726,10 @@ class PipelineStatus(Message):
     # An engine's executor ranks beyond one: "executor:R" -> its place, engine.stage.rank
     # ("e0.s1.t0"; ipc/ranks.py RankLayout.describe)
     ranks: dict[str, str] = field(default_factory=dict)
+    # Engines whose last pipeline stages run on a host that joined: "E" -> HOST:PORT of the
+    # TCP store its ranks meet in now (a new one each time the engine starts): that host
+    # starts its ranks there (pipeline/runtime/remote.py)
+    rendezvous: dict[str, str] = field(default_factory=dict)
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
@@ -723,6 +748,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     RequestOutputs,
     StepPlan,
     LastStep,
+    RemoteStep,
+    RemoteSampled,
     SampledTokens,
     StageReady,
     StageAlive,

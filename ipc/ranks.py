@@ -19,12 +19,19 @@ class RankLayout:
     num_engines: int
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # The last joined_stages stages of each engine run on another host, which joins the run
+    # (`run_pipeline stage pipeline`): the launcher starts only the others
+    joined_stages: int = 0
 
     def __post_init__(self) -> None:
         if min(self.num_engines, self.tensor_parallel_size, self.pipeline_parallel_size) < 1:
             raise ValueError(f"a rank layout of {self.num_engines} engine(s) of "
                              f"{self.pipeline_parallel_size} stage(s) of "
                              f"{self.tensor_parallel_size} rank(s): each must be at least 1")
+        if not 0 <= self.joined_stages < self.pipeline_parallel_size:
+            raise ValueError(f"{self.joined_stages} joined pipeline stage(s) of "
+                             f"{self.pipeline_parallel_size}: the first stage runs on the "
+                             "launcher's host")
 
     @property
     def ranks_per_engine(self) -> int:
@@ -44,6 +51,21 @@ class RankLayout:
         """The rank that receives the engine's plans and whose ready report carries its cache
         size (the scheduler starts on it): the first stage's first tensor rank."""
         return engine * self.ranks_per_engine
+
+    def local_ranks(self, engine: int) -> range:
+        """The ranks of engine `engine` the launcher starts: those of its stages on this host
+        (all of them without joined stages)."""
+        ranks = self.engine_ranks(engine)
+        return ranks[:len(ranks) - self.joined_stages * self.tensor_parallel_size]
+
+    def joined_ranks(self, engine: int) -> range:
+        """The ranks of engine `engine` a joining host starts (its last joined_stages)."""
+        ranks = self.engine_ranks(engine)
+        return ranks[len(ranks) - self.joined_stages * self.tensor_parallel_size:]
+
+    def joined(self, rank: int) -> bool:
+        """Whether a global rank's stage runs on another host than the engine's head."""
+        return self.stage_of(rank) >= self.pipeline_parallel_size - self.joined_stages
 
     def engine_of(self, rank: int) -> int:
         return rank // self.ranks_per_engine

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ipc.config import EngineLimits, PipelineConfig
-from ipc.messages import SlotGrammar, SlotLogitBias, StepPlan
+from ipc.messages import SampledTokens, SlotGrammar, SlotLogitBias, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.sampling import NUM_F, NUM_I, SlotRow
 from ipc.shm import BufferSpec, SharedRing, unlink_segment
@@ -364,3 +364,44 @@ def read_sampled(buf: dict[str, np.ndarray], num_sampled: int, num_top_logprobs:
 def read_accepted(buf: dict[str, np.ndarray], num_rows: int) -> list[int]:
     """How many sampled positions stand in each of a step's `num_rows` rows with drafts."""
     return buf["num_accepted"][:num_rows].tolist()
+
+
+# ---------------------------------------------------------------- a slot carried to another host
+
+# Pipeline stages on another host (ipc/ranks.py RankLayout.joined_stages) do not map the
+# rings: the first rank sends each step's slot with its plan (RemoteStep) and the sampling
+# rank each step's samples (RemoteSampled), as each field's used entries in bytes.
+Columns = dict[str, bytes]
+
+
+def slot_columns(buf: dict[str, np.ndarray], counts: dict[str, int]) -> Columns:
+    """The first counts[name] entries of each named field of slot `buf`, as bytes."""
+    return {name: buf[name][:n].tobytes() for name, n in counts.items() if n > 0}
+
+
+def put_columns(buf: dict[str, np.ndarray], columns: Columns) -> None:
+    """Write `columns` (slot_columns' of a slot of the same layout) into slot `buf`."""
+    for name, data in columns.items():
+        flat = buf[name].reshape(-1).view(np.uint8)
+        if len(data) > len(flat):
+            raise ValueError(f"{len(data)} bytes for ring field {name!r} of {len(flat)}")
+        flat[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+def step_columns(buf: dict[str, np.ndarray], plan: StepPlan) -> Columns:
+    """What a step's slot holds for `plan`: its stamp and each field's entries."""
+    counts = {f.name: int(getattr(plan, f.count.plan_field)) for f in STEP_FIELDS}
+    return slot_columns(buf, {"stamp": 2, **counts})
+
+
+def sampled_columns(buf: dict[str, np.ndarray], msg: SampledTokens, num_rows: int) -> Columns:
+    """What a step's sampled-ring slot holds for `msg` (`num_rows`: the step's rows, the
+    most that may have drafts): the fields read_sampled, read_accepted and
+    read_prompt_logprobs read."""
+    n = msg.num_sampled
+    with_logprobs = n if msg.num_top_logprobs >= 0 else 0
+    plp = max(0, msg.num_prompt_logprobs)
+    return slot_columns(buf, {"token_ids": n, "logprob": with_logprobs,
+                              "top_ids": with_logprobs, "top_logprobs": with_logprobs,
+                              "num_accepted": num_rows, "plp_logprob": plp, "plp_rank": plp,
+                              "plp_top_ids": plp, "plp_top_logprobs": plp})

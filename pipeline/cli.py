@@ -121,6 +121,11 @@ def add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    default=d(ExecutorConfig.pipeline_layer_partition), metavar="N,N,...",
                    help="the layers of each stage, in order (e.g. 9,7); default: even, the "
                         "remainder to the stages before the last")
+    p.add_argument("--joined-pipeline-stages", type=int,
+                   default=d(ExecutorConfig.joined_pipeline_stages), metavar="N",
+                   help="the last N pipeline stages of each engine run on another host, which "
+                        "joins with `run_pipeline stage pipeline` (needs --listen and "
+                        "--stage-key); each engine starts once its host has joined")
     p.add_argument("--data-parallel-size", type=int,
                    default=d(PipelineConfig.data_parallel_size), metavar="D",
                    help="D engines (a scheduler and its executor each, a whole model each) "
@@ -232,9 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a stage here that joins a pipeline on another host over tcp://",
         description="Join a running pipeline (started with --listen HOST --stage-key KEY) as "
                     "one more engine (a scheduler and its executor: a whole model, routed to "
-                    "like --data-parallel-size's), tokenizer or detokenizer worker. It serves "
-                    "until that pipeline stops, and leaves it if stopped (Ctrl-C, SIGTERM).")
-    stage.add_argument("kind", choices=["engine", "tokenizer", "detokenizer"])
+                    "like --data-parallel-size's), tokenizer or detokenizer worker, or as the "
+                    "host of an engine's last pipeline stages (a pipeline started with "
+                    "--joined-pipeline-stages N). It serves until that pipeline stops, and "
+                    "leaves it if stopped (Ctrl-C, SIGTERM).")
+    stage.add_argument("kind", choices=["engine", "tokenizer", "detokenizer", "pipeline"])
     stage.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
                        help="the pipeline address the launcher printed")
     stage.add_argument("--stage-key", default=None, metavar="KEY",
@@ -511,7 +518,8 @@ def executor_config(args: argparse.Namespace) -> ExecutorConfig:
         compile=args.compile, cuda_graphs=args.cuda_graphs,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        pipeline_layer_partition=args.pipeline_layer_partition, quantization=args.quantization,
+        pipeline_layer_partition=args.pipeline_layer_partition,
+        joined_pipeline_stages=args.joined_pipeline_stages, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype)
 
 

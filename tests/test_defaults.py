@@ -60,6 +60,7 @@ FLAG_FIELDS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
     "tensor_parallel_size": (ExecutorConfig, "tensor_parallel_size", _same),
     "pipeline_parallel_size": (ExecutorConfig, "pipeline_parallel_size", _same),
     "pipeline_layer_partition": (ExecutorConfig, "pipeline_layer_partition", _same),
+    "joined_pipeline_stages": (ExecutorConfig, "joined_pipeline_stages", _same),
     "max_num_seqs": (SchedulerConfig, "max_num_seqs", _same),
     "max_num_batched_tokens": (SchedulerConfig, "max_num_batched_tokens", _same),
     "block_size": (SchedulerConfig, "block_size", _same),

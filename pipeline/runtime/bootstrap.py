@@ -80,7 +80,9 @@ class Bootstrap:
                              key=lambda item: int(item[0].split(":")[1])))
 
         def local(stage: str, count: int) -> tuple[str, ...]:
-            return tuple(self.tcp(ready[f"{stage}:{i}"]["tcp_port"]) for i in range(count))
+            # ("": an engine not started yet, waiting for the host of its pipeline stages)
+            return tuple(self.tcp(ready[f"{stage}:{i}"]["tcp_port"])
+                         if f"{stage}:{i}" in ready else "" for i in range(count))
 
         def of(stage: str) -> tuple[str, ...]:
             return tuple(a for name, a in joined.items() if name.startswith(f"{stage}:"))
@@ -130,11 +132,13 @@ class Bootstrap:
         if not self.cfg.accepts_stages:
             return NO_JOINS
         reply, member = roster.answer(frames, self.cfg.keys.stage_key, self.fingerprint,
-                                      time.monotonic(), self.public)
+                                      time.monotonic(), self.public, engines.needs_host())
         if member is not None:
             logger.warning("%s is joining from %s", member.name, member.tcp)
             if member.kind == "engine":
                 engines.grow()
+            elif member.kind == "pipeline":  # (the engine loads now: EngineRestarts.advance)
+                engines.hosts[member.index] = member.name
         return reply
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ a death means, supervisor.py runs the processes. Runs in the launcher's supervis
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,13 @@ ENGINE_STOP_TIMEOUT_S = 5.0
 NO_MESSAGE = "no message"
 
 
+def free_address(host: str) -> str:
+    """HOST:PORT of a port free on this host now (an engine's TCP store binds it next)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"{host}:{sock.getsockname()[1]}"
+
+
 class LastFailure:
     """The latest StageFailed's message: the next death put in words says it (once)."""
 
@@ -41,9 +49,12 @@ class EngineRestarts:
     roster (the launcher's, after a change)."""
 
     def __init__(self, supervisor: Supervisor, engines: Engines, roster: Roster,
-                 last_failure: LastFailure, announce: Callable[[Peers], None]) -> None:
+                 last_failure: LastFailure, announce: Callable[[Peers], None],
+                 public_host: str = "") -> None:
+        """public_host: where a joined host reaches this one (the engines' TCP stores)."""
         self.supervisor, self.engines, self.roster = supervisor, engines, roster
         self.last_failure, self._announce = last_failure, announce
+        self.public_host = public_host
 
     @property
     def _procs(self) -> dict[str, Any]:
@@ -97,13 +108,31 @@ class EngineRestarts:
         return True
 
     def advance(self) -> None:
-        """Engines whose old processes have stopped and whose delay is over load again."""
+        """Engines whose old processes have stopped and whose delay is over load again (one
+        with joined pipeline stages once their host has joined: it waits "joining")."""
         now = time.monotonic()
         for engine, restart in self.engines.restarting.items():
             if restart.phase == "stopping" and self._stopped(engine, restart, now) \
                     and now >= restart.due:
+                restart.phase = "joining"
+            if restart.phase == "joining" and (not self.engines.layout.joined_stages
+                                               or engine in self.engines.hosts):
                 self._load(engine)
                 restart.phase = "loading"
+
+    def host_left(self, engine: int, name: str, why: str, links: Peers) -> None:
+        """The host of engine `engine`'s joined pipeline stages left: the engine goes down
+        (if it served) and waits for another host to join."""
+        restart = self.engines.restarting.get(engine)
+        incarnation = restart.incarnation if restart is not None \
+            else self.engines.incarnation[engine] + 1
+        if self.engines.alive[engine]:
+            self.last_failure.message = why
+            self.take_down(engine, name, links)
+        else:
+            self.stop_engine(engine)
+        self.engines.await_host(engine, f"the host of its pipeline stages left ({why}): "
+                                "waiting for another to join", time.monotonic(), incarnation)
 
     def _stopped(self, engine: int, restart: EngineRestart, now: float) -> bool:
         """Whether the engine's old processes have all stopped; those still running past
@@ -127,7 +156,10 @@ class EngineRestarts:
         for n in self.engines.processes(engine):
             if n in self._procs:
                 sup.ready.pop(n, None)
-        sup.spawn_executors(engine)
+        rendezvous = ""
+        if self.engines.layout.joined_stages:  # (the joined host starts its ranks on it)
+            rendezvous = self.engines.rendezvous[engine] = free_address(self.public_host)
+        sup.spawn_executors(engine, rendezvous)
 
     def stage_ready(self, engine: int, name: str, info: dict[str, Any], links: Peers) -> None:
         """A new process of a restarting engine is ready: once its head executor rank is

@@ -81,10 +81,16 @@ class Engines:
     went silent is taken down for good."""
 
     def __init__(self, num_engines: int, tensor_parallel_size: int,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, joined_stages: int = 0) -> None:
         self.num_engines = num_engines
         # Where each engine's executor ranks are (engines that join later follow the rule).
-        self.layout = RankLayout(num_engines, tensor_parallel_size, pipeline_parallel_size)
+        self.layout = RankLayout(num_engines, tensor_parallel_size, pipeline_parallel_size,
+                                 joined_stages)
+        # With joined pipeline stages: the engines whose host of those stages has joined
+        # (engine -> its roster name, "pipeline:E"), and where each engine's ranks meet now
+        # (HOST:PORT of its TCP store, new each time it starts; the status carries it there)
+        self.hosts: dict[int, str] = {}
+        self.rendezvous: dict[int, str] = {}
         self.alive = [True] * num_engines
         self.ready = [True] * num_engines  # one joining from another host is not, at first
         self.stats: list[SchedulerStats | None] = [None] * num_engines
@@ -130,6 +136,21 @@ class Engines:
     def take_down(self, engine: int) -> None:
         self.alive[engine] = False  # its last stats stay, for the cumulative counts
 
+    def await_host(self, engine: int, why: str, now: float, incarnation: int) -> None:
+        """Engine `engine` waits, down, for the host of its joined pipeline stages (at the
+        start, or once that host left): it loads once one joins (EngineRestarts.advance)."""
+        self.alive[engine] = False
+        self.hosts.pop(engine, None)
+        self.rendezvous.pop(engine, None)
+        self.down_why[str(engine)] = why
+        self.restarting[engine] = EngineRestart(why, now, now, incarnation, phase="joining")
+
+    def needs_host(self) -> int | None:
+        """The first engine whose joined pipeline stages have no host, if any."""
+        if not self.layout.joined_stages:
+            return None
+        return next((e for e in range(self.num_engines) if e not in self.hosts), None)
+
     def after_death(self, engine: int,
                     delay: Callable[[], float | None]) -> tuple[str, float]:
         """What the death of a process of local engine `engine` means: ("ignore", 0) for a
@@ -141,7 +162,7 @@ class Engines:
         restart = self.restarting.get(engine)
         if restart is None and not self.alive[engine]:
             return "ignore", 0.0
-        if restart is not None and restart.phase == "stopping":
+        if restart is not None and restart.phase in ("stopping", "joining"):
             return "ignore", 0.0
         wait = delay()
         if wait is not None:

@@ -62,7 +62,8 @@ class Pipeline:
         self.failure: str | None = None
         self.endpoints_path: Path | None = None  # <run dir>/pipeline.json, once started
         self.engines = Engines(cfg.data_parallel_size, cfg.executor.tensor_parallel_size,
-                               cfg.executor.pipeline_parallel_size)
+                               cfg.executor.pipeline_parallel_size,
+                               cfg.executor.joined_pipeline_stages)
         self.roster: Roster | None = None  # every stage and its address, once started
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()
@@ -135,7 +136,13 @@ class Pipeline:
             if stage != "executor":
                 roster.local_ready(kind_of(stage), int(index), info.get("stage_port", 0))
         self._restarts = EngineRestarts(self.supervisor, self.engines, roster,
-                                        self._last_failure, self._tell_members)
+                                        self._last_failure, self._tell_members,
+                                        boot.public_host)
+        for engine in range(self.cfg.data_parallel_size if self.engines.needs_host() == 0
+                            else 0):  # (their joined stages' hosts have yet to join)
+            self.engines.await_host(engine, "waiting for the host of its pipeline stages "
+                                    "to join (run_pipeline stage pipeline)", time.monotonic(), 0)
+            roster.leave(roster.members[("engine", engine)])
         self._unlink_rings()  # both users have them mapped: nothing is left in /dev/shm
         self.endpoints_path = self.cfg.endpoints.save(self.cfg.run_dir)
         publisher = StatusPublisher(self._zmq, self.cfg)
@@ -157,6 +164,8 @@ class Pipeline:
         assert self.roster is not None and self._restarts is not None
         assert self._bootstrap is not None
         links = Peers(self._zmq, self.cfg.keys.run_secret, self.roster.view(False))
+        if self.engines.layout.joined_stages:  # (the workers learn the engines wait)
+            self._tell_members(links)
         try:
             while not self._stopping.is_set():
                 dead = self.supervisor.watch(0.1)  # (and starts those due to restart)
@@ -248,6 +257,12 @@ class Pipeline:
         else:
             logger.error("%s (joined from another host) has not been heard from for %.0f s: "
                          "it is gone", member.name, REMOTE_SILENCE_S)
+        if member.kind == "pipeline":
+            if self.engines.hosts.get(member.index) == member.name:
+                self._restarts.host_left(member.index, member.name,
+                                         member.leaving or "gone silent", links)
+                self._tell_members(links)
+            return True
         if member.kind != "engine" or not self.engines.alive[member.index]:
             self._tell_members(links)
             return True

@@ -1,9 +1,11 @@
 """A stage on another host that joins a running pipeline over TCP:
-`run_pipeline stage tokenizer|detokenizer|engine --connect tcp://HOST:PORT`.
+`run_pipeline stage tokenizer|detokenizer|engine|pipeline --connect tcp://HOST:PORT`.
 
 It joins through the launcher's bootstrap socket with the stage key (roster.py says how),
 then starts its processes here (an engine: its executor rank(s) and its scheduler; a worker:
-itself) with the run's config and roster. They report to this process, which relays to the
+itself; a pipeline host: the executor ranks of an engine's joined pipeline stages, started
+anew at each rendezvous the launcher's status names for that engine, as the engine starts
+again) with the run's config and roster. They report to this process, which relays to the
 launcher over tcp://, says every HEARTBEAT_S that they run, and stops them all, leaving
 nothing behind, when the pipeline stops or fails, when the launcher goes silent, when one
 of them dies, or on SIGTERM/Ctrl-C.
@@ -40,6 +42,7 @@ from ipc.messages import (
 )
 from ipc.model_info import model_fingerprint
 from pipeline.runtime.client import reachable_from
+from pipeline.runtime.engine_restarts import ENGINE_STOP_TIMEOUT_S
 from pipeline.runtime.roster import (
     HEARTBEAT_S,
     JOIN_KINDS,
@@ -139,10 +142,14 @@ class RemoteStage:
             raise
         self._status_at = time.monotonic()
         self._next_beat = 0.0
+        # A pipeline host: the rendezvous the launcher names for its engine, the one its
+        # ranks were started at, and those it stopped itself (their exits are not deaths)
+        self._rendezvous = self._running = ""
+        self._stopped_ranks: set[str] = set()
 
     @property
     def name(self) -> str:
-        return f"{'scheduler' if self.kind == 'engine' else self.kind}:{self.joined.index}"
+        return f"{stage_of(self.kind)}:{self.joined.index}"
 
     def run(self) -> int:
         """Start, relay until told to stop; 0 when the pipeline stopped, 1 otherwise."""
@@ -169,9 +176,11 @@ class RemoteStage:
         elif self.kind == "tokenizer":
             sup.spawn_stage("tokenizer", index, 0, members)
             sup.wait_ready([self.name], reports)
-        else:
+        elif self.kind == "detokenizer":
             sup.spawn_stage("detokenizer", index, members)
             sup.wait_ready([self.name], reports)
+        else:  # a pipeline host: its ranks start at the launcher's rendezvous (_relay)
+            return
         # The launcher learns the ports of the stage that stands for this one.
         self._launcher.send(self.ready[self.name])
 
@@ -194,6 +203,7 @@ class RemoteStage:
         while (status := self._status.recv_valid(0)) is not None:
             assert isinstance(status, PipelineStatus)
             self._status_at = time.monotonic()
+            self._rendezvous = status.rendezvous.get(str(self.joined.index), "")
             if status.stopping or status.failure:
                 self.stop_reason = ("the pipeline stopped" if status.stopping
                                     else f"the pipeline failed: {status.failure}")
@@ -209,6 +219,8 @@ class RemoteStage:
             dead = self.supervisor.watch(0.1)
             while (msg := self._control.recv_foreign_safe(0)) is not None:
                 self._forward(msg)
+            if self.kind == "pipeline":
+                dead = self._ranks_follow(dead)
             if dead:
                 self.stop_reason = f"{dead[0]} died"
                 return
@@ -216,6 +228,39 @@ class RemoteStage:
                 return
             self._beat()
         self.stop_reason = self.stop_reason or "interrupted"
+
+    def _ranks_follow(self, dead: list[str]) -> list[str]:
+        """A pipeline host's ranks: a rank that died takes the others down with it (the
+        engine's first rank fails on the lost link, and the launcher starts the engine again
+        at a new rendezvous); at a new rendezvous the ranks start anew. Deaths that stop this
+        host: none (the exits of ranks it stopped are not)."""
+        sup = self.supervisor
+        for name in dead:
+            if name not in self._stopped_ranks:
+                logger.error("%s died (exit code %s): the engine starts again", name,
+                             sup.procs[name].exitcode)
+                self._stop_ranks()
+        if self._rendezvous != self._running:
+            self._stop_ranks()
+            for name in self._stopped_ranks:  # (the new ones take their names)
+                proc = sup.procs[name]
+                proc.join(ENGINE_STOP_TIMEOUT_S)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            self._stopped_ranks.clear()
+            self._running = self._rendezvous
+            if self._running:
+                logger.warning("starting the ranks of engine %d's pipeline stages at %s",
+                               self.joined.index, self._running)
+                sup.spawn_executors(self.joined.index, self._running, joined=True)
+        return []
+
+    def _stop_ranks(self) -> None:
+        for name in list(self.supervisor.procs):
+            if name not in self._stopped_ranks:
+                self._stopped_ranks.add(name)
+                self.supervisor.terminate(name)
 
     def _beat(self) -> None:
         if time.monotonic() >= self._next_beat:
@@ -225,6 +270,8 @@ class RemoteStage:
     def _forward(self, msg: Message) -> None:
         if isinstance(msg, (SchedulerStats, StageFailed)):
             self._launcher.send(msg)
+        elif isinstance(msg, StageReady) and self.kind == "pipeline":
+            logger.info("%s:%d is ready", msg.stage, msg.rank)
 
     def _stop_all(self, timeout: float = 10.0) -> None:
         if self.stop_reason:

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 REMOTE_SILENCE_S = 5.0  # a joined stage that sends nothing for this long has left
 HEARTBEAT_S = 1.0  # how often a joined stage says it runs (StageAlive)
 CHALLENGE_TTL_S = 30.0  # a challenge not answered by then is void
-JOIN_KINDS = ("engine", "tokenizer", "detokenizer")
+# (a "pipeline" host runs an engine's joined pipeline stages: --joined-pipeline-stages)
+JOIN_KINDS = ("engine", "tokenizer", "detokenizer", "pipeline")
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")  # a host name or an IPv4 address
 _HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -132,9 +133,10 @@ class Roster:
         return challenge
 
     def join(self, request: dict[str, object], key: str, fingerprint: str, now: float,
-             public: dict[str, str]) -> dict[str, object]:
+             public: dict[str, str], host_for: int | None = None) -> dict[str, object]:
         """Admit a stage (JoinError if not): its engine or rank, and what it runs with.
-        public: where it reaches the launcher ("control", "status")."""
+        public: where it reaches the launcher ("control", "status"); host_for: the engine a
+        joining "pipeline" host runs the joined stages of (None: none waits for one)."""
         fields = ("kind", "host", "challenge", "nonce", "proof", "fingerprint")
         if not all(isinstance(request.get(k), str) for k in fields):
             raise JoinError(f"a join request names {', '.join(fields)}, each a string")
@@ -153,7 +155,17 @@ class Roster:
         if their_model != fingerprint:
             raise JoinError("the model folder differs from the pipeline's (its config.json or "
                             "tokenizer.json): give --model a copy of the same model")
-        index = 1 + max((m.index for m in self.of_kind(kind)), default=-1)
+        joined_stages = self.cfg.executor.joined_pipeline_stages
+        if kind == "pipeline" and host_for is None:
+            raise JoinError("no engine of this pipeline waits for the host of its pipeline "
+                            "stages" + ("" if joined_stages else
+                                        ": it was not started with --joined-pipeline-stages"))
+        if kind == "engine" and joined_stages:
+            raise JoinError("an engine cannot join a pipeline started with "
+                            "--joined-pipeline-stages (join its pipeline stages: run_pipeline "
+                            "stage pipeline)")
+        index = host_for if kind == "pipeline" and host_for is not None \
+            else 1 + max((m.index for m in self.of_kind(kind)), default=-1)
         self._add(Member(kind, index, "", joined=True, last_seen=now + self.cfg.ready_timeout_s))
         self.members[(kind, index)].tcp = host  # the host only, until it reports its port
         answer = {"index": index, "run_id": self.cfg.run_id, "config": self.cfg.to_wire(),
@@ -162,26 +174,27 @@ class Roster:
         return {"answer": body, "proof": proof(key, "answer", nonce, body)}
 
     def answer(self, frames: list[bytes], key: str, fingerprint: str, now: float,
-               public: dict[str, str]) -> tuple[bytes, Member | None]:
+               public: dict[str, str], host_for: int | None = None
+               ) -> tuple[bytes, Member | None]:
         """The bootstrap socket's answer to a joining stage's `hello` or `join` frames, and
         the member a join admitted (None otherwise)."""
         if frames == [b"hello"]:
             return self.challenge(now).encode(), None
-        before = set(self.members)
         try:
             if len(frames) != 2 or frames[0] != b"join":
                 raise JoinError("not a join request")
             request = json.loads(frames[1])
             if not isinstance(request, dict):
                 raise JoinError("not a join request")
-            reply = self.join(request, key, fingerprint, now, public)
+            reply = self.join(request, key, fingerprint, now, public, host_for)
         except JoinError as exc:
             return json.dumps({"error": str(exc)}).encode(), None
         except Exception as exc:  # whatever anyone sends, the supervisor goes on
             logger.warning("refused a malformed join request: %s: %s", type(exc).__name__, exc)
             return json.dumps({"error": "a malformed join request"}).encode(), None
-        (added,) = set(self.members) - before
-        return json.dumps(reply).encode(), self.members[added]
+        answer = json.loads(str(reply["answer"]))
+        return json.dumps(reply).encode(), self.members[(str(request["kind"]),
+                                                         int(answer["index"]))]
 
     def joined_ready(self, kind: str, index: int, info: dict[str, int], now: float) -> bool:
         """A joined stage reported ready (its ports); False if the roster does not await it."""

@@ -71,14 +71,16 @@ def create_run(cfg: PipelineConfig, trace: bool) -> PipelineConfig:
 def spawn_stages(sup: Supervisor, cfg: PipelineConfig, reports: Reports) -> None:
     """Start every stage of the run and wait until each is ready (StartupError if one is
     not). Every process loads at once; each scheduler starts once its engine's cache size
-    is known (its head executor rank's ready report)."""
-    for engine in range(cfg.data_parallel_size):
+    is known (its head executor rank's ready report). Engines with joined pipeline stages
+    are not started here: each starts once the host of those stages joins (launcher.py)."""
+    engines = range(0 if cfg.ranks.joined_stages else cfg.data_parallel_size)
+    for engine in engines:
         sup.spawn_executors(engine)
     for rank in range(cfg.num_tokenizers):
         sup.spawn_stage("tokenizer", rank)
     for rank in range(cfg.num_detokenizers):
         sup.spawn_stage("detokenizer", rank)
-    for engine in range(cfg.data_parallel_size):
+    for engine in engines:
         sup.start_scheduler(engine, reports)
     sup.wait_ready(list(sup.procs), reports)
 

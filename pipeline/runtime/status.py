@@ -39,7 +39,9 @@ def pipeline_status(supervisor: Supervisor, engines: Engines, roster: Roster | N
                           dict(supervisor.restarts.counts), engines.loads(),
                           list(engines.alive), joined, left=left,
                           engines_restarting=restarting,
-                          engines_down_why=dict(engines.down_why), ranks=rank_places(engines))
+                          engines_down_why=dict(engines.down_why), ranks=rank_places(engines),
+                          rendezvous={str(e): address for e, address in engines.rendezvous.items()
+                                      if e in engines.hosts})
 
 
 def rank_places(engines: Engines) -> dict[str, str]:

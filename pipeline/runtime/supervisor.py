@@ -166,10 +166,17 @@ class Supervisor:
 
     # ------------------------------------------------------------ engines
 
-    def spawn_executors(self, engine: int) -> None:
-        """Start the executor ranks of engine `engine` (ipc/ranks.py says which)."""
-        for rank in self._cfg.ranks.engine_ranks(engine):
-            self.spawn_stage("executor", rank)
+    def spawn_executors(self, engine: int, rendezvous: str = "", joined: bool = False) -> None:
+        """Start the executor ranks of engine `engine` on this host (ipc/ranks.py says which:
+        `joined`, those of the stages a joined host runs). rendezvous: HOST:PORT of the
+        engine's TCP store, where its stages span hosts."""
+        layout = self._cfg.ranks
+        ranks = layout.joined_ranks(engine) if joined else layout.local_ranks(engine)
+        for rank in ranks:
+            if rendezvous:
+                self.spawn_stage("executor", rank, rendezvous)
+            else:
+                self.spawn_stage("executor", rank)
 
     def start_scheduler(self, engine: int, reports: Reports, *args: Any) -> None:
         """Once engine `engine`'s first executor rank is ready (its KV cache allocated),

@@ -49,17 +49,35 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that died: the others fail
 CLOSE_TIMEOUT_S = 5.0  # a stopping stage waits this long for each of its last transfers
 
 
-def join_engine(rank: int, tensor_size: int, layers: list[range], store_path: str,
-                device: torch.device, vocab_size: int
+def engine_store(rank: int, size: int, store_path: str, rendezvous: str = "") -> dist.Store:
+    """Where the engine's `size` ranks meet: the run directory's file store (one host), or
+    with `rendezvous` (HOST:PORT: stages on other hosts) a TCP store there, which rank 0
+    serves. Its keys also carry the ranks' own addresses (engine links, stages/executor/
+    process.py). Clear text: what its readers trust is checked on the channels it names."""
+    if not rendezvous:
+        return dist.FileStore(store_path, size)
+    host, _, port = rendezvous.rpartition(":")
+    return dist.TCPStore(host, int(port), size, is_master=rank == 0,
+                         timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+
+
+def join_engine(rank: int, tensor_size: int, layers: list[range], store: dist.Store,
+                device: torch.device, vocab_size: int, host: str = ""
                 ) -> tuple[TensorParallel | None, PipelineParallel | None]:
-    """Join the engine's process group as its rank `rank` (every rank must call it; the file
-    store is the run directory's): this rank's tensor-parallel group (None: K = 1) and its
-    pipeline stage (None: one stage), `layers` holding each stage's range."""
+    """Join the engine's process group as its rank `rank` (every rank must call it) through
+    `store` (engine_store): this rank's tensor-parallel group (None: K = 1) and its pipeline
+    stage (None: one stage), `layers` holding each stage's range. host: the address gloo
+    listens on for this rank's peers (stages on other hosts; "": the host name's)."""
     num_stages = len(layers)
     size = tensor_size * num_stages
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
-                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    options = None
+    if host and backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = COLLECTIVE_TIMEOUT
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT, pg_options=options)
     # Every rank has joined once this returns (NCCL would connect only at the first
     # collective, and a follower maps the rings rank 0 made before it joined).
     dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
@@ -68,7 +86,8 @@ def join_engine(rank: int, tensor_size: int, layers: list[range], store_path: st
     if tensor_size > 1:
         group = None
         if num_stages > 1:  # (every rank makes every group, in the same order)
-            groups = [dist.new_group(list(range(s * tensor_size, (s + 1) * tensor_size)))
+            groups = [dist.new_group(list(range(s * tensor_size, (s + 1) * tensor_size)),
+                                     pg_options=options)
                       for s in range(num_stages)]
             group = groups[stage]
         tp = TensorParallel(rank % tensor_size, tensor_size, vocab_size, group,
@@ -77,7 +96,7 @@ def join_engine(rank: int, tensor_size: int, layers: list[range], store_path: st
     if num_stages > 1:
         # The samples travel on a group of their own: NCCL ignores tags, and on one pair's
         # communicator a sample going back would queue behind the next hidden states.
-        samples = dist.new_group(list(range(size)))
+        samples = dist.new_group(list(range(size)), pg_options=options)
         pp = PipelineParallel(stage, num_stages, layers[stage], rank % tensor_size,
                               tensor_size, samples)
     logger.info("executor rank %d of %d (%s): stage %d of %d (layers %d-%d), tensor rank %d "

@@ -8,24 +8,37 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import zmq
 
 from ipc.channels import PullChannel, PushChannel
 from ipc.codec import Codec
 from ipc.config import PipelineConfig
 from ipc.families import read_config
-from ipc.messages import LastStep, SampledTokens, StepPlan
+from ipc.messages import LastStep, RemoteSampled, RemoteStep, SampledTokens, StepPlan
 from ipc.params import MAX_TOP_LOGPROBS
 from ipc.ranks import partition_layers
-from ipc.shm import SharedRing
-from ipc.step import StepRings, sampled_specs
+from ipc.shm import BufferSpec, SharedRing
+from ipc.step import StepRings, sampled_specs, step_input_specs
 from stages.executor.device import Device, OnDone, make_device
-from stages.executor.parallel import join_engine, leave_engine
+from stages.executor.joined_stages import (
+    SAMPLES_KEY,
+    JoinedFollower,
+    SamplesRelay,
+    bind_inbox,
+    joined_samples,
+    lookup,
+    plans_codec,
+    plans_key,
+    rank_host,
+    unpack_plan,
+)
+from stages.executor.parallel import engine_store, join_engine, leave_engine
 from stages.executor.runner import ModelRunner, Runner, TimedRunner
 from stages.executor.step_inputs import HostStep
 from stages.process import StageContext, stage_process
@@ -38,15 +51,27 @@ logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 5.0
 
 
-def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
+def meeting_place(cfg: PipelineConfig, rank: int, rendezvous: str) -> dist.Store | None:
+    """The store where the engine's ranks meet (None: one rank): the run directory's file,
+    or with joined pipeline stages the TCP store at `rendezvous`, the engine's first rank's
+    (the launcher names it anew each time the engine starts)."""
+    layout = cfg.ranks
+    if layout.ranks_per_engine == 1:
+        return None
+    return engine_store(rank, layout.ranks_per_engine,
+                        str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}"), rendezvous)
+
+
+def build_runner(cfg: PipelineConfig, rank: int = 0, store: dist.Store | None = None) -> Runner:
     """The runner of rank `rank` of engine cfg.engine (its place in the engine's stages of
-    tensor ranks: ipc/ranks.py)."""
+    tensor ranks: ipc/ranks.py), meeting the other ranks in `store` (meeting_place)."""
     ex, limits = cfg.executor, cfg.limits
     layout = cfg.ranks
-    store = str(Path(cfg.run_dir) / f"tp-store-{cfg.engine}")  # (where the ranks meet)
+    host = rank_host(cfg) if layout.joined_stages else ""  # (gloo's address, across hosts)
     if ex.timed is not None:  # (pipeline stages of instruments pass each step on: device.py)
         pp = None
         if ex.pipeline_parallel_size > 1:
+            assert store is not None
             stages = [range(s, s + 1) for s in range(ex.pipeline_parallel_size)]
             _, pp = join_engine(rank, 1, stages, store, torch.device("cpu"), limits.vocab_size)
         return TimedRunner(ex.timed[0], ex.timed[1], limits, ex.timed[2], pp)
@@ -64,10 +89,11 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
         torch.cuda.set_device(device)  # streams and events are made on the current device
     tp = pp = None
     if layout.ranks_per_engine > 1:
+        assert store is not None
         layers = partition_layers(read_config(cfg.model.path)[1].num_layers,
                                   ex.pipeline_parallel_size, ex.pipeline_layer_partition)
         tp, pp = join_engine(rank, ex.tensor_parallel_size, layers, store, device,
-                             limits.vocab_size)
+                             limits.vocab_size, host)
     runner = ModelRunner.from_dir(cfg.model.path, getattr(torch, ex.dtype), device, limits,
                                   ex.kv_cache_memory, ex.compile,
                                   graphs=ex.cuda_graphs and device.type == "cuda", tp=tp, pp=pp,
@@ -79,10 +105,13 @@ def build_runner(cfg: PipelineConfig, rank: int = 0) -> Runner:
 
 
 class Reporter:
-    """Sends SampledTokens from the device's thread; its socket is used by that thread only."""
+    """Sends SampledTokens from the device's thread; its socket is used by that thread only.
+    joined: this rank's own sampled-token ring, on a host that joined (ipc/ranks.py): the
+    report goes with the ring slot's entries to the engine's first rank (RemoteSampled)."""
 
-    def __init__(self, ctx: StageContext, address: str, secret: bytes) -> None:
-        self.ctx, self.address, self.secret = ctx, address, secret
+    def __init__(self, ctx: StageContext, address: str, secret: bytes,
+                 joined: SharedRing | None = None) -> None:
+        self.ctx, self.address, self.secret, self.joined = ctx, address, secret, joined
         self._chan: PushChannel | None = None
 
     def __call__(self, step: HostStep, num_sampled: int, has_logprobs: bool,
@@ -90,36 +119,51 @@ class Reporter:
         if self._chan is None:
             self._chan = PushChannel(self.ctx.zmq, self.address, bind=False, secret=self.secret)
         plan = step.plan
-        self._chan.send(SampledTokens(plan.step_id, plan.ring_slot, num_sampled,
-                                      start_ns / 1e9, end_ns / 1e9,
-                                      MAX_TOP_LOGPROBS if has_logprobs else -1,
-                                      num_prompt_logprobs, step.pooled))
+        tokens = SampledTokens(plan.step_id, plan.ring_slot, num_sampled, start_ns / 1e9,
+                               end_ns / 1e9, MAX_TOP_LOGPROBS if has_logprobs else -1,
+                               num_prompt_logprobs, step.pooled)
+        self._chan.send(tokens if self.joined is None
+                        else joined_samples(tokens, self.joined, plan.num_seqs))
         self.ctx.tracer.span("device", start_ns, end_ns, "device",
                              {"step": plan.step_id, "tokens": plan.num_tokens,
                               "seqs": plan.num_seqs})
 
 
-def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
+def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int, rendezvous: str = "") -> None:
     """Executor `rank` is rank `rank % R` of engine `rank // R` (R: its ranks, P stages of K
     tensor ranks; ipc/ranks.py). Rank 0 of an engine receives its scheduler's plans (and
     forwards each to the engine's other ranks, if any); the last stage's first rank (rank 0
-    itself with one stage) reports samples; the others follow rank 0."""
+    itself with one stage) reports samples; the others follow rank 0. rendezvous: HOST:PORT
+    of the engine's TCP store, where some of its stages run on another host (joined_stages)."""
     layout = cfg.ranks
     stage_rank, cfg = rank, cfg.for_engine(layout.engine_of(rank))
     rank = layout.local_rank(stage_rank)
     reporter = layout.local_rank(layout.reporter(cfg.engine))
     detail = layout.describe(stage_rank) if layout.ranks_per_engine > 1 else ""
     with stage_process("executor", stage_rank, cfg, parent_pid, detail) as ctx:
+        store = meeting_place(cfg, rank, rendezvous)  # (rank 0 serves a TCP store: first)
         if rank > 0:
-            _follow(ctx, cfg, rank, reports=rank == reporter)
+            _follow(ctx, cfg, rank, store, reports=rank == reporter)
             return
         rings = StepRings.open(cfg, create=True)  # before the ranks meet: they map it then
-        runner = build_runner(cfg)
+        relay = None
+        if layout.joined_stages:  # (its address in the store before the ranks meet)
+            inbox, address = bind_inbox(ctx.zmq, cfg, Codec([RemoteSampled]))
+            assert store is not None
+            store.set(SAMPLES_KEY, address)
+            relay = SamplesRelay(ctx.zmq, cfg, inbox, rings.sampled, ctx.stop)
+        runner = build_runner(cfg, 0, store)
         plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True,
                             secret=cfg.keys.run_secret)
-        followers = [PushChannel(ctx.zmq, tp_plan_address(cfg, r), bind=False,
-                                 secret=cfg.keys.run_secret)
-                     for r in range(1, layout.ranks_per_engine)]
+        followers: list[PushChannel | JoinedFollower] = []
+        for r in range(1, layout.ranks_per_engine):
+            if layout.joined(layout.head(cfg.engine) + r):
+                assert store is not None
+                followers.append(JoinedFollower(ctx.zmq, cfg, lookup(store, plans_key(r)),
+                                                rings.steps))
+            else:
+                followers.append(PushChannel(ctx.zmq, tp_plan_address(cfg, r), bind=False,
+                                             secret=cfg.keys.run_secret))
         # (with pipeline stages this rank samples nothing: the last stage reports)
         report: OnDone = (Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
                           if reporter == 0 else StageSpans(ctx, 0))
@@ -128,10 +172,12 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int) -> None:
         if runner.slots.matchers is not None:
             runner.slots.matchers.grammars.warm()
         try:
-            device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device, followers),
-                         ctx.stop)
+            device.serve(lambda: host_loop(ctx, plans, runner, rings.steps, device, followers,
+                                           relay=relay), ctx.stop)
         finally:
             device.close()
+            if relay is not None:
+                relay.close()
             _leave(runner)
 
 
@@ -154,25 +200,39 @@ def tp_plan_address(cfg: PipelineConfig, rank: int) -> str:
     return cfg.engine_address(f"executor-tp-{rank}")
 
 
-def _own_sampled_ring(cfg: PipelineConfig, rank: int) -> SharedRing:
-    """A sampled-token ring of this rank's own, nameless once mapped: a follower's samples
-    go nowhere (rank 0 reports them), but its device writes them somewhere (and CUDA pins
-    it)."""
-    ring = SharedRing(f"{cfg.sampled_ring_name}-tp{rank}", sampled_specs(cfg.limits),
+def _own_ring(cfg: PipelineConfig, kind: str, specs: tuple[BufferSpec, ...],
+              rank: int) -> SharedRing:
+    """A ring of this rank's own, nameless once mapped: a follower's samples go nowhere
+    (another rank reports them), but its device writes them somewhere (and CUDA pins it); a
+    joined rank's plans and samples pass through rings of its own."""
+    ring = SharedRing(f"{cfg.sampled_ring_name}-{kind}-tp{rank}", specs,
                       cfg.limits.num_ring_slots, create=True)
     ring.unlink()
     return ring
 
 
-def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, reports: bool) -> None:
+def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, store: dist.Store | None,
+            reports: bool) -> None:
     """An engine's rank beyond 0: the same steps as rank 0, in the same order, from the plans
     it forwards. A tensor rank of rank 0's stage has rank 0's samples (broadcast inside
     compute); `reports`: the last stage's first rank, which samples, writes the sampled-token
-    ring and reports each step to the scheduler."""
-    plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), Codec([StepPlan, LastStep]),
-                        bind=True, secret=cfg.keys.run_secret)
-    runner = build_runner(cfg, rank)  # meets the other ranks: rank 0 made the rings by then
-    rings = StepRings.open(cfg, create=False)
+    ring and reports each step to the scheduler. A rank of a joined stage (on another host:
+    ipc/ranks.py) maps none of the engine's rings: its plans bring their slot's entries
+    (RemoteStep), and its reports go with theirs to the first rank (joined_stages.py)."""
+    joined = cfg.ranks.joined(cfg.ranks.head(cfg.engine) + rank)
+    if joined:  # (its inbox's address in the store before the ranks meet)
+        assert store is not None
+        plans, address = bind_inbox(ctx.zmq, cfg, plans_codec())
+        store.set(plans_key(rank), address)
+    else:
+        plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), plans_codec(), bind=True,
+                            secret=cfg.keys.run_secret)
+    runner = build_runner(cfg, rank, store)  # meets the other ranks: rank 0 made the rings
+    if joined:
+        rings = StepRings(_own_ring(cfg, "steps", step_input_specs(cfg.limits), rank),
+                          _own_ring(cfg, "sampled", sampled_specs(cfg.limits), rank))
+    else:
+        rings = StepRings.open(cfg, create=False)
     # Rank 0 may forward the next plan of a ring slot as soon as its own step of that slot
     # ended, before this rank's device is done with the slot's staging buffer: wait for it.
     free = [threading.Event() for _ in range(cfg.limits.num_ring_slots)]
@@ -198,8 +258,13 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, reports: bool) ->
     layout = cfg.ranks
     if layout.pipeline_parallel_size > 1 and layout.tensor_rank(rank) == 0:
         spans = StageSpans(ctx, layout.stage_of(rank))
-        reporter = (Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret) if reports
-                    else None)
+        reporter = None
+        if reports and joined:
+            assert store is not None
+            reporter = Reporter(ctx, lookup(store, SAMPLES_KEY), cfg.keys.run_secret,
+                                rings.sampled)
+        elif reports:
+            reporter = Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
 
         def on_done(step: HostStep, *counts: Any) -> None:
             done(step)
@@ -207,7 +272,8 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, reports: bool) ->
             if reporter is not None:
                 reporter(step, *counts)
 
-    device = make_device(runner, rings.sampled if reports else _own_sampled_ring(cfg, rank),
+    device = make_device(runner, rings.sampled if reports or joined
+                         else _own_ring(cfg, "sampled", sampled_specs(cfg.limits), rank),
                          on_done)
     ctx.ready(num_kv_blocks=runner.num_blocks)
     if reports and runner.slots.matchers is not None:  # (the sampling rank's, as rank 0's)
@@ -237,11 +303,14 @@ def _leave(runner: Runner) -> None:
 
 
 def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: SharedRing,
-              device: Device, followers: list[PushChannel] | None = None,
-              take_slot: Callable[[StepPlan], bool] | None = None) -> None:
-    """Receive plans, prepare each and submit it. followers: the tensor-parallel ranks each
+              device: Device, followers: Sequence[PushChannel | JoinedFollower] = (),
+              take_slot: Callable[[StepPlan], bool] | None = None,
+              relay: SamplesRelay | None = None) -> None:
+    """Receive plans, prepare each and submit it. followers: the engine's other ranks each
     plan is forwarded to (told the last one forwarded, LastStep, when this loop ends);
-    take_slot: waits until the plan's ring slot may be prepared (False: give up). A follower
+    take_slot: waits until the plan's ring slot may be prepared (False: give up); a plan
+    that came with its slot's entries (RemoteStep: a joined rank) writes them then. relay:
+    the first rank's relay of joined samples, whose failure fails this rank. A follower
     (take_slot given) does not end at its own stop flag: it runs the first rank's plans up to
     the LastStep it announces (at most DRAIN_TIMEOUT_S past the flag: that rank may be gone),
     and ends there, setting the flag itself if it was not set."""
@@ -262,6 +331,8 @@ def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: Shar
                     return
             if device.error is not None:
                 raise RuntimeError("the device failed") from device.error
+            if relay is not None and relay.error is not None:
+                raise RuntimeError("relaying a joined stage's samples failed") from relay.error
             try:  # a foreign frame is refused; a malformed plan of this run is a bug: it raises
                 msg = plans.recv_foreign_safe(timeout_ms=100)
             except zmq.ContextTerminated:
@@ -271,13 +342,15 @@ def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: Shar
             if isinstance(msg, LastStep):
                 last_wanted = msg.step_id
                 continue
-            assert isinstance(msg, StepPlan)
-            plan = msg
-            for follower in followers or ():  # the same step, on every tensor-parallel rank
+            plan = msg.plan if isinstance(msg, RemoteStep) else msg
+            assert isinstance(plan, StepPlan)
+            for follower in followers:  # the same step, on every other rank of the engine
                 follower.send(plan)
                 last_sent = plan.step_id
             if take_slot is not None and not take_slot(plan):
                 return
+            if isinstance(msg, RemoteStep):
+                unpack_plan(msg, steps)
             start = now_ns()
             step = runner.prepare(plan, steps.slot(plan.ring_slot))
             prepared = now_ns()
@@ -286,5 +359,5 @@ def host_loop(ctx: StageContext, plans: PullChannel, runner: Runner, steps: Shar
             ctx.tracer.span("prepare", start, prepared, "host", {"step": plan.step_id})
             ctx.tracer.span("submit", prepared, now_ns(), "host", {"step": plan.step_id})
     finally:
-        for follower in followers or ():
+        for follower in followers:
             follower.send(LastStep(last_sent))
