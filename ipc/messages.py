@@ -617,6 +617,19 @@ class StageLeaving(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class JoinedRankDied(Message):
+    """From a host running an engine's joined pipeline stages to the launcher: its rank
+    `rank` (global), started at `rendezvous`, died; the launcher starts the engine again if
+    that is the engine's rendezvous still (a rank of a past start is no news)."""
+
+    TAG: ClassVar[int] = 25
+    engine: int
+    rank: int
+    rendezvous: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class StageFailed(Message):
     """A stage is about to die; message says why."""
 
@@ -750,6 +763,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     LastStep,
     RemoteStep,
     RemoteSampled,
+    JoinedRankDied,
     SampledTokens,
     StageReady,
     StageAlive,

@@ -65,6 +65,7 @@ class EngineRestarts:
         fail its requests (the tokenizers fail those sent to it lately: see the status).
         What died, in words."""
         how = (f"exit code {self._procs[name].exitcode}" if name in self._procs
+               else "on the host of its pipeline stages" if name.startswith("executor:")
                else "it joined from another host and went silent")
         cause = f"{name} died, {how}: {self.last_failure.take()}"
         self.engines.down_why[str(engine)] = cause
@@ -94,8 +95,9 @@ class EngineRestarts:
         if self.engines.alive[engine]:
             cause = self.take_down(engine, name, links)
         else:  # a new process died while the engine was starting again
-            cause = (f"{name} died while starting again, exit code "
-                     f"{self._procs[name].exitcode}: {self.last_failure.take()}")
+            how = (f"exit code {self._procs[name].exitcode}" if name in self._procs
+                   else "on the host of its pipeline stages")
+            cause = f"{name} died while starting again, {how}: {self.last_failure.take()}"
             self.engines.down_why[str(engine)] = cause
             self.stop_engine(engine)
         if action == "down":

@@ -24,6 +24,7 @@ from ipc.channels import PullChannel
 from ipc.codec import Codec, ProtocolError
 from ipc.config import PipelineConfig
 from ipc.messages import (
+    JoinedRankDied,
     Message,
     PipelineStatus,
     SchedulerStats,
@@ -77,6 +78,7 @@ class Pipeline:
         self._clients: list[PipelineClient] = []
         self._last_failure = LastFailure()  # the latest StageFailed's message
         self._to_engines: queue.SimpleQueue[Message] = queue.SimpleQueue()  # tell_engines
+        self._joined_dead: list[str] = []  # ranks a pipeline host said died (JoinedRankDied)
 
     @property
     def address(self) -> str | None:
@@ -126,7 +128,7 @@ class Pipeline:
         boot = self._bootstrap = Bootstrap(self._zmq, self.cfg)  # (before any socket: CURVE)
         self._control = PullChannel(self._zmq, self.cfg.control_address,
                                     Codec([StageReady, StageFailed, SchedulerStats, StageAlive,
-                                           StageLeaving]),
+                                           StageLeaving, JoinedRankDied]),
                                     bind=True, secret=self.cfg.keys.run_secret)
         boot.accept_stages(self._control.socket)
         spawn_stages(self.supervisor, self.cfg, control_reports(self._ctl.recv_foreign_safe))
@@ -176,6 +178,7 @@ class Pipeline:
                     links.to_engines(self._to_engines.get())
                 lost = [(m.name, m.leaving) for m in self.roster.silent(time.monotonic())
                         if not self._left(m, links)]
+                dead, self._joined_dead = dead + self._joined_dead, []
                 fatal = [name for name in dead if not self._survive(name, links)]
                 if (fatal or lost) and not self._stopping.is_set():
                     self._fail(fatal, lost, publisher)
@@ -190,7 +193,8 @@ class Pipeline:
               publisher: StatusPublisher) -> None:
         """Stages died that the pipeline does not survive: it fails (the status says why)
         and stops."""
-        names = ", ".join([f"{name} (exit code {self.procs[name].exitcode})" for name in fatal]
+        names = ", ".join([f"{name} (exit code {self.procs[name].exitcode})" if name in self.procs
+                           else f"{name} (on the host of its pipeline stages)" for name in fatal]
                           + [f"{name} (joined from another host, {why or 'gone silent'})"
                              for name, why in lost])
         self.failure = f"stage {names} died: {self._last_failure.message}"
@@ -217,6 +221,11 @@ class Pipeline:
                                      msg.rank)
             elif isinstance(msg, StageFailed):
                 self._last_failure.message = msg.message
+            elif isinstance(msg, JoinedRankDied):
+                if self.engines.hosts.get(msg.engine) and \
+                        self.engines.rendezvous.get(msg.engine) == msg.rendezvous:
+                    self._last_failure.message = msg.message
+                    self._joined_dead.append(f"executor:{msg.rank}")
 
     def _next_control(self) -> Message | None:
         """The next message from a stage; a frame that is not one is counted and skipped, so

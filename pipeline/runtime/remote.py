@@ -31,6 +31,7 @@ from ipc.codec import Codec
 from ipc.config import PipelineConfig, RunKeys
 from ipc.keys import derive_run_secret
 from ipc.messages import (
+    JoinedRankDied,
     Members,
     Message,
     PipelineStatus,
@@ -237,8 +238,11 @@ class RemoteStage:
         sup = self.supervisor
         for name in dead:
             if name not in self._stopped_ranks:
-                logger.error("%s died (exit code %s): the engine starts again", name,
-                             sup.procs[name].exitcode)
+                why = (f"{name} died on {self.cfg.remote.listen_host}, the host of the "
+                       f"pipeline stages, exit code {sup.procs[name].exitcode}")
+                logger.error("%s: the engine starts again", why)
+                self._launcher.send(JoinedRankDied(self.joined.index, int(name.split(":")[1]),
+                                                   self._running, why))
                 self._stop_ranks()
         if self._rendezvous != self._running:
             self._stop_ranks()
