@@ -743,6 +743,9 @@ class PipelineStatus(Message):
     # TCP store its ranks meet in now (a new one each time the engine starts): that host
     # starts its ranks there (pipeline/runtime/remote.py)
     rendezvous: dict[str, str] = field(default_factory=dict)
+    # With --listen: "E" -> the tcp:// abort inbox of the launcher's host's engine E as it
+    # runs now (a port of its own each time it starts: remote clients follow it)
+    abort_inboxes: dict[str, str] = field(default_factory=dict)
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

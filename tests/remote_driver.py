@@ -6,10 +6,16 @@ network namespace of its own or on this host):
 It prints `address tcp://...`, waits until one stage of each KIND has joined, then sends N
 prompts through a client that reaches it over tcp:// (as a client on another host would):
 token ids, or with TEXT the texts "i: TEXT" (they differ first, so both engines get some);
-prints one JSON line (what came back, each engine's steps, who served) and stops."""
+prints one JSON line (what came back, each engine's steps, who served) and stops.
+
+KIND `pipeline` alone: the model on the CPU in two pipeline stages, the second joined from
+the other host (tests/live.py ranks_config's limits, greedy); it waits until the engine
+serves, then sends the prompts of ID_PROMPTS (JSON) and TEXT, and prints their tokens."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -27,8 +33,10 @@ from pipeline.runtime.launcher import Pipeline  # noqa: E402
 
 def main() -> None:
     model_dir, host, key, kinds = sys.argv[1:5]
-    num_prompts = int(sys.argv[5]) if len(sys.argv) > 5 else 16
     text = sys.argv[6] if len(sys.argv) > 6 else ""
+    if kinds == "pipeline":
+        return pipeline_stages(model_dir, host, key, sys.argv[5], text)
+    num_prompts = int(sys.argv[5]) if len(sys.argv) > 5 else 16
     cfg = PipelineConfig(model=ModelInfo.from_dir(model_dir),
                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
                          executor=ExecutorConfig.for_device("timed:3,0",
@@ -62,6 +70,44 @@ def main() -> None:
             "run_id": pipe.cfg.run_id,
             "client_key": pipe.cfg.keys.client_key,
         }
+        client.close()
+        print(json.dumps(result), flush=True)
+
+
+def pipeline_stages(model_dir: str, host: str, key: str, id_prompts: str, text: str) -> None:
+    from live import ranks_config
+
+    base = ranks_config(Path(model_dir), pipeline_parallel_size=2)
+    cfg = dataclasses.replace(
+        base, executor=dataclasses.replace(base.executor, joined_pipeline_stages=1),
+        remote=RemoteSettings(listen_host=host), keys=RunKeys(stage_key=key))
+    with Pipeline(cfg) as pipe:
+        print(f"address {pipe.address}", flush=True)
+        client = PipelineClient.connect(pipe.address, key=pipe.cfg.keys.client_key)
+        deadline = time.monotonic() + 120
+        while pipe.engines.restarting or not client.health().ok:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the engine did not serve within 120 s: "
+                                 f"{pipe.engines.down_why}")
+            time.sleep(0.1)
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        prompts: list[list[int] | str] = [*json.loads(id_prompts), text]
+        outs = client.generate(prompts, greedy, timeout=60)
+
+        async def aborted() -> str | None:  # (the client connected before the engine ran)
+            reason = None
+            async for out in client.stream([5, 6, 7], SamplingParams(max_tokens=90,
+                                                                     ignore_eos=True),
+                                           request_id="long"):
+                if out.num_output_tokens >= 2 and reason is None:
+                    client.abort("long")
+                reason = out.finish_reason
+            return reason
+
+        result = {"tokens": [o.token_ids for o in outs], "abort": asyncio.run(aborted()),
+                  "errors": [o.error for o in outs if o.error],
+                  "ranks": pipe.status().ranks, "run_id": pipe.cfg.run_id,
+                  "client_key": pipe.cfg.keys.client_key}
         client.close()
         print(json.dumps(result), flush=True)
 

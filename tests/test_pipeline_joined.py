@@ -8,7 +8,10 @@ replaced. (Across two network namespaces, with the wire captured: tests/test_rem
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,11 +19,12 @@ import numpy as np
 import psutil
 import pytest
 from live import alive, one_rank, ranks_config, running, shm_segments
-from test_remote_stages import KEY, _end, _roster, _stage
+from test_remote_stages import KEY, PROMPT, ROOT, _end, _roster, _stage, capture
 
 from ipc.addresses import RemoteSettings
 from ipc.config import PipelineConfig, RunKeys
 from ipc.errors import ConfigError
+from ipc.keys import derive_run_secret
 from ipc.messages import SampledTokens, SamplingParams
 from ipc.ranks import RankLayout
 from ipc.step import StepRow as Row
@@ -185,3 +189,52 @@ def test_joined_stages_give_one_ranks_tokens_through_a_killed_rank_and_a_new_hos
         finally:
             _end(hosts)
     assert shm_segments(run_id) == []
+
+
+@pytest.mark.live
+def test_two_pipeline_stages_across_network_namespaces_keep_the_plans_off_the_wire(
+        namespaces: tuple[str, str, str], tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The second stage joins from namespace B over a veth pair: one rank's greedy tokens,
+    the ranks named in the status, an abort from a remote client that connected before the
+    engine started reaches it, and with every frame captured on both sides neither the
+    prompt's text nor the id prompts' token ids (the plans: under CURVE) nor any key crosses
+    the wire in the clear. (The hidden states, the sampled ids going back to the first
+    stage and the TCP store are gloo's, clear: docs/ARCHITECTURE.md.)"""
+    ns_a, ns_b, address_a = namespaces
+    reference = one_rank(tiny_model_dir, PROMPTS, max_tokens=6)
+    sniffers = [capture(ns, tmp_path / f"{ns}.raw") for ns in (ns_a, ns_b)]
+    driver = subprocess.Popen(
+        ["ip", "netns", "exec", ns_a, sys.executable, str(ROOT / "tests" / "remote_driver.py"),
+         str(tiny_model_dir), address_a, KEY, "pipeline", json.dumps(PROMPTS), PROMPT],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    host = None
+    try:
+        assert driver.stdout is not None
+        line = driver.stdout.readline()
+        assert line.startswith("address tcp://10.213.7.1:"), line + driver.stderr.read()
+        host = _stage("pipeline", line.split()[1], tiny_model_dir, netns=ns_b)
+        out, err = driver.communicate(timeout=240)
+        assert driver.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        host_out, host_err = host.communicate(timeout=60)
+    finally:
+        _end([driver, *([host] if host else [])])
+        for sniffer in sniffers:
+            sniffer.terminate()
+            sniffer.wait(timeout=10)
+    assert result["errors"] == [] and result["tokens"][:len(PROMPTS)] == reference
+    assert len(result["tokens"][-1]) == 6  # (the text's)
+    assert result["abort"] == "abort"  # (the remote client found the engine as it started)
+    assert result["ranks"] == {"executor:0": "e0.s0.t0", "executor:1": "e0.s1.t0"}
+    assert host.returncode == 0 and "listening on 10.213.7.2" in host_out, host_err
+    assert shm_segments(result["run_id"]) == []
+    wire = b"".join((tmp_path / f"{ns}.raw").read_bytes() for ns in (ns_a, ns_b))
+    assert wire.count(b"CURVE") >= 4, len(wire)  # (it saw the links' greetings)
+    secret = derive_run_secret(KEY, result["run_id"])
+    for what, needle in (("the prompt", PROMPT.encode()), ("part of the prompt", b"lantern"),
+                         ("the stage key", KEY.encode()), ("the run secret", secret),
+                         ("the client key", result["client_key"].encode()),
+                         *((f"prompt {i}'s ids", np.array(p, dtype=np.int64).tobytes())
+                           for i, p in enumerate(PROMPTS) if len(p) >= 5)):
+        assert needle not in wire, f"{what} crossed a wire in the clear"

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -285,39 +284,6 @@ def test_an_engine_that_joined_serves_and_its_leaving_fails_only_its_requests(
 
 
 # ---------------------------------------------------------------- across network namespaces
-
-
-@pytest.fixture
-def namespaces() -> Iterator[tuple[str, str, str]]:
-    """Two network namespaces joined by a veth pair (10.213.7.1 and .2), made by this test
-    and deleted after it: (namespace A, namespace B, A's address)."""
-    if shutil.which("ip") is None:
-        pytest.skip("no `ip` command")
-    tag = os.getpid() % 100000
-    names, made = (f"llmt-a-{tag}", f"llmt-b-{tag}"), []
-
-    def ip(*args: str) -> None:
-        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-        if done.returncode:
-            if not made[1:]:  # the first steps: this machine does not allow it
-                pytest.skip(f"cannot make network namespaces here: {done.stderr.strip()}")
-            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-
-    try:
-        for name in names:
-            ip("netns", "add", name)
-            made.append(name)
-        ip("link", "add", f"lva{tag}", "netns", names[0], "type", "veth", "peer", "name",
-           f"lvb{tag}", "netns", names[1])
-        for name, dev, address in ((names[0], f"lva{tag}", "10.213.7.1"),
-                                   (names[1], f"lvb{tag}", "10.213.7.2")):
-            ip("-n", name, "addr", "add", f"{address}/30", "dev", dev)
-            ip("-n", name, "link", "set", dev, "up")
-            ip("-n", name, "link", "set", "lo", "up")
-        yield names[0], names[1], "10.213.7.1"
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=20)
 
 
 @pytest.mark.live

@@ -221,9 +221,12 @@ class PipelineClient:
         self._restarts: dict[str, int] | None = None  # as last seen: "tokenizer:k" -> count
         # An abort goes to every engine: only the tokenizer that routed a request knows which
         # holds it, and an engine that does not know the id remembers it for a while.
+        # ("": an engine not started yet; a remote client follows each engine's abort inbox
+        # as it starts: _follow_joined)
         self._aborts: list[PushChannel | None] = [
-            PushChannel(self._ctx, address, bind=False, secret=key)
+            PushChannel(self._ctx, address, bind=False, secret=key) if address else None
             for address in endpoints.schedulers]
+        self._abort_addresses = list(endpoints.schedulers)
         self._joined: set[str] = set()  # stages from other hosts this client follows
         self._send_lock = threading.Lock()
         # request id -> (deliver, samples still running, the tokenizer it was sent to)
@@ -361,18 +364,36 @@ class PipelineClient:
                 continue
             self._joined.add(name)
             rank = int(index)
+            if stage == "scheduler":
+                self._follow_abort_inbox(rank, address)
+                continue
             with self._send_lock:
-                if stage == "scheduler":
-                    self._aborts += [None] * (rank + 1 - len(self._aborts))
-                    self._aborts[rank] = PushChannel(self._ctx, address, bind=False,
-                                                     secret=self._key)
-                elif (stage == "tokenizer" and self.reply_to.startswith("tcp://")
-                      and rank not in self._tokenizers):
+                if (stage == "tokenizer" and self.reply_to.startswith("tcp://")
+                        and rank not in self._tokenizers):
                     self._tokenizers[rank] = PushChannel(self._ctx, address, bind=False,
                                                          secret=self._key)
                     self._turns.append(rank)
         for rank in [r for r in self._turns if f"tokenizer:{r}" in status.left]:
             self._tokenizer_left(rank)
+        if self.reply_to.startswith("tcp://"):  # the launcher's host's engines, as they run
+            for index, address in status.abort_inboxes.items():
+                self._follow_abort_inbox(int(index), address)
+
+    def _follow_abort_inbox(self, engine: int, address: str) -> None:
+        """Engine `engine` listens for aborts at `address` now: one that joined, or, for a
+        remote client, one of the launcher's host that started (again) on a port of its
+        own."""
+        if engine < len(self._abort_addresses) and self._abort_addresses[engine] == address:
+            return
+        with self._send_lock:
+            grow = engine + 1 - len(self._aborts)
+            self._aborts += [None] * grow
+            self._abort_addresses += [""] * grow
+            if (old := self._aborts[engine]) is not None:
+                old.close()
+            self._aborts[engine] = PushChannel(self._ctx, address, bind=False,
+                                               secret=self._key)
+            self._abort_addresses[engine] = address
 
     def _tokenizer_left(self, rank: int) -> None:
         with self._send_lock:

@@ -357,7 +357,9 @@ class Pipeline:
     def status(self) -> PipelineStatus:
         """A dead tokenizer or detokenizer counts as alive while the pipeline has not failed:
         it is being started again, and the pipeline still serves."""
-        return pipeline_status(self.supervisor, self.engines, self.roster, self.failure)
+        boot = self._bootstrap
+        public = boot.public_host if boot is not None and boot.address is not None else ""
+        return pipeline_status(self.supervisor, self.engines, self.roster, self.failure, public)
 
     @property
     def is_alive(self) -> bool:

@@ -22,9 +22,10 @@ STATUS_INTERVAL_S = 0.25  # between two statuses when nothing happens
 
 
 def pipeline_status(supervisor: Supervisor, engines: Engines, roster: Roster | None,
-                    failure: str | None) -> PipelineStatus:
+                    failure: str | None, public_host: str = "") -> PipelineStatus:
     """A dead tokenizer or detokenizer counts as alive while the pipeline has not failed:
-    it is being started again, and the pipeline still serves."""
+    it is being started again, and the pipeline still serves. public_host: with --listen,
+    where remote clients reach this host's engines' abort inboxes."""
     alive = {name: up or (name.split(":")[0] in RESTARTABLE and failure is None)
              for name, up in supervisor.alive().items()}
     joined: dict[str, str] = {}
@@ -41,7 +42,17 @@ def pipeline_status(supervisor: Supervisor, engines: Engines, roster: Roster | N
                           engines_restarting=restarting,
                           engines_down_why=dict(engines.down_why), ranks=rank_places(engines),
                           rendezvous={str(e): address for e, address in engines.rendezvous.items()
-                                      if e in engines.hosts})
+                                      if e in engines.hosts},
+                          abort_inboxes=abort_inboxes(supervisor, engines, public_host))
+
+
+def abort_inboxes(supervisor: Supervisor, engines: Engines, public_host: str) -> dict[str, str]:
+    """Each serving engine of this host's tcp:// abort inbox (its scheduler's tcp_port)."""
+    if not public_host:
+        return {}
+    ports = {e: supervisor.ready.get(f"scheduler:{e}", {}).get("tcp_port")
+             for e in range(engines.num_engines) if engines.alive[e]}
+    return {str(e): f"tcp://{public_host}:{port}" for e, port in ports.items() if port}
 
 
 def rank_places(engines: Engines) -> dict[str, str]:

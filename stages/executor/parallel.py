@@ -34,7 +34,11 @@ traffic are issued only by each process's device thread, in step order.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
+import os
+import socket
+import struct
 import time
 from collections import deque
 from datetime import timedelta
@@ -61,6 +65,23 @@ def engine_store(rank: int, size: int, store_path: str, rendezvous: str = "") ->
                          timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
 
 
+def interface_of(host: str) -> str:
+    """The network interface that holds `host`'s IPv4 address on this host (gloo listens
+    there), or RuntimeError naming the address."""
+    address = socket.gethostbyname(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(probe.fileno(), 0x8915,
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:  # (an interface without one)
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    raise RuntimeError(f"no network interface of this host has the address {address} "
+                       f"({host}), where its executor ranks are to listen")
+
+
 def join_engine(rank: int, tensor_size: int, layers: list[range], store: dist.Store,
                 device: torch.device, vocab_size: int, host: str = ""
                 ) -> tuple[TensorParallel | None, PipelineParallel | None]:
@@ -71,13 +92,10 @@ def join_engine(rank: int, tensor_size: int, layers: list[range], store: dist.St
     num_stages = len(layers)
     size = tensor_size * num_stages
     backend = "nccl" if device.type == "cuda" else "gloo"
-    options = None
-    if host and backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        options._timeout = COLLECTIVE_TIMEOUT
+    if host and backend == "gloo":  # (gloo takes its address from the environment only)
+        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(host)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT, pg_options=options)
+                            timeout=COLLECTIVE_TIMEOUT)
     # Every rank has joined once this returns (NCCL would connect only at the first
     # collective, and a follower maps the rings rank 0 made before it joined).
     dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
@@ -86,8 +104,7 @@ def join_engine(rank: int, tensor_size: int, layers: list[range], store: dist.St
     if tensor_size > 1:
         group = None
         if num_stages > 1:  # (every rank makes every group, in the same order)
-            groups = [dist.new_group(list(range(s * tensor_size, (s + 1) * tensor_size)),
-                                     pg_options=options)
+            groups = [dist.new_group(list(range(s * tensor_size, (s + 1) * tensor_size)))
                       for s in range(num_stages)]
             group = groups[stage]
         tp = TensorParallel(rank % tensor_size, tensor_size, vocab_size, group,
@@ -96,7 +113,7 @@ def join_engine(rank: int, tensor_size: int, layers: list[range], store: dist.St
     if num_stages > 1:
         # The samples travel on a group of their own: NCCL ignores tags, and on one pair's
         # communicator a sample going back would queue behind the next hidden states.
-        samples = dist.new_group(list(range(size)), pg_options=options)
+        samples = dist.new_group(list(range(size)))
         pp = PipelineParallel(stage, num_stages, layers[stage], rank % tensor_size,
                               tensor_size, samples)
     logger.info("executor rank %d of %d (%s): stage %d of %d (layers %d-%d), tensor rank %d "
