@@ -174,7 +174,7 @@ def test_joined_stages_give_one_ranks_tokens_through_a_killed_rank_and_a_new_hos
             hosts[0].send_signal(signal.SIGTERM)
             assert hosts[0].wait(30) == 0  # (stopped as a user stops it)
             deadline = time.monotonic() + 30
-            while "the host of its pipeline stages left" not in \
+            while "the host of its pipeline stages (pipeline:0) left" not in \
                     pipe.status().engines_down_why.get("0", ""):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)

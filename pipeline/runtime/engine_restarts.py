@@ -60,14 +60,14 @@ class EngineRestarts:
     def _procs(self) -> dict[str, Any]:
         return self.supervisor.procs
 
-    def take_down(self, engine: int, name: str, links: Peers) -> str:
+    def take_down(self, engine: int, name: str, links: Peers, cause: str = "") -> str:
         """Engine `engine` lost `name`: stop its other processes, and have the detokenizers
         fail its requests (the tokenizers fail those sent to it lately: see the status).
-        What died, in words."""
+        What died, in words (`cause`, if given)."""
         how = (f"exit code {self._procs[name].exitcode}" if name in self._procs
                else "on the host of its pipeline stages" if name.startswith("executor:")
                else "it joined from another host and went silent")
-        cause = f"{name} died, {how}: {self.last_failure.take()}"
+        cause = cause or f"{name} died, {how}: {self.last_failure.take()}"
         self.engines.down_why[str(engine)] = cause
         message = f"engine {engine} stopped ({cause}) while it held this request; send it again"
         logger.error("stage %s died: engine %d is down; %d engine(s) still serve", name,
@@ -128,13 +128,13 @@ class EngineRestarts:
         restart = self.engines.restarting.get(engine)
         incarnation = restart.incarnation if restart is not None \
             else self.engines.incarnation[engine] + 1
+        cause = (f"the host of its pipeline stages ({name}) left: {why}; waiting for another "
+                 "to join")
         if self.engines.alive[engine]:
-            self.last_failure.message = why
-            self.take_down(engine, name, links)
+            self.take_down(engine, name, links, cause)
         else:
             self.stop_engine(engine)
-        self.engines.await_host(engine, f"the host of its pipeline stages left ({why}): "
-                                "waiting for another to join", time.monotonic(), incarnation)
+        self.engines.await_host(engine, cause, time.monotonic(), incarnation)
 
     def _stopped(self, engine: int, restart: EngineRestart, now: float) -> bool:
         """Whether the engine's old processes have all stopped; those still running past

@@ -138,12 +138,13 @@ class Engines:
 
     def await_host(self, engine: int, why: str, now: float, incarnation: int) -> None:
         """Engine `engine` waits, down, for the host of its joined pipeline stages (at the
-        start, or once that host left): it loads once one joins (EngineRestarts.advance)."""
+        start, or once that host left): once its processes here have stopped it waits
+        "joining", and loads once a host joins (EngineRestarts.advance)."""
         self.alive[engine] = False
         self.hosts.pop(engine, None)
         self.rendezvous.pop(engine, None)
         self.down_why[str(engine)] = why
-        self.restarting[engine] = EngineRestart(why, now, now, incarnation, phase="joining")
+        self.restarting[engine] = EngineRestart(why, now, now, incarnation)
 
     def needs_host(self) -> int | None:
         """The first engine whose joined pipeline stages have no host, if any."""

@@ -27,8 +27,9 @@ disjoint sequences in flight, so in steady decode it never waits).
 
 The scheduler still talks to the engine's first rank alone and the run-ahead protocol is
 unchanged: that rank forwards each step plan to the other ranks, every rank reads the step's
-ring slot itself (one host) and runs its part of the same step. Collectives and point-to-point
-traffic are issued only by each process's device thread, in step order.
+ring slot itself and runs its part of the same step. Collectives and point-to-point traffic
+are issued only by each process's device thread, in step order. Stages on another host
+(--joined-pipeline-stages) map no ring and meet in a TCP store: joined_stages.py.
 """
 
 from __future__ import annotations
