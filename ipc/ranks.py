@@ -63,6 +63,19 @@ class RankLayout:
         ranks = self.engine_ranks(engine)
         return ranks[len(ranks) - self.joined_stages * self.tensor_parallel_size:]
 
+    @property
+    def num_local_ranks(self) -> int:
+        """Executor processes on the launcher's host (those of every engine's stages there)."""
+        return self.num_engines * len(self.local_ranks(0))
+
+    def device_index(self, rank: int) -> int:
+        """The GPU of a global rank among its host's (cuda:0 up): a launcher-host rank counts
+        the local ranks of the engines before its own; a joined stage's rank counts from 0
+        on its host."""
+        if self.joined(rank):
+            return self.local_rank(rank) - len(self.local_ranks(0))
+        return self.engine_of(rank) * len(self.local_ranks(0)) + self.local_rank(rank)
+
     def joined(self, rank: int) -> bool:
         """Whether a global rank's stage runs on another host than the engine's head."""
         return self.stage_of(rank) >= self.pipeline_parallel_size - self.joined_stages

@@ -238,3 +238,14 @@ def test_two_pipeline_stages_across_network_namespaces_keep_the_plans_off_the_wi
                          *((f"prompt {i}'s ids", np.array(p, dtype=np.int64).tobytes())
                            for i, p in enumerate(PROMPTS) if len(p) >= 5)):
         assert needle not in wire, f"{what} crossed a wire in the clear"
+
+
+def test_each_host_numbers_its_own_gpus_from_0() -> None:
+    """Two engines of three stages of two tensor ranks, the last stage joined: the launcher's
+    host has 8 ranks on cuda:0-7, each pipeline host its 2 on cuda:0-1."""
+    layout = RankLayout(2, tensor_parallel_size=2, pipeline_parallel_size=3, joined_stages=1)
+    assert layout.num_local_ranks == 8
+    assert [layout.device_index(r) for r in range(12)] == [0, 1, 2, 3, 0, 1,
+                                                            4, 5, 6, 7, 0, 1]
+    unjoined = RankLayout(3, tensor_parallel_size=1)  # (as before: the global rank)
+    assert [unjoined.device_index(r) for r in range(3)] == [0, 1, 2]

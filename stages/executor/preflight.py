@@ -44,7 +44,7 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         check_divisible(read_config(cfg.model.path)[1], ex.tensor_parallel_size)
     if ex.pipeline_parallel_size > 1:
         check_pipeline(cfg)
-    num_ranks = cfg.ranks.num_ranks
+    num_ranks = cfg.ranks.num_local_ranks  # (a pipeline host brings its own GPUs)
     if num_ranks > 1:
         check_devices(ex.device, num_ranks)
     if draft is not None:

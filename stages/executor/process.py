@@ -76,15 +76,18 @@ def build_runner(cfg: PipelineConfig, rank: int = 0, store: dist.Store | None = 
             _, pp = join_engine(rank, 1, stages, store, torch.device("cpu"), limits.vocab_size)
         return TimedRunner(ex.timed[0], ex.timed[1], limits, ex.timed[2], pp)
     device = torch.device(ex.device)
-    num_procs = layout.num_ranks
+    joined = layout.joined(layout.head(cfg.engine) + rank)  # (on a pipeline host)
+    num_procs = len(layout.joined_ranks(cfg.engine)) if joined else layout.num_local_ranks
     if ex.num_threads:
         torch.set_num_threads(ex.num_threads)
-    elif num_procs > 1 and device.type == "cpu":  # the executors share the cores
+    elif num_procs > 1 and device.type == "cpu":  # the executors here share the cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_procs))
-    if device.type == "cuda" and num_procs > 1:  # a GPU per process (parallel.check_devices)
-        # (An engine that joined from another host has that host's GPUs from 0.)
-        first = 0 if cfg.remote.launcher_status else layout.head(cfg.engine)
-        device = torch.device("cuda", first + rank)
+    if device.type == "cuda" and layout.num_ranks > 1:  # a GPU per process here
+        # (parallel.check_devices; an engine that joined from another host has that host's
+        # GPUs from 0, as a pipeline host has for its ranks: RankLayout.device_index)
+        index = (rank if cfg.remote.launcher_status and not joined
+                 else layout.device_index(layout.head(cfg.engine) + rank))
+        device = torch.device("cuda", index)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams and events are made on the current device
     tp = pp = None
