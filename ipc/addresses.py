@@ -16,6 +16,9 @@ every stage and the launcher.
 
 from __future__ import annotations
 
+import fcntl
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +110,20 @@ class RunAddresses:
     @property
     def sampled_ring_name(self) -> str:
         return f"llm-pipeline-{self.run_id}{self._engine_suffix}-sampled"
+
+
+def interface_of(host: str) -> str:
+    """The network interface that holds `host`'s IPv4 address on this host (gloo listens
+    there, across hosts, as its executor ranks), or ValueError naming the address."""
+    address = socket.gethostbyname(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(probe.fileno(), 0x8915,
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:  # (an interface without one)
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    raise ValueError(f"no network interface of this host has the address {address} "
+                     f"({host}): give --listen an address of this host's")

@@ -427,6 +427,10 @@ class PipelineConfig(RunAddresses):
         if self.executor.joined_pipeline_stages and not self.accepts_stages:
             raise ConfigError("--joined-pipeline-stages: those stages join from another host, "
                               "so the pipeline needs --listen HOST and --stage-key KEY")
+        if self.executor.joined_pipeline_stages and self.remote.listen_host in ("0.0.0.0", "*"):
+            raise ConfigError("--joined-pipeline-stages: the ranks of both hosts connect to each "
+                              "other at the --listen address, so give this host's address "
+                              f"there, not {self.remote.listen_host}")
 
     @property
     def limits(self) -> EngineLimits:

@@ -739,9 +739,9 @@ class PipelineStatus(Message):
     # An engine's executor ranks beyond one: "executor:R" -> its place, engine.stage.rank
     # ("e0.s1.t0"; ipc/ranks.py RankLayout.describe)
     ranks: dict[str, str] = field(default_factory=dict)
-    # Engines whose last pipeline stages run on a host that joined: "E" -> HOST:PORT of the
-    # TCP store its ranks meet in now (a new one each time the engine starts): that host
-    # starts its ranks there (pipeline/runtime/remote.py)
+    # Hosts that joined to run an engine's last pipeline stages: "pipeline:N" -> HOST:PORT
+    # of the TCP store the engine's ranks meet in now (a new one each time the engine
+    # starts): that host starts its ranks there (pipeline/runtime/remote.py)
     rendezvous: dict[str, str] = field(default_factory=dict)
     # With --listen: "E" -> the tcp:// abort inbox of the launcher's host's engine E as it
     # runs now (a port of its own each time it starts: remote clients follow it)

@@ -111,10 +111,13 @@ def test_a_pipeline_host_joins_only_where_an_engine_waits_for_one(tmp_path: Path
     import json
 
     answer = json.loads(str(_pipeline_join(roster, 3)["answer"]))
-    assert answer["index"] == 3  # the engine it runs the stages of
-    member = roster.members[("pipeline", 3)]
-    assert member.name == "pipeline:3" and member.joined and not member.ready
+    assert (answer["index"], answer["engine"]) == (0, 3)  # (its own; whose stages it runs)
+    member = roster.members[("pipeline", 0)]
+    assert member.name == "pipeline:0" and member.joined and not member.ready
     assert len(roster.view(True).engines) == 1  # (not an engine: nothing routes to it)
+    roster.leave(member)  # (one that took its place later is another: its own name)
+    answer = json.loads(str(_pipeline_join(roster, 3)["answer"]))
+    assert (answer["index"], answer["engine"]) == (1, 3) and roster.left() == ["pipeline:0"]
 
 
 def _joined_config(folder: Path, host: str = "127.0.0.1") -> PipelineConfig:
@@ -161,7 +164,7 @@ def test_joined_stages_give_one_ranks_tokens_through_a_killed_rank_and_a_new_hos
             host = psutil.Process(hosts[0].pid)
             (name, pid), = _joined_ranks(host).items()
             assert name == "llm-pipeline:executor:1 e0.s1.t0"
-            assert pipe.status().rendezvous["0"] == pipe.engines.rendezvous[0]
+            assert pipe.status().rendezvous == {"pipeline:0": pipe.engines.rendezvous[0]}
             first = pipe.engines.rendezvous[0]
 
             psutil.Process(pid).send_signal(signal.SIGKILL)
@@ -184,6 +187,8 @@ def test_joined_stages_give_one_ranks_tokens_through_a_killed_rank_and_a_new_hos
 
             hosts.append(_stage("pipeline", pipe.address, tiny_model_dir))
             _serving(pipe, client, 2)
+            status = pipe.status()  # (the new host is another, by name)
+            assert list(status.rendezvous) == ["pipeline:1"] and "pipeline:0" in status.left
             assert [o.token_ids for o in client.generate(PROMPTS, greedy)] == reference
             run_id = pipe.cfg.run_id
         finally:

@@ -131,14 +131,15 @@ class Bootstrap:
     def _answer_join(self, frames: list[bytes], roster: Roster, engines: Engines) -> bytes:
         if not self.cfg.accepts_stages:
             return NO_JOINS
+        waiting = engines.needs_host()
         reply, member = roster.answer(frames, self.cfg.keys.stage_key, self.fingerprint,
-                                      time.monotonic(), self.public, engines.needs_host())
+                                      time.monotonic(), self.public, waiting)
         if member is not None:
             logger.warning("%s is joining from %s", member.name, member.tcp)
             if member.kind == "engine":
                 engines.grow()
-            elif member.kind == "pipeline":  # (the engine loads now: EngineRestarts.advance)
-                engines.hosts[member.index] = member.name
+            elif member.kind == "pipeline" and waiting is not None:  # (it loads now:
+                engines.hosts[waiting] = member.name  # EngineRestarts.advance)
         return reply
 
     def close(self) -> None:

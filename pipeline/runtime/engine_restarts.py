@@ -1,7 +1,8 @@
 """The engine-restart state machine's actions: an engine whose scheduler or executor rank died
 is taken down (its other processes stopped, its requests failed), then started again through
-EngineRestart's phases (stopping -> loading -> starting -> serving); engines.py decides what
-a death means, supervisor.py runs the processes. Runs in the launcher's supervisor thread."""
+EngineRestart's phases (stopping -> joining -> loading -> starting -> serving; "joining" waits
+for the host of its joined pipeline stages, if it has any); engines.py decides what a death
+means, supervisor.py runs the processes. Runs in the launcher's supervisor thread."""
 
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ class EngineRestarts:
         another engine serves. False: it was the last, the pipeline fails."""
         action, delay = self.engines.after_death(
             engine, lambda: self.supervisor.restarts.delay(f"engine:{engine}"))
+        host = self.engines.hosts.get(engine)
+        if action in ("down", "fail") and host is not None and name not in self._procs:
+            # (its joined ranks keep dying: the host is sent away, and the engine waits for
+            # another, as when a host leaves; the pipeline does not fail over one host)
+            self.roster.leave(self.roster.members[("pipeline", int(host.split(":")[1]))])
+            self.host_left(engine, host, f"its ranks keep dying ({name})", links)
+            return True
         if action in ("ignore", "fail"):
             return action == "ignore"
         if self.engines.alive[engine]:
@@ -160,7 +168,10 @@ class EngineRestarts:
                 sup.ready.pop(n, None)
         rendezvous = ""
         if self.engines.layout.joined_stages:  # (the joined host starts its ranks on it)
-            rendezvous = self.engines.rendezvous[engine] = free_address(self.public_host)
+            old = self.engines.rendezvous.get(engine)
+            while (rendezvous := free_address(self.public_host)) == old:
+                pass  # (a new one: the host tells a new start from the last by it)
+            self.engines.rendezvous[engine] = rendezvous
         sup.spawn_executors(engine, rendezvous)
 
     def stage_ready(self, engine: int, name: str, info: dict[str, Any], links: Peers) -> None:

@@ -61,10 +61,12 @@ def _add(parts: list[Any]) -> Any:
 
 @dataclass
 class EngineRestart:
-    """An engine being started again after its scheduler or an executor rank died: its old
-    processes stop ("stopping"), then, once the restart policy's delay is over, its executor
-    ranks load the model anew ("loading"), then its scheduler starts on the new cache
-    ("starting"); it serves once that scheduler is ready."""
+    """An engine being started again after its scheduler or an executor rank died (or started
+    late: one whose joined pipeline stages wait for their host): its old processes stop
+    ("stopping"), then, once the restart policy's delay is over (and the host of its joined
+    stages has joined: "joining"), its executor ranks load the model anew ("loading"), then
+    its scheduler starts on the new cache ("starting"); it serves once that scheduler is
+    ready."""
 
     cause: str  # the death that took it down
     began: float  # monotonic
@@ -159,7 +161,8 @@ class Engines:
         seconds) to take it down if it serves and start it again after `delay()` (the restart
         policy's, which records the restart); ("down", 0) when it keeps dying (delay() is None)
         and another engine serves: it stays down; ("fail", 0) when it keeps dying and no other
-        engine serves: the pipeline fails."""
+        engine serves: the pipeline fails. (A restart still stopping or waiting for its
+        host, "joining", ignores a death: nothing of it runs.)"""
         restart = self.restarting.get(engine)
         if restart is None and not self.alive[engine]:
             return "ignore", 0.0

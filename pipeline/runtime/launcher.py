@@ -36,7 +36,7 @@ from ipc.messages import (
 )
 from pipeline.runtime.bootstrap import Bootstrap
 from pipeline.runtime.client import PipelineClient
-from pipeline.runtime.engine_restarts import EngineRestarts, LastFailure
+from pipeline.runtime.engine_restarts import NO_MESSAGE, EngineRestarts, LastFailure
 from pipeline.runtime.engines import Engines
 from pipeline.runtime.restarts import RESTARTABLE
 from pipeline.runtime.roster import REMOTE_SILENCE_S, Member, Roster, kind_of
@@ -78,7 +78,8 @@ class Pipeline:
         self._clients: list[PipelineClient] = []
         self._last_failure = LastFailure()  # the latest StageFailed's message
         self._to_engines: queue.SimpleQueue[Message] = queue.SimpleQueue()  # tell_engines
-        self._joined_dead: list[str] = []  # ranks a pipeline host said died (JoinedRankDied)
+        # Ranks a pipeline host said died, each with the engine's rendezvous it ran at
+        self._joined_dead: list[JoinedRankDied] = []
 
     @property
     def address(self) -> str | None:
@@ -140,8 +141,8 @@ class Pipeline:
         self._restarts = EngineRestarts(self.supervisor, self.engines, roster,
                                         self._last_failure, self._tell_members,
                                         boot.public_host)
-        for engine in range(self.cfg.data_parallel_size if self.engines.needs_host() == 0
-                            else 0):  # (their joined stages' hosts have yet to join)
+        joined = range(self.cfg.data_parallel_size if self.engines.layout.joined_stages else 0)
+        for engine in joined:  # (the hosts of their joined stages have yet to join)
             self.engines.await_host(engine, "waiting for the host of its pipeline stages "
                                     "to join (run_pipeline stage pipeline)", time.monotonic(), 0)
             roster.leave(roster.members[("engine", engine)])
@@ -178,7 +179,7 @@ class Pipeline:
                     links.to_engines(self._to_engines.get())
                 lost = [(m.name, m.leaving) for m in self.roster.silent(time.monotonic())
                         if not self._left(m, links)]
-                dead, self._joined_dead = dead + self._joined_dead, []
+                dead += self._joined_deaths()
                 fatal = [name for name in dead if not self._survive(name, links)]
                 if (fatal or lost) and not self._stopping.is_set():
                     self._fail(fatal, lost, publisher)
@@ -222,10 +223,23 @@ class Pipeline:
             elif isinstance(msg, StageFailed):
                 self._last_failure.message = msg.message
             elif isinstance(msg, JoinedRankDied):
-                if self.engines.hosts.get(msg.engine) and \
-                        self.engines.rendezvous.get(msg.engine) == msg.rendezvous:
+                self._joined_dead.append(msg)
+
+    def _joined_deaths(self) -> list[str]:
+        """The ranks a pipeline host said died that ran in their engine's current start (a
+        rank of a past start is no news: its engine started again already). The rank's own
+        failure report, if it sent one, stays the cause."""
+        dead = []
+        layout = self.engines.layout
+        for msg in self._joined_dead:
+            if msg.engine in self.engines.hosts and layout.engine_of(msg.rank) == msg.engine \
+                    and layout.joined(msg.rank) \
+                    and self.engines.rendezvous.get(msg.engine) == msg.rendezvous:
+                if self._last_failure.message == NO_MESSAGE:
                     self._last_failure.message = msg.message
-                    self._joined_dead.append(f"executor:{msg.rank}")
+                dead.append(f"executor:{msg.rank}")
+        self._joined_dead.clear()
+        return dead
 
     def _next_control(self) -> Message | None:
         """The next message from a stage; a frame that is not one is counted and skipped, so
@@ -267,9 +281,9 @@ class Pipeline:
             logger.error("%s (joined from another host) has not been heard from for %.0f s: "
                          "it is gone", member.name, REMOTE_SILENCE_S)
         if member.kind == "pipeline":
-            if self.engines.hosts.get(member.index) == member.name:
-                self._restarts.host_left(member.index, member.name,
-                                         member.leaving or "gone silent", links)
+            for engine in [e for e, name in self.engines.hosts.items() if name == member.name]:
+                self._restarts.host_left(engine, member.name, member.leaving or "gone silent",
+                                         links)
                 self._tell_members(links)
             return True
         if member.kind != "engine" or not self.engines.alive[member.index]:

@@ -25,7 +25,7 @@ import time
 import zmq
 
 from ipc import curve
-from ipc.addresses import RemoteSettings
+from ipc.addresses import RemoteSettings, interface_of
 from ipc.channels import PullChannel, PushChannel, SubChannel, make_run_dir
 from ipc.codec import Codec
 from ipc.config import PipelineConfig, RunKeys
@@ -64,7 +64,8 @@ LAUNCHER_SILENCE_S = 2 * REMOTE_SILENCE_S  # no status from the launcher this lo
 class Joined:
     """What the launcher answered a join with."""
 
-    index: int  # the engine, or the worker's rank
+    index: int  # the engine, or the worker's rank, or the pipeline host's own
+    engine: int  # the engine it serves (a pipeline host: whose stages it runs)
     cfg: PipelineConfig  # the run's, with this host's paths and the derived secret
     members: Members
     control: str  # the launcher's tcp:// control socket
@@ -112,7 +113,8 @@ def join(address: str, kind: str, stage_key: str, model_path: str, host: str,
     # One engine here: its threads and GPUs are this host's (stages/executor/process.py).
     cfg = dataclasses.replace(cfg, data_parallel_size=1, run_dir=str(make_run_dir()))
     members = Members(*answer["members"])
-    return Joined(int(answer["index"]), cfg, members, answer["control"])
+    index = int(answer["index"])
+    return Joined(index, int(answer.get("engine", index)), cfg, members, answer["control"])
 
 
 class RemoteStage:
@@ -147,6 +149,7 @@ class RemoteStage:
         # ranks were started at, and those it stopped itself (their exits are not deaths)
         self._rendezvous = self._running = ""
         self._stopped_ranks: set[str] = set()
+        self._stopping_since = 0.0
 
     @property
     def name(self) -> str:
@@ -204,7 +207,7 @@ class RemoteStage:
         while (status := self._status.recv_valid(0)) is not None:
             assert isinstance(status, PipelineStatus)
             self._status_at = time.monotonic()
-            self._rendezvous = status.rendezvous.get(str(self.joined.index), "")
+            self._rendezvous = status.rendezvous.get(self.name, "")
             if status.stopping or status.failure:
                 self.stop_reason = ("the pipeline stopped" if status.stopping
                                     else f"the pipeline failed: {status.failure}")
@@ -231,38 +234,43 @@ class RemoteStage:
         self.stop_reason = self.stop_reason or "interrupted"
 
     def _ranks_follow(self, dead: list[str]) -> list[str]:
-        """A pipeline host's ranks: a rank that died takes the others down with it (the
-        engine's first rank fails on the lost link, and the launcher starts the engine again
-        at a new rendezvous); at a new rendezvous the ranks start anew. Deaths that stop this
-        host: none (the exits of ranks it stopped are not)."""
+        """A pipeline host's ranks: a rank that died takes the others down with it, and the
+        launcher learns it (JoinedRankDied: it starts the engine again at a new rendezvous);
+        at a new rendezvous the old ranks stop (SIGTERM; killed past ENGINE_STOP_TIMEOUT_S)
+        and, once all have, the new ones start. Never blocks: the heartbeat goes on. Deaths
+        that stop this host: none (the exits of ranks it stopped are not)."""
         sup = self.supervisor
         for name in dead:
             if name not in self._stopped_ranks:
                 why = (f"{name} died on {self.cfg.remote.listen_host}, the host of the "
                        f"pipeline stages, exit code {sup.procs[name].exitcode}")
                 logger.error("%s: the engine starts again", why)
-                self._launcher.send(JoinedRankDied(self.joined.index, int(name.split(":")[1]),
+                self._launcher.send(JoinedRankDied(self.joined.engine, int(name.split(":")[1]),
                                                    self._running, why))
                 self._stop_ranks()
-        if self._rendezvous != self._running:
-            self._stop_ranks()
-            for name in self._stopped_ranks:  # (the new ones take their names)
-                proc = sup.procs[name]
-                proc.join(ENGINE_STOP_TIMEOUT_S)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            self._stopped_ranks.clear()
-            self._running = self._rendezvous
-            if self._running:
-                logger.warning("starting the ranks of engine %d's pipeline stages at %s",
-                               self.joined.index, self._running)
-                sup.spawn_executors(self.joined.index, self._running, joined=True)
+        if self._rendezvous == self._running:
+            return []
+        self._stop_ranks()
+        running = [n for n in self._stopped_ranks if sup.procs[n].is_alive()]
+        if running and time.monotonic() - self._stopping_since < ENGINE_STOP_TIMEOUT_S:
+            return []  # (the new ranks take their names: on a later turn)
+        for name in running:
+            logger.warning("%s did not stop in %.0f s: killing it", name, ENGINE_STOP_TIMEOUT_S)
+            sup.procs[name].kill()
+            sup.procs[name].join()
+        self._stopped_ranks.clear()
+        self._running = self._rendezvous
+        if self._running:
+            logger.warning("starting the ranks of engine %d's pipeline stages at %s",
+                           self.joined.engine, self._running)
+            sup.spawn_executors(self.joined.engine, self._running, joined=True)
         return []
 
     def _stop_ranks(self) -> None:
         for name in list(self.supervisor.procs):
             if name not in self._stopped_ranks:
+                if not self._stopped_ranks:
+                    self._stopping_since = time.monotonic()
                 self._stopped_ranks.add(name)
                 self.supervisor.terminate(name)
 
@@ -296,6 +304,11 @@ def run_joined(address: str, kind: str, stage_key: str, model_path: str,
                host: str | None = None) -> int:
     """Join the pipeline at `address` and serve until it stops; the exit code."""
     host = host or reachable_from(address)
+    if kind == "pipeline":  # (its ranks listen there: check before joining)
+        try:
+            interface_of(host)
+        except (ValueError, OSError) as exc:
+            raise JoinError(str(exc)) from None
     joined = join(address, kind, stage_key, model_path, host)
     stage = RemoteStage(joined, kind)
     print(f"joined the pipeline at {address} as {stage.name} (listening on {host})",

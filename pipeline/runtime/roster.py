@@ -164,11 +164,14 @@ class Roster:
             raise JoinError("an engine cannot join a pipeline started with "
                             "--joined-pipeline-stages (join its pipeline stages: run_pipeline "
                             "stage pipeline)")
-        index = host_for if kind == "pipeline" and host_for is not None \
-            else 1 + max((m.index for m in self.of_kind(kind)), default=-1)
+        # (a pipeline host's index is its own, never reused: one that was counted gone and
+        # comes back is not taken for its successor; "engine" says whose stages it runs)
+        index = 1 + max((m.index for m in self.of_kind(kind)), default=-1)
         self._add(Member(kind, index, "", joined=True, last_seen=now + self.cfg.ready_timeout_s))
         self.members[(kind, index)].tcp = host  # the host only, until it reports its port
-        answer = {"index": index, "run_id": self.cfg.run_id, "config": self.cfg.to_wire(),
+        engine = {"engine": host_for} if kind == "pipeline" else {}
+        answer = {"index": index, **engine, "run_id": self.cfg.run_id,
+                  "config": self.cfg.to_wire(),
                   "members": list(_fields(self.view(True))), **public}
         body = json.dumps(answer, sort_keys=True)
         return {"answer": body, "proof": proof(key, "answer", nonce, body)}
@@ -180,6 +183,7 @@ class Roster:
         the member a join admitted (None otherwise)."""
         if frames == [b"hello"]:
             return self.challenge(now).encode(), None
+        before = set(self.members)
         try:
             if len(frames) != 2 or frames[0] != b"join":
                 raise JoinError("not a join request")
@@ -192,9 +196,8 @@ class Roster:
         except Exception as exc:  # whatever anyone sends, the supervisor goes on
             logger.warning("refused a malformed join request: %s: %s", type(exc).__name__, exc)
             return json.dumps({"error": "a malformed join request"}).encode(), None
-        answer = json.loads(str(reply["answer"]))
-        return json.dumps(reply).encode(), self.members[(str(request["kind"]),
-                                                         int(answer["index"]))]
+        (added,) = set(self.members) - before
+        return json.dumps(reply).encode(), self.members[added]
 
     def joined_ready(self, kind: str, index: int, info: dict[str, int], now: float) -> bool:
         """A joined stage reported ready (its ports); False if the roster does not await it."""

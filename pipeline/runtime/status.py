@@ -41,8 +41,8 @@ def pipeline_status(supervisor: Supervisor, engines: Engines, roster: Roster | N
                           list(engines.alive), joined, left=left,
                           engines_restarting=restarting,
                           engines_down_why=dict(engines.down_why), ranks=rank_places(engines),
-                          rendezvous={str(e): address for e, address in engines.rendezvous.items()
-                                      if e in engines.hosts},
+                          rendezvous={engines.hosts[e]: address
+                                      for e, address in engines.rendezvous.items()},
                           abort_inboxes=abort_inboxes(supervisor, engines, public_host))
 
 

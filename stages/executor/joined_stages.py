@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 import time
 
@@ -45,20 +44,13 @@ def plans_key(rank: int) -> str:
     return f"plans-{rank}"
 
 
-def rank_host(cfg: PipelineConfig) -> str:
-    """The address this host's ranks listen on (gloo, the inboxes): the listen host, or this
-    host's name where the launcher listens on every interface."""
-    host = cfg.remote.listen_host
-    return socket.getfqdn() if host in ("0.0.0.0", "*") else host
-
-
 def bind_inbox(ctx: zmq.Context, cfg: PipelineConfig, codec: Codec) -> tuple[PullChannel, str]:
     """An inbox on a tcp:// port of this host (under CURVE: only the run's stages connect)
     and the address its peers reach it at."""
     chan = PullChannel(ctx, f"tcp://{cfg.remote.listen_host}:0", codec, bind=True,
                        secret=cfg.keys.run_secret)
     port = int(chan.socket.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2])
-    return chan, f"tcp://{rank_host(cfg)}:{port}"
+    return chan, f"tcp://{cfg.remote.listen_host}:{port}"
 
 
 def lookup(store: dist.Store, key: str) -> str:
@@ -81,9 +73,10 @@ class JoinedFollower:
         self.chan.send(msg)
 
 
-def plans_codec() -> Codec:
-    """What a follower rank's inbox takes: plans (RemoteStep on a joined host) and LastStep."""
-    return Codec([StepPlan, LastStep, RemoteStep])
+def plans_codec(joined: bool) -> Codec:
+    """What a follower rank's inbox takes: plans (with their slots' entries, RemoteStep, on a
+    joined host) and LastStep."""
+    return Codec([RemoteStep if joined else StepPlan, LastStep])
 
 
 def unpack_plan(msg: RemoteStep, steps: SharedRing) -> StepPlan:
@@ -101,12 +94,14 @@ def joined_samples(tokens: SampledTokens, sampled: SharedRing, num_rows: int) ->
 class SamplesRelay:
     """The first rank's thread that takes a joined sampling rank's RemoteSampled, writes its
     entries into the engine's sampled-token ring and passes the SampledTokens on to the
-    scheduler (its sockets are this thread's)."""
+    scheduler. Its sockets (`inbox`, handed over, and the one to the scheduler) are used and
+    closed by the thread alone."""
 
     def __init__(self, ctx: zmq.Context, cfg: PipelineConfig, inbox: PullChannel,
-                 sampled: SharedRing, stop: threading.Event) -> None:
-        self.ctx, self.cfg, self.inbox, self.sampled, self.stop = ctx, cfg, inbox, sampled, stop
+                 sampled: SharedRing) -> None:
+        self.ctx, self.cfg, self.inbox, self.sampled = ctx, cfg, inbox, sampled
         self.error: BaseException | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="samples-relay", daemon=True)
         self._thread.start()
 
@@ -114,7 +109,7 @@ class SamplesRelay:
         out = PushChannel(self.ctx, self.cfg.sampled_address, bind=False,
                           secret=self.cfg.keys.run_secret)
         try:
-            while not self.stop.is_set():
+            while not self._stop.is_set():
                 msg = self.inbox.recv_foreign_safe(timeout_ms=100)
                 if msg is None:
                     continue
@@ -127,6 +122,7 @@ class SamplesRelay:
             logger.exception("relaying a joined stage's samples failed")
         finally:
             out.close()
+            self.inbox.close()
 
     def _relay(self, msg: RemoteSampled) -> SampledTokens:
         put_columns(self.sampled.slot(msg.tokens.ring_slot), msg.columns)
@@ -136,6 +132,5 @@ class SamplesRelay:
                                    device_start=end - (tokens.device_end - tokens.device_start))
 
     def close(self) -> None:
+        self._stop.set()
         self._thread.join(timeout=5)
-        self.inbox.close()
-

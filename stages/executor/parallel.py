@@ -35,11 +35,8 @@ are issued only by each process's device thread, in step order. Stages on anothe
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
-import socket
-import struct
 import time
 from collections import deque
 from datetime import timedelta
@@ -47,6 +44,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ipc.addresses import interface_of
 
 logger = logging.getLogger(__name__)
 
@@ -66,23 +65,6 @@ def engine_store(rank: int, size: int, store_path: str, rendezvous: str = "") ->
                          timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
 
 
-def interface_of(host: str) -> str:
-    """The network interface that holds `host`'s IPv4 address on this host (gloo listens
-    there), or RuntimeError naming the address."""
-    address = socket.gethostbyname(host)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                packed = fcntl.ioctl(probe.fileno(), 0x8915,
-                                     struct.pack("256s", name.encode()[:15]))
-            except OSError:  # (an interface without one)
-                continue
-            if socket.inet_ntoa(packed[20:24]) == address:
-                return name
-    raise RuntimeError(f"no network interface of this host has the address {address} "
-                       f"({host}), where its executor ranks are to listen")
-
-
 def join_engine(rank: int, tensor_size: int, layers: list[range], store: dist.Store,
                 device: torch.device, vocab_size: int, host: str = ""
                 ) -> tuple[TensorParallel | None, PipelineParallel | None]:
@@ -93,8 +75,9 @@ def join_engine(rank: int, tensor_size: int, layers: list[range], store: dist.St
     num_stages = len(layers)
     size = tensor_size * num_stages
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if host and backend == "gloo":  # (gloo takes its address from the environment only)
-        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(host)
+    if host:  # (gloo and NCCL take their interface from the environment only)
+        os.environ["NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"] = \
+            interface_of(host)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     # Every rank has joined once this returns (NCCL would connect only at the first

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ipc.addresses import interface_of
 from ipc.arch import ArchSpec, UnsupportedModel
 from ipc.config import PipelineConfig
 from ipc.errors import ConfigError
@@ -44,6 +45,11 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
         check_divisible(read_config(cfg.model.path)[1], ex.tensor_parallel_size)
     if ex.pipeline_parallel_size > 1:
         check_pipeline(cfg)
+    if ex.joined_pipeline_stages:  # (the ranks listen there, across hosts)
+        try:
+            interface_of(cfg.remote.listen_host)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"--joined-pipeline-stages: {exc}") from None
     num_ranks = cfg.ranks.num_local_ranks  # (a pipeline host brings its own GPUs)
     if num_ranks > 1:
         check_devices(ex.device, num_ranks)

@@ -35,7 +35,6 @@ from stages.executor.joined_stages import (
     lookup,
     plans_codec,
     plans_key,
-    rank_host,
     unpack_plan,
 )
 from stages.executor.parallel import engine_store, join_engine, leave_engine
@@ -67,7 +66,7 @@ def build_runner(cfg: PipelineConfig, rank: int = 0, store: dist.Store | None = 
     tensor ranks: ipc/ranks.py), meeting the other ranks in `store` (meeting_place)."""
     ex, limits = cfg.executor, cfg.limits
     layout = cfg.ranks
-    host = rank_host(cfg) if layout.joined_stages else ""  # (gloo's address, across hosts)
+    host = cfg.remote.listen_host if layout.joined_stages else ""  # (across hosts: gloo's)
     if ex.timed is not None:  # (pipeline stages of instruments pass each step on: device.py)
         pp = None
         if ex.pipeline_parallel_size > 1:
@@ -149,12 +148,11 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int, rendezvous: st
             _follow(ctx, cfg, rank, store, reports=rank == reporter)
             return
         rings = StepRings.open(cfg, create=True)  # before the ranks meet: they map it then
-        relay = None
+        inbox = None
         if layout.joined_stages:  # (its address in the store before the ranks meet)
             inbox, address = bind_inbox(ctx.zmq, cfg, Codec([RemoteSampled]))
             assert store is not None
             store.set(SAMPLES_KEY, address)
-            relay = SamplesRelay(ctx.zmq, cfg, inbox, rings.sampled, ctx.stop)
         runner = build_runner(cfg, 0, store)
         plans = PullChannel(ctx.zmq, cfg.executor_address, Codec([StepPlan]), bind=True,
                             secret=cfg.keys.run_secret)
@@ -171,6 +169,7 @@ def run_executor(cfg: PipelineConfig, rank: int, parent_pid: int, rendezvous: st
         report: OnDone = (Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
                           if reporter == 0 else StageSpans(ctx, 0))
         device = make_device(runner, rings.sampled, report)
+        relay = SamplesRelay(ctx.zmq, cfg, inbox, rings.sampled) if inbox is not None else None
         ctx.ready(num_kv_blocks=runner.num_blocks)
         if runner.slots.matchers is not None:
             runner.slots.matchers.grammars.warm()
@@ -203,13 +202,12 @@ def tp_plan_address(cfg: PipelineConfig, rank: int) -> str:
     return cfg.engine_address(f"executor-tp-{rank}")
 
 
-def _own_ring(cfg: PipelineConfig, kind: str, specs: tuple[BufferSpec, ...],
+def _own_ring(name: str, specs: tuple[BufferSpec, ...], cfg: PipelineConfig,
               rank: int) -> SharedRing:
     """A ring of this rank's own, nameless once mapped: a follower's samples go nowhere
     (another rank reports them), but its device writes them somewhere (and CUDA pins it); a
     joined rank's plans and samples pass through rings of its own."""
-    ring = SharedRing(f"{cfg.sampled_ring_name}-{kind}-tp{rank}", specs,
-                      cfg.limits.num_ring_slots, create=True)
+    ring = SharedRing(f"{name}-tp{rank}", specs, cfg.limits.num_ring_slots, create=True)
     ring.unlink()
     return ring
 
@@ -223,19 +221,7 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, store: dist.Store
     ipc/ranks.py) maps none of the engine's rings: its plans bring their slot's entries
     (RemoteStep), and its reports go with theirs to the first rank (joined_stages.py)."""
     joined = cfg.ranks.joined(cfg.ranks.head(cfg.engine) + rank)
-    if joined:  # (its inbox's address in the store before the ranks meet)
-        assert store is not None
-        plans, address = bind_inbox(ctx.zmq, cfg, plans_codec())
-        store.set(plans_key(rank), address)
-    else:
-        plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), plans_codec(), bind=True,
-                            secret=cfg.keys.run_secret)
-    runner = build_runner(cfg, rank, store)  # meets the other ranks: rank 0 made the rings
-    if joined:
-        rings = StepRings(_own_ring(cfg, "steps", step_input_specs(cfg.limits), rank),
-                          _own_ring(cfg, "sampled", sampled_specs(cfg.limits), rank))
-    else:
-        rings = StepRings.open(cfg, create=False)
+    plans, runner, rings = _meet(ctx, cfg, rank, store, joined)
     # Rank 0 may forward the next plan of a ring slot as soon as its own step of that slot
     # ended, before this rank's device is done with the slot's staging buffer: wait for it.
     free = [threading.Event() for _ in range(cfg.limits.num_ring_slots)]
@@ -262,12 +248,10 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, store: dist.Store
     if layout.pipeline_parallel_size > 1 and layout.tensor_rank(rank) == 0:
         spans = StageSpans(ctx, layout.stage_of(rank))
         reporter = None
-        if reports and joined:
-            assert store is not None
-            reporter = Reporter(ctx, lookup(store, SAMPLES_KEY), cfg.keys.run_secret,
-                                rings.sampled)
-        elif reports:
-            reporter = Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
+        if reports:  # (on a joined host, to the first rank's relay: joined_stages.py)
+            reporter = (Reporter(ctx, lookup(store, SAMPLES_KEY), cfg.keys.run_secret,
+                                 rings.sampled) if joined and store is not None
+                        else Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret))
 
         def on_done(step: HostStep, *counts: Any) -> None:
             done(step)
@@ -276,7 +260,8 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, store: dist.Store
                 reporter(step, *counts)
 
     device = make_device(runner, rings.sampled if reports or joined
-                         else _own_ring(cfg, "sampled", sampled_specs(cfg.limits), rank),
+                         else _own_ring(cfg.sampled_ring_name, sampled_specs(cfg.limits), cfg,
+                                        rank),
                          on_done)
     ctx.ready(num_kv_blocks=runner.num_blocks)
     if reports and runner.slots.matchers is not None:  # (the sampling rank's, as rank 0's)
@@ -287,6 +272,28 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, store: dist.Store
     finally:
         device.close()
         _leave(runner)
+
+
+def _meet(ctx: StageContext, cfg: PipelineConfig, rank: int, store: dist.Store | None,
+          joined: bool) -> tuple[PullChannel, Runner, StepRings]:
+    """A follower's inbox of plans, its runner (built as the engine's ranks meet) and its
+    rings: the engine's, which rank 0 made before the ranks met, or on a joined host rings
+    of its own, and an inbox on tcp:// whose address the store carries to rank 0 (set before
+    the ranks meet, which rank 0 waits for)."""
+    if joined:
+        assert store is not None
+        plans, address = bind_inbox(ctx.zmq, cfg, plans_codec(joined=True))
+        store.set(plans_key(rank), address)
+    else:
+        plans = PullChannel(ctx.zmq, tp_plan_address(cfg, rank), plans_codec(joined=False),
+                            bind=True, secret=cfg.keys.run_secret)
+    runner = build_runner(cfg, rank, store)
+    if not joined:
+        return plans, runner, StepRings.open(cfg, create=False)
+    limits = cfg.limits
+    return plans, runner, StepRings(
+        _own_ring(cfg.step_ring_name, step_input_specs(limits), cfg, rank),
+        _own_ring(cfg.sampled_ring_name, sampled_specs(limits), cfg, rank))
 
 
 def _leave(runner: Runner) -> None:
