@@ -60,6 +60,14 @@ def test_joined_stages_need_a_listening_pipeline_and_a_model(tiny_model_dir: Pat
         dataclasses.replace(cfg, executor=joined)
     with pytest.raises(ConfigError, match="below --pipeline-parallel-size 2"):
         dataclasses.replace(cfg.executor, joined_pipeline_stages=2)
+    with pytest.raises(ConfigError, match="give this host's address there, not 0.0.0.0"):
+        _joined_config(tiny_model_dir, "0.0.0.0")
+    from stages.executor.preflight import check_executor
+
+    with pytest.raises(ConfigError, match=r"no network interface of this host has the address "
+                                          r"192\.0\.2\.7"):  # (TEST-NET-1: nobody's)
+        check_executor(_joined_config(tiny_model_dir, "192.0.2.7"))
+    check_executor(_joined_config(tiny_model_dir))  # (127.0.0.1: lo's)
 
 
 def test_a_slot_carried_to_another_host_reads_as_the_slot_it_came_from() -> None:
