@@ -212,3 +212,23 @@ def generate_on_ranks(cfg: PipelineConfig, prompts: list[list[int]], max_tokens:
     assert not [o.error for o in outs if o.error]
     assert names == sorted(places)
     return [o.token_ids for o in outs], stats
+
+
+def stream_and_abort(client: Any, prompt: list[int], max_tokens: int, after: int) -> str | None:
+    """Stream a request of `max_tokens` (EOS ignored) and abort it once `after` tokens came:
+    the finish reason of its last output ("abort" if the abort reached its engine)."""
+    import asyncio
+
+    from ipc.messages import SamplingParams
+
+    async def run() -> str | None:
+        reason = None
+        async for out in client.stream(prompt, SamplingParams(max_tokens=max_tokens,
+                                                              ignore_eos=True),
+                                       request_id="aborted"):
+            if out.num_output_tokens >= after and reason is None:
+                client.abort("aborted")
+            reason = out.finish_reason
+        return reason
+
+    return asyncio.run(run())

@@ -14,7 +14,6 @@ serves, then sends the prompts of ID_PROMPTS (JSON) and TEXT, and prints their t
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import sys
@@ -75,7 +74,7 @@ def main() -> None:
 
 
 def pipeline_stages(model_dir: str, host: str, key: str, id_prompts: str, text: str) -> None:
-    from live import ranks_config
+    from live import ranks_config, stream_and_abort
 
     base = ranks_config(Path(model_dir), pipeline_parallel_size=2)
     cfg = dataclasses.replace(
@@ -93,18 +92,9 @@ def pipeline_stages(model_dir: str, host: str, key: str, id_prompts: str, text: 
         greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         prompts: list[list[int] | str] = [*json.loads(id_prompts), text]
         outs = client.generate(prompts, greedy, timeout=60)
-
-        async def aborted() -> str | None:  # (the client connected before the engine ran)
-            reason = None
-            async for out in client.stream([5, 6, 7], SamplingParams(max_tokens=90,
-                                                                     ignore_eos=True),
-                                           request_id="long"):
-                if out.num_output_tokens >= 2 and reason is None:
-                    client.abort("long")
-                reason = out.finish_reason
-            return reason
-
-        result = {"tokens": [o.token_ids for o in outs], "abort": asyncio.run(aborted()),
+        # (this client connected before the engine ran: it found the engine as it started)
+        abort = stream_and_abort(client, [5, 6, 7], max_tokens=90, after=2)
+        result = {"tokens": [o.token_ids for o in outs], "abort": abort,
                   "errors": [o.error for o in outs if o.error],
                   "ranks": pipe.status().ranks, "run_id": pipe.cfg.run_id,
                   "client_key": pipe.cfg.keys.client_key}

@@ -3,12 +3,11 @@ scripts/gpu_check on a machine that has one."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
-from live import live_config, running
+from live import live_config, running, stream_and_abort
 from tiny_model import hf_greedy
 
 from ipc.messages import SamplingParams
@@ -52,19 +51,7 @@ def test_live_pipeline_on_cuda_overlapped_equals_synchronous(tiny_model_dir: Pat
 @pytest.mark.live
 def test_stream_and_abort_on_cuda(tiny_model_dir: Path) -> None:
     with running(live_config(tiny_model_dir, device="cuda")) as pipe:
-        client = pipe.client()
-
-        async def run() -> str | None:
-            reason = None
-            async for out in client.stream([5, 6, 7], SamplingParams(max_tokens=400,
-                                                                     ignore_eos=True),
-                                           request_id="x"):
-                if out.num_output_tokens >= 5 and reason is None:
-                    client.abort("x")
-                reason = out.finish_reason
-            return reason
-
-        assert asyncio.run(run()) == "abort"
+        assert stream_and_abort(pipe.client(), [5, 6, 7], max_tokens=400, after=5) == "abort"
 
 
 def test_decode_graphs_on_cuda_give_the_ordinary_compiled_tokens(tiny_model_dir: Path) -> None:
