@@ -13,8 +13,8 @@ none of the engine's shared-memory rings, so what it would read there travels to
   at the rendezvous the launcher gives the engine), which also carries these inboxes'
   tcp:// addresses. The inboxes are ZeroMQ under CURVE (encrypted, and only the run's stages
   get in: ipc/curve.py); the hidden states, the sampled ids going back to the first stage and
-  the store itself are torch.distributed's (gloo), in the clear: docs/ARCHITECTURE.md says
-  how to keep them on a private network.
+  the store itself are torch.distributed's (gloo on the CPU, NCCL on CUDA), in the clear:
+  docs/ARCHITECTURE.md says how to keep them on a private network.
 """
 
 from __future__ import annotations
