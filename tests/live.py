@@ -48,6 +48,15 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
+def alive_after(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still running `timeout` s from now at most (multiprocessing's resource
+    tracker exits only once it sees its parent gone)."""
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
+
+
 def kill_pids(pids: list[int]) -> None:
     for pid in alive(pids):
         os.kill(pid, signal.SIGKILL)

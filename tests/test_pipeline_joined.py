@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from live import alive, one_rank, ranks_config, running, shm_segments
+from live import alive_after, one_rank, ranks_config, running, shm_segments
 from test_remote_stages import KEY, PROMPT, ROOT, _end, _roster, _stage, capture
 
 from ipc.addresses import RemoteSettings
@@ -189,7 +189,7 @@ def test_joined_stages_give_one_ranks_tokens_through_a_killed_rank_and_a_new_hos
                     pipe.status().engines_down_why.get("0", ""):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            assert alive(old) == []
+            assert alive_after(old) == []
             refused = client.generate([[4, 4, 4]], greedy)[0]
             assert refused.error is not None and refused.token_ids == []
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from live import alive, kill_pids, running, shm_segments
+from live import alive_after, kill_pids, running, shm_segments
 
 from ipc import curve
 from ipc.addresses import RemoteSettings
@@ -367,10 +367,7 @@ def test_the_pids_of_a_joined_stage_end_with_it(tiny_model_dir: Path) -> None:
             assert children
             stage.send_signal(signal.SIGTERM)
             assert stage.wait(30) == 0
-            deadline = time.monotonic() + 10  # (multiprocessing's resource tracker exits
-            while alive(children) and time.monotonic() < deadline:  # once its parent has)
-                time.sleep(0.1)
-            assert alive(children) == []
+            assert alive_after(children) == []
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and "detokenizer:1" in pipe.status().stages:
                 time.sleep(0.2)
