@@ -72,9 +72,10 @@ class Dispatcher:
             engine = self.router.route(req.prompt_token_ids,
                                        len(req.prompt_token_ids) * req.params.n,
                                        req.params.lora_name)
-        except NoEngine as exc:
+        except NoEngine as exc:  # (with why each is down, as the status says)
+            why = "; ".join(f"engine {e}: {w}" for e, w in sorted(self._why.items()))
             self._reply(req.reply_to, error_output(req.request_id, ErrorKind.UNAVAILABLE,
-                                                   str(exc)))
+                                                   f"{exc}" + (f" ({why})" if why else "")))
             return
         now = self._clock()
         self._recent.append((now, engine, req.request_id, req.reply_to))

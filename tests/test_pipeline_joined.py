@@ -191,7 +191,8 @@ def test_joined_stages_give_one_ranks_tokens_through_a_killed_rank_and_a_new_hos
                 time.sleep(0.1)
             assert alive_after(old) == []
             refused = client.generate([[4, 4, 4]], greedy)[0]
-            assert refused.error is not None and refused.token_ids == []
+            assert refused.token_ids == [] and "waiting for another to join" in str(
+                refused.error)  # (why the engine is down, in the error: the status's)
 
             hosts.append(_stage("pipeline", pipe.address, tiny_model_dir))
             _serving(pipe, client, 2)
