@@ -115,7 +115,10 @@ class RunAddresses:
 def interface_of(host: str) -> str:
     """The network interface that holds `host`'s IPv4 address on this host (gloo listens
     there, across hosts, as its executor ranks), or ValueError naming the address."""
-    address = socket.gethostbyname(host)
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        raise ValueError(f"{host!r} does not resolve to an address: {exc}") from None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():
             try:  # SIOCGIFADDR: the interface's IPv4 address

@@ -96,9 +96,10 @@ class PullChannel:
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.port = 0  # the tcp:// port bound (the last, of several; 0: none)
         for addr in [address] if isinstance(address, str) else address:
             if bind:
-                curve.bind(self.socket, addr, curve.STAGES)
+                self.port = curve.bind(self.socket, addr, curve.STAGES) or self.port
             else:
                 curve.connect(self.socket, addr)
 

@@ -223,9 +223,9 @@ class RemoteStage:
             dead = self.supervisor.watch(0.1)
             while (msg := self._control.recv_foreign_safe(0)) is not None:
                 self._forward(msg)
-            if self.kind == "pipeline":
-                dead = self._ranks_follow(dead)
-            if dead:
+            if self.kind == "pipeline":  # (its ranks' deaths do not stop it)
+                self._ranks_follow(dead)
+            elif dead:
                 self.stop_reason = f"{dead[0]} died"
                 return
             if self._launcher_says_stop():
@@ -233,12 +233,12 @@ class RemoteStage:
             self._beat()
         self.stop_reason = self.stop_reason or "interrupted"
 
-    def _ranks_follow(self, dead: list[str]) -> list[str]:
+    def _ranks_follow(self, dead: list[str]) -> None:
         """A pipeline host's ranks: a rank that died takes the others down with it, and the
         launcher learns it (JoinedRankDied: it starts the engine again at a new rendezvous);
         at a new rendezvous the old ranks stop (SIGTERM; killed past ENGINE_STOP_TIMEOUT_S)
-        and, once all have, the new ones start. Never blocks: the heartbeat goes on. Deaths
-        that stop this host: none (the exits of ranks it stopped are not)."""
+        and, once all have, the new ones start. Never blocks: the heartbeat goes on. (The
+        exits of ranks it stopped itself are no news.)"""
         sup = self.supervisor
         for name in dead:
             if name not in self._stopped_ranks:
@@ -249,11 +249,11 @@ class RemoteStage:
                                                    self._running, why))
                 self._stop_ranks()
         if self._rendezvous == self._running:
-            return []
+            return
         self._stop_ranks()
         running = [n for n in self._stopped_ranks if sup.procs[n].is_alive()]
         if running and time.monotonic() - self._stopping_since < ENGINE_STOP_TIMEOUT_S:
-            return []  # (the new ranks take their names: on a later turn)
+            return  # (the new ranks take their names: on a later turn)
         for name in running:
             logger.warning("%s did not stop in %.0f s: killing it", name, ENGINE_STOP_TIMEOUT_S)
             sup.procs[name].kill()
@@ -264,7 +264,6 @@ class RemoteStage:
             logger.warning("starting the ranks of engine %d's pipeline stages at %s",
                            self.joined.engine, self._running)
             sup.spawn_executors(self.joined.engine, self._running, joined=True)
-        return []
 
     def _stop_ranks(self) -> None:
         for name in list(self.supervisor.procs):
@@ -307,7 +306,7 @@ def run_joined(address: str, kind: str, stage_key: str, model_path: str,
     if kind == "pipeline":  # (its ranks listen there: check before joining)
         try:
             interface_of(host)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             raise JoinError(str(exc)) from None
     joined = join(address, kind, stage_key, model_path, host)
     stage = RemoteStage(joined, kind)

@@ -173,10 +173,7 @@ class Supervisor:
         layout = self._cfg.ranks
         ranks = layout.joined_ranks(engine) if joined else layout.local_ranks(engine)
         for rank in ranks:
-            if rendezvous:
-                self.spawn_stage("executor", rank, rendezvous)
-            else:
-                self.spawn_stage("executor", rank)
+            self.spawn_stage("executor", rank, rendezvous)
 
     def start_scheduler(self, engine: int, reports: Reports, *args: Any) -> None:
         """Once engine `engine`'s first executor rank is ready (its KV cache allocated),

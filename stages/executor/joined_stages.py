@@ -49,8 +49,7 @@ def bind_inbox(ctx: zmq.Context, cfg: PipelineConfig, codec: Codec) -> tuple[Pul
     and the address its peers reach it at."""
     chan = PullChannel(ctx, f"tcp://{cfg.remote.listen_host}:0", codec, bind=True,
                        secret=cfg.keys.run_secret)
-    port = int(chan.socket.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2])
-    return chan, f"tcp://{cfg.remote.listen_host}:{port}"
+    return chan, f"tcp://{cfg.remote.listen_host}:{chan.port}"
 
 
 def lookup(store: dist.Store, key: str) -> str:
@@ -79,10 +78,9 @@ def plans_codec(joined: bool) -> Codec:
     return Codec([RemoteStep if joined else StepPlan, LastStep])
 
 
-def unpack_plan(msg: RemoteStep, steps: SharedRing) -> StepPlan:
-    """A joined rank: the plan of a RemoteStep, its entries written into its own ring slot."""
+def unpack_plan(msg: RemoteStep, steps: SharedRing) -> None:
+    """A joined rank: a RemoteStep's entries written into its own ring slot."""
     put_columns(steps.slot(msg.plan.ring_slot), msg.columns)
-    return msg.plan
 
 
 def joined_samples(tokens: SampledTokens, sampled: SharedRing, num_rows: int) -> RemoteSampled:

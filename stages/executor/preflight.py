@@ -48,7 +48,7 @@ def check_executor(cfg: PipelineConfig) -> Selection | None:
     if ex.joined_pipeline_stages:  # (the ranks listen there, across hosts)
         try:
             interface_of(cfg.remote.listen_host)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             raise ConfigError(f"--joined-pipeline-stages: {exc}") from None
     num_ranks = cfg.ranks.num_local_ranks  # (a pipeline host brings its own GPUs)
     if num_ranks > 1:

@@ -248,10 +248,12 @@ def _follow(ctx: StageContext, cfg: PipelineConfig, rank: int, store: dist.Store
     if layout.pipeline_parallel_size > 1 and layout.tensor_rank(rank) == 0:
         spans = StageSpans(ctx, layout.stage_of(rank))
         reporter = None
-        if reports:  # (on a joined host, to the first rank's relay: joined_stages.py)
-            reporter = (Reporter(ctx, lookup(store, SAMPLES_KEY), cfg.keys.run_secret,
-                                 rings.sampled) if joined and store is not None
-                        else Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret))
+        if reports and joined:  # (to the first rank's relay: joined_stages.py)
+            assert store is not None
+            reporter = Reporter(ctx, lookup(store, SAMPLES_KEY), cfg.keys.run_secret,
+                                rings.sampled)
+        elif reports:
+            reporter = Reporter(ctx, cfg.sampled_address, cfg.keys.run_secret)
 
         def on_done(step: HostStep, *counts: Any) -> None:
             done(step)
