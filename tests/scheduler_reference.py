@@ -66,7 +66,9 @@ class ReferenceBuilder(StepBuilder):
             return False
         return not reaches_length(seq.params, seq.num_outputs, num_tokens, self.max_len)
 
-    def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
+    def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int,
+                  short_of_end: bool = False) -> int:
+        assert not short_of_end  # (pipeline stages only: the reference has one)
         start, num_tokens = seq.num_computed, seq.num_tokens
         num_new = min(num_tokens - start, budget)
         if not self.kv.grow(step, seq, start + num_new, self.preempt):

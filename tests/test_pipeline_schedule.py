@@ -75,6 +75,11 @@ def bubble_rows(driver: PipelineDriver, stages: int) -> dict[int, tuple[int, int
     return found
 
 
+def sampling_ids(step: Step) -> list[str]:
+    """The requests a step samples: its set (prompt chunks short of their end join none)."""
+    return [r.request_id for r in step.rows if r.do_sample]
+
+
 def assert_no_bubble_but_fallback(driver: PipelineDriver, stages: int) -> None:
     """(a): a step holds a row that waits on the pipeline only where every row of it does
     (nothing else was ready: the fallback)."""
@@ -201,25 +206,49 @@ def test_sets_are_balanced_once_steady(seed: int, depth: int, stages: int) -> No
 @pytest.mark.parametrize("stages", [2, 4])
 def test_equal_requests_split_into_even_sets(num_seqs: int, depth: int, stages: int) -> None:
     """(b) from the start: requests that arrive together split into P sets of N // P or
-    N // P + 1 sequences, taken in turn with no row ever waiting on the pipeline, and their
-    first P steps admit them all."""
+    N // P + 1 sequences (a set: the rows that sample), taken in turn with no row ever
+    waiting on the pipeline, and their first P steps admit them all."""
     arrivals = {0: [make_request(f"r{n}", 6, max_tokens=30) for n in range(num_seqs)]}
     driver = run_pipeline(pipeline_limits(stages, depth), arrivals)
     history = driver.history
     small, large = num_seqs // stages, -(-num_seqs // stages)
-    firsts = history[:stages]
-    assert sum(len(s.rows) for s in firsts) == num_seqs
-    assert sorted(len(s.rows) for s in firsts) == sorted(
+    firsts = [sampling_ids(s) for s in history[:stages]]
+    assert sorted(r for ids in firsts for r in ids) == sorted(f"r{n}" for n in range(num_seqs))
+    assert sorted(len(ids) for ids in firsts) == sorted(
         [large] * (num_seqs % stages) + [small] * (stages - num_seqs % stages))
     # Until the first set ends, each step is the set of the step P before it.
     last_step = {r.request_id: s.step_id for s in history for r in s.rows}
     steady = [s for s in history if s.step_id < min(last_step.values())]
     assert len(steady) > 4 * stages
     for s in steady[stages:]:
-        before = history[s.step_id - stages]
-        assert [r.request_id for r in s.rows] == [r.request_id for r in before.rows]
+        assert sampling_ids(s) == sampling_ids(history[s.step_id - stages])
     assert all(waits == 0 for waits, _ in bubble_rows(driver, stages).values())
     assert driver.most_inflight == stages * depth
+
+
+def test_a_decoding_set_carries_the_other_sets_prompt_chunks() -> None:
+    """Where a set's rows all decode while prompts are still to compute, the step's budget
+    left over goes to those prompts' chunks short of their last token, which sample nothing:
+    every step before the last prompt's last chunk carries the whole budget (before, such a
+    step carried a row per sequence, and the first stage waited for the long step's samples
+    after it), the sets stay as they were, and the tokens are one stage's."""
+    arrivals = {0: [make_request(f"r{n}", 40, max_tokens=12) for n in range(8)]}
+    overrides = dict(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64)
+    driver = run_pipeline(pipeline_limits(2, 2, **overrides), arrivals)
+    first_sample: dict[str, int] = {}
+    for s in driver.history:
+        for rid in sampling_ids(s):
+            first_sample.setdefault(rid, s.step_id)
+    prompts_done = max(first_sample.values())
+    assert prompts_done >= 8
+    assert all(sum(len(r.token_ids) for r in s.rows) == 32
+               for s in driver.history[:prompts_done])
+    # (a set of 4 decodes with prompt chunks beside it: 4 tokens a step, before)
+    assert any(len(sampling_ids(s)) == 4 and len(s.rows) > 4
+               for s in driver.history[:prompts_done])
+    assert_no_bubble_but_fallback(driver, 2)
+    assert results(driver) == results(run_pipeline(pipeline_limits(1, 2, **overrides),
+                                                   arrivals))
 
 
 def test_sets_even_out_after_one_empties() -> None:
@@ -260,7 +289,7 @@ def test_fewer_sequences_than_stages_take_turns() -> None:
     so both keep running, one per step, in turn."""
     arrivals = {0: [make_request("a", 3, max_tokens=20), make_request("b", 3, max_tokens=20)]}
     driver = run_pipeline(pipeline_limits(4, 2), arrivals)
-    names = [[r.request_id for r in s.rows] for s in driver.history]
+    names = [sampling_ids(s) for s in driver.history]
     assert names[:6] == [["a"], ["b"], ["a"], ["b"], ["a"], ["b"]]
     assert_no_bubble_but_fallback(driver, 4)
     assert results(driver) == results(run_pipeline(pipeline_limits(1, 2), arrivals))

@@ -117,9 +117,11 @@ class KVManager:
 
     # ------------------------------------------------------------ growth
 
-    def grow(self, step: PlannedStep, seq: Sequence, num_tokens: int, preempt: Preempt) -> bool:
-        """Give seq blocks for num_tokens tokens, preempting another sequence if need be;
-        with a window, first give back its pages out of it (trim)."""
+    def grow(self, step: PlannedStep, seq: Sequence, num_tokens: int,
+             preempt: Preempt | None) -> bool:
+        """Give seq blocks for num_tokens tokens, preempting another sequence if need be
+        (not with preempt None: then only free blocks); with a window, first give back its
+        pages out of it (trim)."""
         needed = self.blocks_for(num_tokens) - len(seq.blocks)
         if needed <= 0:
             return True
@@ -129,7 +131,7 @@ class KVManager:
             return False
         blocks = self.allocator.allocate(needed)
         while blocks is None:
-            if not self._preempt_one(step, seq, preempt):
+            if preempt is None or not self._preempt_one(step, seq, preempt):
                 return False
             blocks = self.allocator.allocate(needed)
         for block in blocks:

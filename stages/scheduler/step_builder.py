@@ -126,13 +126,32 @@ class StepBuilder:
                 continue
             budget -= self._plan_row(step, seq, budget)
         if queue.waiting:
-            self._admit(step, budget, max_rows)
+            budget = self._admit(step, budget, max_rows)
         if not rows and held:  # (nothing else could run, admission included: see above)
             self._plan_decodes(step, sorted(held, key=attrgetter("sampled_in_step"))[:max_rows],
                                budget)
+        elif budget > 0 and not step.has_preempted and not step.is_starved:
+            self._plan_unsampled(step, prefills, budget)
         for row in rows:
             if row.do_sample:
                 row.seq.sampled_in_step = step.step_id
+
+    def _plan_unsampled(self, step: PlannedStep, prefills: list[Sequence],
+                        budget: int) -> None:
+        """With P > 1 stages, the budget the capped rows left goes to prompts' chunks that
+        stop one token short of the prompt's end (running ones first, then admitted ones):
+        they sample nothing, so they wait on no stage and join no set, and the prompt's last
+        token comes in a step of the set it joins. Without them a set whose sequences all
+        decode takes a step of a row each while the other set's prompts fill theirs: the
+        first stage, done with the short step, waits for the long one's samples, and the
+        later stages idle through the short one."""
+        for seq in prefills:
+            if budget <= 0:
+                return
+            if seq not in step.members and seq.num_tokens - seq.num_computed > 1:
+                budget -= self._plan_row(step, seq, budget, short_of_end=True)
+        if self.queue.waiting and budget > 0 and not step.is_starved:
+            self._admit(step, budget, short_of_end=True)
 
     def wants_step(self, seq: Sequence) -> bool:
         if seq.status is not SeqStatus.RUNNING or seq.num_drafted_inflight:
@@ -191,11 +210,16 @@ class StepBuilder:
             step.num_plain = num_planned if num_plain < 0 else num_plain
         return budget - num_planned
 
-    def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int) -> int:
-        """Add seq's next chunk to step; returns the tokens used (0 if it must wait)."""
+    def _plan_row(self, step: PlannedStep, seq: Sequence, budget: int,
+                  short_of_end: bool = False) -> int:
+        """Add seq's next chunk to step; returns the tokens used (0 if it must wait).
+        short_of_end: the chunk stops before seq's last token, and takes only free blocks
+        (_plan_unsampled: an extra, not worth a preemption)."""
         start, num_tokens = seq.num_computed, seq.num_tokens
-        num_new = self.kv.chunk_end(start, min(num_tokens, start + budget)) - start
-        if not self.kv.grow(step, seq, start + num_new, self.preempt):
+        num_new = self.kv.chunk_end(
+            start, min(num_tokens - short_of_end, start + budget)) - start
+        if not self.kv.grow(step, seq, start + num_new,
+                            None if short_of_end else self.preempt):
             step.is_starved = True
             return 0
         step.members.add(seq)
@@ -242,10 +266,13 @@ class StepBuilder:
         step.plp_owners.append((seq, last - first))
         seq.num_plp_planned = last
 
-    def _admit(self, step: PlannedStep, budget: int, max_rows: int | None = None) -> int:
+    def _admit(self, step: PlannedStep, budget: int, max_rows: int | None = None,
+               short_of_end: bool = False) -> int:
         """Admit waiting samples in the queue's order while the budget, slots and blocks
         last (and the step has fewer than max_rows rows, with pipeline stages); the first
-        that does not fit ends admission (no overtaking)."""
+        that does not fit ends admission (no overtaking). short_of_end: each takes a chunk
+        that stops before its last token (_plan_unsampled); one with no more to compute
+        than that token ends admission too."""
         queue, kv = self.queue, self.kv
         while (queue.waiting and budget > 0 and kv.free_slots and not step.is_starved
                and not step.has_preempted
@@ -254,8 +281,9 @@ class StepBuilder:
             seq = queue.waiting[0]
             hits = kv.cached_prefix(seq)
             start = len(hits) * kv.block_size
-            if not kv.admits(step, hits, kv.chunk_end(start, min(seq.num_tokens,
-                                                                  start + budget))):
+            end = seq.num_tokens - short_of_end
+            if end <= start or not kv.admits(step, hits,
+                                             kv.chunk_end(start, min(end, start + budget))):
                 break
             if seq.adapter_id and not self.adapters.take(
                     seq.adapter_id, seq.params, (s.adapter_id for s in kv.running),
@@ -269,7 +297,7 @@ class StepBuilder:
             if seq.num_preemptions:
                 seq.resumed_at = len(seq.output_ids)
             self._init_slot(step, seq)
-            budget -= self._plan_row(step, seq, budget)
+            budget -= self._plan_row(step, seq, budget, short_of_end)
         return budget
 
     def _init_slot(self, step: PlannedStep, seq: Sequence) -> None:
