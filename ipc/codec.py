@@ -120,6 +120,14 @@ def _list_of(inner: Decoder, name: str, item_tp: Any) -> Decoder:
             return v
 
         return check_ints
+    if item_tp is str:  # hot path: a batch's request ids (TokenColumns)
+
+        def check_strs(v: Any) -> Any:
+            if type(v) is not list or not all(type(x) is str for x in v):
+                raise ProtocolError(f"{name}: expected a list of str")
+            return v
+
+        return check_strs
 
     def check(v: Any) -> Any:
         if type(v) is not list:

@@ -23,6 +23,7 @@ from ipc.messages import (
     RequestOutput,
     RequestOutputs,
     StopSample,
+    TokenColumns,
     TokenDelta,
     TokenLogprob,
 )
@@ -115,10 +116,42 @@ class Detokenizer:
                 state.finished = True
                 if all(s.finished for s in samples):
                     del self.requests[delta.request_id]
+        unknown += self._feed_plain(batch.plain, by_client)
         if unknown:
             logger.warning("dropped %d token deltas of requests this worker does not know "
                            "(expected just after it was restarted)", unknown)
         return by_client
+
+    def _feed_plain(self, plain: TokenColumns, by_client: dict[str, list[RequestOutput]]) -> int:
+        """feed's loop over the steady case's deltas, kept as columns (one token each, none
+        finishing, no logprobs): a sample with stop strings takes _output's way, the others
+        _plain_output's, inlined. Returns how many were of requests it does not know."""
+        requests, unknown = self.requests, 0
+        tokens, indexes, cached = plain.token_ids, plain.indexes, plain.num_cached_tokens
+        for i, rid in enumerate(plain.request_ids):
+            samples = requests.get(rid)
+            index = indexes[i]
+            if samples is None or not 0 <= index < len(samples):
+                unknown += 1
+                continue
+            state = samples[index]
+            if state.stopped:
+                continue
+            info = state.info
+            try:
+                if info.stop:
+                    out = self._output(state, plain.delta(i))
+                else:
+                    token = tokens[i]
+                    text = state.stream.step(token)
+                    state.num_output_tokens += 1
+                    out = RequestOutput(rid, text, [token], False, None, None,
+                                        info.num_prompt_tokens, state.num_output_tokens, index,
+                                        None, None, cached[i])
+            except Exception as exc:
+                out = self._failed_output(state, plain.delta(i), exc)
+            by_client.setdefault(info.reply_to, []).append(out)
+        return unknown
 
     def _refuse_late(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
         """A dead engine's batch that came after EngineDown: the requests it announced end
@@ -298,6 +331,6 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int,
             core.stopped.clear()
             for address, outputs in outputs_by_client.items():
                 replies.send(address, RequestOutputs(outputs))
-            ctx.tracer.span("detokenize", start, now_ns(), args={"deltas": len(batch.deltas)})
+            ctx.tracer.span("detokenize", start, now_ns(), args={"deltas": batch.num_deltas})
         replies.close()
         engines.close()

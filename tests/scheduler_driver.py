@@ -248,7 +248,7 @@ class Driver:
         return True
 
     def collect(self) -> list[TokenDelta]:
-        _, deltas, rejected = self.core.take_outputs()
+        _, deltas, rejected, _ = self.core.take_outputs()
         for r in rejected:  # answered at once, with no state anywhere
             assert r.request_id not in self.core.requests or r.finish_reason == "error"
             self.rejected.append(r)

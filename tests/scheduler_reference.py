@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from ipc.messages import DetokBatch, FinishReason, StepPlan, TokenDelta, TokenLogprob
+from ipc.messages import (
+    DetokBatch,
+    FinishReason,
+    StepPlan,
+    TokenColumns,
+    TokenDelta,
+    TokenLogprob,
+)
 from ipc.step import (
     BLOCK_UPDATES,
     NEW_SLOTS,
@@ -197,7 +204,7 @@ class ReferenceScheduler(Scheduler):
                 seq.error if finished else None, seq.index,
                 logprobs, max(seq.num_cached_tokens, 0), seq.stop_token,
                 _prompt_logprobs_to_send(seq)))
-        out = StepOutputs(book.new_infos, deltas, book.rejected)
+        out = StepOutputs(book.new_infos, deltas, book.rejected, TokenColumns())
         book.new_infos, book.rejected, book.touched = [], [], {}
         return out
 
@@ -241,7 +248,7 @@ def reference_write(step: PlannedStep, buf: dict[str, np.ndarray]) -> StepPlan:
 
 def reference_flush(shell: SchedulerShell) -> None:
     """SchedulerShell._flush_outputs as it was: a _shard call per delta."""
-    infos, deltas, rejected = shell.core.take_outputs()
+    infos, deltas, rejected, _ = shell.core.take_outputs()
     if not (infos or deltas or rejected):
         return
     batches: dict[int, DetokBatch] = {}

@@ -4,13 +4,20 @@ by reply address, per-request state and the O(N) cost of incremental detokenizat
 from __future__ import annotations
 
 import random
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders
 
-from ipc.messages import DetokBatch, DetokRequestInfo, RequestOutput, TokenDelta
+from ipc.messages import (
+    DetokBatch,
+    DetokRequestInfo,
+    RequestOutput,
+    TokenColumns,
+    TokenDelta,
+)
 from stages.detokenizer import Detokenizer
 
 REPLACEMENT = "\ufffd"
@@ -307,3 +314,42 @@ def test_rejected_request_is_answered_without_touching_a_live_one(tiny_tokenizer
     out = detok.feed(DetokBatch([], [TokenDelta("dup", [5, 6], "length")]))
     assert list(out) == [ADDRESSES[0]] and out[ADDRESSES[0]][0].token_ids == [5, 6]
     assert detok.requests == {}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_deltas_as_columns_give_the_outputs_of_token_deltas(
+        tiny_tokenizer: Tokenizer, seed: int) -> None:
+    """A batch's steady deltas (TokenColumns) against the same as TokenDeltas, step by
+    step: the same outputs, in each sample's order, to the same address, with and without
+    stop strings, n = 2, a cached prompt, an id the tokenizer cannot decode (that sample's error),
+    a request the worker does not know, and finishing deltas beside them (-1: an id no
+    tokenizer decodes)."""
+    rng = random.Random(seed)
+    vocab = tiny_tokenizer.get_vocab_size()
+    infos = [_info("plain"), DetokRequestInfo("two", ADDRESSES[1], 5, True, 0.0, n=2),
+             DetokRequestInfo("stops", ADDRESSES[0], 3, True, 0.0, stop=["a", "e "])]
+    samples = [("plain", 0), ("two", 0), ("two", 1), ("stops", 0), ("ghost", 0)]
+    columns, whole = Detokenizer(tiny_tokenizer), Detokenizer(tiny_tokenizer)
+    got: dict[str, list[RequestOutput]] = {}
+    expected: dict[str, list[RequestOutput]] = {}
+    for step in range(40):
+        plain, deltas = TokenColumns(), []
+        for rid, index in samples:
+            bad = (rid, step) == ("plain", 30)
+            token = -1 if bad else rng.randrange(vocab)
+            if step == 39 or (rng.random() < 0.1 and not bad):
+                deltas.append(TokenDelta(rid, [token, rng.randrange(vocab)],
+                                         "length" if step == 39 else None, index=index))
+            else:
+                plain.append(rid, token, index, 4 if rid == "two" else 0)
+        new = infos if step == 0 else []
+        for address, outs in columns.feed(DetokBatch(new, deltas, plain=plain)).items():
+            got.setdefault(address, []).extend(outs)
+        everything = DetokBatch(new, deltas + plain.deltas())
+        for address, outs in whole.feed(everything).items():
+            expected.setdefault(address, []).extend(outs)
+    key = attrgetter("request_id", "index")
+    assert {a: sorted(o, key=key) for a, o in got.items()} == {
+        a: sorted(o, key=key) for a, o in expected.items()}
+    assert any(o.error for o in got[ADDRESSES[0]])  # (the sample fed -1)
+    assert not columns.requests and not whole.requests

@@ -10,7 +10,10 @@ from ipc.messages import (
     FinishReason,
     SamplingParams,
     StructuredOutputs,
+    TokenColumns,
+    TokenDelta,
     TokenizedRequest,
+    TokenLogprob,
 )
 from stages.scheduler.requests import (
     MAX_FORGOTTEN_CLIENTS,
@@ -24,8 +27,8 @@ LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
 
 
 def add(book: RequestBook, rid: str, n: int = 1, reply_to: str = "client",
-        prompt: int = 6) -> list[Sequence]:
-    p = SamplingParams(n=n)
+        prompt: int = 6, params: SamplingParams | None = None) -> list[Sequence]:
+    p = SamplingParams(n=n) if params is None else params
     req = TokenizedRequest(rid, reply_to, list(range(10, 10 + prompt)), p, 0.0)
     seqs = [Sequence(rid, list(req.prompt_token_ids), p, 0.0, index=i, reply_to=reply_to,
                      status=SeqStatus.HELD if i else SeqStatus.WAITING) for i in range(n)]
@@ -77,14 +80,50 @@ def test_outputs_carry_new_tokens_once_and_the_final() -> None:
     seq = add(book, "r")[0]
     seq.output_ids += [5, 6]
     book.touched[seq] = None
-    infos, deltas, rejected = book.take_outputs()
+    infos, deltas, rejected, _ = book.take_outputs()
     assert [i.request_id for i in infos] == ["r"] and not rejected
     assert [(d.token_ids, d.finish_reason) for d in deltas] == [([5, 6], None)]
-    assert book.take_outputs() == ([], [], [])
+    assert book.take_outputs() == ([], [], [], TokenColumns())
     seq.move_to(SeqStatus.RUNNING)
     book.finish(seq, FinishReason.LENGTH)
     (delta,) = book.take_outputs().deltas
     assert delta.token_ids == [] and delta.finish_reason is FinishReason.LENGTH
+
+
+def test_steady_deltas_come_as_columns_and_the_rest_as_deltas() -> None:
+    """take_outputs(columns=True): a sample's one new token, unfinished, without logprobs,
+    goes in the columns (its index and cached prompt tokens with it); two tokens, a finish,
+    logprobs or prompt logprobs make a TokenDelta; together the same deltas as without."""
+    book = RequestBook()
+    plain = add(book, "plain", n=2)
+    two = add(book, "two")[0]
+    ends = add(book, "ends")[0]
+    lps = add(book, "lps", params=SamplingParams(max_tokens=8, logprobs=0))[0]
+    plps = add(book, "plps", params=SamplingParams(max_tokens=8, prompt_logprobs=0))[0]
+    book.take_outputs()  # (the request infos)
+    for seq in [*plain, two, ends, lps, plps]:
+        if seq.status is SeqStatus.HELD:  # (sample 1 of "plain")
+            seq.move_to(SeqStatus.WAITING)
+        seq.move_to(SeqStatus.RUNNING)
+        seq.output_ids.append(7)
+        seq.output_logprobs.append(TokenLogprob(7, -0.5))
+        book.touched[seq] = None
+    two.output_ids.append(8)
+    plain[1].num_cached_tokens = 16
+    book.finish(ends, FinishReason.STOP)
+    touched = dict(book.touched)
+    out = book.take_outputs(columns=True)
+    assert out.plain == TokenColumns(["plain", "plain"], [7, 7], [0, 1], [0, 16])
+    assert sorted(d.request_id for d in out.deltas) == ["ends", "lps", "plps", "two"]
+    for seq in touched:
+        seq.num_sent = 0
+    book.touched = touched
+    whole = book.take_outputs().deltas
+    assert sorted(out.deltas + out.plain.deltas(), key=key) == sorted(whole, key=key)
+
+
+def key(delta: TokenDelta) -> tuple[str, int]:
+    return delta.request_id, delta.index
 
 
 def test_a_lost_detokenizers_recent_finals_end_again_with_an_error() -> None:

@@ -244,7 +244,7 @@ def test_failing_a_shard_ends_its_requests_with_no_delta_and_frees_them() -> Non
     for _ in range(3):
         driver.tick()
     driver.core.fail_requests(lambda rid: rid in ("a", "done"), "detokenizer:1 stopped")
-    _, deltas, rejected = driver.core.take_outputs()
+    _, deltas, rejected, _ = driver.core.take_outputs()
     assert [d.request_id for d in deltas if d.request_id == "a"] == []
     assert sorted((r.request_id, r.error) for r in rejected) == [
         ("a", "detokenizer:1 stopped"), ("done", "detokenizer:1 stopped")]

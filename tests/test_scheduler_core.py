@@ -338,7 +338,7 @@ def test_abort_before_the_request_arrives() -> None:
     driver = Driver(make_limits())
     driver.abort("early")
     driver.add(make_request("early", 5))
-    infos, deltas, rejected = driver.core.take_outputs()
+    infos, deltas, rejected, _ = driver.core.take_outputs()
     assert infos == [] and deltas == []
     assert rejected == [RequestRejected("early", "client", "abort", None, 5)]
     assert driver.plan() == []
@@ -362,7 +362,7 @@ def test_duplicate_request_id_is_an_error() -> None:
     driver = Driver(make_limits())
     driver.add(make_request("a", 5, max_tokens=3))
     driver.add(make_request("a", 9, max_tokens=3))
-    infos, deltas, rejected = driver.core.take_outputs()
+    infos, deltas, rejected, _ = driver.core.take_outputs()
     assert [i.request_id for i in infos] == ["a"] and deltas == []  # the first one lives on
     assert len(rejected) == 1 and rejected[0].finish_reason == "error"
     assert "already in use" in (rejected[0].error or "")

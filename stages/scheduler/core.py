@@ -460,6 +460,7 @@ class Scheduler:
             run_ahead_depth=self.depth, discarded_tokens=self.discarded_tokens,
             max_seq_blocks=kv.max_seq_blocks)
 
-    def take_outputs(self) -> StepOutputs:
-        """New request infos, token deltas and rejections since the last call, in order."""
-        return self.book.take_outputs()
+    def take_outputs(self, columns: bool = False) -> StepOutputs:
+        """New request infos, token deltas and rejections since the last call, in order
+        (with `columns`, the steady case's deltas apart: RequestBook.take_outputs)."""
+        return self.book.take_outputs(columns)

@@ -209,8 +209,8 @@ class SchedulerShell:
 
     def _flush_outputs(self) -> None:
         start = now_ns()
-        infos, deltas, rejected = self.core.take_outputs()
-        if not (infos or deltas or rejected):
+        infos, deltas, rejected, plain = self.core.take_outputs(columns=True)
+        if not (infos or deltas or rejected or plain):
             return
         batches: dict[int, DetokBatch] = {}
 
@@ -239,19 +239,29 @@ class SchedulerShell:
             (batch(rid) if found is None else found).deltas.append(delta)
             if delta.finish_reason is not None:
                 ended.add(rid)
+        tokens, indexes, cached = plain.token_ids, plain.indexes, plain.num_cached_tokens
+        for i, rid in enumerate(plain.request_ids):  # (the same, as columns)
+            rank = pins.get(rid, -1)
+            is_up = up.get(rank)
+            if is_up is None:
+                is_up = up[rank] = peers.detokenizer_up(rank)
+            found = batches.get(rank) if is_up else None
+            (batch(rid) if found is None else found).plain.append(rid, tokens[i], indexes[i],
+                                                                  cached[i])
         for rej in rejected:
             batch(rej.request_id, rej.reply_to).rejected.append(rej)
         for rank, detok_batch in batches.items():
             if not self.peers.to_detokenizer(rank, detok_batch):
                 logger.error("no detokenizer can take the outputs of %d request(s)",
-                             len({d.request_id for d in detok_batch.deltas}))
+                             len({d.request_id for d in detok_batch.deltas}
+                                 | set(detok_batch.plain.request_ids)))
         now = time.monotonic()
         self._unpin.extend((now, rid) for rid in ended | {r.request_id for r in rejected})
         while self._unpin and now - self._unpin[0][0] > RECENT_FINAL_S:
             rid = self._unpin.popleft()[1]
             if rid not in self.core.requests:
                 self._pins.pop(rid, None)
-        self.tracer.span("outputs", start, now_ns(), args={"deltas": len(deltas)})
+        self.tracer.span("outputs", start, now_ns(), args={"deltas": len(deltas) + len(plain)})
 
     def stats(self) -> SchedulerStats:
         refused = self.inbox.num_refused + self.results.num_refused + self.remote.num_refused

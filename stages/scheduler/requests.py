@@ -17,6 +17,7 @@ from ipc.messages import (
     ErrorKind,
     FinishReason,
     RequestRejected,
+    TokenColumns,
     TokenDelta,
     TokenizedRequest,
     TokenLogprob,
@@ -37,6 +38,7 @@ class StepOutputs(NamedTuple):
     infos: list[DetokRequestInfo]
     deltas: list[TokenDelta]
     rejected: list[RequestRejected]
+    plain: TokenColumns  # (take_outputs(columns=True): the steady case's deltas, apart)
 
 
 def invalid_reason(req: TokenizedRequest, lim: EngineLimits) -> str | None:
@@ -201,9 +203,11 @@ class RequestBook:
 
     # ------------------------------------------------------------ outputs
 
-    def take_outputs(self) -> StepOutputs:
-        """New request infos, token deltas and rejections since the last call, in order."""
+    def take_outputs(self, columns: bool = False) -> StepOutputs:
+        """New request infos, token deltas and rejections since the last call, in order;
+        with `columns`, the deltas of the steady case (TokenColumns) in `plain`, apart."""
         deltas = []
+        plain = TokenColumns()
         finished = SeqStatus.FINISHED
         for seq in self.touched:  # (a sample per step each: names looked up once)
             ids, start = seq.output_ids, seq.num_sent
@@ -215,13 +219,18 @@ class RequestBook:
             else:
                 reason = error = None
             p = seq.params
+            if (columns and reason is None and num_out - start == 1 and p.logprobs is None
+                    and p.prompt_logprobs is None and seq.embedding is None):
+                plain.append(seq.request_id, ids[start], seq.index,
+                             seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0)
+                continue
             deltas.append(TokenDelta(
                 seq.request_id, ids[start:], reason, error, seq.index,
                 None if p.logprobs is None else seq.output_logprobs[start:],
                 seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0, seq.stop_token,
                 None if p.prompt_logprobs is None else prompt_logprobs_to_send(seq),
                 seq.embedding))
-        out = StepOutputs(self.new_infos, deltas, self.rejected)
+        out = StepOutputs(self.new_infos, deltas, self.rejected, plain)
         self.new_infos, self.rejected, self.touched = [], [], {}
         return out
 
