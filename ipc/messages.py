@@ -501,10 +501,56 @@ class RequestOutput(Struct):
                    WHOLE_REQUEST, error_kind=kind, error_param=param)
 
 
+@dataclass(slots=True)
+class OutputColumns(Struct):
+    """The steady case of RequestOutput, as columns (TokenColumns' outputs): a sample's text
+    of one new token, the sample not finished, no logprobs, no error (the other fields at
+    their defaults). At 256 samples a step a RequestOutput each had been most of the
+    detokenizer's work after decoding (made and packed) and of the client's (unpacked). Not
+    frozen: the detokenizer appends to it."""
+
+    request_ids: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    indexes: list[int] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def append(self, request_id: str, text: str, token_id: int, index: int,
+               num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> None:
+        self.request_ids.append(request_id)
+        self.texts.append(text)
+        self.token_ids.append(token_id)
+        self.indexes.append(index)
+        self.num_prompt_tokens.append(num_prompt_tokens)
+        self.num_output_tokens.append(num_output_tokens)
+        self.num_cached_tokens.append(num_cached_tokens)
+
+    def outputs(self) -> list[RequestOutput]:
+        """The RequestOutputs the columns stand for."""
+        return [RequestOutput(rid, text, [token], False, None, None, prompt, out, index, None,
+                              None, cached)
+                for rid, text, token, index, prompt, out, cached in zip(
+                    self.request_ids, self.texts, self.token_ids, self.indexes,
+                    self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens,
+                    strict=True)]
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutputs(Message):
     TAG: ClassVar[int] = 5
     outputs: list[RequestOutput]
+    # Outputs of the steady case (one per sample, as `outputs` are: a sample is in one or the
+    # other in a message)
+    plain: OutputColumns = field(default_factory=OutputColumns)
+
+    def all_outputs(self) -> list[RequestOutput]:
+        """`outputs` and the columns' (the order between samples carries nothing)."""
+        return self.outputs + self.plain.outputs() if self.plain else self.outputs
 
 
 # ---------------------------------------------------------------- scheduler <-> executor

@@ -69,6 +69,16 @@ def find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None
     return best
 
 
+class _Messages(dict[str, RequestOutputs]):
+    """A batch's outputs by client address."""
+
+    def of(self, address: str) -> RequestOutputs:
+        msg = self.get(address)
+        if msg is None:
+            msg = self[address] = RequestOutputs([])
+        return msg
+
+
 class Detokenizer:
     """Pure core: feed(batch) -> outputs grouped by client reply address. A sample ended by a
     stop string is reported in `stopped` (a StopSample each), for the scheduler."""
@@ -82,20 +92,27 @@ class Detokenizer:
         self.dead_engines: dict[int, tuple[int, str]] = {}
 
     def feed(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
+        """feed_messages' outputs, each client's as one list."""
+        return {address: msg.all_outputs() for address, msg in self.feed_messages(batch).items()}
+
+    def feed_messages(self, batch: DetokBatch) -> dict[str, RequestOutputs]:
+        """The batch's outputs, a message for each client address: the steady case's as
+        columns (OutputColumns), the rest as a RequestOutput each."""
         dead = self.dead_engines.get(batch.engine)
         if dead is not None and batch.incarnation <= dead[0]:
-            return self._refuse_late(batch)  # sent before it died: its requests failed
+            # sent before it died: its requests failed
+            return {a: RequestOutputs(outs) for a, outs in self._refuse_late(batch).items()}
         for info in batch.new_requests:
             self.requests[info.request_id] = [
                 _SampleState(info, i, self.new_stream(info.skip_special_tokens, info.request_id),
                              engine=batch.engine)
                 for i in range(info.n)]
-        by_client: dict[str, list[RequestOutput]] = {}
+        by_client = _Messages()
         for rej in batch.rejected:  # needs no state; a failed request's state is done with
             samples = self.requests.get(rej.request_id)
             if samples and samples[0].info.reply_to == rej.reply_to:  # not a duplicate's
                 del self.requests[rej.request_id]
-            by_client.setdefault(rej.reply_to, []).append(RequestOutput.refusal(
+            by_client.of(rej.reply_to).outputs.append(RequestOutput.refusal(
                 rej.request_id, rej.error_kind, rej.error, None, rej.num_prompt_tokens,
                 rej.finish_reason))
         unknown = 0
@@ -111,7 +128,7 @@ class Detokenizer:
                     out = (self._output if state.info.stop else self._plain_output)(state, delta)
                 except Exception as exc:
                     out = self._failed_output(state, delta, exc)
-                by_client.setdefault(state.info.reply_to, []).append(out)
+                by_client.of(state.info.reply_to).outputs.append(out)
             if delta.finish_reason is not None:
                 state.finished = True
                 if all(s.finished for s in samples):
@@ -122,10 +139,11 @@ class Detokenizer:
                            "(expected just after it was restarted)", unknown)
         return by_client
 
-    def _feed_plain(self, plain: TokenColumns, by_client: dict[str, list[RequestOutput]]) -> int:
+    def _feed_plain(self, plain: TokenColumns, by_client: _Messages) -> int:
         """feed's loop over the steady case's deltas, kept as columns (one token each, none
         finishing, no logprobs): a sample with stop strings takes _output's way, the others
-        _plain_output's, inlined. Returns how many were of requests it does not know."""
+        _plain_output's, inlined, into the client's columns. Returns how many were of
+        requests it does not know."""
         requests, unknown = self.requests, 0
         tokens, indexes, cached = plain.token_ids, plain.indexes, plain.num_cached_tokens
         for i, rid in enumerate(plain.request_ids):
@@ -145,12 +163,13 @@ class Detokenizer:
                     token = tokens[i]
                     text = state.stream.step(token)
                     state.num_output_tokens += 1
-                    out = RequestOutput(rid, text, [token], False, None, None,
-                                        info.num_prompt_tokens, state.num_output_tokens, index,
-                                        None, None, cached[i])
+                    by_client.of(info.reply_to).plain.append(
+                        rid, text, token, index, info.num_prompt_tokens,
+                        state.num_output_tokens, cached[i])
+                    continue
             except Exception as exc:
                 out = self._failed_output(state, plain.delta(i), exc)
-            by_client.setdefault(info.reply_to, []).append(out)
+            by_client.of(info.reply_to).outputs.append(out)
         return unknown
 
     def _refuse_late(self, batch: DetokBatch) -> dict[str, list[RequestOutput]]:
@@ -325,12 +344,12 @@ def run_detokenizer(cfg: PipelineConfig, rank: int, parent_pid: int,
                 continue
             assert isinstance(batch, DetokBatch)
             start = now_ns()
-            outputs_by_client = core.feed(batch)
+            messages = core.feed_messages(batch)
             for stop in core.stopped:  # first, so the scheduler frees them a step sooner
                 engines.to_engine(core.engine_of(stop.request_id), stop)
             core.stopped.clear()
-            for address, outputs in outputs_by_client.items():
-                replies.send(address, RequestOutputs(outputs))
+            for address, msg in messages.items():
+                replies.send(address, msg)
             ctx.tracer.span("detokenize", start, now_ns(), args={"deltas": batch.num_deltas})
         replies.close()
         engines.close()

@@ -353,3 +353,19 @@ def test_steady_deltas_as_columns_give_the_outputs_of_token_deltas(
         a: sorted(o, key=key) for a, o in expected.items()}
     assert any(o.error for o in got[ADDRESSES[0]])  # (the sample fed -1)
     assert not columns.requests and not whole.requests
+
+
+def test_steady_outputs_go_to_each_client_as_columns(tiny_tokenizer: Tokenizer) -> None:
+    """feed_messages: a steady delta's output, of a sample without stop strings, is a row of
+    its client's columns; a finishing one, or one with stop strings, a RequestOutput."""
+    detok = Detokenizer(tiny_tokenizer)
+    detok.feed(DetokBatch([_info("a"), _info("b", ADDRESSES[1]), _info("f", ADDRESSES[1]),
+                           DetokRequestInfo("s", ADDRESSES[1], 3, True, 0.0, stop=["zz"])], []))
+    plain = TokenColumns(["a", "b", "s"], [40, 41, 42], [0, 0, 0], [0, 8, 0])
+    msgs = detok.feed_messages(DetokBatch([], [TokenDelta("f", [43], "length")], plain=plain))
+    assert msgs[ADDRESSES[0]].plain.request_ids == ["a"] and not msgs[ADDRESSES[0]].outputs
+    second = msgs[ADDRESSES[1]]
+    assert second.plain.request_ids == ["b"] and second.plain.num_cached_tokens == [8]
+    assert [(o.request_id, o.finished) for o in second.outputs] == [("f", True), ("s", False)]
+    (a,) = msgs[ADDRESSES[0]].all_outputs()
+    assert (a.token_ids, a.num_output_tokens, a.text) == ([40], 1, tiny_tokenizer.decode([40]))

@@ -312,7 +312,7 @@ class PipelineClient:
             if msg is None:
                 continue
             assert isinstance(msg, RequestOutputs)
-            self._deliver(self._routed(msg.outputs))
+            self._deliver(self._routed(msg.all_outputs()))
 
     @staticmethod
     def _deliver(routed: list[tuple[Deliver, RequestOutput]]) -> None:
