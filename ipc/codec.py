@@ -262,7 +262,7 @@ class Codec:
             raise ProtocolError(f"unexpected message tag {raw[0]} on this channel", raw)
         try:
             return entry[1](raw[1:])
-        except ProtocolError as exc:
+        except ValueError as exc:  # (a ProtocolError, or a struct's own check: same_length)
             raise ProtocolError(str(exc), raw) from None
 
 

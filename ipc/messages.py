@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class Struct:
@@ -394,6 +394,12 @@ class TokenDelta(Struct):
     embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
 
 
+def same_length(name: str, *columns: list[Any]) -> None:
+    """Columns of one table (as unpacked: the codec checks each column's items alone)."""
+    if len({len(c) for c in columns}) > 1:
+        raise ValueError(f"{name}: columns of different lengths {[len(c) for c in columns]}")
+
+
 @dataclass(slots=True)
 class TokenColumns(Struct):
     """The steady case of TokenDelta, as columns: a sample's one new token, the sample not
@@ -407,6 +413,10 @@ class TokenColumns(Struct):
     token_ids: list[int] = field(default_factory=list)
     indexes: list[int] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        same_length("TokenColumns", self.request_ids, self.token_ids, self.indexes,
+                    self.num_cached_tokens)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -516,6 +526,10 @@ class OutputColumns(Struct):
     num_prompt_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        same_length("OutputColumns", self.request_ids, self.texts, self.token_ids, self.indexes,
+                    self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
     def __len__(self) -> int:
         return len(self.request_ids)

@@ -131,13 +131,15 @@ class StepBuilder:
             self._plan_decodes(step, sorted(held, key=attrgetter("sampled_in_step"))[:max_rows],
                                budget)
         elif budget > 0 and not step.has_preempted and not step.is_starved:
-            self._plan_unsampled(step, prefills, budget)
+            # (admission again only where the row cap ended it: one that stopped short of
+            # blocks or slots would admit a chunk whose last token then must preempt)
+            self._plan_unsampled(step, prefills, budget, admit=len(rows) >= max_rows)
         for row in rows:
             if row.do_sample:
                 row.seq.sampled_in_step = step.step_id
 
-    def _plan_unsampled(self, step: PlannedStep, prefills: list[Sequence],
-                        budget: int) -> None:
+    def _plan_unsampled(self, step: PlannedStep, prefills: list[Sequence], budget: int,
+                        admit: bool) -> None:
         """With P > 1 stages, the budget the capped rows left goes to prompts' chunks that
         stop one token short of the prompt's end (running ones first, then admitted ones):
         they sample nothing, so they wait on no stage and join no set, and the prompt's last
@@ -150,7 +152,7 @@ class StepBuilder:
                 return
             if seq not in step.members and seq.num_tokens - seq.num_computed > 1:
                 budget -= self._plan_row(step, seq, budget, short_of_end=True)
-        if self.queue.waiting and budget > 0 and not step.is_starved:
+        if admit and self.queue.waiting and budget > 0 and not step.is_starved:
             self._admit(step, budget, short_of_end=True)
 
     def wants_step(self, seq: Sequence) -> bool:
