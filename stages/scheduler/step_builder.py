@@ -131,15 +131,13 @@ class StepBuilder:
             self._plan_decodes(step, sorted(held, key=attrgetter("sampled_in_step"))[:max_rows],
                                budget)
         elif budget > 0 and not step.has_preempted and not step.is_starved:
-            # (admission again only where the row cap ended it: one that stopped short of
-            # blocks or slots would admit a chunk whose last token then must preempt)
-            self._plan_unsampled(step, prefills, budget, admit=len(rows) >= max_rows)
+            self._plan_unsampled(step, prefills, budget)
         for row in rows:
             if row.do_sample:
                 row.seq.sampled_in_step = step.step_id
 
-    def _plan_unsampled(self, step: PlannedStep, prefills: list[Sequence], budget: int,
-                        admit: bool) -> None:
+    def _plan_unsampled(self, step: PlannedStep, prefills: list[Sequence],
+                        budget: int) -> None:
         """With P > 1 stages, the budget the capped rows left goes to prompts' chunks that
         stop one token short of the prompt's end (running ones first, then admitted ones):
         they sample nothing, so they wait on no stage and join no set, and the prompt's last
@@ -152,7 +150,7 @@ class StepBuilder:
                 return
             if seq not in step.members and seq.num_tokens - seq.num_computed > 1:
                 budget -= self._plan_row(step, seq, budget, short_of_end=True)
-        if admit and self.queue.waiting and budget > 0 and not step.is_starved:
+        if self.queue.waiting and budget > 0 and not step.is_starved:
             self._admit(step, budget, short_of_end=True)
 
     def wants_step(self, seq: Sequence) -> bool:
@@ -273,8 +271,8 @@ class StepBuilder:
         """Admit waiting samples in the queue's order while the budget, slots and blocks
         last (and the step has fewer than max_rows rows, with pipeline stages); the first
         that does not fit ends admission (no overtaking). short_of_end: each takes a chunk
-        that stops before its last token (_plan_unsampled); one with no more to compute
-        than that token ends admission too."""
+        that stops before its last token (_plan_unsampled), if the whole chunk would fit;
+        one with no more to compute than that token ends admission too."""
         queue, kv = self.queue, self.kv
         while (queue.waiting and budget > 0 and kv.free_slots and not step.is_starved
                and not step.has_preempted
@@ -283,9 +281,11 @@ class StepBuilder:
             seq = queue.waiting[0]
             hits = kv.cached_prefix(seq)
             start = len(hits) * kv.block_size
-            end = seq.num_tokens - short_of_end
-            if end <= start or not kv.admits(step, hits,
-                                             kv.chunk_end(start, min(end, start + budget))):
+            # (short of its end, it still must fit as a whole chunk would: else its last
+            # token, planned next, would preempt for the block it saved)
+            if (seq.num_tokens - short_of_end <= start
+                    or not kv.admits(step, hits, kv.chunk_end(start, min(seq.num_tokens,
+                                                                          start + budget)))):
                 break
             if seq.adapter_id and not self.adapters.take(
                     seq.adapter_id, seq.params, (s.adapter_id for s in kv.running),
