@@ -405,9 +405,9 @@ class TokenColumns(Struct):
     """The steady case of TokenDelta, as columns: a sample's one new token, the sample not
     finished, no logprobs of either kind, no embedding (every other field at its default but
     index and num_cached_tokens). At a step of 256 samples a TokenDelta each was the largest
-    part of the scheduler's host work (made, sorted to detokenizers and packed: ~0.5 ms of
-    ~1.35) and a quarter of the detokenizer's (unpacked); four lists pack and unpack in
-    msgpack's C. Not frozen: the scheduler appends to it."""
+    part of the scheduler's host work (made, sorted to detokenizers and packed: ~0.37 ms of
+    ~0.96 a step) and about half of the detokenizer's decoding and feeding; four lists pack
+    and unpack in msgpack's C. Not frozen: the scheduler appends to it."""
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -515,9 +515,10 @@ class RequestOutput(Struct):
 class OutputColumns(Struct):
     """The steady case of RequestOutput, as columns (TokenColumns' outputs): a sample's text
     of one new token, the sample not finished, no logprobs, no error (the other fields at
-    their defaults). At 256 samples a step a RequestOutput each had been most of the
-    detokenizer's work after decoding (made and packed) and of the client's (unpacked). Not
-    frozen: the detokenizer appends to it."""
+    their defaults). The detokenizer's steady path fills them without making a RequestOutput
+    each, and packs them in msgpack's C; the client makes the RequestOutputs as it routes
+    them (all_outputs), at about the cost of unpacking them had been. Not frozen: the
+    detokenizer appends to it."""
 
     request_ids: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)

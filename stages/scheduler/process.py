@@ -228,26 +228,23 @@ class SchedulerShell:
         # asked once per worker here (as _shard asks it; _shard for the rest).
         pins, peers = self._pins, self.peers
         up: dict[int, bool] = {}
-        ended: set[str] = set()
-        for delta in deltas:
-            rid = delta.request_id
+
+        def pinned(rid: str) -> DetokBatch:
             rank = pins.get(rid, -1)  # (-1: not pinned, and never up)
             is_up = up.get(rank)
             if is_up is None:
                 is_up = up[rank] = peers.detokenizer_up(rank)
             found = batches.get(rank) if is_up else None
-            (batch(rid) if found is None else found).deltas.append(delta)
+            return batch(rid) if found is None else found
+
+        ended: set[str] = set()
+        for delta in deltas:
+            pinned(delta.request_id).deltas.append(delta)
             if delta.finish_reason is not None:
-                ended.add(rid)
+                ended.add(delta.request_id)
         tokens, indexes, cached = plain.token_ids, plain.indexes, plain.num_cached_tokens
-        for i, rid in enumerate(plain.request_ids):  # (the same, as columns)
-            rank = pins.get(rid, -1)
-            is_up = up.get(rank)
-            if is_up is None:
-                is_up = up[rank] = peers.detokenizer_up(rank)
-            found = batches.get(rank) if is_up else None
-            (batch(rid) if found is None else found).plain.append(rid, tokens[i], indexes[i],
-                                                                  cached[i])
+        for i, rid in enumerate(plain.request_ids):
+            pinned(rid).plain.append(rid, tokens[i], indexes[i], cached[i])
         for rej in rejected:
             batch(rej.request_id, rej.reply_to).rejected.append(rej)
         for rank, detok_batch in batches.items():
