@@ -112,22 +112,14 @@ def _optional(inner: Decoder) -> Decoder:
 
 
 def _list_of(inner: Decoder, name: str, item_tp: Any) -> Decoder:
-    if item_tp is int:  # hot path: token ids
+    if item_tp in (int, str):  # hot paths: token ids, a batch's request ids (TokenColumns)
 
-        def check_ints(v: Any) -> Any:
-            if type(v) is not list or not all(type(x) is int for x in v):
-                raise ProtocolError(f"{name}: expected a list of int")
+        def check_items(v: Any) -> Any:
+            if type(v) is not list or not all(type(x) is item_tp for x in v):
+                raise ProtocolError(f"{name}: expected a list of {item_tp.__name__}")
             return v
 
-        return check_ints
-    if item_tp is str:  # hot path: a batch's request ids (TokenColumns)
-
-        def check_strs(v: Any) -> Any:
-            if type(v) is not list or not all(type(x) is str for x in v):
-                raise ProtocolError(f"{name}: expected a list of str")
-            return v
-
-        return check_strs
+        return check_items
 
     def check(v: Any) -> Any:
         if type(v) is not list:
