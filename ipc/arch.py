@@ -116,13 +116,44 @@ class ArchSpec:
         return tuple(sorted({k.window for k in self.layers if k.window is not None}))
 
     @property
-    def uniform_window(self) -> int | None:
-        """The window every layer has, where all have the same one (Mistral's, Phi-3's):
-        then no layer reads a key older than it, so the scheduler gives back the blocks that
-        fall out of it. None where a layer has none or another one (Gemma 2/3's global
-        layers read every key)."""
-        windows = {k.window for k in self.layers}
-        return windows.pop() if len(windows) == 1 else None
+    def kv_windows(self) -> tuple[int | None, ...]:
+        """The window of each group of layers whose KV blocks the scheduler keeps apart, in one
+        pool (vLLM's hybrid cache manager's layer groups): a block table each, a block id
+        naming the same memory in every group, held by one group at a time (kv_places).
+        (w,) where every layer has a window (w: the longest), so a sequence holds only the
+        blocks w spans; (None,) without windows. Where windowed layers (w: their longest
+        window) sit beside layers that read every key (Gemma 2/3, gpt-oss, OLMo 3), groups
+        of the same size (the fewer kind's count of layers, vLLM's choice):
+        the latter's (None) first, then the windowed layers' (w), whose blocks go back as
+        they fall out of w while the others' stay."""
+        full, size = self._kv_kinds
+        if full == 0 or size == 0:
+            return (self.sliding_window,)
+        return ((None,) * -(-full // size)
+                + (self.sliding_window,) * -(-(self.num_layers - full) // size))
+
+    @property
+    def _kv_kinds(self) -> tuple[int, int]:
+        """(layers that read every key, layers a KV group holds: the fewer kind's count)."""
+        full = sum(k.window is None for k in self.layers)
+        return full, min(full, self.num_layers - full)
+
+    def kv_places(self, grouped: bool) -> list[tuple[int, int]]:
+        """Where each layer's KV lives: (its group in kv_windows, its place in the group),
+        the place being which of the pool's caches it reads: one a place, shared by the
+        groups (their blocks never the same at once). Not `grouped` (every layer in one
+        group, as a run beside a draft model keeps them): (0, the layer's index)."""
+        windows = self.kv_windows
+        if not grouped or len(windows) == 1:
+            return [(0, i) for i in range(self.num_layers)]
+        num_full, size = windows.count(None), self._kv_kinds[1]
+        places, seen = [], [0, 0]  # layers of each kind so far
+        for kind in self.layers:
+            windowed = kind.window is not None
+            k = seen[windowed]
+            seen[windowed] += 1
+            places.append((num_full * windowed + k // size, k % size))
+        return places
 
     @property
     def scale(self) -> float:

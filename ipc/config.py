@@ -217,10 +217,11 @@ class EngineLimits:
     priority_range: tuple[int, int] = DEFAULT_PRIORITY_RANGE
     num_speculative_tokens: int = 0  # K: drafts a row may carry (0: no speculation)
     auto_depth: bool = False  # in flight: 2, or `depth` while the device's steps are short
-    # The sliding window every layer of the model has (ModelInfo.uniform_window): the
-    # scheduler gives back a running sequence's blocks that fall out of it. None: every
-    # block is kept (no window, layers with different ones, or a draft model beside it).
-    uniform_window: int | None = None
+    # The window of each group of layers whose KV blocks are kept apart (ModelInfo.kv_windows):
+    # a block table and pool each, the scheduler giving back a running sequence's blocks of
+    # a windowed group as they fall out of its window. (None,): one group, every block kept
+    # (no window, or a draft model beside it).
+    kv_windows: tuple[int | None, ...] = (None,)
     # P: executor stages the model's layers are split over (pipeline parallelism). Each stage
     # works on a different step at once, so P times `depth` steps may be in flight; the
     # scheduler splits the running sequences into P sets that take turns (step_builder.py).
@@ -235,6 +236,11 @@ class EngineLimits:
     lora_updating: bool = False
 
     def __post_init__(self) -> None:
+        windowed = [w for w in self.kv_windows if w is not None]
+        if (not self.kv_windows or len(set(windowed)) > 1
+                or list(self.kv_windows[len(self.kv_windows) - len(windowed):]) != windowed):
+            raise ConfigError(f"kv_windows {self.kv_windows}: the groups that read every key "
+                              "first, then those of the one window (ArchSpec.kv_windows)")
         if self.pipeline_stages < 1:
             raise ConfigError(f"pipeline_stages must be at least 1, got {self.pipeline_stages}")
 
@@ -255,9 +261,10 @@ class EngineLimits:
     @property
     def max_block_updates(self) -> int:
         """Block-table writes one step may carry: the blocks its tokens can fill, one partial
-        block per row on each side, and one whole sequence's table (a prefix-cache hit)."""
+        block per row on each side, and one whole sequence's table (a prefix-cache hit), in
+        each KV group's table."""
         per_step = self.max_num_batched_tokens // self.block_size + 2 * self.max_num_seqs
-        return per_step + self.max_blocks_per_seq
+        return len(self.kv_windows) * (per_step + self.max_blocks_per_seq)
 
     @property
     def num_ring_slots(self) -> int:
@@ -271,13 +278,14 @@ class EngineLimits:
         return self.max_num_seqs * (MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
 
 
-def kept_window(model: ModelInfo, speculative: SpeculativeConfig | None) -> int | None:
-    """The window past which the scheduler may give a sequence's blocks back: the model's
-    uniform one, but none beside a draft model, whose own layers may read every key of its
-    KV (it shares the target's block ids)."""
+def kept_windows(model: ModelInfo, speculative: SpeculativeConfig | None
+                 ) -> tuple[int | None, ...]:
+    """The KV groups of a run (EngineLimits.kv_windows): the model's, but one that keeps every
+    block beside a draft model, whose own layers may read every key of its KV (it shares the
+    target's block ids)."""
     if speculative is not None and speculative.is_draft_model:
-        return None
-    return model.uniform_window
+        return (None,)
+    return model.kv_windows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,6 +389,7 @@ class PipelineConfig(RunAddresses):
             model = dict(values.pop("model"))  # type: ignore[call-overload]
             model["path"] = model_path
             model["eos_token_ids"] = tuple(model["eos_token_ids"])
+            model["kv_windows"] = tuple(model["kv_windows"])
             sched = dict(values.pop("scheduler"))  # type: ignore[call-overload]
             sched["priority_range"] = tuple(sched["priority_range"])
             if sched.get("speculative") is not None:
@@ -442,7 +451,7 @@ class PipelineConfig(RunAddresses):
             depth=MAX_RUN_AHEAD_DEPTH if s.depth == "auto" else s.depth,
             priority_range=s.priority_range,
             num_speculative_tokens=s.speculative.num_tokens if s.speculative is not None else 0,
-            auto_depth=s.depth == "auto", uniform_window=kept_window(m, s.speculative),
+            auto_depth=s.depth == "auto", kv_windows=kept_windows(m, s.speculative),
             pipeline_stages=self.executor.pipeline_parallel_size, **lora_limits(self.lora))
 
     @property

@@ -22,7 +22,8 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     mixture_of_experts: bool = False  # (ArchSpec.moe) the compiled forward lacks it
-    uniform_window: int | None = None  # (ArchSpec.uniform_window) every layer's window
+    # (ArchSpec.kv_windows) each KV group's window: the layers whose blocks are kept apart
+    kv_windows: tuple[int | None, ...] = (None,)
 
     @classmethod
     def from_dir(cls, path: str | Path, max_model_len: int | None = None) -> ModelInfo:
@@ -39,7 +40,7 @@ class ModelInfo:
         if max_model_len is not None and max_model_len > limit:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
         return cls(str(path), max_model_len or limit, spec.vocab_size, eos_ids,
-                   spec.moe is not None, spec.uniform_window)
+                   spec.moe is not None, spec.kv_windows)
 
 
 def model_fingerprint(path: str | Path) -> str:

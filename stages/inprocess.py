@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from ipc.config import EngineLimits, kept_window
+from ipc.config import EngineLimits, kept_windows
 from ipc.lora import LoraConfig, lora_limits
 from ipc.messages import SamplingParams, TokenizedRequest
 from ipc.model_info import ModelInfo
@@ -50,7 +50,7 @@ class InProcessEngine:
                                    max_model_len, info.vocab_size, eos_token_ids, depth,
                                    num_speculative_tokens=speculative.num_tokens
                                    if speculative is not None else 0,
-                                   uniform_window=kept_window(info, speculative),
+                                   kv_windows=kept_windows(info, speculative),
                                    **lora_limits(lora))
         self.runner = ModelRunner.from_dir(model_dir, dtype, torch.device(device), self.limits,
                                            kv_cache_memory, compile, graphs=graphs,

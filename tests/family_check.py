@@ -36,10 +36,15 @@ def check_against_transformers(folder: Path, max_new_tokens: int = 32,
                                cpu_kernels: tuple[bool, ...] = (True, False),
                                **engine: object) -> list[list[int]]:
     """The engine's greedy tokens equal transformers' for every prompt: batched in chunks of
-    16 tokens, run-ahead on, then again from the prefix cache; on the CPU kernels and on
-    PyTorch's ops (those of `cpu_kernels` this machine has). Returns the tokens."""
+    16 tokens, run-ahead on, then each prompt with its output as a chat's next turn, from the
+    prefix cache (a model with windowed layers finds there the pages their windows read at
+    the end of the first turn: the earlier ones went back as the window passed them); on the
+    CPU kernels and on PyTorch's ops (those of `cpu_kernels` this machine has). Returns the
+    tokens."""
     prompts = prompts_of(folder)
     want = hf_greedy(folder, prompts, max_new_tokens=max_new_tokens)
+    turns = [p + w for p, w in zip(prompts, want, strict=True)]
+    want_next = hf_greedy(folder, turns, max_new_tokens=8)
     greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     for on_kernels in cpu_kernels:
         if on_kernels and not kernels.available():
@@ -52,6 +57,7 @@ def check_against_transformers(folder: Path, max_new_tokens: int = 32,
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g == w, f"prompt {i} ({'kernels' if on_kernels else 'torch'}): {g} != {w}"
         hits = eng.scheduler.prefix_cache_hits
-        assert eng.generate(prompts, greedy) == want  # (again: from the prefix cache)
+        again = SamplingParams(max_tokens=8, temperature=0.0)
+        assert eng.generate(turns, again) == want_next  # (from the prefix cache)
         assert eng.scheduler.prefix_cache_hits > hits
     return want

@@ -59,7 +59,18 @@ class DriverLimits:
     priority_range: tuple[int, int] = (-100, 100)
     speculative: SpeculativeConfig | None = None  # n-gram drafts, verified by the executor
     window: int | None = None  # every layer's sliding window: blocks out of it go back
+    # windowed layers beside layers that read every key (Gemma's): KV groups of each kind
+    # (mixed_groups: how many of each), the windowed ones' blocks going back
+    mixed_window: int | None = None
+    mixed_groups: tuple[int, int] = (1, 1)
     pipeline_stages: int = 1  # P: up to P * depth steps in flight
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        if self.mixed_window is None:
+            return (self.window,)
+        full, windowed = self.mixed_groups
+        return (None,) * full + (self.mixed_window,) * windowed
 
     @property
     def max_inflight(self) -> int:
@@ -71,7 +82,7 @@ class DriverLimits:
                             self.max_model_len, 1000, self.eos_token_ids, self.depth,
                             self.priority_range,
                             self.speculative.num_tokens if self.speculative else 0,
-                            uniform_window=self.window,
+                            kv_windows=self.windows,
                             pipeline_stages=self.pipeline_stages)
 
 
@@ -129,17 +140,21 @@ POISON = -7  # what a block given back holds once the step that gave it back run
 
 
 class FakeExecutor:
-    """Writes each row's tokens into paged KV through the block table, resolves -1 to the
-    slot's last sample, and checks the whole context read back before it samples (with a
-    sliding window, what the row's queries read: from its first one's window on; a page
-    given back and written by another sequence shows its tokens). A row with drafts is
-    sampled after each of its last num_draft + 1 tokens and keeps its drafts up to the first
-    that differs from the token sampled before it, as the real one does."""
+    """Writes each row's tokens into paged KV through each KV group's block table (a block id
+    naming the same memory in every group: a block two groups held at once would show the
+    other's tokens), resolves -1 to the slot's last sample, and checks the whole context
+    read back through every group's table before it samples (with a sliding window, what
+    the row's queries read: from its first one's window on; a page given back and written
+    by another sequence shows its tokens). A row with drafts is sampled after each of its
+    last num_draft + 1 tokens and keeps its drafts up to the first that differs from the
+    token sampled before it, as the real one does."""
 
-    def __init__(self, block_size: int, token_fn: TokenFn, window: int | None = None) -> None:
-        self.block_size, self.token_fn, self.window = block_size, token_fn, window
+    def __init__(self, block_size: int, token_fn: TokenFn,
+                 windows: tuple[int | None, ...] = (None,), max_num_seqs: int = 4) -> None:
+        self.block_size, self.token_fn, self.windows = block_size, token_fn, windows
+        self.rows = max_num_seqs + 1  # table rows of a group (a padding row past the slots')
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token
-        self.tables: dict[int, dict[int, int]] = {}  # slot -> index -> block
+        self.tables: dict[int, dict[int, int]] = {}  # table row -> index -> block
         self.last: dict[int, int] = {}  # slot -> last sampled token
         self.owner: dict[int, str] = {}  # slot -> request id, set when a sequence takes it
 
@@ -151,8 +166,8 @@ class FakeExecutor:
         for slot in step.new_slots:
             self.last.pop(slot, None)
             self.owner[slot] = ""
-        for slot, index, block in step.block_updates:
-            self.tables.setdefault(slot, {})[index] = block
+        for row, index, block in step.block_updates:
+            self.tables.setdefault(row, {})[index] = block
         ids, accepted = [], []
         for row in step.rows:
             tokens, stand = self._run(row)
@@ -161,15 +176,18 @@ class FakeExecutor:
                 accepted.append(stand)
         return ids, accepted
 
-    def _where(self, slot: int, pos: int) -> tuple[int, int]:
-        return self.tables[slot][pos // self.block_size], pos % self.block_size
+    def _where(self, group: int, slot: int, pos: int) -> tuple[int, int]:
+        table = self.tables[group * self.rows + slot]
+        return table[pos // self.block_size], pos % self.block_size
 
     def _run(self, row: Row) -> tuple[list[int], int]:
         assert self.owner.get(row.slot) in ("", row.request_id), "slot used before it was taken"
         self.owner[row.slot] = row.request_id
         start = row.context_len - len(row.token_ids)
         for i, tok in enumerate(row.token_ids):
-            self.kv[self._where(row.slot, start + i)] = self.last[row.slot] if tok == -1 else tok
+            for group in range(len(self.windows)):
+                self.kv[self._where(group, row.slot, start + i)] = (
+                    self.last[row.slot] if tok == -1 else tok)
         if not row.do_sample:
             return [], 0
         first = row.context_len - row.num_draft  # the context of the first sampled position
@@ -181,10 +199,12 @@ class FakeExecutor:
             stand += 1
         # what the last standing sample saw: the prompt and the outputs before it
         seen = first + stand - 1
-        lo = 0 if self.window is None else max(0, start - self.window + 1)
-        context = [self.kv[self._where(row.slot, p)] for p in range(lo, seen)]
-        assert context == [*row.prompt, *(self.token_fn(row.request_id, j)
-                                          for j in range(seen - len(row.prompt)))][lo:]
+        want = [*row.prompt, *(self.token_fn(row.request_id, j)
+                               for j in range(seen - len(row.prompt)))]
+        for group, window in enumerate(self.windows):
+            lo = 0 if window is None else max(0, start - window + 1)
+            context = [self.kv[self._where(group, row.slot, p)] for p in range(lo, seen)]
+            assert context == want[lo:], f"group {group}"
         self.last[row.slot] = tokens[stand - 1]
         return tokens, stand
 
@@ -197,10 +217,11 @@ class Driver:
     step, collects outputs, and checks the core's invariants after every move."""
 
     def __init__(self, limits: DriverLimits, token_fn: TokenFn = plain_token) -> None:
+        self.limits = limits
         self.core = Scheduler(limits.engine, limits.num_blocks,
                               speculative=limits.speculative)
-        self.limits = limits
-        self.executor = FakeExecutor(limits.block_size, token_fn, limits.window)
+        self.executor = FakeExecutor(limits.block_size, token_fn, limits.windows,
+                                     limits.max_num_seqs)
         self.pending: deque[Step] = deque()
         self.history: list[Step] = []
         self.known: Counter[str] = Counter()  # output tokens reported to the core, per request
@@ -221,7 +242,7 @@ class Driver:
     def plan(self) -> list[Step]:
         planned = []
         while True:
-            before = {seq: list(seq.blocks) for seq in self.core.running}
+            before = {seq: [list(p.blocks) for p in seq.pages] for seq in self.core.running}
             step = self.core.schedule()
             if step is None:
                 break
@@ -283,15 +304,15 @@ class Driver:
             tick += 1
         self.collect()
 
-    def given_back(self, before: dict[Sequence, list[int]], step: PlannedStep
+    def given_back(self, before: dict[Sequence, list[list[int]]], step: PlannedStep
                    ) -> tuple[int, ...]:
         """The blocks of the pages a window gave back while `step` was planned (from each
-        running sequence's blocks `before`) that nobody else holds, or that step maps anew:
-        any step from it on that reads one reads POISON."""
+        running sequence's blocks `before`, a list per KV group) that nobody else holds, or
+        that step maps anew: any step from it on that reads one reads POISON."""
         mapped = {block for _, _, block in step.block_updates}
-        gone = {old[j] for seq, old in before.items()
-                for j in range(min(len(old), seq.num_trimmed))
-                if old[j] != NO_BLOCK and seq.blocks[j] == NO_BLOCK}
+        gone = {old[g][j] for seq, old in before.items() for g in range(len(old))
+                for j in range(min(len(old[g]), seq.pages[g].num_trimmed))
+                if old[g][j] != NO_BLOCK and seq.pages[g].blocks[j] == NO_BLOCK}
         return tuple(sorted(b for b in gone
                             if b in mapped or self.core.allocator.ref_count(b) == 0))
 
@@ -317,22 +338,27 @@ class Driver:
 
     def check(self) -> None:
         core, limits = self.core, self.limits
+        groups = core.kv.groups
         held: list[int] = []
         all_seqs = [s for seqs in core.requests.values() for s in seqs]
         for seq in all_seqs:
-            assert seq.blocks[:seq.num_trimmed] == [NO_BLOCK] * seq.num_trimmed
-            live = seq.blocks[seq.num_trimmed:]
-            held.extend(live)
-            assert len(live) == len(set(live)) and NO_BLOCK not in live
-            # Given back: only pages no query from the lowest position it may compute next
-            # reads (drafts in flight may all be rejected).
-            if limits.window is not None:
-                rollback = (limits.speculative.num_tokens
-                            if seq.num_drafted_inflight and limits.speculative else 0)
-                lowest = seq.num_computed - rollback
-                assert seq.num_trimmed <= max(0, lowest - limits.window + 1) // limits.block_size
-            else:
-                assert seq.num_trimmed == 0
+            assert len(seq.pages) in (1, len(groups))  # (made per group at admission)
+            for pages, window in zip(seq.pages, limits.windows, strict=False):
+                assert pages.blocks[:pages.num_trimmed] == [NO_BLOCK] * pages.num_trimmed
+                live = pages.blocks[pages.num_trimmed:]
+                held.extend(live)
+                assert len(live) == len(set(live)) and NO_BLOCK not in live
+                assert len(pages.blocks) == len(seq.blocks)  # (as many pages in each)
+                # Given back: only pages no query from the lowest position it may compute
+                # next reads (drafts in flight may all be rejected).
+                if window is not None:
+                    rollback = (limits.speculative.num_tokens
+                                if seq.num_drafted_inflight and limits.speculative else 0)
+                    lowest = seq.num_computed - rollback
+                    assert pages.num_trimmed <= (max(0, lowest - window + 1)
+                                                 // limits.block_size)
+                else:
+                    assert pages.num_trimmed == 0
             if seq.status in (SeqStatus.WAITING, SeqStatus.HELD):
                 assert not seq.blocks and seq.slot is None and seq.num_computed == 0
                 assert seq.num_inflight == 0

@@ -131,7 +131,7 @@ def test_paged_attention_matches_the_reference(rows: list[tuple[int, int]], impl
                                   token_slots, scale, impl == "per-row", window)
     elif impl == "kernel":  # a rope of angle 0 (cos 1, sin 0): the keys are written as given
         ones, zeros = torch.ones(64, HEAD_DIM), torch.zeros(64, HEAD_DIM)
-        meta = KernelMetadata(block_table, views["positions"].new_tensor(token_slots),
+        meta = KernelMetadata([block_table], views["positions"].new_tensor(token_slots),
                               views["positions"], [(ones, zeros)])
         out = kernel_paged_attention(q, k, v, kv_cache, meta, LayerAttention(scale, window))
     else:
@@ -174,7 +174,8 @@ def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if window is not None:
         windows = SlidingWindows([window], BLOCK, len(padded["qblock_slots"]), NUM_BLOCKS,
                                  torch.device("cpu"))
-        meta.windowed = windows.block_masks(DeviceStep(views), table, NUM_BLOCKS, per_row)
+        meta.windowed = {(0, w): mask for w, mask in windows.block_masks(
+            DeviceStep(views), table, NUM_BLOCKS, per_row).items()}
     pad = torch.zeros(num_pad, *k.shape[1:])
     attend = torch.compile(flex_paged_attention, dynamic=False, fullgraph=True)
     # (one graph per case on the one code object: more than dynamo's default limit of 8)

@@ -101,7 +101,7 @@ def _step(backend_name: str, window: int | None, softcap: float | None = None,
     table = torch.arange((SEQS + 1) * 16, dtype=torch.int32).view(SEQS + 1, 16) % NUM_BLOCKS
     table[SEQS] = NUM_BLOCKS - 1  # the padding slot's scratch block
     cos, sin = rope_tables({"rope_theta": 10000.0}, HEAD_DIM, 64)
-    backend.bind(ForwardTables(table, [(cos, sin)], NUM_BLOCKS))
+    backend.bind(ForwardTables([table], [(cos, sin)], NUM_BLOCKS))
     meta = backend.metadata(v, host.plan)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
     n, pad = len(positions), len(v.positions) - len(positions)  # (the compiled one pads)

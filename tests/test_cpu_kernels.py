@@ -95,7 +95,7 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
     expected_cache = kv_cache.clone()
     expected = paged_attention(q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v,
                                expected_cache, meta, head_dim ** -0.5)
-    kernel_meta = KernelMetadata(table, slots, positions, [(cos.float(), sin.float())])
+    kernel_meta = KernelMetadata([table], slots, positions, [(cos.float(), sin.float())])
     got = kernel_paged_attention(q, k, v, kv_cache, kernel_meta,
                                  LayerAttention(head_dim ** -0.5, window))
     assert got.dtype == dtype and got.shape == q.shape
@@ -126,7 +126,7 @@ def test_softcapped_attention_is_the_pytorch_path(dtype: torch.dtype, window: in
     scale, cap = head_dim ** -0.5, 1.5
     expected = paged_attention(q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v,
                                kv_cache.clone(), meta, scale, softcap=cap)
-    kernel_meta = KernelMetadata(table, slots, positions, [(cos.float(), sin.float())])
+    kernel_meta = KernelMetadata([table], slots, positions, [(cos.float(), sin.float())])
     got = kernel_paged_attention(q, k, v, kv_cache.clone(), kernel_meta,
                                  LayerAttention(scale, window, cap))
     uncapped = kernel_paged_attention(q, k, v, kv_cache.clone(), kernel_meta,
@@ -149,7 +149,7 @@ def test_what_lies_past_a_sequence_is_never_read_into_it(dtype: torch.dtype,
     overflowed): the outputs are the bits of a clean cache's."""
     q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block)
     cos, sin = _rope_tables(64, dtype, head_dim)
-    kernel_meta = KernelMetadata(table, slots, positions, [(cos.float(), sin.float())])
+    kernel_meta = KernelMetadata([table], slots, positions, [(cos.float(), sin.float())])
     poisoned = kv_cache.clone()
     live = torch.zeros(NUM_BLOCKS, block, dtype=torch.bool)
     for slot in range(len(table)):

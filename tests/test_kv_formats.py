@@ -93,7 +93,7 @@ def test_attention_reads_the_format_as_its_float_values(name: str, dtype: torch.
     if name == "int8":
         assert cache.shape[-1] == head_dim + 2
     cos, sin = _rope_tables(64, dtype, head_dim)
-    kernel_meta = KernelMetadata(table, slots, positions, [(cos.float(), sin.float())])
+    kernel_meta = KernelMetadata([table], slots, positions, [(cos.float(), sin.float())])
     got = kernel_paged_attention(q, k, v, cache, kernel_meta,
                                  LayerAttention(head_dim ** -0.5, window))
     assert got.dtype == dtype and got.shape == q.shape and torch.isfinite(got).all()
@@ -140,7 +140,7 @@ def test_fp8_saturates_and_int8_keeps_zero_rows(name: str) -> None:
     v = v.clone()
     v[0, 0, 0], v[1, 0, 0] = big, -big
     cos, sin = _rope_tables(64, torch.float32, 64)
-    meta = KernelMetadata(table, slots, positions, [(cos, sin)])
+    meta = KernelMetadata([table], slots, positions, [(cos, sin)])
     cache = torch.zeros((*native.shape[:-1], 64), dtype=FP8[name])
     kernel_paged_attention(q, k, v, cache, meta, LayerAttention(0.125))
     values = cache[1].float()
@@ -165,7 +165,7 @@ def test_int8_keys_are_rotated_so_an_outlier_channel_costs_its_row_little() -> N
     k[..., 5] *= 50
     cos, sin = _rope_tables(64, torch.float32, 64)
     cache = torch.zeros((*native.shape[:-1], 66), dtype=torch.int8)
-    kernel_paged_attention(q, k, v, cache, KernelMetadata(table, slots, positions, [(cos, sin)]),
+    kernel_paged_attention(q, k, v, cache, KernelMetadata([table], slots, positions, [(cos, sin)]),
                            LayerAttention(0.125))
     at = (table[slots, positions // 16].long(), positions % 16)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

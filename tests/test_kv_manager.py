@@ -6,7 +6,7 @@ drafts may take without preempting anything."""
 from __future__ import annotations
 
 from ipc.messages import SamplingParams
-from stages.scheduler.kv_manager import KVManager
+from stages.scheduler.kv_manager import NO_HIT, KVManager
 from stages.scheduler.planned import PlannedStep
 from stages.scheduler.sequence import SeqStatus, Sequence
 
@@ -26,7 +26,7 @@ def make_seq(rid: str, prompt: list[int] | int, order: int = 0, **params: object
 def run(kv: KVManager, step: PlannedStep, seq: Sequence, num_tokens: int) -> None:
     """seq is admitted with no cache hits and computes num_tokens tokens in step."""
     seq.move_to(SeqStatus.RUNNING)
-    kv.admit(step, seq, [])
+    kv.admit(step, seq, NO_HIT)
     assert kv.grow(step, seq, num_tokens, never)
     seq.num_computed = num_tokens
 
@@ -69,7 +69,7 @@ def test_a_step_maps_at_most_max_block_updates() -> None:
     step = PlannedStep(0)
     seq = make_seq("a", 12)
     seq.move_to(SeqStatus.RUNNING)
-    kv.admit(step, seq, [])
+    kv.admit(step, seq, NO_HIT)
     assert not kv.grow(step, seq, 12, never)  # 3 blocks: over the step's 2 updates
     assert not seq.blocks and kv.allocator.num_free == 8  # and nothing taken
     assert kv.grow(step, seq, 8, never) and len(step.block_updates) == 2
@@ -78,10 +78,10 @@ def test_a_step_maps_at_most_max_block_updates() -> None:
 def test_admission_counts_free_blocks_and_cached_ones_it_would_revive() -> None:
     kv = make_kv(num_blocks=4)
     step = PlannedStep(0)
-    assert kv.admits(step, [], 16) and not kv.admits(step, [], 17)
+    assert kv.admits(step, NO_HIT, 16) and not kv.admits(step, NO_HIT, 17)
     hog = make_seq("hog", 8)
     run(kv, step, hog, 8)
-    assert kv.admits(step, [], 8) and not kv.admits(step, [], 9)
+    assert kv.admits(step, NO_HIT, 8) and not kv.admits(step, NO_HIT, 9)
 
 
 def test_a_prompt_reuses_the_cached_full_blocks_of_the_same_prefix() -> None:
@@ -93,19 +93,20 @@ def test_a_prompt_reuses_the_cached_full_blocks_of_the_same_prefix() -> None:
     kv.register_blocks(first)
     assert first.num_registered == 2
     again = make_seq("again", prompt + [7])
-    hits = kv.cached_prefix(again)
-    assert hits == first.blocks[:2]
+    hit = kv.cached_prefix(again)
+    hits = hit.taken(0)
+    assert hit.num_blocks == 2 and hits == first.blocks[:2]
     again.move_to(SeqStatus.RUNNING)
-    kv.admit(step, again, hits)
+    kv.admit(step, again, hit)
     assert again.num_computed == 8 and again.num_cached_tokens == 8
     assert [kv.allocator.ref_count(b) for b in hits] == [2, 2]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)  # both looked up
     # The last token is always computed (its logits are needed): the same prompt finds one.
-    assert kv.cached_prefix(make_seq("same", prompt)) == first.blocks[:2]
-    assert kv.cached_prefix(make_seq("eight", prompt[:8])) == first.blocks[:1]
+    assert kv.cached_prefix(make_seq("same", prompt)).taken(0) == first.blocks[:2]
+    assert kv.cached_prefix(make_seq("eight", prompt[:8])).taken(0) == first.blocks[:1]
     # Penalties and prompt logprobs need every position computed.
-    assert kv.cached_prefix(make_seq("p", prompt + [7], repetition_penalty=1.2)) == []
-    assert kv.cached_prefix(make_seq("l", prompt + [7], prompt_logprobs=1)) == []
+    assert kv.cached_prefix(make_seq("p", prompt + [7], repetition_penalty=1.2)) == NO_HIT
+    assert kv.cached_prefix(make_seq("l", prompt + [7], prompt_logprobs=1)) == NO_HIT
 
 
 def test_growth_preempts_the_lowest_priority_then_the_latest() -> None:

@@ -87,9 +87,9 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
         stats = pipe.idle_stats()
     print(f"  {_named('pipeline', args)}: device idle {stats.device_idle_fraction:.1%} of the "
           "last seconds of steps")
-    # (a model with one sliding window on every layer holds about window / block size)
+    # (in a windowed KV group, where the model has one: about window / block size)
     print(f"  KV blocks per sequence: at most {stats.max_seq_blocks} of the cache's "
-          f"{stats.num_blocks}")
+          f"{stats.num_blocks} (in the last KV group)")
     if args.speculate is not None:
         drafts, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
         print(f"  speculative {args.speculate.describe()}: {stats.spec_num_drafts} rows with "
@@ -211,6 +211,8 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
                  out_lens: list[int], decode: list[float]) -> list[list[int]]:
     """One batch's greedy outputs; decode[0] gains the seconds of its decode steps."""
     n, block_size = len(prompts), runner.limits.block_size
+    group_rows = runner.limits.max_num_seqs + 1  # (a KV group's rows in the block table)
+    groups = len(runner.limits.kv_windows)
     ctx = [len(p) for p in prompts]
     mapped = [0] * n  # blocks of each slot's table written so far
     taken = 0  # blocks handed out, in order (a batch's whole contexts must fit the cache)
@@ -230,8 +232,10 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
         updates = []
         for i in rows:  # blocks as the contexts grow, as the scheduler would hand them out
             needed = -(-ctx[i] // block_size)
-            updates += [(i, b, taken + b - mapped[i]) for b in range(mapped[i], needed)]
-            taken += needed - mapped[i]
+            for g in range(groups):  # (each KV group maps the pages, in its own rows)
+                updates += [(g * group_rows + i, b, taken + b - mapped[i])
+                            for b in range(mapped[i], needed)]
+                taken += needed - mapped[i]
             mapped[i] = needed
         if taken > runner.num_blocks:
             raise RuntimeError(f"the limit's batch needs {taken} KV blocks, the cache holds "

@@ -87,8 +87,7 @@ class Drafter:
         self.backend = model.backend
         self.kv = KVPool(kv_format, model.kv_shape, num_cache_blocks, limits.block_size, device)
         self.kv_caches = self.kv.caches
-        self.backend.bind(ForwardTables(block_table, model.ropes,
-                                        num_cache_blocks))
+        self.backend.bind(ForwardTables([block_table], model.ropes, num_cache_blocks))
         n = limits.max_num_seqs
         self.prev = torch.zeros(n + 1, dtype=torch.int64, device=device)
         # Host: whether a slot sampled since it was taken (prev holds its token), as of the

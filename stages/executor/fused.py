@@ -33,9 +33,10 @@ PACKED, QUANTIZED, AMX, AMX_GATED, MKL, VECTOR, VECTOR_GATED = 0, 1, 2, 3, 4, 5,
 # attention and after the MLP (None where a layer has none)
 PER_LAYER = 14
 # ints a layer (after 3 shared): kind, bits, outputs a projection, then (LayerInt) whether
-# its norms scale by 1 + w, its activation (ACTIVATIONS), window (0: none) and rope table
-# (an index into KernelMetadata.ropes, -1: the last, angle 0's)
-PER_LAYER_INTS = 16
+# its norms scale by 1 + w, its activation (ACTIVATIONS), window (0: none), rope table
+# (an index into KernelMetadata.ropes, -1: the last, angle 0's) and KV group (an index into
+# KernelMetadata.block_tables)
+PER_LAYER_INTS = 17
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 QUANTIZED_METHODS = ("int8", "int4", "gguf")
 
@@ -126,7 +127,8 @@ class FusedLayers:
                         *norms[2:]]
             kind = attn.kind
             ints += qkv + o + gu + dn + [int(offset), ACTIVATIONS[mlp.activation],
-                                         kind.window or 0, -1 if kind.rope is None else kind.rope]
+                                         kind.window or 0, -1 if kind.rope is None else kind.rope,
+                                         kind.table]
         return cls(weights, ints, model.spec.eps, [layer.self_attn.kind for layer in layers])
 
     def __call__(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
@@ -142,5 +144,5 @@ class FusedLayers:
             return x
         if self._ropes[0] is not meta.ropes:  # (the backend's list, the same every step)
             self._ropes = (meta.ropes, [t for pair in meta.ropes for t in pair])
-        return self.op(x, weights, ints, self.eps, self.scale, caches, meta.block_table,
+        return self.op(x, weights, ints, self.eps, self.scale, caches, meta.block_tables,
                        meta.token_slots, meta.positions, self._ropes[1], softcaps)

@@ -25,6 +25,7 @@ select.py refuses an 8-bit format there by name, before anything starts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,27 +84,35 @@ class KVShape:
 
 
 class KVPool:
-    """Every layer's cache [2, num_blocks, block_size, kv_heads, row] in one format, each its
+    """The layers' caches [2, num_blocks, block_size, kv_heads, row] in one format, each its
     own tensor (so that every layer's cache looks alike to a compiled layer); the runner's
-    (and a draft model's, whose blocks are the same ids)."""
+    (and a draft model's, whose blocks are the same ids). places: each layer's place
+    (ArchSpec.kv_places; None: a place each): layers at the same place, each of another KV
+    group, share one tensor, a block holding the KV of whichever group holds it."""
 
     def __init__(self, fmt: KVFormat, shape: KVShape, num_blocks: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, places: Sequence[int] | None = None) -> None:
         self.format, self.shape = fmt, shape
         self.num_blocks, self.block_size = num_blocks, block_size
+        places = list(range(shape.num_layers)) if places is None else list(places)
+        assert len(places) == shape.num_layers
         dims = (2, num_blocks, block_size, shape.num_kv_heads, fmt.row(shape.head_dim))
         # Written whole now, at the start: memory from calloc (pages the kernel zeroes when a
         # block is first written) started 0.2 s sooner for 1 GiB but moved those page faults
         # into the first steps that reach each block: a fresh engine's 64 x 128 tokens in
         # bf16 ran at 811-864 tok/s against 891-944 (in process, interleaved).
-        self.caches = [torch.zeros(dims, dtype=fmt.dtype(shape.model_dtype), device=device)
-                       for _ in range(shape.num_layers)]
+        tensors = {p: torch.zeros(dims, dtype=fmt.dtype(shape.model_dtype), device=device)
+                   for p in sorted(set(places))}
+        self.caches = [tensors[p] for p in places]
 
     @staticmethod
-    def bytes_per_block(fmt: KVFormat, shape: KVShape, block_size: int) -> int:
+    def bytes_per_block(fmt: KVFormat, shape: KVShape, block_size: int,
+                        num_places: int | None = None) -> int:
+        """A block's bytes: a layer's for each of the shape's layers (or num_places)."""
         itemsize = torch.empty((), dtype=fmt.dtype(shape.model_dtype)).element_size()
-        return (shape.num_layers * 2 * block_size * shape.num_kv_heads
-                * fmt.row(shape.head_dim) * itemsize)
+        layers = shape.num_layers if num_places is None else num_places
+        return (layers * 2 * block_size * shape.num_kv_heads * fmt.row(shape.head_dim)
+                * itemsize)
 
     def describe(self) -> str:
         return self.format.describe(self.shape.model_dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -78,20 +78,26 @@ class SlotState:
     parameters and penalty counts, and the matchers of structured outputs; the staging
     buffers that steps are packed into, with `backend`'s fields (None: the common ones) and,
     `drafting` (a draft model proposes), its passes'. Slot max_num_seqs is the padding
-    tokens' (a compiled backend's): its block table row points at `pad_block`."""
+    tokens' (a compiled backend's): its block table row in each KV group points at
+    `pad_block`. The block table holds each KV group's rows one after the other
+    (`group_tables`: a view of each), as the scheduler numbers them (KVGroup.rows)."""
 
     def __init__(self, limits: EngineLimits, device: torch.device, pin: bool,
-                 backend: AttentionBackend | None = None, pad_block: int = 0,
+                 backend: AttentionBackend | None = None,
+                 pad_block: int = 0,
                  grammars: Grammars | None = None, drafting: bool = False) -> None:
         self.device, self.limits, self.backend = device, limits, backend
         self.layout = StagingLayout(
             backend.staging_fields if backend is not None else StagedFields,
             DraftFields if drafting else StagedFields)
         self.drafter: Drafter | None = None  # set by a runner with a draft model
-        n = limits.max_num_seqs
-        self.block_table = torch.zeros(n + 1, limits.max_blocks_per_seq, dtype=torch.int32,
-                                       device=device)
-        self.block_table[n] = pad_block
+        n, num_groups = limits.max_num_seqs, len(limits.kv_windows)
+        self.block_table = torch.zeros(num_groups * (n + 1), limits.max_blocks_per_seq,
+                                       dtype=torch.int32, device=device)
+        self.group_tables = [self.block_table[g * (n + 1):(g + 1) * (n + 1)]
+                             for g in range(num_groups)]
+        for table in self.group_tables:
+            table[n] = pad_block
         self.last_sampled = torch.zeros(n + 1, dtype=torch.int64, device=device)
         self.sampling = SamplingState(n, limits.vocab_size, device)
         self.host_params = HostSlotParams(n)
@@ -253,6 +259,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
 WARM_UP_ROW = 256  # tokens a row of the warm-up step holds (more where the rows run out)
 
 
+def describe_kv_groups(windows: Sequence[int | None]) -> str:
+    """The KV groups (EngineLimits.kv_windows), as the start-up log says them."""
+    if len(windows) == 1:
+        return "" if windows[0] is None else f", a window of {windows[0]} on every layer"
+    return (f", {len(windows)} KV groups of its blocks: {windows.count(None)} for the "
+            f"layers that read every key, {len(windows) - windows.count(None)} for the "
+            f"windowed layers (window {windows[-1]})")
+
+
 class ModelRunner:
     """The real model path, through its attention backend (backends/select.py says which):
     compiled (padded steps, FlexAttention), the CPU kernels, or eager PyTorch. Compiled,
@@ -272,24 +287,30 @@ class ModelRunner:
         self.tp: TensorParallel | None = None
         self.pp: PipelineParallel | None = model.stage
         bs = limits.block_size
-        per_block = KVPool.bytes_per_block(kv_format, model.kv_shape, bs)
+        scratch = backend.scratch_blocks  # where padding tokens write
+        # The layers' places (ArchSpec.kv_places): a block holds the KV of one layer per
+        # place, whichever KV group it serves (one place a layer with a single group).
+        layers = self.pp.layers if self.pp is not None else range(model.spec.num_layers)
+        every = backend.kv_places(model.spec)
+        places = [every[i][1] for i in layers]
+        per_block = KVPool.bytes_per_block(kv_format, model.kv_shape, bs, len(set(places)))
         if draft is not None:
             per_block += KVPool.bytes_per_block(kv_format, draft.kv_shape, bs)
-        scratch = backend.scratch_blocks  # where padding tokens write
         self.num_blocks = kv_cache_memory // per_block - scratch
         if self.pp is not None:  # stages of fewer layers fit more: the engine has the fewest
             self.num_blocks = self.pp.fewest(self.num_blocks, device)
         if self.num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no KV block "
                              f"({per_block} bytes each{', and one of scratch' * scratch})")
-        self.kv = KVPool(kv_format, model.kv_shape, self.num_blocks + scratch, bs, device)
+        self.kv = KVPool(kv_format, model.kv_shape, self.num_blocks + scratch, bs, device,
+                         places)
         self.kv_caches = self.kv.caches
         self.compiled = backend.compiled
         self.slots = SlotState(limits, device, device.type == "cuda", backend,
                                pad_block=self.num_blocks if scratch else 0, grammars=grammars,
                                drafting=draft is not None)
         self.pooler = Pooler(limits.max_num_seqs + 1, device)  # (embeddings' sums)
-        backend.bind(ForwardTables(self.slots.block_table, model.ropes,
+        backend.bind(ForwardTables(self.slots.group_tables, model.ropes,
                                    self.num_blocks + scratch))
         self.drafter = self.slots.drafter = (
             Drafter(draft, limits, self.num_blocks + scratch, self.slots.block_table, device,
@@ -306,12 +327,12 @@ class ModelRunner:
                        if graphs and backend.graph_fields and self.pp is None else None)
         assert self.graphs is None or self.drafter is None, "graphs beside a draft model"
         logger.info("forward: %s (%s); weights %.1f MiB%s; KV cache: %s, %d blocks of %d "
-                    "tokens (%.1f MiB)", backend.name,
+                    "tokens (%.1f MiB)%s", backend.name,
                     selection.reason if selection else "given", weight_bytes(model) / 2**20,
                     f" (layers {self.pp.layers.start}-{self.pp.layers.stop - 1})"
                     if self.pp is not None else "",
                     self.kv.describe(), self.num_blocks, limits.block_size,
-                    self.num_blocks * per_block / 2**20)
+                    self.num_blocks * per_block / 2**20, describe_kv_groups(limits.kv_windows))
 
     @property
     def cpu_kernels(self) -> bool:
@@ -503,7 +524,8 @@ class ModelRunner:
         if not self.cpu_kernels:
             return 0
         limits, size = self.limits, self.limits.block_size
-        total = min(limits.max_num_batched_tokens, self.num_blocks * size)
+        groups = len(limits.kv_windows)  # (each maps the row's pages, in its own rows)
+        total = min(limits.max_num_batched_tokens, self.num_blocks // groups * size)
         # (rows of a prompt's usual length, not one long one whose attention would cost more)
         per_row = min(limits.max_model_len, max(WARM_UP_ROW, -(-total // limits.max_num_seqs)))
         lens: list[int] = []
@@ -511,11 +533,13 @@ class ModelRunner:
         left = total
         while left > 0 and len(lens) < limits.max_num_seqs:
             # (a row's last block partly filled: never more blocks than the cache holds)
-            n = min(per_row, left, (self.num_blocks - len(updates)) * size)
+            n = min(per_row, left, (self.num_blocks - len(updates)) // groups * size)
             if n <= 0:
                 break
-            slot = len(lens)
-            updates += [(slot, index, len(updates) + index) for index in range(-(-n // size))]
+            slot, pages = len(lens), -(-n // size)
+            updates += [(g * (limits.max_num_seqs + 1) + slot, index,
+                         len(updates) + g * pages + index)
+                        for g in range(groups) for index in range(pages)]
             lens.append(n)
             left -= n
         ring = local_buffers(step_input_specs(limits))

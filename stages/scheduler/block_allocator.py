@@ -98,6 +98,10 @@ class BlockAllocator:
             found.append(block)
         return found
 
+    def find(self, key: BlockKey) -> int | None:
+        """The block holding `key`'s KV, if one is cached; takes nothing."""
+        return self._by_key.get(key)
+
     def take(self, block: int) -> None:
         """Add a reference to a cached block found by lookup()."""
         if self._refs[block] == 0:

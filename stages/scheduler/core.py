@@ -66,21 +66,21 @@ class Scheduler:
     def __init__(self, limits: EngineLimits, num_blocks: int,
                  max_waiting: int | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
-        """max_waiting: sequences that may wait (queued or held); a request that would pass
-        it is refused as unavailable, counted here where it happens. speculative: propose
-        drafts for decoding sequences (n-gram prompt lookup, or a draft model's placeholders);
-        its K must be the limits'."""
-        self.limits, self.num_blocks = limits, num_blocks
+        """num_blocks: the KV cache's, as the executor reported them (every KV group's blocks
+        come from them: limits.kv_windows). max_waiting: sequences that may wait
+        (queued or held); a request that would pass it is refused as unavailable, counted
+        here where it happens. speculative: propose drafts for decoding sequences (n-gram
+        prompt lookup, or a draft model's placeholders); its K must be the limits'."""
+        self.limits = limits
         if speculative is not None and speculative.num_tokens > limits.num_speculative_tokens:
             raise ValueError(f"speculative K {speculative.num_tokens} exceeds the rings' "
                              f"{limits.num_speculative_tokens}")
         self.kv = KVManager(num_blocks, limits.block_size, limits.max_num_seqs,
-                            limits.max_block_updates, limits.uniform_window)
+                            limits.max_block_updates, limits.kv_windows)
+        self.num_blocks = num_blocks
         # A sequence may not outgrow the whole cache: past it, it could only preempt itself.
-        # With a window on every layer, one holds only the blocks its window spans.
-        self.max_len = (limits.max_model_len
-                        if self.kv.blocks_to_run(limits.max_model_len) <= num_blocks
-                        else num_blocks * limits.block_size)
+        # In a windowed group, one holds only the blocks its window spans.
+        self.max_len = self.kv.max_len(limits.max_model_len)
         self.queue = QueuePolicy(self.max_len, max_waiting)
         k = speculative.num_tokens if speculative is not None else 0
         self.spec = DraftCounts(accepted_per_pos=[0] * k)

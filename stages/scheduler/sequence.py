@@ -16,8 +16,26 @@ from ipc.messages import FinishReason, SamplingParams, TokenLogprob
 from stages.scheduler.block_allocator import BlockKey
 from stages.scheduler.speculative import ProposalState
 
-# A page of Sequence.blocks given back once out of a sliding window (KVManager.trim).
+# A page of Pages.blocks given back once out of a sliding window (KVManager.trim).
 NO_BLOCK = -1
+
+
+@dataclass(eq=False)
+class Pages:
+    """A sequence's pages in one KV group (KVManager.groups): entry j holds tokens
+    [j * block_size, (j + 1) * block_size) in block blocks[j] of the group's pool; the first
+    num_trimmed fell out of the group's window and were given back (NO_BLOCK); the first
+    num_registered were offered to the group's prefix cache. Every group of a running
+    sequence has as many pages."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_trimmed: int = 0
+    num_registered: int = 0
+
+    @property
+    def num_held(self) -> int:
+        """Blocks it holds: its pages' but those given back."""
+        return len(self.blocks) - self.num_trimmed
 
 
 class SeqStatus(enum.Enum):
@@ -61,12 +79,9 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
     num_pending: int = 0  # sampled by in-flight steps, ids not yet known
     num_computed: int = 0  # tokens whose KV is written or being written
-    # its pages' blocks: entry j holds tokens [j * block_size, (j + 1) * block_size); the
-    # first num_trimmed fell out of a sliding window and were given back (NO_BLOCK)
-    blocks: list[int] = field(default_factory=list)
-    num_trimmed: int = 0
+    # its pages in each KV group (one group: every layer's; KVManager.admit makes them)
+    pages: list[Pages] = field(default_factory=lambda: [Pages()])
     block_keys: list[BlockKey] = field(default_factory=list)  # of its leading full blocks
-    num_registered: int = 0  # leading blocks offered to the prefix cache
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     slot: int | None = None
     num_inflight: int = 0  # in-flight steps that include this sequence
@@ -135,9 +150,23 @@ class Sequence:
         return self.resumed_at == len(self.output_ids)
 
     @property
+    def blocks(self) -> list[int]:
+        """Its pages' blocks in the first KV group (every layer's, or the layers that read
+        every key beside windowed ones)."""
+        return self.pages[0].blocks
+
+    @property
+    def num_trimmed(self) -> int:
+        return self.pages[0].num_trimmed
+
+    @property
+    def num_registered(self) -> int:
+        return self.pages[0].num_registered
+
+    @property
     def num_held_blocks(self) -> int:
-        """Blocks it holds: its pages' but those given back (num_trimmed)."""
-        return len(self.blocks) - self.num_trimmed
+        """Blocks it holds in the first KV group: its pages' but those given back."""
+        return self.pages[0].num_held
 
     @property
     def num_known(self) -> int:

@@ -279,12 +279,12 @@ class StepBuilder:
                and (max_rows is None or len(step.rows) < max_rows)):
             queue.promote_within_sender()
             seq = queue.waiting[0]
-            hits = kv.cached_prefix(seq)
-            start = len(hits) * kv.block_size
+            hit = kv.cached_prefix(seq)
+            start = hit.num_blocks * kv.block_size
             # (short of its end, it still must fit as a whole chunk would: else its last
             # token, planned next, would preempt for the block it saved)
             if (seq.num_tokens - short_of_end <= start
-                    or not kv.admits(step, hits, kv.chunk_end(start, min(seq.num_tokens,
+                    or not kv.admits(step, hit, kv.chunk_end(start, min(seq.num_tokens,
                                                                           start + budget)))):
                 break
             if seq.adapter_id and not self.adapters.take(
@@ -295,7 +295,7 @@ class StepBuilder:
             if seq.admitted_at is None:
                 seq.admitted_at = time.time()
             seq.move_to(SeqStatus.RUNNING)
-            kv.admit(step, seq, hits)
+            kv.admit(step, seq, hit)
             if seq.num_preemptions:
                 seq.resumed_at = len(seq.output_ids)
             self._init_slot(step, seq)

@@ -10,7 +10,10 @@ steps qualify (`graph_eligible`). The model holds its backend and calls nothing 
 flags set on modules, no metadata types tested in the forward.
 
 The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; a token at
-position p of a sequence lives in block block_table[p // block_size] at offset p % block_size.
+position p of a sequence lives in block block_table[p // block_size] at offset p % block_size,
+in the block table of the layer's KV group (EngineLimits.kv_windows; LayerAttention.table):
+a model whose windowed layers sit beside layers that read every key has two, each over its
+own pool of blocks (each layer's cache holds its group's).
 """
 
 from __future__ import annotations
@@ -120,11 +123,17 @@ class HostInputs:
 class ForwardTables:
     """The runner's device state a backend's metadata reads; it never moves."""
 
-    block_table: torch.Tensor  # [slots + 1, max_blocks] int32 (the last row: padding's)
+    # per KV group: [slots + 1, max_blocks] int32 (the last row: padding's)
+    block_tables: Sequence[torch.Tensor]
     # (cos, sin) [max_len, D] in the model's dtype, one pair per rope kind of the layers
     # (LayerAttention.rope indexes them)
     ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]
     num_cache_blocks: int  # blocks of each layer's cache, a scratch block included
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The first KV group's (every layer's, or the layers that read every key)."""
+        return self.block_tables[0]
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,7 @@ class LayerAttention:
     # a learned logit per head joins each softmax's denominator (gpt-oss): `attend` takes
     # them as its `sinks` [H] (the attention module's parameter, this rank's heads)
     sinks: bool = False
+    table: int = 0  # its KV group (ForwardTables.block_tables, AttentionBackend.table_of)
 
 
 class AttentionBackend(ABC):
@@ -160,6 +170,10 @@ class AttentionBackend(ABC):
         """windows: the distinct sliding windows of the model's layers (ArchSpec.windows)."""
         self.limits, self.device, self.windows = limits, device, tuple(windows)
         self._tables: ForwardTables | None = None
+        # (KV group, window) of the layers: the block tables and windows a step's metadata
+        # serves (with one group, each window's; with several, those layer_attention made)
+        self.attentions: set[tuple[int, int | None]] = (
+            {(0, w) for w in (None, *self.windows)} if len(limits.kv_windows) == 1 else set())
 
     @staticmethod
     def rope_keys(spec: ArchSpec) -> list[str]:
@@ -175,8 +189,16 @@ class AttentionBackend(ABC):
             raise UnsupportedModel(f"{spec.family}: layer {layer_idx}: {why} on the "
                                    f"{self.name} forward")
         keys = self.rope_keys(spec)
-        return LayerAttention(spec.scale, kind.window, kind.softcap,
-                              None if kind.rope is None else keys.index(kind.rope), kind.sinks)
+        attention = LayerAttention(spec.scale, kind.window, kind.softcap,
+                                   None if kind.rope is None else keys.index(kind.rope),
+                                   kind.sinks, self.kv_places(spec)[layer_idx][0])
+        self.attentions.add((attention.table, attention.window))
+        return attention
+
+    def kv_places(self, spec: ArchSpec) -> list[tuple[int, int]]:
+        """Each layer's (KV group, place) in this run (ArchSpec.kv_places: the groups of
+        EngineLimits.kv_windows, one group where it has one)."""
+        return spec.kv_places(len(self.limits.kv_windows) > 1)
 
     def unsupported(self, kind: AttentionKind) -> str | None:
         """What of a layer's attention this backend does not implement (None: all of it).

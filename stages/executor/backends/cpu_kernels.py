@@ -7,6 +7,7 @@ the residual add fused into each layer's second norm; SiLU- and gelu-tanh-and-mu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ class KernelOps(ForwardOps):
 
 @dataclass
 class KernelMetadata:
-    block_table: torch.Tensor  # [slots, max_blocks] int32
+    block_tables: Sequence[torch.Tensor]  # per KV group: [slots, max_blocks] int32
     token_slots: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     # (cos, sin) [max_len, D] float32 per rope kind: the model's tables (rounded to its
@@ -70,7 +71,8 @@ def kernel_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [H]: each head's logit in its softmax's denominator, read in float32)."""
     cos, sin = meta.rope(layer)
     return torch.ops.llm_cpu.paged_attention(
-        q, k, v, kv_cache, meta.block_table, meta.token_slots, meta.positions, cos, sin,
+        q, k, v, kv_cache, meta.block_tables[layer.table], meta.token_slots, meta.positions,
+        cos, sin,
         layer.scale, layer.window or 0, layer.softcap or 0.0,
         None if sinks is None else sinks.float().contiguous())
 
@@ -95,7 +97,7 @@ class CpuKernelBackend(AttentionBackend):
             self._ropes.append((torch.ones_like(cos), torch.zeros_like(cos)))
 
     def metadata(self, v: DeviceStep, plan: Any) -> KernelMetadata:
-        return KernelMetadata(self.tables.block_table, v.token_slots, v.positions,
+        return KernelMetadata(self.tables.block_tables, v.token_slots, v.positions,
                               self._ropes)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

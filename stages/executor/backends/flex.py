@@ -124,8 +124,13 @@ class FlexMetadata:
     block_mask: BlockMask  # query blocks [Q] x the cache's pages
     # each rope table at every token's position ([T, 1, D] cos and sin)
     ropes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # the block mask of each sliding window of the layers (SlidingWindows.block_masks)
-    windowed: dict[int, BlockMask] = field(default_factory=dict)
+    # the block mask of each KV group and sliding window of the layers (SlidingWindows)
+    windowed: dict[tuple[int, int], BlockMask] = field(default_factory=dict)
+    # KV groups past the first (EngineLimits.kv_windows): where each group's layers write
+    # (index 0: slot_mapping's), and the block mask of each group whose layers read every
+    # key (the first's: block_mask)
+    slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    causal: dict[int, BlockMask] = field(default_factory=dict)
 
 
 @functools.cache  # one function per page size: the compiled graph guards on its identity
@@ -282,16 +287,20 @@ _CUDA_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, "BLOCK_
 def flex_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          kv_cache: torch.Tensor, meta: FlexMetadata, scale: float,
                          window: int | None = None,
-                         softcap: float | None = None) -> torch.Tensor:
+                         softcap: float | None = None, table: int = 0) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, roped), kv_cache [2, NB, BS, KVH, D]
     -> [T, H, D]; `window`: a query at p sees keys p - window + 1 to p; `softcap`: scores
-    through softcap * tanh(score / softcap) (a score_mod). One FlexAttention call; to be
+    through softcap * tanh(score / softcap) (a score_mod); `table`: the layer's KV group (its
+    block table's masks and slot mapping). One FlexAttention call; to be
     run under torch.compile. (Sinks would be out * sigmoid(lse - sink), but Inductor's CPU
     FlexAttention does not return the LSE: FlexBackend refuses them.)"""
-    write_kv(kv_cache, meta.slot_mapping, k, v)
+    write_kv(kv_cache, meta.slot_mappings[table] if table else meta.slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    block_mask = meta.block_mask if window is None else meta.windowed[window]
+    if window is not None:
+        block_mask = meta.windowed[table, window]
+    else:
+        block_mask = meta.causal[table] if table else meta.block_mask
     num_rows = block_mask.seq_lengths[0]
     # [1, H, rows, D], a 4-D buffer of its own (Inductor's CPU template wants one).
     queries = q.new_zeros(1, q.shape[1], num_rows, head_dim).index_copy_(
@@ -356,14 +365,23 @@ class FlexBackend(AttentionBackend):
                          if self.windows else None)
 
     def metadata(self, v: DeviceStep, plan: FlexPlan) -> FlexMetadata:
-        t = self.tables
-        meta = build_flex_metadata(v, t.block_table, self.limits.block_size,
-                                   t.num_cache_blocks, plan.per_row)
+        t, bs = self.tables, self.limits.block_size
+        meta = build_flex_metadata(v, t.block_table, bs, t.num_cache_blocks, plan.per_row)
         meta.ropes = [(cos[v.positions].unsqueeze(1), sin[v.positions].unsqueeze(1))
                       for cos, sin in t.ropes]  # [T, 1, D]
+        if len(t.block_tables) > 1:  # (each KV group's layers write through its own table)
+            meta.slot_mappings = [meta.slot_mapping] + [
+                slot_mapping(table, v.token_slots, v.positions, bs)
+                for table in t.block_tables[1:]]
+        for table, window in self.attentions:
+            if window is None and table:
+                meta.causal[table] = build_flex_metadata(
+                    v, t.block_tables[table], bs, t.num_cache_blocks, plan.per_row).block_mask
         if self._windows is not None:
-            meta.windowed = self._windows.block_masks(v, t.block_table, t.num_cache_blocks,
-                                                      plan.per_row)
+            for table in sorted({g for g, w in self.attentions if w is not None}):
+                masks = self._windows.block_masks(v, t.block_tables[table], t.num_cache_blocks,
+                                                  plan.per_row)
+                meta.windowed.update({(table, w): m for w, m in masks.items()})
         return meta
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -373,7 +391,7 @@ class FlexBackend(AttentionBackend):
             cos, sin = meta.ropes[layer.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return flex_paged_attention(q, k, v, kv_cache, meta, layer.scale, layer.window,
-                                    layer.softcap)
+                                    layer.softcap, layer.table)
 
     def graph_eligible(self, decode_only: bool, num_prompt_logprobs: int) -> bool:
         """Decode-only steps without prompt logprobs (their sizes are one bucket each)."""

@@ -91,10 +91,10 @@ class AttentionMetadata:
 
 @dataclass
 class TorchMetadata:
-    """A step's attention metadata for each window of the model's layers (None: no
-    window), and each rope table at every token's position ([T, 1, D] cos and sin)."""
+    """A step's attention metadata for each KV group and window of the model's layers (None:
+    no window), and each rope table at every token's position ([T, 1, D] cos and sin)."""
 
-    by_window: dict[int | None, AttentionMetadata]
+    by_window: dict[tuple[int, int | None], AttentionMetadata]
     ropes: list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -260,9 +260,9 @@ class TorchBackend(AttentionBackend):
 
     def metadata(self, v: DeviceStep, plan: TorchPlan) -> TorchMetadata:
         t = self.tables
-        by_window = {window: build_attention_metadata(
-            v, plan.decode_groups, plan.prefills, t.block_table, self.limits.block_size,
-            window) for window in (None, *self.windows)}
+        by_window = {(table, window): build_attention_metadata(
+            v, plan.decode_groups, plan.prefills, t.block_tables[table], self.limits.block_size,
+            window) for table, window in self.attentions}
         ropes = [(cos[v.positions].unsqueeze(1), sin[v.positions].unsqueeze(1))
                  for cos, sin in t.ropes]  # [T, 1, D]
         return TorchMetadata(by_window, ropes)
@@ -273,5 +273,6 @@ class TorchBackend(AttentionBackend):
         if layer.rope is not None:
             cos, sin = meta.ropes[layer.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return paged_attention(q, k, v, kv_cache, meta.by_window[layer.window], layer.scale,
+        return paged_attention(q, k, v, kv_cache, meta.by_window[layer.table, layer.window],
+                               layer.scale,
                                layer.softcap, sinks)

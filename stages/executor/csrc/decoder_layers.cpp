@@ -52,9 +52,10 @@ enum Kind {
 constexpr int64_t kShared = 3, kPerProjection = 3, kProjections = 4;
 // Per layer, the entries of `ints` after its projections': whether its norms (q/k norms too)
 // scale by 1 + w (Gemma's: 1) or w (0); its MLP's activation; its attention's window (0:
-// none) and rope table (an index into `ropes`' (cos, sin) pairs, negative from the end).
+// none), rope table (an index into `ropes`' (cos, sin) pairs, negative from the end) and
+// KV group (an index into `block_tables`).
 enum LayerInt { kOffsetNorms = kProjections * kPerProjection, kActivation, kWindow, kRope,
-                kPerLayer };
+                kTable, kPerLayer };
 enum Activation { kSilu = 0, kGeluTanh = 1 };
 
 struct Ops {
@@ -179,10 +180,12 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool 
 // x [T, hidden], updated in place (the residual stream, as the Python layers update it) and
 // returned. ints: heads, kv_heads, head_dim, then per layer its projections' (qkv, o,
 // gate_up, down) kind, bits, outputs and its LayerInts. softcaps: each layer's attention
-// softcap (0: none); ropes: the (cos, sin) tables, pair after pair. kv_caches: one per layer.
+// softcap (0: none); ropes: the (cos, sin) tables, pair after pair. kv_caches: one per layer;
+// block_tables: one per KV group (the layers' kTable).
 at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
                           c10::IntArrayRef ints, double eps, double scale,
-                          const c10::List<at::Tensor>& kv_caches, const at::Tensor& block_table,
+                          const c10::List<at::Tensor>& kv_caches,
+                          const c10::List<at::Tensor>& block_tables,
                           const at::Tensor& token_slots, const at::Tensor& positions,
                           const c10::List<at::Tensor>& ropes, c10::ArrayRef<double> softcaps) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
@@ -205,6 +208,9 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     const int64_t rope = spec[kRope] < 0 ? spec[kRope] + num_ropes : spec[kRope];
     TORCH_CHECK(rope >= 0 && rope < num_ropes, "decoder_layers: layer ", l, "'s rope table ",
                 spec[kRope], " of ", num_ropes);
+    TORCH_CHECK(spec[kTable] >= 0 && spec[kTable] < static_cast<int64_t>(block_tables.size()),
+                "decoder_layers: layer ", l, "'s block table ", spec[kTable], " of ",
+                block_tables.size());
     // Past the first layer, the previous one's residual add made this norm in the same pass
     // (add_rms_norm: x += h rounded as x + h, then the norm of x).
     at::Tensor h = l == 0 ? norm(x, *w(kNorm1)) : normed;
@@ -218,7 +224,8 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     }
     at::Tensor cache = kv_caches.get(l);
     const at::Tensor a = op.paged_attention.call(
-        q, k, v, cache, block_table, token_slots, positions, ropes.get(2 * rope),
+        q, k, v, cache, block_tables.get(spec[kTable]), token_slots, positions,
+        ropes.get(2 * rope),
         ropes.get(2 * rope + 1), scale, spec[kWindow], softcaps[l],
         std::nullopt);  // (no sinks: fused.py)
     h = project(a.view({tokens, q_size}), w(kOW), w(kOB), spec + kPerProjection);
@@ -245,7 +252,7 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("decoder_layers(Tensor(a!) x, Tensor?[] weights, int[] ints, float eps, float scale, "
-        "Tensor(b!)[] kv_caches, Tensor block_table, Tensor token_slots, Tensor positions, "
+        "Tensor(b!)[] kv_caches, Tensor[] block_tables, Tensor token_slots, Tensor positions, "
         "Tensor[] ropes, float[] softcaps) -> Tensor(a!)");
 }
 
