@@ -184,11 +184,21 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
                       "norm_topk_prob": True, "tie_word_embeddings": False},
 }
 
+# Windowed layers beside global ones (`--like`), as config fields of their family: Gemma 3's
+# pattern (five local layers of window 512 to one global) in six small layers, for the KV
+# groups' benchmark at long contexts (docs/BENCHMARKS.md).
+WINDOWED_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma3-mini": {"model_type": "gemma3_text", "num_hidden_layers": 6, "hidden_size": 512,
+                    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+                    "intermediate_size": 2048, "sliding_window": 512},
+}
+FAMILY_SHAPES = {**MOE_SHAPES, **WINDOWED_SHAPES}
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="random_model", description=__doc__)
     p.add_argument("folder", type=Path)
-    p.add_argument("--like", choices=sorted(SHAPES) + sorted(MOE_SHAPES),
+    p.add_argument("--like", choices=sorted(SHAPES) + sorted(FAMILY_SHAPES),
                    help="a real model's shape (the shape options below apply on top)")
     p.add_argument("--layers", type=int, default=None, help="(default 16)")
     p.add_argument("--hidden", type=int, default=None, help="(default 2048)")
@@ -210,11 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_from = ensure_default_model()
     elif a.tokenizer is not None:
         tokenizer_from = Path(a.tokenizer)
-    if a.like in MOE_SHAPES:
-        fields = dict(MOE_SHAPES[a.like])
+    if a.like in FAMILY_SHAPES:
+        fields = dict(FAMILY_SHAPES[a.like])
         given_fields = {"num_hidden_layers": a.layers, "hidden_size": a.hidden,
                         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
-                        "moe_intermediate_size": a.intermediate}
+                        ("moe_intermediate_size" if a.like in MOE_SHAPES
+                         else "intermediate_size"): a.intermediate}
         fields.update({k: v for k, v in given_fields.items() if v is not None})
         model_type = fields.pop("model_type")
         build_random_model(a.folder, model_type, weight_std=0.02, dtype="bfloat16",
