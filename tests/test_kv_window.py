@@ -73,9 +73,11 @@ def decode_to(kv: KVManager, seq: Sequence, end: int) -> None:
 
 def test_a_page_goes_back_once_no_later_query_reads_it() -> None:
     kv = make_kv()
-    # A query at 10 reads keys 3..10 (page 0's last key); one at 11 reads 4..11.
+    # A query at 10 reads keys 3..10 (page 0's last key); one at 11 reads 4..11, but page 0
+    # goes back only from 12 on: flex's masks take a page's queries from its start (8).
     group = kv.groups[0]
-    assert group.first_read_page(10) == 0 and group.first_read_page(11) == 1
+    assert group.first_read_page(10) == 0 and group.first_read_page(11) == 0
+    assert group.first_read_page(12) == 1
     seq = admitted(kv, "a", list(range(10, 20)))  # 10 tokens: pages 0-2
     decode_to(kv, seq, 12)  # token 10 is page 2's; page 0 is still read by it
     assert seq.num_trimmed == 0 and seq.num_held_blocks == 3
@@ -405,10 +407,17 @@ def test_a_chat_s_next_turn_finds_the_pages_each_group_reads() -> None:
     assert driver.core.kv.prefix_cache_hits == 9 * BS
 
 
-def test_n_samples_share_their_prompt_s_blocks_on_a_mixed_model() -> None:
+@pytest.mark.parametrize("prompt_len", [9, 16, 20])
+def test_n_samples_share_their_prompt_s_blocks_on_a_mixed_model(prompt_len: int) -> None:
+    """Samples 1 and 2 reuse sample 0's prompt pages in every group, though sample 0's
+    first decode, planned before they are admitted, passes its window beyond the pages they
+    need (a prompt of whole pages, longer than the window): it keeps those until they hold
+    them too (Sequence.trim_floor)."""
     limits = dataclasses.replace(MIXED, max_num_seqs=4)
-    driver = run_all(limits, {0: [make_request("r", 9, max_tokens=30, n=3)]})
-    assert driver.core.prefix_cache_hits == 2 * 2 * BS  # samples 1 and 2: 2 pages each
+    driver = run_all(limits, {0: [make_request("r", prompt_len, max_tokens=30, n=3)]})
+    pages = (prompt_len - 1) // BS  # (the last token is always computed)
+    assert driver.core.prefix_cache_hits == 2 * pages * BS
+    assert not driver.core._sharing
     for i in range(3):
         key = sample_key("r", i)
         assert driver.outputs[key] == expected_tokens(key, 30)

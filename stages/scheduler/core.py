@@ -98,6 +98,8 @@ class Scheduler:
         self.depth = min(2, limits.depth) if limits.auto_depth else limits.depth
         self.stages = limits.pipeline_stages
         self.discarded_tokens = 0  # computed for a sequence that had finished: dropped
+        # Requests whose sample 0 keeps windowed pages for its waiting siblings (trim_floor)
+        self._sharing: dict[str, Sequence] = {}
         self.next_step_id = 0
         self.num_preemptions = 0
         self.generation_tokens = 0
@@ -226,6 +228,8 @@ class Scheduler:
             return None
         step = PlannedStep(self.next_step_id)
         self.builder.fill(step)
+        if self._sharing:
+            self._siblings_admitted()
         if not step.rows:
             return None
         self.next_step_id += 1
@@ -262,6 +266,23 @@ class Scheduler:
     def _release_siblings(self) -> None:
         for seq in self.book.siblings_ready():
             self.queue.enqueue(seq)
+            first = self.book.requests[seq.request_id][0]
+            if (self.kv.windowed and first.index == 0 and first.status is SeqStatus.RUNNING
+                    and first.trim_floor is None):
+                # Its windowed pages that the siblings' prefix hit reads stay until they
+                # are admitted (holding them too) or gone: _siblings_admitted.
+                bs = self.kv.block_size
+                hit = (len(first.prompt_ids) - 1) // bs * bs
+                first.trim_floor = self.kv.windowed[0].first_read_page(hit)
+                self._sharing[seq.request_id] = first
+
+    def _siblings_admitted(self) -> None:
+        """Sample 0 of a request whose siblings no longer wait lets its window decide."""
+        for rid, first in list(self._sharing.items()):
+            seqs = self.book.requests.get(rid, [])
+            if not any(s.status is SeqStatus.WAITING for s in seqs if s is not first):
+                first.trim_floor = None
+                del self._sharing[rid]
 
     # ------------------------------------------------------------ results in
 

@@ -38,10 +38,13 @@ class KVGroup:
         return key + self._salt if self._salt else key
 
     def first_read_page(self, position: int) -> int:
-        """The first page that a query at `position`, or at any later one, reads."""
+        """The first page that a query at `position`, or at any later one, reads, counted
+        from the start of position's page: flex's block masks take a query block's queries
+        from its page's start, and read that page's table entry for every key page they
+        may see (a page given back would leave a stale entry there)."""
         if self.window is None:
             return 0
-        return max(0, position - self.window + 1) // self.block_size
+        return max(0, position - position % self.block_size - self.window + 1) // self.block_size
 
     def pages_to_run(self, num_tokens: int) -> int:
         """The blocks a sequence of num_tokens tokens must be able to hold at once in this
@@ -243,17 +246,21 @@ class KVManager:
         so a block given back here may be mapped to another sequence in the very step being
         planned: its new owner writes it only after every step that could read it ran. The
         executor's table keeps the page's old entry, a valid block that no backend reads
-        unmasked (each starts at the window's first page or masks what it gathers before it).
+        (each starts at the window's first page of a query's page start, first_read_page,
+        or masks what it gathers before it).
 
         A block given back loses its prefix-cache key (allocator.free forget): otherwise
         each decoding sequence's passing blocks would queue in the cache's LRU behind the
         prefixes worth keeping and push them out first. A later prompt's lookup needs the
         pages its window reads, so no prefix is found through one, and a block another
         sample or request still holds (the allocator's reference counts) goes back only when
-        the last of them gives it up."""
+        the last of them gives it up; sample 0 keeps the pages its waiting siblings will
+        take (Sequence.trim_floor)."""
         for g in self.windowed:
-            pages = seq.pages[self.groups.index(g)]
+            pages = seq.pages[g.index]
             first = g.first_read_page(seq.num_computed)
+            if seq.trim_floor is not None:  # (its waiting siblings will take these)
+                first = min(first, seq.trim_floor)
             done = pages.num_trimmed
             if first <= done:
                 continue
@@ -343,9 +350,11 @@ class KVManager:
         """seq gives back its blocks (last first: a shared prefix is evicted last) and slot;
         no in-flight step writes them any more."""
         self.victims.discard(seq)
-        # (one never admitted has one empty group of pages: Sequence's default)
-        for pages in seq.pages:
-            self.allocator.free(pages.blocks[pages.num_trimmed:][::-1])
+        # Page by page from the last, each group's block of it in turn: a prefix's first
+        # pages, which every hit needs, go back last in every group. (One never admitted has
+        # one empty group of pages: Sequence's default.)
+        for j in range(len(seq.blocks) - 1, -1, -1):
+            self.allocator.free([p.blocks[j] for p in seq.pages if j >= p.num_trimmed])
         seq.pages = [Pages() for _ in self.groups]
         if seq.slot is not None:
             self.free_slots.append(seq.slot)

@@ -81,6 +81,10 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is written or being written
     # its pages in each KV group (one group: every layer's; KVManager.admit makes them)
     pages: list[Pages] = field(default_factory=lambda: [Pages()])
+    # While its n > 1 siblings wait to be admitted (sample 0's, set by the scheduler), the
+    # first page its windowed groups keep: the siblings' prefix hit needs the pages from it
+    # on (KVManager.trim). None: the window alone decides.
+    trim_floor: int | None = None
     block_keys: list[BlockKey] = field(default_factory=list)  # of its leading full blocks
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     slot: int | None = None

@@ -171,9 +171,10 @@ class AttentionBackend(ABC):
         self.limits, self.device, self.windows = limits, device, tuple(windows)
         self._tables: ForwardTables | None = None
         # (KV group, window) of the layers: the block tables and windows a step's metadata
-        # serves (with one group, each window's; with several, those layer_attention made)
+        # serves; each group's own window, and any other one a layer has (layer_attention)
         self.attentions: set[tuple[int, int | None]] = (
-            {(0, w) for w in (None, *self.windows)} if len(limits.kv_windows) == 1 else set())
+            {(0, w) for w in (None, *self.windows)} if len(limits.kv_windows) == 1
+            else set(enumerate(limits.kv_windows)))
 
     @staticmethod
     def rope_keys(spec: ArchSpec) -> list[str]:
