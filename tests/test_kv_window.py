@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from scheduler_driver import (
     Driver,
+    DriverLimits,
     expected_tokens,
     make_limits,
     make_request,
@@ -161,6 +162,17 @@ def test_a_hit_before_the_window_is_not_taken() -> None:
 
 WINDOWED = make_limits(window=WINDOW, block_size=BS, num_blocks=64, max_model_len=256,
                        max_num_batched_tokens=16)
+# Windowed layers beside layers that read every key: a group of these, two of windowed ones
+MIXED = make_limits(mixed_window=WINDOW, mixed_groups=(1, 2), block_size=BS, num_blocks=64,
+                    max_model_len=256, max_num_batched_tokens=16)
+KINDS = {"windowed": WINDOWED, "mixed": MIXED}
+
+
+def with_window(limits: DriverLimits, window: int) -> DriverLimits:
+    """`limits` with another window (on every layer, or on the windowed ones)."""
+    if limits.mixed_window is None:
+        return dataclasses.replace(limits, window=window)
+    return dataclasses.replace(limits, mixed_window=window)
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -176,17 +188,21 @@ def test_a_windowed_sequence_decoding_far_past_its_window_holds_few_blocks(depth
     assert keep.core.kv.max_seq_blocks == -(-155 // BS)
 
 
-def test_blocks_given_back_serve_another_request() -> None:
+def side_by_side(limits: DriverLimits) -> Driver:
     """Two sequences of 16 and 17 pages (their computed tokens: the last sample is not fed
-    back) in a cache of 8 blocks run side by side, each on the blocks the other gave back,
-    without a preemption."""
-    limits = dataclasses.replace(WINDOWED, num_blocks=8)
+    back), run without a preemption."""
     arrivals = {0: [make_request("a", 5, max_tokens=60)],
                 3: [make_request("b", 7, max_tokens=60)]}
     driver = run_all(limits, arrivals)
     assert results(driver) == {"a": (expected_tokens("a", 60), "length"),
                                "b": (expected_tokens("b", 60), "length")}
     assert driver.core.num_preemptions == 0
+    return driver
+
+
+def test_blocks_given_back_serve_another_request() -> None:
+    """In a cache of 8 blocks, each sequence on the blocks the other gave back."""
+    driver = side_by_side(dataclasses.replace(WINDOWED, num_blocks=8))
     assert sum(len(step.block_updates) for step in driver.history) == 16 + 17
 
 
@@ -207,35 +223,44 @@ def test_a_prompt_longer_than_the_cache_runs_on_a_windowed_model() -> None:
     assert refused.finished["long"].finish_reason == "error"
 
 
+@pytest.mark.parametrize(("kind", "num_blocks"), [("windowed", 6), ("mixed", 24)])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_preemption_and_resume_on_a_windowed_model(depth: int) -> None:
-    """Four short prompts start on a page each in a cache of 6 blocks and each grows to the
-    3 pages of its window: some are preempted and recompute, and every output is the same
-    as in a roomy cache."""
+def test_preemption_and_resume_on_a_windowed_model(depth: int, kind: str,
+                                                   num_blocks: int) -> None:
+    """Four short prompts start on a page each in a small cache and each grows to the 3
+    pages of its window (beside every page in the layers that read every key, mixed): some
+    are preempted and recompute (or resume from what the cache kept), and every output is
+    the same as in a roomy cache."""
     arrivals = {0: [make_request(f"r{i}", 2 + i, max_tokens=40) for i in range(4)]}
-    tiny = run_all(dataclasses.replace(WINDOWED, num_blocks=6, depth=depth,
+    tiny = run_all(dataclasses.replace(KINDS[kind], num_blocks=num_blocks, depth=depth,
                                        max_num_batched_tokens=8), arrivals)
-    roomy = run_all(dataclasses.replace(WINDOWED, depth=depth), arrivals)
+    roomy = run_all(dataclasses.replace(KINDS[kind], depth=depth, num_blocks=256), arrivals)
     assert tiny.core.num_preemptions > 0 and roomy.core.num_preemptions == 0
     assert results(tiny) == results(roomy)
     assert {rid: len(out) for rid, (out, _) in results(tiny).items()} == dict.fromkeys(
         ("r0", "r1", "r2", "r3"), 40)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_a_long_victim_recomputes_in_chunks_that_give_pages_back(depth: int) -> None:
-    """A long sequence gives its one slot to a shorter request of its sender (fair
-    queueing), then recomputes its prompt and 30-odd outputs in chunks of 8, giving back
-    the pages behind its window as it goes. (Its penalty keeps it off the prefix cache,
-    where the pages its window reads wait for it: the next test.)"""
+def long_victim(depth: int, **params: object) -> Driver:
+    """A long sequence that gives its one slot to a shorter request of its sender (fair
+    queueing) and is computed again."""
     limits = dataclasses.replace(WINDOWED, num_blocks=6, depth=depth, max_num_seqs=1,
                                  max_num_batched_tokens=8)
-    arrivals = {0: [make_request("long", 2, max_tokens=60, repetition_penalty=1.1)],
+    arrivals = {0: [make_request("long", 2, max_tokens=60, **params)],
                 30: [make_request("short", 3, max_tokens=5)]}
     driver = run_all(limits, arrivals)
     assert results(driver) == {"long": (expected_tokens("long", 60), "length"),
                                "short": (expected_tokens("short", 5), "length")}
     assert driver.core.num_preemptions == 1
+    return driver
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_long_victim_recomputes_in_chunks_that_give_pages_back(depth: int) -> None:
+    """The victim recomputes its prompt and 30-odd outputs in chunks of 8, giving back the
+    pages behind its window as it goes. (Its penalty keeps it off the prefix cache, where
+    the pages its window reads wait for it: the next test.)"""
+    driver = long_victim(depth, repetition_penalty=1.1)
     chunks = [r.context_len for s in driver.history for r in s.rows
               if r.request_id == "long" and len(r.token_ids) > 1]
     assert chunks == [2, 8, 16, 24, 32]  # its prompt, then the recomputation
@@ -245,31 +270,31 @@ def test_a_long_victim_recomputes_in_chunks_that_give_pages_back(depth: int) -> 
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_long_victim_resumes_from_the_pages_its_window_reads(depth: int) -> None:
-    """The same victim without a penalty: its pages went back keyed but those before its
-    window, so the prefix cache finds the pages a query at its end reads (not the prefix
-    from token 0, long given back) and it resumes there, computing at most its last
-    chunk again."""
-    limits = dataclasses.replace(WINDOWED, num_blocks=6, depth=depth, max_num_seqs=1,
-                                 max_num_batched_tokens=8)
-    arrivals = {0: [make_request("long", 2, max_tokens=60)],
-                30: [make_request("short", 3, max_tokens=5)]}
-    driver = run_all(limits, arrivals)
-    assert results(driver) == {"long": (expected_tokens("long", 60), "length"),
-                               "short": (expected_tokens("short", 5), "length")}
-    assert driver.core.num_preemptions == 1
+    """Without a penalty, its pages went back keyed but those before its window, so the
+    prefix cache finds the pages a query at its end reads (not the prefix from token 0,
+    long given back) and it resumes there, computing at most its last chunk again."""
+    driver = long_victim(depth)
     chunks = [r.context_len - len(r.token_ids) for s in driver.history for r in s.rows
               if r.request_id == "long" and len(r.token_ids) > 1]
     assert chunks[0] == 0 and len(chunks) <= 2  # its prompt, and one chunk at most
     assert driver.core.kv.prefix_cache_hits >= 24 + 2 * BS * (depth == 2)
 
 
-def test_n_samples_share_their_prompt_s_blocks_on_a_windowed_model() -> None:
-    """Samples 1..n-1 reuse sample 0's prompt pages (Driver.check holds each block's
-    reference count to its holders after every move); each gives them back as its window
-    passes, the last one freeing them."""
-    limits = dataclasses.replace(WINDOWED, window=12, max_num_seqs=4)
-    driver = run_all(limits, {0: [make_request("r", 9, max_tokens=30, n=3)]})
-    assert driver.core.prefix_cache_hits == 2 * 2 * BS  # samples 1 and 2: 2 pages each
+@pytest.mark.parametrize("prompt_len", [9, 16, 20])
+@pytest.mark.parametrize("kind", ["windowed", "mixed"])
+def test_n_samples_share_their_prompt_s_blocks_on_a_windowed_model(kind: str,
+                                                                   prompt_len: int) -> None:
+    """Samples 1..n-1 reuse sample 0's prompt pages in every group (Driver.check holds each
+    block's reference count to its holders after every move), each giving them back as its
+    window passes, the last one freeing them. Sample 0's first decode, planned before they
+    are admitted, passes its window beyond the pages they need where the prompt is whole
+    pages longer than the window: it keeps those until they hold them too
+    (Sequence.trim_floor)."""
+    limits = dataclasses.replace(KINDS[kind], max_num_seqs=4)
+    driver = run_all(limits, {0: [make_request("r", prompt_len, max_tokens=30, n=3)]})
+    pages = (prompt_len - 1) // BS  # (the last token is always computed)
+    assert driver.core.prefix_cache_hits == 2 * pages * BS
+    assert not driver.core._sharing
     for i in range(3):
         key = sample_key("r", i)
         assert driver.outputs[key] == expected_tokens(key, 30)
@@ -284,12 +309,14 @@ def looping_token(rid: str, index: int) -> int:
     return 1000 + (seed + 7 * (index % (3 + seed % 4))) % 300
 
 
+@pytest.mark.parametrize("kind", ["windowed", "mixed"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_speculative_rollback_never_reads_a_block_given_back(depth: int) -> None:
+def test_speculative_rollback_never_reads_a_block_given_back(depth: int, kind: str) -> None:
     """Rejected drafts lower num_computed; a page goes back only once no query from the
     lowest position the sequence may compute next reads it (Driver.check), and every row
     reads back its window's tokens (the fake executor)."""
-    spec = dataclasses.replace(WINDOWED, window=6, depth=depth, max_num_batched_tokens=64,
+    spec = dataclasses.replace(with_window(KINDS[kind], 6), depth=depth, num_blocks=256,
+                               max_num_batched_tokens=64,
                                speculative=SpeculativeConfig("ngram", 4, 4, 2))
     arrivals = {t: [make_request(f"r{t}", 3 + t, max_tokens=80)] for t in range(4)}
     drafted = run_all(spec, arrivals, looping_token)
@@ -330,10 +357,6 @@ def test_steady_decode_of_8192_tokens_in_a_window_of_1024(
 
 # ---------------------------------------------------------------- windowed layers beside others
 
-MIXED = make_limits(mixed_window=WINDOW, mixed_groups=(1, 2), block_size=BS, num_blocks=64,
-                    max_model_len=256, max_num_batched_tokens=16)
-
-
 def groups_of(driver: Driver, row: int) -> int:
     return row // (driver.limits.max_num_seqs + 1)
 
@@ -355,33 +378,15 @@ def test_a_mixed_model_gives_back_only_its_windowed_groups_blocks(depth: int) ->
 
 
 def test_blocks_a_window_gives_back_serve_the_layers_that_read_every_key() -> None:
-    """One pool: two sequences of 16 and 17 pages grow their first group's pages on blocks
-    the windowed groups gave back, in a cache that could not hold them all twice over."""
-    limits = dataclasses.replace(MIXED, num_blocks=48, mixed_groups=(1, 1))
-    arrivals = {0: [make_request("a", 5, max_tokens=60)],
-                3: [make_request("b", 7, max_tokens=60)]}
-    driver = run_all(limits, arrivals)
-    assert results(driver) == {"a": (expected_tokens("a", 60), "length"),
-                               "b": (expected_tokens("b", 60), "length")}
-    assert driver.core.num_preemptions == 0
+    """One pool: the first group's pages grow on blocks the windowed group gave back, in a
+    cache of 48 blocks that could not hold every page of both sequences in both groups."""
+    driver = side_by_side(dataclasses.replace(MIXED, num_blocks=48, mixed_groups=(1, 1)))
     mapped: dict[int, set[int]] = {}
     for step in driver.history:
         for row, _, block in step.block_updates:
             mapped.setdefault(block, set()).add(groups_of(driver, row))
     assert any(groups == {0, 1} for groups in mapped.values())
     assert 2 * (16 + 17) > 48
-
-
-@pytest.mark.parametrize("depth", [1, 2])
-def test_preemption_and_resume_on_a_mixed_model(depth: int) -> None:
-    """Four prompts in a cache of 24 blocks: some are preempted and recompute (or resume
-    from what the cache kept), and every output is the same as in a roomy cache."""
-    arrivals = {0: [make_request(f"r{i}", 2 + i, max_tokens=30) for i in range(4)]}
-    tiny = run_all(dataclasses.replace(MIXED, num_blocks=24, depth=depth,
-                                       max_num_batched_tokens=8), arrivals)
-    roomy = run_all(dataclasses.replace(MIXED, depth=depth, num_blocks=256), arrivals)
-    assert tiny.core.num_preemptions > 0 and roomy.core.num_preemptions == 0
-    assert results(tiny) == results(roomy)
 
 
 def in_vocabulary(rid: str, index: int) -> int:
@@ -405,32 +410,6 @@ def test_a_chat_s_next_turn_finds_the_pages_each_group_reads() -> None:
         assert driver.finished[rid].finish_reason == "length"
     # t1 computed 38 tokens (its last sample was not fed back): t2 finds its 9 full pages
     assert driver.core.kv.prefix_cache_hits == 9 * BS
-
-
-@pytest.mark.parametrize("prompt_len", [9, 16, 20])
-def test_n_samples_share_their_prompt_s_blocks_on_a_mixed_model(prompt_len: int) -> None:
-    """Samples 1 and 2 reuse sample 0's prompt pages in every group, though sample 0's
-    first decode, planned before they are admitted, passes its window beyond the pages they
-    need (a prompt of whole pages, longer than the window): it keeps those until they hold
-    them too (Sequence.trim_floor)."""
-    limits = dataclasses.replace(MIXED, max_num_seqs=4)
-    driver = run_all(limits, {0: [make_request("r", prompt_len, max_tokens=30, n=3)]})
-    pages = (prompt_len - 1) // BS  # (the last token is always computed)
-    assert driver.core.prefix_cache_hits == 2 * pages * BS
-    assert not driver.core._sharing
-    for i in range(3):
-        key = sample_key("r", i)
-        assert driver.outputs[key] == expected_tokens(key, 30)
-
-
-def test_speculative_rollback_on_a_mixed_model() -> None:
-    spec = dataclasses.replace(MIXED, mixed_window=6, max_num_batched_tokens=64,
-                               speculative=SpeculativeConfig("ngram", 4, 4, 2))
-    arrivals = {t: [make_request(f"r{t}", 3 + t, max_tokens=80)] for t in range(4)}
-    drafted = run_all(spec, arrivals, looping_token)
-    plain = run_all(dataclasses.replace(spec, speculative=None), arrivals, looping_token)
-    assert results(drafted) == results(plain)
-    assert 0 < drafted.core.spec_num_accepted_tokens < drafted.core.spec_num_draft_tokens
 
 
 # ---------------------------------------------------------------- which models
