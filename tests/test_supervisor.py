@@ -153,6 +153,21 @@ def test_a_cache_smaller_than_one_sequence_starts_no_scheduler() -> None:
     check_cache_holds_a_sequence(config(max_model_len=256), 16)  # exactly one: enough
 
 
+def test_a_model_with_windowed_layers_needs_what_its_kv_groups_hold() -> None:
+    """Windowed layers beside global ones (KV groups (None, 8)): a sequence of 256 tokens
+    holds its 16 pages in the global layers' group and the 2 its window spans in the other:
+    18 blocks, though 16 would hold its tokens once."""
+    model = ModelInfo(path="/nonexistent", vocab_size=100, max_model_len=256,
+                      eos_token_ids=(2,), kv_windows=(None, 8))
+    cfg = dataclasses.replace(config(), model=model)
+    with pytest.raises(StartupError, match=r"it needs 18 blocks over the model's 2 KV groups"):
+        check_cache_holds_a_sequence(cfg, 17)
+    check_cache_holds_a_sequence(cfg, 18)
+    # every layer windowed: one token's window, and a sequence longer than the cache runs
+    windowed = dataclasses.replace(model, kv_windows=(64,))
+    check_cache_holds_a_sequence(dataclasses.replace(config(), model=windowed), 5)
+
+
 def test_watch_reports_each_death_once() -> None:
     factory = Factory()
     sup = Supervisor(config(), start=factory)

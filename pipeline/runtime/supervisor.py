@@ -27,6 +27,7 @@ from ipc.messages import Message, StageFailed, StageReady
 from ipc.step import StepRings
 from pipeline.runtime.restarts import RestartPolicy
 from stages.entry import run_stage
+from stages.scheduler.kv_manager import blocks_to_run
 
 logger = logging.getLogger(__name__)
 
@@ -274,13 +275,18 @@ class Supervisor:
 
 def check_cache_holds_a_sequence(cfg: PipelineConfig, num_blocks: int) -> None:
     """StartupError unless an engine's KV cache of `num_blocks` blocks holds one sequence of
-    the context length (otherwise a long request could never be scheduled)."""
-    capacity = num_blocks * cfg.scheduler.block_size
-    if capacity < cfg.model.max_model_len:
+    the context length (otherwise a long request could never be scheduled): every page of
+    it, but in a windowed KV group those one token's window spans (blocks_to_run)."""
+    limits = cfg.limits
+    needed = blocks_to_run(limits.kv_windows, limits.block_size, limits.max_model_len)
+    if needed > num_blocks:
+        groups = len(limits.kv_windows)
+        how = (f" (it needs {needed} blocks over the model's {groups} KV groups)"
+               if groups > 1 or limits.kv_windows[0] is not None else "")
         raise StartupError(
-            f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than one "
-            f"sequence of the context length {cfg.model.max_model_len}: raise "
-            f"--kv-cache-memory or lower --max-model-len")
+            f"the KV cache holds {num_blocks * limits.block_size} tokens ({num_blocks} "
+            f"blocks), fewer than one sequence of the context length "
+            f"{limits.max_model_len}{how}: raise --kv-cache-memory or lower --max-model-len")
 
 
 @contextlib.contextmanager

@@ -57,6 +57,14 @@ class KVGroup:
         return min(num_pages, (self.window - 2) // self.block_size + 2)
 
 
+def blocks_to_run(windows: Seq[int | None], block_size: int, num_tokens: int) -> int:
+    """The blocks a sequence of num_tokens tokens must be able to hold at once, every KV group
+    of `windows` (EngineLimits.kv_windows) together (KVManager.blocks_to_run, for a check
+    made before any scheduler exists)."""
+    return sum(KVGroup(i, block_size, w, 0).pages_to_run(num_tokens)
+               for i, w in enumerate(windows))
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """What a sample may reuse of the prefix cache: its first num_blocks pages, whose blocks
