@@ -300,6 +300,20 @@ def test_n_samples_share_their_prompt_s_blocks_on_a_windowed_model(kind: str,
         assert driver.outputs[key] == expected_tokens(key, 30)
 
 
+def test_a_sibling_that_waits_long_is_not_kept_past_a_window() -> None:
+    """With one slot, sample 1 waits until sample 0 is done: sample 0 keeps the pages
+    sample 1 would take for one window's worth of pages more, then lets them go (sample 1
+    computes its prompt again), so its windowed groups never hold its whole length."""
+    limits = dataclasses.replace(MIXED, max_num_seqs=1)
+    driver = run_all(limits, {0: [make_request("r", 16, max_tokens=60, n=2)]})
+    for i in range(2):
+        key = sample_key("r", i)
+        assert driver.outputs[key] == expected_tokens(key, 60)
+    window_pages = (WINDOW - 2) // BS + 2
+    assert driver.core.kv.max_seq_blocks <= 2 * window_pages + limits.depth + 1
+    assert driver.core.num_preemptions == 0
+
+
 def looping_token(rid: str, index: int) -> int:
     """Outputs that repeat a period of 3-6 tokens with a change every 11: n-gram drafts are
     accepted, and sometimes rejected."""

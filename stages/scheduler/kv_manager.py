@@ -267,7 +267,12 @@ class KVManager:
         for g in self.windowed:
             pages = seq.pages[g.index]
             first = g.first_read_page(seq.num_computed)
-            if seq.trim_floor is not None:  # (its waiting siblings will take these)
+            # Pages its waiting siblings will take are kept, but for a window's worth of
+            # pages at most: siblings waiting longer compute their prompt, as any prompt.
+            if seq.trim_floor is not None and (first - seq.trim_floor
+                                               > g.pages_to_run(seq.num_computed)):
+                seq.trim_floor = None
+            if seq.trim_floor is not None:
                 first = min(first, seq.trim_floor)
             done = pages.num_trimmed
             if first <= done:
