@@ -218,9 +218,9 @@ class EngineLimits:
     num_speculative_tokens: int = 0  # K: drafts a row may carry (0: no speculation)
     auto_depth: bool = False  # in flight: 2, or `depth` while the device's steps are short
     # The window of each group of layers whose KV blocks are kept apart (ModelInfo.kv_windows):
-    # a block table and pool each, the scheduler giving back a running sequence's blocks of
-    # a windowed group as they fall out of its window. (None,): one group, every block kept
-    # (no window, or a draft model beside it).
+    # a block table each over one pool, the scheduler giving back a running sequence's
+    # blocks of a windowed group as they fall out of its window. (None,): one group, every
+    # block kept (no window, or a draft model beside it).
     kv_windows: tuple[int | None, ...] = (None,)
     # P: executor stages the model's layers are split over (pipeline parallelism). Each stage
     # works on a different step at once, so P times `depth` steps may be in flight; the

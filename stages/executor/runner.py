@@ -83,8 +83,7 @@ class SlotState:
     (`group_tables`: a view of each), as the scheduler numbers them (KVGroup.rows)."""
 
     def __init__(self, limits: EngineLimits, device: torch.device, pin: bool,
-                 backend: AttentionBackend | None = None,
-                 pad_block: int = 0,
+                 backend: AttentionBackend | None = None, pad_block: int = 0,
                  grammars: Grammars | None = None, drafting: bool = False) -> None:
         self.device, self.limits, self.backend = device, limits, backend
         self.layout = StagingLayout(

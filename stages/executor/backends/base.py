@@ -12,8 +12,8 @@ flags set on modules, no metadata types tested in the forward.
 The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; a token at
 position p of a sequence lives in block block_table[p // block_size] at offset p % block_size,
 in the block table of the layer's KV group (EngineLimits.kv_windows; LayerAttention.table):
-a model whose windowed layers sit beside layers that read every key has two, each over its
-own pool of blocks (each layer's cache holds its group's).
+a model whose windowed layers sit beside layers that read every key has several, over one pool
+of blocks (the layers at the same place in each group share a cache tensor: kv_pool.py).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class LayerAttention:
     # a learned logit per head joins each softmax's denominator (gpt-oss): `attend` takes
     # them as its `sinks` [H] (the attention module's parameter, this rank's heads)
     sinks: bool = False
-    table: int = 0  # its KV group (ForwardTables.block_tables, AttentionBackend.table_of)
+    table: int = 0  # its KV group (ForwardTables.block_tables; AttentionBackend.kv_places)
 
 
 class AttentionBackend(ABC):
