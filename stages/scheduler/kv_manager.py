@@ -163,21 +163,20 @@ class KVManager:
             return NO_HIT
         bs = self.block_size
         keys = seq.keys_for((seq.num_known - 1) // bs, bs)
-        find = self.allocator.find
-        missing = [-1] * len(self.groups)  # each group's last page without its key
+        if not self.windowed:  # (one group, no window: the cached run from page 0)
+            blocks = self.allocator.lookup(keys)
+            return PrefixHit(len(blocks), (blocks,)) if blocks else NO_HIT
+        find, window = self.allocator.find, self.windowed[0]  # (the windowed groups' one)
+        full = [g for g in self.groups if g.window is None]
+        missing = -1  # the last page some windowed group has not cached
         best = 0
         for i, key in enumerate(keys):
-            for g, group in enumerate(self.groups):
-                if find(group.key(key)) is None:
-                    if group.window is None:
-                        break  # (no longer prefix of this group's is cached)
-                    missing[g] = i
-            else:
-                if all(m < g.first_read_page((i + 1) * bs)
-                       for m, g in zip(missing, self.groups, strict=True)):
-                    best = i + 1
-                continue
-            break
+            if any(find(g.key(key)) is None for g in full):
+                break  # (no longer prefix of those groups is cached)
+            if any(find(g.key(key)) is None for g in self.windowed):
+                missing = i
+            elif missing < window.first_read_page((i + 1) * bs):
+                best = i + 1
         if best == 0:
             return NO_HIT
         return PrefixHit(best, tuple(
