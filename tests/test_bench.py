@@ -104,6 +104,14 @@ def test_quality_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> N
     assert report["int4"]["mean_abs_dlogprob"] > report["int8"]["mean_abs_dlogprob"]
     # and e5m2's 2 mantissa bits a key more than int8's codes with a scale per token
     assert report["kv fp8_e5m2"]["mean_abs_dlogprob"] > report["kv int8"]["mean_abs_dlogprob"]
+    assert "floor" not in report  # (float32 activations: the reference is exact enough)
+    # bf16 activations: the floor row, the reference through PyTorch's ops instead
+    rc = bench.main(["quality", "--model", str(tiny_model_dir), "--quantization", "",
+                     "--kv-cache-dtype", "int8", "--output-len", "4", "--dtype", "bfloat16",
+                     "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and set(report) == {"config", "float32 weights", "kv int8", "floor"}
+    assert 0 <= report["floor"]["mean_abs_dlogprob"] <= report["floor"]["max_abs_dlogprob"] < 1
     with pytest.raises(SystemExit, match="unknown formats"):
         bench.main(["quality", "--model", str(tiny_model_dir), "--quantization", "fp8"])
     with pytest.raises(SystemExit, match="unknown KV cache formats"):
