@@ -662,76 +662,142 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
 // A decode's kG query heads of one KV head over an int8 page (kv_formats.h: D codes and an fp16
 // scale a row), read in place. Scores as integer dot products (VNNI, 64 products an instruction):
 // each head's query quantized to int8 with a scale of its own (max|q| / 127, as llama.cpp's
-// flash attention quantizes Q to its K type's q8) and offset to u8 (+128, vpdpbusd's unsigned
-// side), the offset taken back out by each key's code sum (128 * sum k); a score is then
-// q_scale * k_scale * the integer dot. Values stay float: a key's weight times its row's
-// scale, times its codes widened (the weights are probabilities many of which 8 bits would
-// round to 0). At 32 sequences x 4,096 tokens the bf16 cache's decode took 23.5 ms a layer
-// where widening int8 pages into a float buffer first took 42 (1.8x slower).
+// flash attention quantizes Q to its K type's q8); vpdpbusd takes one side unsigned, so each
+// key's codes are offset to u8 (+128, one xor) and the offset taken back out once per head
+// (128 * sum q); a score is then q_scale * k_scale * the integer dot. 16 keys' dot products
+// are summed across their lanes together, in integers (sum16x16), exact as before. Values stay
+// float: a key's weight times its row's scale, times its codes widened (the weights are
+// probabilities many of which 8 bits would round to 0). At 32 sequences x 4,096 tokens the bf16
+// cache's decode took 23.5 ms a layer where widening int8 pages into a float buffer first took
+// 42 (1.8x slower).
 
-// A head's query q [d] (float, on its int8 grid: round_to_int8_grid) as u8 codes qu (code +
-// 128) and its scale qs.
-inline void int8_query(const float* q, int64_t d, uint8_t* qu, float* qs) {
+inline v16f from_m512(__m512 x) {
+  v16f v;
+  std::memcpy(&v, &x, sizeof v);
+  return v;
+}
+inline __m512 as_m512(v16f v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  return x;
+}
+
+// A head's query q [d] (float, on its int8 grid: round_to_int8_grid) as int8 codes qc, their
+// sum and its scale qs.
+inline void int8_query(const float* q, int64_t d, int8_t* qc, int32_t* q_sum, float* qs) {
   float amax = 0.0f;
   for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(q[e]));
   *qs = amax / 127.0f;
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
   for (int64_t e = 0; e < d; ++e) {
-    qu[e] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(q[e] * inv)) + 128);
+    qc[e] = static_cast<int8_t>(std::nearbyint(q[e] * inv));
+    sum += qc[e];
   }
+  *q_sum = sum;
+}
+
+// 16 vectors of 16 int32 lanes as one: lane l the sum of v[l]'s lanes (a transposed tree:
+// pairs interleaved within 128-bit lanes, then the 128-bit lanes folded), 45 instructions.
+inline __m512i sum16x16(__m512i (&v)[16]) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; ++i) {  // [a0+a2, b0+b2, a1+a3, b1+b3] a 128-bit lane
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // keys 4i .. 4i + 3, each 128-bit lane's part
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                            _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  }
+  const __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),
+                                      _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88),
+                                      _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
 }
 
 template <int64_t kD, int kG>
-inline void int8_group_keys(const uint8_t* qu, const float* qs, const uint8_t* k, const uint8_t* v,
-                            int64_t stride, int64_t j_lo, int64_t j_hi, float* row_max,
-                            float* row_sum, float* acc, float* scores, int64_t score_stride,
-                            float softcap) {
+inline void int8_group_keys(const int8_t* qc, const int32_t* q_sum, const float* qs,
+                            const uint8_t* k, const uint8_t* v, int64_t stride, int64_t j_lo,
+                            int64_t j_hi, float* row_max, float* row_sum, float* acc,
+                            float* scores, int64_t score_stride, float softcap) {
   static_assert(kD % 64 == 0);
   constexpr int64_t kParts = kD / 64;
-  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // (code + 128 as u8)
   __m512i qv[kG][kParts];
+  __m512i offset[kG];
   for (int r = 0; r < kG; ++r) {
-    for (int64_t c = 0; c < kParts; ++c) qv[r][c] = _mm512_loadu_si512(qu + r * kD + 64 * c);
+    for (int64_t c = 0; c < kParts; ++c) qv[r][c] = _mm512_loadu_si512(qc + r * kD + 64 * c);
+    offset[r] = _mm512_set1_epi32(128 * q_sum[r]);
   }
-  v8f best[kG];
-  for (int r = 0; r < kG; ++r) best[r] = v8f{} + row_max[r];
-  for (int64_t j0 = j_lo; j0 < j_hi; j0 += 8) {  // 8 keys, then one transposed reduction
-    v8f parts[kG][8];
-    v8f key_scale = {};
-    for (int64_t l = 0; l < 8; ++l) {
-      const int64_t j = j0 + l;
-      if (j >= j_hi) {
-        for (int r = 0; r < kG; ++r) parts[r][l] = v8f{};
+  __m512 best[kG];
+  for (int r = 0; r < kG; ++r) best[r] = _mm512_set1_ps(row_max[r]);
+  for (int64_t j0 = j_lo; j0 < j_hi; j0 += 16) {  // 16 keys, then one transposed sum
+    const int64_t n = std::min<int64_t>(16, j_hi - j0);
+    __m512i dots[kG][16];
+    alignas(32) uint16_t scale_bits[16] = {};
+    for (int64_t l = 0; l < 16; ++l) {
+      if (l >= n) {
+        for (int r = 0; r < kG; ++r) dots[r][l] = _mm512_setzero_si512();
         continue;
       }
-      const uint8_t* kj = k + j * stride;
-      key_scale[l] = llm_cpu_kv::row_scale(kj, kD);
-      __m512i sum_k = _mm512_setzero_si512(), dots[kG];
-      for (int r = 0; r < kG; ++r) dots[r] = _mm512_setzero_si512();
+      const uint8_t* kj = k + (j0 + l) * stride;
+      std::memcpy(&scale_bits[l], kj + kD, sizeof scale_bits[l]);
+      for (int r = 0; r < kG; ++r) dots[r][l] = _mm512_setzero_si512();
       for (int64_t c = 0; c < kParts; ++c) {
-        const __m512i codes = _mm512_loadu_si512(kj + 64 * c);
-        sum_k = _mm512_dpbusd_epi32(sum_k, ones, codes);
-        for (int r = 0; r < kG; ++r) dots[r] = _mm512_dpbusd_epi32(dots[r], qv[r][c], codes);
-      }
-      const __m512i offset = _mm512_slli_epi32(sum_k, 7);
-      for (int r = 0; r < kG; ++r) {
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r], offset));
-        v16f a;
-        std::memcpy(&a, &f, sizeof a);
-        parts[r][l] = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i codes = _mm512_xor_si512(_mm512_loadu_si512(kj + 64 * c), flip);
+        for (int r = 0; r < kG; ++r) dots[r][l] = _mm512_dpbusd_epi32(dots[r][l], codes, qv[r][c]);
       }
     }
-    const auto valid = (kLanes + static_cast<int32_t>(j0)) < static_cast<int32_t>(j_hi);
+    const __m512 key_scale =
+        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scale_bits)));
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int r = 0; r < kG; ++r) {
-      const v8f sums = sum8x8(parts[r]) * key_scale * qs[r];
-      store8(scores + r * score_stride + j0, sums);
-      best[r] = (valid & (sums > best[r])) ? sums : best[r];
+      const __m512i dot = _mm512_sub_epi32(sum16x16(dots[r]), offset[r]);
+      const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), key_scale),
+                                     _mm512_set1_ps(qs[r]));
+      _mm512_mask_storeu_ps(scores + r * score_stride + j0, valid, f);
+      best[r] = _mm512_mask_max_ps(best[r], valid, best[r], f);
     }
   }
   float correction[kG];
-  group_softmax<kG>(best, scores, score_stride, j_lo, j_hi, row_max, row_sum, softcap,
-                    correction);
+  if (softcap > 0.0f) {  // (softmax_page caps the scores first)
+    v8f top[kG];
+    for (int r = 0; r < kG; ++r) {
+      v16f b;
+      std::memcpy(&b, &best[r], sizeof b);
+      const v8f lo = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
+      const v8f hi = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+      top[r] = lo > hi ? lo : hi;
+    }
+    group_softmax<kG>(top, scores, score_stride, j_lo, j_hi, row_max, row_sum, softcap,
+                      correction);
+  } else {  // softmax_page's on 16 lanes, the heads' corrections in one exp
+    v16f top = {}, before = {};
+    for (int r = 0; r < kG; ++r) {
+      top[r] = _mm512_reduce_max_ps(best[r]);  // (best started at row_max)
+      before[r] = row_max[r];
+    }
+    const v16f fresh = v16f{} + (-INFINITY);
+    const v16f scaled = exp16(before - top);
+    const v16f corr = before == fresh ? v16f{} : scaled;
+    for (int r = 0; r < kG; ++r) {
+      float* sr = scores + r * score_stride;
+      v16f sums = {};
+      for (int64_t j = j_lo; j < j_hi; j += 16) {
+        const __mmask16 valid = static_cast<__mmask16>(
+            (1u << std::min<int64_t>(16, j_hi - j)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(valid, sr + j);
+        v16f e = exp16(from_m512(x) - top[r]);
+        e = from_m512(_mm512_maskz_mov_ps(valid, as_m512(e)));
+        _mm512_mask_storeu_ps(sr + j, valid, as_m512(e));
+        sums += e;
+      }
+      correction[r] = corr[r];
+      row_max[r] = top[r];
+      row_sum[r] = row_sum[r] * corr[r] + _mm512_reduce_add_ps(as_m512(sums));
+    }
+  }
   // acc[r] = acc[r] * correction[r] + sum over j of weight[r][j] * v_scale[j] * codes_j.
   constexpr int64_t kVecs = kD / 16;
   v16f a[kG][kVecs];
@@ -1275,16 +1341,18 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
 #endif
     // A decode over an int8 cache on VNNI: its heads' queries as u8 codes (int8_group_keys).
-    std::vector<uint8_t> q_codes;
+    std::vector<int8_t> q_codes;
+    std::vector<int32_t> q_sums;
     std::vector<float> q_scales;
 #if LLM_CPU_INT8_DOT
     if constexpr (int8_dot) {
       if (tile.len == 1 && group >= 2 && group <= 4) {
         q_codes.resize(heads * d);
+        q_sums.resize(heads);
         q_scales.resize(heads);
         for (int64_t h = 0; h < heads; ++h) {
           int8_query(qf_ptr + (tile.start * heads + h) * d, d, q_codes.data() + h * d,
-                     q_scales.data() + h);
+                     q_sums.data() + h, q_scales.data() + h);
         }
       }
     }
@@ -1347,7 +1415,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                   if constexpr (std::is_same_v<std::decay_t<decltype(*keys)>, uint8_t>) {
 #if LLM_CPU_INT8_DOT
                     if constexpr (kD % 64 == 0) {  // (int8 codes in place, int8_dot below)
-                      int8_group_keys<kD, kG>(q_codes.data() + h0 * kD, q_scales.data() + h0,
+                      int8_group_keys<kD, kG>(q_codes.data() + h0 * kD, q_sums.data() + h0,
+                                              q_scales.data() + h0,
                                               keys, values, stride, j_lo, j_hi, row_max + h0,
                                               row_sum + h0, acc + h0 * d, scores,
                                               block_size + 8, fcap);
