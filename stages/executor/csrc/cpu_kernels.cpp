@@ -258,11 +258,16 @@ inline float softcap_score(float score, float softcap) {
   return softcap * std::tanh(score / softcap);
 }
 
+// A decode's scores buffer: a page's scores and spare entries past them, so that a page's last
+// keys are read and written 16 lanes at a time whatever the page's size.
+constexpr int64_t kScorePad = 16;
+
 // One row's online-softmax step over a page's scores [j_lo, j_hi) whose maximum with the
-// row's running one is `top`: scores become exp(score - top), 8 keys at a time (scores has 8
-// spare entries past a page), the running max and sum move on; returns the correction that
-// rescales what the row accumulated before this page. With a softcap the scores are capped
-// here first and `top` found again (the callers' maximum is of the raw scores).
+// row's running one is `top`: scores become exp(score - top), 8 keys at a time (scores has
+// kScorePad spare entries past a page), the running max and sum move on; returns the
+// correction that rescales what the row accumulated before this page. With a softcap the
+// scores are capped here first and `top` found again (the callers' maximum is of the raw
+// scores).
 inline float softmax_page(float* scores, int64_t j_lo, int64_t j_hi, float top, float& row_max,
                           float& row_sum, float softcap) {
   if (softcap > 0.0f) {
@@ -339,6 +344,13 @@ template <typename T> inline v16f round16(v16f v) {
 }
 
 inline v16f exp16(v16f x) { return exp_lanes<v16f, v16i>(x); }
+
+const v16i kLanes16 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline float sum16(v16f v) {
+  return sum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
 
 // to[e] = T(from[e] * scale) for e < d, 16 at a time (store16 rounds as from_float<T>).
 template <typename T>
@@ -527,16 +539,44 @@ inline void join_floats(v16f even, v16f odd, float* p) {
 }
 
 // The online-softmax step of a decode's kG heads over a page's scores (each head's row of
-// `scores`), whose 8-lane running maxima are best[r]: their corrections (softmax_page).
+// `scores`, kScorePad spare entries past a page), whose 8-lane running maxima are best[r]:
+// their corrections. softmax_page's steps, with no softcap on 16 lanes at a time and the heads'
+// corrections in one exp (a fourth of a bf16 decode's attention had been softmax_page's 8-lane
+// exps, three a page and head).
 template <int kG>
 inline void group_softmax(const v8f (&best)[kG], float* scores, int64_t score_stride,
                           int64_t j_lo, int64_t j_hi, float* row_max, float* row_sum,
                           float softcap, float (&correction)[kG]) {
+  static_assert(kG <= 16);
+  v16f top = {}, before = {};
   for (int r = 0; r < kG; ++r) {
-    float top = row_max[r];
-    for (int l = 0; l < 8; ++l) top = std::max(top, best[r][l]);
-    correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top, row_max[r],
-                                 row_sum[r], softcap);
+    float t = row_max[r];
+    for (int l = 0; l < 8; ++l) t = std::max(t, best[r][l]);
+    top[r] = t;
+    before[r] = row_max[r];
+  }
+  if (softcap > 0.0f) {  // (softmax_page caps the scores, then finds its top again)
+    for (int r = 0; r < kG; ++r) {
+      correction[r] = softmax_page(scores + r * score_stride, j_lo, j_hi, top[r], row_max[r],
+                                   row_sum[r], softcap);
+    }
+    return;
+  }
+  const v16f scaled = exp16(before - top);
+  const v16f corr = before == v16f{} - INFINITY ? v16f{} : scaled;
+  for (int r = 0; r < kG; ++r) {
+    float* sr = scores + r * score_stride;
+    v16f sums = {};
+    for (int64_t j = j_lo; j < j_hi; j += 16) {
+      const v16f e = exp16(load16(sr + j) - top[r]);
+      const v16f kept = (kLanes16 + static_cast<int32_t>(j)) < static_cast<int32_t>(j_hi)
+                            ? e : v16f{};
+      store16(sr + j, kept);
+      sums += kept;
+    }
+    correction[r] = corr[r];
+    row_max[r] = top[r];
+    row_sum[r] = row_sum[r] * corr[r] + sum16(sums);
   }
 }
 
@@ -671,17 +711,6 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
 // cache's decode took 23.5 ms a layer where widening int8 pages into a float buffer first took
 // 42 (1.8x slower).
 
-inline v16f from_m512(__m512 x) {
-  v16f v;
-  std::memcpy(&v, &x, sizeof v);
-  return v;
-}
-inline __m512 as_m512(v16f v) {
-  __m512 x;
-  std::memcpy(&x, &v, sizeof x);
-  return x;
-}
-
 // A head's query q [d] (float, on its int8 grid: round_to_int8_grid) as int8 codes qc, their
 // sum and its scale qs.
 inline void int8_query(const float* q, int64_t d, int8_t* qc, int32_t* q_sum, float* qs) {
@@ -760,44 +789,17 @@ inline void int8_group_keys(const int8_t* qc, const int32_t* q_sum, const float*
       best[r] = _mm512_mask_max_ps(best[r], valid, best[r], f);
     }
   }
-  float correction[kG];
-  if (softcap > 0.0f) {  // (softmax_page caps the scores first)
-    v8f top[kG];
-    for (int r = 0; r < kG; ++r) {
-      v16f b;
-      std::memcpy(&b, &best[r], sizeof b);
-      const v8f lo = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
-      const v8f hi = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
-      top[r] = lo > hi ? lo : hi;
-    }
-    group_softmax<kG>(top, scores, score_stride, j_lo, j_hi, row_max, row_sum, softcap,
-                      correction);
-  } else {  // softmax_page's on 16 lanes, the heads' corrections in one exp
-    v16f top = {}, before = {};
-    for (int r = 0; r < kG; ++r) {
-      top[r] = _mm512_reduce_max_ps(best[r]);  // (best started at row_max)
-      before[r] = row_max[r];
-    }
-    const v16f fresh = v16f{} + (-INFINITY);
-    const v16f scaled = exp16(before - top);
-    const v16f corr = before == fresh ? v16f{} : scaled;
-    for (int r = 0; r < kG; ++r) {
-      float* sr = scores + r * score_stride;
-      v16f sums = {};
-      for (int64_t j = j_lo; j < j_hi; j += 16) {
-        const __mmask16 valid = static_cast<__mmask16>(
-            (1u << std::min<int64_t>(16, j_hi - j)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(valid, sr + j);
-        v16f e = exp16(from_m512(x) - top[r]);
-        e = from_m512(_mm512_maskz_mov_ps(valid, as_m512(e)));
-        _mm512_mask_storeu_ps(sr + j, valid, as_m512(e));
-        sums += e;
-      }
-      correction[r] = corr[r];
-      row_max[r] = top[r];
-      row_sum[r] = row_sum[r] * corr[r] + _mm512_reduce_add_ps(as_m512(sums));
-    }
+  v8f top[kG];  // (group_softmax's form: 8 lanes a head)
+  for (int r = 0; r < kG; ++r) {
+    v16f b;
+    std::memcpy(&b, &best[r], sizeof b);
+    const v8f lo = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8f hi = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+    top[r] = lo > hi ? lo : hi;
   }
+  float correction[kG];
+  group_softmax<kG>(top, scores, score_stride, j_lo, j_hi, row_max, row_sum, softcap,
+                    correction);
   // acc[r] = acc[r] * correction[r] + sum over j of weight[r][j] * v_scale[j] * codes_j.
   constexpr int64_t kVecs = kD / 16;
   v16f a[kG][kVecs];
@@ -1329,7 +1331,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               const int64_t at = block * block_size * kv_stride + g * row;
               tile_keys<kD, kG>(k_cache + at, v_cache + at, kv_stride, tile_rows, j_lo, j_hi,
                                 row_max + h0, row_sum + h0, acc + h0 * d, scores,
-                                block_size + 8, c, fcap);
+                                block_size + kScorePad, c, fcap);
             }
           };
           if (group == 2) run(std::integral_constant<int, 2>{});
@@ -1419,12 +1421,13 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                                               q_scales.data() + h0,
                                               keys, values, stride, j_lo, j_hi, row_max + h0,
                                               row_sum + h0, acc + h0 * d, scores,
-                                              block_size + 8, fcap);
+                                              block_size + kScorePad, fcap);
                     }
 #endif
                   } else {
                     group_keys<kD, kG>(qg, keys, values, stride, j_lo, j_hi, row_max + h0,
-                                       row_sum + h0, acc + h0 * d, scores, block_size + 8, fcap);
+                                       row_sum + h0, acc + h0 * d, scores,
+                                       block_size + kScorePad, fcap);
                   }
                 };
                 if (group == 2) run(std::integral_constant<int, 2>{});
@@ -1694,7 +1697,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   {
     const int64_t rows = tile_len * heads;
     std::vector<float> acc(rows * d), row_max(rows), row_sum(rows);
-    std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + 8));
+    std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + kScorePad));
     std::vector<float> page_kv(std::is_same_v<C, float> ? 0 : 2 * block_size * d);
     int tiles_config = kNoTiles;  // how this thread's tiles are configured
     RowBuffers buf{std::vector<float>(max_vectors * d * 16), std::vector<float>(max_vectors * d * 16),
