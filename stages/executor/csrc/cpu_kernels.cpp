@@ -671,7 +671,7 @@ inline void group_values(float* acc, const float* correction, const T* v, int64_
 // key's and value's vectors are loaded (bf16 and fp16 widened in registers) once for all kG
 // heads, not once per head or through a widened copy of the page. q: the heads' rotated,
 // scaled queries [kG][kD] (bf16 keys: each 32 split in pairs, split_floats); acc, row_max,
-// row_sum: theirs; scores: kG rows of score_stride floats (8 spare past a page). The same
+// row_sum: theirs; scores: kG rows of score_stride floats (kScorePad spare past a page). The same
 // online softmax as the loop of one head at a time.
 template <int64_t kD, int kG, typename T>
 inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, int64_t j_lo,
@@ -1342,7 +1342,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       }
     }
 #endif
-    // A decode over an int8 cache on VNNI: its heads' queries as u8 codes (int8_group_keys).
+    // A decode over an int8 cache on VNNI: its heads' queries as int8 codes, their sums and
+    // scales (int8_group_keys).
     std::vector<int8_t> q_codes;
     std::vector<int32_t> q_sums;
     std::vector<float> q_scales;

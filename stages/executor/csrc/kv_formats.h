@@ -1,6 +1,7 @@
 // The KV cache's 8-bit formats (stages/executor/kv_pool.py owns them on the Python side): how a
 // head's key or value is written into the cache, and how a page's rows are widened to float
-// inside the attention kernel (cpu_kernels.cpp), into the thread's own buffer, a page at a time.
+// inside the attention kernel (cpu_kernels.cpp), into the thread's own buffer (a page, or 16
+// keys of a prompt tile, at a time).
 //
 // A cache in the model's dtype holds each head's key or value as D elements of that dtype. The
 // 8-bit formats hold it as bytes (the cache tensor's dtype says which):
