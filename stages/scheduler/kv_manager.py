@@ -365,8 +365,8 @@ class KVManager:
         # Page by page from the last, each group's block of it in turn: a prefix's first
         # pages, which every hit needs, go back last in every group. (One never admitted has
         # one empty group of pages: Sequence's default.)
-        for j in range(len(seq.blocks) - 1, -1, -1):
-            self.allocator.free([p.blocks[j] for p in seq.pages if j >= p.num_trimmed])
+        self.allocator.free([p.blocks[j] for j in range(len(seq.blocks) - 1, -1, -1)
+                             for p in seq.pages if j >= p.num_trimmed])
         seq.pages = [Pages() for _ in self.groups]
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
