@@ -38,8 +38,8 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name
                               "mkl_linear.cpp", "decoder_layers.cpp", "bf16_vector.cpp",
                               "moe_experts.cpp", "lora_products.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("vector_math.h", "amx_tiles.h", "work_queue.h", "bf16_vector.h",
-                              "moe_routes.h", "kv_formats.h"))
+                for name in ("vector_math.h", "amx_tiles.h", "work_queue.h", "work_pool.h",
+                              "bf16_vector.h", "moe_routes.h", "kv_formats.h"))
 ENV = "LLM_PIPELINE_CPU_KERNELS"  # "0": do not build or use them
 # All of a build: inside an executor's ready timeout (300 s by default); ~45 s on the idle
 # 2-core test machine, two to three times that beside a test suite

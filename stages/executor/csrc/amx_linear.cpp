@@ -278,7 +278,7 @@ void run_panels(Worker& worker, const Product& p, const c10::BFloat16* x, int64_
 void tile_rows(const c10::BFloat16* x, int64_t k, int64_t m_begin, int64_t m_end,
                c10::BFloat16* xt) {
   const int64_t chunks = k / kChunkK, blocks = (m_end - m_begin + 15) / 16;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  llm_cpu_work::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t m = m_begin + b * 16 + r;

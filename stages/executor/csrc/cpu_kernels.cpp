@@ -1240,7 +1240,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // 2. This step's keys (rotated) and values into the cache; the queries rotated and scaled.
   at::Tensor qf = at::empty({num_tokens, heads, d}, q.options().dtype(at::kFloat));
   float* qf_ptr = qf.data_ptr<float>();
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+  llm_cpu_work::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(d), value(quantized ? d : 0);
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos_ptr + pos[t] * d;
@@ -1693,9 +1693,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   };
 #endif
 
-  // Dynamic scheduling: a prompt's last tiles read many more keys than its first.
-#pragma omp parallel if (num_tiles > 1)
-  {
+  // Tiles taken one at a time as the threads go: a prompt's last tiles read many more keys
+  // than its first.
+  llm_cpu_work::parallel_queue(num_tiles, 1, llm_cpu_work::Order::kShared,
+                               [&](llm_cpu_work::WorkQueue& queue, int64_t w) {
     const int64_t rows = tile_len * heads;
     std::vector<float> acc(rows * d), row_max(rows), row_sum(rows);
     std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + kScorePad));
@@ -1713,8 +1714,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                   std::vector<c10::BFloat16>(256), make_stats()};
     }
 #endif
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_tiles; ++t) {
+    for (int64_t first, last; queue.take(w, first, last);) {
+      const int64_t t = first;
       if (tiles[t].len * group >= kMatrixRows) {
 #if LLM_CPU_AMX
         if (amx_rows) {
@@ -1731,7 +1732,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 #if LLM_CPU_AMX
     if (tiles_config != kNoTiles) _tile_release();  // as found, for oneDNN's and our products
 #endif
-  }
+  });
 }
 
 template <typename F>
@@ -1827,7 +1828,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 template <typename T, bool Offset = false>
 void rms_norm_kernel(T* x, const T* residual, const T* weight, T* out, int64_t rows,
                      int64_t width, float eps) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  llm_cpu_work::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     const int64_t whole = width / 16 * 16;  // 16 lanes at a time (the rounding too), then one
     for (int64_t r = begin; r < end; ++r) {
@@ -1969,7 +1970,7 @@ at::Tensor act_and_mul(const at::Tensor& x, const char* name, bool interleaved =
     using T = decltype(tag);
     const T* in = x.data_ptr<T>();
     T* o = out.data_ptr<T>();
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    llm_cpu_work::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = in + r * 2 * width;
         const T* u = g + width;
@@ -2067,7 +2068,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   dispatch_float_types(x.scalar_type(), "argmax_rows", [&](auto tag) {
     using T = decltype(tag);
     const T* data = x.data_ptr<T>();
-    at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
+    llm_cpu_work::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t r = t / parts, lo = (t % parts) * span, hi = std::min(n, lo + span);
         if (lo < hi) found[t] = best_of(data + r * stride, lo, hi);
@@ -2102,6 +2103,34 @@ at::Tensor work_queue_takes(int64_t n, int64_t grain, int64_t runs, c10::IntArra
   return out;
 }
 
+// How many times llm_cpu_work::parallel_for (work_pool.h) visited each of n units in chunks of at
+// least `grain`, over `repeats` calls one after another, and which pool threads took part: int64
+// [n + 1], the counts, then the number of calls a helper (not the caller) took a chunk in. A unit
+// whose index is `fail_at` raises in whichever thread takes it. For the pool's tests.
+at::Tensor work_pool_visits(int64_t n, int64_t grain, int64_t repeats, int64_t fail_at) {
+  std::vector<std::atomic<int64_t>> counts(n);
+  std::atomic<int64_t> helped{0};
+  const auto caller = std::this_thread::get_id();
+  for (int64_t r = 0; r < repeats; ++r) {
+    std::atomic<bool> by_helper{false};
+    llm_cpu_work::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      if (std::this_thread::get_id() != caller) by_helper = true;
+      for (int64_t u = begin; u < end; ++u) {
+        TORCH_CHECK(u != fail_at, "unit ", u, " failed");
+        for (volatile int spin = 0; spin < 1000; spin = spin + 1) {
+        }  // (a unit's work: ~1 us, long enough for a helper to come)
+        counts[u].fetch_add(1, std::memory_order_relaxed);
+      }
+    });
+    helped += by_helper.load();
+  }
+  at::Tensor out = at::empty({n + 1}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t u = 0; u < n; ++u) o[u] = counts[u].load();
+  o[n] = helped.load();
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llm_cpu, m) {
@@ -2117,6 +2146,8 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("work_queue_takes(int n, int grain, int runs, int[] selves) -> Tensor",
         &work_queue_takes);
+  m.def("work_pool_visits(int n, int grain, int repeats, int fail_at) -> Tensor",
+        &work_pool_visits);
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {

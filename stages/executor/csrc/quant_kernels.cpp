@@ -114,7 +114,7 @@ Activations quantize_activations(const T* x, int64_t m_rows, int64_t k, int64_t 
                 std::vector<float>(m_rows * (kp / kPair) * 16),
                 std::vector<float>(m_rows * (kp / kBlock))};
   const int64_t blocks = kp / kBlock;
-  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
+  llm_cpu_work::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
     float v[kBlock];
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -429,7 +429,7 @@ void quantized_moe_kernel(const T* x, int64_t tokens, int64_t hidden,
 
   // 3. h = silu(gate) * up in x's dtype, quantized per row
   std::vector<T> h(pairs * inter);
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+  llm_cpu_work::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) silu_and_mul_row(gu.data() + p * w13.n, inter,
                                                            h.data() + p * inter);
   });

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "work_pool.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -83,17 +85,35 @@ inline int64_t grain_for(int64_t n, int64_t per_thread, int64_t least = 1) {
   return std::max<int64_t>(least, n / (threads * per_thread));
 }
 
-// Runs worker(queue, w) on each of torch's threads (at most one per unit), w the thread's
-// index; a worker keeps its own state (tiles, buffers) across the chunks it takes
-// (queue.take(w, begin, end)). Inside another parallel region it runs on the calling thread,
-// which takes every chunk.
+// Runs worker(queue, w) on the pool's threads (work_pool.h: at most one per unit, w = 0 the
+// caller), w the thread's index; a worker keeps its own state (tiles, buffers) across the chunks
+// it takes (queue.take(w, begin, end)). A run whose thread did not come is taken by the others.
+// Inside another parallel region it runs on the calling thread, which takes every chunk.
 template <typename F>
 void parallel_queue(int64_t n, int64_t grain, Order order, const F& worker) {
   if (n <= 0) return;
   const int64_t workers = std::min<int64_t>(n, std::max<int64_t>(1, at::get_num_threads()));
   WorkQueue queue(n, grain, order == Order::kShared ? 1 : workers);
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) worker(queue, w);
+  Pool::instance().run(workers, [&](int64_t w) { worker(queue, w); });
+}
+
+// at::parallel_for's contract on the pool: f(begin, end) over disjoint chunks of [begin, end)
+// of at least `grain` units (the last may be shorter), each thread taking the next chunk as it
+// goes; f may be called several times on a thread.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t least = std::max<int64_t>(1, grain);
+  const int64_t workers = std::min<int64_t>(threads, (n + least - 1) / least);
+  if (workers <= 1) {
+    f(begin, end);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(least, n / (workers * 4));
+  parallel_queue(n, chunk, Order::kShared, [&](WorkQueue& queue, int64_t w) {
+    for (int64_t lo, hi; queue.take(w, lo, hi);) f(begin + lo, begin + hi);
   });
 }
 
