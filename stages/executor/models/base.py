@@ -209,7 +209,9 @@ class CausalLM(nn.Module):
         if keep is not None:
             x = norm(layers[-1](x, kv_caches[-1], meta, keep))  # [S, hidden]
         else:
-            x = norm(x[logits_indices])  # [S, hidden]
+            # (index_select: a decode step's rows, too few to share out, copy on this thread;
+            # x[...]'s advanced index forked torch's OpenMP team for them every step)
+            x = norm(x.index_select(0, logits_indices))  # [S, hidden]
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
