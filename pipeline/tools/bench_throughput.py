@@ -24,6 +24,7 @@ from ipc.sampling import GREEDY_SLOT
 from ipc.step import StepRow, local_buffers, step_input_specs, write_step
 from pipeline.tools.bench_peers import PeerError, run_llama_cpp, run_vllm_cpu
 from pipeline.tools.bench_types import EngineResult, Workload
+from pipeline.tools.beside import busy_beside
 from pipeline.tools.datasets import copy_prompts, random_prompts, synthetic_chat
 
 PEERS = ("hf-batch", "hf-static", "vllm-cpu", "llama.cpp")
@@ -104,6 +105,7 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
 
 
 def _named(name: str, args: argparse.Namespace) -> str:
+    name = f"{name}-beside" if getattr(args, "beside", False) else name
     name = f"{name}-{args.quantize}" if args.quantize else name
     name = f"{name}-kv-{args.kv}" if args.kv != "auto" else name
     return f"{name}-spec" if args.speculate is not None else name
@@ -280,7 +282,7 @@ def throughput(args: argparse.Namespace) -> int:
         print_report(report)
         failed = failed or bool(failures)
         by_batch[size] = {k: v["output_tok_s"] for k, v in report.items()
-                          if k not in ("ratios", "config", "failed", "roofline")}
+                          if k not in ("ratios", "config", "failed", "roofline", "beside")}
     if len(by_batch) > 1:
         report["by_batch_size"] = by_batch
     if args.json:
@@ -301,6 +303,10 @@ def run_engines(args: argparse.Namespace, work: Workload,
     still run: the report shows it failed, and the bench exits 1."""
     args = argparse.Namespace(**{**vars(args), "quantize": None, "speculate": None, "kv": "auto"})
     results = [run_pipeline(args, work)]
+    if args.busy_beside:  # the same beside a busy process, right after
+        with busy_beside(args.busy_beside):
+            beside = run_pipeline(args, work)
+        results.append(dataclasses.replace(beside, name="pipeline-beside"))
     if args.speculative is not None:  # the same pipeline proposing drafts, right after
         results.append(run_pipeline(argparse.Namespace(**{**vars(args),
                                                           "speculate": args.speculative}), work))
@@ -334,6 +340,9 @@ def run_engines(args: argparse.Namespace, work: Workload,
     for name in args.peers:
         peer(name)
     limit(args)
+    if args.busy_beside:
+        with busy_beside(args.busy_beside):
+            limit(argparse.Namespace(**{**vars(args), "beside": True}))
     for name in args.quantization:
         quantized = argparse.Namespace(**{**vars(args), "quantize": name})
         results.append(run_pipeline(quantized, work))
@@ -365,6 +374,12 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
             report.setdefault("roofline", {})[r.name] = {
                 **r.roofline, "of_roofline": {x.name: x.output_tok_s / r.roofline["tok_s"]
                                               for x in results}}
+    if args.busy_beside:  # (each row beside the busy process against the same alone)
+        report["beside"] = {
+            "share_of_a_core": args.busy_beside,
+            **{r.name.replace("-beside", ""): r.output_tok_s / report[r.name.replace(
+                "-beside", "")]["output_tok_s"] for r in results
+               if r.name.endswith("-beside") and r.name.replace("-beside", "") in report}}
     if failures:  # (the first line of each reason; the whole of it was printed as it failed)
         report["failed"] = {name: why.splitlines()[0] for name, why in failures.items()}
     report["config"] = {"model": args.model_dir, "dtype": args.dtype, "device": args.device,
@@ -377,6 +392,7 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
                         "pipeline_layer_partition": args.pipeline_layer_partition,
                         "max_num_batched_tokens": args.max_num_batched_tokens,
                         "quantization": args.quantization,
+                        "busy_beside": args.busy_beside,
                         "kv_cache_dtype": args.kv_cache_dtype,
                         "speculative": (args.speculative.describe()
                                         if args.speculative is not None else None)}
@@ -391,13 +407,18 @@ def print_report(report: dict[str, Any]) -> None:
           f"{'same greedy output':>22}")
     n = cfg["num_prompts"]
     for name, r in report.items():
-        if name in ("ratios", "config", "failed", "roofline"):
+        if name in ("ratios", "config", "failed", "roofline", "beside"):
             continue
         ratio = report["ratios"].get(f"pipeline/{name}", 1.0)
         decode = (f"   (decode steps alone: {r['decode_tok_s']:.1f} tok/s)"
                   if "decode_tok_s" in r else "")
         print(f"{name:20}{r['output_tok_s']:>14.1f}{r['seconds']:>10.2f}{ratio:>11.2f}x"
               f"{r['identical_to_pipeline']:>16}/{n} prompts{decode}")
+    if "beside" in report:
+        share = report["beside"]["share_of_a_core"]
+        print(f"beside a process busy {share:g} of a core: " + ", ".join(
+            f"{k} {v:.2f}x of alone" for k, v in report["beside"].items()
+            if k != "share_of_a_core"))
     for name, why in report.get("failed", {}).items():
         print(f"{name:20}{'failed':>14}  {why}")
     for name, bound in report.get("roofline", {}).items():
