@@ -198,24 +198,27 @@ def test_the_work_queue_hands_out_every_unit_once_own_runs_first() -> None:
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_work_pool_runs_every_unit_once_and_passes_errors_on(threads: int) -> None:
     """csrc/work_pool.h through parallel_for: over many calls in a row (the helpers spinning,
-    then sleeping and woken between some), every unit is visited exactly once a call; with more
-    than one thread the helpers take part; an error raised in any thread reaches the caller,
-    and the pool serves the next call."""
+    then sleeping and woken between some), every unit is visited exactly once a call; a helper
+    joins a job still open (the caller holding it open); one thread runs everything on the
+    caller; an error raised in any thread reaches the caller, and the pool serves the next
+    call."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    visits = torch.ops.llm_cpu.work_pool_visits
     try:
         for n, grain, repeats in [(1, 1, 10), (37, 1, 300), (1000, 16, 50), (64, 64, 50)]:
-            out = torch.ops.llm_cpu.work_pool_visits(n, grain, repeats, -1)
+            out = visits(n, grain, repeats, -1, False)
             assert out[:n].eq(repeats).all(), (n, grain)
-            if n // grain > 1 and threads > 1:  # (a helper joins at least once)
-                assert int(out[n]) > 0
             if threads == 1:
                 assert int(out[n]) == 0
-        time.sleep(0.01)  # (the helpers asleep past their spin)
+        if threads > 1:
+            time.sleep(0.01)  # (the helpers asleep past their spin: woken by the next job)
+            out = visits(100, 1, 20, -1, True)
+            assert out[:100].eq(20).all() and int(out[100]) == 20
         for fail_at in (0, 999):  # the caller's first chunk; likely a helper's last
             with pytest.raises(RuntimeError, match=f"unit {fail_at} failed"):
-                torch.ops.llm_cpu.work_pool_visits(1000, 1, 20, fail_at)
-        assert torch.ops.llm_cpu.work_pool_visits(100, 1, 5, -1)[:100].eq(5).all()
+                visits(1000, 1, 20, fail_at, False)
+        assert visits(100, 1, 5, -1, False)[:100].eq(5).all()
     finally:
         torch.set_num_threads(before)
 

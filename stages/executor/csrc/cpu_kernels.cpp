@@ -2106,8 +2106,11 @@ at::Tensor work_queue_takes(int64_t n, int64_t grain, int64_t runs, c10::IntArra
 // How many times llm_cpu_work::parallel_for (work_pool.h) visited each of n units in chunks of at
 // least `grain`, over `repeats` calls one after another, and which pool threads took part: int64
 // [n + 1], the counts, then the number of calls a helper (not the caller) took a chunk in. A unit
-// whose index is `fail_at` raises in whichever thread takes it. For the pool's tests.
-at::Tensor work_pool_visits(int64_t n, int64_t grain, int64_t repeats, int64_t fail_at) {
+// whose index is `fail_at` raises in whichever thread takes it. With `wait_for_helper`, the
+// caller holds each call open in unit 0 (if it takes it) until a helper has taken a chunk, or
+// for 20 s. For the pool's tests.
+at::Tensor work_pool_visits(int64_t n, int64_t grain, int64_t repeats, int64_t fail_at,
+                            bool wait_for_helper) {
   std::vector<std::atomic<int64_t>> counts(n);
   std::atomic<int64_t> helped{0};
   const auto caller = std::this_thread::get_id();
@@ -2115,6 +2118,11 @@ at::Tensor work_pool_visits(int64_t n, int64_t grain, int64_t repeats, int64_t f
     std::atomic<bool> by_helper{false};
     llm_cpu_work::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       if (std::this_thread::get_id() != caller) by_helper = true;
+      if (wait_for_helper && begin == 0 && std::this_thread::get_id() == caller) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!by_helper.load() && std::chrono::steady_clock::now() < until)
+          std::this_thread::yield();
+      }
       for (int64_t u = begin; u < end; ++u) {
         TORCH_CHECK(u != fail_at, "unit ", u, " failed");
         for (volatile int spin = 0; spin < 1000; spin = spin + 1) {
@@ -2146,7 +2154,8 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("work_queue_takes(int n, int grain, int runs, int[] selves) -> Tensor",
         &work_queue_takes);
-  m.def("work_pool_visits(int n, int grain, int repeats, int fail_at) -> Tensor",
+  m.def("work_pool_visits(int n, int grain, int repeats, int fail_at, bool wait_for_helper) "
+        "-> Tensor",
         &work_pool_visits);
 }
 
