@@ -301,3 +301,42 @@ def test_host_benchmark_times_each_part_of_steady_decode_steps() -> None:
     assert all(t > 0 for v in times.values() for t in v)
     s = summary(times)
     assert s["steps"] == 30 and s["total"]["p99_ms"] >= s["total"]["median_ms"] > 0
+
+
+def test_vllm_clients_results_read_as_our_summary() -> None:
+    """bench serve --client vllm: `vllm bench serve`'s command for the run's load, and its
+    result JSON (the keys vLLM 0.32 writes) read into summarize's shape, goodput under our
+    SLOs from its per-request times."""
+    from pipeline.tools.bench_serve import vllm_client_command, vllm_summary
+
+    args = bench.build_parser().parse_args(
+        ["serve", "--model", "/m", "--dataset", "random", "--input-len", "128", "--output-len",
+         "3", "--num-prompts", "3", "--max-concurrency", "64", "--seed", "7", "--client", "vllm",
+         "--slo-ttft-ms", "100", "--slo-tpot-ms", "20"])
+    args.request_rate = args.request_rate[0]
+    cmd = vllm_client_command(args, "http://127.0.0.1:9/v1", "bench-model", Path("/t/r.json"))
+    assert cmd[1:3] == ["bench", "serve"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert flags["--base-url"] == "http://127.0.0.1:9" and flags["--tokenizer"] == "/m"
+    assert (flags["--random-input-len"], flags["--random-output-len"]) == ("128", "3")
+    assert (flags["--num-prompts"], flags["--request-rate"], flags["--seed"]) == ("3", "inf", "7")
+    assert cmd[-2:] == ["--max-concurrency", "64"] and "--ignore-eos" in cmd
+    assert (flags["--result-dir"], flags["--result-filename"]) == ("/t", "r.json")
+    res = {"duration": 2.0, "completed": 3, "failed": 0, "num_prompts": 3,
+           "request_throughput": 1.5, "output_throughput": 4.5, "total_token_throughput": 196.5,
+           "ttfts": [0.05, 0.08, 0.2], "latencies": [0.09, 0.2, 0.24], "output_lens": [3, 3, 3],
+           "errors": ["", "", ""]}
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        res |= {f"mean_{metric}_ms": 1.0, f"p50_{metric}_ms": 2.0, f"p90_{metric}_ms": 3.0,
+                f"p99_{metric}_ms": 4.0, f"median_{metric}_ms": 2.0, f"std_{metric}_ms": 0.0}
+    s = vllm_summary(res, args)
+    assert (s["completed"], s["failed"], s["output_token_throughput"]) == (3, 0, 4.5)
+    assert s["tpot_ms"] == {"mean": 1.0, "p50": 2.0, "p90": 3.0, "p99": 4.0}
+    assert s["e2e_ms"]["p99"] == 4.0
+    # TPOT 20, 60 and 20 ms, TTFT 50, 80 and 200 ms: only the first meets both SLOs
+    assert s["goodput"]["fraction"] == pytest.approx(1 / 3)
+    assert s["goodput"]["requests_per_s"] == pytest.approx(0.5)
+    with pytest.raises(SystemExit, match="--client vllm drives servers"):
+        bench.main(["serve", "--client", "vllm", "--dataset", "random"])
+    with pytest.raises(SystemExit, match="add --dataset random"):
+        bench.main(["serve", "--client", "vllm", "--base-url", "http://127.0.0.1:9/v1"])

