@@ -13,12 +13,14 @@ import torch
 
 from ipc.messages import SamplingParams
 from ipc.sampling import SlotRow, encode_slot
+from stages.executor import kernels
 from stages.executor.sampler import (
     SamplingState,
     StepSampling,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    hash32,
     seeded_exponential,
 )
 
@@ -247,3 +249,44 @@ def test_logit_bias_is_added_before_greedy_and_draws_and_only_to_its_slot() -> N
                      torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
     again = state.sample(logits, torch.arange(4), torch.tensor([5, 5, 5, 5]), flags)
     assert again.tokens[0] == 7 and again.tokens[1] == 11
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_draw_is_the_float_paths_race(dtype: torch.dtype) -> None:
+    """csrc/cpu_kernels.cpp sample_rows: for a seeded row, the same token as the float path's
+    race on the same noise (argmax of x/T - log E, E = seeded_exponential), for vocabularies
+    that are and are not whole 16-lane vectors; temperatures near 0 give the argmax."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1000, 1003, 15):
+        hashed = hash32(torch.arange(vocab) * 0x9E3779B1 & 0xFFFFFFFF)
+        logits = (torch.randn(64, vocab, generator=gen) * 3).to(dtype)
+        temperature = torch.rand(64, generator=gen) * 1.5 + 0.05
+        seeds = torch.randint(0, 1 << 62, (64,), generator=gen)
+        positions = torch.randint(0, 4096, (64,), generator=gen)
+        got = torch.ops.llm_cpu.sample_rows(logits, temperature, seeds, positions,
+                                            hashed.to(torch.int32))
+        noise = seeded_exponential(seeds, positions, hashed)
+        want = (logits.float() / temperature.unsqueeze(1) - noise.log()).argmax(dim=-1)
+        assert torch.equal(got, want), vocab
+        cold = torch.ops.llm_cpu.sample_rows(logits, torch.full((64,), 1e-4), seeds, positions,
+                                             hashed.to(torch.int32))
+        top2 = logits.float().topk(2, dim=-1).values
+        unique = top2[:, 0] > top2[:, 1]  # (bf16's coarse values tie at times: either wins)
+        assert torch.equal(cold[unique], logits.float().argmax(dim=-1)[unique])
+        assert unique.sum() > 32
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the CPU kernels are not built here")
+def test_the_kernels_draws_follow_the_softmax() -> None:
+    """20,000 draws of one row (a seed each) fall on each token as softmax(x / T) says."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0] + [-30.0] * 20])
+    hashed = hash32(torch.arange(25) * 0x9E3779B1 & 0xFFFFFFFF).to(torch.int32)
+    n = 20_000
+    for t in (1.0, 2.0):
+        draws = torch.ops.llm_cpu.sample_rows(logits.expand(n, -1).contiguous(),
+                                              torch.full((n,), t), torch.arange(n) * 7919,
+                                              torch.full((n,), 3), hashed)
+        freq = torch.bincount(draws, minlength=25).double() / n
+        want = torch.softmax(logits[0].double() / t, dim=0)
+        assert (freq - want).abs().max() < 4 * math.sqrt(0.25 / n), (t, freq[:5], want[:5])

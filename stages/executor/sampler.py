@@ -145,6 +145,7 @@ class SamplingState:
         self.bias_values: torch.Tensor | None = None  # [slots, MAX_LOGIT_BIAS] float32
         self._hashed_vocab = hash32(torch.arange(vocab_size, device=device) * 0x9E3779B1
                                     & 0xFFFFFFFF)
+        self._hashed_vocab32 = self._hashed_vocab.to(torch.int32)  # (its 32 bits: the kernel's)
 
     def _table(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(self.num_slots, self.vocab_size, dtype=dtype, device=self.device)
@@ -224,19 +225,31 @@ class SamplingState:
             suppress = (num_out < i[:, I.MIN_TOKENS]).unsqueeze(1) & self.stop_mask[slots]
             logits = logits.masked_fill(suppress, float("-inf"))
         tokens = greedy_tokens(logits)
-        if not flags.all_greedy:
+        if not flags.all_greedy and not (flags.use_top_k_p or flags.use_min_p) and (
+                logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1
+                and kernels.loaded()):
+            # The same race in one pass (csrc/cpu_kernels.cpp sample_rows): a row without a
+            # seed takes a fresh random one, so its noise is the same hash of new bits.
+            temperature = f[:, F.TEMPERATURE]
+            seeds = torch.randint(0, 1 << 62, temperature.shape, dtype=torch.int64)
+            if flags.use_seed:
+                seeds = torch.where(i[:, I.HAS_SEED] != 0, i[:, I.SEED], seeds)
+            drawn = torch.ops.llm_cpu.sample_rows(logits, temperature, seeds, positions,
+                                                  self._hashed_vocab32)
+            tokens = torch.where(temperature == 0, tokens, drawn)
+        elif not flags.all_greedy:
             temperature = f[:, F.TEMPERATURE]
             scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)
             if flags.use_top_k_p:
                 scaled = apply_top_k_top_p(scaled, i[:, I.TOP_K], f[:, F.TOP_P])
             if flags.use_min_p:
                 scaled = apply_min_p(scaled, f[:, F.MIN_P])
-            probs = torch.softmax(scaled, dim=-1)
-            noise = torch.empty_like(probs).exponential_()
+            noise = torch.empty_like(scaled).exponential_()
             if flags.use_seed:
                 seeded = seeded_exponential(i[:, I.SEED], positions, self._hashed_vocab)
                 noise = torch.where((i[:, I.HAS_SEED] != 0).unsqueeze(1), seeded, noise)
-            drawn = (probs / noise).argmax(dim=-1)
+            # argmax of p / E, in logs: softmax's normaliser is the same for every token
+            drawn = (scaled - noise.log()).argmax(dim=-1)
             tokens = torch.where(temperature == 0, tokens, drawn)
         out = SampleOutput(tokens)
         if flags.use_logprobs:

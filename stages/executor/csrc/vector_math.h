@@ -45,4 +45,34 @@ inline VF exp_lanes(VF x) {
   return y * scale;
 }
 
+// log on N lanes of positive, finite floats (VF: N floats, VI: N int32): Cephes' logf, the
+// exponent taken from the bits and the mantissa's log a polynomial. Relative error ~1e-7.
+template <typename VF, typename VI>
+inline VF log_lanes(VF x) {
+  VI bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  VI e = ((bits >> 23) & 0xff) - 126;
+  const VI mbits = (bits & 0x007fffff) | 0x3f000000;  // the mantissa in [0.5, 1)
+  VF m;
+  std::memcpy(&m, &mbits, sizeof m);
+  const VI low = m < 0.707106781186547524f;  // below sqrt(1/2): one exponent less, m doubled
+  e = e + low;  // (a true lane is -1)
+  m = (low ? m + m : m) - 1.0f;
+  const VF z = m * m;
+  VF y = VF{} + 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const VF ef = __builtin_convertvector(e, VF);
+  y = y - 2.12194440e-4f * ef;
+  y = y - 0.5f * z;
+  return m + y + 0.693359375f * ef;
+}
+
 }  // namespace llm_cpu_vec
