@@ -316,11 +316,13 @@ def test_vllm_clients_results_read_as_our_summary() -> None:
     args.request_rate = args.request_rate[0]
     cmd = vllm_client_command(args, "http://127.0.0.1:9/v1", "bench-model", Path("/t/r.json"))
     assert cmd[1] == "-c" and "vllm.benchmarks.serve" in cmd[2]
-    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    flags = {a: b for a, b in zip(cmd[3:], [*cmd[4:], ""], strict=True)
+             if a.startswith("--") and not b.startswith("--")}
     assert flags["--base-url"] == "http://127.0.0.1:9" and flags["--tokenizer"] == "/m"
     assert (flags["--random-input-len"], flags["--random-output-len"]) == ("128", "3")
     assert (flags["--num-prompts"], flags["--request-rate"], flags["--seed"]) == ("3", "inf", "7")
-    assert cmd[-2:] == ["--max-concurrency", "64"] and "--ignore-eos" in cmd
+    assert flags["--max-concurrency"] == "64"
+    assert {"--ignore-eos", "--save-result", "--save-detailed"} <= set(cmd)
     assert (flags["--result-dir"], flags["--result-filename"]) == ("/t", "r.json")
     res = {"duration": 2.0, "completed": 3, "failed": 0, "num_prompts": 3,
            "request_throughput": 1.5, "output_throughput": 4.5, "total_token_throughput": 196.5,

@@ -231,7 +231,8 @@ class SamplingState:
             # The same race in one pass (csrc/cpu_kernels.cpp sample_rows): a row without a
             # seed takes a fresh random one, so its noise is the same hash of new bits.
             temperature = f[:, F.TEMPERATURE]
-            seeds = torch.randint(0, 1 << 62, temperature.shape, dtype=torch.int64)
+            seeds = torch.randint(0, 1 << 62, temperature.shape, dtype=torch.int64,
+                                  device=temperature.device)
             if flags.use_seed:
                 seeds = torch.where(i[:, I.HAS_SEED] != 0, i[:, I.SEED], seeds)
             drawn = torch.ops.llm_cpu.sample_rows(logits, temperature, seeds, positions,
