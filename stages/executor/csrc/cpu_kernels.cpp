@@ -2054,17 +2054,9 @@ Best best_of(const T* x, int64_t begin, int64_t end) {
 
 // ---------------------------------------------------------------- draws
 
-// lowbias32 (sampler.py's hash32), on 32-bit lanes.
+// lowbias32 (sampler.py's hash32), on a uint32_t or on vector lanes of them.
 template <typename V>
-inline V hash32_lanes(V x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x5BD1E995u;
-  return x ^ (x >> 16);
-}
-
-inline uint32_t hash32_one(uint32_t x) {
+inline V hash32(V x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -2108,12 +2100,12 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature,
       for (int64_t r = begin; r < end; ++r) {
         const uint64_t seed = static_cast<uint64_t>(sd_ptr[r]);
         const uint32_t lo = static_cast<uint32_t>(seed), hi = static_cast<uint32_t>(seed >> 32);
-        const uint32_t key = hash32_one(
-            lo ^ hash32_one(hi ^ hash32_one(static_cast<uint32_t>(ps_ptr[r]))));
+        const uint32_t key = hash32<uint32_t>(
+            lo ^ hash32<uint32_t>(hi ^ hash32<uint32_t>(static_cast<uint32_t>(ps_ptr[r]))));
         const float inv_t = 1.0f / std::max(t_ptr[r], 1e-6f);
         const T* row = data + r * stride;
         auto score = [&](float logit, uint32_t hashed) {  // one token, as the lanes below
-          const uint32_t bits = hash32_one(key ^ hashed);
+          const uint32_t bits = hash32<uint32_t>(key ^ hashed);
           const float u = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
           return logit * inv_t - std::log(-std::log(u));
         };
@@ -2128,7 +2120,7 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature,
           for (; e + 16 <= n; e += 16) {
             v16u h;
             std::memcpy(&h, hv_ptr + e, sizeof h);
-            const v16u bits = hash32_lanes<v16u>(h ^ key);
+            const v16u bits = hash32<v16u>(h ^ key);
             const v16f u = (__builtin_convertvector(bits >> 8, v16f) + 0.5f) *
                            (1.0f / 16777216.0f);
             const v16f noise = llm_cpu_vec::log_lanes<v16f, v16i>(
