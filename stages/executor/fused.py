@@ -27,7 +27,8 @@ from stages.executor.lora import LoraMethod
 
 logger = logging.getLogger(__name__)
 
-PACKED, QUANTIZED, AMX, AMX_GATED, MKL, VECTOR, VECTOR_GATED = 0, 1, 2, 3, 4, 5, 6
+(PACKED, QUANTIZED, AMX, AMX_GATED, MKL, VECTOR, VECTOR_GATED, QUANTIZED_AMX,
+ QUANTIZED_AMX_GATED) = range(9)
 # weights a layer (decoder_layers.cpp's Entry): the norms before attention and before the
 # MLP, a weight and a bias a projection; then q and k norms, the sandwich layer's norms after
 # attention and after the MLP (None where a layer has none)
@@ -49,6 +50,9 @@ def _projection(layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, list[
     name = (method.base if isinstance(method, LoraMethod) else method).name
     if name == "onednn-packed":
         return layer.packed_weight, layer.bias, [PACKED, 0, layer.out_features]
+    if name in QUANTIZED_METHODS and layer.products == "amx":
+        kind = QUANTIZED_AMX_GATED if layer.fused_gate else QUANTIZED_AMX
+        return layer.panels, layer.bias_f32, [kind, layer.bits, layer.out_features]
     if name in QUANTIZED_METHODS:
         return layer.tiles, layer.bias_f32, [QUANTIZED, layer.bits, layer.out_features]
     if name == "mkl-packed":

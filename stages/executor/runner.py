@@ -365,7 +365,8 @@ class ModelRunner:
             tp.size if tp is not None else 1, spec.moe is not None, kv_cache_dtype))
         backend = selection.load()(limits, device, spec.windows)
         linear = select_linear_method(dtype, device, selection.compiled, pack, quantization,
-                                      gguf_source(model_dir), selection.backend == "cpu_kernels")
+                                      gguf_source(model_dir), selection.backend == "cpu_kernels",
+                                      limits.max_num_seqs)
         model = load_model(model_dir, dtype, device, limits.max_model_len, backend, linear, tp,
                            pp, lora)
         samples = (tp is None or tp.rank == 0) and (pp is None or pp.last)
@@ -569,7 +570,8 @@ def load_draft(cfg: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
     spec = check_draft(cfg, vocab_size, target, 2 if tensor_parallel else 1, device.type)
     backend = target.load()(limits, device, spec.windows)
     linear = select_linear_method(dtype, device, False, None, cfg.quantization,
-                                  gguf_source(cfg.model), target.backend == "cpu_kernels")
+                                  gguf_source(cfg.model), target.backend == "cpu_kernels",
+                                  limits.max_num_seqs)
     return load_model(cfg.model, dtype, device, limits.max_model_len, backend, linear)
 
 

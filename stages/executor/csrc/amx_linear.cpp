@@ -61,6 +61,18 @@ constexpr int64_t kChunkBytes = 2048;   // two 1 KB B tiles
 constexpr int64_t kSlabBytes = 1 << 19; // x rows of one slab (prompts): 512 KB, inside L2
 constexpr int64_t kGroupBytes = 1 << 19; // panels a prompt's row pair runs over from L2
 
+// Quantized panels (amx_quantized_linear): a chunk of a panel, 32 outputs by one block of 32
+// inputs, holds the codes in the order of the two B tiles they widen into, then the blocks'
+// d and mn (fp16, the panel's 32 outputs in order): per half (16 outputs), per pair row p of
+// the tile, the 32 values W[n][2p], W[n][2p + 1] for its 16 n, as codes: 8 bits a byte (32
+// bytes a row); 4 bits, 16 bytes a row, byte i holding value i in its low nibble and value
+// i + 16 in its high one; 5 bits, the 4-bit rows and then a 32-bit word a row (bit i: value
+// i's fifth bit). w = d code + mn, widened to bf16 (rounded once, from one fused multiply-add
+// in float32) into a 2 KB chunk of amx_linear's layout.
+constexpr int64_t quantized_chunk_bytes(int64_t bits) {
+  return (bits == 8 ? 1024 : 512) + (bits == 5 ? 128 : 0) + 128;
+}
+
 #if LLM_CPU_AMX
 
 // The kernel's tile palette: tiles 0-3 results (rows block 0: columns lo, hi; block 1: lo,
@@ -81,7 +93,7 @@ void configure(int64_t rows0, int64_t rows1) {
     config.rows[t] = rows[t];
     config.colsb[t] = 64;
   }
-  _tile_loadconfig(&config);
+  llm_cpu_amx::load_config(config);
 }
 
 // Results of rows [m0, m0 + rows) and the panel's 16 columns from n0, float, into y (bf16),
@@ -173,14 +185,74 @@ struct Results {
 
 // One product's operands, as the threads share them.
 struct Product {
-  const uint8_t* w;  // the packed weight
-  int64_t chunks;    // K / 32
+  const uint8_t* w;     // the packed weight, or the quantized panels (widened as they run)
+  int64_t chunks;       // K / 32
   int64_t panels;
   int64_t n;
   const float* bias;
   bool gated;
   c10::BFloat16* y;
+  int64_t chunk_bytes;  // bytes of one chunk of a panel in w: 2048, or a quantized chunk's
 };
+
+// Lanes i of a half's 16 scales, per value of a tile row: value i (0..15) is output i / 2 of
+// the half (`high`: values 16..31, outputs 8 + i / 2).
+inline __m512 value_lanes(__m512 scales, bool high) {
+  alignas(64) int32_t index[16];
+  for (int i = 0; i < 16; ++i) index[i] = (high ? 8 : 0) + i / 2;
+  return _mm512_permutexvar_ps(_mm512_load_si512(index), scales);
+}
+
+// Quantized chunk q (kBits codes, the layout above) widened into out: two 1 KB bf16 B tiles.
+template <int kBits>
+void widen_chunk(const uint8_t* q, uint8_t* out) {
+  constexpr int64_t kRowBytes = kBits == 8 ? 32 : 16;
+  const uint8_t* fifth = q + 32 * kRowBytes;  // (5 bits)
+  const uint8_t* scales = fifth + (kBits == 5 ? 128 : 0);
+  const __m512i nibble = _mm512_set1_epi32(0x0F), sixteen = _mm512_set1_epi32(16);
+  for (int64_t half = 0; half < 2; ++half) {
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32 * half)));
+    const __m512 mn = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 64 + 32 * half)));
+    const __m512 d0 = value_lanes(d, false), d1 = value_lanes(d, true);
+    const __m512 m0 = value_lanes(mn, false), m1 = value_lanes(mn, true);
+    // (5 bits) the half's 16 rows' fifth bits. Read a word a row inside the loop instead,
+    // GCC 12 at -O2 dropped the whole function's calls, as if it had no effect.
+    alignas(64) uint32_t words[16];
+    if constexpr (kBits == 5) _mm512_store_si512(words, _mm512_loadu_si512(fifth + 64 * half));
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t row = half * 16 + p;
+      const uint8_t* codes = q + row * kRowBytes;
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+      __m512i v0, v1;
+      if constexpr (kBits == 8) {
+        v0 = v;
+        v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)));
+      } else {
+        v0 = _mm512_and_si512(v, nibble);
+        v1 = _mm512_srli_epi32(v, 4);
+        if constexpr (kBits == 5) {
+          const uint32_t bits = words[p];
+          v0 = _mm512_mask_add_epi32(v0, static_cast<__mmask16>(bits), v0, sixteen);
+          v1 = _mm512_mask_add_epi32(v1, static_cast<__mmask16>(bits >> 16), v1, sixteen);
+        }
+      }
+      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), d0, m0);
+      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), d1, m1);
+      _mm512_store_si512(out + row * 64, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    }
+  }
+}
+
+template <int kBits>
+void widen_panels(const Product& p, int64_t begin, int64_t end, uint8_t* out) {
+  for (int64_t panel = begin; panel < end; ++panel) {
+    const uint8_t* q = p.w + panel * p.chunks * p.chunk_bytes;
+    for (int64_t c = 0; c < p.chunks; ++c, q += p.chunk_bytes, out += kChunkBytes)
+      widen_chunk<kBits>(q, out);
+  }
+}
 
 // A thread's part: its tiles configured for the current row pair's rows (reloaded only when
 // they change) and its results not yet written.
@@ -193,12 +265,14 @@ class Worker {
     _tile_release();  // leave the tiles as found for oneDNN and torch's own AMX code
   }
 
-  // Rows [m0, m0 + rows) (at most 32) by panel `panel`; a0, a1 their two row blocks' first
-  // tiles, `a_step` bf16 values from one chunk's tile to the next, `a_stride` bytes between
-  // rows (x itself: 32 and 2K; tile-major: 512 and 64); `ahead`: a panel to prefetch.
-  template <bool kStream>
+  // Rows [m0, m0 + rows) (at most 32) by panel `panel`, whose chunks are at w (kBits 0:
+  // packed bf16; 8, 5, 4: quantized, widened a chunk at a time); a0, a1 their two row blocks'
+  // first tiles, `a_step` bf16 values from one chunk's tile to the next, `a_stride` bytes
+  // between rows (x itself: 32 and 2K; tile-major: 512 and 64); `ahead`: a panel (in w's
+  // form) to prefetch.
+  template <bool kStream, int kBits>
   void row_pair(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_step,
-                int64_t a_stride, int64_t m0, int64_t rows, int64_t panel,
+                int64_t a_stride, int64_t m0, int64_t rows, int64_t panel, const uint8_t* w,
                 const uint8_t* ahead) {
     const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
     if (rows0 != rows0_ || rows1 != rows1_) {
@@ -207,23 +281,24 @@ class Worker {
       rows1_ = rows1;
     }
     if (rows1 > 0) {
-      panel_rows<true, kStream>(a0, a1, a_step, a_stride, m0, panel, ahead);
+      panel_rows<true, kStream, kBits>(a0, a1, a_step, a_stride, m0, panel, w, ahead);
     } else {
-      panel_rows<false, kStream>(a0, a1, a_step, a_stride, m0, panel, ahead);
+      panel_rows<false, kStream, kBits>(a0, a1, a_step, a_stride, m0, panel, w, ahead);
     }
   }
 
   const uint8_t* panel_at(int64_t panel) const {
-    return p_.w + panel * p_.chunks * kChunkBytes;
+    return p_.w + panel * p_.chunks * p_.chunk_bytes;
   }
 
  private:
   // The row pair over every chunk of K: 2 (or, kTwo false, 1) x 2 result tiles; the previous
   // block's results are written once this one's first products are under way.
-  template <bool kTwo, bool kStream>
+  template <bool kTwo, bool kStream, int kBits>
   void panel_rows(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_step,
-                  int64_t a_stride, int64_t m0, int64_t panel, const uint8_t* ahead) {
-    const uint8_t* w = panel_at(panel);
+                  int64_t a_stride, int64_t m0, int64_t panel, const uint8_t* w,
+                  const uint8_t* ahead) {
+    const int64_t step = kBits == 0 ? kChunkBytes : quantized_chunk_bytes(kBits);
     _tile_zero(0);
     _tile_zero(1);
     if constexpr (kTwo) {
@@ -231,11 +306,15 @@ class Worker {
       _tile_zero(3);
     }
     for (int64_t c = 0; c < p_.chunks; ++c) {
-      const uint8_t* chunk = w + c * kChunkBytes;
+      const uint8_t* chunk = w + c * step;
       if (ahead != nullptr) {  // the next panel's chunk into L2 while this one computes
-        for (int64_t line = 0; line < kChunkBytes; line += 64) {
-          _mm_prefetch(ahead + c * kChunkBytes + line, _MM_HINT_T1);
+        for (int64_t line = 0; line < step; line += 64) {
+          _mm_prefetch(ahead + c * step + line, _MM_HINT_T1);
         }
+      }
+      if constexpr (kBits != 0) {  // (two buffers: a chunk widens while the last computes)
+        widen_chunk<kBits>(chunk, widened_[c & 1]);
+        chunk = widened_[c & 1];
       }
       if constexpr (kStream) {  // (a hint: kept in L2, not L1, where x's tiles are)
         _tile_stream_loadd(6, chunk, 64);
@@ -260,16 +339,19 @@ class Worker {
   const Product& p_;
   Results results_;
   int64_t rows0_ = -1, rows1_ = -1;
+  alignas(64) uint8_t widened_[2][kChunkBytes];
 };
 
 // A decode step (m <= 32 rows: one row pair) over panels [begin, end), panel by panel, x in
-// L1 throughout.
-void run_panels(Worker& worker, const Product& p, const c10::BFloat16* x, int64_t k, int64_t m,
-                int64_t begin, int64_t end) {
+// L1 throughout; quantized panels (kBits) widened a chunk at a time as they run.
+template <int kBits>
+void run_panels(Worker& worker, const c10::BFloat16* x, int64_t k, int64_t m, int64_t begin,
+                int64_t end) {
   for (int64_t panel = begin; panel < end; ++panel) {
     // (not past the chunk: the next one may be another thread's)
     const uint8_t* next = panel + 1 < end ? worker.panel_at(panel + 1) : nullptr;
-    worker.row_pair<false>(x, x + 16 * k, kChunkK, k * 2, 0, m, panel, next);
+    worker.row_pair<false, kBits>(x, x + 16 * k, kChunkK, k * 2, 0, m, panel,
+                                  worker.panel_at(panel), next);
   }
 }
 
@@ -295,28 +377,34 @@ void tile_rows(const c10::BFloat16* x, int64_t k, int64_t m_begin, int64_t m_end
   });
 }
 
-// Panels a prompt's row pair runs over from L2.
+// Panels a prompt's row pair runs over from L2 (as bf16).
 int64_t panel_group(const Product& p) {
   return std::max<int64_t>(1, kGroupBytes / (p.chunks * kChunkBytes));
 }
 
 // A prompt's slab (tile-major rows xt, rows [m_begin, m_end)) over panels [begin, end): row
 // pairs outer, each over a group of panels that fits L2, so a row pair's tiles stay in L1
-// while the panels stream from L2.
+// while the panels stream from L2. Quantized panels (kBits) are widened a group at a time
+// into `widened` (a group's bf16 panels), once for all the slab's row pairs.
+template <int kBits>
 void run_slab(Worker& worker, const Product& p, const c10::BFloat16* xt, int64_t m_begin,
-              int64_t m_end, int64_t begin, int64_t end) {
+              int64_t m_end, int64_t begin, int64_t end, uint8_t* widened) {
   const int64_t group = panel_group(p);
   const int64_t tile = 16 * kChunkK;  // bf16 values of one tile
   for (int64_t g0 = begin; g0 < end; g0 += group) {
     const int64_t g1 = std::min(end, g0 + group);
+    if constexpr (kBits != 0) widen_panels<kBits>(p, g0, g1, widened);
     for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
       const c10::BFloat16* a0 = xt + (m0 - m_begin) / 16 * p.chunks * tile;
       for (int64_t panel = g0; panel < g1; ++panel) {
-        // The group's next panel while this one computes, on the first row pair only.
-        const uint8_t* ahead =
-            m0 == m_begin && panel + 1 < g1 ? worker.panel_at(panel + 1) : nullptr;
-        worker.row_pair<true>(a0, a0 + p.chunks * tile, tile, 64, m0,
-                              std::min<int64_t>(32, m_end - m0), panel, ahead);
+        const uint8_t* w = kBits == 0 ? worker.panel_at(panel)
+                                      : widened + (panel - g0) * p.chunks * kChunkBytes;
+        // The group's next panel while this one computes, on the first row pair only (a
+        // widened group is in L2 already).
+        const uint8_t* ahead = kBits == 0 && m0 == m_begin && panel + 1 < g1
+                                   ? worker.panel_at(panel + 1) : nullptr;
+        worker.row_pair<true, 0>(a0, a0 + p.chunks * tile, tile, 64, m0,
+                                 std::min<int64_t>(32, m_end - m0), panel, w, ahead);
       }
     }
   }
@@ -332,53 +420,97 @@ bool amx_linear_available() {
 #endif
 }
 
-// x bf16 [M, K], K a multiple of 32; packed uint8 [panels, K / 32 * 2048] (the layout above);
-// bias float32 [N] or none; n the outputs. Returns y bf16 [M, N]; gated (a gate/up weight
-// whose panels are 16 gate then 16 up columns): silu(gate) * up, bf16 [M, N / 2].
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
-                      const c10::optional<at::Tensor>& bias, int64_t n, bool gated) {
-  llm_cpu_bf16::check_linear("amx_linear", x, packed, bias, n, gated);
-  const int64_t k = x.size(1), panels = packed.size(0);
-  at::Tensor y = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if LLM_CPU_AMX
-  TORCH_CHECK(request_tiles(), "amx_linear: the kernel did not grant this process AMX tiles");
-  const int64_t m = x.size(0), chunks = k / kChunkK;
-  if (m == 0) return y;
-  const auto* xp = x.const_data_ptr<c10::BFloat16>();
-  const Product p{packed.const_data_ptr<uint8_t>(), chunks, panels, n,
-                  bias.has_value() ? bias->const_data_ptr<float>() : nullptr, gated,
-                  y.mutable_data_ptr<c10::BFloat16>()};
+// y = x W^T (+ b) for x bf16 [m, k] and the weight p.w (kBits 0: packed bf16; else quantized
+// panels of kBits).
+template <int kBits>
+void run_product(const Product& p, const c10::BFloat16* xp, int64_t k, int64_t m,
+                 const at::TensorOptions& options) {
+  const int64_t panels = p.panels;
   if (m <= 32) {  // a decode step
     // (at least 2 panels a chunk: within one, the next panel is prefetched)
     const int64_t grain = grain_for(panels, 4, 2);
     parallel_queue(panels, grain, Order::kShared, [&](WorkQueue& queue, int64_t w) {
       Worker worker(p);
       for (int64_t begin, end; queue.take(w, begin, end);)
-        run_panels(worker, p, xp, k, m, begin, end);
+        run_panels<kBits>(worker, xp, k, m, begin, end);
     });
-    return y;
+    return;
   }
   // Slabs of rows whose x stays in L2 (whole multiples of 32 rows), tile-major.
   const int64_t slab = std::max<int64_t>(32, kSlabBytes / (k * 2) / 32 * 32);
-  at::Tensor tiles = at::empty({(std::min(m, slab) + 15) / 16 * 16 * k}, x.options());
+  at::Tensor tiles = at::empty({(std::min(m, slab) + 15) / 16 * 16 * k}, options);
   auto* xt = tiles.mutable_data_ptr<c10::BFloat16>();
+  // Chunks of a group that fits L2, or a thread's whole share where that is less: each
+  // chunk re-reads the slab's rows from L2 (chunks of a quarter share measured the small
+  // products 6-12% slower); a product of several groups a thread can still pass them on.
+  const int64_t threads = at::get_num_threads();
+  const int64_t share = (panels + threads - 1) / threads;
+  const int64_t grain = std::min(panel_group(p), share);
+  // each thread's widened group (quantized panels)
+  at::Tensor widened = at::empty({kBits == 0 ? 0 : threads * grain * p.chunks * kChunkBytes},
+                                 options.dtype(at::kByte));
   for (int64_t m_begin = 0; m_begin < m; m_begin += slab) {
     const int64_t m_end = std::min(m, m_begin + slab);
     tile_rows(xp, k, m_begin, m_end, xt);
-    // Chunks of a group that fits L2, or a thread's whole share where that is less: each
-    // chunk re-reads the slab's rows from L2 (chunks of a quarter share measured the small
-    // products 6-12% slower); a product of several groups a thread can still pass them on.
-    const int64_t share = (panels + at::get_num_threads() - 1) / at::get_num_threads();
-    const int64_t grain = std::min(panel_group(p), share);
     parallel_queue(panels, grain, Order::kOwnRuns, [&](WorkQueue& queue, int64_t w) {
       Worker worker(p);
+      uint8_t* mine = widened.mutable_data_ptr<uint8_t>() + w * grain * p.chunks * kChunkBytes;
       for (int64_t begin, end; queue.take(w, begin, end);)
-        run_slab(worker, p, xt, m_begin, m_end, begin, end);
+        run_slab<kBits>(worker, p, xt, m_begin, m_end, begin, end, mine);
     });
   }
+}
+#endif  // LLM_CPU_AMX
+
+// x bf16 [M, K], K a multiple of 32; packed uint8 [panels, K / 32 * 2048] (the layout above);
+// bias float32 [N] or none; n the outputs. Returns y bf16 [M, N]; gated (a gate/up weight
+// whose panels are 16 gate then 16 up columns): silu(gate) * up, bf16 [M, N / 2].
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, int64_t n, bool gated) {
+  llm_cpu_bf16::check_linear("amx_linear", x, packed, bias, n, gated);
+  at::Tensor y = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
+#if LLM_CPU_AMX
+  TORCH_CHECK(request_tiles(), "amx_linear: the kernel did not grant this process AMX tiles");
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m == 0) return y;
+  const Product p{packed.const_data_ptr<uint8_t>(), k / kChunkK, packed.size(0), n,
+                  bias.has_value() ? bias->const_data_ptr<float>() : nullptr, gated,
+                  y.mutable_data_ptr<c10::BFloat16>(), kChunkBytes};
+  run_product<0>(p, x.const_data_ptr<c10::BFloat16>(), k, m, x.options());
   return y;
 #else
   TORCH_CHECK(false, "amx_linear: these kernels were built for a CPU without AMX-BF16");
+#endif
+}
+
+// As amx_linear, the weight quantized: panels uint8 [ceil(N / 32), K / 32 * chunk bytes]
+// (the quantized panels' layout above; bits 8, 5 or 4), each chunk widened to bf16 as the
+// product runs (a decode step: chunk by chunk; a prompt: a group of panels at a time). A
+// row's result is the same whatever rows share the call, as amx_linear's.
+at::Tensor amx_quantized_linear(const at::Tensor& x, const at::Tensor& panels,
+                                const c10::optional<at::Tensor>& bias, int64_t bits, int64_t n,
+                                bool gated) {
+  TORCH_CHECK(bits == 8 || bits == 5 || bits == 4,
+              "amx_quantized_linear: bits must be 8, 5 or 4, got ", bits);
+  const int64_t chunk_bytes = quantized_chunk_bytes(bits);
+  llm_cpu_bf16::check_linear("amx_quantized_linear", x, panels, bias, n, gated, chunk_bytes);
+  at::Tensor y = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
+#if LLM_CPU_AMX
+  TORCH_CHECK(request_tiles(),
+              "amx_quantized_linear: the kernel did not grant this process AMX tiles");
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m == 0) return y;
+  const Product p{panels.const_data_ptr<uint8_t>(), k / kChunkK, panels.size(0), n,
+                  bias.has_value() ? bias->const_data_ptr<float>() : nullptr, gated,
+                  y.mutable_data_ptr<c10::BFloat16>(), chunk_bytes};
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  if (bits == 8) run_product<8>(p, xp, k, m, x.options());
+  if (bits == 5) run_product<5>(p, xp, k, m, x.options());
+  if (bits == 4) run_product<4>(p, xp, k, m, x.options());
+  return y;
+#else
+  TORCH_CHECK(false, "amx_quantized_linear: these kernels were built for a CPU without AMX-BF16");
 #endif
 }
 
@@ -387,6 +519,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("amx_linear_available() -> bool", &amx_linear_available);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n, bool gated=False) -> Tensor");
+  m.def("amx_quantized_linear(Tensor x, Tensor panels, Tensor? bias, int bits, int n, "
+        "bool gated=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) { m.impl("amx_linear", TORCH_FN(amx_linear)); }
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
+  m.impl("amx_linear", TORCH_FN(amx_linear));
+  m.impl("amx_quantized_linear", TORCH_FN(amx_quantized_linear));
+}

@@ -28,6 +28,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// LDTILECFG of `config`. GCC does not count the builtin as reading all 64 bytes: compiled out
+// of line (amx_linear.cpp's configure, once its callers grew), the stores of rows and colsb
+// were dropped as dead and the instruction faulted on a config of zeros. The barrier makes
+// them happen first.
+inline void load_config(const TileConfig& config) {
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
 // Linux hands a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA); asking again is harmless.
 inline bool request_tiles() {

@@ -43,7 +43,8 @@ constexpr int64_t kGroupBytes = 1 << 18;  // panels that blocks of many rows rea
 // that names what is wrong: x bf16 [M, K], K a multiple of 32; packed uint8 [panels,
 // K / 32 * 2048]; bias float32 [N] or none; gated: N a multiple of 32.
 inline void check_linear(const char* op, const at::Tensor& x, const at::Tensor& packed,
-                         const c10::optional<at::Tensor>& bias, int64_t n, bool gated) {
+                         const c10::optional<at::Tensor>& bias, int64_t n, bool gated,
+                         int64_t chunk_bytes = kChunkBytes) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, op,
               ": x must be a contiguous bf16 matrix");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
@@ -51,7 +52,7 @@ inline void check_linear(const char* op, const at::Tensor& x, const at::Tensor& 
   const int64_t k = x.size(1), panels = packed.size(0);
   TORCH_CHECK(k > 0 && k % kChunkK == 0, op, ": x has ", k, " columns, not a multiple of ",
               kChunkK);
-  TORCH_CHECK(packed.size(1) == (k / kChunkK) * kChunkBytes, op, ": a panel of ",
+  TORCH_CHECK(packed.size(1) == (k / kChunkK) * chunk_bytes, op, ": a panel of ",
               packed.size(1), " bytes for ", k, " inputs");
   TORCH_CHECK(n > 0 && panels == (n + kPanel - 1) / kPanel, op, ": ", panels,
               " panels of 32 for ", n, " outputs");

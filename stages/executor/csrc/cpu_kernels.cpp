@@ -848,7 +848,7 @@ inline void configure_decode_tiles(int64_t rows) {
     config.rows[t] = static_cast<uint8_t>(t >= 1 && t <= 4 ? 16 : rows);
     config.colsb[t] = 64;
   }
-  _tile_loadconfig(&config);
+  llm_cpu_amx::load_config(config);
 }
 
 // The group's queries q [kG][kD] (float) as kD / 32 B tiles in qb (1 KB each: row p holds
@@ -944,7 +944,7 @@ inline void configure_row_tiles() {
   }
   config.colsb[6] = 32;  // 16 rows x 16 keys
   config.rows[7] = 8;    // 8 pairs of keys x 16 dims
-  _tile_loadconfig(&config);
+  llm_cpu_amx::load_config(config);
 }
 
 // Rows' queries (rows[l]: kD floats, or none: zeros) as B tiles in qb, 1 KB a 32 elements:

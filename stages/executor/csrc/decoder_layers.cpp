@@ -15,9 +15,9 @@
 // What it saves is the Python between them: ~10 module calls and op dispatches a layer,
 // a third of a one-token decode step of a small model (stages/executor/fused.py says when
 // it runs). Each product is oneDNN's packed one (mkldnn::_linear_pointwise),
-// llm_cpu::amx_linear, llm_cpu::bf16_vector_linear, llm_cpu::mkl_linear or
-// llm_cpu::quantized_linear, called through the dispatcher as Python calls them. Built with
-// the other kernels by kernels.py.
+// llm_cpu::amx_linear, llm_cpu::bf16_vector_linear, llm_cpu::mkl_linear,
+// llm_cpu::quantized_linear or llm_cpu::amx_quantized_linear, called through the dispatcher
+// as Python calls them. Built with the other kernels by kernels.py.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -38,8 +38,8 @@ using OptTensor = std::optional<at::Tensor>;
 enum Entry { kNorm1, kQkvW, kQkvB, kOW, kOB, kNorm2, kGateUpW, kGateUpB, kDownW, kDownB,
              kQNorm, kKNorm, kPostAttentionNorm, kPostMlpNorm, kEntries };
 // Per projection, the entries of `ints` after the 3 shared ones: its kind, bits and outputs.
-// kAmxGated, kVectorGated: a gate/up product whose amx_linear (bf16_vector_linear) writes
-// silu(gate) * up itself.
+// kAmxGated, kVectorGated, kQuantizedAmxGated: a gate/up product whose amx_linear
+// (bf16_vector_linear, amx_quantized_linear) writes silu(gate) * up itself.
 enum Kind {
   kPacked = 0,
   kQuantized = 1,
@@ -47,7 +47,9 @@ enum Kind {
   kAmxGated = 3,
   kMkl = 4,
   kVector = 5,
-  kVectorGated = 6
+  kVectorGated = 6,
+  kQuantizedAmx = 7,
+  kQuantizedAmxGated = 8
 };
 constexpr int64_t kShared = 3, kPerProjection = 3, kProjections = 4;
 // Per layer, the entries of `ints` after its projections': whether its norms (q/k norms too)
@@ -79,6 +81,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, bool)>
       amx_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t, int64_t, bool)>
+      amx_quantized_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                       int64_t, bool)>
       vector_linear;
@@ -118,6 +123,9 @@ const Ops& ops() {
         d.findSchemaOrThrow("llm_cpu::amx_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               bool)>(),
+        d.findSchemaOrThrow("llm_cpu::amx_quantized_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
+                              int64_t, bool)>(),
         d.findSchemaOrThrow("llm_cpu::bf16_vector_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
                               bool)>(),
@@ -144,6 +152,10 @@ at::Tensor project(const at::Tensor& x, const OptTensor& weight, const OptTensor
   }
   if (spec[0] == kAmx || spec[0] == kAmxGated) {
     return ops().amx_linear.call(x.contiguous(), *weight, bias, spec[2], spec[0] == kAmxGated);
+  }
+  if (spec[0] == kQuantizedAmx || spec[0] == kQuantizedAmxGated) {
+    return ops().amx_quantized_linear.call(x.contiguous(), *weight, bias, spec[1], spec[2],
+                                           spec[0] == kQuantizedAmxGated);
   }
   if (spec[0] == kVector || spec[0] == kVectorGated) {
     return ops().vector_linear.call(x.contiguous(), *weight, bias, spec[2],
@@ -233,7 +245,8 @@ at::Tensor decoder_layers(at::Tensor& x, const c10::List<OptTensor>& weights,
     h = norm.add(x, h, *w(kNorm2));  // x += h
     const int64_t* gate_up = spec + 2 * kPerProjection;
     h = project(h, w(kGateUpW), w(kGateUpB), gate_up);
-    if (gate_up[0] != kAmxGated && gate_up[0] != kVectorGated) {
+    if (gate_up[0] != kAmxGated && gate_up[0] != kVectorGated &&
+        gate_up[0] != kQuantizedAmxGated) {
       h = spec[kActivation] == kGeluTanh ? op.gelu_tanh_and_mul.call(h)
                                          : op.silu_and_mul.call(h, false);
     }

@@ -15,21 +15,36 @@ so that each int32 lane of the kernel's dot products belongs to one block; int8 
 byte each in that order, int4 codes two to a byte (positions 0..31 of a pair in the low
 nibbles, 32..63 in the high ones). 5-bit codes (GGUF's Q5 types, gguf_blocks.py) are int4's
 bytes of their low four bits followed, per pair, by 8 bytes (a little-endian 64-bit word)
-whose bit i is the fifth bit of position i."""
+whose bit i is the fifth bit of position i.
+
+On a CPU with AMX and bf16 activations, an engine that may run several rows a step takes the
+same blocks in a second layout (`panel_layout`): csrc/amx_linear.cpp's
+`amx_quantized_linear` widens each block to bf16 (w = d * code + mn, rounded once) in L1 as
+the product runs and multiplies on AMX-BF16 tiles, the activations as they are. At 32 rows
+that is 5-6x quantized_linear's time and about bf16's own (docs/BENCHMARKS.md), but at one
+row it is compute-bound on the widening, ~3x slower. A row's result differs between the two
+forms, and must not depend on how many rows share a step, so the form is chosen once per
+model at load (`products_for`): AMX where a step may hold AMX_ROWS rows or more."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from stages.executor import kernels
+from stages.executor.linear import amx
 from stages.executor.linear.base import Linear, LinearMethod, over_rows
 
 BLOCK = 32
 PAIR = 64
 QUANTIZATIONS = ("int8", "int4")
+# The fewest rows a decode step may hold (the engine's max_num_seqs) for which quantized
+# products run widened on AMX tiles: at 8 rows they took half quantized_linear's time, at
+# one row three times it (docs/BENCHMARKS.md).
+AMX_ROWS = 4
 
 
 @dataclass
@@ -208,6 +223,49 @@ def tile_layout(weight: QuantizedWeight) -> torch.Tensor:
     return chunks.reshape(tiles, -1).contiguous()
 
 
+def panel_layout(weight: QuantizedWeight) -> torch.Tensor:
+    """The blocks as amx_quantized_linear streams them (csrc/amx_linear.cpp): uint8
+    [ceil(N / 32), K / 32 * chunk], a panel of 32 outputs (N padded with zero rows) chunk
+    after chunk, a chunk one block of each output: the codes in the order of the bf16 B tiles
+    they widen into (per 16 outputs, per pair p of inputs, W[n][2p], W[n][2p + 1] for each n),
+    8 bits a byte, or 4 bits, value i of a row's 32 in byte i % 16's low (i < 16) or high
+    nibble, then at 5 bits a 32-bit word a row of the values' fifth bits; then the 32 outputs'
+    d, then their mn (fp16). K must be a multiple of 32."""
+    n, k = len(weight.d), weight.in_features
+    if k % BLOCK:
+        raise ValueError(f"panel layout: {k} inputs, not a multiple of {BLOCK}")
+    chunks, panels = k // BLOCK, -(-n // amx.PANEL)
+    pad = panels * amx.PANEL - n
+    codes = torch.nn.functional.pad(_block_order(_unpack(weight))[:, :k], (0, 0, 0, pad))
+    # [panel, half, column, chunk, pair, 2] -> [panel, chunk, half x pair (32 rows), 32]
+    rows = codes.view(panels, 2, 16, chunks, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    rows = rows.reshape(panels, chunks, 32, 32)
+    if weight.bits == 8:
+        parts = [rows.reshape(panels, chunks, -1)]
+    else:
+        low = rows & 0x0F
+        parts = [(low[..., :16] | (low[..., 16:] << 4)).reshape(panels, chunks, -1)]
+        if weight.bits == 5:
+            bit = ((rows >> 4) & 1).to(torch.int64) << torch.arange(32)
+            words = bit.sum(-1).to(torch.int32)  # (wraps to the same 32 bits)
+            parts.append(words.view(torch.uint8).reshape(panels, chunks, -1))
+
+    def by_chunk(v: torch.Tensor) -> torch.Tensor:  # [N, blocks] fp16 -> [panels, chunks, 64]
+        v = torch.nn.functional.pad(v[:, :chunks], (0, 0, 0, pad))
+        return v.view(panels, amx.PANEL, chunks).transpose(1, 2).contiguous().view(torch.uint8)
+
+    parts += [by_chunk(weight.d), by_chunk(weight.mn)]
+    return torch.cat(parts, dim=-1).reshape(panels, -1).contiguous()
+
+
+def interleave_rows(weight: QuantizedWeight) -> QuantizedWeight:
+    """A gate/up weight's rows 16 gate then 16 up at a time (amx.interleave_gate_up), so a
+    panel's product is a block of gate and the matching block of up."""
+    return QuantizedWeight(amx.interleave_gate_up(weight.codes),
+                           amx.interleave_gate_up(weight.d), amx.interleave_gate_up(weight.mn),
+                           weight.bits, weight.in_features)
+
+
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """What quantized_linear computes, in float32 PyTorch: x quantized per block of 32 as the
@@ -226,6 +284,18 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight,
     return y if bias is None else y + bias.float()
 
 
+def reference_widened(x: torch.Tensor, weight: QuantizedWeight,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What amx_quantized_linear computes, in float32 PyTorch: x (bf16) times the weight
+    widened to bf16 from one fused multiply-add, d * code + mn."""
+    n, blocks = weight.d.shape
+    codes = _block_order(_unpack(weight)).view(n, blocks, BLOCK).double()
+    w = codes * weight.d.double()[..., None] + weight.mn.double()[..., None]  # (exact)
+    w = w.float().bfloat16().float().reshape(n, -1)[:, : weight.in_features]
+    y = x.float() @ w.T
+    return y if bias is None else y + bias.float()
+
+
 @functools.cache
 def kernel_missing() -> str | None:
     """Why quantized_linear cannot run on this machine (None: it can)."""
@@ -233,11 +303,25 @@ def kernel_missing() -> str | None:
                               "this CPU lacks AVX512-VNNI, which the quantized kernels need")
 
 
+def products_for(dtype: torch.dtype, rows: int) -> str:
+    """The form of a model's quantized products (module docstring): "amx" for bf16
+    activations on a CPU with AMX where a step may hold `rows` >= AMX_ROWS, else "vnni"."""
+    if dtype == torch.bfloat16 and rows >= AMX_ROWS and amx.kernel_missing() is None:
+        return "amx"
+    return "vnni"
+
+
 class QuantizedMethod(LinearMethod):
-    """Weights quantized at load (`process`) and multiplied by quantized_linear."""
+    """Weights quantized at load (`process`) and multiplied by quantized_linear or, where
+    `products` is "amx" (products_for), amx_quantized_linear."""
 
     name: str
     bits: int
+
+    def __init__(self, products: str = "vnni") -> None:
+        if products not in ("vnni", "amx"):
+            raise ValueError(f"quantized products are vnni or amx, not {products!r}")
+        self.products = products
 
     @classmethod
     def unsupported(cls, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -257,20 +341,55 @@ class QuantizedMethod(LinearMethod):
         set_weight(layer, self.quantize(layer.weight.detach()))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.products == "amx":
+            if layer.fused_gate:
+                raise RuntimeError(f"{layer}: its gate and up rows are interleaved; "
+                                   "call gated_forward")
+            return self._widened(layer, x, False)
         return over_rows(x, lambda rows: torch.ops.llm_cpu.quantized_linear(
             rows, layer.tiles, layer.bias_f32, layer.bits, layer.out_features))
 
+    def apply_gated(self, layer: Linear, x: torch.Tensor,
+                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if not layer.fused_gate:
+            return super().apply_gated(layer, x, silu_and_mul)
+        return self._widened(layer, x, True)
+
+    def apply_interleaved(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A fused gate/up layer's product without its activation, gate and up columns
+        interleaved 16 at a time (as AmxMethod.apply_interleaved: for LoRA)."""
+        return self._widened(layer, x, False)
+
+    @staticmethod
+    def _widened(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        return over_rows(x, lambda rows: torch.ops.llm_cpu.amx_quantized_linear(
+            rows, layer.panels, layer.bias_f32, layer.bits, layer.out_features, gated))
+
 
 def set_weight(layer: Linear, weight: QuantizedWeight) -> None:
-    """Give `layer` these blocks in place of its plain weight."""
+    """Give `layer` these blocks in place of its plain weight, in its method's form of
+    products: amx (panel_layout; a SiLU gate/up weight's rows interleaved so that the product
+    writes silu(gate) * up) unless the layer is a routed expert (quantized_moe runs those, in
+    tiles), its inputs are not a multiple of 32, or the method is vnni."""
     if weight.in_features != layer.in_features or len(weight.d) != layer.out_features:
         raise ValueError(f"a [{len(weight.d)}, {weight.in_features}] quantized weight for a "
                          f"[{layer.out_features}, {layer.in_features}] layer")
     if "weight" in layer._parameters:
         del layer.weight
-    layer.register_buffer("tiles", tile_layout(weight))
-    layer.bits = weight.bits
+    products = getattr(layer.method, "products", "vnni")
+    if getattr(layer, "routed_expert", False) or weight.in_features % BLOCK:
+        products = "vnni"
+    layer.products, layer.bits = products, weight.bits
     bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
+    layer.fused_gate = (products == "amx" and layer.gated
+                        and layer.out_features % (2 * amx.GATE_BLOCK) == 0)
+    if layer.fused_gate:
+        weight = interleave_rows(weight)
+        bias = amx.interleave_gate_up(bias).contiguous() if bias is not None else None
+    if products == "amx":
+        layer.register_buffer("panels", panel_layout(weight))
+    else:
+        layer.register_buffer("tiles", tile_layout(weight))
     layer.register_buffer("bias_f32", bias)
 
 
@@ -285,7 +404,7 @@ class Int4Method(QuantizedMethod):
     name, bits = "int4", 4
 
     def for_head(self) -> LinearMethod:
-        return Int8Method()
+        return Int8Method(self.products)
 
 
 class GgufMethod(QuantizedMethod):
@@ -295,7 +414,7 @@ class GgufMethod(QuantizedMethod):
     name, bits, takes_blocks = "gguf", 8, True
 
     def process(self, layer: Linear) -> None:
-        if not hasattr(layer, "tiles"):
+        if not hasattr(layer, "bits"):
             raise ValueError(f"{layer}: the GGUF file gave this layer no weight")
 
 

@@ -11,14 +11,17 @@ from stages.executor.linear.base import LinearMethod
 from stages.executor.linear.dense import DenseMethod
 from stages.executor.linear.mkl import MklPackedMethod
 from stages.executor.linear.onednn import OneDnnPackedMethod
-from stages.executor.linear.quantized import METHODS, GgufMethod
+from stages.executor.linear.quantized import METHODS, GgufMethod, products_for
 
 
 def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: bool,
                          pack: bool | None = None, quantization: str | None = None,
-                         gguf: GgufSource | None = None, kernels: bool = False) -> LinearMethod:
+                         gguf: GgufSource | None = None, kernels: bool = False,
+                         rows: int = 1) -> LinearMethod:
     """A quantized GGUF file (`gguf`): its own blocks. `quantization` (int8, int4): that
-    quantized format. Either raises ValueError saying why it cannot run here. Otherwise, for
+    quantized format. Either raises ValueError saying why it cannot run here; either takes
+    its products' form from the rows a decode step may hold (`rows`: quantized.products_for).
+    Otherwise, for
     the eager CPU forward, packed weights (`pack`: None as that, False plain, True required):
     where the forward runs on the CPU kernels (`kernels`), bf16 on AMX tiles where the CPU has
     AMX-BF16, else on AVX512-BF16 in the same layout, and float32 for MKL's sgemm where torch
@@ -33,9 +36,9 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
         why = why or _why_not_quantized(GgufMethod, dtype, device, compiled)
         if why is not None:
             raise ValueError(f"{subject}: {why}")
-        return GgufMethod()
+        return GgufMethod(products_for(dtype, rows))
     if quantization is not None:
-        return _quantized(quantization, dtype, device, compiled)
+        return _quantized(quantization, dtype, device, compiled, rows)
     if pack is False:
         return DenseMethod()
     if kernels and not compiled:
@@ -52,15 +55,15 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
     return DenseMethod()
 
 
-def _quantized(name: str, dtype: torch.dtype, device: torch.device,
-               compiled: bool) -> LinearMethod:
+def _quantized(name: str, dtype: torch.dtype, device: torch.device, compiled: bool,
+               rows: int) -> LinearMethod:
     method = METHODS.get(name)
     if method is None:
         raise ValueError(f"--quantization {name!r}: the formats are {', '.join(METHODS)}")
     why = _why_not_quantized(method, dtype, device, compiled)
     if why is not None:
         raise ValueError(f"--quantization {name}: {why}")
-    return method()
+    return method(products_for(dtype, rows))
 
 
 def _why_not_quantized(method: type[LinearMethod], dtype: torch.dtype, device: torch.device,

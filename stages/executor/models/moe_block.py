@@ -81,6 +81,8 @@ class Expert(nn.Module):
         # (AMX fuses SiLU-and-mul)
         self.gate_up_proj.gated = act is None and activation == "silu"
         self.down_proj = PartialRowLinear(intermediate, hidden, bias, linear, shard)
+        # (quantized experts keep quantized_linear's tiles, which quantized_moe stacks)
+        self.gate_up_proj.routed_expert = self.down_proj.routed_expert = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated_forward(x, self.act_and_mul))
