@@ -24,13 +24,14 @@ def live_config(model_dir: Path, *, num_tokenizers: int = 1, num_detokenizers: i
                 max_num_batched_tokens: int = 256, block_size: int = 16,
                 max_model_len: int | None = None, device: str = "cpu",
                 compile: bool | None = None, quantization: str | None = None,
-                speculative: SpeculativeConfig | None = None) -> PipelineConfig:
+                speculative: SpeculativeConfig | None = None,
+                dtype: str = "float32") -> PipelineConfig:
     return PipelineConfig(
         model=ModelInfo.from_dir(model_dir, max_model_len),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   block_size=block_size, depth=depth, speculative=speculative),
-        executor=ExecutorConfig.for_device(device, dtype="float32",
+        executor=ExecutorConfig.for_device(device, dtype=dtype,
                                            kv_cache_memory=kv_cache_memory, compile=compile,
                                            quantization=quantization),
         num_tokenizers=num_tokenizers, num_detokenizers=num_detokenizers, ready_timeout_s=120)

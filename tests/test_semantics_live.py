@@ -55,20 +55,23 @@ def test_seeded_requests_are_reproducible_across_batches_and_overlap(
     assert len({tuple(r) for r in runs[0]}) == 4
 
 
-@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_quantized),
-                                          pytest.param("gguf", marks=needs_quantized)])
+@pytest.mark.parametrize("quantization,dtype", [
+    (None, "float32"), pytest.param("int8", "float32", marks=needs_quantized),
+    pytest.param("gguf", "float32", marks=needs_quantized),
+    pytest.param("gguf", "bfloat16", marks=needs_quantized)])  # (widened on AMX, where it is)
 def test_stop_string_n_logprobs_and_prefix_cache(request: pytest.FixtureRequest,
                                                  tiny_model_dir: Path,
-                                                 quantization: str | None) -> None:
+                                                 quantization: str | None, dtype: str) -> None:
     """The request semantics through the live pipeline, with float32 weights, quantized
     ones (whose kernel also runs one-token decode steps and multi-token prefill chunks),
-    and a GGUF file's blocks (its tokenizer and config read from the file's metadata)."""
+    and a GGUF file's blocks (its tokenizer and config read from the file's metadata), in
+    float32 and, with bf16 activations, its products widened on AMX where the CPU has it."""
     if quantization == "gguf":
         model, quantization = request.getfixturevalue("tiny_gguf_dir"), None
     else:
         model = tiny_model_dir
     cfg = live_config(model, max_num_seqs=8, max_num_batched_tokens=64,
-                      quantization=quantization)
+                      quantization=quantization, dtype=dtype)
     with running(cfg) as pipe:
         client = pipe.client()
         system = "You are a helpful assistant. Answer in one short sentence, please. " * 2

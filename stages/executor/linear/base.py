@@ -57,11 +57,18 @@ class Linear(nn.Module):
     """y = x W^T + b through `method`. Parameters as nn.Linear's (so checkpoints load by
     name); built on the meta device, filled by load_state_dict(assign=True)."""
 
+    # (set by a format's process where it has them: its codes' bits, its quantized products'
+    # form, whether its product writes silu(gate) * up itself)
+    bits: int
+    products: str
+    fused_gate: bool
+
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  method: LinearMethod) -> None:
         super().__init__()
         self.in_features, self.out_features, self.method = in_features, out_features, method
         self.gated = False  # an MLP's gate/up product: its output goes through silu_and_mul
+        self.routed_expert = False  # one of a mixture's experts (moe_block.py)
         if not method.takes_blocks:
             self.weight = nn.Parameter(torch.empty(out_features, in_features),
                                        requires_grad=False)

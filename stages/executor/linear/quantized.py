@@ -29,6 +29,7 @@ model at load (`products_for`): AMX where a step may hold AMX_ROWS rows or more.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ import torch
 from stages.executor import kernels
 from stages.executor.linear import amx
 from stages.executor.linear.base import Linear, LinearMethod, over_rows
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 32
 PAIR = 64
@@ -306,8 +309,14 @@ def kernel_missing() -> str | None:
 def products_for(dtype: torch.dtype, rows: int) -> str:
     """The form of a model's quantized products (module docstring): "amx" for bf16
     activations on a CPU with AMX where a step may hold `rows` >= AMX_ROWS, else "vnni"."""
-    if dtype == torch.bfloat16 and rows >= AMX_ROWS and amx.kernel_missing() is None:
+    why = (f"{dtype} activations" if dtype != torch.bfloat16
+           else f"steps of at most {rows} rows (max_num_seqs < {AMX_ROWS})" if rows < AMX_ROWS
+           else amx.kernel_missing())
+    if why is None:
+        logger.info("quantized products: widened to bf16 on AMX tiles (steps of up to %d rows)",
+                    rows)
         return "amx"
+    logger.info("quantized products: AVX512-VNNI integer dot products (%s)", why)
     return "vnni"
 
 
