@@ -305,16 +305,15 @@ class Worker {
       _tile_zero(2);
       _tile_zero(3);
     }
+    // Quantized: chunk c + 1 is widened once chunk c's tiles are loaded from the other
+    // buffer, so that a tile load never waits on the stores just made.
+    if constexpr (kBits != 0) widen_chunk<kBits>(w, widened_[0]);
     for (int64_t c = 0; c < p_.chunks; ++c) {
-      const uint8_t* chunk = w + c * step;
+      const uint8_t* chunk = kBits == 0 ? w + c * step : widened_[c & 1];
       if (ahead != nullptr) {  // the next panel's chunk into L2 while this one computes
         for (int64_t line = 0; line < step; line += 64) {
           _mm_prefetch(ahead + c * step + line, _MM_HINT_T1);
         }
-      }
-      if constexpr (kBits != 0) {  // (two buffers: a chunk widens while the last computes)
-        widen_chunk<kBits>(chunk, widened_[c & 1]);
-        chunk = widened_[c & 1];
       }
       if constexpr (kStream) {  // (a hint: kept in L2, not L1, where x's tiles are)
         _tile_stream_loadd(6, chunk, 64);
@@ -330,6 +329,9 @@ class Worker {
         _tile_loadd(5, a1 + c * a_step, a_stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+      }
+      if constexpr (kBits != 0) {
+        if (c + 1 < p_.chunks) widen_chunk<kBits>(w + (c + 1) * step, widened_[(c + 1) & 1]);
       }
       if (c == 0) results_.write(p_.n, p_.bias, p_.gated, p_.y);
     }
@@ -455,7 +457,9 @@ void run_product(const Product& p, const c10::BFloat16* xp, int64_t k, int64_t m
     tile_rows(xp, k, m_begin, m_end, xt);
     parallel_queue(panels, grain, Order::kOwnRuns, [&](WorkQueue& queue, int64_t w) {
       Worker worker(p);
-      uint8_t* mine = widened.mutable_data_ptr<uint8_t>() + w * grain * p.chunks * kChunkBytes;
+      uint8_t* mine = kBits == 0 ? nullptr
+                                 : widened.mutable_data_ptr<uint8_t>() +
+                                       w * grain * p.chunks * kChunkBytes;
       for (int64_t begin, end; queue.take(w, begin, end);)
         run_slab<kBits>(worker, p, xt, m_begin, m_end, begin, end, mine);
     });
