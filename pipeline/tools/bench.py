@@ -458,8 +458,9 @@ def add_throughput_parser(sub: Any) -> None:
                         "a comma list runs each (for the plot; the last is the headline)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the pipeline's and the limit's max_num_seqs where it should exceed "
-                        "the batch: one stream in an engine built for batches (whose "
-                        "quantized products are chosen for them: docs/ARCHITECTURE.md)")
+                        "the batch, both then given the prompts a batch at a time: one "
+                        "stream in an engine built for batches (whose quantized products "
+                        "are chosen for them: docs/ARCHITECTURE.md)")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="throughput_vs_batch.png when several batch sizes are given")
     p.add_argument("--tensor-parallel-size", type=int,

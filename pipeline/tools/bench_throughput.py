@@ -87,8 +87,13 @@ def run_pipeline(args: argparse.Namespace, work: Workload) -> EngineResult:
     with Pipeline(cfg) as pipe:
         client = pipe.client()
         client.generate([[ChatMessage("user", "warm up")]], SamplingParams(max_tokens=2))
+        # (an engine built for more rows than the batch runs the prompts a batch at a time)
+        wave = args.batch_size if engine_seqs(args) > args.batch_size else len(work.prompts)
         start = time.perf_counter()
-        outs = client.generate(work.prompts, params)  # type: ignore[arg-type]
+        outs = []
+        for lo in range(0, len(work.prompts), wave):
+            outs += client.generate(work.prompts[lo:lo + wave],  # type: ignore[arg-type]
+                                    params[lo:lo + wave])
         seconds = time.perf_counter() - start
         stats = pipe.idle_stats()
     print(f"  {_named('pipeline', args)}: device idle {stats.device_idle_fraction:.1%} of the "
