@@ -217,14 +217,15 @@ void widen_chunk(const uint8_t* q, uint8_t* out) {
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 64 + 32 * half)));
     const __m512 d0 = value_lanes(d, false), d1 = value_lanes(d, true);
     const __m512 m0 = value_lanes(mn, false), m1 = value_lanes(mn, true);
-    // (5 bits) the half's 16 rows' fifth bits. Read a word a row inside the loop instead,
-    // GCC 12 at -O2 dropped the whole function's calls, as if it had no effect.
+    // (5 bits) the half's 16 rows' fifth bits, read at once: read a word a row inside the
+    // loop, the function's calls were dropped by GCC 12 at -O2 as if they had no effect.
     alignas(64) uint32_t words[16];
     if constexpr (kBits == 5) _mm512_store_si512(words, _mm512_loadu_si512(fifth + 64 * half));
     for (int64_t p = 0; p < 16; ++p) {
       const int64_t row = half * 16 + p;
       const uint8_t* codes = q + row * kRowBytes;
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+      const __m512i v =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
       __m512i v0, v1;
       if constexpr (kBits == 8) {
         v0 = v;
