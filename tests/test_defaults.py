@@ -287,6 +287,7 @@ BENCH_OWN = {
     ("quality", "quantization"), ("quality", "kv_cache_dtype"),  # the formats it compares
     ("throughput", "quantization"), ("throughput", "kv_cache_dtype"),  # lists of formats to
     # run again with
+    ("throughput", "max_num_seqs"),  # the batch size unless given: an engine built for more
 }
 
 

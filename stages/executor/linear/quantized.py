@@ -21,8 +21,8 @@ On a CPU with AMX and bf16 activations, an engine that may run several rows a st
 same blocks in a second layout (`panel_layout`): csrc/amx_linear.cpp's
 `amx_quantized_linear` widens each block to bf16 (w = d * code + mn, rounded once) in L1 as
 the product runs and multiplies on AMX-BF16 tiles, the activations as they are. At 32 rows
-that is 5-6x quantized_linear's time and about bf16's own (docs/BENCHMARKS.md), but at one
-row it is compute-bound on the widening, ~3x slower. A row's result differs between the two
+takes a sixth of quantized_linear's time, about bf16's own (docs/BENCHMARKS.md), but at one
+row it is bound by the widening, 1.2-2.4x slower. A row's result differs between the two
 forms, and must not depend on how many rows share a step, so the form is chosen once per
 model at load (`products_for`): AMX where a step may hold AMX_ROWS rows or more."""
 
@@ -45,8 +45,8 @@ BLOCK = 32
 PAIR = 64
 QUANTIZATIONS = ("int8", "int4")
 # The fewest rows a decode step may hold (the engine's max_num_seqs) for which quantized
-# products run widened on AMX tiles: at 8 rows they took half quantized_linear's time, at
-# one row three times it (docs/BENCHMARKS.md).
+# products run widened on AMX tiles: at 8 rows they took half quantized_linear's time or
+# less, at one row 1.2-2.4 times it (docs/BENCHMARKS.md).
 AMX_ROWS = 4
 
 
