@@ -28,9 +28,8 @@ import torch
 
 from ipc.lora import ENTRY, AdapterSpec, read_adapter
 from ipc.messages import LoraLoad
-from stages.executor.linear.amx import GATE_BLOCK, AmxMethod
+from stages.executor.linear.amx import GATE_BLOCK
 from stages.executor.linear.base import Linear, LinearMethod
-from stages.executor.linear.quantized import QuantizedMethod
 
 logger = logging.getLogger(__name__)
 
@@ -298,8 +297,8 @@ class LoraMethod(LinearMethod):
     def apply_gated(self, layer: Linear, x: torch.Tensor,
                     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """A fused gate/up product (bf16's packed forms: amx.py; quantized products widened
-        on AMX: quantized.py) keeps its fused activation
-        where the step adds no adapter here; else its gate and up columns come interleaved
+        on AMX: quantized.py) keeps its fused activation where the step adds no adapter
+        here; else its gate and up columns come interleaved
         (16 of each in turn), the kernel adds each token's adapter to them in that order,
         and the activation reads them so (silu_and_mul's `interleaved`: fused gates are
         silu's, blocks.py)."""
@@ -307,7 +306,6 @@ class LoraMethod(LinearMethod):
             return silu_and_mul(self.apply(layer, x))
         if not self.state.adapts(layer):
             return self.base.apply_gated(layer, x, silu_and_mul)
-        assert isinstance(self.base, (AmxMethod, QuantizedMethod))
         y = self.state.add_deltas(layer, x, self.base.apply_interleaved(layer, x))
         return torch.ops.llm_cpu.silu_and_mul(y, True)  # type: ignore[no-any-return]
 

@@ -193,6 +193,8 @@ struct Product {
   bool gated;
   c10::BFloat16* y;
   int64_t chunk_bytes;  // bytes of one chunk of a panel in w: 2048, or a quantized chunk's
+
+  const uint8_t* panel(int64_t i) const { return w + i * chunks * chunk_bytes; }
 };
 
 // Lanes i of a half's 16 scales, per value of a tile row: value i (0..15) is output i / 2 of
@@ -249,7 +251,7 @@ void widen_chunk(const uint8_t* q, uint8_t* out) {
 template <int kBits>
 void widen_panels(const Product& p, int64_t begin, int64_t end, uint8_t* out) {
   for (int64_t panel = begin; panel < end; ++panel) {
-    const uint8_t* q = p.w + panel * p.chunks * p.chunk_bytes;
+    const uint8_t* q = p.panel(panel);
     for (int64_t c = 0; c < p.chunks; ++c, q += p.chunk_bytes, out += kChunkBytes)
       widen_chunk<kBits>(q, out);
   }
@@ -288,9 +290,7 @@ class Worker {
     }
   }
 
-  const uint8_t* panel_at(int64_t panel) const {
-    return p_.w + panel * p_.chunks * p_.chunk_bytes;
-  }
+  const uint8_t* panel_at(int64_t panel) const { return p_.panel(panel); }
 
  private:
   // The row pair over every chunk of K: 2 (or, kTwo false, 1) x 2 result tiles; the previous

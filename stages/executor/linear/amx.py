@@ -22,8 +22,6 @@ separate silu_and_mul pass goes through memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from stages.executor import kernels
@@ -111,17 +109,8 @@ class AmxMethod(LinearMethod):
                                "call gated_forward")
         return self._run(layer, x, False)
 
-    def apply_gated(self, layer: Linear, x: torch.Tensor,
-                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if not layer.fused_gate:
-            return super().apply_gated(layer, x, silu_and_mul)
-        return self._run(layer, x, True)
-
-    def apply_interleaved(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """A fused gate/up layer's product without its activation: [T, out], its gate and
-        up columns interleaved 16 at a time (interleave_gate_up), for a caller that adds to
-        them before the activation (LoRA: stages/executor/lora.py)."""
-        return self._run(layer, x, False)
+    def fused_product(self, layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        return self._run(layer, x, gated)
 
     @staticmethod
     def _run(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:

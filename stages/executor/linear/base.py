@@ -41,8 +41,22 @@ class LinearMethod(ABC):
     def apply_gated(self, layer: Linear, x: torch.Tensor,
                     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """An MLP's gate/up layer (`layer.gated`): silu(gate) * up of x [T, in] -> [T, out / 2];
-        a format may compute it in the product's own pass (amx.py)."""
+        where the format interleaved the layer's gate and up rows (`layer.fused_gate`: amx.py,
+        quantized.py), its product computes it in its own pass (fused_product)."""
+        if getattr(layer, "fused_gate", False):
+            return self.fused_product(layer, x, True)
         return silu_and_mul(self.apply(layer, x))
+
+    def apply_interleaved(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A fused gate/up layer's product without its activation: [T, out], its gate and
+        up columns interleaved 16 at a time (amx.interleave_gate_up), for a caller that adds
+        to them before the activation (LoRA: stages/executor/lora.py)."""
+        return self.fused_product(layer, x, False)
+
+    def fused_product(self, layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        """The product of a layer whose gate and up rows this format interleaved; gated:
+        silu(gate) * up of it."""
+        raise NotImplementedError(f"{self.name} interleaves no gate and up rows")
 
 
 def over_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

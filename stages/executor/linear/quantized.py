@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -358,16 +357,8 @@ class QuantizedMethod(LinearMethod):
         return over_rows(x, lambda rows: torch.ops.llm_cpu.quantized_linear(
             rows, layer.tiles, layer.bias_f32, layer.bits, layer.out_features))
 
-    def apply_gated(self, layer: Linear, x: torch.Tensor,
-                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if not layer.fused_gate:
-            return super().apply_gated(layer, x, silu_and_mul)
-        return self._widened(layer, x, True)
-
-    def apply_interleaved(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """A fused gate/up layer's product without its activation, gate and up columns
-        interleaved 16 at a time (as AmxMethod.apply_interleaved: for LoRA)."""
-        return self._widened(layer, x, False)
+    def fused_product(self, layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        return self._widened(layer, x, gated)
 
     @staticmethod
     def _widened(layer: Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:

@@ -21,12 +21,11 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, compiled: boo
     """A quantized GGUF file (`gguf`): its own blocks. `quantization` (int8, int4): that
     quantized format. Either raises ValueError saying why it cannot run here; either takes
     its products' form from the rows a decode step may hold (`rows`: quantized.products_for).
-    Otherwise, for
-    the eager CPU forward, packed weights (`pack`: None as that, False plain, True required):
-    where the forward runs on the CPU kernels (`kernels`), bf16 on AMX tiles where the CPU has
-    AMX-BF16, else on AVX512-BF16 in the same layout, and float32 for MKL's sgemm where torch
-    has MKL; else oneDNN's packed layout where oneDNN can pack the dtype; plain F.linear
-    otherwise.
+    Otherwise, for the eager CPU forward, packed weights (`pack`: None as that, False plain,
+    True required): where the forward runs on the CPU kernels (`kernels`), bf16 on AMX tiles
+    where the CPU has AMX-BF16, else on AVX512-BF16 in the same layout, and float32 for MKL's
+    sgemm where torch has MKL; else oneDNN's packed layout where oneDNN can pack the dtype;
+    plain F.linear otherwise.
     (TorchInductor lowers packed weights only as frozen constants, which one graph shared
     by every layer cannot have.)"""
     if gguf is not None and gguf.quantized:
