@@ -42,16 +42,33 @@ def _rope_tables(max_len: int, dtype: torch.dtype,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+# (context after the step, queries): decodes (one across a page boundary), a prompt chunk with
+# past, a prompt without past longer than the window, and one of 40 tokens (three tiles of the
+# kernel, each over several pages)
+MIXED_ROWS = [(21, 1), (5, 1), (30, 9), (12, 12), (17, 1), (45, 40)]
+# Decodes of 1 to 3 parts of the kernel's 1,024 keys (a part's edge on each side of the last
+# key), short ones, and two tokens of the vector loop over more than a part.
+LONG_ROWS = [(2100, 1), (1025, 1), (1024, 1), (3, 1), (200, 1), (1100, 2), (1500, 1)]
+# ... and as many short decodes beside them as make a step of enough units for the threads
+# that no decode is split by KV head (cpu_kernels.cpp's kHeadSplitUnits, 8 a thread: up to 8
+# threads).
+MANY_ROWS = LONG_ROWS + [(5 + 3 * i, 1) for i in range(8 * 8)]
+
+
 def _step(dtype: torch.dtype, window: int | None, head_dim: int = HEAD_DIM,
-          block: int = BLOCK, heads: int = HEADS):
-    """A mixed step: decodes (one across a page boundary), a prompt chunk with past, a
-    prompt without past longer than the window, and one of 40 tokens (three tiles of the
-    kernel, each over several pages); the cache holds each sequence's past."""
+          block: int = BLOCK, heads: int = HEADS, rows: list[tuple[int, int]] | None = None):
+    """A step of `rows` (MIXED_ROWS unless given); the cache holds each sequence's past. A
+    sequence of more than 12 pages has blocks for its own; its table's row past them repeats
+    its last (never read)."""
     gen = torch.Generator().manual_seed(7)
-    # (context after the step, queries)
-    rows = [(21, 1), (5, 1), (30, 9), (12, 12), (17, 1), (45, 40)]
-    table = torch.randperm(NUM_BLOCKS, generator=gen)[:len(rows) * 12].view(len(rows), 12).int()
-    kv_cache = torch.randn(2, NUM_BLOCKS, block, KV_HEADS, head_dim, generator=gen).to(dtype)
+    rows = MIXED_ROWS if rows is None else rows
+    pages = [max(12, -(-c // block)) for c, _ in rows]
+    num_blocks = max(NUM_BLOCKS, sum(pages))
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.empty(len(rows), max(pages), dtype=torch.int32)
+    for i, start in enumerate(torch.tensor([0, *pages]).cumsum(0)[:-1].tolist()):
+        table[i] = order[start:start + pages[i]][torch.arange(max(pages)).clamp_max(pages[i] - 1)]
+    kv_cache = torch.randn(2, num_blocks, block, KV_HEADS, head_dim, generator=gen).to(dtype)
     positions = torch.cat([torch.arange(c - q, c) for c, q in rows])
     slots = torch.cat([torch.full((q,), s) for s, (_, q) in enumerate(rows)])
     total = len(positions)
@@ -105,6 +122,46 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
     # the keys (roped in float32, rounded once) and values landed where the table says
     torch.testing.assert_close(kv_cache.float(), expected_cache.float(), atol=tol, rtol=tol)
     assert torch.equal(kv_cache[1], expected_cache[1])
+
+
+@pytest.mark.parametrize(("head_dim", "block", "extra"),
+                         [(HEAD_DIM, BLOCK, None), (HEAD_DIM, 16, None), (64, BLOCK, None),
+                          (64, 16, None), (64, 16, "softcap"), (64, 16, "sinks")])
+@pytest.mark.parametrize("heads", [2, 6, 8, 10])  # 1, 3, 4 or 5 query heads a KV head
+@pytest.mark.parametrize("window", [None, 1100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_long_decodes_in_parts_are_the_pytorch_path_and_their_own_alone(
+        dtype: torch.dtype, window: int | None, head_dim: int, block: int, heads: int,
+        extra: str | None) -> None:
+    """A decode reads its keys in parts of 1,024 (whole pages), a unit of work each that any
+    thread takes, merged in order: over 1 to 3 parts (a window of 1,100 leaves the first part
+    partly out), with a softcap or sinks, in every form of a decode (a group's heads
+    together, their scores on AMX tiles in bf16, the vector loop for one or five query heads a
+    KV head), the output is the torch path's; and each long decode's output is the bits it has
+    in a step of its own, where it is split by KV head too, as it is not among many (what a row
+    reads, and in which order, depends on its position alone)."""
+    q, k, v, kv_cache, table, slots, positions, meta = _step(dtype, window, head_dim, block,
+                                                             heads, MANY_ROWS)
+    if extra == "softcap":
+        q = q * 4  # (scores of a few units: the cap of 1.5 bites)
+    cos, sin = _rope_tables(int(positions.max()) + 1, dtype, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    scale = head_dim ** -0.5
+    softcap = 1.5 if extra == "softcap" else None
+    sinks = (torch.linspace(-1.0, 3.0, heads).to(dtype) if extra == "sinks" else None)
+    expected = paged_attention(q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v,
+                               kv_cache.clone(), meta, scale, softcap=softcap, sinks=sinks)
+    layer = LayerAttention(scale, window, softcap)
+    ropes = [(cos.float(), sin.float())]
+    got = kernel_paged_attention(q, k, v, kv_cache.clone(), KernelMetadata(
+        [table], slots, positions, ropes), layer, sinks)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    for slot in range(len(LONG_ROWS)):  # (each writes its own keys and values, as before)
+        mine = slots == slot
+        alone = kernel_paged_attention(q[mine], k[mine], v[mine], kv_cache, KernelMetadata(
+            [table], slots[mine], positions[mine], ropes), layer, sinks)
+        assert torch.equal(alone, got[mine]), f"row {LONG_ROWS[slot]}"
 
 
 @pytest.mark.parametrize("heads", [4, 8])

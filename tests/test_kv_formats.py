@@ -17,7 +17,7 @@ from stages.executor.backends.cpu_kernels import KernelMetadata, kernel_paged_at
 from stages.executor.backends.select import ForwardRequest, select_backend
 from stages.executor.backends.torch_sdpa import paged_attention
 from stages.executor.kv_pool import FORMATS, KVPool, KVShape, kv_format
-from tests.test_cpu_kernels import TOLERANCE, _rope_tables, _step
+from tests.test_cpu_kernels import LONG_ROWS, TOLERANCE, _rope_tables, _step
 
 needs_kernels = pytest.mark.skipif(not kernels.available(),
                                    reason=f"CPU kernels: {kernels.load()}")
@@ -87,12 +87,30 @@ def test_attention_reads_the_format_as_its_float_values(name: str, dtype: torch.
     decode's heads together, the matrix form) over a cache in the format: the new keys
     (roped) and values land quantized within the format's step, and the output is the torch
     path's over a float32 cache of the values the format holds."""
-    q, k, v, native, table, slots, positions, _ = _step(dtype, window, head_dim, block, heads)
+    _check_format(name, dtype, window, head_dim, block, heads, None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [2, 6])
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("window", [None, 1100])
+def test_long_decodes_in_parts_read_the_format_as_its_float_values(
+        name: str, window: int | None, head_dim: int, heads: int) -> None:
+    """Decodes over 1 to 3 parts of 1,024 keys (cpu_kernels.cpp's kPartitionKeys), merged: the
+    same as the torch path over the format's float values."""
+    _check_format(name, torch.bfloat16, window, head_dim, 16, heads, LONG_ROWS)
+
+
+def _check_format(name: str, dtype: torch.dtype, window: int | None, head_dim: int, block: int,
+                  heads: int, rows: list[tuple[int, int]] | None) -> None:
+    q, k, v, native, table, slots, positions, meta = _step(dtype, window, head_dim, block, heads,
+                                                           rows)
     gen = torch.Generator().manual_seed(11)
     cache = random_cache((*native.shape[:-1], head_dim), name, gen)
     if name == "int8":
         assert cache.shape[-1] == head_dim + 2
-    cos, sin = _rope_tables(64, dtype, head_dim)
+    cos, sin = _rope_tables(int(positions.max()) + 1, dtype, head_dim)
     kernel_meta = KernelMetadata([table], slots, positions, [(cos.float(), sin.float())])
     got = kernel_paged_attention(q, k, v, cache, kernel_meta,
                                  LayerAttention(head_dim ** -0.5, window))
@@ -118,16 +136,11 @@ def test_attention_reads_the_format_as_its_float_values(name: str, dtype: torch.
     queries = _rope(q.float(), c, s) @ rotation
     if name == "int8":
         queries = on_int8_grid(queries * scale) / scale
-    expected = paged_attention(queries, held[0][at], held[1][at], held.clone(),
-                               _meta_for(dtype, window, head_dim, block, heads), scale)
+    expected = paged_attention(queries, held[0][at], held[1][at], held.clone(), meta, scale)
     tol = TOLERANCE[dtype]
     if name == "int8":  # (a query element at a rounding tie may take the next code: the
         tol = max(tol, 3e-3)  # kernel rotates by butterflies, this by a matrix product)
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
-
-
-def _meta_for(dtype: torch.dtype, window: int | None, head_dim: int, block: int, heads: int):
-    return _step(dtype, window, head_dim, block, heads)[-1]
 
 
 @needs_kernels

@@ -9,8 +9,9 @@
 // p - window + 1 with a sliding window), read from block block_table[s][j / BS] at offset
 // j % BS of the cache [2, NB, BS, KVH, D]. The call first rotates (rope) this step's keys and
 // writes them and the values into the cache, then rotates the queries. Queries are grouped
-// into tiles of consecutive positions of one sequence; a work item is a tile and one KV head,
-// whose query heads share every key read (in bf16 or fp16 a page's keys and values of the
+// into tiles of consecutive positions of one sequence; a work item is a tile (a decode in a
+// step of few: one a KV head, and one a part of a long context's keys: kPartitionKeys), whose
+// query heads share every key read (in bf16 or fp16 a page's keys and values of the
 // head are widened to float once for its query heads: at batch 64 in bf16 the conversions
 // per head had made attention 1.7 ms a layer against float32's 1.2). Softmax is online (a
 // running max and sum per row), in float32, a page of keys at a time. Nothing is gathered or
@@ -38,9 +39,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1061,6 +1065,44 @@ struct Tile {
   int64_t len;    // consecutive positions of one sequence
 };
 
+// A step's few decodes on every thread. One thread had read a decode's every key while the
+// others waited, at ~10 GB/s (a single stream's latency, not the memory's bandwidth): 30
+// layers' caches in turn, the default model's heads, one sequence at 1,024 tokens took 72-84
+// us a layer, 23-28 at 256. Now a step of fewer than kHeadSplitUnits units a thread splits its
+// decodes by KV head (the same arithmetic: the heads are independent), 44-50 and 17-19 us;
+// at 32 sequences a decode is one unit (a head's rows are a third of every page, read with a
+// stride), as fast as before. And a decode's keys come in parts of kPartitionKeys (whole pages
+// from page 0), each part's online softmax a unit of its own, merged in order (merge_parts):
+// a long context on many threads. A part costs ~1 us (its partials, its merge, its first page
+// unprefetched): parts of 128 keys cost 32 sequences of 256 tokens 10-15%, so they are long
+// enough that a part is ~1% of its work. What a row reads, and in which order, depends on its
+// position alone, never on the step's other rows.
+constexpr int64_t kHeadSplitUnits = 8;
+constexpr int64_t kPartitionKeys = 1024;
+
+// The rows of a decode's head group from its parts, in order: part p's row j at
+// parts[(p * rows + j) * (d + 2)] holds its d unnormalised sums of values, its running max and
+// its sum of exp(score - max). out: the rows' d outputs each, consecutive.
+template <typename T>
+void merge_parts(const float* parts, int64_t count, int64_t rows, int64_t d, T* out) {
+  const int64_t stride = d + 2;
+  thread_local std::vector<float> acc;
+  acc.resize(d);
+  for (int64_t j = 0; j < rows; ++j) {
+    float top = -INFINITY;
+    for (int64_t p = 0; p < count; ++p) top = std::max(top, parts[(p * rows + j) * stride + d]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float sum = 0.0f;
+    for (int64_t p = 0; p < count; ++p) {
+      const float* part = parts + (p * rows + j) * stride;
+      const float weight = std::exp(part[d] - top);  // (0 for a part that saw no key)
+      sum += part[d + 1] * weight;
+      for (int64_t e = 0; e < d; ++e) acc[e] += part[e] * weight;
+    }
+    store_row(acc.data(), 1.0f / sum, d, out + j * d);
+  }
+}
+
 // Rope (Hugging Face's rotate_half convention) of one head vector, into float.
 template <typename T>
 inline void rope(const T* x, const float* cos, const float* sin, int64_t d, float* out) {
@@ -1237,6 +1279,80 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
   }
 
+  // Units of work (3 below): a tile of a prompt in matrix form is one; a tile of the vector
+  // loop is one, or one a KV head in a step of few units; a decode's, one a part of its keys,
+  // merged in order by whichever thread finishes the last part (see kPartitionKeys).
+  const int64_t part_pages = std::max<int64_t>(1, kPartitionKeys / block_size);
+  struct Unit {
+    int64_t tile, g;            // g: -1, every KV head
+    int64_t page_lo, page_hi;   // the pages it reads, of those its rows see
+    int64_t part, parts;        // its place among its head's parts; parts > 1: partials
+    bool matrix;                // a tile of a prompt in matrix form (3b, 3c)
+  };
+  std::vector<Unit> units;
+  std::vector<int64_t> partial_at(tiles.size(), -1);  // a split decode's partials, floats in
+  int64_t partial_floats = 0;
+  // Whether the vector loop's tiles are split by KV head too: where the step has few units
+  // for the threads (a KV head's rows are every key's 1 / kv_heads, read with a stride).
+  int64_t whole = 0;
+  for (const Tile& tile : tiles) {
+    if (tile.len * group >= kMatrixRows) {
+      ++whole;
+      continue;
+    }
+    const int64_t first = pos[tile.start], last = first + tile.len - 1;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    whole += tile.len == 1 ? last / block_size / part_pages - lo / block_size / part_pages + 1 : 1;
+  }
+  const bool by_head = whole < kHeadSplitUnits * std::max(1, at::get_num_threads());
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
+    const Tile& tile = tiles[t];
+    if (tile.len * group >= kMatrixRows) {
+      units.push_back({t, -1, 0, INT64_MAX, 0, 1, true});
+      continue;
+    }
+    const int64_t first = pos[tile.start], last = first + tile.len - 1;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    // Parts by the pages' own index (part_pages of them from page 0): what a row reads and in
+    // which order depends on its position alone, never on the step's other rows.
+    const int64_t part_lo = tile.len == 1 ? lo / block_size / part_pages : 0;
+    const int64_t part_hi = tile.len == 1 ? last / block_size / part_pages + 1 : 1;
+    const int64_t parts = part_hi - part_lo;
+    if (parts > 1) {
+      partial_at[t] = partial_floats;
+      partial_floats += kv_heads * parts * group * (d + 2);
+    }
+    for (int64_t g = 0; g < (by_head ? kv_heads : 1); ++g) {
+      for (int64_t p = part_lo; p < part_hi; ++p) {
+        units.push_back({t, by_head ? g : -1, parts > 1 ? p * part_pages : 0,
+                         parts > 1 ? (p + 1) * part_pages : INT64_MAX, p - part_lo, parts,
+                         false});
+      }
+    }
+  }
+  // [tile][g][part][row of the group][d values, running max, running sum]
+  std::vector<float> partials(partial_floats);
+  std::unique_ptr<std::atomic<int64_t>[]> parts_done(
+      new std::atomic<int64_t>[tiles.size() * kv_heads]());
+
+  // Decodes' scores on AMX tiles (tile_keys) where the build, the CPU and the kernel allow,
+  // a page being whole tiles of keys.
+  const int64_t tile_rows = std::min<int64_t>(16, block_size);
+#if LLM_CPU_AMX
+  const bool amx_decode = std::is_same_v<C, c10::BFloat16> && kVectorHead<kD> && group >= 2 &&
+                          group <= 4 && block_size % tile_rows == 0 &&
+                          llm_cpu_amx::request_tiles();
+#else
+  const bool amx_decode = false;
+#endif
+  // The decodes whose queries group_keys reads split in pairs (split_floats, in 2 below: once
+  // for every unit of the decode).
+  std::vector<char> split_query(num_tokens, 0);
+  if (kVectorHead<kD> && std::is_same_v<C, c10::BFloat16> && !amx_decode && group >= 2 &&
+      group <= 4) {
+    for (const Tile& tile : tiles) split_query[tile.start] = tile.len == 1;
+  }
+
   // 2. This step's keys (rotated) and values into the cache; the queries rotated and scaled.
   at::Tensor qf = at::empty({num_tokens, heads, d}, q.options().dtype(at::kFloat));
   float* qf_ptr = qf.data_ptr<float>();
@@ -1273,34 +1389,39 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         // logprobs are those its decodes would see; bench quality measures what decodes do).
         if constexpr (std::is_same_v<F, llm_cpu_kv::Int8Rows>) round_to_int8_grid(qd, d);
       }
+      if (split_query[t]) {
+        float* qt = qf_ptr + t * heads * d;
+        for (int64_t e = 0; e < heads * d; e += 32) {
+          v16f even, odd;
+          split_floats(qt + e, even, odd);
+          store16(qt + e, even);
+          store16(qt + e + 16, odd);
+        }
+      }
     }
   });
 
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t kv_stride = kv_heads * row;  // between keys of one head in a page
-  // Decodes' scores on AMX tiles (tile_keys) where the build, the CPU and the kernel allow,
-  // a page being whole tiles of keys.
-  const int64_t tile_rows = std::min<int64_t>(16, block_size);
-#if LLM_CPU_AMX
-  const bool amx_decode = std::is_same_v<C, c10::BFloat16> && kVectorHead<kD> && group >= 2 &&
-                          group <= 4 && block_size % tile_rows == 0 &&
-                          llm_cpu_amx::request_tiles();
-#endif
 
-  // 3. Attention per tile, every head: a page is read whole, once (its KV heads are
-  // interleaved in memory). Row r = i * heads + h holds query i's head h.
-  auto work = [&](const Tile& tile, float* acc, float* row_max, float* row_sum,
+  // 3. Attention of a unit of the vector loop: a tile's rows of KV head u.g over its pages in
+  // [u.page_lo, u.page_hi). Row r = i * heads + h holds query i's head h. A unit of a decode
+  // split in parts leaves its rows' running sums, maxima and max-relative sums in partials;
+  // any other writes its rows' outputs.
+  auto work = [&](const Unit& u, float* acc, float* row_max, float* row_sum,
                   float* scores, float* page_kv, int& tiles_config) {
+    const Tile& tile = tiles[u.tile];
     const int64_t slot = slots[tile.start];
     const int64_t first = pos[tile.start];
     const int64_t last = first + tile.len - 1;
     const int64_t rows = tile.len * heads;
+    const int64_t g_lo = u.g < 0 ? 0 : u.g, g_hi = u.g < 0 ? kv_heads : u.g + 1;
     std::fill(acc, acc + rows * d, 0.0f);
     std::fill(row_max, row_max + rows, -INFINITY);
     std::fill(row_sum, row_sum + rows, 0.0f);
-    if (sinks != nullptr) start_with_sinks(sinks, heads, rows, row_max, row_sum);
-    const int64_t lo_first = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-    const int64_t last_page = last / block_size;
+    if (sinks != nullptr && u.part == 0) start_with_sinks(sinks, heads, rows, row_max, row_sum);
+    const int64_t lo_first = std::max(window > 0 ? std::max<int64_t>(0, first - window + 1) : 0,
+                                      u.page_lo * block_size);
+    const int64_t last_page = std::min(last / block_size, u.page_hi - 1);
     bool decoded = false;  // by tile_keys
 #if LLM_CPU_AMX
     if constexpr (kVectorHead<kD> && std::is_same_v<C, c10::BFloat16>) {
@@ -1311,7 +1432,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         }
         alignas(64) float c[256];
         alignas(64) uint32_t qb[kD / 32 * 256];
-        for (int64_t g = 0; g < kv_heads; ++g) {  // a head's query tiles stay over its pages
+        for (int64_t g = g_lo; g < g_hi; ++g) {  // a head's query tiles stay over its pages
           const int64_t h0 = g * group;
           auto run = [&](auto heads_of_group) {
             constexpr int kG = decltype(heads_of_group)::value;
@@ -1322,7 +1443,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               if (page < last_page) {  // the next page is elsewhere: fetch it meanwhile
                 prefetch_head(k_cache, v_cache, table[slot * table_stride + page + 1],
                               block_size, kv_stride, g * row, row);
-              } else if (g + 1 < kv_heads) {  // the next head's first page
+              } else if (g + 1 < g_hi) {  // the next head's first page
                 prefetch_head(k_cache, v_cache, table[slot * table_stride + lo_first / block_size],
                               block_size, kv_stride, (g + 1) * row, row);
               }
@@ -1353,7 +1474,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         q_codes.resize(heads * d);
         q_sums.resize(heads);
         q_scales.resize(heads);
-        for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t h = g_lo * group; h < g_hi * group; ++h) {
           int8_query(qf_ptr + (tile.start * heads + h) * d, d, q_codes.data() + h * d,
                      q_sums.data() + h, q_scales.data() + h);
         }
@@ -1361,25 +1482,14 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
 #endif
     if (!decoded) {
-      if constexpr (kVectorHead<kD> && std::is_same_v<C, c10::BFloat16>) {
-        if (tile.len == 1 && group >= 2 && group <= 4) {  // group_keys reads them split in pairs
-          float* qt = qf_ptr + tile.start * heads * d;
-          for (int64_t e = 0; e < heads * d; e += 32) {
-            v16f even, odd;
-            split_floats(qt + e, even, odd);
-            store16(qt + e, even);
-            store16(qt + e + 16, odd);
-          }
-        }
-      }
       for (int64_t page = lo_first / block_size; page <= last_page; ++page) {
         const int64_t page_start = page * block_size;
         const int64_t block = table[slot * table_stride + page];
         if (page < last_page) {  // the next page is elsewhere: fetch it while this one runs
-          prefetch_page(k_cache, v_cache, table[slot * table_stride + page + 1], block_size,
-                        kv_stride);
+          prefetch_head(k_cache, v_cache, table[slot * table_stride + page + 1], block_size,
+                        kv_stride, g_lo * row, (g_hi - g_lo) * row);
         }
-        for (int64_t g = 0; g < kv_heads; ++g) {
+        for (int64_t g = g_lo; g < g_hi; ++g) {
           const C* kp = k_cache + block * block_size * kv_stride + g * row;
           const C* vp = v_cache + block * block_size * kv_stride + g * row;
           // The tile's rows over this page's keys and values of head g (T, or float widened).
@@ -1470,10 +1580,34 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         }
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const float inv = 1.0f / row_sum[r];
-      T* o = out_ptr + (tile.start * heads + r) * d;  // rows of a tile are contiguous in out
-      store_row(acc + r * d, inv, d, o);
+    if (u.parts == 1) {
+      for (int64_t i = 0; i < tile.len; ++i) {
+        for (int64_t h = g_lo * group; h < g_hi * group; ++h) {
+          const int64_t r = i * heads + h;
+          T* o = out_ptr + (tile.start * heads + r) * d;  // rows of a tile are contiguous in out
+          store_row(acc + r * d, 1.0f / row_sum[r], d, o);
+        }
+      }
+      return;
+    }
+    // A decode's part: its heads' rows into partials; the last part to finish merges.
+    const int64_t stride = d + 2, head_floats = u.parts * group * stride;
+    float* tile_partials = partials.data() + partial_at[u.tile];
+    for (int64_t g = g_lo; g < g_hi; ++g) {
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t r = g * group + j;
+        float* at = tile_partials + g * head_floats + (u.part * group + j) * stride;
+        std::memcpy(at, acc + r * d, d * sizeof(float));
+        at[d] = row_max[r];
+        at[d + 1] = row_sum[r];
+      }
+    }
+    if (parts_done[u.tile * kv_heads + g_lo].fetch_add(1, std::memory_order_acq_rel) + 1 ==
+        u.parts) {
+      for (int64_t g = g_lo; g < g_hi; ++g) {
+        merge_parts(tile_partials + g * head_floats, u.parts, group, d,
+                    out_ptr + (tile.start * heads + g * group) * d);
+      }
     }
   };
 
@@ -1693,40 +1827,54 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   };
 #endif
 
-  // Tiles taken one at a time as the threads go: a prompt's last tiles read many more keys
-  // than its first.
-  llm_cpu_work::parallel_queue(num_tiles, 1, llm_cpu_work::Order::kShared,
+  // Units taken one at a time as the threads go: a prompt's last tiles read many more keys
+  // than its first. The vector loop's buffers are the thread's own from call to call (work
+  // fills what it reads): fresh zeroed ones had cost a decode's every layer ~100 KB of memset
+  // a thread. The matrix forms' are made when a thread first takes one of their tiles.
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  llm_cpu_work::parallel_queue(num_units, 1, llm_cpu_work::Order::kShared,
                                [&](llm_cpu_work::WorkQueue& queue, int64_t w) {
     const int64_t rows = tile_len * heads;
-    std::vector<float> acc(rows * d), row_max(rows), row_sum(rows);
-    std::vector<float> scores(std::max<int64_t>(group, 1) * (block_size + kScorePad));
-    std::vector<float> page_kv(std::is_same_v<C, float> ? 0 : 2 * block_size * d);
+    const int64_t score_floats = std::max<int64_t>(group, 1) * (block_size + kScorePad);
+    const int64_t page_floats = std::is_same_v<C, float> ? 0 : 2 * block_size * d;
+    thread_local std::vector<float> scratch;
+    const int64_t scratch_floats = rows * d + 2 * rows + score_floats + page_floats;
+    if (static_cast<int64_t>(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
+    float* acc = scratch.data();
+    float* row_max = acc + rows * d;
+    float* row_sum = row_max + rows;
+    float* scores = row_sum + rows;
+    float* page_kv = scores + score_floats;
     int tiles_config = kNoTiles;  // how this thread's tiles are configured
-    RowBuffers buf{std::vector<float>(max_vectors * d * 16), std::vector<float>(max_vectors * d * 16),
-                   std::vector<float>(kChunk * d), std::vector<float>(kChunk * d), make_stats()};
+    std::unique_ptr<RowBuffers> buf;
 #if LLM_CPU_AMX
-    TileRows tile_buf;
-    if (amx_rows) {
-      tile_buf = {std::vector<uint32_t>(max_vectors * d / 32 * 256),
-                  std::vector<float>(max_vectors * 16 * d),
-                  std::vector<uint32_t>(d / 16 * 128),
-                  std::vector<float>(256),
-                  std::vector<c10::BFloat16>(256), make_stats()};
-    }
+    std::unique_ptr<TileRows> tile_buf;
 #endif
     for (int64_t first, last; queue.take(w, first, last);) {
-      const int64_t t = first;
-      if (tiles[t].len * group >= kMatrixRows) {
+      const Unit& u = units[first];
+      if (u.matrix) {
 #if LLM_CPU_AMX
         if (amx_rows) {
-          work_rows_amx(tiles[t], tile_buf, tiles_config);
+          if (!tile_buf) {
+            tile_buf.reset(new TileRows{std::vector<uint32_t>(max_vectors * d / 32 * 256),
+                                        std::vector<float>(max_vectors * 16 * d),
+                                        std::vector<uint32_t>(d / 16 * 128),
+                                        std::vector<float>(256),
+                                        std::vector<c10::BFloat16>(256), make_stats()});
+          }
+          work_rows_amx(tiles[u.tile], *tile_buf, tiles_config);
           continue;
         }
 #endif
-        work_rows(tiles[t], buf);
+        if (!buf) {
+          buf.reset(new RowBuffers{std::vector<float>(max_vectors * d * 16),
+                                   std::vector<float>(max_vectors * d * 16),
+                                   std::vector<float>(kChunk * d), std::vector<float>(kChunk * d),
+                                   make_stats()});
+        }
+        work_rows(tiles[u.tile], *buf);
       } else {
-        work(tiles[t], acc.data(), row_max.data(), row_sum.data(), scores.data(),
-             page_kv.data(), tiles_config);
+        work(u, acc, row_max, row_sum, scores, page_kv, tiles_config);
       }
     }
 #if LLM_CPU_AMX
