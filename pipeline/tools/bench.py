@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.tools.bench_products import add_products_parser
 
     add_products_parser(sub)
+    from pipeline.tools.bench_attention import add_attention_parser
+
+    add_attention_parser(sub)
     from pipeline.tools.bench_host import add_host_parser
 
     add_host_parser(sub)

@@ -1067,16 +1067,17 @@ struct Tile {
 
 // A step's few decodes on every thread. One thread had read a decode's every key while the
 // others waited, at ~10 GB/s (a single stream's latency, not the memory's bandwidth): 30
-// layers' caches in turn, the default model's heads, one sequence at 1,024 tokens took 72-84
-// us a layer, 23-28 at 256. Now a step of fewer than kHeadSplitUnits units a thread splits its
-// decodes by KV head (the same arithmetic: the heads are independent), 44-50 and 17-19 us;
-// at 32 sequences a decode is one unit (a head's rows are a third of every page, read with a
-// stride), as fast as before. And a decode's keys come in parts of kPartitionKeys (whole pages
-// from page 0), each part's online softmax a unit of its own, merged in order (merge_parts):
-// a long context on many threads. A part costs ~1 us (its partials, its merge, its first page
-// unprefetched): parts of 128 keys cost 32 sequences of 256 tokens 10-15%, so they are long
-// enough that a part is ~1% of its work. What a row reads, and in which order, depends on its
-// position alone, never on the step's other rows.
+// layers' caches in turn, the default model's heads, one sequence at 1,024 tokens took 78-83
+// us a layer, 27 at 256 (`scripts/bench attention`). Now a step of fewer than kHeadSplitUnits
+// units a thread splits its decodes by KV head (the same arithmetic: the heads are
+// independent), 58-59 and 21 us; at 32 sequences a decode is one unit (a head's rows are a
+// third of every page, read with a stride), as fast as before. And a decode's keys come in
+// parts of kPartitionKeys (whole pages from page 0), each part's online softmax a unit of its
+// own, merged in order (merge_parts): a long context on many threads (one sequence at 4,096:
+// 0.43-0.48 ms a layer, now 0.23-0.24). A part costs ~1 us (its partials, its merge, its
+// first page unprefetched): parts of 128 keys cost 32 sequences of 256 tokens 10-15%, so they
+// are long enough that a part is ~1% of its work. What a row reads, and in which order,
+// depends on its position alone, never on the step's other rows.
 constexpr int64_t kHeadSplitUnits = 8;
 constexpr int64_t kPartitionKeys = 1024;
 
