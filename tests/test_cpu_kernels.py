@@ -124,12 +124,22 @@ def test_attention_ropes_writes_and_attends_as_the_pytorch_path(dtype: torch.dty
     assert torch.equal(kv_cache[1], expected_cache[1])
 
 
-@pytest.mark.parametrize(("head_dim", "block", "extra"),
-                         [(HEAD_DIM, BLOCK, None), (HEAD_DIM, 16, None), (64, BLOCK, None),
-                          (64, 16, None), (64, 16, "softcap"), (64, 16, "sinks")])
-@pytest.mark.parametrize("heads", [2, 6, 8, 10])  # 1, 3, 4 or 5 query heads a KV head
+# (dtype, head_dim, block, heads, extra): the decode forms at 64 (1, 3, 4 or 5 query heads a KV
+# head: the vector loop, the group's heads together, on AMX tiles in bf16) in every dtype; the
+# other head and page sizes; a softcap and sinks
+LONG_CASES = [
+    *((dtype, 64, 16, heads, None) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+      for heads in (2, 6, 8, 10)),
+    *((dtype, head_dim, block, heads, None) for dtype in (torch.float32, torch.bfloat16)
+      for head_dim, block in ((HEAD_DIM, BLOCK), (HEAD_DIM, 16), (64, BLOCK))
+      for heads in (2, 6)),
+    *((dtype, 64, 16, 6, extra) for dtype in (torch.float32, torch.bfloat16)
+      for extra in ("softcap", "sinks")),
+]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "block", "heads", "extra"), LONG_CASES)
 @pytest.mark.parametrize("window", [None, 1100])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_long_decodes_in_parts_are_the_pytorch_path_and_their_own_alone(
         dtype: torch.dtype, window: int | None, head_dim: int, block: int, heads: int,
         extra: str | None) -> None:
