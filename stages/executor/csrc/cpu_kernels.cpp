@@ -1405,9 +1405,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t kv_stride = kv_heads * row;  // between keys of one head in a page
 
   // 3. Attention of a unit of the vector loop: a tile's rows of KV head u.g over its pages in
-  // [u.page_lo, u.page_hi). Row r = i * heads + h holds query i's head h. A unit of a decode
-  // split in parts leaves its rows' running sums, maxima and max-relative sums in partials;
-  // any other writes its rows' outputs.
+  // [u.page_lo, u.page_hi) (every KV head where u.g is -1). Row r = i * heads + h holds query
+  // i's head h. A part of a decode leaves its rows' unnormalised sums of values, running
+  // maxima and sums of exponentials in partials for merge_parts; any other unit writes its
+  // rows' outputs.
   auto work = [&](const Unit& u, float* acc, float* row_max, float* row_sum,
                   float* scores, float* page_kv, int& tiles_config) {
     const Tile& tile = tiles[u.tile];
