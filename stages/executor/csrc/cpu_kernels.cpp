@@ -1290,35 +1290,32 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     int64_t part, parts;        // its place among its head's parts; parts > 1: partials
     bool matrix;                // a tile of a prompt in matrix form (3b, 3c)
   };
+  // Each tile's parts [first_part, first_part + parts) (a tile in matrix form or of several
+  // tokens: one), by the pages' own index (part_pages of them from page 0): what a row reads
+  // and in which order depends on its position alone, never on the step's other rows.
+  std::vector<int64_t> first_part(tiles.size(), 0), tile_parts(tiles.size(), 1);
+  int64_t whole = 0;  // units with no split by KV head
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
+    const Tile& tile = tiles[t];
+    if (tile.len == 1 && group < kMatrixRows) {
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[tile.start] - window + 1) : 0;
+      first_part[t] = lo / block_size / part_pages;
+      tile_parts[t] = pos[tile.start] / block_size / part_pages + 1 - first_part[t];
+    }
+    whole += tile_parts[t];
+  }
+  // Whether the vector loop's tiles are split by KV head too: where the step has few units
+  // for the threads (a KV head's rows are every key's 1 / kv_heads, read with a stride).
+  const bool by_head = whole < kHeadSplitUnits * std::max(1, at::get_num_threads());
   std::vector<Unit> units;
   std::vector<int64_t> partial_at(tiles.size(), -1);  // a split decode's partials, floats in
   int64_t partial_floats = 0;
-  // Whether the vector loop's tiles are split by KV head too: where the step has few units
-  // for the threads (a KV head's rows are every key's 1 / kv_heads, read with a stride).
-  int64_t whole = 0;
-  for (const Tile& tile : tiles) {
-    if (tile.len * group >= kMatrixRows) {
-      ++whole;
-      continue;
-    }
-    const int64_t first = pos[tile.start], last = first + tile.len - 1;
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-    whole += tile.len == 1 ? last / block_size / part_pages - lo / block_size / part_pages + 1 : 1;
-  }
-  const bool by_head = whole < kHeadSplitUnits * std::max(1, at::get_num_threads());
   for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
-    const Tile& tile = tiles[t];
-    if (tile.len * group >= kMatrixRows) {
+    if (tiles[t].len * group >= kMatrixRows) {
       units.push_back({t, -1, 0, INT64_MAX, 0, 1, true});
       continue;
     }
-    const int64_t first = pos[tile.start], last = first + tile.len - 1;
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-    // Parts by the pages' own index (part_pages of them from page 0): what a row reads and in
-    // which order depends on its position alone, never on the step's other rows.
-    const int64_t part_lo = tile.len == 1 ? lo / block_size / part_pages : 0;
-    const int64_t part_hi = tile.len == 1 ? last / block_size / part_pages + 1 : 1;
-    const int64_t parts = part_hi - part_lo;
+    const int64_t part_lo = first_part[t], parts = tile_parts[t], part_hi = part_lo + parts;
     if (parts > 1) {
       partial_at[t] = partial_floats;
       partial_floats += kv_heads * parts * group * (d + 2);
@@ -1333,8 +1330,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   }
   // [tile][g][part][row of the group][d values, running max, running sum]
   std::vector<float> partials(partial_floats);
-  std::unique_ptr<std::atomic<int64_t>[]> parts_done(
-      new std::atomic<int64_t>[tiles.size() * kv_heads]());
+  std::unique_ptr<std::atomic<int64_t>[]> parts_done(  // (only where a decode has parts)
+      partial_floats > 0 ? new std::atomic<int64_t>[tiles.size() * kv_heads]() : nullptr);
 
   // Decodes' scores on AMX tiles (tile_keys) where the build, the CPU and the kernel allow,
   // a page being whole tiles of keys.

@@ -43,7 +43,7 @@ class LinearMethod(ABC):
         """An MLP's gate/up layer (`layer.gated`): silu(gate) * up of x [T, in] -> [T, out / 2];
         where the format interleaved the layer's gate and up rows (`layer.fused_gate`: amx.py,
         quantized.py), its product computes it in its own pass (fused_product)."""
-        if getattr(layer, "fused_gate", False):
+        if layer.fused_gate:
             return self.fused_product(layer, x, True)
         return silu_and_mul(self.apply(layer, x))
 
@@ -72,10 +72,9 @@ class Linear(nn.Module):
     name); built on the meta device, filled by load_state_dict(assign=True)."""
 
     # (set by a format's process where it has them: its codes' bits, its quantized products'
-    # form, whether its product writes silu(gate) * up itself)
+    # form)
     bits: int
     products: str
-    fused_gate: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  method: LinearMethod) -> None:
@@ -83,6 +82,9 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.method = in_features, out_features, method
         self.gated = False  # an MLP's gate/up product: its output goes through silu_and_mul
         self.routed_expert = False  # one of a mixture's experts (moe_block.py)
+        # whether the format interleaved its gate and up rows, its product writing silu(gate) * up
+        # itself (amx.py, quantized.py set it as they process the weights)
+        self.fused_gate = False
         if not method.takes_blocks:
             self.weight = nn.Parameter(torch.empty(out_features, in_features),
                                        requires_grad=False)
