@@ -17,9 +17,10 @@ they write them and widen a page at a time as they read, so no caller passes a f
   1.0, vLLM's when a checkpoint carries no calibrated one: not calibrated here either), values
   past the format's range saturate. 2x the tokens of bf16.
 
-The 8-bit formats are read by the CPU kernels' vector forms (a page widened to float rows in the
-thread's buffer; a CPU with AMX runs them on AVX-512, AMX having no 8-bit float type and its
-int8 products wanting both sides in int8). The torch and flex forwards keep the model's dtype:
+The 8-bit formats are read by the CPU kernels' vector forms (a decode's pages in place, int8 as
+integer products; other reads a page widened to float rows in the thread's buffer; a CPU with
+AMX runs them on AVX-512, AMX having no 8-bit float type and its int8 products wanting both
+sides in int8). The torch and flex forwards keep the model's dtype:
 select.py refuses an 8-bit format there by name, before anything starts.
 """
 

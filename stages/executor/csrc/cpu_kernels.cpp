@@ -708,10 +708,8 @@ inline void group_keys(const float* q, const T* k, const T* v, int64_t stride, i
 // each head's query quantized to int8 with a scale of its own (max|q| / 127, as llama.cpp's
 // flash attention quantizes Q to its K type's q8); vpdpbusd takes one side unsigned, so each
 // key's codes are offset to u8 (+128, one xor) and the offset taken back out once per head
-// (128 * sum q); a score is then q_scale * k_scale * the integer dot. 16 keys' dot products
-// are summed across their lanes together, in integers (sum16x16), exact as before. Values stay
-// float: a key's weight times its row's scale, times its codes widened (the weights are
-// probabilities many of which 8 bits would round to 0). At 32 sequences x 4,096 tokens the bf16
+// (128 * sum q); a score is then q_scale * k_scale * the integer dot. Values as integer
+// products too, of int16 weights (int8_group_keys). At 32 sequences x 4,096 tokens the bf16
 // cache's decode took 23.5 ms a layer where widening int8 pages into a float buffer first took
 // 42 (1.8x slower).
 
@@ -730,18 +728,18 @@ inline void int8_query(const float* q, int64_t d, int8_t* qc, int32_t* q_sum, fl
   *q_sum = sum;
 }
 
-// 16 vectors of 16 int32 lanes as one: lane l the sum of v[l]'s lanes (a transposed tree:
-// pairs interleaved within 128-bit lanes, then the 128-bit lanes folded), 45 instructions.
-inline __m512i sum16x16(__m512i (&v)[16]) {
-  __m512i t[8], u[4];
-  for (int i = 0; i < 8; ++i) {  // [a0+a2, b0+b2, a1+a3, b1+b3] a 128-bit lane
-    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // keys 4i .. 4i + 3, each 128-bit lane's part
-    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
-                            _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-  }
+// 16 keys' vectors of 16 int32 products as one vector of their sums, lane l key l's: a
+// transposed tree, pairs interleaved within 128-bit lanes (pair_sums: keys 2i, 2i + 1), then
+// pairs of those (quad_sums: keys 4i .. 4i + 3, each 128-bit lane's part), then the 128-bit
+// lanes folded (fold_quads), 45 instructions. Taken as the keys come: 16 keys' 48 vectors (3
+// heads) held until a whole-tree sum spilled, and zeroing them was a 3 KB memset a page.
+inline __m512i pair_sums(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+inline __m512i quad_sums(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+inline __m512i fold_quads(const __m512i (&u)[4]) {
   const __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),
                                       _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
   const __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88),
@@ -749,83 +747,183 @@ inline __m512i sum16x16(__m512i (&v)[16]) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
 }
 
+// An int8 row's fp16 scale for each of 16 rows `stride` bytes apart from row (lanes not
+// valid: 0), as floats: one gather of the two bytes before each scale and the scale (a row's
+// last four bytes, so that no lane reads past its row).
+template <int64_t kD>
+inline __m512 int8_row_scales(const uint8_t* row, int64_t stride, __mmask16 valid) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                          12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int32_t>(stride)));
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, at,
+                                                    row + kD - 2, 1);
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+}
+
+// The int8 decode's order of a head's kD float sums (see int8_group_keys' values): pairs of
+// keys' codes unpacked within 128-bit lanes hold, of each 32 elements, 0-3, 8-11, 16-19, 24-27
+// (the low unpack's vector) and 4-7, 12-15, 20-23, 28-31 (the high's).
+inline void int8_sums_in(const float* acc, int64_t c, __m512& lo, __m512& hi) {
+  const __m512 n0 = _mm512_loadu_ps(acc + 16 * c), n1 = _mm512_loadu_ps(acc + 16 * c + 16);
+  lo = _mm512_permutex2var_ps(
+      n0, _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27), n1);
+  hi = _mm512_permutex2var_ps(
+      n0, _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31), n1);
+}
+inline void int8_sums_out(__m512 lo, __m512 hi, int64_t c, float* acc) {
+  _mm512_storeu_ps(acc + 16 * c, _mm512_permutex2var_ps(
+      lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi));
+  _mm512_storeu_ps(acc + 16 * c + 16, _mm512_permutex2var_ps(
+      lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi));
+}
+
+// A decode's kG query heads over keys [j_lo, j_hi) of an int8 page, 16 keys at a time, each
+// 16 in registers from their scores to their values (no scores buffer between them).
+// - Scores: integer dot products (above), 16 keys' summed across lanes together (pair_sums).
+// - Softmax: p = exp(score - the head's running max) <= 1. The max moves on only where a score
+//   passes it (a unit's first keys, then seldom); there the head's sums so far take their
+//   correction. Elsewhere no reduction lies between the scores and the values: the sums of p
+//   stay 16 lanes a head until the call's end.
+// - Values: sum over j of p_j * scale_j * codes_j in integers. The 16 keys' value scales over
+//   their largest, times p, times 32767, are int16 weights (an error of at most 2^-16 of the
+//   largest scale, where bf16 rounds to 2^-9); two keys' codes interleaved as int16 pairs,
+//   vpdpwssd adds both keys' products to a lane's int32; the 16 keys' sums, as floats times
+//   the largest scale / 32767, join the head's float sums in acc.
+// Widening each key's codes to floats for float products had taken ~30 cycles a key, and a
+// page's scores through a buffer and group_softmax's reductions as much again: 10.5 ns a key
+// and head of the default model (3 heads a KV head, pages in L1) against 8.0 now.
+// row_max, row_sum, acc: the heads' (acc [kG][kD]).
 template <int64_t kD, int kG>
 inline void int8_group_keys(const int8_t* qc, const int32_t* q_sum, const float* qs,
                             const uint8_t* k, const uint8_t* v, int64_t stride, int64_t j_lo,
                             int64_t j_hi, float* row_max, float* row_sum, float* acc,
-                            float* scores, int64_t score_stride, float softcap) {
-  static_assert(kD % 64 == 0);
-  constexpr int64_t kParts = kD / 64;
+                            float softcap) {
+  static_assert(kD % 64 == 0 && kG <= 16);
+  constexpr int64_t kParts = kD / 64, kVecs = kD / 16;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // (code + 128 as u8)
   __m512i qv[kG][kParts];
   __m512i offset[kG];
+  __m512 sums_p[kG];
+  float top[kG];
   for (int r = 0; r < kG; ++r) {
     for (int64_t c = 0; c < kParts; ++c) qv[r][c] = _mm512_loadu_si512(qc + r * kD + 64 * c);
     offset[r] = _mm512_set1_epi32(128 * q_sum[r]);
+    top[r] = row_max[r];
+    sums_p[r] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(row_sum[r]));
   }
-  __m512 best[kG];
-  for (int r = 0; r < kG; ++r) best[r] = _mm512_set1_ps(row_max[r]);
-  for (int64_t j0 = j_lo; j0 < j_hi; j0 += 16) {  // 16 keys, then one transposed sum
+  for (int64_t j0 = j_lo; j0 < j_hi; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, j_hi - j0);
-    __m512i dots[kG][16];
-    alignas(32) uint16_t scale_bits[16] = {};
-    for (int64_t l = 0; l < 16; ++l) {
-      if (l >= n) {
-        for (int r = 0; r < kG; ++r) dots[r][l] = _mm512_setzero_si512();
-        continue;
-      }
-      const uint8_t* kj = k + (j0 + l) * stride;
-      std::memcpy(&scale_bits[l], kj + kD, sizeof scale_bits[l]);
-      for (int r = 0; r < kG; ++r) dots[r][l] = _mm512_setzero_si512();
-      for (int64_t c = 0; c < kParts; ++c) {
-        const __m512i codes = _mm512_xor_si512(_mm512_loadu_si512(kj + 64 * c), flip);
-        for (int r = 0; r < kG; ++r) dots[r][l] = _mm512_dpbusd_epi32(dots[r][l], codes, qv[r][c]);
-      }
-    }
-    const __m512 key_scale =
-        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scale_bits)));
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    // Scores. A key past the page's end reads the last one's row; its lane is masked below.
+    __m512 p[kG];
+    {
+      __m512i u[kG][4];
+      for (int quad = 0; quad < 4; ++quad) {
+        __m512i t[kG][2];
+        for (int half = 0; half < 2; ++half) {
+          __m512i d[2][kG];
+          for (int e = 0; e < 2; ++e) {
+            const int64_t l = std::min<int64_t>(4 * quad + 2 * half + e, n - 1);
+            const uint8_t* kj = k + (j0 + l) * stride;
+            for (int64_t c = 0; c < kParts; ++c) {
+              const __m512i codes = _mm512_xor_si512(_mm512_loadu_si512(kj + 64 * c), flip);
+              for (int r = 0; r < kG; ++r) {
+                d[e][r] = _mm512_dpbusd_epi32(c == 0 ? _mm512_setzero_si512() : d[e][r],
+                                              codes, qv[r][c]);
+              }
+            }
+          }
+          for (int r = 0; r < kG; ++r) t[r][half] = pair_sums(d[0][r], d[1][r]);
+        }
+        for (int r = 0; r < kG; ++r) u[r][quad] = quad_sums(t[r][0], t[r][1]);
+      }
+      const __m512 key_scale = int8_row_scales<kD>(k + j0 * stride, stride, valid);
+      for (int r = 0; r < kG; ++r) {
+        const __m512i dot = _mm512_sub_epi32(fold_quads(u[r]), offset[r]);
+        p[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), key_scale),
+                             _mm512_set1_ps(qs[r]));
+      }
+    }
+    // Softmax (a softcap first, on the keys' lanes one at a time).
+    if (softcap > 0.0f) {
+      for (int r = 0; r < kG; ++r) {
+        alignas(64) float capped[16];
+        _mm512_store_ps(capped, p[r]);
+        for (int64_t l = 0; l < n; ++l) capped[l] = softcap_score(capped[l], softcap);
+        p[r] = _mm512_load_ps(capped);
+      }
+    }
+    __mmask16 passed = 0;
     for (int r = 0; r < kG; ++r) {
-      const __m512i dot = _mm512_sub_epi32(sum16x16(dots[r]), offset[r]);
-      const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), key_scale),
-                                     _mm512_set1_ps(qs[r]));
-      _mm512_mask_storeu_ps(scores + r * score_stride + j0, valid, f);
-      best[r] = _mm512_mask_max_ps(best[r], valid, best[r], f);
+      passed |= _mm512_mask_cmp_ps_mask(valid, p[r], _mm512_set1_ps(top[r]), _CMP_GT_OQ);
     }
-  }
-  v8f top[kG];  // (group_softmax's form: 8 lanes a head)
-  for (int r = 0; r < kG; ++r) {
-    v16f b;
-    std::memcpy(&b, &best[r], sizeof b);
-    const v8f lo = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
-    const v8f hi = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
-    top[r] = lo > hi ? lo : hi;
-  }
-  float correction[kG];
-  group_softmax<kG>(top, scores, score_stride, j_lo, j_hi, row_max, row_sum, softcap,
-                    correction);
-  // acc[r] = acc[r] * correction[r] + sum over j of weight[r][j] * v_scale[j] * codes_j.
-  constexpr int64_t kVecs = kD / 16;
-  v16f a[kG][kVecs];
-  for (int r = 0; r < kG; ++r) {
-    for (int64_t c = 0; c < kVecs; ++c) a[r][c] = load16(acc + r * kD + 16 * c) * correction[r];
-  }
-  for (int64_t j = j_lo; j < j_hi; ++j) {
-    const uint8_t* vj = v + j * stride;
-    const float scale = llm_cpu_kv::row_scale(vj, kD);
-    v16f vv[kVecs];
-    for (int64_t c = 0; c < kVecs; ++c) {
-      const __m512 f = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vj + 16 * c))));
-      std::memcpy(&vv[c], &f, sizeof f);
+    if (passed != 0) {
+      for (int r = 0; r < kG; ++r) {
+        const float was = top[r];
+        top[r] = std::max(was, _mm512_mask_reduce_max_ps(valid, p[r]));
+        if (top[r] == was) continue;
+        // (a first page's -inf: no correction, nothing summed yet)
+        const __m512 corr = _mm512_set1_ps(was == -INFINITY ? 0.0f : exp_clamped(was - top[r]));
+        sums_p[r] = _mm512_mul_ps(sums_p[r], corr);
+        for (int64_t c = 0; c < kVecs; ++c) {
+          _mm512_storeu_ps(acc + r * kD + 16 * c,
+                           _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * c), corr));
+        }
+      }
     }
     for (int r = 0; r < kG; ++r) {
-      const v16f w = v16f{} + scores[r * score_stride + j] * scale;
-      for (int64_t c = 0; c < kVecs; ++c) a[r][c] += w * vv[c];
+      v16f x;
+      const __m512 centred = _mm512_sub_ps(p[r], _mm512_set1_ps(top[r]));
+      std::memcpy(&x, &centred, sizeof x);
+      const v16f e = exp16(x);
+      std::memcpy(&p[r], &e, sizeof e);
+      p[r] = _mm512_maskz_mov_ps(valid, p[r]);
+      sums_p[r] = _mm512_add_ps(sums_p[r], p[r]);
+    }
+    // Values.
+    const __m512 value_scale = int8_row_scales<kD>(v + j0 * stride, stride, valid);
+    const float largest = _mm512_reduce_max_ps(value_scale);
+    const __m512 to_codes = _mm512_mul_ps(
+        value_scale, _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f));
+    alignas(32) int16_t weights[kG][16];
+    __m512i sums[kG][kVecs];
+    for (int r = 0; r < kG; ++r) {
+      const __m512i coded = _mm512_cvtps_epi32(_mm512_mul_ps(p[r], to_codes));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), _mm512_cvtepi32_epi16(coded));
+      for (int64_t c = 0; c < kVecs; ++c) sums[r][c] = _mm512_setzero_si512();
+    }
+    for (int64_t l = 0; l < n; l += 2) {  // keys j0 + l and the next (or itself, at weight 0)
+      const uint8_t* v0 = v + (j0 + l) * stride;
+      const uint8_t* v1 = l + 1 < n ? v0 + stride : v0;
+      for (int64_t c = 0; c < kVecs; c += 2) {
+        const __m512i x0 = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c)));
+        const __m512i x1 = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c)));
+        const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
+        for (int r = 0; r < kG; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, &weights[r][l], sizeof pair);
+          const __m512i w = _mm512_set1_epi32(pair);
+          sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], lo, w);
+          sums[r][c + 1] = _mm512_dpwssd_epi32(sums[r][c + 1], hi, w);
+        }
+      }
+    }
+    const __m512 unit = _mm512_set1_ps(largest / 32767.0f);
+    for (int r = 0; r < kG; ++r) {  // (the sums join acc here, not held in registers
+      for (int64_t c = 0; c < kVecs; c += 2) {  // over the keys: the scores' tree spilled)
+        __m512 lo, hi;
+        int8_sums_in(acc + r * kD, c, lo, hi);
+        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), unit, lo);
+        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c + 1]), unit, hi);
+        int8_sums_out(lo, hi, c, acc + r * kD);
+      }
     }
   }
   for (int r = 0; r < kG; ++r) {
-    for (int64_t c = 0; c < kVecs; ++c) store16(acc + r * kD + 16 * c, a[r][c]);
+    row_max[r] = top[r];
+    row_sum[r] = _mm512_reduce_add_ps(sums_p[r]);
   }
 }
 #define LLM_CPU_INT8_DOT 1
@@ -1530,8 +1628,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       int8_group_keys<kD, kG>(q_codes.data() + h0 * kD, q_sums.data() + h0,
                                               q_scales.data() + h0,
                                               keys, values, stride, j_lo, j_hi, row_max + h0,
-                                              row_sum + h0, acc + h0 * d, scores,
-                                              block_size + kScorePad, fcap);
+                                              row_sum + h0, acc + h0 * d, fcap);
                     }
 #endif
                   } else {
