@@ -102,10 +102,27 @@ def test_long_decodes_in_parts_read_the_format_as_its_float_values(
     _check_format(name, torch.bfloat16, window, head_dim, 16, heads, LONG_ROWS)
 
 
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [4, 6, 8])  # 2, 3 or 4 query heads a KV head
+@pytest.mark.parametrize("extra", [None, "softcap", "sinks"])
+def test_a_decodes_heads_together_read_the_format_with_a_softcap_or_sinks(
+        name: str, heads: int, extra: str | None) -> None:
+    """A decode's query heads of a KV head together (cpu_kernels.cpp's int8_group_keys over
+    int8, group_keys over fp8) at each group size they take, with a softcap (scores large
+    enough that it bites) or sinks: the torch path's over the format's float values."""
+    _check_format(name, torch.bfloat16, None, 64, 16, heads, None, extra)
+
+
 def _check_format(name: str, dtype: torch.dtype, window: int | None, head_dim: int, block: int,
-                  heads: int, rows: list[tuple[int, int]] | None) -> None:
+                  heads: int, rows: list[tuple[int, int]] | None,
+                  extra: str | None = None) -> None:
     q, k, v, native, table, slots, positions, meta = _step(dtype, window, head_dim, block, heads,
                                                            rows)
+    if extra == "softcap":
+        q = q * 4  # (with a cap of 1.5)
+    softcap = 1.5 if extra == "softcap" else None
+    sinks = torch.linspace(-1.0, 3.0, heads).to(dtype) if extra == "sinks" else None
     gen = torch.Generator().manual_seed(11)
     cache = random_cache((*native.shape[:-1], head_dim), name, gen)
     if name == "int8":
@@ -113,7 +130,7 @@ def _check_format(name: str, dtype: torch.dtype, window: int | None, head_dim: i
     cos, sin = _rope_tables(int(positions.max()) + 1, dtype, head_dim)
     kernel_meta = KernelMetadata([table], slots, positions, [(cos.float(), sin.float())])
     got = kernel_paged_attention(q, k, v, cache, kernel_meta,
-                                 LayerAttention(head_dim ** -0.5, window))
+                                 LayerAttention(head_dim ** -0.5, window, softcap), sinks)
     assert got.dtype == dtype and got.shape == q.shape and torch.isfinite(got).all()
     held = dequantize(cache, name)  # [2, NB, BS, KVH, D] float32, this step's keys included
 
@@ -136,7 +153,8 @@ def _check_format(name: str, dtype: torch.dtype, window: int | None, head_dim: i
     queries = _rope(q.float(), c, s) @ rotation
     if name == "int8":
         queries = on_int8_grid(queries * scale) / scale
-    expected = paged_attention(queries, held[0][at], held[1][at], held.clone(), meta, scale)
+    expected = paged_attention(queries, held[0][at], held[1][at], held.clone(), meta, scale,
+                               softcap=softcap, sinks=sinks)
     tol = TOLERANCE[dtype]
     if name == "int8":  # (a query element at a rounding tie may take the next code: the
         tol = max(tol, 3e-3)  # kernel rotates by butterflies, this by a matrix product)
