@@ -747,14 +747,11 @@ inline __m512i fold_quads(const __m512i (&u)[4]) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
 }
 
-// An int8 row's fp16 scale for each of 16 rows `stride` bytes apart from row (lanes not
-// valid: 0), as floats: one gather of the two bytes before each scale and the scale (a row's
-// last four bytes, so that no lane reads past its row).
+// An int8 row's fp16 scale for each of 16 rows from row (`at`: lane l's offset, l * the rows'
+// stride; lanes not valid: 0), as floats: one gather of the two bytes before each scale and
+// the scale (a row's last four bytes, so that no lane reads past its row).
 template <int64_t kD>
-inline __m512 int8_row_scales(const uint8_t* row, int64_t stride, __mmask16 valid) {
-  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                          12, 13, 14, 15),
-                                        _mm512_set1_epi32(static_cast<int32_t>(stride)));
+inline __m512 int8_row_scales(const uint8_t* row, __m512i at, __mmask16 valid) {
   const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, at,
                                                     row + kD - 2, 1);
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
@@ -805,6 +802,9 @@ inline void int8_group_keys(const int8_t* qc, const int32_t* q_sum, const float*
   __m512i offset[kG];
   __m512 sums_p[kG];
   float top[kG];
+  const __m512i rows_at = _mm512_mullo_epi32(  // (16 rows' offsets, for int8_row_scales)
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(stride)));
   for (int r = 0; r < kG; ++r) {
     for (int64_t c = 0; c < kParts; ++c) qv[r][c] = _mm512_loadu_si512(qc + r * kD + 64 * c);
     offset[r] = _mm512_set1_epi32(128 * q_sum[r]);
@@ -837,7 +837,7 @@ inline void int8_group_keys(const int8_t* qc, const int32_t* q_sum, const float*
         }
         for (int r = 0; r < kG; ++r) u[r][quad] = quad_sums(t[r][0], t[r][1]);
       }
-      const __m512 key_scale = int8_row_scales<kD>(k + j0 * stride, stride, valid);
+      const __m512 key_scale = int8_row_scales<kD>(k + j0 * stride, rows_at, valid);
       for (int r = 0; r < kG; ++r) {
         const __m512i dot = _mm512_sub_epi32(fold_quads(u[r]), offset[r]);
         p[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), key_scale),
@@ -881,7 +881,7 @@ inline void int8_group_keys(const int8_t* qc, const int32_t* q_sum, const float*
       sums_p[r] = _mm512_add_ps(sums_p[r], p[r]);
     }
     // Values.
-    const __m512 value_scale = int8_row_scales<kD>(v + j0 * stride, stride, valid);
+    const __m512 value_scale = int8_row_scales<kD>(v + j0 * stride, rows_at, valid);
     const float largest = _mm512_reduce_max_ps(value_scale);
     const __m512 to_codes = _mm512_mul_ps(
         value_scale, _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f));
