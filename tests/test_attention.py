@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kernel_marks import needs_kernels
 
 from ipc.config import EngineLimits
-from stages.executor import kernels
 from stages.executor.backends.base import LayerAttention
 from stages.executor.backends.cpu_kernels import KernelMetadata, kernel_paged_attention
 from stages.executor.backends.flex import (
@@ -61,8 +61,6 @@ ROWS = [[(1, 1), (3, 1), (4, 1), (5, 1), (17, 1), (40, 1), (7, 7), (13, 5), (9, 
 # More query tokens than a tile of the CPU kernel holds (16); beyond the compiled tests' budget.
 LONG_ROWS = [(50, 37), (3, 1), (40, 40)]
 
-needs_kernels = pytest.mark.skipif(not kernels.available(),
-                                   reason=f"CPU kernels: {kernels.load()}")
 CASES = [pytest.param(impl, rows, None, id=f"{impl}-{i}",
                       marks=[needs_kernels] if impl == "kernel"
                       else [pytest.mark.slow] if impl in ("paged", "per-row") else [])

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from kernel_marks import needs_kernels
 
 from ipc.config import EngineLimits
 from ipc.errors import ConfigError
@@ -121,8 +122,7 @@ def _step(backend_name: str, window: int | None, softcap: float | None = None,
 
 @pytest.mark.parametrize("window", [None, *WINDOWS])
 @pytest.mark.parametrize("name", [
-    "flex", pytest.param("cpu_kernels", marks=pytest.mark.skipif(
-        not kernels.available(), reason=f"CPU kernels: {kernels.load()}"))])
+    "flex", pytest.param("cpu_kernels", marks=needs_kernels)])
 def test_every_backend_attends_alike_through_the_interface(name: str,
                                                            window: int | None) -> None:
     """Against the eager PyTorch backend: rope inside attend, the cache write, attention
@@ -135,14 +135,13 @@ def test_every_backend_attends_alike_through_the_interface(name: str,
     torch.testing.assert_close(got_cache[:, real], want_cache[:, real], atol=1e-6, rtol=1e-6)
 
 
-_KERNELS = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
 
 
 @pytest.mark.parametrize("name, softcap, sinks", [
     ("flex", 0.5, False),  # (the compiled forward refuses sinks: no LSE from its CPU kernel)
-    pytest.param("cpu_kernels", 0.5, False, marks=_KERNELS),
-    pytest.param("cpu_kernels", None, True, marks=_KERNELS),
-    pytest.param("cpu_kernels", 0.5, True, marks=_KERNELS)])
+    pytest.param("cpu_kernels", 0.5, False, marks=needs_kernels),
+    pytest.param("cpu_kernels", None, True, marks=needs_kernels),
+    pytest.param("cpu_kernels", 0.5, True, marks=needs_kernels)])
 def test_softcaps_and_sinks_attend_alike_on_every_backend(name: str, softcap: float | None,
                                                           sinks: bool) -> None:
     """Gemma 2's softcapped scores and gpt-oss's sink logits (a windowed layer), against

@@ -153,7 +153,9 @@ def test_dp_benchmark_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert rc == 0 and report["identical_outputs"] is True and report["ratio"] > 0
     hits = report["prefix_hit_rate"]
     assert hits["prefix"][0] == pytest.approx(0.5 * 32 / 34)
-    assert hits["load"][0] < hits["prefix"][0]
+    # Load routing may by chance send a group's rounds to one engine (0.4706 both, once): it
+    # finds at most what prefix routing finds, not always less.
+    assert hits["load"][0] <= hits["prefix"][0]
 
 
 @pytest.mark.live

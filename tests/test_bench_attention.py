@@ -4,12 +4,12 @@ bad rows and formats refused by the parser with the form it wants."""
 from __future__ import annotations
 
 import pytest
+from kernel_marks import needs_kernels
 
 from pipeline.tools.bench import main
-from stages.executor import kernels
 
 
-@pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+@needs_kernels
 def test_a_row_per_step_and_a_column_per_format(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["attention", "--rows", "1x20,3x40", "--cache", "bf16,int8,fp8_e5m2",
                  "--layers", "2", "--repeats", "2"]) == 0

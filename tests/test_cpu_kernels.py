@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_marks import needs_kernels
 
 from stages.executor import kernels
 from stages.executor.backends.base import TORCH_OPS, LayerAttention, rotate_half
@@ -27,7 +28,7 @@ from stages.executor.backends.torch_sdpa import (
 from stages.executor.models.blocks import RMSNorm
 from stages.executor.staging import DeviceStep
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+pytestmark = needs_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 16, 4, 96
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}

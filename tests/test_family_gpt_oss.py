@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from family_check import check_against_transformers, eos_of, prompts_of
+from kernel_marks import needs_kernels
 from safetensors.torch import load_file, save_file
 
 from ipc.arch import UnsupportedModel
@@ -234,6 +235,7 @@ def test_backends_without_sinks_refuse_them_by_name() -> None:
         backend.layer_attention(spec, 0)
 
 
+@needs_kernels
 def test_the_fused_call_says_why_not(tmp_path: Path) -> None:
     folder = build(tmp_path / "gpt_oss", num_hidden_layers=2,
                    layer_types=["sliding_attention", "full_attention"])

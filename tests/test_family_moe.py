@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from family_check import check_against_transformers, eos_of, prompts_of
+from kernel_marks import needs_kernels
 from threads import at_thread_counts
 from tiny_model import hf_greedy
 
@@ -111,6 +112,7 @@ def test_bfloat16_agrees_with_transformers_bfloat16_on_most_prompts(tmp_path: Pa
         assert agree >= 5, f"{model_type}: {agree} of {len(prompts)} prompts agree"
 
 
+@needs_kernels
 def test_an_moe_layer_says_it_has_no_fused_path(tmp_path: Path) -> None:
     from ipc.model_info import ModelInfo
 

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_marks import needs_kernels, needs_quantized_kernels
 
 from ipc.messages import SamplingParams
 from pipeline.tools.random_model import build_random_llama, build_random_model
-from stages.executor.linear.quantized import kernel_missing
 from stages.inprocess import InProcessEngine
 
-needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
-                                  reason=f"quantized kernels: {kernel_missing()}")
+pytestmark = needs_kernels  # (the one call is decoder_layers.cpp's)
 PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8], [11, 4, 6, 2, 9, 10, 12, 1, 3, 5, 5, 6, 7, 8]]
 GEMMA_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
@@ -81,11 +80,11 @@ def _run(engine: InProcessEngine) -> dict:
     ("gemma2", torch.bfloat16, None),
     ("gemma3_text", torch.float32, None),
     ("gemma3_text", torch.bfloat16, None),  # (the gelu after AVX512-BF16's product)
-    pytest.param("llama", torch.bfloat16, "int4", marks=needs_kernel),
-    pytest.param("qwen2", torch.float32, "int8", marks=needs_kernel),
-    pytest.param("gemma3_text", torch.float32, "int8", marks=needs_kernel),
+    pytest.param("llama", torch.bfloat16, "int4", marks=needs_quantized_kernels),
+    pytest.param("qwen2", torch.float32, "int8", marks=needs_quantized_kernels),
+    pytest.param("gemma3_text", torch.float32, "int8", marks=needs_quantized_kernels),
     # (on AMX, both widened on the tiles: llama's gate/up gated, gemma's gelu after it)
-    pytest.param("gemma3_text", torch.bfloat16, "int8", marks=needs_kernel),
+    pytest.param("gemma3_text", torch.bfloat16, "int8", marks=needs_quantized_kernels),
 ])
 def test_one_call_gives_the_bits_of_the_python_layers(tmp_path: Path, arch: str,
                                                       dtype: torch.dtype,
@@ -120,7 +119,7 @@ def test_the_python_layers_run_where_one_call_does_not_apply(
     ("llama", torch.float32, None, True),  # no biases: MKL's one-row path where it agrees
     ("llama", torch.bfloat16, None, True),  # AMX's products where the CPU has them
     ("gemma3_text", torch.bfloat16, None, True),  # the sandwich layer's last norms
-    pytest.param("qwen2", torch.float32, "int8", True, marks=needs_kernel),
+    pytest.param("qwen2", torch.float32, "int8", True, marks=needs_quantized_kernels),
 ])
 def test_the_last_layer_past_attention_on_the_logits_rows_alone_gives_their_bits(
         tmp_path: Path, arch: str, dtype: torch.dtype, quantization: str | None,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from kernel_marks import needs_quantized_kernels
 
 from ipc.errors import ConfigError
 from ipc.gguf_source import (
@@ -31,10 +32,8 @@ from pipeline.tools.model_source import resolve_model
 from stages.executor import preflight
 from stages.executor.gguf_loader import unpermute_rows
 from stages.executor.linear.gguf_blocks import gguf_blocks
-from stages.executor.linear.quantized import kernel_missing, reference_linear, tile_layout
+from stages.executor.linear.quantized import reference_linear, tile_layout
 
-needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
-                                  reason=f"quantized kernels: {kernel_missing()}")
 PROMPTS = [[1, 5, 9, 14, 3, 7], [2, 8, 8, 8], [11, 4, 6, 2, 9, 10, 12, 1, 3]]
 
 
@@ -81,7 +80,7 @@ def test_blocks_hold_what_the_reference_dequantizes(kind: str) -> None:
         assert torch.equal(got, want)
 
 
-@needs_kernel
+@needs_quantized_kernels
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_0", "Q5_K"])
 def test_the_kernel_multiplies_converted_blocks(kind: str) -> None:
     data = _file_blocks(kind, 7, 512, seed=3)
@@ -176,8 +175,8 @@ def _prompt_logprobs_of_transformers(file: Path,
 
 
 @pytest.mark.parametrize("arch,kind,overrides,tolerance", [
-    pytest.param("llama", "Q8_0", {"attn_v": "Q4_0"}, 3e-3, marks=needs_kernel),
-    pytest.param("qwen2", "Q4_1", {}, 3e-3, marks=needs_kernel),
+    pytest.param("llama", "Q8_0", {"attn_v": "Q4_0"}, 3e-3, marks=needs_quantized_kernels),
+    pytest.param("qwen2", "Q4_1", {}, 3e-3, marks=needs_quantized_kernels),
     ("llama", "F32", {}, 1e-4),
 ])
 def test_a_file_answers_as_transformers_reads_it(tmp_path: Path, arch: str, kind: str,
@@ -224,9 +223,9 @@ MOE = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
 
 @pytest.mark.parametrize("model_type,kind,fields", [
     pytest.param("qwen3_moe", "Q8_0", {"head_dim": 16, "norm_topk_prob": True},
-                 marks=needs_kernel),
+                 marks=needs_quantized_kernels),
     pytest.param("qwen2_moe", "Q4_1", {"shared_expert_intermediate_size": 64},
-                 marks=needs_kernel),
+                 marks=needs_quantized_kernels),
     ("qwen3_moe", "F32", {"head_dim": 16, "norm_topk_prob": True}),
     ("mixtral", "F32", {"intermediate_size": 32}),
 ])
@@ -318,7 +317,7 @@ def test_a_quantized_file_is_refused_where_its_blocks_cannot_run(tmp_path: Path)
 
 
 @pytest.mark.slow
-@needs_kernel
+@needs_quantized_kernels
 def test_the_default_models_own_q4_1_file_answers_as_its_float_folder(
         default_model_dir: Path) -> None:
     """The bundled Q4_1 file, loaded in its blocks (4-bit projections, an 8-bit head from the
@@ -360,7 +359,7 @@ CHATS = ["What is the capital of France?", "Write a haiku about rain.", "def fib
 
 
 @pytest.mark.slow
-@needs_kernel
+@needs_quantized_kernels
 def test_a_q8_0_file_of_the_default_model_mostly_agrees_with_float32(
         default_model_dir: Path, default_q8_0_file: Path) -> None:
     """A Q8_0 file written from the float32 default model (gguf's symmetric 8-bit rounding

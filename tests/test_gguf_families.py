@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from family_check import eos_of, prompts_of
+from kernel_marks import needs_quantized_kernels
 from test_family_gemma import GEMMA2, GEMMA3, _random_norms
 from test_family_gpt_oss import as_mxfp4
 from test_family_gpt_oss import build as build_gpt_oss
@@ -28,12 +29,9 @@ from pipeline.tools.gguf_export import export
 from pipeline.tools.gguf_families import ggml_mxfp4, read_fields
 from pipeline.tools.model_source import resolve_model
 from pipeline.tools.random_model import build_random_model
-from stages.executor.linear.quantized import kernel_missing
 from stages.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.timeout(600)
-needs_kernel = pytest.mark.skipif(kernel_missing() is not None,
-                                  reason=f"quantized kernels: {kernel_missing()}")
 # llama.cpp's query scale is 1 / sqrt(head_dim) below 27B: the fixtures' scalar is head_dim.
 GEMMA2_GGUF = {**GEMMA2, "query_pre_attn_scalar": 16}
 GEMMA3_GGUF = {**GEMMA3, "query_pre_attn_scalar": 32}
@@ -80,7 +78,7 @@ def test_an_f32_file_is_the_same_model(tmp_path: Path, family: str) -> None:
         shutil.rmtree(folder.parent, ignore_errors=True)
 
 
-@needs_kernel
+@needs_quantized_kernels
 @pytest.mark.parametrize("family,fields", [("gemma2", GEMMA2_GGUF),
                                            ("gemma3_text", GEMMA3_GGUF)])
 def test_a_q8_0_file_mostly_agrees(tmp_path: Path, family: str, fields: dict) -> None:
@@ -107,7 +105,7 @@ def test_a_q8_0_file_mostly_agrees(tmp_path: Path, family: str, fields: dict) ->
 
 
 @pytest.mark.parametrize("cpu_kernels", [
-    pytest.param(True, marks=needs_kernel), False])
+    pytest.param(True, marks=needs_quantized_kernels), False])
 def test_mxfp4_experts_are_the_checkpoints_blocks(tmp_path: Path, cpu_kernels: bool) -> None:
     """A gpt-oss checkpoint's MXFP4 experts are repacked into ggml's MXFP4 blocks (not
     requantized); loaded back they run as the checkpoint's own do: in their blocks on the

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_marks import needs_kernels
 
 from ipc.config import ExecutorConfig
 from ipc.errors import ConfigError
-from stages.executor import kernels
 from stages.executor.backends.base import LayerAttention, rotate_half
 from stages.executor.backends.cpu_kernels import KernelMetadata, kernel_paged_attention
 from stages.executor.backends.select import ForwardRequest, select_backend
 from stages.executor.backends.torch_sdpa import paged_attention
 from stages.executor.kv_pool import FORMATS, KVPool, KVShape, kv_format
 from tests.test_cpu_kernels import LONG_ROWS, TOLERANCE, _rope_tables, _step
-
-needs_kernels = pytest.mark.skipif(not kernels.available(),
-                                   reason=f"CPU kernels: {kernels.load()}")
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # A value's largest rounding error in the format: half its mantissa's step, relative, and half
@@ -187,6 +184,7 @@ def test_fp8_saturates_and_int8_keeps_zero_rows(name: str) -> None:
     assert torch.equal(dequantize(int8, "int8")[1][at], torch.zeros_like(v))
 
 
+@needs_kernels
 def test_int8_keys_are_rotated_so_an_outlier_channel_costs_its_row_little() -> None:
     """Keys with one channel 50x the others (as models' keys have): stored rotated, every
     channel keeps ~1/100 of a unit's precision; quantized as they are, the others' codes

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from kernel_marks import needs_kernels
 from scheduler_driver import (
     Driver,
     DriverLimits,
@@ -471,7 +472,8 @@ def test_each_kind_of_layer_keeps_its_own_blocks() -> None:
 
 
 @pytest.mark.parametrize("backend", [
-    "cpu_kernels", "torch", pytest.param("flex", marks=pytest.mark.slow)])
+    pytest.param("cpu_kernels", marks=needs_kernels), "torch",
+    pytest.param("flex", marks=pytest.mark.slow)])
 def test_a_windowed_model_in_a_small_cache_matches_transformers(tmp_path: Path,
                                                                  backend: str) -> None:
     """A random Mistral with a window of 6 on every layer, in a cache of 12 blocks of 4
@@ -505,7 +507,8 @@ def test_a_windowed_model_in_a_small_cache_matches_transformers(tmp_path: Path,
 
 
 @pytest.mark.parametrize("backend", [
-    "cpu_kernels", "torch", pytest.param("flex", marks=pytest.mark.slow)])
+    pytest.param("cpu_kernels", marks=needs_kernels), "torch",
+    pytest.param("flex", marks=pytest.mark.slow)])
 def test_local_and_global_layers_in_a_small_cache_match_transformers(tmp_path: Path,
                                                                        backend: str) -> None:
     """A random Gemma 3 of six layers, five local (window 6) and one global: six KV groups of

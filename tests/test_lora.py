@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kernel_marks import needs_kernels
 from tiny_model import build_tiny_llama
 
 from ipc.errors import ConfigError
@@ -118,7 +119,7 @@ def test_mixed_batch_equals_merged_adapters(folders: dict[str, Path],
         assert got == want[name], name
 
 
-@pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+@needs_kernels
 @pytest.mark.parametrize(("dtype", "pairs"), [(torch.float32, False), (torch.bfloat16, False),
                                               (torch.bfloat16, True)])
 def test_kernel_gives_each_part_its_own_block(dtype: torch.dtype, pairs: bool) -> None:
@@ -239,7 +240,7 @@ def test_a_layer_its_format_hands_on_keeps_its_adapters() -> None:
     torch.testing.assert_close(layer(x).float(), want, rtol=0.0, atol=2e-2 * scale)
 
 
-@pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.load()}")
+@needs_kernels
 def test_bf16_adapters_mixed_give_their_tokens_alone(folders: dict[str, Path]) -> None:
     """bf16 on the kernels (AVX512-BF16's pairs where the CPU has them): each request's tokens
     in a batch mixing both adapters and the base model are those it gets alone, a row's

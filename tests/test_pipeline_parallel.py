@@ -15,6 +15,7 @@ from typing import Any
 import live
 import pytest
 import torch
+from kernel_marks import needs_quantized_kernels
 from live import alive, kill_and_serve_again, running, stop_under_load
 
 from ipc.config import EngineLimits, ExecutorConfig, PipelineConfig, SchedulerConfig
@@ -328,6 +329,7 @@ def test_a_stop_under_load_lets_every_stage_finish_its_steps(tmp_path: Path) -> 
     assert took < 8, took
 
 
+@needs_quantized_kernels  # (a Q8_0 file's blocks)
 def test_a_stage_reads_only_its_own_layers_blocks_of_a_gguf_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loader asks the GGUF reader for a stage's own tensors only: the other stages'

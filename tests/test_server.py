@@ -27,6 +27,8 @@ import pytest
 from live import alive, kill_pids
 from prometheus_client.parser import text_string_to_metric_families
 
+from stages.executor import kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-0123456789"
 pytestmark = [pytest.mark.live, pytest.mark.timeout(300)]
@@ -73,12 +75,14 @@ def serve(model: Path, *args: str) -> Iterator[Server]:
     try:
         deadline = time.monotonic() + 120
         assert proc.stdout is not None
+        said: list[str] = []  # (what it printed before, for a failure to show)
         for line in proc.stdout:  # the CLI prints one line once it serves
             if line.startswith("serving "):
                 break
-            assert time.monotonic() < deadline, "the server did not start"
+            said.append(line)
+            assert time.monotonic() < deadline, f"the server did not start: {said[-20:]}"
         else:
-            raise AssertionError(f"the server exited with {proc.wait()}")
+            raise AssertionError(f"the server exited with {proc.wait()}: {''.join(said[-20:])}")
         server = Server(proc, f"http://127.0.0.1:{port}", model)
         pids = [p.pid for p in server.descendants()]
         yield server
@@ -118,10 +122,11 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
     # With speculative decoding on (1-gram lookup: the tiny model's outputs repeat tokens
     # often enough to propose, seldom to accept), so every test here also runs rows with
     # drafts through the served path and must see what it would see without them. Its KV
-    # cache is int8 (--kv-cache-dtype): every served path runs over a quantized cache too.
+    # cache is int8 (--kv-cache-dtype) where the CPU kernels are built (the format is
+    # theirs): every served path runs over a quantized cache too.
+    int8 = ["--kv-cache-dtype", "int8"] if kernels.available() else []
     with serve(tiny_model_dir, "--api-key", KEY, "--api-workers", "2",
-               "--stats-interval", "0.5", "--speculative", "ngram:3:2:1",
-               "--kv-cache-dtype", "int8") as s:
+               "--stats-interval", "0.5", "--speculative", "ngram:3:2:1", *int8) as s:
         yield s
 
 

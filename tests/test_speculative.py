@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_marks import needs_kernels
 from scheduler_driver import (
     Driver,
     TokenFn,
@@ -470,16 +471,16 @@ def drafted(default_model_dir: Path) -> object:
     SamplingParams(max_tokens=40, temperature=0.5, top_k=20, seed=7),
     SamplingParams(max_tokens=40, temperature=0, logprobs=3, min_tokens=5),
 ], ids=["greedy", "seeded", "logprobs"])
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, drafted: object,
-                                                     params: SamplingParams, proposer: str
-                                                     ) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", pytest.param("draft", marks=needs_kernels)])
+def test_the_model_gives_the_same_tokens_with_drafts(engines: tuple, params: SamplingParams,
+                                                     proposer: str,
+                                                     request: pytest.FixtureRequest) -> None:
     """Greedy and seeded requests are token for token the same with and without
     speculation, by n-gram or by a draft model (a seeded draw depends only on the logits,
     the seed and the position), and logprobs of the accepted tokens are the model's."""
     plain_engine, spec_engine, prompts, tok = engines
-    if proposer == "draft":
-        spec_engine = drafted
+    if proposer == "draft":  # (a draft model runs on the CPU kernels only)
+        spec_engine = request.getfixturevalue("drafted")
     requests = [(str(i), p, params) for i, p in enumerate(prompts)]
     before = spec_engine.scheduler.spec_num_accepted_tokens
     plain, spec = plain_engine.run(requests), spec_engine.run(requests)
@@ -533,6 +534,7 @@ def test_structured_outputs_are_drafted_masked_at_each_position_and_stay_valid(
 
 
 @pytest.mark.slow  # (the default model in process, tens of seconds)
+@needs_kernels
 def test_a_draft_models_cache_keeps_step_with_the_models(engines: tuple,
                                                         default_model_dir: Path) -> None:
     """The model drafting for itself proposes exactly what it then samples, greedy, only
@@ -564,6 +566,7 @@ def test_a_draft_models_cache_keeps_step_with_the_models(engines: tuple,
 
 
 @pytest.mark.slow  # (the default model in process, tens of seconds)
+@needs_kernels
 def test_draft_passes_run_ahead_of_the_plan_and_change_no_output(
         engines: tuple, default_model_dir: Path) -> None:
     """While the scheduler waits for a drafted row's verification (the device would idle),
@@ -587,6 +590,7 @@ def test_draft_passes_run_ahead_of_the_plan_and_change_no_output(
 
 
 @pytest.mark.slow  # (the default model in process, tens of seconds)
+@needs_kernels
 def test_a_draft_model_that_mostly_misses_changes_no_output(
         engines: tuple, default_model_dir: Path, tmp_path: Path) -> None:
     """Random weights with the model's tokenizer as the draft model: most drafts are
@@ -618,6 +622,7 @@ def test_a_draft_model_that_mostly_misses_changes_no_output(
 
 
 @pytest.mark.slow  # (the default model in process, tens of seconds)
+@needs_kernels
 def test_a_draft_model_leaves_structured_outputs_undrafted(drafted: object, engines: tuple
                                                           ) -> None:
     """The host never sees a draft model's drafts, so a structured output's matcher could
@@ -635,6 +640,7 @@ def test_a_draft_model_leaves_structured_outputs_undrafted(drafted: object, engi
 
 
 @pytest.mark.slow  # (the default model in process, tens of seconds)
+@needs_kernels
 def test_a_draft_model_drafts_only_while_few_sequences_run(engines: tuple,
                                                            default_model_dir: Path) -> None:
     """Past disable_by_batch_size running sequences the draft model's passes would cost
@@ -660,6 +666,7 @@ def test_a_draft_model_drafts_only_while_few_sequences_run(engines: tuple,
 
 
 @pytest.mark.slow  # (the default model in process, tens of seconds)
+@needs_kernels
 def test_a_quantized_draft_model_proposes_what_the_model_mostly_takes(
         engines: tuple, default_model_dir: Path) -> None:
     """The model's own weights quantized to int4 as its draft: the outputs are the float
@@ -678,7 +685,7 @@ def test_a_quantized_draft_model_proposes_what_the_model_mostly_takes(
 
 @pytest.mark.slow
 @pytest.mark.live
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", pytest.param("draft", marks=needs_kernels)])
 def test_a_live_pipeline_with_drafts_answers_as_without(engines: tuple, default_model_dir: Path,
                                                         proposer: str) -> None:
     """The real processes with --speculative (n-gram, or the model drafting for itself in

@@ -16,6 +16,7 @@ from typing import Any
 import live
 import pytest
 import torch
+from kernel_marks import needs_kernels
 from live import kill_and_serve_again, stop_under_load
 
 from ipc.arch import UnsupportedModel
@@ -65,6 +66,7 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, arch: str, vocab: int 
 
 
 @pytest.mark.live
+@needs_kernels  # (an 8-bit cache is the CPU kernels' format)
 def test_two_ranks_over_an_int8_cache_give_the_tokens_of_one(tmp_path: Path) -> None:
     """Each rank's KV pool holds its own KV heads in the format (a row's scale is per token
     and KV head, so splitting the heads splits nothing of it)."""
