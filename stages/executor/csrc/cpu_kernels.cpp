@@ -1101,6 +1101,46 @@ inline void load_key_tiles(const c10::BFloat16* k, int64_t stride) {
   if constexpr (kD >= 128) _tile_loadd(4, k + 96, bytes);
 }
 
+// An int8 chunk on the same tiles. Its 16 rows' codes as bf16, exactly (a code has at most 8
+// significant bits, bf16 holds 8), and their scales kept apart, out of the products: a key's
+// scale multiplies its 16 rows' scores (q . (s c) = s (q . c)), a value's the rows' weights
+// for it (p s, rounded to bf16 as a bf16 cache's p are). A key past n: scale 0.
+inline __m512 int8_codes16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <int64_t kD>
+inline void int8_key_tiles(const uint8_t* k, int64_t stride, int64_t n, c10::BFloat16* kb,
+                           float* scale) {
+  for (int64_t j = 0; j < kChunk; ++j) {
+    const uint8_t* row = k + j * stride;
+    scale[j] = j < n ? llm_cpu_kv::row_scale(row, kD) : 0.0f;
+    for (int64_t c = 0; c < kD / 16; ++c) {
+      const __m256i bits = (__m256i)_mm512_cvtneps_pbh(int8_codes16(row + 16 * c));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(kb + j * kD + 16 * c), bits);
+    }
+  }
+  load_key_tiles<kD>(kb, kD);
+}
+// value_tiles' pairs of an int8 chunk (a code's float's high half is its bf16).
+template <int64_t kD>
+inline void int8_value_tiles(const uint8_t* v, int64_t stride, int64_t n, uint32_t* vb,
+                             float* scale) {
+  for (int64_t j = 0; j < kChunk; ++j) {
+    scale[j] = j < n ? llm_cpu_kv::row_scale(v + j * stride, kD) : 0.0f;
+  }
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < 8; ++p) {
+    const uint8_t* v0 = v + 2 * p * stride;
+    const uint8_t* v1 = v0 + stride;
+    for (int64_t c = 0; c < kD / 16; ++c) {
+      const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(int8_codes16(v0 + 16 * c)), 16);
+      const __m512i hi = _mm512_and_si512(_mm512_castps_si512(int8_codes16(v1 + 16 * c)), high);
+      _mm512_storeu_si512(vb + (c * 8 + p) * 16, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
 // s[j] = the 16 rows' queries (qb) . key j of the loaded key tiles; c: [16][16] floats.
 template <int64_t kD>
 inline void tile_chunk_scores(const uint32_t* qb, float* c, v16f* s) {
@@ -1848,19 +1888,22 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 #if LLM_CPU_AMX
   // 3c. A bf16 prompt tile on AMX tiles (tile_chunk_scores, tile_chunk_values): the matrix
   // form's loop and softmax, its two products as tile products, keys and values read from
-  // the cache in place; pages of whole chunks.
-  const bool amx_rows = std::is_same_v<C, c10::BFloat16> && kVectorHead<kD> &&
-                        block_size % kChunk == 0 && llm_cpu_amx::request_tiles();
+  // the cache in place (a bf16 cache), or an int8 cache's codes as bf16 with their scales
+  // apart (int8_key_tiles, a bf16 model's); pages of whole chunks.
+  constexpr bool amx_cache = kVectorHead<kD> && (std::is_same_v<C, c10::BFloat16> ||
+                                                 (widen_pages && std::is_same_v<T, c10::BFloat16>));
+  const bool amx_rows = amx_cache && block_size % kChunk == 0 && llm_cpu_amx::request_tiles();
   struct TileRows {
     std::vector<uint32_t> qb;    // [vector][d / 32][256]: row_query_tiles
     std::vector<float> acc;      // [vector][16][d]
     std::vector<uint32_t> vb;    // [d / 16][128]: value_tiles
     std::vector<float> c;        // [16][16]
     std::vector<c10::BFloat16> pt;  // [16][16]
+    std::vector<c10::BFloat16> kb;  // [16][d]: an int8 chunk's keys (int8_key_tiles)
     RowStats stats;
   };
   auto work_rows_amx = [&](const Tile& tile, TileRows& buf, int& tiles_config) {
-    if constexpr (kVectorHead<kD> && std::is_same_v<C, c10::BFloat16>) {
+    if constexpr (amx_cache) {
       if (tiles_config != kRowTiles) {
         configure_row_tiles();
         tiles_config = kRowTiles;
@@ -1893,18 +1936,32 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             const int64_t n = std::min(kChunk, used - j0);
             const int64_t key0 = page_start + j0;
             bool loaded = false;  // the chunk's key tiles and value tiles
+            float key_scale[kChunk], value_scale[kChunk];  // (an int8 chunk's)
             for (int64_t b = 0; b < vectors; ++b) {
               if (sees_none(tile, b, key0, n)) continue;
               if (!loaded) {
-                load_key_tiles<kD>(kp + j0 * kv_stride, kv_stride);
-                value_tiles<kD>(vp + j0 * kv_stride, kv_stride, n, buf.vb.data());
+                if constexpr (widen_pages) {
+                  int8_key_tiles<kD>(kp + j0 * kv_stride, kv_stride, n, buf.kb.data(),
+                                     key_scale);
+                  int8_value_tiles<kD>(vp + j0 * kv_stride, kv_stride, n, buf.vb.data(),
+                                       value_scale);
+                } else {
+                  load_key_tiles<kD>(kp + j0 * kv_stride, kv_stride);
+                  value_tiles<kD>(vp + j0 * kv_stride, kv_stride, n, buf.vb.data());
+                }
                 loaded = true;
               }
               v16f s[kChunk];
               tile_chunk_scores<kD>(buf.qb.data() + b * kD / 32 * 256, buf.c.data(), s);
+              if constexpr (widen_pages) {
+                for (int64_t j = 0; j < kChunk; ++j) s[j] *= key_scale[j];
+              }
               RowStats& st = buf.stats;
               const v16f correction = chunk_softmax(s, n, key0, st.row_pos[b], st.row_lo[b],
                                                     st.row_max[b], st.row_sum[b], fcap);
+              if constexpr (widen_pages) {
+                for (int64_t j = 0; j < kChunk; ++j) s[j] *= value_scale[j];
+              }
               tile_chunk_values<kD>(buf.acc.data() + b * 16 * kD, correction, s,
                                     buf.vb.data(), buf.pt.data(), buf.c.data());
             }
@@ -1956,7 +2013,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                                         std::vector<float>(max_vectors * 16 * d),
                                         std::vector<uint32_t>(d / 16 * 128),
                                         std::vector<float>(256),
-                                        std::vector<c10::BFloat16>(256), make_stats()});
+                                        std::vector<c10::BFloat16>(256),
+                                        std::vector<c10::BFloat16>(widen_pages ? kChunk * d : 0),
+                                        make_stats()});
           }
           work_rows_amx(tiles[u.tile], *tile_buf, tiles_config);
           continue;
