@@ -6,13 +6,13 @@ once per machine and loaded as torch.ops.llm_cpu. Runs in the executor process.
 
 The sources are compiled with the machine's C++ compiler against the installed torch's headers
 and libraries, `-march=native` (or `$LLM_PIPELINE_CPU_ARCH`: another CPU's, for a build that
-runs on a fleet's oldest CPU, or to run here the paths another CPU takes), into `$LLM_PIPELINE_CACHE/kernels/<key>/`, where the key
-hashes the sources, the torch version, the compiler and the CPU's flags: a second start, or
-another executor, loads it in milliseconds; a change to any of them builds anew (about 100 s on
-the 2-core test machine, each source compiled at once). Builders take a file lock, so
-executors starting together compile once. Where no compiler works, or
-`LLM_PIPELINE_CPU_KERNELS=0`, the eager forward keeps its PyTorch path, and the executor's log
-says why.
+runs on a fleet's oldest CPU, or to run here the paths another CPU takes), into
+`$LLM_PIPELINE_CACHE/kernels/<key>/`, where the key hashes the sources, the torch version,
+the compiler, its command and the CPU's flags: a second start, or another executor, loads it
+in milliseconds; a change to any of them builds anew (about 100 s on the 2-core test machine,
+each source compiled at once). Builders take a file lock, so executors starting together
+compile once. Where no compiler works, or `LLM_PIPELINE_CPU_KERNELS=0`, the eager forward
+keeps its PyTorch path, and the executor's log says why.
 """
 
 from __future__ import annotations
