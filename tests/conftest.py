@@ -67,8 +67,9 @@ def inductor_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor-tests"))
 
 
-# A cold build of the CPU kernels: ~100 s on the idle 2-core test machine; a worker pinned to
-# one core took ~150, past the executor's BUILD_TIMEOUT_S beside a busy neighbour.
+# A cold build of the CPU kernels: ~100 s on the idle 2-core test machine. A worker pinned to
+# one core compiles the eight sources on it (146 s of compiling one after another, measured),
+# close to the executor's BUILD_TIMEOUT_S, past it on a slower or busier machine.
 KERNEL_BUILD_TIMEOUT_S = 1200.0
 _KERNELS = pytest.StashKey[str]()
 
