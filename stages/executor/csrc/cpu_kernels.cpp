@@ -1105,10 +1105,6 @@ inline void load_key_tiles(const c10::BFloat16* k, int64_t stride) {
 // significant bits, bf16 holds 8), and their scales kept apart, out of the products: a key's
 // scale multiplies its 16 rows' scores (q . (s c) = s (q . c)), a value's the rows' weights
 // for it (p s, rounded to bf16 as a bf16 cache's p are). A key past n: scale 0.
-inline __m512 int8_codes16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 template <int64_t kD>
 inline void int8_key_tiles(const uint8_t* k, int64_t stride, int64_t n, c10::BFloat16* kb,
                            float* scale) {
@@ -1116,7 +1112,7 @@ inline void int8_key_tiles(const uint8_t* k, int64_t stride, int64_t n, c10::BFl
     const uint8_t* row = k + j * stride;
     scale[j] = j < n ? llm_cpu_kv::row_scale(row, kD) : 0.0f;
     for (int64_t c = 0; c < kD / 16; ++c) {
-      const __m256i bits = (__m256i)_mm512_cvtneps_pbh(int8_codes16(row + 16 * c));
+      const __m256i bits = (__m256i)_mm512_cvtneps_pbh(llm_cpu_kv::int8_codes16(row + 16 * c));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(kb + j * kD + 16 * c), bits);
     }
   }
@@ -1134,8 +1130,9 @@ inline void int8_value_tiles(const uint8_t* v, int64_t stride, int64_t n, uint32
     const uint8_t* v0 = v + 2 * p * stride;
     const uint8_t* v1 = v0 + stride;
     for (int64_t c = 0; c < kD / 16; ++c) {
-      const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(int8_codes16(v0 + 16 * c)), 16);
-      const __m512i hi = _mm512_and_si512(_mm512_castps_si512(int8_codes16(v1 + 16 * c)), high);
+      const __m512i x0 = _mm512_castps_si512(llm_cpu_kv::int8_codes16(v0 + 16 * c));
+      const __m512i x1 = _mm512_castps_si512(llm_cpu_kv::int8_codes16(v1 + 16 * c));
+      const __m512i lo = _mm512_srli_epi32(x0, 16), hi = _mm512_and_si512(x1, high);
       _mm512_storeu_si512(vb + (c * 8 + p) * 16, _mm512_or_si512(lo, hi));
     }
   }

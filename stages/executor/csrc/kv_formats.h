@@ -59,10 +59,15 @@ inline v16f as_floats(v16u32 bits) {
 // 16 int8 codes widened to floats, times their row's scale. (GCC 12 compiles the one-step
 // __builtin_convertvector from 8-bit lanes to floats as 16 scalar conversions, vcvtsi2ss and
 // inserts: a fifth of an int8 prompt's attention. Through 32-bit lanes it is two instructions.)
+#if defined(__AVX512F__)
+inline __m512 int8_codes16(const uint8_t* p) {  // (the codes as floats, unscaled)
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 inline v16f widen16(const uint8_t* p, float scale) {
 #if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 f = int8_codes16(p);
   v16f out;
   std::memcpy(&out, &f, sizeof out);
   return out * scale;
