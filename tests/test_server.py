@@ -81,7 +81,7 @@ def serve(model: Path, *args: str) -> Iterator[Server]:
             if line.startswith("serving "):
                 break
             said.append(line)
-            assert time.monotonic() < deadline, f"the server did not start: {said[-20:]}"
+            assert time.monotonic() < deadline, f"the server did not start: {''.join(said[-20:])}"
         else:
             raise AssertionError(f"the server exited with {proc.wait()}: {''.join(said[-20:])}")
         server = Server(proc, f"http://127.0.0.1:{port}", model)
